@@ -1,0 +1,1 @@
+//! Benchmark binaries live in `src/bin/`.

@@ -1,0 +1,1 @@
+//! Test harness: see `src/bin/test-node.rs` and `tests/`.

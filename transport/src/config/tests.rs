@@ -1,0 +1,60 @@
+use super::*;
+
+fn spec(id: NodeId, addr: &str, host: Option<&str>) -> NodeSpec {
+    NodeSpec { id, addr: addr.parse().unwrap(), host: host.map(String::from) }
+}
+
+#[test]
+fn parses_a_cluster_file() {
+    let c = ClusterSpec::from_toml(
+        r#"
+        name = "t1"
+        [[nodes]]
+        id = 0
+        addr = "127.0.0.1:7000"
+        [[nodes]]
+        id = 1
+        addr = "10.1.0.2:7000"
+        host = "b"
+        "#,
+    )
+    .unwrap();
+    assert_eq!(c.nodes.len(), 2);
+    assert_eq!(c.node(1).unwrap().host_key(), "b");
+    assert_eq!(c.node(0).unwrap().host_key(), "127.0.0.1");
+}
+
+#[test]
+fn rejects_duplicates_and_junk() {
+    let dup = "[[nodes]]\nid = 0\naddr = \"127.0.0.1:1\"\n[[nodes]]\nid = 0\naddr = \"127.0.0.1:2\"\n";
+    assert!(ClusterSpec::from_toml(dup).unwrap_err().to_string().contains("appears twice"));
+    let same_addr = "[[nodes]]\nid = 0\naddr = \"127.0.0.1:1\"\n[[nodes]]\nid = 1\naddr = \"127.0.0.1:1\"\n";
+    assert!(ClusterSpec::from_toml(same_addr).unwrap_err().to_string().contains("share address"));
+    assert!(ClusterSpec::from_toml("nodes = []").is_err());
+    assert!(ClusterSpec::from_toml("[[nodes]]\nid = 0\naddr = \"nowhere\"\n").is_err());
+    assert!(ClusterSpec::from_toml("name = \"../x\"\n[[nodes]]\nid = 0\naddr = \"127.0.0.1:1\"\n").is_err());
+}
+
+#[test]
+fn endpoint_config_is_validated() {
+    let c = ClusterSpec::new("c", vec![spec(0, "127.0.0.1:1", None)]).unwrap();
+    assert!(EndpointConfig::new(0, c.clone(), b"s").validate().is_ok());
+    assert!(EndpointConfig::new(5, c.clone(), b"s").validate().is_err());
+    assert!(EndpointConfig::new(0, c, b"").validate().is_err());
+}
+
+#[test]
+fn backend_selection() {
+    let a = spec(0, "127.0.0.1:1", None);
+    let b = spec(1, "127.0.0.1:2", None);
+    let c = spec(2, "10.0.0.3:2", None);
+    let all = Caps::TCP.with(Caps::SHM).with(Caps::RDMA);
+    assert_eq!(select_backend(&a, all, &b, all), BackendKind::Shm);
+    assert_eq!(select_backend(&a, Caps::TCP, &b, all), BackendKind::Tcp);
+    assert_eq!(select_backend(&a, all, &c, all), BackendKind::Rdma);
+    assert_eq!(select_backend(&a, all, &c, Caps::TCP.with(Caps::SHM)), BackendKind::Tcp);
+    // Same answer from both sides.
+    for (x, y) in [(&a, &b), (&a, &c)] {
+        assert_eq!(select_backend(x, all, y, all), select_backend(y, all, x, all));
+    }
+}

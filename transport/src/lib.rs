@@ -1,0 +1,46 @@
+//! # cascade-transport
+//!
+//! Cascade's data plane: registered memory regions, one-sided READ/WRITE into peers' regions,
+//! two-sided SEND/RECV, and a connection pool that pre-establishes a full mesh between the nodes
+//! of a cluster before it reports ready.
+//!
+//! * [`Region`] / [`RegionTable`] — page-aligned (optionally `mlock`ed) or memfd-shared memory
+//!   that peers address by id and key; every remote access is bounds- and key-checked.
+//! * [`Link`] — the one trait every backend implements: post a batch of [`Op`]s, await their
+//!   [`OpHandle`]s.
+//! * Backends: `tcp` (framed protocol over sockets, payloads land straight in regions),
+//!   `shm` (same host: a WRITE is one memcpy into the peer's mapping), `rdma` (feature `rdma`,
+//!   see [`rdma`]), and [`mem`] — an in-process **test double** with programmable faults.
+//! * [`Endpoint`] — joins the cluster, picks the best backend per peer, authenticates peers with
+//!   a shared secret (HMAC; the secret never crosses the wire), detects lost peers by keepalive,
+//!   publishes [`PeerEvent`]s and reconnects with backoff.
+//!
+//! Safety rules: a remote access to an unknown region, with a wrong key or out of bounds is
+//! refused with an error to the initiator and the target memory is untouched; a malformed frame
+//! closes only its own connection; operations on a dead peer fail within the keepalive deadline.
+#![cfg_attr(test, allow(clippy::unwrap_used))]
+
+mod config;
+mod error;
+pub mod handshake;
+mod link;
+pub mod mem;
+mod pool;
+pub mod rdma;
+mod region;
+mod shm;
+mod stats;
+mod stream;
+mod tcp;
+pub mod wire;
+
+/// Identifies a node of the cluster.
+pub type NodeId = u32;
+
+pub use config::{select_backend, ClusterSpec, EndpointConfig, NodeSpec};
+pub use error::{HandshakeError, Result, TransportError};
+pub use handshake::Caps;
+pub use link::{run_batch, BackendKind, Completion, Incoming, Link, Op, OpHandle};
+pub use pool::{Endpoint, MeshReport, PeerEvent, PeerStats};
+pub use region::{Region, RegionId, RegionOptions, RegionTable, RemoteKey, RemoteRegion, PAGE};
+pub use stats::StatsSnapshot;

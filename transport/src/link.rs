@@ -1,0 +1,211 @@
+//! The one trait every backend implements, and the operations posted on it.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::sync::oneshot;
+
+use crate::error::{Result, TransportError};
+use crate::region::{Region, RemoteRegion};
+use crate::stats::StatsSnapshot;
+use crate::NodeId;
+
+/// Which backend carries a link.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendKind {
+    /// Framed protocol over TCP sockets.
+    Tcp,
+    /// Same-host shared memory (memcpy into the peer's mapping), control over a unix socket.
+    Shm,
+    /// RDMA RC queue pair.
+    Rdma,
+    /// In-process test double.
+    Mem,
+}
+
+impl std::fmt::Display for BackendKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            BackendKind::Tcp => "tcp",
+            BackendKind::Shm => "shm",
+            BackendKind::Rdma => "rdma",
+            BackendKind::Mem => "mem",
+        })
+    }
+}
+
+/// One operation posted on a link.
+#[derive(Debug, Clone)]
+pub enum Op {
+    /// One-sided WRITE of `len` bytes from `local[local_offset..]` into `remote[remote_offset..]`.
+    Write {
+        /// Source region.
+        local: Region,
+        /// Offset in the source.
+        local_offset: u64,
+        /// Destination region at the peer.
+        remote: RemoteRegion,
+        /// Offset in the destination.
+        remote_offset: u64,
+        /// Bytes to move.
+        len: u64,
+        /// Verify the data's crc32 at the destination.
+        verify: bool,
+    },
+    /// One-sided READ of `len` bytes from `remote[remote_offset..]` into `local[local_offset..]`.
+    Read {
+        /// Destination region.
+        local: Region,
+        /// Offset in the destination.
+        local_offset: u64,
+        /// Source region at the peer.
+        remote: RemoteRegion,
+        /// Offset in the source.
+        remote_offset: u64,
+        /// Bytes to move.
+        len: u64,
+        /// Verify the data's crc32 on arrival.
+        verify: bool,
+    },
+    /// Two-sided SEND of a message to the peer's receive queue.
+    Send {
+        /// The message.
+        payload: Bytes,
+    },
+}
+
+impl Op {
+    /// A WRITE of `len` bytes between the given offsets.
+    pub fn write(local: &Region, local_offset: u64, remote: RemoteRegion, remote_offset: u64, len: u64) -> Op {
+        Op::Write { local: local.clone(), local_offset, remote, remote_offset, len, verify: false }
+    }
+
+    /// A READ of `len` bytes between the given offsets.
+    pub fn read(local: &Region, local_offset: u64, remote: RemoteRegion, remote_offset: u64, len: u64) -> Op {
+        Op::Read { local: local.clone(), local_offset, remote, remote_offset, len, verify: false }
+    }
+
+    /// The same operation with crc32 verification on.
+    pub fn verified(mut self) -> Op {
+        if let Op::Write { verify, .. } | Op::Read { verify, .. } = &mut self {
+            *verify = true;
+        }
+        self
+    }
+
+    /// Short name for errors and logs.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Op::Write { .. } => "write",
+            Op::Read { .. } => "read",
+            Op::Send { .. } => "send",
+        }
+    }
+
+    /// Checks the local side of the operation before anything is sent.
+    pub(crate) fn check_local(&self) -> Result<()> {
+        match self {
+            Op::Write { local, local_offset, len, .. } | Op::Read { local, local_offset, len, .. } => {
+                local.check(*local_offset, *len)
+            }
+            Op::Send { payload } if payload.len() as u64 > crate::wire::MAX_MESSAGE => {
+                Err(TransportError::MessageTooLarge { len: payload.len() as u64, max: crate::wire::MAX_MESSAGE })
+            }
+            Op::Send { .. } => Ok(()),
+        }
+    }
+}
+
+/// A finished operation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Completion {
+    /// Payload bytes moved.
+    pub bytes: u64,
+}
+
+pub(crate) type Done = oneshot::Sender<Result<Completion>>;
+
+/// The pending result of one posted operation. Resolves to `PeerDown` if the link dies first.
+#[derive(Debug)]
+pub struct OpHandle {
+    peer: NodeId,
+    rx: oneshot::Receiver<Result<Completion>>,
+}
+
+impl OpHandle {
+    pub(crate) fn new(peer: NodeId) -> (Done, OpHandle) {
+        let (tx, rx) = oneshot::channel();
+        (tx, OpHandle { peer, rx })
+    }
+
+    /// A handle that is already resolved.
+    pub(crate) fn ready(peer: NodeId, r: Result<Completion>) -> OpHandle {
+        let (tx, h) = Self::new(peer);
+        let _ = tx.send(r);
+        h
+    }
+
+    /// Waits at most `limit`; a late operation fails with `Timeout`.
+    pub async fn wait(self, op: &'static str, limit: Duration) -> Result<Completion> {
+        let peer = self.peer;
+        tokio::time::timeout(limit, self)
+            .await
+            .unwrap_or(Err(TransportError::Timeout { peer, op, after: limit }))
+    }
+}
+
+impl Future for OpHandle {
+    type Output = Result<Completion>;
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let peer = self.peer;
+        Pin::new(&mut self.rx).poll(cx).map(|r| {
+            r.unwrap_or_else(|_| Err(TransportError::PeerDown { peer, reason: "link closed".into() }))
+        })
+    }
+}
+
+/// A message received by SEND/RECV.
+#[derive(Debug, Clone)]
+pub struct Incoming {
+    /// The sender.
+    pub from: NodeId,
+    /// The message.
+    pub payload: Bytes,
+}
+
+/// A connection to one peer over one backend.
+///
+/// Operations are posted without waiting and complete asynchronously; a batch is posted at once.
+/// Operations of one batch may complete in any order; SENDs are delivered in posting order.
+pub trait Link: Send + Sync + 'static {
+    /// The peer at the other end.
+    fn peer(&self) -> NodeId;
+    /// The backend carrying this link.
+    fn kind(&self) -> BackendKind;
+    /// Posts operations; each handle resolves when its operation completes or fails.
+    fn post(&self, ops: Vec<Op>) -> Vec<OpHandle>;
+    /// Per-link counters.
+    fn stats(&self) -> StatsSnapshot;
+    /// False once the link has failed or been closed.
+    fn is_alive(&self) -> bool;
+    /// Closes the link; pending operations fail with `PeerDown`.
+    fn close(&self, reason: &str);
+}
+
+/// Posts `ops` on `link` and waits for all of them, each at most `limit`.
+pub async fn run_batch(link: &Arc<dyn Link>, ops: Vec<Op>, limit: Duration) -> Vec<Result<Completion>> {
+    let names: Vec<&'static str> = ops.iter().map(Op::name).collect();
+    let handles = link.post(ops);
+    let mut out = Vec::with_capacity(handles.len());
+    let deadline = tokio::time::Instant::now() + limit;
+    for (h, name) in handles.into_iter().zip(names) {
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        out.push(h.wait(name, left).await);
+    }
+    out
+}

@@ -1,0 +1,277 @@
+//! `mem`: an in-process **test double** of the transport, with programmable faults.
+//!
+//! It is not a backend for production: nodes live in one process and operations are plain memcpys
+//! between their [`RegionTable`]s. Its purpose is to drive the real code above the transport
+//! (multicast executor, pool repair) through failures on demand: drop an operation (it never
+//! completes, so the caller's timeout fires), delay it, corrupt the bytes it lands, or kill a node
+//! (every operation to or from it fails with `PeerDown`). Key and bounds checks are the same as on
+//! the real backends.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+
+use crate::error::{Result, TransportError};
+use crate::link::{BackendKind, Completion, Done, Incoming, Link, Op, OpHandle};
+use crate::region::{Region, RegionTable};
+use crate::stats::{LinkStats, StatsSnapshot};
+use crate::NodeId;
+
+/// A fault applied to operations from one node to another.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// Swallow operations: they never complete (the caller's timeout fires).
+    Drop,
+    /// Delay each operation by this long.
+    Delay(Duration),
+    /// Land the data with one byte flipped (crc verification catches it).
+    Corrupt,
+}
+
+struct NodeState {
+    regions: RegionTable,
+    inbox: mpsc::UnboundedSender<Incoming>,
+    alive: bool,
+}
+
+#[derive(Default)]
+struct Fabric {
+    nodes: Mutex<HashMap<NodeId, NodeState>>,
+    faults: Mutex<HashMap<(NodeId, NodeId), Fault>>,
+}
+
+impl Fabric {
+    fn lock_nodes(&self) -> std::sync::MutexGuard<'_, HashMap<NodeId, NodeState>> {
+        self.nodes.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// The in-process fabric joining [`MemNode`]s (test double).
+#[derive(Clone, Default)]
+pub struct MemFabric(Arc<Fabric>);
+
+impl MemFabric {
+    /// An empty fabric.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds a node (or revives a killed one with fresh, empty state).
+    pub fn add_node(&self, id: NodeId) -> MemNode {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let regions = RegionTable::new();
+        self.0.lock_nodes().insert(id, NodeState { regions: regions.clone(), inbox: tx, alive: true });
+        MemNode { id, fabric: self.clone(), regions, inbox: tokio::sync::Mutex::new(rx) }
+    }
+
+    /// Sets (or with `None` clears) the fault on operations from `from` to `to`.
+    pub fn set_fault(&self, from: NodeId, to: NodeId, fault: Option<Fault>) {
+        let mut f = self.0.faults.lock().unwrap_or_else(|e| e.into_inner());
+        match fault {
+            Some(x) => f.insert((from, to), x),
+            None => f.remove(&(from, to)),
+        };
+    }
+
+    /// Kills a node: every operation to or from it fails with `PeerDown`.
+    pub fn kill(&self, id: NodeId) {
+        if let Some(n) = self.0.lock_nodes().get_mut(&id) {
+            n.alive = false;
+        }
+    }
+
+    /// True while the node exists and has not been killed.
+    pub fn is_alive(&self, id: NodeId) -> bool {
+        self.0.lock_nodes().get(&id).is_some_and(|n| n.alive)
+    }
+}
+
+/// One node of a [`MemFabric`] (test double).
+pub struct MemNode {
+    id: NodeId,
+    fabric: MemFabric,
+    regions: RegionTable,
+    inbox: tokio::sync::Mutex<mpsc::UnboundedReceiver<Incoming>>,
+}
+
+impl MemNode {
+    /// This node's id.
+    pub fn id(&self) -> NodeId {
+        self.id
+    }
+
+    /// Regions peers may access.
+    pub fn regions(&self) -> &RegionTable {
+        &self.regions
+    }
+
+    /// A link to `peer`.
+    pub fn link(&self, peer: NodeId) -> Result<Arc<dyn Link>> {
+        if !self.fabric.0.lock_nodes().contains_key(&peer) {
+            return Err(TransportError::NotConnected { peer });
+        }
+        Ok(Arc::new(MemLink {
+            from: self.id,
+            to: peer,
+            fabric: self.fabric.clone(),
+            stats: Arc::new(LinkStats::default()),
+            closed: Arc::new(AtomicBool::new(false)),
+            swallowed: Arc::new(Mutex::new(Vec::new())),
+        }))
+    }
+
+    /// The next SEND addressed to this node.
+    pub async fn recv(&self) -> Option<Incoming> {
+        self.inbox.lock().await.recv().await
+    }
+}
+
+struct MemLink {
+    from: NodeId,
+    to: NodeId,
+    fabric: MemFabric,
+    stats: Arc<LinkStats>,
+    closed: Arc<AtomicBool>,
+    /// Completions of dropped operations, held so that they neither complete nor fail until closed.
+    swallowed: Arc<Mutex<Vec<Done>>>,
+}
+
+impl MemLink {
+    fn down(&self, reason: &str) -> TransportError {
+        TransportError::PeerDown { peer: self.to, reason: reason.into() }
+    }
+
+    /// Performs `op` now, against the current fabric state.
+    fn execute(&self, op: Op, corrupt: bool) -> Result<Completion> {
+        let (regions, inbox) = {
+            let nodes = self.fabric.0.lock_nodes();
+            let alive = |n| nodes.get(&n).is_some_and(|s: &NodeState| s.alive);
+            if !alive(self.from) || !alive(self.to) || self.closed.load(Ordering::SeqCst) {
+                return Err(self.down("node killed (mem fault)"));
+            }
+            let t = &nodes[&self.to];
+            (t.regions.clone(), t.inbox.clone())
+        };
+        op.check_local()?;
+        let refused = |status| TransportError::Refused { peer: self.to, op: "mem", status };
+        match op {
+            Op::Write { local, local_offset, remote, remote_offset, len, verify } => {
+                let dst = regions.access(remote.id, remote.key, remote_offset, len).map_err(refused)?;
+                copy_between(&local, local_offset, &dst, remote_offset, len, corrupt);
+                self.stats.tx(len);
+                check_crc(self.to, "write", verify, (&local, local_offset), (&dst, remote_offset), len)?;
+                Ok(Completion { bytes: len })
+            }
+            Op::Read { local, local_offset, remote, remote_offset, len, verify } => {
+                let src = regions.access(remote.id, remote.key, remote_offset, len).map_err(refused)?;
+                copy_between(&src, remote_offset, &local, local_offset, len, corrupt);
+                self.stats.rx(len);
+                check_crc(self.to, "read", verify, (&src, remote_offset), (&local, local_offset), len)?;
+                Ok(Completion { bytes: len })
+            }
+            Op::Send { payload } => {
+                let n = payload.len() as u64;
+                inbox.send(Incoming { from: self.from, payload }).map_err(|_| self.down("receiver gone"))?;
+                self.stats.tx(n);
+                Ok(Completion { bytes: n })
+            }
+        }
+    }
+}
+
+fn copy_between(src: &Region, so: u64, dst: &Region, dof: u64, len: u64, corrupt: bool) {
+    if len == 0 {
+        return;
+    }
+    // SAFETY: both ranges were bounds-checked by the caller; regions stay alive for the call;
+    // `ptr::copy` handles overlap when source and destination are the same region.
+    unsafe {
+        let s = src.slice(so, len).as_ptr();
+        let d = dst.slice_mut(dof, len).as_mut_ptr();
+        std::ptr::copy(s, d, len as usize);
+        if corrupt {
+            *d ^= 0x5a;
+        }
+    }
+}
+
+fn check_crc(peer: NodeId, op: &'static str, verify: bool, src: (&Region, u64), dst: (&Region, u64), len: u64) -> Result<()> {
+    if !verify {
+        return Ok(());
+    }
+    let expected = src.0.crc32(src.1, len)?;
+    let actual = dst.0.crc32(dst.1, len)?;
+    if expected != actual {
+        return Err(TransportError::CrcMismatch { peer, op, expected, actual });
+    }
+    Ok(())
+}
+
+impl Link for MemLink {
+    fn peer(&self) -> NodeId {
+        self.to
+    }
+    fn kind(&self) -> BackendKind {
+        BackendKind::Mem
+    }
+    fn post(&self, ops: Vec<Op>) -> Vec<OpHandle> {
+        let fault = self.fabric.0.faults.lock().unwrap_or_else(|e| e.into_inner()).get(&(self.from, self.to)).copied();
+        ops.into_iter()
+            .map(|op| {
+                let (done, handle) = OpHandle::new(self.to);
+                match fault {
+                    Some(Fault::Drop) => self.swallowed.lock().unwrap_or_else(|e| e.into_inner()).push(done),
+                    Some(Fault::Delay(d)) => {
+                        let me = self.clone_handle();
+                        tokio::spawn(async move {
+                            tokio::time::sleep(d).await;
+                            me.finish(done, me.execute(op, false));
+                        });
+                    }
+                    Some(Fault::Corrupt) => self.finish(done, self.execute(op, true)),
+                    None => self.finish(done, self.execute(op, false)),
+                }
+                handle
+            })
+            .collect()
+    }
+    fn stats(&self) -> StatsSnapshot {
+        self.stats.snapshot()
+    }
+    fn is_alive(&self) -> bool {
+        !self.closed.load(Ordering::SeqCst) && self.fabric.is_alive(self.to) && self.fabric.is_alive(self.from)
+    }
+    fn close(&self, reason: &str) {
+        self.closed.store(true, Ordering::SeqCst);
+        for done in self.swallowed.lock().unwrap_or_else(|e| e.into_inner()).drain(..) {
+            let _ = done.send(Err(self.down(reason)));
+        }
+    }
+}
+
+impl MemLink {
+    fn clone_handle(&self) -> MemLink {
+        MemLink {
+            from: self.from,
+            to: self.to,
+            fabric: self.fabric.clone(),
+            stats: self.stats.clone(),
+            closed: self.closed.clone(),
+            swallowed: self.swallowed.clone(),
+        }
+    }
+
+    fn finish(&self, done: Done, r: Result<Completion>) {
+        match &r {
+            Ok(_) => self.stats.op_ok(),
+            Err(_) => self.stats.op_err(),
+        }
+        let _ = done.send(r);
+    }
+}
+
+#[cfg(test)]
+mod tests;

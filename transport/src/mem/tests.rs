@@ -1,0 +1,105 @@
+use std::time::Duration;
+
+use bytes::Bytes;
+
+use super::*;
+use crate::wire::Status;
+
+fn setup() -> (MemFabric, MemNode, MemNode, Region, Region) {
+    let f = MemFabric::new();
+    let a = f.add_node(1);
+    let b = f.add_node(2);
+    let src = Region::alloc(1024, Default::default()).unwrap();
+    let dst = Region::alloc(1024, Default::default()).unwrap();
+    for i in 0..1024u64 {
+        src.write_local(i, &[(i % 251) as u8]).unwrap();
+    }
+    b.regions().register(&dst);
+    (f, a, b, src, dst)
+}
+
+#[tokio::test]
+async fn write_and_read_move_the_bytes() {
+    let (_f, a, _b, src, dst) = setup();
+    let l = a.link(2).unwrap();
+    let h = l.post(vec![Op::write(&src, 0, dst.remote(2), 0, 1024).verified()]);
+    for r in futures_all(h).await {
+        assert_eq!(r.unwrap().bytes, 1024);
+    }
+    assert_eq!(dst.view(0, 1024).unwrap(), src.view(0, 1024).unwrap());
+    let back = Region::alloc(100, Default::default()).unwrap();
+    let r = futures_all(l.post(vec![Op::read(&back, 0, dst.remote(2), 10, 100).verified()])).await;
+    assert!(r[0].is_ok());
+    assert_eq!(back.view(0, 100).unwrap(), src.view(10, 100).unwrap());
+}
+
+async fn futures_all(h: Vec<OpHandle>) -> Vec<Result<Completion>> {
+    let mut v = Vec::new();
+    for x in h {
+        v.push(x.await);
+    }
+    v
+}
+
+#[tokio::test]
+async fn bad_accesses_are_refused_and_memory_untouched() {
+    let (_f, a, _b, src, dst) = setup();
+    let l = a.link(2).unwrap();
+    let mut wrong_key = dst.remote(2);
+    wrong_key.key = crate::RemoteKey(wrong_key.key.0 ^ 1);
+    let r = futures_all(l.post(vec![
+        Op::write(&src, 0, wrong_key, 0, 8),
+        Op::write(&src, 0, dst.remote(2), 1020, 8),
+    ]))
+    .await;
+    assert!(matches!(r[0], Err(TransportError::Refused { status: Status::BadKey, .. })));
+    assert!(matches!(r[1], Err(TransportError::Refused { status: Status::OutOfBounds, .. })));
+    assert!(dst.view(0, 1024).unwrap().iter().all(|&b| b == 0));
+}
+
+#[tokio::test]
+async fn corruption_is_caught_by_verification() {
+    let (f, a, _b, src, dst) = setup();
+    f.set_fault(1, 2, Some(Fault::Corrupt));
+    let l = a.link(2).unwrap();
+    let r = futures_all(l.post(vec![Op::write(&src, 0, dst.remote(2), 0, 64).verified()])).await;
+    assert!(matches!(r[0], Err(TransportError::CrcMismatch { .. })), "{:?}", r[0]);
+    f.set_fault(1, 2, None);
+    let r = futures_all(l.post(vec![Op::write(&src, 0, dst.remote(2), 0, 64).verified()])).await;
+    assert!(r[0].is_ok());
+}
+
+#[tokio::test]
+async fn dropped_operations_time_out_and_killed_nodes_fail_fast() {
+    let (f, a, _b, src, dst) = setup();
+    let l = a.link(2).unwrap();
+    f.set_fault(1, 2, Some(Fault::Drop));
+    let h = l.post(vec![Op::write(&src, 0, dst.remote(2), 0, 8)]).pop().unwrap();
+    assert!(matches!(h.wait("write", Duration::from_millis(50)).await, Err(TransportError::Timeout { .. })));
+    f.set_fault(1, 2, None);
+    f.kill(2);
+    assert!(!l.is_alive());
+    let r = futures_all(l.post(vec![Op::write(&src, 0, dst.remote(2), 0, 8)])).await;
+    assert!(matches!(r[0], Err(TransportError::PeerDown { peer: 2, .. })));
+}
+
+#[tokio::test]
+async fn delayed_operations_complete_late() {
+    let (f, a, _b, src, dst) = setup();
+    f.set_fault(1, 2, Some(Fault::Delay(Duration::from_millis(30))));
+    let l = a.link(2).unwrap();
+    let t = std::time::Instant::now();
+    let r = futures_all(l.post(vec![Op::write(&src, 0, dst.remote(2), 0, 8)])).await;
+    assert!(r[0].is_ok());
+    assert!(t.elapsed() >= Duration::from_millis(30));
+}
+
+#[tokio::test]
+async fn send_reaches_the_receive_queue() {
+    let (_f, a, b, _src, _dst) = setup();
+    let l = a.link(2).unwrap();
+    let r = futures_all(l.post(vec![Op::Send { payload: Bytes::from_static(b"hi") }])).await;
+    assert!(r[0].is_ok());
+    let m = b.recv().await.unwrap();
+    assert_eq!((m.from, &m.payload[..]), (1, &b"hi"[..]));
+}

@@ -1,0 +1,464 @@
+//! The connection pool: an [`Endpoint`] joins the cluster and keeps a full mesh of links.
+//!
+//! At start the endpoint binds its listeners (TCP, plus a unix socket for same-host peers), then
+//! for every peer with a larger id it dials — shared memory when the peer is on the same host,
+//! TCP otherwise (and, with the `rdma` feature and a device on both sides, RDMA once that backend
+//! carries data) — while peers with a smaller id dial it. [`Endpoint::wait_ready`] returns once
+//! every peer is connected and reports the mesh setup time.
+//!
+//! Every link runs a keepalive; a silent or broken link is closed, its operations fail with
+//! `PeerDown`, a [`PeerEvent::Down`] is published, and the dialing side reconnects with exponential
+//! backoff (the accepting side takes the new connection when it comes).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
+use tokio::sync::{broadcast, mpsc, oneshot, watch};
+use tracing::{debug, info, info_span, warn, Instrument};
+
+use crate::config::{select_backend, EndpointConfig, NodeSpec};
+use crate::error::{Result, TransportError};
+use crate::handshake::{self, Caps, DriveError, HandshakeConfig, PeerInfo, PROTOCOL_VERSION};
+use crate::link::{run_batch, BackendKind, Completion, Incoming, Link, Op};
+use crate::region::{Region, RegionTable};
+use crate::shm::{FdReader, FdWriter};
+use crate::stats::StatsSnapshot;
+use crate::stream::{StreamLink, Timing};
+use crate::NodeId;
+
+/// A change in a peer's reachability.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PeerEvent {
+    /// A link to the peer is up.
+    Up {
+        /// The peer.
+        peer: NodeId,
+        /// Its backend.
+        backend: BackendKind,
+    },
+    /// The link to the peer failed; its pending operations failed with `PeerDown`.
+    Down {
+        /// The peer.
+        peer: NodeId,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// The state of the mesh when it became ready.
+#[derive(Debug, Clone)]
+pub struct MeshReport {
+    /// Time from `start` until every peer was connected.
+    pub setup: Duration,
+    /// Each peer with the backend chosen for it.
+    pub peers: Vec<(NodeId, BackendKind)>,
+}
+
+/// Counters of one peer's link.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct PeerStats {
+    /// The peer.
+    pub peer: NodeId,
+    /// Backend of its current link.
+    pub backend: BackendKind,
+    /// Its counters.
+    pub stats: StatsSnapshot,
+}
+
+struct Entry {
+    link: Arc<StreamLink>,
+    generation: u64,
+}
+
+struct Inner {
+    cfg: EndpointConfig,
+    me: NodeSpec,
+    caps: Caps,
+    regions: RegionTable,
+    links: Mutex<HashMap<NodeId, Entry>>,
+    generation: AtomicU64,
+    events: broadcast::Sender<PeerEvent>,
+    inbox_tx: mpsc::UnboundedSender<Incoming>,
+    inbox_rx: tokio::sync::Mutex<mpsc::UnboundedReceiver<Incoming>>,
+    changed: watch::Sender<u64>,
+    shutdown: watch::Sender<bool>,
+    started: Instant,
+}
+
+/// A node's endpoint in the cluster: its regions, its links, and the operations over them.
+pub struct Endpoint {
+    inner: Arc<Inner>,
+}
+
+impl Endpoint {
+    /// Binds the listeners and starts connecting to every peer. Must run inside a tokio runtime.
+    pub async fn start(cfg: EndpointConfig) -> Result<Endpoint> {
+        cfg.validate()?;
+        let me = cfg.cluster.node(cfg.node).cloned().ok_or_else(|| TransportError::Config("node not in cluster".into()))?;
+        let mut caps = Caps::TCP;
+        if cfg.shm {
+            caps = caps.with(Caps::SHM);
+        }
+        if cfg.rdma {
+            match crate::rdma::probe() {
+                Ok(()) => caps = caps.with(Caps::RDMA),
+                Err(e) => warn!(error = %e, "RDMA requested but unavailable; falling back to tcp"),
+            }
+        }
+        let tcp = TcpListener::bind(me.addr).await.map_err(|e| TransportError::io(format!("binding {}", me.addr), e))?;
+        let unix = if cfg.shm {
+            let path = cfg.socket_path(cfg.node);
+            let _ = std::fs::remove_file(&path);
+            Some(UnixListener::bind(&path).map_err(|e| TransportError::io(format!("binding {}", path.display()), e))?)
+        } else {
+            None
+        };
+        let (inbox_tx, inbox_rx) = mpsc::unbounded_channel();
+        let inner = Arc::new(Inner {
+            me,
+            caps,
+            regions: RegionTable::new(),
+            links: Mutex::new(HashMap::new()),
+            generation: AtomicU64::new(0),
+            events: broadcast::channel(1024).0,
+            inbox_tx,
+            inbox_rx: tokio::sync::Mutex::new(inbox_rx),
+            changed: watch::channel(0).0,
+            shutdown: watch::channel(false).0,
+            started: Instant::now(),
+            cfg,
+        });
+        info!(node = inner.cfg.node, addr = %inner.me.addr, caps = inner.caps.0, "endpoint listening");
+        tokio::spawn(accept_tcp(Arc::downgrade(&inner), tcp, inner.shutdown.subscribe()));
+        if let Some(u) = unix {
+            tokio::spawn(accept_unix(Arc::downgrade(&inner), u, inner.shutdown.subscribe()));
+        }
+        for peer in inner.cfg.cluster.nodes.iter().filter(|n| n.id > inner.cfg.node) {
+            tokio::spawn(dial_loop(Arc::downgrade(&inner), peer.clone(), inner.shutdown.subscribe()));
+        }
+        Ok(Endpoint { inner })
+    }
+
+    /// This node's id.
+    pub fn node(&self) -> NodeId {
+        self.inner.cfg.node
+    }
+
+    /// The capabilities this node advertises.
+    pub fn caps(&self) -> Caps {
+        self.inner.caps
+    }
+
+    /// The settings in force.
+    pub fn config(&self) -> &EndpointConfig {
+        &self.inner.cfg
+    }
+
+    /// Regions exposed to peers.
+    pub fn regions(&self) -> &RegionTable {
+        &self.inner.regions
+    }
+
+    /// Allocates a region (shared memory when shm is on, so same-host peers can map it) and
+    /// registers it.
+    pub fn register_new(&self, len: u64) -> Result<Region> {
+        let r = if self.inner.cfg.shm { Region::shared(len)? } else { Region::alloc(len, Default::default())? };
+        self.inner.regions.register(&r);
+        Ok(r)
+    }
+
+    /// Waits until every peer is connected; reports how long the mesh took to come up.
+    pub async fn wait_ready(&self, limit: Duration) -> Result<MeshReport> {
+        let want = self.inner.cfg.cluster.nodes.len() - 1;
+        let mut rx = self.inner.changed.subscribe();
+        let res = tokio::time::timeout(limit, async {
+            loop {
+                if self.connected().len() == want {
+                    return;
+                }
+                if rx.changed().await.is_err() {
+                    return;
+                }
+            }
+        })
+        .await;
+        let peers = self.connected();
+        if res.is_err() || peers.len() != want {
+            let missing: Vec<NodeId> = self
+                .inner
+                .cfg
+                .cluster
+                .nodes
+                .iter()
+                .map(|n| n.id)
+                .filter(|id| *id != self.node() && !peers.iter().any(|(p, _)| p == id))
+                .collect();
+            return Err(TransportError::Timeout { peer: missing.first().copied().unwrap_or(0), op: "mesh setup", after: limit });
+        }
+        let setup = self.inner.started.elapsed();
+        info!(node = self.node(), peers = want, setup_ms = setup.as_secs_f64() * 1e3, "mesh ready");
+        Ok(MeshReport { setup, peers })
+    }
+
+    /// Peers with a live link, and their backends.
+    pub fn connected(&self) -> Vec<(NodeId, BackendKind)> {
+        let links = self.inner.links.lock().unwrap_or_else(|e| e.into_inner());
+        let mut v: Vec<_> = links.iter().filter(|(_, e)| e.link.is_alive()).map(|(p, e)| (*p, e.link.kind())).collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// The current link to `peer`.
+    pub fn link(&self, peer: NodeId) -> Result<Arc<dyn Link>> {
+        let links = self.inner.links.lock().unwrap_or_else(|e| e.into_inner());
+        match links.get(&peer) {
+            Some(e) if e.link.is_alive() => Ok(e.link.clone() as Arc<dyn Link>),
+            _ => Err(TransportError::NotConnected { peer }),
+        }
+    }
+
+    /// Posts `ops` to `peer` and waits for all of them, each within the configured operation timeout.
+    pub async fn run(&self, peer: NodeId, ops: Vec<Op>) -> Result<Vec<Result<Completion>>> {
+        let link = self.link(peer)?;
+        Ok(run_batch(&link, ops, self.inner.cfg.op_timeout).await)
+    }
+
+    /// Sends a message to `peer`.
+    pub async fn send(&self, peer: NodeId, payload: Bytes) -> Result<()> {
+        let mut r = self.run(peer, vec![Op::Send { payload }]).await?;
+        r.pop().unwrap_or(Err(TransportError::NotConnected { peer })).map(|_| ())
+    }
+
+    /// The next message any peer sent to this node.
+    pub async fn recv(&self) -> Option<Incoming> {
+        self.inner.inbox_rx.lock().await.recv().await
+    }
+
+    /// Subscribes to peer up/down events.
+    pub fn events(&self) -> broadcast::Receiver<PeerEvent> {
+        self.inner.events.subscribe()
+    }
+
+    /// Counters of every current link.
+    pub fn stats(&self) -> Vec<PeerStats> {
+        let links = self.inner.links.lock().unwrap_or_else(|e| e.into_inner());
+        let mut v: Vec<_> =
+            links.iter().map(|(p, e)| PeerStats { peer: *p, backend: e.link.kind(), stats: e.link.stats() }).collect();
+        v.sort_by_key(|s| s.peer);
+        v
+    }
+
+    /// Closes every link and stops listening.
+    pub fn shutdown(&self) {
+        let _ = self.inner.shutdown.send(true);
+        let links: Vec<Entry> = self.inner.links.lock().unwrap_or_else(|e| e.into_inner()).drain().map(|(_, e)| e).collect();
+        for e in links {
+            e.link.close("endpoint shut down");
+        }
+        if self.inner.cfg.shm {
+            let _ = std::fs::remove_file(self.inner.cfg.socket_path(self.inner.cfg.node));
+        }
+    }
+}
+
+impl Drop for Endpoint {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+impl Inner {
+    fn handshake_cfg(&self) -> HandshakeConfig {
+        HandshakeConfig {
+            version: PROTOCOL_VERSION,
+            node: self.cfg.node,
+            caps: self.caps,
+            secret: self.cfg.secret.clone(),
+            timeout: self.cfg.connect_timeout,
+        }
+    }
+
+    fn timing(&self) -> Timing {
+        Timing { keepalive: self.cfg.keepalive, dead_after: self.cfg.dead_after }
+    }
+
+    /// Installs a fresh link to `peer`, replacing any older one. `closed` fires when it closes.
+    fn install<R, W>(self: &Arc<Self>, peer: NodeId, kind: BackendKind, r: R, w: W, closed: Option<oneshot::Sender<String>>)
+    where
+        R: crate::stream::FrameSource,
+        W: crate::stream::FrameSink,
+    {
+        if *self.shutdown.borrow() {
+            return;
+        }
+        let generation = self.generation.fetch_add(1, Ordering::SeqCst) + 1;
+        let weak = Arc::downgrade(self);
+        let on_close = Box::new(move |reason: String| {
+            if let Some(inner) = weak.upgrade() {
+                inner.closed(peer, generation, &reason);
+            }
+            if let Some(tx) = closed {
+                let _ = tx.send(reason);
+            }
+        });
+        let link = StreamLink::spawn(peer, kind, r, w, self.regions.clone(), self.inbox_tx.clone(), self.timing(), on_close);
+        let old = self.links.lock().unwrap_or_else(|e| e.into_inner()).insert(peer, Entry { link, generation });
+        drop(old); // closes the replaced link outside the lock
+        info!(node = self.cfg.node, peer, backend = %kind, "link up");
+        let _ = self.events.send(PeerEvent::Up { peer, backend: kind });
+        self.changed.send_modify(|g| *g += 1);
+    }
+
+    fn closed(&self, peer: NodeId, generation: u64, reason: &str) {
+        let removed = {
+            let mut links = self.links.lock().unwrap_or_else(|e| e.into_inner());
+            match links.get(&peer) {
+                Some(e) if e.generation == generation => links.remove(&peer),
+                _ => None,
+            }
+        };
+        if removed.is_some() {
+            warn!(node = self.cfg.node, peer, reason, "peer down");
+            let _ = self.events.send(PeerEvent::Down { peer, reason: reason.to_string() });
+            self.changed.send_modify(|g| *g += 1);
+        }
+        drop(removed);
+    }
+
+    fn is_member(&self, id: NodeId) -> bool {
+        self.cfg.cluster.node(id).is_some()
+    }
+}
+
+fn hs_error(peer: String, e: DriveError) -> TransportError {
+    match e {
+        DriveError::Handshake(source) => TransportError::Handshake { peer, source },
+        DriveError::Io(source) => TransportError::io(format!("handshake with {peer}"), source),
+    }
+}
+
+/// Dials `peer` once: connection, handshake, link. Returns the link's close notification.
+async fn dial_once(inner: &Arc<Inner>, peer: &NodeSpec) -> Result<oneshot::Receiver<String>> {
+    let hcfg = inner.handshake_cfg();
+    let want = select_backend(&inner.me, inner.caps, peer, inner.caps);
+    let (tx, rx) = oneshot::channel();
+    let limit = inner.cfg.connect_timeout;
+    if want == BackendKind::Shm {
+        let path = inner.cfg.socket_path(peer.id);
+        match tokio::time::timeout(limit, UnixStream::connect(&path)).await {
+            Ok(Ok(mut s)) => {
+                let info = handshake::dial(&mut s, &hcfg, peer.id).await.map_err(|e| hs_error(format!("node {}", peer.id), e))?;
+                check_info(&info, peer.id)?;
+                let (r, w) = s.into_split();
+                inner.install(peer.id, BackendKind::Shm, FdReader::new(r), FdWriter(w), Some(tx));
+                return Ok(rx);
+            }
+            Ok(Err(e)) => debug!(peer = peer.id, error = %e, "same-host socket unavailable; using tcp"),
+            Err(_) => debug!(peer = peer.id, "same-host socket timed out; using tcp"),
+        }
+    }
+    let mut s = tokio::time::timeout(limit, TcpStream::connect(peer.addr))
+        .await
+        .map_err(|_| TransportError::Timeout { peer: peer.id, op: "connect", after: limit })?
+        .map_err(|e| TransportError::io(format!("connecting to node {} at {}", peer.id, peer.addr), e))?;
+    crate::tcp::tune(&s).map_err(|e| TransportError::io("setting TCP_NODELAY", e))?;
+    let info = handshake::dial(&mut s, &hcfg, peer.id).await.map_err(|e| hs_error(format!("node {} at {}", peer.id, peer.addr), e))?;
+    check_info(&info, peer.id)?;
+    let (r, w) = s.into_split();
+    inner.install(peer.id, BackendKind::Tcp, r, w, Some(tx));
+    Ok(rx)
+}
+
+fn check_info(info: &PeerInfo, expect: NodeId) -> Result<()> {
+    if info.node != expect {
+        return Err(TransportError::Protocol { peer: Some(info.node), detail: format!("expected node {expect}") });
+    }
+    Ok(())
+}
+
+/// Keeps the link to `peer` up: dial, wait for it to close, back off, dial again.
+async fn dial_loop(weak: Weak<Inner>, peer: NodeSpec, mut stop: watch::Receiver<bool>) {
+    let mut backoff = Duration::from_millis(50);
+    loop {
+        let Some(inner) = weak.upgrade() else { return };
+        let max = inner.cfg.reconnect_max;
+        let span = info_span!("connect", node = inner.cfg.node, peer = peer.id);
+        let r = dial_once(&inner, &peer).instrument(span).await;
+        drop(inner);
+        match r {
+            Ok(closed) => {
+                backoff = Duration::from_millis(50);
+                tokio::select! {
+                    _ = closed => {}
+                    _ = crate::stream::stopped(&mut stop) => return,
+                }
+            }
+            Err(e) => {
+                // Refusals (wrong secret, version) are worth a warning; a peer not up yet is not.
+                match &e {
+                    TransportError::Handshake { .. } => warn!(peer = peer.id, error = %e, "connection refused"),
+                    _ => debug!(peer = peer.id, error = %e, "connect failed; will retry"),
+                }
+                backoff = (backoff * 2).min(max);
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(backoff) => {}
+            _ = crate::stream::stopped(&mut stop) => return,
+        }
+    }
+}
+
+async fn accept_tcp(weak: Weak<Inner>, l: TcpListener, mut stop: watch::Receiver<bool>) {
+    loop {
+        let (mut s, addr) = tokio::select! {
+            r = l.accept() => match r {
+                Ok(x) => x,
+                Err(e) => { warn!(error = %e, "accept failed"); tokio::time::sleep(Duration::from_millis(50)).await; continue; }
+            },
+            _ = crate::stream::stopped(&mut stop) => return,
+        };
+        let Some(inner) = weak.upgrade() else { return };
+        tokio::spawn(async move {
+            let _ = crate::tcp::tune(&s);
+            let hcfg = inner.handshake_cfg();
+            match handshake::accept(&mut s, &hcfg, |n| inner.is_member(n)).await {
+                Ok(info) => {
+                    let (r, w) = s.into_split();
+                    inner.install(info.node, BackendKind::Tcp, r, w, None);
+                }
+                Err(e) => warn!(node = inner.cfg.node, from = %addr, error = %hs_error(addr.to_string(), e), "refused a connection"),
+            }
+        });
+    }
+}
+
+async fn accept_unix(weak: Weak<Inner>, l: UnixListener, mut stop: watch::Receiver<bool>) {
+    loop {
+        let mut s = tokio::select! {
+            r = l.accept() => match r {
+                Ok((s, _)) => s,
+                Err(e) => { warn!(error = %e, "accept failed"); tokio::time::sleep(Duration::from_millis(50)).await; continue; }
+            },
+            _ = crate::stream::stopped(&mut stop) => return,
+        };
+        let Some(inner) = weak.upgrade() else { return };
+        tokio::spawn(async move {
+            let hcfg = inner.handshake_cfg();
+            match handshake::accept(&mut s, &hcfg, |n| inner.is_member(n)).await {
+                Ok(info) => {
+                    let (r, w) = s.into_split();
+                    inner.install(info.node, BackendKind::Shm, FdReader::new(r), FdWriter(w), None);
+                }
+                Err(e) => warn!(node = inner.cfg.node, error = %hs_error("a local peer".into(), e), "refused a connection"),
+            }
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,168 @@
+//! Endpoint tests over real loopback sockets, in one process.
+
+use std::net::{SocketAddr, TcpListener};
+use std::time::Duration;
+
+use bytes::Bytes;
+
+use super::*;
+use crate::config::ClusterSpec;
+use crate::wire::Status;
+
+fn free_addrs(n: usize) -> Vec<SocketAddr> {
+    let ls: Vec<_> = (0..n).map(|_| TcpListener::bind("127.0.0.1:0").unwrap()).collect();
+    ls.iter().map(|l| l.local_addr().unwrap()).collect()
+}
+
+fn cluster(n: usize, tag: &str) -> ClusterSpec {
+    let nodes = free_addrs(n).into_iter().enumerate().map(|(i, addr)| NodeSpec { id: i as NodeId, addr, host: None }).collect();
+    ClusterSpec::new(format!("t-{tag}-{}", std::process::id()), nodes).unwrap()
+}
+
+fn fast(mut c: EndpointConfig, shm: bool) -> EndpointConfig {
+    c.shm = shm;
+    c.keepalive = Duration::from_millis(100);
+    c.dead_after = Duration::from_millis(600);
+    c.op_timeout = Duration::from_secs(10);
+    c
+}
+
+async fn mesh(n: usize, shm: bool, tag: &str) -> Vec<Endpoint> {
+    let c = cluster(n, tag);
+    let mut eps = Vec::new();
+    for i in 0..n {
+        eps.push(Endpoint::start(fast(EndpointConfig::new(i as NodeId, c.clone(), b"secret"), shm)).await.unwrap());
+    }
+    for e in &eps {
+        let rep = e.wait_ready(Duration::from_secs(10)).await.unwrap();
+        assert_eq!(rep.peers.len(), n - 1);
+    }
+    eps
+}
+
+async fn one_sided(shm: bool) {
+    let eps = mesh(2, shm, if shm { "os-shm" } else { "os-tcp" }).await;
+    let want = if shm { BackendKind::Shm } else { BackendKind::Tcp };
+    assert_eq!(eps[0].connected(), vec![(1, want)]);
+    let dst = eps[1].register_new(1 << 20).unwrap();
+    let src = eps[0].register_new(1 << 20).unwrap();
+    for i in 0..(1u64 << 20) / 4096 {
+        src.fill(i * 4096, 4096, (i % 200) as u8 + 1).unwrap();
+    }
+    let r = eps[0].run(1, vec![Op::write(&src, 0, dst.remote(1), 0, 1 << 20).verified()]).await.unwrap();
+    assert_eq!(r[0].as_ref().unwrap().bytes, 1 << 20);
+    assert_eq!(dst.crc32(0, 1 << 20).unwrap(), src.crc32(0, 1 << 20).unwrap());
+
+    // READ back a slice, with and without verification.
+    let back = eps[0].register_new(8192).unwrap();
+    let r = eps[0]
+        .run(1, vec![Op::read(&back, 0, dst.remote(1), 4096, 4096), Op::read(&back, 4096, dst.remote(1), 8192, 4096).verified()])
+        .await
+        .unwrap();
+    assert!(r.iter().all(|x| x.is_ok()), "{r:?}");
+    assert_eq!(back.view(0, 8192).unwrap(), src.view(4096, 8192).unwrap());
+
+    // Refusals leave the target untouched.
+    let before = dst.crc32(0, 1 << 20).unwrap();
+    let mut bad_key = dst.remote(1);
+    bad_key.key = crate::RemoteKey(bad_key.key.0.wrapping_add(1));
+    let mut unknown = dst.remote(1);
+    unknown.id = crate::RegionId(u32::MAX);
+    let r = eps[0]
+        .run(1, vec![
+            Op::write(&src, 0, bad_key, 0, 4096),
+            Op::write(&src, 0, dst.remote(1), (1 << 20) - 100, 4096),
+            Op::write(&src, 0, unknown, 0, 16),
+            Op::read(&back, 0, bad_key, 0, 16),
+            Op::read(&back, 0, dst.remote(1), 1 << 20, 1),
+        ])
+        .await
+        .unwrap();
+    let statuses: Vec<_> = r
+        .iter()
+        .map(|x| match x {
+            Err(TransportError::Refused { status, .. }) => *status,
+            other => panic!("expected a refusal, got {other:?}"),
+        })
+        .collect();
+    assert_eq!(statuses, [Status::BadKey, Status::OutOfBounds, Status::UnknownRegion, Status::BadKey, Status::OutOfBounds]);
+    assert_eq!(dst.crc32(0, 1 << 20).unwrap(), before);
+    // The link survived the refusals.
+    assert!(eps[0].run(1, vec![Op::write(&src, 0, dst.remote(1), 0, 16)]).await.unwrap()[0].is_ok());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_one_sided_operations() {
+    one_sided(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shm_one_sided_operations() {
+    one_sided(true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn host_regions_over_shm_fall_back_to_the_stream() {
+    let eps = mesh(2, true, "fallback").await;
+    let dst = Region::alloc(4096, Default::default()).unwrap();
+    eps[1].regions().register(&dst);
+    let src = Region::alloc(4096, Default::default()).unwrap();
+    src.fill(0, 4096, 9).unwrap();
+    let r = eps[0].run(1, vec![Op::write(&src, 0, dst.remote(1), 0, 4096).verified()]).await.unwrap();
+    assert!(r[0].is_ok(), "{r:?}");
+    assert!(dst.view(0, 4096).unwrap().iter().all(|&b| b == 9));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn send_recv_and_events() {
+    let eps = mesh(3, false, "send").await;
+    eps[2].send(0, Bytes::from_static(b"from two")).await.unwrap();
+    eps[1].send(0, Bytes::from_static(b"from one")).await.unwrap();
+    let mut got = vec![];
+    for _ in 0..2 {
+        let m = eps[0].recv().await.unwrap();
+        got.push((m.from, m.payload));
+    }
+    got.sort();
+    assert_eq!(got, vec![(1, Bytes::from_static(b"from one")), (2, Bytes::from_static(b"from two"))]);
+    let too_big = Bytes::from(vec![0u8; (crate::wire::MAX_MESSAGE + 1) as usize]);
+    assert!(matches!(eps[1].send(0, too_big).await, Err(TransportError::MessageTooLarge { .. })));
+    let s = eps[0].stats();
+    assert_eq!(s.len(), 2);
+    assert!(s.iter().all(|p| p.stats.bytes_rx == 8));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_peer_is_reported_and_reconnected() {
+    let c = cluster(2, "reconnect");
+    let a = Endpoint::start(fast(EndpointConfig::new(0, c.clone(), b"s"), false)).await.unwrap();
+    let b = Endpoint::start(fast(EndpointConfig::new(1, c.clone(), b"s"), false)).await.unwrap();
+    a.wait_ready(Duration::from_secs(5)).await.unwrap();
+    let mut ev = a.events();
+    b.shutdown();
+    drop(b);
+    let down = tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            if let Ok(PeerEvent::Down { peer, .. }) = ev.recv().await {
+                return peer;
+            }
+        }
+    })
+    .await
+    .unwrap();
+    assert_eq!(down, 1);
+    assert!(matches!(a.link(1), Err(TransportError::NotConnected { peer: 1 })));
+    // The peer comes back on the same address: node 0 dials it again.
+    let b = Endpoint::start(fast(EndpointConfig::new(1, c, b"s"), false)).await.unwrap();
+    b.wait_ready(Duration::from_secs(10)).await.unwrap();
+    a.wait_ready(Duration::from_secs(10)).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_secret_never_connects() {
+    let c = cluster(2, "secret");
+    let a = Endpoint::start(fast(EndpointConfig::new(0, c.clone(), b"right"), false)).await.unwrap();
+    let _b = Endpoint::start(fast(EndpointConfig::new(1, c, b"wrong"), false)).await.unwrap();
+    assert!(a.wait_ready(Duration::from_millis(800)).await.is_err());
+    assert!(a.connected().is_empty());
+}

@@ -1,0 +1,410 @@
+//! Registered memory regions.
+//!
+//! A [`Region`] is a fixed-size, page-aligned block of memory that remote peers may READ and WRITE
+//! one-sidedly once it is registered in a [`RegionTable`]. Two kinds of backing exist:
+//!
+//! * **host** memory: an aligned heap allocation, optionally `mlock`ed so it never pages out;
+//! * **shared** memory: a `memfd` mapped with `MAP_SHARED`, which same-host peers map as well so that a
+//!   WRITE is a single `memcpy` (see the `shm` backend).
+//!
+//! # Concurrency contract
+//! As with RDMA-registered memory, the bytes of a region change underneath the process when peers
+//! write into it. The transport guarantees that a range is fully written when the operation that
+//! fills it completes (the initiator's completion, or a message the writer sends afterwards).
+//! Reading a range while a peer is still writing it gives unspecified bytes, and coordinating that
+//! is the application's job — exactly the rule of one-sided RDMA.
+
+use std::alloc::Layout;
+use std::collections::HashMap;
+use std::fs::File;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, RwLock};
+
+use bytes::Bytes;
+use memmap2::{MmapOptions, MmapRaw};
+
+use crate::error::{Result, TransportError};
+use crate::wire::Status;
+use crate::NodeId;
+
+/// Page size regions are aligned to.
+pub const PAGE: usize = 4096;
+
+/// Identifies a region within one node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RegionId(pub u32);
+
+impl std::fmt::Display for RegionId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// The secret a peer must present to access a region (random per region, like an RDMA rkey).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RemoteKey(pub u64);
+
+/// Everything a peer needs to address a region of another node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RemoteRegion {
+    /// Node that owns the region.
+    pub node: NodeId,
+    /// Region id on that node.
+    pub id: RegionId,
+    /// Access key.
+    pub key: RemoteKey,
+    /// Length in bytes.
+    pub len: u64,
+}
+
+/// Options for allocating a host region.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RegionOptions {
+    /// Lock the pages in RAM (`mlock`). Fails with a clear error when the memlock limit is too low.
+    pub mlock: bool,
+}
+
+static NEXT_REGION: AtomicU32 = AtomicU32::new(1);
+
+enum Backing {
+    Host { ptr: NonNull<u8>, layout: Layout, locked: bool },
+    Shared { map: MmapRaw, fd: OwnedFd },
+}
+
+struct Inner {
+    id: RegionId,
+    key: RemoteKey,
+    len: u64,
+    backing: Backing,
+}
+
+// SAFETY: the backing memory is owned by `Inner` for its whole life and only ever accessed through
+// raw pointers under the crate's documented DMA-style contract; no thread-affine state is held.
+unsafe impl Send for Inner {}
+// SAFETY: as above; `Inner` hands out no `&mut` to its memory from `&self` except through the
+// bounds-checked raw accessors whose callers uphold the region concurrency contract.
+unsafe impl Sync for Inner {}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        if let Backing::Host { ptr, layout, locked } = &self.backing {
+            if *locked {
+                // SAFETY: `ptr` spans `layout.size()` bytes that we locked at allocation.
+                unsafe { libc::munlock(ptr.as_ptr().cast(), layout.size()) };
+            }
+            // SAFETY: `ptr` was returned by `alloc_zeroed(layout)` and is freed exactly once.
+            unsafe { std::alloc::dealloc(ptr.as_ptr(), *layout) };
+        }
+    }
+}
+
+/// A registered memory region. Cloning is cheap and shares the memory.
+#[derive(Clone)]
+pub struct Region(Arc<Inner>);
+
+impl std::fmt::Debug for Region {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Region")
+            .field("id", &self.0.id)
+            .field("len", &self.0.len)
+            .field("shared", &self.is_shared())
+            .finish()
+    }
+}
+
+fn random_key() -> Result<RemoteKey> {
+    let mut b = [0u8; 8];
+    // Without the OS RNG a key would be guessable: refuse to make the region.
+    getrandom::fill(&mut b).map_err(|e| {
+        TransportError::io("drawing a region key", std::io::Error::other(e.to_string()))
+    })?;
+    Ok(RemoteKey(u64::from_le_bytes(b)))
+}
+
+impl Region {
+    /// Allocates a zeroed, page-aligned host region of `len` bytes.
+    pub fn alloc(len: u64, opts: RegionOptions) -> Result<Region> {
+        if len == 0 {
+            return Err(TransportError::Config("a region must not be empty".into()));
+        }
+        let size = usize::try_from(len)
+            .map_err(|_| TransportError::Config(format!("region of {len} bytes does not fit")))?;
+        let layout = Layout::from_size_align(size, PAGE)
+            .map_err(|e| TransportError::Config(format!("region of {len} bytes: {e}")))?;
+        // SAFETY: `layout` has a non-zero size (checked above).
+        let raw = unsafe { std::alloc::alloc_zeroed(layout) };
+        let ptr = NonNull::new(raw).ok_or_else(|| {
+            TransportError::io(
+                format!("allocating a {len}-byte region"),
+                std::io::Error::from(std::io::ErrorKind::OutOfMemory),
+            )
+        })?;
+        let mut locked = false;
+        if opts.mlock {
+            // SAFETY: `ptr` spans `size` bytes we own.
+            if unsafe { libc::mlock(ptr.as_ptr().cast(), size) } != 0 {
+                let err = std::io::Error::last_os_error();
+                // SAFETY: allocated above with the same layout, not yet shared.
+                unsafe { std::alloc::dealloc(ptr.as_ptr(), layout) };
+                return Err(TransportError::io(
+                    format!("mlock of a {len}-byte region (raise `ulimit -l`)"),
+                    err,
+                ));
+            }
+            locked = true;
+        }
+        Self::wrap(len, Backing::Host { ptr, layout, locked })
+    }
+
+    /// Allocates a zeroed region backed by a `memfd`, mappable by same-host peers.
+    pub fn shared(len: u64) -> Result<Region> {
+        if len == 0 {
+            return Err(TransportError::Config("a region must not be empty".into()));
+        }
+        let name = c"cascade-region";
+        // SAFETY: `name` is a valid NUL-terminated string.
+        let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(TransportError::io("memfd_create", std::io::Error::last_os_error()));
+        }
+        // SAFETY: `fd` was just returned by memfd_create and is owned by nobody else.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        let map = map_fd(&fd, len, true)?;
+        Self::wrap(len, Backing::Shared { map, fd })
+    }
+
+    fn wrap(len: u64, backing: Backing) -> Result<Region> {
+        // On error `backing` drops here and frees the memory.
+        let key = random_key()?;
+        Ok(Region(Arc::new(Inner {
+            id: RegionId(NEXT_REGION.fetch_add(1, Ordering::Relaxed)),
+            key,
+            len,
+            backing,
+        })))
+    }
+
+    /// The region's id.
+    pub fn id(&self) -> RegionId {
+        self.0.id
+    }
+
+    /// The key peers must present.
+    pub fn key(&self) -> RemoteKey {
+        self.0.key
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> u64 {
+        self.0.len
+    }
+
+    /// Always false: regions are never empty. Present for API symmetry.
+    pub fn is_empty(&self) -> bool {
+        self.0.len == 0
+    }
+
+    /// True for memfd-backed regions that same-host peers can map.
+    pub fn is_shared(&self) -> bool {
+        matches!(self.0.backing, Backing::Shared { .. })
+    }
+
+    /// True when the pages are locked in RAM.
+    pub fn is_locked(&self) -> bool {
+        matches!(self.0.backing, Backing::Host { locked: true, .. })
+    }
+
+    /// The descriptor a peer needs to address this region on `node`.
+    pub fn remote(&self, node: NodeId) -> RemoteRegion {
+        RemoteRegion {
+            node,
+            id: self.0.id,
+            key: self.0.key,
+            len: self.0.len,
+        }
+    }
+
+    pub(crate) fn shared_fd(&self) -> Option<&OwnedFd> {
+        match &self.0.backing {
+            Backing::Shared { fd, .. } => Some(fd),
+            Backing::Host { .. } => None,
+        }
+    }
+
+    fn base(&self) -> *mut u8 {
+        match &self.0.backing {
+            Backing::Host { ptr, .. } => ptr.as_ptr(),
+            Backing::Shared { map, .. } => map.as_mut_ptr(),
+        }
+    }
+
+    /// Checks that `[offset, offset+len)` lies inside the region.
+    pub fn check(&self, offset: u64, len: u64) -> Result<()> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.0.len => Ok(()),
+            _ => Err(TransportError::OutOfBounds {
+                region: self.0.id.0,
+                offset,
+                len,
+                region_len: self.0.len,
+            }),
+        }
+    }
+
+    /// Copies `data` into the region at `offset` (bounds-checked).
+    pub fn write_local(&self, offset: u64, data: &[u8]) -> Result<()> {
+        self.check(offset, data.len() as u64)?;
+        // SAFETY: the range was bounds-checked; the destination is our own allocation and cannot
+        // overlap `data` unless the caller passes a view of this very range, which copy handles
+        // as overlapping-safe below.
+        unsafe { std::ptr::copy(data.as_ptr(), self.base().add(offset as usize), data.len()) };
+        Ok(())
+    }
+
+    /// Fills `[offset, offset+len)` with `byte`.
+    pub fn fill(&self, offset: u64, len: u64, byte: u8) -> Result<()> {
+        self.check(offset, len)?;
+        // SAFETY: bounds-checked range of our own allocation.
+        unsafe { std::ptr::write_bytes(self.base().add(offset as usize), byte, len as usize) };
+        Ok(())
+    }
+
+    /// A zero-copy view of `[offset, offset+len)`; it keeps the region alive.
+    /// See the module's concurrency contract.
+    pub fn view(&self, offset: u64, len: u64) -> Result<Bytes> {
+        self.check(offset, len)?;
+        Ok(Bytes::from_owner(View {
+            region: self.clone(),
+            offset: offset as usize,
+            len: len as usize,
+        }))
+    }
+
+    /// crc32 of `[offset, offset+len)`.
+    pub fn crc32(&self, offset: u64, len: u64) -> Result<u32> {
+        self.check(offset, len)?;
+        // SAFETY: bounds-checked; see the module's concurrency contract.
+        Ok(crc32fast::hash(unsafe { self.slice(offset, len) }))
+    }
+
+    /// The raw bytes of a range.
+    ///
+    /// # Safety
+    /// The range must be in bounds and no peer may be writing it for the lifetime of the slice
+    /// (the region concurrency contract).
+    pub(crate) unsafe fn slice(&self, offset: u64, len: u64) -> &[u8] {
+        debug_assert!(self.check(offset, len).is_ok());
+        // SAFETY: the caller guarantees bounds and the absence of concurrent writers.
+        unsafe { std::slice::from_raw_parts(self.base().add(offset as usize), len as usize) }
+    }
+
+    /// The raw bytes of a range, for the transport to land incoming data in.
+    ///
+    /// # Safety
+    /// The range must be in bounds and nothing else may access it for the lifetime of the slice:
+    /// the transport only lands bytes of an operation the owner has exposed to peers.
+    #[allow(clippy::mut_from_ref)]
+    pub(crate) unsafe fn slice_mut(&self, offset: u64, len: u64) -> &mut [u8] {
+        debug_assert!(self.check(offset, len).is_ok());
+        // SAFETY: the caller guarantees bounds and exclusive access for the slice's lifetime.
+        unsafe { std::slice::from_raw_parts_mut(self.base().add(offset as usize), len as usize) }
+    }
+}
+
+struct View {
+    region: Region,
+    offset: usize,
+    len: usize,
+}
+
+impl AsRef<[u8]> for View {
+    fn as_ref(&self) -> &[u8] {
+        // SAFETY: bounds were checked when the view was made; the region is kept alive by `self`.
+        unsafe { self.region.slice(self.offset as u64, self.len as u64) }
+    }
+}
+
+/// Maps `len` bytes of `fd` shared (read-write).
+pub(crate) fn map_fd(fd: &OwnedFd, len: u64, resize: bool) -> Result<MmapRaw> {
+    let file = File::from(fd.try_clone().map_err(|e| TransportError::io("dup of memfd", e))?);
+    if resize {
+        file.set_len(len)
+            .map_err(|e| TransportError::io(format!("sizing a {len}-byte memfd"), e))?;
+    }
+    let actual = file
+        .metadata()
+        .map_err(|e| TransportError::io("fstat of memfd", e))?
+        .len();
+    if actual < len {
+        return Err(TransportError::Protocol {
+            peer: None,
+            detail: format!("shared region is {actual} bytes, {len} announced"),
+        });
+    }
+    MmapOptions::new()
+        .len(len as usize)
+        .populate()
+        .map_raw(file.as_raw_fd())
+        .map_err(|e| TransportError::io(format!("mmap of a {len}-byte shared region"), e))
+}
+
+/// The node's table of regions that peers may access, checked on every remote operation.
+#[derive(Clone, Default)]
+pub struct RegionTable {
+    map: Arc<RwLock<HashMap<RegionId, Region>>>,
+}
+
+impl RegionTable {
+    /// An empty table.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Exposes `region` to peers.
+    pub fn register(&self, region: &Region) {
+        self.write_map().insert(region.id(), region.clone());
+    }
+
+    /// Withdraws a region; later remote accesses are refused with `UnknownRegion`.
+    pub fn deregister(&self, id: RegionId) -> Option<Region> {
+        self.write_map().remove(&id)
+    }
+
+    /// Number of registered regions.
+    pub fn len(&self) -> usize {
+        self.read_map().len()
+    }
+
+    /// True when no region is registered.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Looks up a region by id (no key check: local use).
+    pub fn get(&self, id: RegionId) -> Option<Region> {
+        self.read_map().get(&id).cloned()
+    }
+
+    /// The check every remote access passes: region known, key right, range inside.
+    pub fn access(&self, id: RegionId, key: RemoteKey, offset: u64, len: u64) -> Result<Region, Status> {
+        let region = self.get(id).ok_or(Status::UnknownRegion)?;
+        if region.key() != key {
+            return Err(Status::BadKey);
+        }
+        region.check(offset, len).map_err(|_| Status::OutOfBounds)?;
+        Ok(region)
+    }
+
+    fn read_map(&self) -> std::sync::RwLockReadGuard<'_, HashMap<RegionId, Region>> {
+        self.map.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn write_map(&self) -> std::sync::RwLockWriteGuard<'_, HashMap<RegionId, Region>> {
+        self.map.write().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,77 @@
+use super::*;
+
+#[test]
+fn host_region_is_page_aligned_and_zeroed() {
+    let r = Region::alloc(3 * PAGE as u64 + 5, RegionOptions::default()).unwrap();
+    assert_eq!(r.base() as usize % PAGE, 0);
+    assert!(r.view(0, r.len()).unwrap().iter().all(|&b| b == 0));
+    assert!(!r.is_shared());
+}
+
+#[test]
+fn empty_region_is_refused() {
+    assert!(Region::alloc(0, RegionOptions::default()).is_err());
+    assert!(Region::shared(0).is_err());
+}
+
+#[test]
+fn local_access_is_bounds_checked() {
+    let r = Region::alloc(100, RegionOptions::default()).unwrap();
+    r.write_local(90, &[7; 10]).unwrap();
+    assert!(matches!(
+        r.write_local(91, &[7; 10]),
+        Err(TransportError::OutOfBounds { offset: 91, len: 10, region_len: 100, .. })
+    ));
+    assert!(r.view(u64::MAX, 2).is_err(), "offset overflow must not wrap");
+    assert_eq!(&r.view(88, 4).unwrap()[..], &[0, 0, 7, 7]);
+}
+
+#[test]
+fn view_is_zero_copy_and_keeps_region_alive() {
+    let r = Region::alloc(64, RegionOptions::default()).unwrap();
+    r.fill(0, 64, 3).unwrap();
+    let v = r.view(8, 8).unwrap();
+    let base = r.base() as usize;
+    drop(r);
+    assert_eq!(v.as_ptr() as usize, base + 8);
+    assert_eq!(&v[..], &[3; 8]);
+}
+
+#[test]
+fn shared_region_is_visible_through_a_second_mapping() {
+    let r = Region::shared(2 * PAGE as u64).unwrap();
+    let other = map_fd(r.shared_fd().unwrap(), r.len(), false).unwrap();
+    r.write_local(PAGE as u64, b"hello").unwrap();
+    // SAFETY: the mapping is 2 pages long and nobody writes it concurrently.
+    let seen = unsafe { std::slice::from_raw_parts(other.as_ptr().add(PAGE), 5) };
+    assert_eq!(seen, b"hello");
+}
+
+#[test]
+fn table_checks_region_key_and_bounds() {
+    let t = RegionTable::new();
+    let r = Region::alloc(4096, RegionOptions::default()).unwrap();
+    t.register(&r);
+    assert!(t.access(r.id(), r.key(), 0, 4096).is_ok());
+    assert_eq!(t.access(r.id(), RemoteKey(r.key().0 ^ 2), 0, 1).unwrap_err(), Status::BadKey);
+    assert_eq!(t.access(r.id(), r.key(), 4000, 97).unwrap_err(), Status::OutOfBounds);
+    assert_eq!(t.access(RegionId(u32::MAX), r.key(), 0, 1).unwrap_err(), Status::UnknownRegion);
+    t.deregister(r.id());
+    assert_eq!(t.access(r.id(), r.key(), 0, 1).unwrap_err(), Status::UnknownRegion);
+}
+
+#[test]
+fn keys_differ_between_regions() {
+    let a = Region::alloc(8, RegionOptions::default()).unwrap();
+    let b = Region::alloc(8, RegionOptions::default()).unwrap();
+    assert_ne!(a.id(), b.id());
+    assert_ne!(a.key(), b.key());
+}
+
+#[test]
+fn mlock_either_locks_or_says_why() {
+    match Region::alloc(PAGE as u64, RegionOptions { mlock: true }) {
+        Ok(r) => assert!(r.is_locked()),
+        Err(e) => assert!(e.to_string().contains("mlock"), "{e}"),
+    }
+}

@@ -1,0 +1,586 @@
+//! The link engine shared by the stream backends (`tcp`, and `shm`'s control path).
+//!
+//! A link owns two tasks: a *writer* draining a queue of outgoing frames (requests, answers,
+//! keepalives) and a *reader* that decodes frames, serves the peer's one-sided operations against
+//! the local [`RegionTable`] and completes our own pending operations. Payloads move between the
+//! socket and registered regions directly: WRITE data is read from the socket straight into the
+//! destination region, READ answers are written to the socket straight from the source region.
+//!
+//! A malformed frame, an unknown request id or a dead peer closes only this link: every pending
+//! operation fails with `PeerDown` and the owner is told through `on_close`.
+
+use std::collections::HashMap;
+use std::io;
+use std::os::fd::OwnedFd;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufWriter};
+use tokio::sync::{mpsc, watch};
+use tracing::{debug, warn};
+
+use crate::error::{Result, TransportError};
+use crate::link::{BackendKind, Completion, Done, Incoming, Link, Op, OpHandle};
+use crate::region::{Region, RegionId, RegionTable, RemoteKey};
+use crate::shm::PeerMap;
+use crate::stats::{LinkStats, StatsSnapshot};
+use crate::wire::{Header, Opcode, Status, FLAG_CRC, HEADER_LEN};
+use crate::NodeId;
+
+/// Payload bytes read per socket call while landing data (also the liveness granularity).
+const CHUNK: usize = 1 << 20;
+
+/// Source half of a stream: an `AsyncRead` that may also carry file descriptors.
+pub(crate) trait FrameSource: AsyncRead + Unpin + Send + 'static {
+    /// A descriptor that arrived with the bytes read so far, if any.
+    fn take_fd(&mut self) -> Option<OwnedFd>;
+}
+
+/// Sink half of a stream: an `AsyncWrite` that may also send file descriptors.
+pub(crate) trait FrameSink: AsyncWrite + Unpin + Send + 'static {
+    /// Writes `bytes` with `fd` attached.
+    fn send_fd<'a>(
+        &'a mut self,
+        bytes: &'a [u8],
+        fd: &'a OwnedFd,
+    ) -> Pin<Box<dyn std::future::Future<Output = io::Result<()>> + Send + 'a>>;
+}
+
+/// Timing settings of a link.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Timing {
+    pub(crate) keepalive: Duration,
+    pub(crate) dead_after: Duration,
+}
+
+/// Resolves once `rx` carries `true` (or its sender is gone).
+pub(crate) async fn stopped(rx: &mut watch::Receiver<bool>) {
+    let _ = rx.wait_for(|v| *v).await;
+}
+
+/// Called once when the link closes, with the reason.
+pub(crate) type OnClose = Box<dyn FnOnce(String) + Send>;
+
+pub(crate) enum Payload {
+    None,
+    Region { region: Region, offset: u64, len: u64 },
+    Bytes(Bytes),
+}
+
+pub(crate) enum Out {
+    Frame { header: Header, payload: Payload, done: Option<(Done, u64)> },
+    WithFd { header: Header, fd: OwnedFd },
+}
+
+enum Pending {
+    Write { done: Done, len: u64, crc: Option<u32> },
+    Read { done: Done, dest: Region, offset: u64, len: u64, verify: bool },
+    Map { done: tokio::sync::oneshot::Sender<Result<Option<Arc<PeerMap>>>> },
+}
+
+pub(crate) struct Shared {
+    pub(crate) peer: NodeId,
+    pub(crate) kind: BackendKind,
+    pub(crate) regions: RegionTable,
+    pub(crate) stats: LinkStats,
+    /// Pending operations; `None` once closed (so nothing is inserted after the drain).
+    pending: Mutex<Option<HashMap<u64, Pending>>>,
+    next_id: AtomicU64,
+    closed: AtomicBool,
+    start: Instant,
+    last_rx_ms: AtomicU64,
+    last_tx_ms: AtomicU64,
+    shutdown: watch::Sender<bool>,
+    on_close: Mutex<Option<OnClose>>,
+    pub(crate) tx: mpsc::UnboundedSender<Out>,
+}
+
+impl Shared {
+    /// Posts one operation through the framed protocol.
+    pub(crate) fn post_framed(&self, op: Op) -> OpHandle {
+        let s = self;
+        let (done, handle) = OpHandle::new(s.peer);
+        if let Err(e) = op.check_local() {
+            s.finish_op(done, Err(e));
+            return handle;
+        }
+        let (header, payload, pending) = match op {
+            Op::Write { local, local_offset, remote, remote_offset, len, verify } => {
+                let crc = if verify { local.crc32(local_offset, len).ok() } else { None };
+                let h = Header { region: remote.id.0, key: remote.key.0, offset: remote_offset, len, ..Header::new(Opcode::Write) }
+                    .with_crc(crc);
+                (h, Payload::Region { region: local, offset: local_offset, len }, Pending::Write { done, len, crc })
+            }
+            Op::Read { local, local_offset, remote, remote_offset, len, verify } => {
+                let mut h = Header { region: remote.id.0, key: remote.key.0, offset: remote_offset, len, ..Header::new(Opcode::ReadReq) };
+                if verify {
+                    h.flags |= FLAG_CRC;
+                }
+                (h, Payload::None, Pending::Read { done, dest: local, offset: local_offset, len, verify })
+            }
+            Op::Send { payload } => {
+                let len = payload.len() as u64;
+                let h = Header { len, ..Header::new(Opcode::Send) };
+                if !s.send(Out::Frame { header: h, payload: Payload::Bytes(payload), done: Some((done, len)) }) {
+                    return OpHandle::ready(s.peer, Err(s.down("link closed")));
+                }
+                return handle;
+            }
+        };
+        match s.insert(pending) {
+            Ok(id) => {
+                let header = Header { req_id: id, ..header };
+                if !s.send(Out::Frame { header, payload, done: None }) {
+                    s.close("writer stopped");
+                }
+            }
+            Err(Pending::Write { done, .. } | Pending::Read { done, .. }) => s.finish_op(done, Err(s.down("link closed"))),
+            Err(Pending::Map { .. }) => {}
+        }
+        handle
+    }
+
+    /// Asks the peer for a shared region's descriptor (shm control path).
+    pub(crate) async fn request_map(&self, region: RegionId, key: RemoteKey) -> Result<Option<Arc<PeerMap>>> {
+        let s = self;
+        let (done, rx) = tokio::sync::oneshot::channel();
+        let id = s.insert(Pending::Map { done }).map_err(|_| s.down("link closed"))?;
+        let h = Header { req_id: id, region: region.0, key: key.0, ..Header::new(Opcode::MapReq) };
+        s.send(Out::Frame { header: h, payload: Payload::None, done: None });
+        rx.await.map_err(|_| s.down("link closed"))?
+    }
+
+    /// Registers a WRITE whose data was already copied into the peer's mapping; resolves on its ack.
+    pub(crate) fn post_shm_written(&self, done: Done, region: RegionId, key: RemoteKey, offset: u64, len: u64, crc: Option<u32>) {
+        let s = self;
+        match s.insert(Pending::Write { done, len, crc }) {
+            Ok(id) => {
+                let h = Header { req_id: id, region: region.0, key: key.0, offset, len, ..Header::new(Opcode::ShmWritten) }.with_crc(crc);
+                s.send(Out::Frame { header: h, payload: Payload::None, done: None });
+            }
+            Err(Pending::Write { done, .. }) => s.finish_op(done, Err(s.down("link closed"))),
+            Err(_) => {}
+        }
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.start.elapsed().as_millis() as u64
+    }
+
+    fn touch_rx(&self) {
+        self.last_rx_ms.store(self.now_ms(), Ordering::Relaxed);
+    }
+
+    fn down(&self, reason: &str) -> TransportError {
+        TransportError::PeerDown { peer: self.peer, reason: reason.to_string() }
+    }
+
+    /// Registers a pending operation and returns its request id, or fails if the link is closed.
+    fn insert(&self, p: Pending) -> std::result::Result<u64, Pending> {
+        let mut g = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        match g.as_mut() {
+            Some(map) => {
+                let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+                map.insert(id, p);
+                Ok(id)
+            }
+            None => Err(p),
+        }
+    }
+
+    fn take(&self, id: u64) -> Option<Pending> {
+        self.pending.lock().unwrap_or_else(|e| e.into_inner()).as_mut()?.remove(&id)
+    }
+
+    pub(crate) fn send(&self, out: Out) -> bool {
+        self.tx.send(out).is_ok()
+    }
+
+    /// Closes the link once: fails every pending operation and tells the owner.
+    pub(crate) fn close(&self, reason: &str) {
+        if self.closed.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        debug!(peer = self.peer, kind = %self.kind, reason, "link closed");
+        let drained = self.pending.lock().unwrap_or_else(|e| e.into_inner()).take();
+        for (_, p) in drained.into_iter().flatten() {
+            self.stats.op_err();
+            match p {
+                Pending::Write { done, .. } | Pending::Read { done, .. } => {
+                    let _ = done.send(Err(self.down(reason)));
+                }
+                Pending::Map { done } => {
+                    let _ = done.send(Err(self.down(reason)));
+                }
+            }
+        }
+        let _ = self.shutdown.send(true);
+        if let Some(f) = self.on_close.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            f(reason.to_string());
+        }
+    }
+
+    pub(crate) fn finish_op(&self, done: Done, r: Result<Completion>) {
+        match &r {
+            Ok(_) => self.stats.op_ok(),
+            Err(_) => self.stats.op_err(),
+        }
+        let _ = done.send(r);
+    }
+}
+
+/// A link over a byte stream.
+pub(crate) struct StreamLink {
+    pub(crate) shared: Arc<Shared>,
+    /// Mappings of the peer's shared regions (shm links only).
+    pub(crate) maps: Option<Arc<crate::shm::MapCache>>,
+}
+
+impl StreamLink {
+    /// Starts the reader, writer and watchdog tasks on the current runtime.
+    pub(crate) fn spawn<R: FrameSource, W: FrameSink>(
+        peer: NodeId,
+        kind: BackendKind,
+        reader: R,
+        writer: W,
+        regions: RegionTable,
+        inbox: mpsc::UnboundedSender<Incoming>,
+        timing: Timing,
+        on_close: OnClose,
+    ) -> Arc<StreamLink> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let (shutdown, _) = watch::channel(false);
+        let shared = Arc::new(Shared {
+            peer,
+            kind,
+            regions,
+            stats: LinkStats::default(),
+            pending: Mutex::new(Some(HashMap::new())),
+            next_id: AtomicU64::new(1),
+            closed: AtomicBool::new(false),
+            start: Instant::now(),
+            last_rx_ms: AtomicU64::new(0),
+            last_tx_ms: AtomicU64::new(0),
+            shutdown,
+            on_close: Mutex::new(Some(on_close)),
+            tx,
+        });
+        let s = shared.clone();
+        tokio::spawn(async move {
+            let mut stop = s.shutdown.subscribe();
+            let r = tokio::select! {
+                r = write_loop(&s, writer, rx, timing) => r,
+                _ = crate::stream::stopped(&mut stop) => Ok(()),
+            };
+            if let Err(e) = r {
+                s.close(&format!("send failed: {e}"));
+            }
+        });
+        let s = shared.clone();
+        tokio::spawn(async move {
+            let mut stop = s.shutdown.subscribe();
+            let r = tokio::select! {
+                r = read_loop(&s, reader, &inbox) => r,
+                _ = crate::stream::stopped(&mut stop) => Ok(()),
+            };
+            if let Err(e) = r {
+                s.close(&e.to_string());
+            }
+        });
+        let s = shared.clone();
+        tokio::spawn(async move {
+            let mut stop = s.shutdown.subscribe();
+            let mut tick = tokio::time::interval(timing.keepalive / 2);
+            loop {
+                tokio::select! {
+                    _ = tick.tick() => {}
+                    _ = crate::stream::stopped(&mut stop) => return,
+                }
+                let idle = s.now_ms().saturating_sub(s.last_rx_ms.load(Ordering::Relaxed));
+                if idle > timing.dead_after.as_millis() as u64 {
+                    warn!(peer = s.peer, idle_ms = idle, "peer silent, declaring it down");
+                    s.close(&format!("no traffic for {idle} ms (keepalive)"));
+                    return;
+                }
+            }
+        });
+        Arc::new(StreamLink { shared, maps: (kind == BackendKind::Shm).then(Default::default) })
+    }
+
+}
+
+impl Link for StreamLink {
+    fn peer(&self) -> NodeId {
+        self.shared.peer
+    }
+    fn kind(&self) -> BackendKind {
+        self.shared.kind
+    }
+    fn post(&self, ops: Vec<Op>) -> Vec<OpHandle> {
+        let _span = tracing::debug_span!("post", peer = self.shared.peer, n = ops.len()).entered();
+        match &self.maps {
+            Some(maps) => ops.into_iter().map(|op| crate::shm::post(&self.shared, maps, op)).collect(),
+            None => ops.into_iter().map(|op| self.shared.post_framed(op)).collect(),
+        }
+    }
+    fn stats(&self) -> StatsSnapshot {
+        self.shared.stats.snapshot()
+    }
+    fn is_alive(&self) -> bool {
+        !self.shared.closed.load(Ordering::SeqCst)
+    }
+    fn close(&self, reason: &str) {
+        self.shared.close(reason);
+    }
+}
+
+impl Drop for StreamLink {
+    fn drop(&mut self) {
+        self.shared.close("link dropped");
+    }
+}
+
+async fn write_loop<W: FrameSink>(s: &Shared, w: W, mut rx: mpsc::UnboundedReceiver<Out>, timing: Timing) -> io::Result<()> {
+    let mut w = BufWriter::with_capacity(64 << 10, w);
+    let mut tick = tokio::time::interval(timing.keepalive);
+    loop {
+        let out = tokio::select! {
+            biased;
+            out = rx.recv() => match out { Some(o) => o, None => return Ok(()) },
+            _ = tick.tick() => {
+                let idle = s.now_ms().saturating_sub(s.last_tx_ms.load(Ordering::Relaxed));
+                if idle >= timing.keepalive.as_millis() as u64 {
+                    w.write_all(&Header::new(Opcode::Ping).encode()).await?;
+                    w.flush().await?;
+                    s.last_tx_ms.store(s.now_ms(), Ordering::Relaxed);
+                }
+                continue;
+            }
+        };
+        write_one(s, &mut w, out).await?;
+        // Coalesce whatever else is queued, then flush once.
+        while let Ok(out) = rx.try_recv() {
+            write_one(s, &mut w, out).await?;
+        }
+        w.flush().await?;
+        s.last_tx_ms.store(s.now_ms(), Ordering::Relaxed);
+    }
+}
+
+async fn write_one<W: FrameSink>(s: &Shared, w: &mut BufWriter<W>, out: Out) -> io::Result<()> {
+    match out {
+        Out::Frame { header, payload, done } => {
+            w.write_all(&header.encode()).await?;
+            match payload {
+                Payload::None => {}
+                Payload::Bytes(b) => w.write_all(&b).await?,
+                Payload::Region { region, offset, len } => {
+                    // SAFETY: the range was bounds-checked when the operation was posted/served,
+                    // `region` is kept alive by this scope, and the region contract makes the
+                    // owner responsible for not changing bytes that are being sent.
+                    let data = unsafe { region.slice(offset, len) };
+                    w.write_all(data).await?;
+                }
+            }
+            s.stats.tx(header.payload_len());
+            if let Some((done, len)) = done {
+                s.finish_op(done, Ok(Completion { bytes: len }));
+            }
+        }
+        Out::WithFd { header, fd } => {
+            w.flush().await?;
+            w.get_mut().send_fd(&header.encode(), &fd).await?;
+        }
+    }
+    Ok(())
+}
+
+/// Reads `len` bytes into `region[offset..]`, in chunks, returning the crc32 when asked.
+async fn land<R: FrameSource>(s: &Shared, r: &mut R, region: &Region, offset: u64, len: u64, crc: bool) -> io::Result<Option<u32>> {
+    // SAFETY: the caller bounds-checked the range against `region`, which outlives this call; the
+    // bytes belong to an operation the owner exposed to the peer (region contract).
+    let dst = unsafe { region.slice_mut(offset, len) };
+    let mut hasher = crc.then(crc32fast::Hasher::new);
+    let mut pos = 0;
+    while pos < dst.len() {
+        let end = (pos + CHUNK).min(dst.len());
+        let n = r.read(&mut dst[pos..end]).await?;
+        if n == 0 {
+            return Err(io::ErrorKind::UnexpectedEof.into());
+        }
+        if let Some(h) = hasher.as_mut() {
+            h.update(&dst[pos..pos + n]);
+        }
+        pos += n;
+        s.touch_rx();
+    }
+    s.stats.rx(len);
+    Ok(hasher.map(|h| h.finalize()))
+}
+
+/// Reads and discards `len` bytes (the payload of a refused WRITE), keeping the stream in step.
+async fn drain<R: FrameSource>(s: &Shared, r: &mut R, mut len: u64) -> io::Result<()> {
+    let mut scratch = vec![0u8; 64 << 10];
+    while len > 0 {
+        let want = len.min(scratch.len() as u64) as usize;
+        let n = r.read(&mut scratch[..want]).await?;
+        if n == 0 {
+            return Err(io::ErrorKind::UnexpectedEof.into());
+        }
+        len -= n as u64;
+        s.touch_rx();
+    }
+    Ok(())
+}
+
+fn reply(h: &Header, op: Opcode, status: Status) -> Header {
+    Header { req_id: h.req_id, region: h.region, offset: h.offset, status, ..Header::new(op) }
+}
+
+async fn read_loop<R: FrameSource>(s: &Arc<Shared>, mut r: R, inbox: &mpsc::UnboundedSender<Incoming>) -> Result<()> {
+    let peer = Some(s.peer);
+    let io_err = |e: io::Error| {
+        if e.kind() == io::ErrorKind::UnexpectedEof {
+            TransportError::PeerDown { peer: s.peer, reason: "connection closed by peer".into() }
+        } else {
+            TransportError::io(format!("receiving from node {}", s.peer), e)
+        }
+    };
+    let mut hb = [0u8; HEADER_LEN];
+    loop {
+        r.read_exact(&mut hb).await.map_err(io_err)?;
+        s.touch_rx();
+        let h = Header::decode(&hb).map_err(|source| TransportError::Frame { peer, source })?;
+        match h.op {
+            Opcode::Ping => {}
+            Opcode::Write => {
+                let status = match s.regions.access(RegionId(h.region), RemoteKey(h.key), h.offset, h.len) {
+                    Ok(region) => {
+                        let got = land(s, &mut r, &region, h.offset, h.len, h.crc().is_some()).await.map_err(io_err)?;
+                        crc_status(h.crc(), got)
+                    }
+                    Err(st) => {
+                        s.stats.op_err();
+                        drain(s, &mut r, h.len).await.map_err(io_err)?;
+                        (st, None)
+                    }
+                };
+                let ack = reply(&h, Opcode::WriteAck, status.0).with_crc(status.1);
+                s.send(Out::Frame { header: ack, payload: Payload::None, done: None });
+            }
+            Opcode::ShmWritten => {
+                let status = match s.regions.access(RegionId(h.region), RemoteKey(h.key), h.offset, h.len) {
+                    Ok(region) => {
+                        s.stats.rx(h.len);
+                        let got = match h.crc() {
+                            Some(_) => region.crc32(h.offset, h.len).ok(),
+                            None => None,
+                        };
+                        crc_status(h.crc(), got)
+                    }
+                    Err(st) => (st, None),
+                };
+                let ack = reply(&h, Opcode::WriteAck, status.0).with_crc(status.1);
+                s.send(Out::Frame { header: ack, payload: Payload::None, done: None });
+            }
+            Opcode::ReadReq => {
+                let out = match s.regions.access(RegionId(h.region), RemoteKey(h.key), h.offset, h.len) {
+                    Ok(region) => {
+                        let crc = if h.flags & FLAG_CRC != 0 { region.crc32(h.offset, h.len).ok() } else { None };
+                        let resp = Header { len: h.len, ..reply(&h, Opcode::ReadResp, Status::Ok) }.with_crc(crc);
+                        Out::Frame { header: resp, payload: Payload::Region { region, offset: h.offset, len: h.len }, done: None }
+                    }
+                    Err(st) => {
+                        s.stats.op_err();
+                        Out::Frame { header: reply(&h, Opcode::ReadResp, st), payload: Payload::None, done: None }
+                    }
+                };
+                s.send(out);
+            }
+            Opcode::Send => {
+                let mut buf = BytesMut::zeroed(h.len as usize);
+                r.read_exact(&mut buf).await.map_err(io_err)?;
+                s.touch_rx();
+                s.stats.rx(h.len);
+                let _ = inbox.send(Incoming { from: s.peer, payload: buf.freeze() });
+            }
+            Opcode::MapReq => {
+                let out = match s.regions.access(RegionId(h.region), RemoteKey(h.key), 0, 0) {
+                    Ok(region) => match region.shared_fd().map(|fd| fd.try_clone()) {
+                        Some(Ok(fd)) => Out::WithFd { header: Header { len: region.len(), ..reply(&h, Opcode::MapResp, Status::Ok) }, fd },
+                        Some(Err(_)) => Out::Frame { header: reply(&h, Opcode::MapResp, Status::Internal), payload: Payload::None, done: None },
+                        None => Out::Frame { header: reply(&h, Opcode::MapResp, Status::NotShareable), payload: Payload::None, done: None },
+                    },
+                    Err(st) => Out::Frame { header: reply(&h, Opcode::MapResp, st), payload: Payload::None, done: None },
+                };
+                s.send(out);
+            }
+            Opcode::WriteAck => match s.take(h.req_id) {
+                Some(Pending::Write { done, len, crc }) => {
+                    let r = match h.status {
+                        Status::Ok => Ok(Completion { bytes: len }),
+                        Status::CrcMismatch => Err(TransportError::CrcMismatch {
+                            peer: s.peer,
+                            op: "write",
+                            expected: crc.unwrap_or(0),
+                            actual: h.crc().unwrap_or(0),
+                        }),
+                        status => Err(TransportError::Refused { peer: s.peer, op: "write", status }),
+                    };
+                    s.finish_op(done, r);
+                }
+                _ => return Err(protocol(s, format!("WriteAck for unknown request {}", h.req_id))),
+            },
+            Opcode::ReadResp => match s.take(h.req_id) {
+                Some(Pending::Read { done, dest, offset, len, verify }) => {
+                    if h.status != Status::Ok {
+                        s.finish_op(done, Err(TransportError::Refused { peer: s.peer, op: "read", status: h.status }));
+                        continue;
+                    }
+                    if h.len != len {
+                        let _ = done.send(Err(s.down("bad read answer")));
+                        return Err(protocol(s, format!("READ answer of {} bytes, {len} requested", h.len)));
+                    }
+                    let got = land(s, &mut r, &dest, offset, len, verify).await.map_err(io_err)?;
+                    let result = match (h.crc(), got) {
+                        (Some(expected), Some(actual)) if expected != actual => {
+                            Err(TransportError::CrcMismatch { peer: s.peer, op: "read", expected, actual })
+                        }
+                        (None, Some(_)) => Err(protocol(s, "READ answer lacks the requested crc32".into())),
+                        _ => Ok(Completion { bytes: len }),
+                    };
+                    s.finish_op(done, result);
+                }
+                _ => return Err(protocol(s, format!("READ answer for unknown request {}", h.req_id))),
+            },
+            Opcode::MapResp => match s.take(h.req_id) {
+                Some(Pending::Map { done }) => {
+                    let r = match h.status {
+                        Status::Ok => match r.take_fd() {
+                            Some(fd) => PeerMap::open(fd, h.len).map(|m| Some(Arc::new(m))),
+                            None => return Err(protocol(s, "MapResp arrived without a descriptor".into())),
+                        },
+                        Status::NotShareable => Ok(None),
+                        status => Err(TransportError::Refused { peer: s.peer, op: "map", status }),
+                    };
+                    let _ = done.send(r);
+                }
+                _ => return Err(protocol(s, format!("MapResp for unknown request {}", h.req_id))),
+            },
+        }
+    }
+}
+
+fn crc_status(expected: Option<u32>, got: Option<u32>) -> (Status, Option<u32>) {
+    match (expected, got) {
+        (Some(e), Some(g)) if e != g => (Status::CrcMismatch, Some(g)),
+        _ => (Status::Ok, None),
+    }
+}
+
+fn protocol(s: &Shared, detail: String) -> TransportError {
+    TransportError::Protocol { peer: Some(s.peer), detail }
+}
