@@ -166,3 +166,36 @@ async fn wrong_secret_never_connects() {
     assert!(a.wait_ready(Duration::from_millis(800)).await.is_err());
     assert!(a.connected().is_empty());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_frame_after_handshake_closes_only_that_link() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    // Nodes 0 and 1 run; node 2's place is taken by a raw client that knows the secret.
+    let c = cluster(3, "malformed");
+    let a = Endpoint::start(fast(EndpointConfig::new(0, c.clone(), b"s"), false)).await.unwrap();
+    let b = Endpoint::start(fast(EndpointConfig::new(1, c.clone(), b"s"), false)).await.unwrap();
+    let hcfg = HandshakeConfig { version: PROTOCOL_VERSION, node: 2, caps: Caps::TCP, secret: Arc::from(&b"s"[..]), timeout: Duration::from_secs(5) };
+    for junk in [vec![0x42u8; 200], crate::wire::Header::new(crate::wire::Opcode::Write).encode()[..30].to_vec()] {
+        let mut raw = TcpStream::connect(c.node(0).unwrap().addr).await.unwrap();
+        handshake::dial(&mut raw, &hcfg, 0).await.unwrap();
+        raw.write_all(&junk).await.unwrap();
+        raw.shutdown().await.unwrap();
+        // The endpoint drops this connection...
+        let mut sink = Vec::new();
+        tokio::time::timeout(Duration::from_secs(5), raw.read_to_end(&mut sink)).await.unwrap().ok();
+    }
+    // ...and keeps serving node 1.
+    let dst = a.register_new(4096).unwrap();
+    let src = Region::alloc(4096, Default::default()).unwrap();
+    tokio::time::timeout(Duration::from_secs(5), async {
+        while b.link(0).is_err() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .unwrap();
+    let r = b.run(0, vec![Op::write(&src, 0, dst.remote(0), 0, 4096).verified()]).await.unwrap();
+    assert!(r[0].is_ok(), "{r:?}");
+    assert!(a.connected().iter().any(|(p, _)| *p == 1));
+    assert!(matches!(a.link(2), Err(TransportError::NotConnected { .. })));
+}
