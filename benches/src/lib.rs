@@ -1,1 +1,157 @@
-//! Benchmark binaries live in `src/bin/`.
+//! # cascade-benches
+//!
+//! Benchmark binaries (`src/bin/`), each printing one JSON object with `--json` (fields as in
+//! DESIGN.md), and the helper they share: every benchmark runs its peers as separate processes —
+//! the same binary started in the hidden peer role — so that bytes really cross process
+//! boundaries through the transport.
+#![cfg_attr(test, allow(clippy::unwrap_used))]
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use cascade_transport::{ClusterSpec, Endpoint, EndpointConfig, NodeSpec, RegionId, RemoteKey, RemoteRegion};
+
+/// Secret the benchmark clusters share.
+pub const SECRET: &[u8] = b"cascade-bench";
+
+/// A temporary cluster: its file, its directory, and the peers running in it.
+pub struct BenchCluster {
+    /// Membership (node 0 is the benchmark process itself).
+    pub spec: ClusterSpec,
+    /// Directory holding the cluster file and sockets.
+    pub dir: PathBuf,
+    peers: Vec<Child>,
+    /// Region of each peer (index = node id − 1).
+    pub regions: Vec<RemoteRegion>,
+}
+
+impl BenchCluster {
+    /// Writes a cluster of `n` loopback nodes and starts nodes 1..n as peer processes of `exe`,
+    /// each registering a region of `region_bytes` filled with a pattern; `extra` is appended to
+    /// each peer's command line.
+    pub fn start(exe: &str, n: usize, region_bytes: u64, shm: bool, extra: &[&str]) -> anyhow::Result<BenchCluster> {
+        let ls: Vec<_> = (0..n).map(|_| std::net::TcpListener::bind("127.0.0.1:0")).collect::<Result<_, _>>()?;
+        let nodes = ls
+            .iter()
+            .enumerate()
+            .map(|(i, l)| Ok(NodeSpec { id: i as u32, addr: l.local_addr()?, host: None }))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        drop(ls);
+        let name = format!("bench{}", std::process::id());
+        let spec = ClusterSpec::new(name.clone(), nodes)?;
+        let dir = std::env::temp_dir().join(format!("cascade-{name}"));
+        std::fs::create_dir_all(&dir)?;
+        let mut toml = format!("name = \"{name}\"\n");
+        for n in &spec.nodes {
+            toml += &format!("[[nodes]]\nid = {}\naddr = \"{}\"\n", n.id, n.addr);
+        }
+        let file = dir.join("cluster.toml");
+        std::fs::write(&file, toml)?;
+        let mut c = BenchCluster { spec, dir: dir.clone(), peers: vec![], regions: vec![] };
+        for id in 1..n {
+            let mut cmd = Command::new(exe);
+            cmd.args(["--role", "peer", "--cluster"]).arg(&file).args(["--node", &id.to_string()]);
+            cmd.args(["--region-bytes", &region_bytes.to_string()]);
+            if shm {
+                cmd.arg("--shm");
+            }
+            cmd.args(extra);
+            cmd.env("XDG_RUNTIME_DIR", &dir).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit());
+            c.peers.push(cmd.spawn().with_context(|| format!("starting peer {id}"))?);
+        }
+        for (i, p) in c.peers.iter_mut().enumerate() {
+            let out = p.stdout.take().context("peer stdout")?;
+            let mut line = String::new();
+            BufReader::new(out).read_line(&mut line)?;
+            let v: serde_json::Value = serde_json::from_str(&line).with_context(|| format!("peer {} printed {line:?}", i + 1))?;
+            let field = |k: &str| v[k].as_u64().with_context(|| format!("peer {} lacks {k}: {line}", i + 1));
+            c.regions.push(RemoteRegion { node: (i + 1) as u32, id: RegionId(field("id")? as u32), key: RemoteKey(field("key")?), len: field("len")? });
+        }
+        Ok(c)
+    }
+
+    /// Endpoint settings for node 0 in this cluster.
+    pub fn config(&self, shm: bool) -> EndpointConfig {
+        let mut cfg = EndpointConfig::new(0, self.spec.clone(), SECRET);
+        cfg.shm = shm;
+        cfg.runtime_dir = self.dir.clone();
+        cfg
+    }
+}
+
+impl Drop for BenchCluster {
+    fn drop(&mut self) {
+        for p in &mut self.peers {
+            drop(p.stdin.take()); // EOF tells the peer to stop
+        }
+        for p in &mut self.peers {
+            let deadline = std::time::Instant::now() + Duration::from_secs(5);
+            while std::time::Instant::now() < deadline {
+                if let Ok(Some(_)) = p.try_wait() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = p.kill();
+            let _ = p.wait();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Arguments of the hidden peer role.
+#[derive(Debug, Clone, clap::Args)]
+pub struct PeerArgs {
+    /// Cluster file (peer role).
+    #[arg(long, hide = true)]
+    pub cluster: Option<PathBuf>,
+    /// Node id (peer role).
+    #[arg(long, hide = true)]
+    pub node: Option<u32>,
+    /// Region size (peer role).
+    #[arg(long, hide = true, default_value_t = 0)]
+    pub region_bytes: u64,
+    /// Use shared memory (peer role).
+    #[arg(long, hide = true)]
+    pub shm: bool,
+}
+
+/// Runs a peer: join, register and fill a region, print its descriptor, serve until stdin closes.
+pub async fn run_peer(a: &PeerArgs) -> anyhow::Result<()> {
+    let (Some(file), Some(node)) = (&a.cluster, a.node) else { bail!("peer role needs --cluster and --node") };
+    let spec = ClusterSpec::load(file)?;
+    let mut cfg = EndpointConfig::new(node, spec, SECRET);
+    cfg.shm = a.shm;
+    let ep = Endpoint::start(cfg).await?;
+    let r = ep.register_new(a.region_bytes)?;
+    let mut off = 0;
+    while off < r.len() {
+        let n = 4096.min(r.len() - off);
+        r.fill(off, n, (off / 4096 % 251) as u8 + u8::try_from(node % 4).unwrap_or(0))?;
+        off += n;
+    }
+    println!("{}", serde_json::json!({"id": r.id().0, "key": r.key().0, "len": r.len()}));
+    let mut stdin = tokio::io::stdin();
+    let mut sink = Vec::new();
+    tokio::io::AsyncReadExt::read_to_end(&mut stdin, &mut sink).await.ok();
+    ep.shutdown();
+    Ok(())
+}
+
+/// Percentile helper over microsecond samples.
+pub fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let idx = ((p / 100.0) * (sorted.len() - 1) as f64).round() as usize;
+    sorted[idx.min(sorted.len() - 1)]
+}
+
+/// Logging to stderr, quiet unless RUST_LOG says otherwise.
+pub fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into());
+    let _ = tracing_subscriber::fmt().with_writer(std::io::stderr).with_env_filter(filter).try_init();
+}
