@@ -69,7 +69,9 @@ pub enum TransportError {
         status: Status,
     },
     /// The data arrived but its crc32 does not match the sender's.
-    #[error("{op} with node {peer}: crc32 mismatch (expected {expected:#010x}, got {actual:#010x})")]
+    #[error(
+        "{op} with node {peer}: crc32 mismatch (expected {expected:#010x}, got {actual:#010x})"
+    )]
     CrcMismatch {
         /// Peer involved.
         peer: NodeId,

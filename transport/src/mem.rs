@@ -63,8 +63,20 @@ impl MemFabric {
     pub fn add_node(&self, id: NodeId) -> MemNode {
         let (tx, rx) = mpsc::unbounded_channel();
         let regions = RegionTable::new();
-        self.0.lock_nodes().insert(id, NodeState { regions: regions.clone(), inbox: tx, alive: true });
-        MemNode { id, fabric: self.clone(), regions, inbox: tokio::sync::Mutex::new(rx) }
+        self.0.lock_nodes().insert(
+            id,
+            NodeState {
+                regions: regions.clone(),
+                inbox: tx,
+                alive: true,
+            },
+        );
+        MemNode {
+            id,
+            fabric: self.clone(),
+            regions,
+            inbox: tokio::sync::Mutex::new(rx),
+        }
     }
 
     /// Sets (or with `None` clears) the fault on operations from `from` to `to`.
@@ -141,7 +153,10 @@ struct MemLink {
 
 impl MemLink {
     fn down(&self, reason: &str) -> TransportError {
-        TransportError::PeerDown { peer: self.to, reason: reason.into() }
+        TransportError::PeerDown {
+            peer: self.to,
+            reason: reason.into(),
+        }
     }
 
     /// Performs `op` now, against the current fabric state.
@@ -156,25 +171,66 @@ impl MemLink {
             (t.regions.clone(), t.inbox.clone())
         };
         op.check_local()?;
-        let refused = |status| TransportError::Refused { peer: self.to, op: "mem", status };
+        let refused = |status| TransportError::Refused {
+            peer: self.to,
+            op: "mem",
+            status,
+        };
         match op {
-            Op::Write { local, local_offset, remote, remote_offset, len, verify } => {
-                let dst = regions.access(remote.id, remote.key, remote_offset, len).map_err(refused)?;
+            Op::Write {
+                local,
+                local_offset,
+                remote,
+                remote_offset,
+                len,
+                verify,
+            } => {
+                let dst = regions
+                    .access(remote.id, remote.key, remote_offset, len)
+                    .map_err(refused)?;
                 copy_between(&local, local_offset, &dst, remote_offset, len, corrupt);
                 self.stats.tx(len);
-                check_crc(self.to, "write", verify, (&local, local_offset), (&dst, remote_offset), len)?;
+                check_crc(
+                    self.to,
+                    "write",
+                    verify,
+                    (&local, local_offset),
+                    (&dst, remote_offset),
+                    len,
+                )?;
                 Ok(Completion { bytes: len })
             }
-            Op::Read { local, local_offset, remote, remote_offset, len, verify } => {
-                let src = regions.access(remote.id, remote.key, remote_offset, len).map_err(refused)?;
+            Op::Read {
+                local,
+                local_offset,
+                remote,
+                remote_offset,
+                len,
+                verify,
+            } => {
+                let src = regions
+                    .access(remote.id, remote.key, remote_offset, len)
+                    .map_err(refused)?;
                 copy_between(&src, remote_offset, &local, local_offset, len, corrupt);
                 self.stats.rx(len);
-                check_crc(self.to, "read", verify, (&src, remote_offset), (&local, local_offset), len)?;
+                check_crc(
+                    self.to,
+                    "read",
+                    verify,
+                    (&src, remote_offset),
+                    (&local, local_offset),
+                    len,
+                )?;
                 Ok(Completion { bytes: len })
             }
             Op::Send { payload } => {
                 let n = payload.len() as u64;
-                inbox.send(Incoming { from: self.from, payload }).map_err(|_| self.down("receiver gone"))?;
+                inbox
+                    .send(Incoming {
+                        from: self.from,
+                        payload,
+                    })
+                    .map_err(|_| self.down("receiver gone"))?;
                 self.stats.tx(n);
                 Ok(Completion { bytes: n })
             }
@@ -198,14 +254,26 @@ fn copy_between(src: &Region, so: u64, dst: &Region, dof: u64, len: u64, corrupt
     }
 }
 
-fn check_crc(peer: NodeId, op: &'static str, verify: bool, src: (&Region, u64), dst: (&Region, u64), len: u64) -> Result<()> {
+fn check_crc(
+    peer: NodeId,
+    op: &'static str,
+    verify: bool,
+    src: (&Region, u64),
+    dst: (&Region, u64),
+    len: u64,
+) -> Result<()> {
     if !verify {
         return Ok(());
     }
     let expected = src.0.crc32(src.1, len)?;
     let actual = dst.0.crc32(dst.1, len)?;
     if expected != actual {
-        return Err(TransportError::CrcMismatch { peer, op, expected, actual });
+        return Err(TransportError::CrcMismatch {
+            peer,
+            op,
+            expected,
+            actual,
+        });
     }
     Ok(())
 }
@@ -218,12 +286,23 @@ impl Link for MemLink {
         BackendKind::Mem
     }
     fn post(&self, ops: Vec<Op>) -> Vec<OpHandle> {
-        let fault = self.fabric.0.faults.lock().unwrap_or_else(|e| e.into_inner()).get(&(self.from, self.to)).copied();
+        let fault = self
+            .fabric
+            .0
+            .faults
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&(self.from, self.to))
+            .copied();
         ops.into_iter()
             .map(|op| {
                 let (done, handle) = OpHandle::new(self.to);
                 match fault {
-                    Some(Fault::Drop) => self.swallowed.lock().unwrap_or_else(|e| e.into_inner()).push(done),
+                    Some(Fault::Drop) => self
+                        .swallowed
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .push(done),
                     Some(Fault::Delay(d)) => {
                         let me = self.clone_handle();
                         tokio::spawn(async move {
@@ -242,11 +321,18 @@ impl Link for MemLink {
         self.stats.snapshot()
     }
     fn is_alive(&self) -> bool {
-        !self.closed.load(Ordering::SeqCst) && self.fabric.is_alive(self.to) && self.fabric.is_alive(self.from)
+        !self.closed.load(Ordering::SeqCst)
+            && self.fabric.is_alive(self.to)
+            && self.fabric.is_alive(self.from)
     }
     fn close(&self, reason: &str) {
         self.closed.store(true, Ordering::SeqCst);
-        for done in self.swallowed.lock().unwrap_or_else(|e| e.into_inner()).drain(..) {
+        for done in self
+            .swallowed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain(..)
+        {
             let _ = done.send(Err(self.down(reason)));
         }
     }

@@ -27,7 +27,7 @@ use crate::link::{run_batch, BackendKind, Completion, Incoming, Link, Op};
 use crate::region::{Region, RegionTable};
 use crate::shm::{FdReader, FdWriter};
 use crate::stats::StatsSnapshot;
-use crate::stream::{StreamLink, Timing};
+use crate::stream::{LinkCtx, StreamLink, Timing};
 use crate::NodeId;
 
 /// A change in a peer's reachability.
@@ -98,7 +98,11 @@ impl Endpoint {
     /// Binds the listeners and starts connecting to every peer. Must run inside a tokio runtime.
     pub async fn start(cfg: EndpointConfig) -> Result<Endpoint> {
         cfg.validate()?;
-        let me = cfg.cluster.node(cfg.node).cloned().ok_or_else(|| TransportError::Config("node not in cluster".into()))?;
+        let me = cfg
+            .cluster
+            .node(cfg.node)
+            .cloned()
+            .ok_or_else(|| TransportError::Config("node not in cluster".into()))?;
         let mut caps = Caps::TCP;
         if cfg.shm {
             caps = caps.with(Caps::SHM);
@@ -109,11 +113,16 @@ impl Endpoint {
                 Err(e) => warn!(error = %e, "RDMA requested but unavailable; falling back to tcp"),
             }
         }
-        let tcp = TcpListener::bind(me.addr).await.map_err(|e| TransportError::io(format!("binding {}", me.addr), e))?;
+        let tcp = TcpListener::bind(me.addr)
+            .await
+            .map_err(|e| TransportError::io(format!("binding {}", me.addr), e))?;
         let unix = if cfg.shm {
             let path = cfg.socket_path(cfg.node);
             let _ = std::fs::remove_file(&path);
-            Some(UnixListener::bind(&path).map_err(|e| TransportError::io(format!("binding {}", path.display()), e))?)
+            Some(
+                UnixListener::bind(&path)
+                    .map_err(|e| TransportError::io(format!("binding {}", path.display()), e))?,
+            )
         } else {
             None
         };
@@ -133,12 +142,30 @@ impl Endpoint {
             cfg,
         });
         info!(node = inner.cfg.node, addr = %inner.me.addr, caps = inner.caps.0, "endpoint listening");
-        tokio::spawn(accept_tcp(Arc::downgrade(&inner), tcp, inner.shutdown.subscribe()));
+        tokio::spawn(accept_tcp(
+            Arc::downgrade(&inner),
+            tcp,
+            inner.shutdown.subscribe(),
+        ));
         if let Some(u) = unix {
-            tokio::spawn(accept_unix(Arc::downgrade(&inner), u, inner.shutdown.subscribe()));
+            tokio::spawn(accept_unix(
+                Arc::downgrade(&inner),
+                u,
+                inner.shutdown.subscribe(),
+            ));
         }
-        for peer in inner.cfg.cluster.nodes.iter().filter(|n| n.id > inner.cfg.node) {
-            tokio::spawn(dial_loop(Arc::downgrade(&inner), peer.clone(), inner.shutdown.subscribe()));
+        for peer in inner
+            .cfg
+            .cluster
+            .nodes
+            .iter()
+            .filter(|n| n.id > inner.cfg.node)
+        {
+            tokio::spawn(dial_loop(
+                Arc::downgrade(&inner),
+                peer.clone(),
+                inner.shutdown.subscribe(),
+            ));
         }
         Ok(Endpoint { inner })
     }
@@ -166,7 +193,11 @@ impl Endpoint {
     /// Allocates a region (shared memory when shm is on, so same-host peers can map it) and
     /// registers it.
     pub fn register_new(&self, len: u64) -> Result<Region> {
-        let r = if self.inner.cfg.shm { Region::shared(len)? } else { Region::alloc(len, Default::default())? };
+        let r = if self.inner.cfg.shm {
+            Region::shared(len)?
+        } else {
+            Region::alloc(len, Default::default())?
+        };
         self.inner.regions.register(&r);
         Ok(r)
     }
@@ -197,17 +228,30 @@ impl Endpoint {
                 .map(|n| n.id)
                 .filter(|id| *id != self.node() && !peers.iter().any(|(p, _)| p == id))
                 .collect();
-            return Err(TransportError::Timeout { peer: missing.first().copied().unwrap_or(0), op: "mesh setup", after: limit });
+            return Err(TransportError::Timeout {
+                peer: missing.first().copied().unwrap_or(0),
+                op: "mesh setup",
+                after: limit,
+            });
         }
         let setup = self.inner.started.elapsed();
-        info!(node = self.node(), peers = want, setup_ms = setup.as_secs_f64() * 1e3, "mesh ready");
+        info!(
+            node = self.node(),
+            peers = want,
+            setup_ms = setup.as_secs_f64() * 1e3,
+            "mesh ready"
+        );
         Ok(MeshReport { setup, peers })
     }
 
     /// Peers with a live link, and their backends.
     pub fn connected(&self) -> Vec<(NodeId, BackendKind)> {
         let links = self.inner.links.lock().unwrap_or_else(|e| e.into_inner());
-        let mut v: Vec<_> = links.iter().filter(|(_, e)| e.link.is_alive()).map(|(p, e)| (*p, e.link.kind())).collect();
+        let mut v: Vec<_> = links
+            .iter()
+            .filter(|(_, e)| e.link.is_alive())
+            .map(|(p, e)| (*p, e.link.kind()))
+            .collect();
         v.sort_unstable();
         v
     }
@@ -230,7 +274,9 @@ impl Endpoint {
     /// Sends a message to `peer`.
     pub async fn send(&self, peer: NodeId, payload: Bytes) -> Result<()> {
         let mut r = self.run(peer, vec![Op::Send { payload }]).await?;
-        r.pop().unwrap_or(Err(TransportError::NotConnected { peer })).map(|_| ())
+        r.pop()
+            .unwrap_or(Err(TransportError::NotConnected { peer }))
+            .map(|_| ())
     }
 
     /// The next message any peer sent to this node.
@@ -246,8 +292,14 @@ impl Endpoint {
     /// Counters of every current link.
     pub fn stats(&self) -> Vec<PeerStats> {
         let links = self.inner.links.lock().unwrap_or_else(|e| e.into_inner());
-        let mut v: Vec<_> =
-            links.iter().map(|(p, e)| PeerStats { peer: *p, backend: e.link.kind(), stats: e.link.stats() }).collect();
+        let mut v: Vec<_> = links
+            .iter()
+            .map(|(p, e)| PeerStats {
+                peer: *p,
+                backend: e.link.kind(),
+                stats: e.link.stats(),
+            })
+            .collect();
         v.sort_by_key(|s| s.peer);
         v
     }
@@ -255,7 +307,14 @@ impl Endpoint {
     /// Closes every link and stops listening.
     pub fn shutdown(&self) {
         let _ = self.inner.shutdown.send(true);
-        let links: Vec<Entry> = self.inner.links.lock().unwrap_or_else(|e| e.into_inner()).drain().map(|(_, e)| e).collect();
+        let links: Vec<Entry> = self
+            .inner
+            .links
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain()
+            .map(|(_, e)| e)
+            .collect();
         for e in links {
             e.link.close("endpoint shut down");
         }
@@ -283,12 +342,21 @@ impl Inner {
     }
 
     fn timing(&self) -> Timing {
-        Timing { keepalive: self.cfg.keepalive, dead_after: self.cfg.dead_after }
+        Timing {
+            keepalive: self.cfg.keepalive,
+            dead_after: self.cfg.dead_after,
+        }
     }
 
     /// Installs a fresh link to `peer`, replacing any older one. `closed` fires when it closes.
-    fn install<R, W>(self: &Arc<Self>, peer: NodeId, kind: BackendKind, r: R, w: W, closed: Option<oneshot::Sender<String>>)
-    where
+    fn install<R, W>(
+        self: &Arc<Self>,
+        peer: NodeId,
+        kind: BackendKind,
+        r: R,
+        w: W,
+        closed: Option<oneshot::Sender<String>>,
+    ) where
         R: crate::stream::FrameSource,
         W: crate::stream::FrameSink,
     {
@@ -305,11 +373,26 @@ impl Inner {
                 let _ = tx.send(reason);
             }
         });
-        let link = StreamLink::spawn(peer, kind, r, w, self.regions.clone(), self.inbox_tx.clone(), self.timing(), on_close);
-        let old = self.links.lock().unwrap_or_else(|e| e.into_inner()).insert(peer, Entry { link, generation });
+        let ctx = LinkCtx {
+            peer,
+            kind,
+            regions: self.regions.clone(),
+            inbox: self.inbox_tx.clone(),
+            timing: self.timing(),
+            on_close,
+        };
+        let link = StreamLink::spawn(ctx, r, w);
+        let old = self
+            .links
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(peer, Entry { link, generation });
         drop(old); // closes the replaced link outside the lock
         info!(node = self.cfg.node, peer, backend = %kind, "link up");
-        let _ = self.events.send(PeerEvent::Up { peer, backend: kind });
+        let _ = self.events.send(PeerEvent::Up {
+            peer,
+            backend: kind,
+        });
         self.changed.send_modify(|g| *g += 1);
     }
 
@@ -323,7 +406,10 @@ impl Inner {
         };
         if removed.is_some() {
             warn!(node = self.cfg.node, peer, reason, "peer down");
-            let _ = self.events.send(PeerEvent::Down { peer, reason: reason.to_string() });
+            let _ = self.events.send(PeerEvent::Down {
+                peer,
+                reason: reason.to_string(),
+            });
             self.changed.send_modify(|g| *g += 1);
         }
         drop(removed);
@@ -351,22 +437,43 @@ async fn dial_once(inner: &Arc<Inner>, peer: &NodeSpec) -> Result<oneshot::Recei
         let path = inner.cfg.socket_path(peer.id);
         match tokio::time::timeout(limit, UnixStream::connect(&path)).await {
             Ok(Ok(mut s)) => {
-                let info = handshake::dial(&mut s, &hcfg, peer.id).await.map_err(|e| hs_error(format!("node {}", peer.id), e))?;
+                let info = handshake::dial(&mut s, &hcfg, peer.id)
+                    .await
+                    .map_err(|e| hs_error(format!("node {}", peer.id), e))?;
                 check_info(&info, peer.id)?;
                 let (r, w) = s.into_split();
-                inner.install(peer.id, BackendKind::Shm, FdReader::new(r), FdWriter(w), Some(tx));
+                inner.install(
+                    peer.id,
+                    BackendKind::Shm,
+                    FdReader::new(r),
+                    FdWriter(w),
+                    Some(tx),
+                );
                 return Ok(rx);
             }
-            Ok(Err(e)) => debug!(peer = peer.id, error = %e, "same-host socket unavailable; using tcp"),
+            Ok(Err(e)) => {
+                debug!(peer = peer.id, error = %e, "same-host socket unavailable; using tcp")
+            }
             Err(_) => debug!(peer = peer.id, "same-host socket timed out; using tcp"),
         }
     }
     let mut s = tokio::time::timeout(limit, TcpStream::connect(peer.addr))
         .await
-        .map_err(|_| TransportError::Timeout { peer: peer.id, op: "connect", after: limit })?
-        .map_err(|e| TransportError::io(format!("connecting to node {} at {}", peer.id, peer.addr), e))?;
+        .map_err(|_| TransportError::Timeout {
+            peer: peer.id,
+            op: "connect",
+            after: limit,
+        })?
+        .map_err(|e| {
+            TransportError::io(
+                format!("connecting to node {} at {}", peer.id, peer.addr),
+                e,
+            )
+        })?;
     crate::tcp::tune(&s).map_err(|e| TransportError::io("setting TCP_NODELAY", e))?;
-    let info = handshake::dial(&mut s, &hcfg, peer.id).await.map_err(|e| hs_error(format!("node {} at {}", peer.id, peer.addr), e))?;
+    let info = handshake::dial(&mut s, &hcfg, peer.id)
+        .await
+        .map_err(|e| hs_error(format!("node {} at {}", peer.id, peer.addr), e))?;
     check_info(&info, peer.id)?;
     let (r, w) = s.into_split();
     inner.install(peer.id, BackendKind::Tcp, r, w, Some(tx));
@@ -375,7 +482,10 @@ async fn dial_once(inner: &Arc<Inner>, peer: &NodeSpec) -> Result<oneshot::Recei
 
 fn check_info(info: &PeerInfo, expect: NodeId) -> Result<()> {
     if info.node != expect {
-        return Err(TransportError::Protocol { peer: Some(info.node), detail: format!("expected node {expect}") });
+        return Err(TransportError::Protocol {
+            peer: Some(info.node),
+            detail: format!("expected node {expect}"),
+        });
     }
     Ok(())
 }
@@ -400,7 +510,9 @@ async fn dial_loop(weak: Weak<Inner>, peer: NodeSpec, mut stop: watch::Receiver<
             Err(e) => {
                 // Refusals (wrong secret, version) are worth a warning; a peer not up yet is not.
                 match &e {
-                    TransportError::Handshake { .. } => warn!(peer = peer.id, error = %e, "connection refused"),
+                    TransportError::Handshake { .. } => {
+                        warn!(peer = peer.id, error = %e, "connection refused")
+                    }
                     _ => debug!(peer = peer.id, error = %e, "connect failed; will retry"),
                 }
                 backoff = (backoff * 2).min(max);
@@ -431,7 +543,9 @@ async fn accept_tcp(weak: Weak<Inner>, l: TcpListener, mut stop: watch::Receiver
                     let (r, w) = s.into_split();
                     inner.install(info.node, BackendKind::Tcp, r, w, None);
                 }
-                Err(e) => warn!(node = inner.cfg.node, from = %addr, error = %hs_error(addr.to_string(), e), "refused a connection"),
+                Err(e) => {
+                    warn!(node = inner.cfg.node, from = %addr, error = %hs_error(addr.to_string(), e), "refused a connection")
+                }
             }
         });
     }
@@ -452,9 +566,17 @@ async fn accept_unix(weak: Weak<Inner>, l: UnixListener, mut stop: watch::Receiv
             match handshake::accept(&mut s, &hcfg, |n| inner.is_member(n)).await {
                 Ok(info) => {
                     let (r, w) = s.into_split();
-                    inner.install(info.node, BackendKind::Shm, FdReader::new(r), FdWriter(w), None);
+                    inner.install(
+                        info.node,
+                        BackendKind::Shm,
+                        FdReader::new(r),
+                        FdWriter(w),
+                        None,
+                    );
                 }
-                Err(e) => warn!(node = inner.cfg.node, error = %hs_error("a local peer".into(), e), "refused a connection"),
+                Err(e) => {
+                    warn!(node = inner.cfg.node, error = %hs_error("a local peer".into(), e), "refused a connection")
+                }
             }
         });
     }

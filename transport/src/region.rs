@@ -69,8 +69,15 @@ pub struct RegionOptions {
 static NEXT_REGION: AtomicU32 = AtomicU32::new(1);
 
 enum Backing {
-    Host { ptr: NonNull<u8>, layout: Layout, locked: bool },
-    Shared { map: MmapRaw, fd: OwnedFd },
+    Host {
+        ptr: NonNull<u8>,
+        layout: Layout,
+        locked: bool,
+    },
+    Shared {
+        map: MmapRaw,
+        fd: OwnedFd,
+    },
 }
 
 struct Inner {
@@ -89,7 +96,12 @@ unsafe impl Sync for Inner {}
 
 impl Drop for Inner {
     fn drop(&mut self) {
-        if let Backing::Host { ptr, layout, locked } = &self.backing {
+        if let Backing::Host {
+            ptr,
+            layout,
+            locked,
+        } = &self.backing
+        {
             if *locked {
                 // SAFETY: `ptr` spans `layout.size()` bytes that we locked at allocation.
                 unsafe { libc::munlock(ptr.as_ptr().cast(), layout.size()) };
@@ -155,7 +167,14 @@ impl Region {
             }
             locked = true;
         }
-        Self::wrap(len, Backing::Host { ptr, layout, locked })
+        Self::wrap(
+            len,
+            Backing::Host {
+                ptr,
+                layout,
+                locked,
+            },
+        )
     }
 
     /// Allocates a zeroed region backed by a `memfd`, mappable by same-host peers.
@@ -167,7 +186,10 @@ impl Region {
         // SAFETY: `name` is a valid NUL-terminated string.
         let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
         if fd < 0 {
-            return Err(TransportError::io("memfd_create", std::io::Error::last_os_error()));
+            return Err(TransportError::io(
+                "memfd_create",
+                std::io::Error::last_os_error(),
+            ));
         }
         // SAFETY: `fd` was just returned by memfd_create and is owned by nobody else.
         let fd = unsafe { OwnedFd::from_raw_fd(fd) };
@@ -328,7 +350,10 @@ impl AsRef<[u8]> for View {
 
 /// Maps `len` bytes of `fd` shared (read-write).
 pub(crate) fn map_fd(fd: &OwnedFd, len: u64, resize: bool) -> Result<MmapRaw> {
-    let file = File::from(fd.try_clone().map_err(|e| TransportError::io("dup of memfd", e))?);
+    let file = File::from(
+        fd.try_clone()
+            .map_err(|e| TransportError::io("dup of memfd", e))?,
+    );
     if resize {
         file.set_len(len)
             .map_err(|e| TransportError::io(format!("sizing a {len}-byte memfd"), e))?;
@@ -388,7 +413,13 @@ impl RegionTable {
     }
 
     /// The check every remote access passes: region known, key right, range inside.
-    pub fn access(&self, id: RegionId, key: RemoteKey, offset: u64, len: u64) -> Result<Region, Status> {
+    pub fn access(
+        &self,
+        id: RegionId,
+        key: RemoteKey,
+        offset: u64,
+        len: u64,
+    ) -> Result<Region, Status> {
         let region = self.get(id).ok_or(Status::UnknownRegion)?;
         if region.key() != key {
             return Err(Status::BadKey);

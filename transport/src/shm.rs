@@ -44,7 +44,10 @@ unsafe impl Sync for PeerMap {}
 
 impl PeerMap {
     pub(crate) fn open(fd: OwnedFd, len: u64) -> Result<PeerMap> {
-        Ok(PeerMap { map: map_fd(&fd, len, false)?, len })
+        Ok(PeerMap {
+            map: map_fd(&fd, len, false)?,
+            len,
+        })
     }
 }
 
@@ -55,13 +58,21 @@ pub(crate) type MapCache = Mutex<HashMap<(RegionId, RemoteKey), Option<Arc<PeerM
 pub(crate) fn post(s: &Arc<Shared>, maps: &Arc<MapCache>, op: Op) -> OpHandle {
     let remote = match &op {
         Op::Write { remote, .. } => *remote,
-        Op::Read { remote, verify: false, .. } => *remote,
+        Op::Read {
+            remote,
+            verify: false,
+            ..
+        } => *remote,
         _ => return s.post_framed(op),
     };
     if op.check_local().is_err() {
         return s.post_framed(op); // reports the local error
     }
-    let cached = maps.lock().unwrap_or_else(|e| e.into_inner()).get(&(remote.id, remote.key)).cloned();
+    let cached = maps
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get(&(remote.id, remote.key))
+        .cloned();
     let (done, handle) = OpHandle::new(s.peer);
     match cached {
         Some(None) => return s.post_framed(op),
@@ -73,7 +84,9 @@ pub(crate) fn post(s: &Arc<Shared>, maps: &Arc<MapCache>, op: Op) -> OpHandle {
             tokio::spawn(async move {
                 match s.request_map(remote.id, remote.key).await {
                     Ok(m) => {
-                        maps.lock().unwrap_or_else(|e| e.into_inner()).insert((remote.id, remote.key), m.clone());
+                        maps.lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .insert((remote.id, remote.key), m.clone());
                         match m {
                             Some(map) => copy(s, op, map, done).await,
                             None => {
@@ -93,13 +106,53 @@ pub(crate) fn post(s: &Arc<Shared>, maps: &Arc<MapCache>, op: Op) -> OpHandle {
 /// The one-sided copy itself, then (for a WRITE) the notification that completes it.
 async fn copy(s: Arc<Shared>, op: Op, map: Arc<PeerMap>, done: Done) {
     let (write, local, local_offset, remote, remote_offset, len, verify) = match op {
-        Op::Write { local, local_offset, remote, remote_offset, len, verify } => (true, local, local_offset, remote, remote_offset, len, verify),
-        Op::Read { local, local_offset, remote, remote_offset, len, verify } => (false, local, local_offset, remote, remote_offset, len, verify),
+        Op::Write {
+            local,
+            local_offset,
+            remote,
+            remote_offset,
+            len,
+            verify,
+        } => (
+            true,
+            local,
+            local_offset,
+            remote,
+            remote_offset,
+            len,
+            verify,
+        ),
+        Op::Read {
+            local,
+            local_offset,
+            remote,
+            remote_offset,
+            len,
+            verify,
+        } => (
+            false,
+            local,
+            local_offset,
+            remote,
+            remote_offset,
+            len,
+            verify,
+        ),
         Op::Send { .. } => return,
     };
-    if remote_offset.checked_add(len).is_none_or(|end| end > map.len) {
+    if remote_offset
+        .checked_add(len)
+        .is_none_or(|end| end > map.len)
+    {
         let op = if write { "write" } else { "read" };
-        s.finish_op(done, Err(TransportError::Refused { peer: s.peer, op, status: Status::OutOfBounds }));
+        s.finish_op(
+            done,
+            Err(TransportError::Refused {
+                peer: s.peer,
+                op,
+                status: Status::OutOfBounds,
+            }),
+        );
         return;
     }
     let (l, m) = (local.clone(), map.clone());
@@ -119,7 +172,13 @@ async fn copy(s: Arc<Shared>, op: Op, map: Arc<PeerMap>, done: Done) {
     };
     if len >= BLOCKING_COPY {
         if tokio::task::spawn_blocking(run).await.is_err() {
-            s.finish_op(done, Err(TransportError::Protocol { peer: Some(s.peer), detail: "copy task failed".into() }));
+            s.finish_op(
+                done,
+                Err(TransportError::Protocol {
+                    peer: Some(s.peer),
+                    detail: "copy task failed".into(),
+                }),
+            );
             return;
         }
     } else {
@@ -127,7 +186,11 @@ async fn copy(s: Arc<Shared>, op: Op, map: Arc<PeerMap>, done: Done) {
     }
     if write {
         s.stats.tx(len);
-        let crc = if verify { local.crc32(local_offset, len).ok() } else { None };
+        let crc = if verify {
+            local.crc32(local_offset, len).ok()
+        } else {
+            None
+        };
         s.post_shm_written(done, remote.id, remote.key, remote_offset, len, crc);
     } else {
         s.stats.rx(len);
@@ -143,7 +206,10 @@ pub(crate) struct FdReader {
 
 impl FdReader {
     pub(crate) fn new(inner: OwnedReadHalf) -> Self {
-        FdReader { inner, fds: Vec::new() }
+        FdReader {
+            inner,
+            fds: Vec::new(),
+        }
     }
 }
 
@@ -151,7 +217,10 @@ impl FdReader {
 fn recv_with_fds(fd: RawFd, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> io::Result<usize> {
     // Room for up to 8 descriptors, u64-aligned.
     let mut cmsg = [0u64; 8];
-    let mut iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
+    let mut iov = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
     // SAFETY: msghdr is plain data; all-zero is a valid (empty) value.
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = &mut iov;
@@ -169,7 +238,8 @@ fn recv_with_fds(fd: RawFd, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> io::Resul
         while !c.is_null() {
             if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
                 let data = libc::CMSG_DATA(c).cast::<RawFd>();
-                let count = ((*c).cmsg_len as usize - libc::CMSG_LEN(0) as usize) / std::mem::size_of::<RawFd>();
+                let count = ((*c).cmsg_len as usize - libc::CMSG_LEN(0) as usize)
+                    / std::mem::size_of::<RawFd>();
                 for i in 0..count {
                     // Each received descriptor is new and owned by us alone.
                     fds.push(OwnedFd::from_raw_fd(data.add(i).read_unaligned()));
@@ -182,14 +252,22 @@ fn recv_with_fds(fd: RawFd, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> io::Resul
 }
 
 impl AsyncRead for FdReader {
-    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
         let this = &mut *self;
         loop {
             ready!(this.inner.as_ref().poll_read_ready(cx))?;
             let raw = this.inner.as_ref().as_raw_fd();
             let dst = buf.initialize_unfilled();
             let fds = &mut this.fds;
-            match this.inner.as_ref().try_io(Interest::READABLE, || recv_with_fds(raw, dst, fds)) {
+            match this
+                .inner
+                .as_ref()
+                .try_io(Interest::READABLE, || recv_with_fds(raw, dst, fds))
+            {
                 Ok(n) => {
                     buf.advance(n);
                     return Poll::Ready(Ok(()));
@@ -212,7 +290,10 @@ pub(crate) struct FdWriter(pub(crate) OwnedWriteHalf);
 
 fn send_with_fd(sock: RawFd, bytes: &[u8], fd: RawFd) -> io::Result<usize> {
     let mut cmsg = [0u64; 4];
-    let mut iov = libc::iovec { iov_base: bytes.as_ptr() as *mut _, iov_len: bytes.len() };
+    let mut iov = libc::iovec {
+        iov_base: bytes.as_ptr() as *mut _,
+        iov_len: bytes.len(),
+    };
     // SAFETY: msghdr is plain data; all-zero is a valid (empty) value.
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = &mut iov;
@@ -237,7 +318,11 @@ fn send_with_fd(sock: RawFd, bytes: &[u8], fd: RawFd) -> io::Result<usize> {
 }
 
 impl AsyncWrite for FdWriter {
-    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
         Pin::new(&mut self.0).poll_write(cx, buf)
     }
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -249,12 +334,18 @@ impl AsyncWrite for FdWriter {
 }
 
 impl FrameSink for FdWriter {
-    fn send_fd<'a>(&'a mut self, bytes: &'a [u8], fd: &'a OwnedFd) -> Pin<Box<dyn std::future::Future<Output = io::Result<()>> + Send + 'a>> {
+    fn send_fd<'a>(
+        &'a mut self,
+        bytes: &'a [u8],
+        fd: &'a OwnedFd,
+    ) -> Pin<Box<dyn std::future::Future<Output = io::Result<()>> + Send + 'a>> {
         Box::pin(async move {
             let sock = self.0.as_ref();
             let n = loop {
                 sock.writable().await?;
-                match sock.try_io(Interest::WRITABLE, || send_with_fd(sock.as_raw_fd(), bytes, fd.as_raw_fd())) {
+                match sock.try_io(Interest::WRITABLE, || {
+                    send_with_fd(sock.as_raw_fd(), bytes, fd.as_raw_fd())
+                }) {
                     Ok(n) => break n,
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
                     Err(e) => return Err(e),

@@ -16,8 +16,17 @@ impl FrameSource for OwnedReadHalf {
 }
 
 impl FrameSink for OwnedWriteHalf {
-    fn send_fd<'a>(&'a mut self, _bytes: &'a [u8], _fd: &'a OwnedFd) -> Pin<Box<dyn std::future::Future<Output = io::Result<()>> + Send + 'a>> {
-        Box::pin(async { Err(io::Error::new(io::ErrorKind::Unsupported, "descriptors cannot cross a TCP link")) })
+    fn send_fd<'a>(
+        &'a mut self,
+        _bytes: &'a [u8],
+        _fd: &'a OwnedFd,
+    ) -> Pin<Box<dyn std::future::Future<Output = io::Result<()>> + Send + 'a>> {
+        Box::pin(async {
+            Err(io::Error::new(
+                io::ErrorKind::Unsupported,
+                "descriptors cannot cross a TCP link",
+            ))
+        })
     }
 }
 

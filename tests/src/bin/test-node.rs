@@ -11,7 +11,9 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use cascade_transport::{ClusterSpec, Endpoint, EndpointConfig, Op, RegionId, RemoteKey, RemoteRegion};
+use cascade_transport::{
+    ClusterSpec, Endpoint, EndpointConfig, Op, RegionId, RemoteKey, RemoteRegion,
+};
 use clap::Parser;
 use serde_json::{json, Value};
 use tokio::io::{AsyncBufReadExt, BufReader};
@@ -47,9 +49,12 @@ fn say(v: Value) {
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt().with_writer(std::io::stderr).with_env_filter(
-        tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
-    ).init();
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
+        .init();
     let a = Args::parse();
     let cluster = ClusterSpec::load(&a.cluster)?;
     let mut cfg = EndpointConfig::new(a.node, cluster, a.secret.as_bytes());
@@ -59,7 +64,10 @@ async fn main() -> anyhow::Result<()> {
     cfg.op_timeout = Duration::from_secs(120);
     let ep = Endpoint::start(cfg).await?;
     let region = ep.register_new(a.region_bytes)?;
-    match ep.wait_ready(Duration::from_secs_f64(a.ready_timeout_s)).await {
+    match ep
+        .wait_ready(Duration::from_secs_f64(a.ready_timeout_s))
+        .await
+    {
         Ok(rep) => say(json!({
             "event": "ready", "node": a.node,
             "region": {"id": region.id().0, "key": region.key().0, "len": region.len()},
@@ -87,10 +95,17 @@ fn num<T: std::str::FromStr>(w: &[&str], i: usize) -> anyhow::Result<T>
 where
     T::Err: std::error::Error + Send + Sync + 'static,
 {
-    w.get(i).with_context(|| format!("missing argument {i}"))?.parse::<T>().with_context(|| format!("argument {i}"))
+    w.get(i)
+        .with_context(|| format!("missing argument {i}"))?
+        .parse::<T>()
+        .with_context(|| format!("argument {i}"))
 }
 
-async fn run(ep: &Endpoint, region: &cascade_transport::Region, w: &[&str]) -> anyhow::Result<Option<Value>> {
+async fn run(
+    ep: &Endpoint,
+    region: &cascade_transport::Region,
+    w: &[&str],
+) -> anyhow::Result<Option<Value>> {
     Ok(Some(match w.first().copied() {
         Some("quit") | None => return Ok(None),
         Some("fill") => {
@@ -98,28 +113,45 @@ async fn run(ep: &Endpoint, region: &cascade_transport::Region, w: &[&str]) -> a
             let mut off = 0;
             while off < region.len() {
                 let n = 4096.min(region.len() - off);
-                region.fill(off, n, ((off / 4096).wrapping_mul(31).wrapping_add(seed) % 251) as u8)?;
+                region.fill(
+                    off,
+                    n,
+                    ((off / 4096).wrapping_mul(31).wrapping_add(seed) % 251) as u8,
+                )?;
                 off += n;
             }
             json!({"ok": true})
         }
         Some("crc") => json!({"crc": region.crc32(num(w, 1)?, num(w, 2)?)?}),
-        Some("peers") => json!({"peers": ep.connected().iter().map(|(p, k)| json!([p, k.to_string()])).collect::<Vec<_>>()}),
+        Some("peers") => {
+            json!({"peers": ep.connected().iter().map(|(p, k)| json!([p, k.to_string()])).collect::<Vec<_>>()})
+        }
         Some(op @ ("write" | "read")) => {
             let peer: u32 = num(w, 1)?;
-            let remote = RemoteRegion { node: peer, id: RegionId(num(w, 2)?), key: RemoteKey(num(w, 3)?), len: 0 };
+            let remote = RemoteRegion {
+                node: peer,
+                id: RegionId(num(w, 2)?),
+                key: RemoteKey(num(w, 3)?),
+                len: 0,
+            };
             let (roff, len, verify): (u64, u64, u8) = (num(w, 4)?, num(w, 5)?, num(w, 6)?);
             let count: u32 = if op == "write" { num(w, 7)? } else { 1 };
             let t = Instant::now();
             let mut done = 0;
             for _ in 0..count {
-                let mut o = if op == "write" { Op::write(region, 0, remote, roff, len) } else { Op::read(region, 0, remote, roff, len) };
+                let mut o = if op == "write" {
+                    Op::write(region, 0, remote, roff, len)
+                } else {
+                    Op::read(region, 0, remote, roff, len)
+                };
                 if verify == 1 {
                     o = o.verified();
                 }
                 let r = ep.run(peer, vec![o]).await.and_then(|mut v| v.remove(0));
                 if let Err(e) = r {
-                    return Ok(Some(json!({"error": e.to_string(), "completed": done, "seconds": t.elapsed().as_secs_f64()})));
+                    return Ok(Some(
+                        json!({"error": e.to_string(), "completed": done, "seconds": t.elapsed().as_secs_f64()}),
+                    ));
                 }
                 done += 1;
             }

@@ -1,0 +1,79 @@
+use super::*;
+
+fn info() -> ConnInfo {
+    ConnInfo {
+        qp_num: 0x1234,
+        psn: 0x00ab_cdef,
+        lid: 7,
+        port: 1,
+        gid_index: 3,
+        gid: [9; 16],
+    }
+}
+
+#[test]
+fn conn_info_round_trips() {
+    assert_eq!(ConnInfo::decode(&info().encode()).unwrap(), info());
+}
+
+#[test]
+fn conn_info_rejects_junk() {
+    let good = info().encode();
+    assert!(ConnInfo::decode(&good[..31]).is_err());
+    let mut b = good;
+    b[0] = b'X';
+    assert!(ConnInfo::decode(&b).is_err());
+    let mut b = good;
+    b[11] = 1; // PSN above 24 bits
+    assert!(ConnInfo::decode(&b).is_err());
+    let mut b = good;
+    b[14] = 0;
+    assert!(ConnInfo::decode(&b).is_err());
+}
+
+#[test]
+fn encode_masks_the_psn_to_24_bits() {
+    let mut i = info();
+    i.psn = 0xff12_3456;
+    assert_eq!(ConnInfo::decode(&i.encode()).unwrap().psn, 0x0012_3456);
+}
+
+#[test]
+fn remote_addresses_are_bounds_checked() {
+    let mr = RemoteMr {
+        addr: 0x1000,
+        rkey: 5,
+        len: 100,
+    };
+    assert_eq!(mr.address(10, 90), Ok(0x100a));
+    assert_eq!(mr.address(10, 91), Err(Status::OutOfBounds));
+    assert_eq!(mr.address(u64::MAX, 2), Err(Status::OutOfBounds));
+}
+
+#[test]
+fn mr_table_checks_keys_and_tracks_registrations() {
+    let mut t: MrTable<&'static str> = MrTable::default();
+    let (id, key) = (RegionId(4), RemoteKey(77));
+    let mr = RemoteMr {
+        addr: 0x2000,
+        rkey: 9,
+        len: 4096,
+    };
+    assert!(t.insert(id, key, 11, mr, "first").is_none());
+    assert_eq!(t.resolve(id, key), Ok(mr));
+    assert_eq!(t.resolve(id, RemoteKey(78)), Err(Status::BadKey));
+    assert_eq!(t.resolve(RegionId(5), key), Err(Status::UnknownRegion));
+    assert_eq!(t.lkey(id), Some(11));
+    assert_eq!(t.insert(id, key, 12, mr, "second"), Some("first"));
+    assert_eq!(t.len(), 1);
+    assert_eq!(t.remove(id), Some("second"));
+    assert!(t.is_empty());
+    assert_eq!(t.resolve(id, key), Err(Status::UnknownRegion));
+}
+
+#[cfg(not(feature = "rdma"))]
+#[test]
+fn probe_without_the_feature_says_so() {
+    let e = probe().unwrap_err().to_string();
+    assert!(e.contains("no RDMA device") && e.contains("feature"), "{e}");
+}
