@@ -46,13 +46,8 @@ pub struct IncastArgs {
 /// The runtime the receiver runs on.
 pub fn runtime(threads: usize) -> std::io::Result<tokio::runtime::Runtime> {
     match threads {
-        0 | 1 => tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build(),
-        n => tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(n)
-            .enable_all()
-            .build(),
+        0 | 1 => tokio::runtime::Builder::new_current_thread().enable_all().build(),
+        n => tokio::runtime::Builder::new_multi_thread().worker_threads(n).enable_all().build(),
     }
 }
 
@@ -68,19 +63,11 @@ pub async fn run(a: IncastArgs, quiet: bool) -> anyhow::Result<Value> {
     }
     let per_sender = a.objects as u64 * a.object_bytes;
     let exe = std::env::current_exe()?;
-    let cluster = BenchCluster::start(
-        exe.to_str().context("exe path")?,
-        a.senders + 1,
-        per_sender,
-        shm,
-        &[],
-    )?;
+    let cluster = BenchCluster::start(exe.to_str().context("exe path")?, a.senders + 1, per_sender, shm, &[])?;
     let ep = Endpoint::start(cluster.config(shm)).await?;
     let rep = ep.wait_ready(Duration::from_secs(30)).await?;
     let dst = ep.register_new(per_sender * a.senders as u64)?;
-    let links: Vec<Arc<dyn Link>> = (1..=a.senders as u32)
-        .map(|p| ep.link(p))
-        .collect::<Result<_, _>>()?;
+    let links: Vec<Arc<dyn Link>> = (1..=a.senders as u32).map(|p| ep.link(p)).collect::<Result<_, _>>()?;
     let mut lat_us = Vec::with_capacity(a.rounds);
     let total = a.warmup + a.rounds;
     for round in 0..total {
@@ -90,13 +77,7 @@ pub async fn run(a: IncastArgs, quiet: bool) -> anyhow::Result<Value> {
             let ops = (0..a.objects as u64)
                 .map(|o| {
                     let local = s as u64 * per_sender + o * a.object_bytes;
-                    Op::read(
-                        &dst,
-                        local,
-                        cluster.regions[s],
-                        o * a.object_bytes,
-                        a.object_bytes,
-                    )
+                    Op::read(&dst, local, cluster.regions[s], o * a.object_bytes, a.object_bytes)
                 })
                 .collect();
             handles.extend(link.post(ops));
@@ -120,11 +101,7 @@ pub async fn run(a: IncastArgs, quiet: bool) -> anyhow::Result<Value> {
     slowest.truncate(5);
     let mean = lat_us.iter().sum::<f64>() / lat_us.len() as f64;
     lat_us.sort_by(f64::total_cmp);
-    let (p50, p99, p9999) = (
-        percentile(&lat_us, 50.0),
-        percentile(&lat_us, 99.0),
-        percentile(&lat_us, 99.99),
-    );
+    let (p50, p99, p9999) = (percentile(&lat_us, 50.0), percentile(&lat_us, 99.0), percentile(&lat_us, 99.99));
     let bytes_round = per_sender * a.senders as u64;
     let out = json!({
         "backend": a.backend, "senders": a.senders, "objects": a.objects, "object_bytes": a.object_bytes,

@@ -12,9 +12,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use cascade_transport::{
-    ClusterSpec, Endpoint, EndpointConfig, NodeSpec, RegionId, RemoteKey, RemoteRegion,
-};
+use cascade_transport::{ClusterSpec, Endpoint, EndpointConfig, NodeSpec, RegionId, RemoteKey, RemoteRegion};
 
 /// Secret the benchmark clusters share.
 pub const SECRET: &[u8] = b"cascade-bench";
@@ -34,26 +32,12 @@ impl BenchCluster {
     /// Writes a cluster of `n` loopback nodes and starts nodes 1..n as peer processes of `exe`,
     /// each registering a region of `region_bytes` filled with a pattern; `extra` is appended to
     /// each peer's command line.
-    pub fn start(
-        exe: &str,
-        n: usize,
-        region_bytes: u64,
-        shm: bool,
-        extra: &[&str],
-    ) -> anyhow::Result<BenchCluster> {
-        let ls: Vec<_> = (0..n)
-            .map(|_| std::net::TcpListener::bind("127.0.0.1:0"))
-            .collect::<Result<_, _>>()?;
+    pub fn start(exe: &str, n: usize, region_bytes: u64, shm: bool, extra: &[&str]) -> anyhow::Result<BenchCluster> {
+        let ls: Vec<_> = (0..n).map(|_| std::net::TcpListener::bind("127.0.0.1:0")).collect::<Result<_, _>>()?;
         let nodes = ls
             .iter()
             .enumerate()
-            .map(|(i, l)| {
-                Ok(NodeSpec {
-                    id: i as u32,
-                    addr: l.local_addr()?,
-                    host: None,
-                })
-            })
+            .map(|(i, l)| Ok(NodeSpec { id: i as u32, addr: l.local_addr()?, host: None }))
             .collect::<anyhow::Result<Vec<_>>>()?;
         drop(ls);
         let name = format!("bench{}", std::process::id());
@@ -66,39 +50,25 @@ impl BenchCluster {
         }
         let file = dir.join("cluster.toml");
         std::fs::write(&file, toml)?;
-        let mut c = BenchCluster {
-            spec,
-            dir: dir.clone(),
-            peers: vec![],
-            regions: vec![],
-        };
+        let mut c = BenchCluster { spec, dir: dir.clone(), peers: vec![], regions: vec![] };
         for id in 1..n {
             let mut cmd = Command::new(exe);
-            cmd.args(["--role", "peer", "--cluster"])
-                .arg(&file)
-                .args(["--node", &id.to_string()]);
+            cmd.args(["--role", "peer", "--cluster"]).arg(&file).args(["--node", &id.to_string()]);
             cmd.args(["--region-bytes", &region_bytes.to_string()]);
             if shm {
                 cmd.arg("--shm");
             }
             cmd.args(extra);
-            cmd.env("XDG_RUNTIME_DIR", &dir)
-                .stdin(Stdio::piped())
-                .stdout(Stdio::piped())
-                .stderr(Stdio::inherit());
-            c.peers
-                .push(cmd.spawn().with_context(|| format!("starting peer {id}"))?);
+            cmd.env("XDG_RUNTIME_DIR", &dir).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit());
+            c.peers.push(cmd.spawn().with_context(|| format!("starting peer {id}"))?);
         }
         for (i, p) in c.peers.iter_mut().enumerate() {
             let out = p.stdout.take().context("peer stdout")?;
             let mut line = String::new();
             BufReader::new(out).read_line(&mut line)?;
-            let v: serde_json::Value = serde_json::from_str(&line)
-                .with_context(|| format!("peer {} printed {line:?}", i + 1))?;
-            let field = |k: &str| {
-                v[k].as_u64()
-                    .with_context(|| format!("peer {} lacks {k}: {line}", i + 1))
-            };
+            let v: serde_json::Value =
+                serde_json::from_str(&line).with_context(|| format!("peer {} printed {line:?}", i + 1))?;
+            let field = |k: &str| v[k].as_u64().with_context(|| format!("peer {} lacks {k}: {line}", i + 1));
             c.regions.push(RemoteRegion {
                 node: (i + 1) as u32,
                 id: RegionId(field("id")? as u32),
@@ -163,9 +133,7 @@ pub struct PeerArgs {
 
 /// Runs a peer: join, register and fill a region, print its descriptor, serve until stdin closes.
 pub async fn run_peer(a: &PeerArgs) -> anyhow::Result<()> {
-    let (Some(file), Some(node)) = (&a.cluster, a.node) else {
-        bail!("peer role needs --cluster and --node")
-    };
+    let (Some(file), Some(node)) = (&a.cluster, a.node) else { bail!("peer role needs --cluster and --node") };
     let spec = ClusterSpec::load(file)?;
     let mut cfg = EndpointConfig::new(node, spec, SECRET);
     cfg.shm = a.shm;
@@ -174,22 +142,13 @@ pub async fn run_peer(a: &PeerArgs) -> anyhow::Result<()> {
     let mut off = 0;
     while off < r.len() {
         let n = 4096.min(r.len() - off);
-        r.fill(
-            off,
-            n,
-            (off / 4096 % 251) as u8 + u8::try_from(node % 4).unwrap_or(0),
-        )?;
+        r.fill(off, n, (off / 4096 % 251) as u8 + u8::try_from(node % 4).unwrap_or(0))?;
         off += n;
     }
-    println!(
-        "{}",
-        serde_json::json!({"id": r.id().0, "key": r.key().0, "len": r.len()})
-    );
+    println!("{}", serde_json::json!({"id": r.id().0, "key": r.key().0, "len": r.len()}));
     let mut stdin = tokio::io::stdin();
     let mut sink = Vec::new();
-    tokio::io::AsyncReadExt::read_to_end(&mut stdin, &mut sink)
-        .await
-        .ok();
+    tokio::io::AsyncReadExt::read_to_end(&mut stdin, &mut sink).await.ok();
     ep.shutdown();
     Ok(())
 }
@@ -205,31 +164,20 @@ pub fn percentile(sorted: &[f64], p: f64) -> f64 {
 
 /// Entry point of every benchmark binary: serve as a peer when started as one, else run `bench`
 /// on a runtime with `threads` workers (1 = current-thread).
-pub fn main_or_peer<F>(
-    peer: &PeerArgs,
-    threads: usize,
-    bench: impl FnOnce() -> F,
-) -> anyhow::Result<()>
+pub fn main_or_peer<F>(peer: &PeerArgs, threads: usize, bench: impl FnOnce() -> F) -> anyhow::Result<()>
 where
     F: std::future::Future<Output = anyhow::Result<()>>,
 {
     init_logging();
     if peer.role == "peer" {
         // Peers serve on one thread: on a small machine, fewer runnable threads means less jitter.
-        return tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()?
-            .block_on(run_peer(peer));
+        return tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(run_peer(peer));
     }
     incast::runtime(threads)?.block_on(bench())
 }
 
 /// Logging to stderr, quiet unless RUST_LOG says otherwise.
 pub fn init_logging() {
-    let filter =
-        tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into());
-    let _ = tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_env_filter(filter)
-        .try_init();
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into());
+    let _ = tracing_subscriber::fmt().with_writer(std::io::stderr).with_env_filter(filter).try_init();
 }

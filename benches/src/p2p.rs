@@ -80,16 +80,8 @@ pub async fn run(a: P2pArgs, quiet: bool) -> anyhow::Result<Value> {
         "link": link.kind().to_string(), "mesh_setup_ms": rep.setup.as_secs_f64() * 1e3,
     });
     if a.compare {
-        out["reference"] = json!(if shm {
-            "memcpy single core"
-        } else {
-            "iperf3 single stream loopback"
-        });
-        match if shm {
-            memcpy_gbit(a.bytes)
-        } else {
-            iperf3_gbit()
-        } {
+        out["reference"] = json!(if shm { "memcpy single core" } else { "iperf3 single stream loopback" });
+        match if shm { memcpy_gbit(a.bytes) } else { iperf3_gbit() } {
             Ok(reference) => {
                 out["reference_gbit_per_s"] = json!(reference);
                 out["ratio"] = json!(gbit / reference);
@@ -101,10 +93,7 @@ pub async fn run(a: P2pArgs, quiet: bool) -> anyhow::Result<Value> {
     } else if a.json {
         println!("{out}");
     } else {
-        println!(
-            "{}: {} bytes in {:.4} s = {:.2} Gbit/s",
-            a.backend, a.bytes, seconds, gbit
-        );
+        println!("{}: {} bytes in {:.4} s = {:.2} Gbit/s", a.backend, a.bytes, seconds, gbit);
         if let Some(r) = out.get("reference_gbit_per_s") {
             println!(
                 "reference ({}): {:.2} Gbit/s, ratio {:.3}",
@@ -135,23 +124,15 @@ fn memcpy_gbit(bytes: u64) -> anyhow::Result<f64> {
 
 /// Single-stream loopback throughput measured by iperf3 (5 s).
 fn iperf3_gbit() -> anyhow::Result<f64> {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port()
-        .to_string();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port().to_string();
     let mut server = std::process::Command::new("iperf3")
         .args(["-s", "-1", "-B", "127.0.0.1", "-p", &port])
         .stdout(std::process::Stdio::null())
         .spawn()
         .context("running iperf3 (install it: apt-get install iperf3)")?;
     std::thread::sleep(Duration::from_millis(300));
-    let out = std::process::Command::new("iperf3")
-        .args(["-c", "127.0.0.1", "-p", &port, "-t", "5", "-J"])
-        .output()?;
+    let out = std::process::Command::new("iperf3").args(["-c", "127.0.0.1", "-p", &port, "-t", "5", "-J"]).output()?;
     let _ = server.wait();
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).context("iperf3 JSON")?;
-    v["end"]["sum_received"]["bits_per_second"]
-        .as_f64()
-        .map(|b| b / 1e9)
-        .context("iperf3 reported no throughput")
+    v["end"]["sum_received"]["bits_per_second"].as_f64().map(|b| b / 1e9).context("iperf3 reported no throughput")
 }

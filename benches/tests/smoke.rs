@@ -6,11 +6,7 @@ use std::process::Command;
 
 fn run(bin: &str, args: &[&str]) -> serde_json::Value {
     let out = Command::new(bin).args(args).output().unwrap();
-    assert!(
-        out.status.success(),
-        "{bin} {args:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "{bin} {args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
     let line = String::from_utf8(out.stdout).unwrap();
     serde_json::from_str(line.trim()).unwrap_or_else(|e| panic!("{bin} printed {line:?}: {e}"))
 }
@@ -20,25 +16,13 @@ fn p2p_prints_the_contract_fields() {
     for backend in ["tcp", "shm"] {
         let v = run(
             env!("CARGO_BIN_EXE_p2p"),
-            &[
-                "--backend",
-                backend,
-                "--bytes",
-                "1048576",
-                "--iters",
-                "2",
-                "--verify",
-                "--json",
-            ],
+            &["--backend", backend, "--bytes", "1048576", "--iters", "2", "--verify", "--json"],
         );
         for k in ["backend", "bytes", "seconds", "gbit_per_s"] {
             assert!(!v[k].is_null(), "{backend}: missing {k} in {v}");
         }
         assert_eq!(v["backend"], backend);
-        assert_eq!(
-            v["link"], backend,
-            "the link must really use the backend asked for"
-        );
+        assert_eq!(v["link"], backend, "the link must really use the backend asked for");
         assert_eq!(v["bytes"], 1048576);
         assert!(v["gbit_per_s"].as_f64().unwrap() > 0.0);
     }
@@ -48,19 +32,7 @@ fn p2p_prints_the_contract_fields() {
 fn incast_prints_the_contract_fields() {
     let v = run(
         env!("CARGO_BIN_EXE_incast"),
-        &[
-            "--senders",
-            "3",
-            "--objects",
-            "2",
-            "--object-bytes",
-            "4096",
-            "--rounds",
-            "50",
-            "--warmup",
-            "5",
-            "--json",
-        ],
+        &["--senders", "3", "--objects", "2", "--object-bytes", "4096", "--rounds", "50", "--warmup", "5", "--json"],
     );
     for k in ["rounds", "p50_us", "p99_us", "p9999_us"] {
         assert!(v[k].as_f64().is_some(), "missing {k} in {v}");
@@ -71,10 +43,7 @@ fn incast_prints_the_contract_fields() {
 
 #[test]
 fn bad_arguments_are_refused_clearly() {
-    let out = Command::new(env!("CARGO_BIN_EXE_p2p"))
-        .args(["--backend", "carrier-pigeon", "--json"])
-        .output()
-        .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_p2p")).args(["--backend", "carrier-pigeon", "--json"]).output().unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("unknown backend"));
 }

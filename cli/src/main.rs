@@ -9,11 +9,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(
-    name = "cascade",
-    version,
-    about = "Cascade data plane for model-serving clusters"
-)]
+#[command(name = "cascade", version, about = "Cascade data plane for model-serving clusters")]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -31,8 +27,8 @@ enum Cmd {
 fn main() -> anyhow::Result<()> {
     match Cli::parse().cmd {
         Cmd::CheckCluster { file } => {
-            let c = cascade_transport::ClusterSpec::load(&file)
-                .with_context(|| format!("checking {}", file.display()))?;
+            let c =
+                cascade_transport::ClusterSpec::load(&file).with_context(|| format!("checking {}", file.display()))?;
             println!("cluster {:?}: {} nodes", c.name, c.nodes.len());
             for n in &c.nodes {
                 println!("  node {:>4}  {}  host {}", n.id, n.addr, n.host_key());

@@ -67,21 +67,14 @@ impl NodeProc {
 
     /// The next JSON line the node prints.
     pub fn next(&mut self, limit: Duration) -> anyhow::Result<Value> {
-        let l = self
-            .lines
-            .recv_timeout(limit)
-            .map_err(|e| anyhow!("no answer within {limit:?}: {e}"))?;
+        let l = self.lines.recv_timeout(limit).map_err(|e| anyhow!("no answer within {limit:?}: {e}"))?;
         serde_json::from_str(&l).with_context(|| format!("node printed {l:?}"))
     }
 
     /// `(id, key, len)` of the node's region.
     pub fn region(&self) -> (u64, u64, u64) {
         let r = &self.hello["region"];
-        (
-            r["id"].as_u64().unwrap_or(0),
-            r["key"].as_u64().unwrap_or(0),
-            r["len"].as_u64().unwrap_or(0),
-        )
+        (r["id"].as_u64().unwrap_or(0), r["key"].as_u64().unwrap_or(0), r["len"].as_u64().unwrap_or(0))
     }
 
     /// SIGKILLs the node.
@@ -108,9 +101,7 @@ pub struct Cluster {
 
 /// Free loopback ports, reserved only for the moment of asking.
 pub fn free_addrs(n: usize) -> Vec<SocketAddr> {
-    let ls: Vec<_> = (0..n)
-        .filter_map(|_| TcpListener::bind("127.0.0.1:0").ok())
-        .collect();
+    let ls: Vec<_> = (0..n).filter_map(|_| TcpListener::bind("127.0.0.1:0").ok()).collect();
     ls.iter().filter_map(|l| l.local_addr().ok()).collect()
 }
 
@@ -122,11 +113,7 @@ impl Cluster {
             bail!("could not reserve {} loopback ports", opts.nodes);
         }
         static SEQ: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-        let name = format!(
-            "it{}x{}",
-            std::process::id(),
-            SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-        );
+        let name = format!("it{}x{}", std::process::id(), SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
         let dir = std::env::temp_dir().join(format!("cascade-{name}"));
         std::fs::create_dir_all(&dir)?;
         let mut toml = format!("name = \"{name}\"\n");
@@ -137,12 +124,7 @@ impl Cluster {
         std::fs::write(&file, toml)?;
         let mut nodes = Vec::new();
         for i in 0..opts.nodes {
-            let secret = opts
-                .secrets
-                .iter()
-                .find(|(n, _)| *n == i)
-                .map(|(_, s)| s.as_str())
-                .unwrap_or("test-secret");
+            let secret = opts.secrets.iter().find(|(n, _)| *n == i).map(|(_, s)| s.as_str()).unwrap_or("test-secret");
             nodes.push(spawn_node(bin, &file, &dir, i, secret, opts)?);
         }
         let mut c = Cluster { nodes, addrs, dir };
@@ -160,24 +142,11 @@ impl Drop for Cluster {
     }
 }
 
-fn spawn_node(
-    bin: &str,
-    file: &Path,
-    dir: &Path,
-    i: usize,
-    secret: &str,
-    o: &ClusterOpts,
-) -> anyhow::Result<NodeProc> {
+fn spawn_node(bin: &str, file: &Path, dir: &Path, i: usize, secret: &str, o: &ClusterOpts) -> anyhow::Result<NodeProc> {
     let mut cmd = Command::new(bin);
-    cmd.arg("--cluster")
-        .arg(file)
-        .arg("--node")
-        .arg(i.to_string())
-        .arg("--secret")
-        .arg(secret);
+    cmd.arg("--cluster").arg(file).arg("--node").arg(i.to_string()).arg("--secret").arg(secret);
     cmd.arg("--region-bytes").arg(o.region_bytes.to_string());
-    cmd.arg("--ready-timeout-s")
-        .arg(o.ready_timeout.as_secs_f64().to_string());
+    cmd.arg("--ready-timeout-s").arg(o.ready_timeout.as_secs_f64().to_string());
     if !o.shm {
         cmd.arg("--no-shm");
     }
@@ -202,10 +171,5 @@ fn spawn_node(
             }
         }
     });
-    Ok(NodeProc {
-        child,
-        stdin,
-        lines: rx,
-        hello: Value::Null,
-    })
+    Ok(NodeProc { child, stdin, lines: rx, hello: Value::Null })
 }

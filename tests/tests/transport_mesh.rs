@@ -17,25 +17,14 @@ fn ready(c: &Cluster) {
 }
 
 fn eight_node_mesh(shm: bool) {
-    let c = Cluster::spawn(
-        BIN,
-        &ClusterOpts {
-            nodes: 8,
-            shm,
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let c = Cluster::spawn(BIN, &ClusterOpts { nodes: 8, shm, ..Default::default() }).unwrap();
     ready(&c);
     let want = if shm { "shm" } else { "tcp" };
     for (i, n) in c.nodes.iter().enumerate() {
         let peers = n.hello["peers"].as_array().unwrap();
         assert_eq!(peers.len(), 7, "node {i}");
         assert!(peers.iter().all(|p| p[1] == want), "node {i}: {peers:?}");
-        eprintln!(
-            "node {i} mesh setup {:.1} ms",
-            n.hello["setup_ms"].as_f64().unwrap()
-        );
+        eprintln!("node {i} mesh setup {:.1} ms", n.hello["setup_ms"].as_f64().unwrap());
     }
 }
 
@@ -50,35 +39,16 @@ fn eight_node_full_mesh_shm() {
 }
 
 fn one_gib(shm: bool) {
-    let mut c = Cluster::spawn(
-        BIN,
-        &ClusterOpts {
-            nodes: 2,
-            shm,
-            region_bytes: GIB,
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let mut c = Cluster::spawn(BIN, &ClusterOpts { nodes: 2, shm, region_bytes: GIB, ..Default::default() }).unwrap();
     ready(&c);
     let (id, key, _) = c.nodes[1].region();
     assert_eq!(c.nodes[0].cmd("fill 7", T).unwrap()["ok"], true);
-    let want = c.nodes[0].cmd(&format!("crc 0 {GIB}"), T).unwrap()["crc"]
-        .as_u64()
-        .unwrap();
-    let r = c.nodes[0]
-        .cmd(&format!("write 1 {id} {key} 0 {GIB} 1 1"), T)
-        .unwrap();
+    let want = c.nodes[0].cmd(&format!("crc 0 {GIB}"), T).unwrap()["crc"].as_u64().unwrap();
+    let r = c.nodes[0].cmd(&format!("write 1 {id} {key} 0 {GIB} 1 1"), T).unwrap();
     assert_eq!(r["ok"], true, "{r}");
-    let got = c.nodes[1].cmd(&format!("crc 0 {GIB}"), T).unwrap()["crc"]
-        .as_u64()
-        .unwrap();
+    let got = c.nodes[1].cmd(&format!("crc 0 {GIB}"), T).unwrap()["crc"].as_u64().unwrap();
     assert_eq!(got, want);
-    eprintln!(
-        "1 GiB verified write ({}) in {:.2} s",
-        if shm { "shm" } else { "tcp" },
-        r["seconds"].as_f64().unwrap()
-    );
+    eprintln!("1 GiB verified write ({}) in {:.2} s", if shm { "shm" } else { "tcp" }, r["seconds"].as_f64().unwrap());
 }
 
 #[test]
@@ -92,57 +62,25 @@ fn one_gib_transfer_with_crc_shm() {
 }
 
 fn refusals(shm: bool) {
-    let mut c = Cluster::spawn(
-        BIN,
-        &ClusterOpts {
-            nodes: 2,
-            shm,
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let mut c = Cluster::spawn(BIN, &ClusterOpts { nodes: 2, shm, ..Default::default() }).unwrap();
     ready(&c);
     let (id, key, len) = c.nodes[1].region();
     c.nodes[0].cmd("fill 3", T).unwrap();
     let before = c.nodes[1].cmd(&format!("crc 0 {len}"), T).unwrap()["crc"].clone();
     let cases = [
-        (
-            format!("write 1 {id} {} 0 4096 0 1", key ^ 1),
-            "wrong remote key",
-        ),
-        (
-            format!("write 1 {id} {key} {} 4096 0 1", len - 100),
-            "out of the region's bounds",
-        ),
-        (
-            format!("write 1 {} {key} 0 4096 0 1", id + 1000),
-            "unknown region",
-        ),
-        (
-            format!("read 1 {id} {} 0 16 0", key ^ 1),
-            "wrong remote key",
-        ),
-        (
-            format!("read 1 {id} {key} {len} 1 0"),
-            "out of the region's bounds",
-        ),
+        (format!("write 1 {id} {} 0 4096 0 1", key ^ 1), "wrong remote key"),
+        (format!("write 1 {id} {key} {} 4096 0 1", len - 100), "out of the region's bounds"),
+        (format!("write 1 {} {key} 0 4096 0 1", id + 1000), "unknown region"),
+        (format!("read 1 {id} {} 0 16 0", key ^ 1), "wrong remote key"),
+        (format!("read 1 {id} {key} {len} 1 0"), "out of the region's bounds"),
     ];
     for (cmd, want) in cases {
         let r = c.nodes[0].cmd(&cmd, T).unwrap();
-        assert!(
-            r["error"].as_str().unwrap_or("").contains(want),
-            "{cmd}: {r}"
-        );
+        assert!(r["error"].as_str().unwrap_or("").contains(want), "{cmd}: {r}");
     }
-    assert_eq!(
-        c.nodes[1].cmd(&format!("crc 0 {len}"), T).unwrap()["crc"],
-        before,
-        "target memory changed"
-    );
+    assert_eq!(c.nodes[1].cmd(&format!("crc 0 {len}"), T).unwrap()["crc"], before, "target memory changed");
     // The connection still works.
-    let r = c.nodes[0]
-        .cmd(&format!("write 1 {id} {key} 0 4096 1 1"), T)
-        .unwrap();
+    let r = c.nodes[0].cmd(&format!("write 1 {id} {key} 0 4096 1 1"), T).unwrap();
     assert_eq!(r["ok"], true, "{r}");
 }
 
@@ -157,22 +95,12 @@ fn bad_accesses_are_refused_and_target_unchanged_shm() {
 }
 
 fn killed_mid_transfer(shm: bool) {
-    let mut c = Cluster::spawn(
-        BIN,
-        &ClusterOpts {
-            nodes: 2,
-            shm,
-            region_bytes: 256 << 20,
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let mut c =
+        Cluster::spawn(BIN, &ClusterOpts { nodes: 2, shm, region_bytes: 256 << 20, ..Default::default() }).unwrap();
     ready(&c);
     let (id, key, len) = c.nodes[1].region();
     // 64 writes of 256 MiB: far longer than the moment we wait before the kill.
-    c.nodes[0]
-        .send(&format!("write 1 {id} {key} 0 {len} 0 64"))
-        .unwrap();
+    c.nodes[0].send(&format!("write 1 {id} {key} 0 {len} 0 64")).unwrap();
     std::thread::sleep(Duration::from_millis(300));
     c.nodes[1].kill();
     let killed = Instant::now();
@@ -180,10 +108,7 @@ fn killed_mid_transfer(shm: bool) {
     let took = killed.elapsed();
     assert!(r["error"].is_string(), "the transfer must fail, got {r}");
     assert!(r["completed"].as_u64().unwrap() < 64);
-    assert!(
-        took < Duration::from_secs(5),
-        "initiator took {took:?} to fail"
-    );
+    assert!(took < Duration::from_secs(5), "initiator took {took:?} to fail");
     eprintln!("initiator failed {took:?} after the kill: {}", r["error"]);
 }
 
@@ -221,14 +146,7 @@ fn wrong_cluster_secret_is_refused() {
 
 #[test]
 fn garbage_on_the_port_does_not_disturb_other_connections() {
-    let mut c = Cluster::spawn(
-        BIN,
-        &ClusterOpts {
-            nodes: 3,
-            ..Default::default()
-        },
-    )
-    .unwrap();
+    let mut c = Cluster::spawn(BIN, &ClusterOpts { nodes: 3, ..Default::default() }).unwrap();
     ready(&c);
     let target = c.addrs[0];
     // Plain garbage, a truncated handshake, and a connection that says nothing and hangs up.
@@ -242,9 +160,7 @@ fn garbage_on_the_port_does_not_disturb_other_connections() {
     }
     let (id, key, _) = c.nodes[0].region();
     for i in [1, 2] {
-        let r = c.nodes[i]
-            .cmd(&format!("write 0 {id} {key} 0 65536 1 4"), T)
-            .unwrap();
+        let r = c.nodes[i].cmd(&format!("write 0 {id} {key} 0 65536 1 4"), T).unwrap();
         assert_eq!(r["ok"], true, "node {i}: {r}");
         let p = c.nodes[i].cmd("peers", T).unwrap();
         assert_eq!(p["peers"].as_array().unwrap().len(), 2);

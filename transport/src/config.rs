@@ -29,9 +29,7 @@ pub struct NodeSpec {
 impl NodeSpec {
     /// The host identity used for same-host detection.
     pub fn host_key(&self) -> String {
-        self.host
-            .clone()
-            .unwrap_or_else(|| self.addr.ip().to_string())
+        self.host.clone().unwrap_or_else(|| self.addr.ip().to_string())
     }
 }
 
@@ -61,29 +59,23 @@ fn default_name() -> String {
 impl ClusterSpec {
     /// Builds and validates a cluster from its members.
     pub fn new(name: impl Into<String>, nodes: Vec<NodeSpec>) -> Result<ClusterSpec> {
-        let c = ClusterSpec {
-            name: name.into(),
-            nodes,
-        };
+        let c = ClusterSpec { name: name.into(), nodes };
         c.validate()?;
         Ok(c)
     }
 
     /// Parses and validates TOML text.
     pub fn from_toml(text: &str) -> Result<ClusterSpec> {
-        let c: ClusterSpec = toml::from_str(text)
-            .map_err(|e| TransportError::Config(format!("cluster file: {e}")))?;
+        let c: ClusterSpec = toml::from_str(text).map_err(|e| TransportError::Config(format!("cluster file: {e}")))?;
         c.validate()?;
         Ok(c)
     }
 
     /// Reads a TOML cluster file.
     pub fn load(path: &Path) -> Result<ClusterSpec> {
-        let text = std::fs::read_to_string(path).map_err(|e| {
-            TransportError::io(format!("reading cluster file {}", path.display()), e)
-        })?;
-        Self::from_toml(&text)
-            .map_err(|e| TransportError::Config(format!("{}: {e}", path.display())))
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| TransportError::io(format!("reading cluster file {}", path.display()), e))?;
+        Self::from_toml(&text).map_err(|e| TransportError::Config(format!("{}: {e}", path.display())))
     }
 
     /// Checks ids and addresses are unique and the name is usable in a file name.
@@ -91,12 +83,7 @@ impl ClusterSpec {
         if self.nodes.is_empty() {
             return Err(TransportError::Config("the cluster has no nodes".into()));
         }
-        if self.name.is_empty()
-            || !self
-                .name
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
-        {
+        if self.name.is_empty() || !self.name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) {
             return Err(TransportError::Config(format!(
                 "cluster name {:?} must be non-empty ASCII letters, digits, '-', '_' or '.'",
                 self.name
@@ -105,10 +92,7 @@ impl ClusterSpec {
         for (i, a) in self.nodes.iter().enumerate() {
             for b in &self.nodes[i + 1..] {
                 if a.id == b.id {
-                    return Err(TransportError::Config(format!(
-                        "node id {} appears twice",
-                        a.id
-                    )));
+                    return Err(TransportError::Config(format!("node id {} appears twice", a.id)));
                 }
                 if a.addr == b.addr {
                     return Err(TransportError::Config(format!(
@@ -169,9 +153,7 @@ impl EndpointConfig {
             op_timeout: Duration::from_secs(60),
             connect_timeout: Duration::from_secs(5),
             reconnect_max: Duration::from_secs(5),
-            runtime_dir: std::env::var_os("XDG_RUNTIME_DIR")
-                .map(PathBuf::from)
-                .unwrap_or_else(std::env::temp_dir),
+            runtime_dir: std::env::var_os("XDG_RUNTIME_DIR").map(PathBuf::from).unwrap_or_else(std::env::temp_dir),
         }
     }
 
@@ -179,41 +161,27 @@ impl EndpointConfig {
     pub fn validate(&self) -> Result<()> {
         self.cluster.validate()?;
         if self.cluster.node(self.node).is_none() {
-            return Err(TransportError::Config(format!(
-                "node {} is not in the cluster",
-                self.node
-            )));
+            return Err(TransportError::Config(format!("node {} is not in the cluster", self.node)));
         }
         if self.secret.is_empty() {
-            return Err(TransportError::Config(
-                "the cluster secret must not be empty".into(),
-            ));
+            return Err(TransportError::Config("the cluster secret must not be empty".into()));
         }
         if self.dead_after <= self.keepalive {
-            return Err(TransportError::Config(
-                "dead_after must exceed the keepalive interval".into(),
-            ));
+            return Err(TransportError::Config("dead_after must exceed the keepalive interval".into()));
         }
         Ok(())
     }
 
     /// Path of a node's same-host socket.
     pub fn socket_path(&self, node: NodeId) -> PathBuf {
-        self.runtime_dir
-            .join(format!("cascade-{}-{}.sock", self.cluster.name, node))
+        self.runtime_dir.join(format!("cascade-{}-{}.sock", self.cluster.name, node))
     }
 }
 
 /// Picks the backend for a pair of nodes: shared memory on the same host, RDMA where both have a
 /// device, TCP otherwise. Pure, so both sides reach the same answer from the same inputs.
-pub fn select_backend(
-    local: &NodeSpec,
-    local_caps: Caps,
-    peer: &NodeSpec,
-    peer_caps: Caps,
-) -> BackendKind {
-    if local.host_key() == peer.host_key() && local_caps.has(Caps::SHM) && peer_caps.has(Caps::SHM)
-    {
+pub fn select_backend(local: &NodeSpec, local_caps: Caps, peer: &NodeSpec, peer_caps: Caps) -> BackendKind {
+    if local.host_key() == peer.host_key() && local_caps.has(Caps::SHM) && peer_caps.has(Caps::SHM) {
         BackendKind::Shm
     } else if local_caps.has(Caps::RDMA) && peer_caps.has(Caps::RDMA) {
         BackendKind::Rdma

@@ -69,9 +69,7 @@ pub enum TransportError {
         status: Status,
     },
     /// The data arrived but its crc32 does not match the sender's.
-    #[error(
-        "{op} with node {peer}: crc32 mismatch (expected {expected:#010x}, got {actual:#010x})"
-    )]
+    #[error("{op} with node {peer}: crc32 mismatch (expected {expected:#010x}, got {actual:#010x})")]
     CrcMismatch {
         /// Peer involved.
         peer: NodeId,
@@ -163,9 +161,6 @@ pub enum TransportError {
 impl TransportError {
     /// Wraps an I/O error with what was being done.
     pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
-        TransportError::Io {
-            context: context.into(),
-            source,
-        }
+        TransportError::Io { context: context.into(), source }
     }
 }

@@ -140,13 +140,7 @@ impl Msg {
         let mut b = [0u8; MSG_LEN];
         b[0..4].copy_from_slice(&MAGIC);
         match self {
-            Msg::Hello {
-                version,
-                node,
-                expect,
-                caps,
-                nonce,
-            } => {
+            Msg::Hello { version, node, expect, caps, nonce } => {
                 b[4] = 1;
                 b[5..7].copy_from_slice(&version.to_le_bytes());
                 b[7..11].copy_from_slice(&node.to_le_bytes());
@@ -154,13 +148,7 @@ impl Msg {
                 b[15..19].copy_from_slice(&caps.0.to_le_bytes());
                 b[19..51].copy_from_slice(nonce);
             }
-            Msg::HelloAck {
-                version,
-                node,
-                caps,
-                nonce,
-                proof,
-            } => {
+            Msg::HelloAck { version, node, caps, nonce, proof } => {
                 b[4] = 2;
                 b[5..7].copy_from_slice(&version.to_le_bytes());
                 b[7..11].copy_from_slice(&node.to_le_bytes());
@@ -191,9 +179,7 @@ impl Msg {
     /// Decodes a wire message.
     pub fn decode(b: &[u8; MSG_LEN]) -> Result<Msg, HandshakeError> {
         if b[0..4] != MAGIC {
-            return Err(HandshakeError::Malformed(
-                "not a Cascade handshake (bad magic)",
-            ));
+            return Err(HandshakeError::Malformed("not a Cascade handshake (bad magic)"));
         }
         let u16_at = |i: usize| u16::from_le_bytes([b[i], b[i + 1]]);
         let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
@@ -243,16 +229,8 @@ pub enum Role {
 }
 
 /// HMAC-SHA256 proof of the secret, bound to both nonces, both node ids and the role.
-pub fn proof(
-    secret: &[u8],
-    role: Role,
-    dialer: (NodeId, &[u8; NONCE]),
-    acceptor: (NodeId, &[u8; NONCE]),
-) -> [u8; 32] {
-    mac(secret, role, dialer, acceptor)
-        .finalize()
-        .into_bytes()
-        .into()
+pub fn proof(secret: &[u8], role: Role, dialer: (NodeId, &[u8; NONCE]), acceptor: (NodeId, &[u8; NONCE])) -> [u8; 32] {
+    mac(secret, role, dialer, acceptor).finalize().into_bytes().into()
 }
 
 /// Checks a proof in constant time.
@@ -263,17 +241,10 @@ pub fn verify(
     acceptor: (NodeId, &[u8; NONCE]),
     proof: &[u8; 32],
 ) -> bool {
-    mac(secret, role, dialer, acceptor)
-        .verify_slice(proof)
-        .is_ok()
+    mac(secret, role, dialer, acceptor).verify_slice(proof).is_ok()
 }
 
-fn mac(
-    secret: &[u8],
-    role: Role,
-    d: (NodeId, &[u8; NONCE]),
-    a: (NodeId, &[u8; NONCE]),
-) -> Hmac<Sha256> {
+fn mac(secret: &[u8], role: Role, d: (NodeId, &[u8; NONCE]), a: (NodeId, &[u8; NONCE])) -> Hmac<Sha256> {
     // HMAC accepts keys of any length, so this cannot fail.
     let mut m = <Hmac<Sha256> as Mac>::new_from_slice(secret).unwrap_or_else(|_| unreachable!());
     match role {
@@ -294,31 +265,20 @@ fn mac(
 }
 
 /// Interprets a refusal received from the peer.
-pub fn rejection(
-    reason: RejectReason,
-    ours: &HandshakeConfig,
-    expect: Option<NodeId>,
-) -> HandshakeError {
+pub fn rejection(reason: RejectReason, ours: &HandshakeConfig, expect: Option<NodeId>) -> HandshakeError {
     match reason {
-        RejectReason::Version(theirs) => HandshakeError::VersionMismatch {
-            ours: ours.version,
-            theirs,
-        },
+        RejectReason::Version(theirs) => HandshakeError::VersionMismatch { ours: ours.version, theirs },
         RejectReason::Auth => HandshakeError::AuthFailed,
         RejectReason::UnknownNode => {
             HandshakeError::Refused(format!("node {} is not a member of its cluster", ours.node))
         }
-        RejectReason::WrongPeer(found) => HandshakeError::WrongPeer {
-            expected: expect.unwrap_or(found),
-            found,
-        },
+        RejectReason::WrongPeer(found) => HandshakeError::WrongPeer { expected: expect.unwrap_or(found), found },
     }
 }
 
 fn nonce() -> Result<[u8; NONCE], HandshakeError> {
     let mut n = [0u8; NONCE];
-    getrandom::fill(&mut n)
-        .map_err(|_| HandshakeError::Malformed("the OS random source failed"))?;
+    getrandom::fill(&mut n).map_err(|_| HandshakeError::Malformed("the OS random source failed"))?;
     Ok(n)
 }
 
@@ -357,12 +317,9 @@ async fn timed<T>(
     limit: Duration,
     f: impl std::future::Future<Output = Result<T, DriveError>>,
 ) -> Result<T, DriveError> {
-    tokio::time::timeout(limit, f).await.map_err(|_| {
-        DriveError::Io(std::io::Error::new(
-            std::io::ErrorKind::TimedOut,
-            "handshake timed out",
-        ))
-    })?
+    tokio::time::timeout(limit, f)
+        .await
+        .map_err(|_| DriveError::Io(std::io::Error::new(std::io::ErrorKind::TimedOut, "handshake timed out")))?
 }
 
 /// Runs the dialer's side against `expect`.
@@ -373,53 +330,17 @@ pub async fn dial<S: AsyncRead + AsyncWrite + Unpin>(
 ) -> Result<PeerInfo, DriveError> {
     timed(cfg.timeout, async {
         let nd = nonce()?;
-        send(
-            s,
-            &Msg::Hello {
-                version: cfg.version,
-                node: cfg.node,
-                expect,
-                caps: cfg.caps,
-                nonce: nd,
-            },
-        )
-        .await?;
+        send(s, &Msg::Hello { version: cfg.version, node: cfg.node, expect, caps: cfg.caps, nonce: nd }).await?;
         let (peer, caps, na) = match recv(s).await? {
-            Msg::HelloAck {
-                version,
-                node,
-                caps,
-                nonce,
-                proof,
-            } => {
+            Msg::HelloAck { version, node, caps, nonce, proof } => {
                 if version != cfg.version {
-                    return Err(HandshakeError::VersionMismatch {
-                        ours: cfg.version,
-                        theirs: version,
-                    }
-                    .into());
+                    return Err(HandshakeError::VersionMismatch { ours: cfg.version, theirs: version }.into());
                 }
                 if node != expect {
-                    return Err(HandshakeError::WrongPeer {
-                        expected: expect,
-                        found: node,
-                    }
-                    .into());
+                    return Err(HandshakeError::WrongPeer { expected: expect, found: node }.into());
                 }
-                if !verify(
-                    &cfg.secret,
-                    Role::Acceptor,
-                    (cfg.node, &nd),
-                    (node, &nonce),
-                    &proof,
-                ) {
-                    send(
-                        s,
-                        &Msg::Reject {
-                            reason: RejectReason::Auth,
-                        },
-                    )
-                    .await?;
+                if !verify(&cfg.secret, Role::Acceptor, (cfg.node, &nd), (node, &nonce), &proof) {
+                    send(s, &Msg::Reject { reason: RejectReason::Auth }).await?;
                     return Err(HandshakeError::AuthFailed.into());
                 }
                 (node, caps, nonce)
@@ -446,20 +367,11 @@ pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(
 ) -> Result<PeerInfo, DriveError> {
     timed(cfg.timeout, async {
         let (peer, caps, nd) = match recv(s).await? {
-            Msg::Hello {
-                version,
-                node,
-                expect,
-                caps,
-                nonce,
-            } => {
+            Msg::Hello { version, node, expect, caps, nonce } => {
                 let refuse = if version != cfg.version {
                     Some((
                         RejectReason::Version(cfg.version),
-                        HandshakeError::VersionMismatch {
-                            ours: cfg.version,
-                            theirs: version,
-                        },
+                        HandshakeError::VersionMismatch { ours: cfg.version, theirs: version },
                     ))
                 } else if expect != cfg.node {
                     Some((
@@ -481,38 +393,14 @@ pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(
         };
         let na = nonce()?;
         let p = proof(&cfg.secret, Role::Acceptor, (peer, &nd), (cfg.node, &na));
-        send(
-            s,
-            &Msg::HelloAck {
-                version: cfg.version,
-                node: cfg.node,
-                caps: cfg.caps,
-                nonce: na,
-                proof: p,
-            },
-        )
-        .await?;
+        send(s, &Msg::HelloAck { version: cfg.version, node: cfg.node, caps: cfg.caps, nonce: na, proof: p }).await?;
         match recv(s).await? {
-            Msg::Proof { proof }
-                if verify(
-                    &cfg.secret,
-                    Role::Dialer,
-                    (peer, &nd),
-                    (cfg.node, &na),
-                    &proof,
-                ) =>
-            {
+            Msg::Proof { proof } if verify(&cfg.secret, Role::Dialer, (peer, &nd), (cfg.node, &na), &proof) => {
                 send(s, &Msg::Accept).await?;
                 Ok(PeerInfo { node: peer, caps })
             }
             Msg::Proof { .. } => {
-                send(
-                    s,
-                    &Msg::Reject {
-                        reason: RejectReason::Auth,
-                    },
-                )
-                .await?;
+                send(s, &Msg::Reject { reason: RejectReason::Auth }).await?;
                 Err(HandshakeError::AuthFailed.into())
             }
             Msg::Reject { reason } => Err(rejection(reason, cfg, None).into()),

@@ -25,6 +25,7 @@ mod error;
 pub mod handshake;
 mod link;
 pub mod mem;
+mod onesided;
 mod pool;
 pub mod rdma;
 mod region;

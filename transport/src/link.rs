@@ -81,39 +81,13 @@ pub enum Op {
 
 impl Op {
     /// A WRITE of `len` bytes between the given offsets.
-    pub fn write(
-        local: &Region,
-        local_offset: u64,
-        remote: RemoteRegion,
-        remote_offset: u64,
-        len: u64,
-    ) -> Op {
-        Op::Write {
-            local: local.clone(),
-            local_offset,
-            remote,
-            remote_offset,
-            len,
-            verify: false,
-        }
+    pub fn write(local: &Region, local_offset: u64, remote: RemoteRegion, remote_offset: u64, len: u64) -> Op {
+        Op::Write { local: local.clone(), local_offset, remote, remote_offset, len, verify: false }
     }
 
     /// A READ of `len` bytes between the given offsets.
-    pub fn read(
-        local: &Region,
-        local_offset: u64,
-        remote: RemoteRegion,
-        remote_offset: u64,
-        len: u64,
-    ) -> Op {
-        Op::Read {
-            local: local.clone(),
-            local_offset,
-            remote,
-            remote_offset,
-            len,
-            verify: false,
-        }
+    pub fn read(local: &Region, local_offset: u64, remote: RemoteRegion, remote_offset: u64, len: u64) -> Op {
+        Op::Read { local: local.clone(), local_offset, remote, remote_offset, len, verify: false }
     }
 
     /// The same operation with crc32 verification on.
@@ -136,23 +110,11 @@ impl Op {
     /// Checks the local side of the operation before anything is sent.
     pub(crate) fn check_local(&self) -> Result<()> {
         match self {
-            Op::Write {
-                local,
-                local_offset,
-                len,
-                ..
+            Op::Write { local, local_offset, len, .. } | Op::Read { local, local_offset, len, .. } => {
+                local.check(*local_offset, *len)
             }
-            | Op::Read {
-                local,
-                local_offset,
-                len,
-                ..
-            } => local.check(*local_offset, *len),
             Op::Send { payload } if payload.len() as u64 > crate::wire::MAX_MESSAGE => {
-                Err(TransportError::MessageTooLarge {
-                    len: payload.len() as u64,
-                    max: crate::wire::MAX_MESSAGE,
-                })
+                Err(TransportError::MessageTooLarge { len: payload.len() as u64, max: crate::wire::MAX_MESSAGE })
             }
             Op::Send { .. } => Ok(()),
         }
@@ -191,13 +153,7 @@ impl OpHandle {
     /// Waits at most `limit`; a late operation fails with `Timeout`.
     pub async fn wait(self, op: &'static str, limit: Duration) -> Result<Completion> {
         let peer = self.peer;
-        tokio::time::timeout(limit, self)
-            .await
-            .unwrap_or(Err(TransportError::Timeout {
-                peer,
-                op,
-                after: limit,
-            }))
+        tokio::time::timeout(limit, self).await.unwrap_or(Err(TransportError::Timeout { peer, op, after: limit }))
     }
 }
 
@@ -205,14 +161,9 @@ impl Future for OpHandle {
     type Output = Result<Completion>;
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let peer = self.peer;
-        Pin::new(&mut self.rx).poll(cx).map(|r| {
-            r.unwrap_or_else(|_| {
-                Err(TransportError::PeerDown {
-                    peer,
-                    reason: "link closed".into(),
-                })
-            })
-        })
+        Pin::new(&mut self.rx)
+            .poll(cx)
+            .map(|r| r.unwrap_or_else(|_| Err(TransportError::PeerDown { peer, reason: "link closed".into() })))
     }
 }
 
@@ -245,18 +196,17 @@ pub trait Link: Send + Sync + 'static {
 }
 
 /// Posts `ops` on `link` and waits for all of them, each at most `limit`.
-pub async fn run_batch(
-    link: &Arc<dyn Link>,
-    ops: Vec<Op>,
-    limit: Duration,
-) -> Vec<Result<Completion>> {
+pub async fn run_batch(link: &Arc<dyn Link>, ops: Vec<Op>, limit: Duration) -> Vec<Result<Completion>> {
     let names: Vec<&'static str> = ops.iter().map(Op::name).collect();
     let handles = link.post(ops);
     let mut out = Vec::with_capacity(handles.len());
     let deadline = tokio::time::Instant::now() + limit;
     for (h, name) in handles.into_iter().zip(names) {
         let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-        out.push(h.wait(name, left).await);
+        out.push(h.wait(name, left).await.map_err(|e| match e {
+            TransportError::Timeout { peer, op, .. } => TransportError::Timeout { peer, op, after: limit },
+            other => other,
+        }));
     }
     out
 }

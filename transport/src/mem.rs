@@ -63,20 +63,8 @@ impl MemFabric {
     pub fn add_node(&self, id: NodeId) -> MemNode {
         let (tx, rx) = mpsc::unbounded_channel();
         let regions = RegionTable::new();
-        self.0.lock_nodes().insert(
-            id,
-            NodeState {
-                regions: regions.clone(),
-                inbox: tx,
-                alive: true,
-            },
-        );
-        MemNode {
-            id,
-            fabric: self.clone(),
-            regions,
-            inbox: tokio::sync::Mutex::new(rx),
-        }
+        self.0.lock_nodes().insert(id, NodeState { regions: regions.clone(), inbox: tx, alive: true });
+        MemNode { id, fabric: self.clone(), regions, inbox: tokio::sync::Mutex::new(rx) }
     }
 
     /// Sets (or with `None` clears) the fault on operations from `from` to `to`.
@@ -153,10 +141,7 @@ struct MemLink {
 
 impl MemLink {
     fn down(&self, reason: &str) -> TransportError {
-        TransportError::PeerDown {
-            peer: self.to,
-            reason: reason.into(),
-        }
+        TransportError::PeerDown { peer: self.to, reason: reason.into() }
     }
 
     /// Performs `op` now, against the current fabric state.
@@ -171,66 +156,25 @@ impl MemLink {
             (t.regions.clone(), t.inbox.clone())
         };
         op.check_local()?;
-        let refused = |status| TransportError::Refused {
-            peer: self.to,
-            op: "mem",
-            status,
-        };
+        let refused = |status| TransportError::Refused { peer: self.to, op: "mem", status };
         match op {
-            Op::Write {
-                local,
-                local_offset,
-                remote,
-                remote_offset,
-                len,
-                verify,
-            } => {
-                let dst = regions
-                    .access(remote.id, remote.key, remote_offset, len)
-                    .map_err(refused)?;
+            Op::Write { local, local_offset, remote, remote_offset, len, verify } => {
+                let dst = regions.access(remote.id, remote.key, remote_offset, len).map_err(refused)?;
                 copy_between(&local, local_offset, &dst, remote_offset, len, corrupt);
                 self.stats.tx(len);
-                check_crc(
-                    self.to,
-                    "write",
-                    verify,
-                    (&local, local_offset),
-                    (&dst, remote_offset),
-                    len,
-                )?;
+                check_crc(self.to, "write", verify, (&local, local_offset), (&dst, remote_offset), len)?;
                 Ok(Completion { bytes: len })
             }
-            Op::Read {
-                local,
-                local_offset,
-                remote,
-                remote_offset,
-                len,
-                verify,
-            } => {
-                let src = regions
-                    .access(remote.id, remote.key, remote_offset, len)
-                    .map_err(refused)?;
+            Op::Read { local, local_offset, remote, remote_offset, len, verify } => {
+                let src = regions.access(remote.id, remote.key, remote_offset, len).map_err(refused)?;
                 copy_between(&src, remote_offset, &local, local_offset, len, corrupt);
                 self.stats.rx(len);
-                check_crc(
-                    self.to,
-                    "read",
-                    verify,
-                    (&src, remote_offset),
-                    (&local, local_offset),
-                    len,
-                )?;
+                check_crc(self.to, "read", verify, (&src, remote_offset), (&local, local_offset), len)?;
                 Ok(Completion { bytes: len })
             }
             Op::Send { payload } => {
                 let n = payload.len() as u64;
-                inbox
-                    .send(Incoming {
-                        from: self.from,
-                        payload,
-                    })
-                    .map_err(|_| self.down("receiver gone"))?;
+                inbox.send(Incoming { from: self.from, payload }).map_err(|_| self.down("receiver gone"))?;
                 self.stats.tx(n);
                 Ok(Completion { bytes: n })
             }
@@ -268,12 +212,7 @@ fn check_crc(
     let expected = src.0.crc32(src.1, len)?;
     let actual = dst.0.crc32(dst.1, len)?;
     if expected != actual {
-        return Err(TransportError::CrcMismatch {
-            peer,
-            op,
-            expected,
-            actual,
-        });
+        return Err(TransportError::CrcMismatch { peer, op, expected, actual });
     }
     Ok(())
 }
@@ -286,23 +225,12 @@ impl Link for MemLink {
         BackendKind::Mem
     }
     fn post(&self, ops: Vec<Op>) -> Vec<OpHandle> {
-        let fault = self
-            .fabric
-            .0
-            .faults
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&(self.from, self.to))
-            .copied();
+        let fault = self.fabric.0.faults.lock().unwrap_or_else(|e| e.into_inner()).get(&(self.from, self.to)).copied();
         ops.into_iter()
             .map(|op| {
                 let (done, handle) = OpHandle::new(self.to);
                 match fault {
-                    Some(Fault::Drop) => self
-                        .swallowed
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .push(done),
+                    Some(Fault::Drop) => self.swallowed.lock().unwrap_or_else(|e| e.into_inner()).push(done),
                     Some(Fault::Delay(d)) => {
                         let me = self.clone_handle();
                         tokio::spawn(async move {
@@ -321,18 +249,11 @@ impl Link for MemLink {
         self.stats.snapshot()
     }
     fn is_alive(&self) -> bool {
-        !self.closed.load(Ordering::SeqCst)
-            && self.fabric.is_alive(self.to)
-            && self.fabric.is_alive(self.from)
+        !self.closed.load(Ordering::SeqCst) && self.fabric.is_alive(self.to) && self.fabric.is_alive(self.from)
     }
     fn close(&self, reason: &str) {
         self.closed.store(true, Ordering::SeqCst);
-        for done in self
-            .swallowed
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .drain(..)
-        {
+        for done in self.swallowed.lock().unwrap_or_else(|e| e.into_inner()).drain(..) {
             let _ = done.send(Err(self.down(reason)));
         }
     }

@@ -2,8 +2,10 @@
 //!
 //! At start the endpoint binds its listeners (TCP, plus a unix socket for same-host peers), then
 //! for every peer with a larger id it dials — shared memory when the peer is on the same host,
-//! TCP otherwise (and, with the `rdma` feature and a device on both sides, RDMA once that backend
-//! carries data) — while peers with a smaller id dial it. [`Endpoint::wait_ready`] returns once
+//! TCP otherwise — while peers with a smaller id dial it. A TCP link between two nodes that both
+//! opened an RDMA device (feature `rdma`, `EndpointConfig::rdma`) is upgraded: the two exchange
+//! queue-pair information over it, and from then on one-sided WRITE/READ go over an RC queue pair
+//! while the TCP stream carries control (lookups, completions' acks, SEND, keepalive). [`Endpoint::wait_ready`] returns once
 //! every peer is connected and reports the mesh setup time.
 //!
 //! Every link runs a keepalive; a silent or broken link is closed, its operations fail with
@@ -24,6 +26,8 @@ use crate::config::{select_backend, EndpointConfig, NodeSpec};
 use crate::error::{Result, TransportError};
 use crate::handshake::{self, Caps, DriveError, HandshakeConfig, PeerInfo, PROTOCOL_VERSION};
 use crate::link::{run_batch, BackendKind, Completion, Incoming, Link, Op};
+use crate::onesided::{Engine, OneSided};
+use crate::rdma::RdmaCtx;
 use crate::region::{Region, RegionTable};
 use crate::shm::{FdReader, FdWriter};
 use crate::stats::StatsSnapshot;
@@ -87,6 +91,7 @@ struct Inner {
     changed: watch::Sender<u64>,
     shutdown: watch::Sender<bool>,
     started: Instant,
+    rdma: Option<RdmaCtx>,
 }
 
 /// A node's endpoint in the cluster: its regions, its links, and the operations over them.
@@ -98,31 +103,32 @@ impl Endpoint {
     /// Binds the listeners and starts connecting to every peer. Must run inside a tokio runtime.
     pub async fn start(cfg: EndpointConfig) -> Result<Endpoint> {
         cfg.validate()?;
-        let me = cfg
-            .cluster
-            .node(cfg.node)
-            .cloned()
-            .ok_or_else(|| TransportError::Config("node not in cluster".into()))?;
+        let me =
+            cfg.cluster.node(cfg.node).cloned().ok_or_else(|| TransportError::Config("node not in cluster".into()))?;
         let mut caps = Caps::TCP;
         if cfg.shm {
             caps = caps.with(Caps::SHM);
         }
-        if cfg.rdma {
-            match crate::rdma::probe() {
-                Ok(()) => caps = caps.with(Caps::RDMA),
-                Err(e) => warn!(error = %e, "RDMA requested but unavailable; falling back to tcp"),
+        let rdma = if cfg.rdma {
+            match RdmaCtx::open() {
+                Ok(ctx) => {
+                    caps = caps.with(Caps::RDMA);
+                    Some(ctx)
+                }
+                Err(e) => {
+                    warn!(error = %e, "RDMA requested but unavailable; falling back to tcp");
+                    None
+                }
             }
-        }
-        let tcp = TcpListener::bind(me.addr)
-            .await
-            .map_err(|e| TransportError::io(format!("binding {}", me.addr), e))?;
+        } else {
+            None
+        };
+        let tcp =
+            TcpListener::bind(me.addr).await.map_err(|e| TransportError::io(format!("binding {}", me.addr), e))?;
         let unix = if cfg.shm {
             let path = cfg.socket_path(cfg.node);
             let _ = std::fs::remove_file(&path);
-            Some(
-                UnixListener::bind(&path)
-                    .map_err(|e| TransportError::io(format!("binding {}", path.display()), e))?,
-            )
+            Some(UnixListener::bind(&path).map_err(|e| TransportError::io(format!("binding {}", path.display()), e))?)
         } else {
             None
         };
@@ -139,33 +145,16 @@ impl Endpoint {
             changed: watch::channel(0).0,
             shutdown: watch::channel(false).0,
             started: Instant::now(),
+            rdma,
             cfg,
         });
         info!(node = inner.cfg.node, addr = %inner.me.addr, caps = inner.caps.0, "endpoint listening");
-        tokio::spawn(accept_tcp(
-            Arc::downgrade(&inner),
-            tcp,
-            inner.shutdown.subscribe(),
-        ));
+        tokio::spawn(accept_tcp(Arc::downgrade(&inner), tcp, inner.shutdown.subscribe()));
         if let Some(u) = unix {
-            tokio::spawn(accept_unix(
-                Arc::downgrade(&inner),
-                u,
-                inner.shutdown.subscribe(),
-            ));
+            tokio::spawn(accept_unix(Arc::downgrade(&inner), u, inner.shutdown.subscribe()));
         }
-        for peer in inner
-            .cfg
-            .cluster
-            .nodes
-            .iter()
-            .filter(|n| n.id > inner.cfg.node)
-        {
-            tokio::spawn(dial_loop(
-                Arc::downgrade(&inner),
-                peer.clone(),
-                inner.shutdown.subscribe(),
-            ));
+        for peer in inner.cfg.cluster.nodes.iter().filter(|n| n.id > inner.cfg.node) {
+            tokio::spawn(dial_loop(Arc::downgrade(&inner), peer.clone(), inner.shutdown.subscribe()));
         }
         Ok(Endpoint { inner })
     }
@@ -193,11 +182,10 @@ impl Endpoint {
     /// Allocates a region (shared memory when shm is on, so same-host peers can map it) and
     /// registers it.
     pub fn register_new(&self, len: u64) -> Result<Region> {
-        let r = if self.inner.cfg.shm {
-            Region::shared(len)?
-        } else {
-            Region::alloc(len, Default::default())?
-        };
+        let r = if self.inner.cfg.shm { Region::shared(len)? } else { Region::alloc(len, Default::default())? };
+        if let Some(rdma) = &self.inner.rdma {
+            rdma.register(&r)?;
+        }
         self.inner.regions.register(&r);
         Ok(r)
     }
@@ -235,23 +223,14 @@ impl Endpoint {
             });
         }
         let setup = self.inner.started.elapsed();
-        info!(
-            node = self.node(),
-            peers = want,
-            setup_ms = setup.as_secs_f64() * 1e3,
-            "mesh ready"
-        );
+        info!(node = self.node(), peers = want, setup_ms = setup.as_secs_f64() * 1e3, "mesh ready");
         Ok(MeshReport { setup, peers })
     }
 
     /// Peers with a live link, and their backends.
     pub fn connected(&self) -> Vec<(NodeId, BackendKind)> {
         let links = self.inner.links.lock().unwrap_or_else(|e| e.into_inner());
-        let mut v: Vec<_> = links
-            .iter()
-            .filter(|(_, e)| e.link.is_alive())
-            .map(|(p, e)| (*p, e.link.kind()))
-            .collect();
+        let mut v: Vec<_> = links.iter().filter(|(_, e)| e.link.is_alive()).map(|(p, e)| (*p, e.link.kind())).collect();
         v.sort_unstable();
         v
     }
@@ -274,9 +253,7 @@ impl Endpoint {
     /// Sends a message to `peer`.
     pub async fn send(&self, peer: NodeId, payload: Bytes) -> Result<()> {
         let mut r = self.run(peer, vec![Op::Send { payload }]).await?;
-        r.pop()
-            .unwrap_or(Err(TransportError::NotConnected { peer }))
-            .map(|_| ())
+        r.pop().unwrap_or(Err(TransportError::NotConnected { peer })).map(|_| ())
     }
 
     /// The next message any peer sent to this node.
@@ -292,14 +269,8 @@ impl Endpoint {
     /// Counters of every current link.
     pub fn stats(&self) -> Vec<PeerStats> {
         let links = self.inner.links.lock().unwrap_or_else(|e| e.into_inner());
-        let mut v: Vec<_> = links
-            .iter()
-            .map(|(p, e)| PeerStats {
-                peer: *p,
-                backend: e.link.kind(),
-                stats: e.link.stats(),
-            })
-            .collect();
+        let mut v: Vec<_> =
+            links.iter().map(|(p, e)| PeerStats { peer: *p, backend: e.link.kind(), stats: e.link.stats() }).collect();
         v.sort_by_key(|s| s.peer);
         v
     }
@@ -307,14 +278,8 @@ impl Endpoint {
     /// Closes every link and stops listening.
     pub fn shutdown(&self) {
         let _ = self.inner.shutdown.send(true);
-        let links: Vec<Entry> = self
-            .inner
-            .links
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .drain()
-            .map(|(_, e)| e)
-            .collect();
+        let links: Vec<Entry> =
+            self.inner.links.lock().unwrap_or_else(|e| e.into_inner()).drain().map(|(_, e)| e).collect();
         for e in links {
             e.link.close("endpoint shut down");
         }
@@ -341,11 +306,21 @@ impl Inner {
         }
     }
 
-    fn timing(&self) -> Timing {
-        Timing {
-            keepalive: self.cfg.keepalive,
-            dead_after: self.cfg.dead_after,
+    /// After the handshake on a TCP connection: upgrade to RDMA when both sides have a device.
+    async fn maybe_rdma(&self, s: &mut TcpStream, peer: &PeerInfo) -> Result<(BackendKind, Option<OneSided>)> {
+        match &self.rdma {
+            Some(ctx) if peer.caps.has(Caps::RDMA) => {
+                Ok(match ctx.upgrade(s, peer.node, self.cfg.connect_timeout).await? {
+                    Some(engine) => (BackendKind::Rdma, Some(OneSided::new(engine))),
+                    None => (BackendKind::Tcp, None),
+                })
+            }
+            _ => Ok((BackendKind::Tcp, None)),
         }
+    }
+
+    fn timing(&self) -> Timing {
+        Timing { keepalive: self.cfg.keepalive, dead_after: self.cfg.dead_after }
     }
 
     /// Installs a fresh link to `peer`, replacing any older one. `closed` fires when it closes.
@@ -353,6 +328,7 @@ impl Inner {
         self: &Arc<Self>,
         peer: NodeId,
         kind: BackendKind,
+        one_sided: Option<OneSided>,
         r: R,
         w: W,
         closed: Option<oneshot::Sender<String>>,
@@ -374,6 +350,8 @@ impl Inner {
             }
         });
         let ctx = LinkCtx {
+            one_sided,
+            rkeys: self.rdma.as_ref().map(RdmaCtx::resolver),
             peer,
             kind,
             regions: self.regions.clone(),
@@ -382,17 +360,10 @@ impl Inner {
             on_close,
         };
         let link = StreamLink::spawn(ctx, r, w);
-        let old = self
-            .links
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(peer, Entry { link, generation });
+        let old = self.links.lock().unwrap_or_else(|e| e.into_inner()).insert(peer, Entry { link, generation });
         drop(old); // closes the replaced link outside the lock
         info!(node = self.cfg.node, peer, backend = %kind, "link up");
-        let _ = self.events.send(PeerEvent::Up {
-            peer,
-            backend: kind,
-        });
+        let _ = self.events.send(PeerEvent::Up { peer, backend: kind });
         self.changed.send_modify(|g| *g += 1);
     }
 
@@ -406,10 +377,7 @@ impl Inner {
         };
         if removed.is_some() {
             warn!(node = self.cfg.node, peer, reason, "peer down");
-            let _ = self.events.send(PeerEvent::Down {
-                peer,
-                reason: reason.to_string(),
-            });
+            let _ = self.events.send(PeerEvent::Down { peer, reason: reason.to_string() });
             self.changed.send_modify(|g| *g += 1);
         }
         drop(removed);
@@ -445,6 +413,7 @@ async fn dial_once(inner: &Arc<Inner>, peer: &NodeSpec) -> Result<oneshot::Recei
                 inner.install(
                     peer.id,
                     BackendKind::Shm,
+                    Some(OneSided::new(Engine::Shm)),
                     FdReader::new(r),
                     FdWriter(w),
                     Some(tx),
@@ -459,33 +428,22 @@ async fn dial_once(inner: &Arc<Inner>, peer: &NodeSpec) -> Result<oneshot::Recei
     }
     let mut s = tokio::time::timeout(limit, TcpStream::connect(peer.addr))
         .await
-        .map_err(|_| TransportError::Timeout {
-            peer: peer.id,
-            op: "connect",
-            after: limit,
-        })?
-        .map_err(|e| {
-            TransportError::io(
-                format!("connecting to node {} at {}", peer.id, peer.addr),
-                e,
-            )
-        })?;
+        .map_err(|_| TransportError::Timeout { peer: peer.id, op: "connect", after: limit })?
+        .map_err(|e| TransportError::io(format!("connecting to node {} at {}", peer.id, peer.addr), e))?;
     crate::tcp::tune(&s).map_err(|e| TransportError::io("setting TCP_NODELAY", e))?;
     let info = handshake::dial(&mut s, &hcfg, peer.id)
         .await
         .map_err(|e| hs_error(format!("node {} at {}", peer.id, peer.addr), e))?;
     check_info(&info, peer.id)?;
+    let (kind, one_sided) = inner.maybe_rdma(&mut s, &info).await?;
     let (r, w) = s.into_split();
-    inner.install(peer.id, BackendKind::Tcp, r, w, Some(tx));
+    inner.install(peer.id, kind, one_sided, r, w, Some(tx));
     Ok(rx)
 }
 
 fn check_info(info: &PeerInfo, expect: NodeId) -> Result<()> {
     if info.node != expect {
-        return Err(TransportError::Protocol {
-            peer: Some(info.node),
-            detail: format!("expected node {expect}"),
-        });
+        return Err(TransportError::Protocol { peer: Some(info.node), detail: format!("expected node {expect}") });
     }
     Ok(())
 }
@@ -539,10 +497,13 @@ async fn accept_tcp(weak: Weak<Inner>, l: TcpListener, mut stop: watch::Receiver
             let _ = crate::tcp::tune(&s);
             let hcfg = inner.handshake_cfg();
             match handshake::accept(&mut s, &hcfg, |n| inner.is_member(n)).await {
-                Ok(info) => {
-                    let (r, w) = s.into_split();
-                    inner.install(info.node, BackendKind::Tcp, r, w, None);
-                }
+                Ok(info) => match inner.maybe_rdma(&mut s, &info).await {
+                    Ok((kind, one_sided)) => {
+                        let (r, w) = s.into_split();
+                        inner.install(info.node, kind, one_sided, r, w, None);
+                    }
+                    Err(e) => warn!(node = inner.cfg.node, peer = info.node, error = %e, "RDMA setup failed"),
+                },
                 Err(e) => {
                     warn!(node = inner.cfg.node, from = %addr, error = %hs_error(addr.to_string(), e), "refused a connection")
                 }
@@ -569,6 +530,7 @@ async fn accept_unix(weak: Weak<Inner>, l: UnixListener, mut stop: watch::Receiv
                     inner.install(
                         info.node,
                         BackendKind::Shm,
+                        Some(OneSided::new(Engine::Shm)),
                         FdReader::new(r),
                         FdWriter(w),
                         None,

@@ -14,10 +14,16 @@
 //!   `#[ignore = "requires an RDMA device"]`.
 
 use std::collections::HashMap;
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 use crate::error::{Result, TransportError};
-use crate::region::{RegionId, RemoteKey};
+use crate::onesided::Engine;
+use crate::region::{Region, RegionId, RemoteKey};
+use crate::stream::RkeyResolver;
 use crate::wire::Status;
+use crate::NodeId;
 
 /// What one side of an RC connection tells the other to bring its queue pair to RTR/RTS.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -56,10 +62,7 @@ impl ConnInfo {
 
     /// Decodes and validates.
     pub fn decode(b: &[u8]) -> Result<ConnInfo> {
-        let bad = |d: &str| TransportError::Protocol {
-            peer: None,
-            detail: format!("RDMA connection info: {d}"),
-        };
+        let bad = |d: &str| TransportError::Protocol { peer: None, detail: format!("RDMA connection info: {d}") };
         if b.len() != Self::LEN {
             return Err(bad("wrong length"));
         }
@@ -126,33 +129,14 @@ struct Entry<M> {
 
 impl<M> Default for MrTable<M> {
     fn default() -> Self {
-        MrTable {
-            map: HashMap::new(),
-        }
+        MrTable { map: HashMap::new() }
     }
 }
 
 impl<M> MrTable<M> {
     /// Records a registration; replaces (and so deregisters) an older one of the same region.
-    pub fn insert(
-        &mut self,
-        id: RegionId,
-        key: RemoteKey,
-        lkey: u32,
-        remote: RemoteMr,
-        mr: M,
-    ) -> Option<M> {
-        self.map
-            .insert(
-                id,
-                Entry {
-                    key,
-                    lkey,
-                    remote,
-                    _mr: mr,
-                },
-            )
-            .map(|e| e._mr)
+    pub fn insert(&mut self, id: RegionId, key: RemoteKey, lkey: u32, remote: RemoteMr, mr: M) -> Option<M> {
+        self.map.insert(id, Entry { key, lkey, remote, _mr: mr }).map(|e| e._mr)
     }
 
     /// Drops a registration (the handle is returned so the caller controls when it is released).
@@ -185,12 +169,107 @@ impl<M> MrTable<M> {
     }
 }
 
+/// Exchanges queue-pair information over the link's (already authenticated) control stream:
+/// each side writes its [`ConnInfo`] — all zeroes when it declines RDMA — and reads the peer's.
+/// `Ok(None)` when either side declined; an error leaves the stream unusable.
+#[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+pub(crate) async fn exchange<S: AsyncRead + AsyncWrite + Unpin>(
+    s: &mut S,
+    mine: Option<ConnInfo>,
+    limit: Duration,
+) -> Result<Option<ConnInfo>> {
+    let io = |e: std::io::Error| TransportError::io("exchanging RDMA connection information", e);
+    let out = mine.map(|c| c.encode()).unwrap_or([0; ConnInfo::LEN]);
+    let mut theirs = [0u8; ConnInfo::LEN];
+    tokio::time::timeout(limit, async {
+        s.write_all(&out).await?;
+        s.flush().await?;
+        s.read_exact(&mut theirs).await.map(drop)
+    })
+    .await
+    .map_err(|_| io(std::io::ErrorKind::TimedOut.into()))?
+    .map_err(io)?;
+    if mine.is_none() || theirs == [0; ConnInfo::LEN] {
+        return Ok(None);
+    }
+    ConnInfo::decode(&theirs).map(Some)
+}
+
+/// A node's RDMA device as the endpoint uses it. Only constructible with the `rdma` feature and
+/// an openable device.
+pub(crate) struct RdmaCtx {
+    #[cfg(feature = "rdma")]
+    dev: std::sync::Arc<verbs::Device>,
+    #[cfg(not(feature = "rdma"))]
+    never: std::convert::Infallible,
+}
+
+impl RdmaCtx {
+    /// Opens the first device.
+    pub(crate) fn open() -> Result<RdmaCtx> {
+        #[cfg(feature = "rdma")]
+        return Ok(RdmaCtx { dev: verbs::Device::open(None)? });
+        #[cfg(not(feature = "rdma"))]
+        return Err(TransportError::NoRdmaDevice { detail: "built without the `rdma` feature".into() });
+    }
+
+    /// Registers a region so peers can reach it.
+    pub(crate) fn register(&self, region: &Region) -> Result<()> {
+        #[cfg(feature = "rdma")]
+        return self.dev.register(region).map(drop);
+        #[cfg(not(feature = "rdma"))]
+        match (self.never, region) {}
+    }
+
+    /// Answers peers' lookups, registering a region on first use.
+    pub(crate) fn resolver(&self) -> RkeyResolver {
+        #[cfg(feature = "rdma")]
+        {
+            let dev = self.dev.clone();
+            std::sync::Arc::new(move |r: &Region| {
+                dev.resolve(r.id(), r.key()).or_else(|_| dev.register(r).map_err(|_| Status::Internal))
+            })
+        }
+        #[cfg(not(feature = "rdma"))]
+        match self.never {}
+    }
+
+    /// Connects an RC queue pair to `peer` over the control stream. `Ok(None)` when either side
+    /// declined or could not set up its queue pair (the link then stays plain tcp).
+    pub(crate) async fn upgrade<S: AsyncRead + AsyncWrite + Unpin>(
+        &self,
+        s: &mut S,
+        peer: NodeId,
+        limit: Duration,
+    ) -> Result<Option<Engine>> {
+        #[cfg(feature = "rdma")]
+        {
+            let qp = verbs::RcQp::create(&self.dev, peer)
+                .inspect_err(|e| tracing::warn!(peer, error = %e, "cannot create a queue pair; link stays tcp"))
+                .ok();
+            let Some(theirs) = exchange(s, qp.as_ref().map(verbs::RcQp::local_info), limit).await? else {
+                return Ok(None);
+            };
+            let Some(qp) = qp else { return Ok(None) };
+            match qp.connect(&theirs) {
+                Ok(()) => Ok(Some(Engine::Rdma(std::sync::Arc::new(qp)))),
+                Err(e) => {
+                    // The peer may have reached RTS; its one-sided operations will then fail with
+                    // a work-completion error rather than hang.
+                    tracing::warn!(peer, error = %e, "queue pair did not connect; link stays tcp");
+                    Ok(None)
+                }
+            }
+        }
+        #[cfg(not(feature = "rdma"))]
+        match (self.never, s, peer, limit) {}
+    }
+}
+
 /// Checks that an RDMA device can be opened.
 #[cfg(not(feature = "rdma"))]
 pub fn probe() -> Result<()> {
-    Err(TransportError::NoRdmaDevice {
-        detail: "built without the `rdma` feature".into(),
-    })
+    Err(TransportError::NoRdmaDevice { detail: "built without the `rdma` feature".into() })
 }
 
 /// Checks that an RDMA device can be opened.

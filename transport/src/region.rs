@@ -69,15 +69,8 @@ pub struct RegionOptions {
 static NEXT_REGION: AtomicU32 = AtomicU32::new(1);
 
 enum Backing {
-    Host {
-        ptr: NonNull<u8>,
-        layout: Layout,
-        locked: bool,
-    },
-    Shared {
-        map: MmapRaw,
-        fd: OwnedFd,
-    },
+    Host { ptr: NonNull<u8>, layout: Layout, locked: bool },
+    Shared { map: MmapRaw, fd: OwnedFd },
 }
 
 struct Inner {
@@ -96,12 +89,7 @@ unsafe impl Sync for Inner {}
 
 impl Drop for Inner {
     fn drop(&mut self) {
-        if let Backing::Host {
-            ptr,
-            layout,
-            locked,
-        } = &self.backing
-        {
+        if let Backing::Host { ptr, layout, locked } = &self.backing {
             if *locked {
                 // SAFETY: `ptr` spans `layout.size()` bytes that we locked at allocation.
                 unsafe { libc::munlock(ptr.as_ptr().cast(), layout.size()) };
@@ -129,9 +117,8 @@ impl std::fmt::Debug for Region {
 fn random_key() -> Result<RemoteKey> {
     let mut b = [0u8; 8];
     // Without the OS RNG a key would be guessable: refuse to make the region.
-    getrandom::fill(&mut b).map_err(|e| {
-        TransportError::io("drawing a region key", std::io::Error::other(e.to_string()))
-    })?;
+    getrandom::fill(&mut b)
+        .map_err(|e| TransportError::io("drawing a region key", std::io::Error::other(e.to_string())))?;
     Ok(RemoteKey(u64::from_le_bytes(b)))
 }
 
@@ -141,8 +128,8 @@ impl Region {
         if len == 0 {
             return Err(TransportError::Config("a region must not be empty".into()));
         }
-        let size = usize::try_from(len)
-            .map_err(|_| TransportError::Config(format!("region of {len} bytes does not fit")))?;
+        let size =
+            usize::try_from(len).map_err(|_| TransportError::Config(format!("region of {len} bytes does not fit")))?;
         let layout = Layout::from_size_align(size, PAGE)
             .map_err(|e| TransportError::Config(format!("region of {len} bytes: {e}")))?;
         // SAFETY: `layout` has a non-zero size (checked above).
@@ -160,21 +147,11 @@ impl Region {
                 let err = std::io::Error::last_os_error();
                 // SAFETY: allocated above with the same layout, not yet shared.
                 unsafe { std::alloc::dealloc(ptr.as_ptr(), layout) };
-                return Err(TransportError::io(
-                    format!("mlock of a {len}-byte region (raise `ulimit -l`)"),
-                    err,
-                ));
+                return Err(TransportError::io(format!("mlock of a {len}-byte region (raise `ulimit -l`)"), err));
             }
             locked = true;
         }
-        Self::wrap(
-            len,
-            Backing::Host {
-                ptr,
-                layout,
-                locked,
-            },
-        )
+        Self::wrap(len, Backing::Host { ptr, layout, locked })
     }
 
     /// Allocates a zeroed region backed by a `memfd`, mappable by same-host peers.
@@ -186,10 +163,7 @@ impl Region {
         // SAFETY: `name` is a valid NUL-terminated string.
         let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
         if fd < 0 {
-            return Err(TransportError::io(
-                "memfd_create",
-                std::io::Error::last_os_error(),
-            ));
+            return Err(TransportError::io("memfd_create", std::io::Error::last_os_error()));
         }
         // SAFETY: `fd` was just returned by memfd_create and is owned by nobody else.
         let fd = unsafe { OwnedFd::from_raw_fd(fd) };
@@ -200,12 +174,7 @@ impl Region {
     fn wrap(len: u64, backing: Backing) -> Result<Region> {
         // On error `backing` drops here and frees the memory.
         let key = random_key()?;
-        Ok(Region(Arc::new(Inner {
-            id: RegionId(NEXT_REGION.fetch_add(1, Ordering::Relaxed)),
-            key,
-            len,
-            backing,
-        })))
+        Ok(Region(Arc::new(Inner { id: RegionId(NEXT_REGION.fetch_add(1, Ordering::Relaxed)), key, len, backing })))
     }
 
     /// The region's id.
@@ -240,12 +209,7 @@ impl Region {
 
     /// The descriptor a peer needs to address this region on `node`.
     pub fn remote(&self, node: NodeId) -> RemoteRegion {
-        RemoteRegion {
-            node,
-            id: self.0.id,
-            key: self.0.key,
-            len: self.0.len,
-        }
+        RemoteRegion { node, id: self.0.id, key: self.0.key, len: self.0.len }
     }
 
     pub(crate) fn shared_fd(&self) -> Option<&OwnedFd> {
@@ -266,12 +230,7 @@ impl Region {
     pub fn check(&self, offset: u64, len: u64) -> Result<()> {
         match offset.checked_add(len) {
             Some(end) if end <= self.0.len => Ok(()),
-            _ => Err(TransportError::OutOfBounds {
-                region: self.0.id.0,
-                offset,
-                len,
-                region_len: self.0.len,
-            }),
+            _ => Err(TransportError::OutOfBounds { region: self.0.id.0, offset, len, region_len: self.0.len }),
         }
     }
 
@@ -297,11 +256,7 @@ impl Region {
     /// See the module's concurrency contract.
     pub fn view(&self, offset: u64, len: u64) -> Result<Bytes> {
         self.check(offset, len)?;
-        Ok(Bytes::from_owner(View {
-            region: self.clone(),
-            offset: offset as usize,
-            len: len as usize,
-        }))
+        Ok(Bytes::from_owner(View { region: self.clone(), offset: offset as usize, len: len as usize }))
     }
 
     /// crc32 of `[offset, offset+len)`.
@@ -350,18 +305,11 @@ impl AsRef<[u8]> for View {
 
 /// Maps `len` bytes of `fd` shared (read-write).
 pub(crate) fn map_fd(fd: &OwnedFd, len: u64, resize: bool) -> Result<MmapRaw> {
-    let file = File::from(
-        fd.try_clone()
-            .map_err(|e| TransportError::io("dup of memfd", e))?,
-    );
+    let file = File::from(fd.try_clone().map_err(|e| TransportError::io("dup of memfd", e))?);
     if resize {
-        file.set_len(len)
-            .map_err(|e| TransportError::io(format!("sizing a {len}-byte memfd"), e))?;
+        file.set_len(len).map_err(|e| TransportError::io(format!("sizing a {len}-byte memfd"), e))?;
     }
-    let actual = file
-        .metadata()
-        .map_err(|e| TransportError::io("fstat of memfd", e))?
-        .len();
+    let actual = file.metadata().map_err(|e| TransportError::io("fstat of memfd", e))?.len();
     if actual < len {
         return Err(TransportError::Protocol {
             peer: None,
@@ -413,13 +361,7 @@ impl RegionTable {
     }
 
     /// The check every remote access passes: region known, key right, range inside.
-    pub fn access(
-        &self,
-        id: RegionId,
-        key: RemoteKey,
-        offset: u64,
-        len: u64,
-    ) -> Result<Region, Status> {
+    pub fn access(&self, id: RegionId, key: RemoteKey, offset: u64, len: u64) -> Result<Region, Status> {
         let region = self.get(id).ok_or(Status::UnknownRegion)?;
         if region.key() != key {
             return Err(Status::BadKey);

@@ -2,33 +2,21 @@
 //!
 //! Control runs over a unix socket with the framed protocol of [`crate::stream`]. The first access
 //! to a peer region sends `MapReq{region, key}`; the owner checks the key and answers with the
-//! region's memfd (SCM_RIGHTS), which the initiator maps and caches. Bounds are then checked
-//! locally against the mapping's true length — as an RDMA NIC checks them — before any byte is
-//! copied. After the copy, `ShmWritten` tells the owner, which re-checks region, key and bounds,
-//! verifies the crc32 when asked, and acknowledges: that ack is the WRITE's completion.
-//!
-//! Regions that are not memfd-backed, and READs with crc verification (whose checksum must come
-//! from the owner), travel through the framed protocol over the same socket instead.
+//! region's memfd (SCM_RIGHTS), which the initiator maps; the rest of the protocol is the one of
+//! [`crate::onesided`]. This module holds the descriptor passing and the mappings.
 
-use std::collections::HashMap;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
 use std::task::{ready, Context, Poll};
 
 use memmap2::MmapRaw;
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, Interest, ReadBuf};
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 
-use crate::error::{Result, TransportError};
-use crate::link::{Completion, Done, Op, OpHandle};
-use crate::region::{map_fd, RegionId, RemoteKey};
-use crate::stream::{FrameSink, FrameSource, Shared};
-use crate::wire::Status;
-
-/// Copies at least this large run on the blocking pool, off the async workers.
-const BLOCKING_COPY: u64 = 256 << 10;
+use crate::error::Result;
+use crate::region::{map_fd, Region};
+use crate::stream::{FrameSink, FrameSource};
 
 /// A peer's shared region, mapped into this process.
 pub(crate) struct PeerMap {
@@ -44,157 +32,29 @@ unsafe impl Sync for PeerMap {}
 
 impl PeerMap {
     pub(crate) fn open(fd: OwnedFd, len: u64) -> Result<PeerMap> {
-        Ok(PeerMap {
-            map: map_fd(&fd, len, false)?,
-            len,
-        })
+        Ok(PeerMap { map: map_fd(&fd, len, false)?, len })
     }
-}
 
-/// Cache of mapped peer regions: `None` records a region that is not shareable.
-pub(crate) type MapCache = Mutex<HashMap<(RegionId, RemoteKey), Option<Arc<PeerMap>>>>;
+    /// The mapped region's length.
+    pub(crate) fn len(&self) -> u64 {
+        self.len
+    }
 
-/// Posts one operation on a shm link: memcpy when the region is mapped, framed otherwise.
-pub(crate) fn post(s: &Arc<Shared>, maps: &Arc<MapCache>, op: Op) -> OpHandle {
-    let remote = match &op {
-        Op::Write { remote, .. } => *remote,
-        Op::Read {
-            remote,
-            verify: false,
-            ..
-        } => *remote,
-        _ => return s.post_framed(op),
-    };
-    if op.check_local().is_err() {
-        return s.post_framed(op); // reports the local error
-    }
-    let cached = maps
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .get(&(remote.id, remote.key))
-        .cloned();
-    let (done, handle) = OpHandle::new(s.peer);
-    match cached {
-        Some(None) => return s.post_framed(op),
-        Some(Some(map)) => {
-            tokio::spawn(copy(s.clone(), op, map, done));
-        }
-        None => {
-            let (s, maps) = (s.clone(), maps.clone());
-            tokio::spawn(async move {
-                match s.request_map(remote.id, remote.key).await {
-                    Ok(m) => {
-                        maps.lock()
-                            .unwrap_or_else(|e| e.into_inner())
-                            .insert((remote.id, remote.key), m.clone());
-                        match m {
-                            Some(map) => copy(s, op, map, done).await,
-                            None => {
-                                let r = s.post_framed(op).await;
-                                let _ = done.send(r);
-                            }
-                        }
-                    }
-                    Err(e) => s.finish_op(done, Err(e)),
-                }
-            });
-        }
-    }
-    handle
-}
-
-/// The one-sided copy itself, then (for a WRITE) the notification that completes it.
-async fn copy(s: Arc<Shared>, op: Op, map: Arc<PeerMap>, done: Done) {
-    let (write, local, local_offset, remote, remote_offset, len, verify) = match op {
-        Op::Write {
-            local,
-            local_offset,
-            remote,
-            remote_offset,
-            len,
-            verify,
-        } => (
-            true,
-            local,
-            local_offset,
-            remote,
-            remote_offset,
-            len,
-            verify,
-        ),
-        Op::Read {
-            local,
-            local_offset,
-            remote,
-            remote_offset,
-            len,
-            verify,
-        } => (
-            false,
-            local,
-            local_offset,
-            remote,
-            remote_offset,
-            len,
-            verify,
-        ),
-        Op::Send { .. } => return,
-    };
-    if remote_offset
-        .checked_add(len)
-        .is_none_or(|end| end > map.len)
-    {
-        let op = if write { "write" } else { "read" };
-        s.finish_op(
-            done,
-            Err(TransportError::Refused {
-                peer: s.peer,
-                op,
-                status: Status::OutOfBounds,
-            }),
-        );
-        return;
-    }
-    let (l, m) = (local.clone(), map.clone());
-    let run = move || {
-        // SAFETY: both ranges were bounds-checked (local by `check_local`, remote against the
-        // mapping's length above); both mappings stay alive through the clones moved in here;
-        // they are distinct mappings, so the ranges cannot overlap in a way `copy` mishandles.
+    /// Copies `len` bytes between `local[local_offset..]` and this mapping at `remote_offset`
+    /// (into the mapping when `write`). The caller has bounds-checked both ranges.
+    pub(crate) fn copy(&self, write: bool, local: &Region, local_offset: u64, remote_offset: u64, len: u64) {
+        debug_assert!(remote_offset + len <= self.len && local.check(local_offset, len).is_ok());
+        // SAFETY: both ranges were bounds-checked by the caller; `self` and `local` keep both
+        // mappings alive for the call; they are distinct mappings, and `ptr::copy` tolerates overlap.
         unsafe {
-            let peer = m.map.as_mut_ptr().add(remote_offset as usize);
-            let mine = l.slice_mut(local_offset, len).as_mut_ptr();
+            let peer = self.map.as_mut_ptr().add(remote_offset as usize);
+            let mine = local.slice_mut(local_offset, len).as_mut_ptr();
             if write {
                 std::ptr::copy(mine, peer, len as usize);
             } else {
                 std::ptr::copy(peer, mine, len as usize);
             }
         }
-    };
-    if len >= BLOCKING_COPY {
-        if tokio::task::spawn_blocking(run).await.is_err() {
-            s.finish_op(
-                done,
-                Err(TransportError::Protocol {
-                    peer: Some(s.peer),
-                    detail: "copy task failed".into(),
-                }),
-            );
-            return;
-        }
-    } else {
-        run();
-    }
-    if write {
-        s.stats.tx(len);
-        let crc = if verify {
-            local.crc32(local_offset, len).ok()
-        } else {
-            None
-        };
-        s.post_shm_written(done, remote.id, remote.key, remote_offset, len, crc);
-    } else {
-        s.stats.rx(len);
-        s.finish_op(done, Ok(Completion { bytes: len }));
     }
 }
 
@@ -206,10 +66,7 @@ pub(crate) struct FdReader {
 
 impl FdReader {
     pub(crate) fn new(inner: OwnedReadHalf) -> Self {
-        FdReader {
-            inner,
-            fds: Vec::new(),
-        }
+        FdReader { inner, fds: Vec::new() }
     }
 }
 
@@ -217,10 +74,7 @@ impl FdReader {
 fn recv_with_fds(fd: RawFd, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> io::Result<usize> {
     // Room for up to 8 descriptors, u64-aligned.
     let mut cmsg = [0u64; 8];
-    let mut iov = libc::iovec {
-        iov_base: buf.as_mut_ptr().cast(),
-        iov_len: buf.len(),
-    };
+    let mut iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
     // SAFETY: msghdr is plain data; all-zero is a valid (empty) value.
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = &mut iov;
@@ -238,8 +92,7 @@ fn recv_with_fds(fd: RawFd, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> io::Resul
         while !c.is_null() {
             if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
                 let data = libc::CMSG_DATA(c).cast::<RawFd>();
-                let count = ((*c).cmsg_len as usize - libc::CMSG_LEN(0) as usize)
-                    / std::mem::size_of::<RawFd>();
+                let count = ((*c).cmsg_len as usize - libc::CMSG_LEN(0) as usize) / std::mem::size_of::<RawFd>();
                 for i in 0..count {
                     // Each received descriptor is new and owned by us alone.
                     fds.push(OwnedFd::from_raw_fd(data.add(i).read_unaligned()));
@@ -252,22 +105,14 @@ fn recv_with_fds(fd: RawFd, buf: &mut [u8], fds: &mut Vec<OwnedFd>) -> io::Resul
 }
 
 impl AsyncRead for FdReader {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
         let this = &mut *self;
         loop {
             ready!(this.inner.as_ref().poll_read_ready(cx))?;
             let raw = this.inner.as_ref().as_raw_fd();
             let dst = buf.initialize_unfilled();
             let fds = &mut this.fds;
-            match this
-                .inner
-                .as_ref()
-                .try_io(Interest::READABLE, || recv_with_fds(raw, dst, fds))
-            {
+            match this.inner.as_ref().try_io(Interest::READABLE, || recv_with_fds(raw, dst, fds)) {
                 Ok(n) => {
                     buf.advance(n);
                     return Poll::Ready(Ok(()));
@@ -290,10 +135,7 @@ pub(crate) struct FdWriter(pub(crate) OwnedWriteHalf);
 
 fn send_with_fd(sock: RawFd, bytes: &[u8], fd: RawFd) -> io::Result<usize> {
     let mut cmsg = [0u64; 4];
-    let mut iov = libc::iovec {
-        iov_base: bytes.as_ptr() as *mut _,
-        iov_len: bytes.len(),
-    };
+    let mut iov = libc::iovec { iov_base: bytes.as_ptr() as *mut _, iov_len: bytes.len() };
     // SAFETY: msghdr is plain data; all-zero is a valid (empty) value.
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = &mut iov;
@@ -318,11 +160,7 @@ fn send_with_fd(sock: RawFd, bytes: &[u8], fd: RawFd) -> io::Result<usize> {
 }
 
 impl AsyncWrite for FdWriter {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
         Pin::new(&mut self.0).poll_write(cx, buf)
     }
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -343,9 +181,7 @@ impl FrameSink for FdWriter {
             let sock = self.0.as_ref();
             let n = loop {
                 sock.writable().await?;
-                match sock.try_io(Interest::WRITABLE, || {
-                    send_with_fd(sock.as_raw_fd(), bytes, fd.as_raw_fd())
-                }) {
+                match sock.try_io(Interest::WRITABLE, || send_with_fd(sock.as_raw_fd(), bytes, fd.as_raw_fd())) {
                     Ok(n) => break n,
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
                     Err(e) => return Err(e),

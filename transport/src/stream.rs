@@ -24,6 +24,8 @@ use tracing::{debug, warn};
 
 use crate::error::{Result, TransportError};
 use crate::link::{BackendKind, Completion, Done, Incoming, Link, Op, OpHandle};
+use crate::onesided::{Access, OneSided};
+use crate::rdma::RemoteMr;
 use crate::region::{Region, RegionId, RegionTable, RemoteKey};
 use crate::shm::PeerMap;
 use crate::stats::{LinkStats, StatsSnapshot};
@@ -66,42 +68,19 @@ pub(crate) type OnClose = Box<dyn FnOnce(String) + Send>;
 
 pub(crate) enum Payload {
     None,
-    Region {
-        region: Region,
-        offset: u64,
-        len: u64,
-    },
+    Region { region: Region, offset: u64, len: u64 },
     Bytes(Bytes),
 }
 
 pub(crate) enum Out {
-    Frame {
-        header: Header,
-        payload: Payload,
-        done: Option<(Done, u64)>,
-    },
-    WithFd {
-        header: Header,
-        fd: OwnedFd,
-    },
+    Frame { header: Header, payload: Payload, done: Option<(Done, u64)> },
+    WithFd { header: Header, fd: OwnedFd },
 }
 
 enum Pending {
-    Write {
-        done: Done,
-        len: u64,
-        crc: Option<u32>,
-    },
-    Read {
-        done: Done,
-        dest: Region,
-        offset: u64,
-        len: u64,
-        verify: bool,
-    },
-    Map {
-        done: tokio::sync::oneshot::Sender<Result<Option<Arc<PeerMap>>>>,
-    },
+    Write { done: Done, len: u64, crc: Option<u32> },
+    Read { done: Done, dest: Region, offset: u64, len: u64, verify: bool },
+    Lookup { done: tokio::sync::oneshot::Sender<Result<Option<Access>>> },
 }
 
 pub(crate) struct Shared {
@@ -118,6 +97,8 @@ pub(crate) struct Shared {
     last_tx_ms: AtomicU64,
     shutdown: watch::Sender<bool>,
     on_close: Mutex<Option<OnClose>>,
+    /// Answers RDMA lookups of local regions (links whose node has an RDMA device).
+    rkeys: Option<RkeyResolver>,
     pub(crate) tx: mpsc::UnboundedSender<Out>,
 }
 
@@ -131,19 +112,8 @@ impl Shared {
             return handle;
         }
         let (header, payload, pending) = match op {
-            Op::Write {
-                local,
-                local_offset,
-                remote,
-                remote_offset,
-                len,
-                verify,
-            } => {
-                let crc = if verify {
-                    local.crc32(local_offset, len).ok()
-                } else {
-                    None
-                };
+            Op::Write { local, local_offset, remote, remote_offset, len, verify } => {
+                let crc = if verify { local.crc32(local_offset, len).ok() } else { None };
                 let h = Header {
                     region: remote.id.0,
                     key: remote.key.0,
@@ -152,24 +122,9 @@ impl Shared {
                     ..Header::new(Opcode::Write)
                 }
                 .with_crc(crc);
-                (
-                    h,
-                    Payload::Region {
-                        region: local,
-                        offset: local_offset,
-                        len,
-                    },
-                    Pending::Write { done, len, crc },
-                )
+                (h, Payload::Region { region: local, offset: local_offset, len }, Pending::Write { done, len, crc })
             }
-            Op::Read {
-                local,
-                local_offset,
-                remote,
-                remote_offset,
-                len,
-                verify,
-            } => {
+            Op::Read { local, local_offset, remote, remote_offset, len, verify } => {
                 let mut h = Header {
                     region: remote.id.0,
                     key: remote.key.0,
@@ -180,29 +135,12 @@ impl Shared {
                 if verify {
                     h.flags |= FLAG_CRC;
                 }
-                (
-                    h,
-                    Payload::None,
-                    Pending::Read {
-                        done,
-                        dest: local,
-                        offset: local_offset,
-                        len,
-                        verify,
-                    },
-                )
+                (h, Payload::None, Pending::Read { done, dest: local, offset: local_offset, len, verify })
             }
             Op::Send { payload } => {
                 let len = payload.len() as u64;
-                let h = Header {
-                    len,
-                    ..Header::new(Opcode::Send)
-                };
-                if !s.send(Out::Frame {
-                    header: h,
-                    payload: Payload::Bytes(payload),
-                    done: Some((done, len)),
-                }) {
+                let h = Header { len, ..Header::new(Opcode::Send) };
+                if !s.send(Out::Frame { header: h, payload: Payload::Bytes(payload), done: Some((done, len)) }) {
                     return OpHandle::ready(s.peer, Err(s.down("link closed")));
                 }
                 return handle;
@@ -210,53 +148,31 @@ impl Shared {
         };
         match s.insert(pending) {
             Ok(id) => {
-                let header = Header {
-                    req_id: id,
-                    ..header
-                };
-                if !s.send(Out::Frame {
-                    header,
-                    payload,
-                    done: None,
-                }) {
+                let header = Header { req_id: id, ..header };
+                if !s.send(Out::Frame { header, payload, done: None }) {
                     s.close("writer stopped");
                 }
             }
             Err(Pending::Write { done, .. } | Pending::Read { done, .. }) => {
                 s.finish_op(done, Err(s.down("link closed")))
             }
-            Err(Pending::Map { .. }) => {}
+            Err(Pending::Lookup { .. }) => {}
         }
         handle
     }
 
-    /// Asks the peer for a shared region's descriptor (shm control path).
-    pub(crate) async fn request_map(
-        &self,
-        region: RegionId,
-        key: RemoteKey,
-    ) -> Result<Option<Arc<PeerMap>>> {
-        let s = self;
+    /// Looks up a peer region for one-sided access (`MapReq` on shm, `RkeyReq` on rdma).
+    /// `Ok(None)`: the peer cannot expose it this way; use the framed protocol.
+    pub(crate) async fn request_access(&self, region: RegionId, key: RemoteKey, op: Opcode) -> Result<Option<Access>> {
         let (done, rx) = tokio::sync::oneshot::channel();
-        let id = s
-            .insert(Pending::Map { done })
-            .map_err(|_| s.down("link closed"))?;
-        let h = Header {
-            req_id: id,
-            region: region.0,
-            key: key.0,
-            ..Header::new(Opcode::MapReq)
-        };
-        s.send(Out::Frame {
-            header: h,
-            payload: Payload::None,
-            done: None,
-        });
-        rx.await.map_err(|_| s.down("link closed"))?
+        let id = self.insert(Pending::Lookup { done }).map_err(|_| self.down("link closed"))?;
+        let h = Header { req_id: id, region: region.0, key: key.0, ..Header::new(op) };
+        self.send(Out::Frame { header: h, payload: Payload::None, done: None });
+        rx.await.map_err(|_| self.down("link closed"))?
     }
 
-    /// Registers a WRITE whose data was already copied into the peer's mapping; resolves on its ack.
-    pub(crate) fn post_shm_written(
+    /// Registers a WRITE whose bytes were already placed one-sidedly; resolves on its ack.
+    pub(crate) fn post_written(
         &self,
         done: Done,
         region: RegionId,
@@ -268,20 +184,10 @@ impl Shared {
         let s = self;
         match s.insert(Pending::Write { done, len, crc }) {
             Ok(id) => {
-                let h = Header {
-                    req_id: id,
-                    region: region.0,
-                    key: key.0,
-                    offset,
-                    len,
-                    ..Header::new(Opcode::ShmWritten)
-                }
-                .with_crc(crc);
-                s.send(Out::Frame {
-                    header: h,
-                    payload: Payload::None,
-                    done: None,
-                });
+                let h =
+                    Header { req_id: id, region: region.0, key: key.0, offset, len, ..Header::new(Opcode::Written) }
+                        .with_crc(crc);
+                s.send(Out::Frame { header: h, payload: Payload::None, done: None });
             }
             Err(Pending::Write { done, .. }) => s.finish_op(done, Err(s.down("link closed"))),
             Err(_) => {}
@@ -297,10 +203,7 @@ impl Shared {
     }
 
     fn down(&self, reason: &str) -> TransportError {
-        TransportError::PeerDown {
-            peer: self.peer,
-            reason: reason.to_string(),
-        }
+        TransportError::PeerDown { peer: self.peer, reason: reason.to_string() }
     }
 
     /// Registers a pending operation and returns its request id, or fails if the link is closed.
@@ -317,11 +220,7 @@ impl Shared {
     }
 
     fn take(&self, id: u64) -> Option<Pending> {
-        self.pending
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .as_mut()?
-            .remove(&id)
+        self.pending.lock().unwrap_or_else(|e| e.into_inner()).as_mut()?.remove(&id)
     }
 
     pub(crate) fn send(&self, out: Out) -> bool {
@@ -334,29 +233,20 @@ impl Shared {
             return;
         }
         debug!(peer = self.peer, kind = %self.kind, reason, "link closed");
-        let drained = self
-            .pending
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take();
+        let drained = self.pending.lock().unwrap_or_else(|e| e.into_inner()).take();
         for (_, p) in drained.into_iter().flatten() {
             self.stats.op_err();
             match p {
                 Pending::Write { done, .. } | Pending::Read { done, .. } => {
                     let _ = done.send(Err(self.down(reason)));
                 }
-                Pending::Map { done } => {
+                Pending::Lookup { done } => {
                     let _ = done.send(Err(self.down(reason)));
                 }
             }
         }
         let _ = self.shutdown.send(true);
-        if let Some(f) = self
-            .on_close
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-        {
+        if let Some(f) = self.on_close.lock().unwrap_or_else(|e| e.into_inner()).take() {
             f(reason.to_string());
         }
     }
@@ -371,7 +261,14 @@ impl Shared {
 }
 
 /// Everything a link needs besides its stream.
+/// Gives a local region's RDMA registration (registering it on first use).
+pub(crate) type RkeyResolver = Arc<dyn Fn(&Region) -> std::result::Result<RemoteMr, Status> + Send + Sync>;
+
 pub(crate) struct LinkCtx {
+    /// One-sided engine of this link (shm, rdma), if any.
+    pub(crate) one_sided: Option<OneSided>,
+    /// Answers the peer's RDMA lookups, if this node has a device.
+    pub(crate) rkeys: Option<RkeyResolver>,
     pub(crate) peer: NodeId,
     pub(crate) kind: BackendKind,
     pub(crate) regions: RegionTable,
@@ -384,24 +281,13 @@ pub(crate) struct LinkCtx {
 pub(crate) struct StreamLink {
     pub(crate) shared: Arc<Shared>,
     /// Mappings of the peer's shared regions (shm links only).
-    pub(crate) maps: Option<Arc<crate::shm::MapCache>>,
+    pub(crate) one_sided: Option<Arc<OneSided>>,
 }
 
 impl StreamLink {
     /// Starts the reader, writer and watchdog tasks on the current runtime.
-    pub(crate) fn spawn<R: FrameSource, W: FrameSink>(
-        ctx: LinkCtx,
-        reader: R,
-        writer: W,
-    ) -> Arc<StreamLink> {
-        let LinkCtx {
-            peer,
-            kind,
-            regions,
-            inbox,
-            timing,
-            on_close,
-        } = ctx;
+    pub(crate) fn spawn<R: FrameSource, W: FrameSink>(ctx: LinkCtx, reader: R, writer: W) -> Arc<StreamLink> {
+        let LinkCtx { one_sided, rkeys, peer, kind, regions, inbox, timing, on_close } = ctx;
         let (tx, rx) = mpsc::unbounded_channel();
         let (shutdown, _) = watch::channel(false);
         let shared = Arc::new(Shared {
@@ -417,6 +303,7 @@ impl StreamLink {
             last_tx_ms: AtomicU64::new(0),
             shutdown,
             on_close: Mutex::new(Some(on_close)),
+            rkeys,
             tx,
         });
         let s = shared.clone();
@@ -450,24 +337,15 @@ impl StreamLink {
                     _ = tick.tick() => {}
                     _ = crate::stream::stopped(&mut stop) => return,
                 }
-                let idle = s
-                    .now_ms()
-                    .saturating_sub(s.last_rx_ms.load(Ordering::Relaxed));
+                let idle = s.now_ms().saturating_sub(s.last_rx_ms.load(Ordering::Relaxed));
                 if idle > timing.dead_after.as_millis() as u64 {
-                    warn!(
-                        peer = s.peer,
-                        idle_ms = idle,
-                        "peer silent, declaring it down"
-                    );
+                    warn!(peer = s.peer, idle_ms = idle, "peer silent, declaring it down");
                     s.close(&format!("no traffic for {idle} ms (keepalive)"));
                     return;
                 }
             }
         });
-        Arc::new(StreamLink {
-            shared,
-            maps: (kind == BackendKind::Shm).then(Default::default),
-        })
+        Arc::new(StreamLink { shared, one_sided: one_sided.map(Arc::new) })
     }
 }
 
@@ -480,15 +358,9 @@ impl Link for StreamLink {
     }
     fn post(&self, ops: Vec<Op>) -> Vec<OpHandle> {
         let _span = tracing::debug_span!("post", peer = self.shared.peer, n = ops.len()).entered();
-        match &self.maps {
-            Some(maps) => ops
-                .into_iter()
-                .map(|op| crate::shm::post(&self.shared, maps, op))
-                .collect(),
-            None => ops
-                .into_iter()
-                .map(|op| self.shared.post_framed(op))
-                .collect(),
+        match &self.one_sided {
+            Some(os) => ops.into_iter().map(|op| crate::onesided::post(&self.shared, os, op)).collect(),
+            None => ops.into_iter().map(|op| self.shared.post_framed(op)).collect(),
         }
     }
     fn stats(&self) -> StatsSnapshot {
@@ -542,20 +414,12 @@ async fn write_loop<W: FrameSink>(
 
 async fn write_one<W: FrameSink>(s: &Shared, w: &mut BufWriter<W>, out: Out) -> io::Result<()> {
     match out {
-        Out::Frame {
-            header,
-            payload,
-            done,
-        } => {
+        Out::Frame { header, payload, done } => {
             w.write_all(&header.encode()).await?;
             match payload {
                 Payload::None => {}
                 Payload::Bytes(b) => w.write_all(&b).await?,
-                Payload::Region {
-                    region,
-                    offset,
-                    len,
-                } => {
+                Payload::Region { region, offset, len } => {
                     // SAFETY: the range was bounds-checked when the operation was posted/served,
                     // `region` is kept alive by this scope, and the region contract makes the
                     // owner responsible for not changing bytes that are being sent.
@@ -622,27 +486,14 @@ async fn drain<R: FrameSource>(s: &Shared, r: &mut R, mut len: u64) -> io::Resul
 }
 
 fn reply(h: &Header, op: Opcode, status: Status) -> Header {
-    Header {
-        req_id: h.req_id,
-        region: h.region,
-        offset: h.offset,
-        status,
-        ..Header::new(op)
-    }
+    Header { req_id: h.req_id, region: h.region, offset: h.offset, status, ..Header::new(op) }
 }
 
-async fn read_loop<R: FrameSource>(
-    s: &Arc<Shared>,
-    mut r: R,
-    inbox: &mpsc::UnboundedSender<Incoming>,
-) -> Result<()> {
+async fn read_loop<R: FrameSource>(s: &Arc<Shared>, mut r: R, inbox: &mpsc::UnboundedSender<Incoming>) -> Result<()> {
     let peer = Some(s.peer);
     let io_err = |e: io::Error| {
         if e.kind() == io::ErrorKind::UnexpectedEof {
-            TransportError::PeerDown {
-                peer: s.peer,
-                reason: "connection closed by peer".into(),
-            }
+            TransportError::PeerDown { peer: s.peer, reason: "connection closed by peer".into() }
         } else {
             TransportError::io(format!("receiving from node {}", s.peer), e)
         }
@@ -655,89 +506,51 @@ async fn read_loop<R: FrameSource>(
         match h.op {
             Opcode::Ping => {}
             Opcode::Write => {
-                let status =
-                    match s
-                        .regions
-                        .access(RegionId(h.region), RemoteKey(h.key), h.offset, h.len)
-                    {
-                        Ok(region) => {
-                            let got = land(s, &mut r, &region, h.offset, h.len, h.crc().is_some())
-                                .await
-                                .map_err(io_err)?;
-                            crc_status(h.crc(), got)
-                        }
-                        Err(st) => {
-                            s.stats.op_err();
-                            drain(s, &mut r, h.len).await.map_err(io_err)?;
-                            (st, None)
-                        }
-                    };
+                let status = match s.regions.access(RegionId(h.region), RemoteKey(h.key), h.offset, h.len) {
+                    Ok(region) => {
+                        let got = land(s, &mut r, &region, h.offset, h.len, h.crc().is_some()).await.map_err(io_err)?;
+                        crc_status(h.crc(), got)
+                    }
+                    Err(st) => {
+                        s.stats.op_err();
+                        drain(s, &mut r, h.len).await.map_err(io_err)?;
+                        (st, None)
+                    }
+                };
                 let ack = reply(&h, Opcode::WriteAck, status.0).with_crc(status.1);
-                s.send(Out::Frame {
-                    header: ack,
-                    payload: Payload::None,
-                    done: None,
-                });
+                s.send(Out::Frame { header: ack, payload: Payload::None, done: None });
             }
-            Opcode::ShmWritten => {
-                let status =
-                    match s
-                        .regions
-                        .access(RegionId(h.region), RemoteKey(h.key), h.offset, h.len)
-                    {
-                        Ok(region) => {
-                            s.stats.rx(h.len);
-                            let got = match h.crc() {
-                                Some(_) => region.crc32(h.offset, h.len).ok(),
-                                None => None,
-                            };
-                            crc_status(h.crc(), got)
-                        }
-                        Err(st) => (st, None),
-                    };
+            Opcode::Written => {
+                let status = match s.regions.access(RegionId(h.region), RemoteKey(h.key), h.offset, h.len) {
+                    Ok(region) => {
+                        s.stats.rx(h.len);
+                        let got = match h.crc() {
+                            Some(_) => region.crc32(h.offset, h.len).ok(),
+                            None => None,
+                        };
+                        crc_status(h.crc(), got)
+                    }
+                    Err(st) => (st, None),
+                };
                 let ack = reply(&h, Opcode::WriteAck, status.0).with_crc(status.1);
-                s.send(Out::Frame {
-                    header: ack,
-                    payload: Payload::None,
-                    done: None,
-                });
+                s.send(Out::Frame { header: ack, payload: Payload::None, done: None });
             }
             Opcode::ReadReq => {
-                let out =
-                    match s
-                        .regions
-                        .access(RegionId(h.region), RemoteKey(h.key), h.offset, h.len)
-                    {
-                        Ok(region) => {
-                            let crc = if h.flags & FLAG_CRC != 0 {
-                                region.crc32(h.offset, h.len).ok()
-                            } else {
-                                None
-                            };
-                            let resp = Header {
-                                len: h.len,
-                                ..reply(&h, Opcode::ReadResp, Status::Ok)
-                            }
-                            .with_crc(crc);
-                            Out::Frame {
-                                header: resp,
-                                payload: Payload::Region {
-                                    region,
-                                    offset: h.offset,
-                                    len: h.len,
-                                },
-                                done: None,
-                            }
+                let out = match s.regions.access(RegionId(h.region), RemoteKey(h.key), h.offset, h.len) {
+                    Ok(region) => {
+                        let crc = if h.flags & FLAG_CRC != 0 { region.crc32(h.offset, h.len).ok() } else { None };
+                        let resp = Header { len: h.len, ..reply(&h, Opcode::ReadResp, Status::Ok) }.with_crc(crc);
+                        Out::Frame {
+                            header: resp,
+                            payload: Payload::Region { region, offset: h.offset, len: h.len },
+                            done: None,
                         }
-                        Err(st) => {
-                            s.stats.op_err();
-                            Out::Frame {
-                                header: reply(&h, Opcode::ReadResp, st),
-                                payload: Payload::None,
-                                done: None,
-                            }
-                        }
-                    };
+                    }
+                    Err(st) => {
+                        s.stats.op_err();
+                        Out::Frame { header: reply(&h, Opcode::ReadResp, st), payload: Payload::None, done: None }
+                    }
+                };
                 s.send(out);
             }
             Opcode::Send => {
@@ -745,19 +558,13 @@ async fn read_loop<R: FrameSource>(
                 r.read_exact(&mut buf).await.map_err(io_err)?;
                 s.touch_rx();
                 s.stats.rx(h.len);
-                let _ = inbox.send(Incoming {
-                    from: s.peer,
-                    payload: buf.freeze(),
-                });
+                let _ = inbox.send(Incoming { from: s.peer, payload: buf.freeze() });
             }
             Opcode::MapReq => {
                 let out = match s.regions.access(RegionId(h.region), RemoteKey(h.key), 0, 0) {
                     Ok(region) => match region.shared_fd().map(|fd| fd.try_clone()) {
                         Some(Ok(fd)) => Out::WithFd {
-                            header: Header {
-                                len: region.len(),
-                                ..reply(&h, Opcode::MapResp, Status::Ok)
-                            },
+                            header: Header { len: region.len(), ..reply(&h, Opcode::MapResp, Status::Ok) },
                             fd,
                         },
                         Some(Err(_)) => Out::Frame {
@@ -771,11 +578,9 @@ async fn read_loop<R: FrameSource>(
                             done: None,
                         },
                     },
-                    Err(st) => Out::Frame {
-                        header: reply(&h, Opcode::MapResp, st),
-                        payload: Payload::None,
-                        done: None,
-                    },
+                    Err(st) => {
+                        Out::Frame { header: reply(&h, Opcode::MapResp, st), payload: Payload::None, done: None }
+                    }
                 };
                 s.send(out);
             }
@@ -789,101 +594,68 @@ async fn read_loop<R: FrameSource>(
                             expected: crc.unwrap_or(0),
                             actual: h.crc().unwrap_or(0),
                         }),
-                        status => Err(TransportError::Refused {
-                            peer: s.peer,
-                            op: "write",
-                            status,
-                        }),
+                        status => Err(TransportError::Refused { peer: s.peer, op: "write", status }),
                     };
                     s.finish_op(done, r);
                 }
-                _ => {
-                    return Err(protocol(
-                        s,
-                        format!("WriteAck for unknown request {}", h.req_id),
-                    ))
-                }
+                _ => return Err(protocol(s, format!("WriteAck for unknown request {}", h.req_id))),
             },
             Opcode::ReadResp => match s.take(h.req_id) {
-                Some(Pending::Read {
-                    done,
-                    dest,
-                    offset,
-                    len,
-                    verify,
-                }) => {
+                Some(Pending::Read { done, dest, offset, len, verify }) => {
                     if h.status != Status::Ok {
-                        s.finish_op(
-                            done,
-                            Err(TransportError::Refused {
-                                peer: s.peer,
-                                op: "read",
-                                status: h.status,
-                            }),
-                        );
+                        s.finish_op(done, Err(TransportError::Refused { peer: s.peer, op: "read", status: h.status }));
                         continue;
                     }
                     if h.len != len {
                         let _ = done.send(Err(s.down("bad read answer")));
-                        return Err(protocol(
-                            s,
-                            format!("READ answer of {} bytes, {len} requested", h.len),
-                        ));
+                        return Err(protocol(s, format!("READ answer of {} bytes, {len} requested", h.len)));
                     }
-                    let got = land(s, &mut r, &dest, offset, len, verify)
-                        .await
-                        .map_err(io_err)?;
+                    let got = land(s, &mut r, &dest, offset, len, verify).await.map_err(io_err)?;
                     let result = match (h.crc(), got) {
                         (Some(expected), Some(actual)) if expected != actual => {
-                            Err(TransportError::CrcMismatch {
-                                peer: s.peer,
-                                op: "read",
-                                expected,
-                                actual,
-                            })
+                            Err(TransportError::CrcMismatch { peer: s.peer, op: "read", expected, actual })
                         }
-                        (None, Some(_)) => {
-                            Err(protocol(s, "READ answer lacks the requested crc32".into()))
-                        }
+                        (None, Some(_)) => Err(protocol(s, "READ answer lacks the requested crc32".into())),
                         _ => Ok(Completion { bytes: len }),
                     };
                     s.finish_op(done, result);
                 }
-                _ => {
-                    return Err(protocol(
-                        s,
-                        format!("READ answer for unknown request {}", h.req_id),
-                    ))
-                }
+                _ => return Err(protocol(s, format!("READ answer for unknown request {}", h.req_id))),
             },
-            Opcode::MapResp => match s.take(h.req_id) {
-                Some(Pending::Map { done }) => {
-                    let r = match h.status {
-                        Status::Ok => match r.take_fd() {
-                            Some(fd) => PeerMap::open(fd, h.len).map(|m| Some(Arc::new(m))),
-                            None => {
-                                return Err(protocol(
-                                    s,
-                                    "MapResp arrived without a descriptor".into(),
-                                ))
-                            }
+            Opcode::MapResp | Opcode::RkeyResp => match s.take(h.req_id) {
+                Some(Pending::Lookup { done }) => {
+                    let found = match (h.status, h.op) {
+                        (Status::Ok, Opcode::MapResp) => match r.take_fd() {
+                            Some(fd) => PeerMap::open(fd, h.len).map(|m| Some(Access::Mapped(Arc::new(m)))),
+                            None => return Err(protocol(s, "MapResp arrived without a descriptor".into())),
                         },
-                        Status::NotShareable => Ok(None),
-                        status => Err(TransportError::Refused {
-                            peer: s.peer,
-                            op: "map",
-                            status,
-                        }),
+                        (Status::Ok, _) => match u32::try_from(h.key) {
+                            Ok(rkey) => Ok(Some(Access::Rdma(RemoteMr { addr: h.offset, rkey, len: h.len }))),
+                            Err(_) => return Err(protocol(s, "RkeyResp with an rkey above 32 bits".into())),
+                        },
+                        (Status::NotShareable, _) => Ok(None),
+                        (status, _) => Err(TransportError::Refused { peer: s.peer, op: "lookup", status }),
                     };
-                    let _ = done.send(r);
+                    let _ = done.send(found);
                 }
-                _ => {
-                    return Err(protocol(
-                        s,
-                        format!("MapResp for unknown request {}", h.req_id),
-                    ))
-                }
+                _ => return Err(protocol(s, format!("{:?} for unknown request {}", h.op, h.req_id))),
             },
+            Opcode::RkeyReq => {
+                let resp = match s.regions.access(RegionId(h.region), RemoteKey(h.key), 0, 0) {
+                    Ok(region) => match s.rkeys.as_ref().map(|f| f(&region)) {
+                        Some(Ok(mr)) => Header {
+                            offset: mr.addr,
+                            key: u64::from(mr.rkey),
+                            len: mr.len,
+                            ..reply(&h, Opcode::RkeyResp, Status::Ok)
+                        },
+                        Some(Err(st)) => reply(&h, Opcode::RkeyResp, st),
+                        None => reply(&h, Opcode::RkeyResp, Status::NotShareable),
+                    },
+                    Err(st) => reply(&h, Opcode::RkeyResp, st),
+                };
+                s.send(Out::Frame { header: resp, payload: Payload::None, done: None });
+            }
         }
     }
 }
@@ -896,8 +668,8 @@ fn crc_status(expected: Option<u32>, got: Option<u32>) -> (Status, Option<u32>) 
 }
 
 fn protocol(s: &Shared, detail: String) -> TransportError {
-    TransportError::Protocol {
-        peer: Some(s.peer),
-        detail,
-    }
+    TransportError::Protocol { peer: Some(s.peer), detail }
 }
+
+#[cfg(test)]
+mod tests;

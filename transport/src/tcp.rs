@@ -21,12 +21,7 @@ impl FrameSink for OwnedWriteHalf {
         _bytes: &'a [u8],
         _fd: &'a OwnedFd,
     ) -> Pin<Box<dyn std::future::Future<Output = io::Result<()>> + Send + 'a>> {
-        Box::pin(async {
-            Err(io::Error::new(
-                io::ErrorKind::Unsupported,
-                "descriptors cannot cross a TCP link",
-            ))
-        })
+        Box::pin(async { Err(io::Error::new(io::ErrorKind::Unsupported, "descriptors cannot cross a TCP link")) })
     }
 }
 

@@ -45,8 +45,13 @@ pub enum Opcode {
     MapReq = 7,
     /// shm: answer to `MapReq`; on success the descriptor travels with it (SCM_RIGHTS).
     MapResp = 8,
-    /// shm: the initiator has copied `len` bytes into the shared mapping; asks for a WriteAck.
-    ShmWritten = 9,
+    /// One-sided paths (shm, rdma): the initiator has placed `len` bytes at `region`/`offset`
+    /// without the target's CPU; asks the target to check (and verify the crc) and send a WriteAck.
+    Written = 9,
+    /// rdma: asks for a region's memory registration (key-checked by the owner).
+    RkeyReq = 10,
+    /// rdma: answer to `RkeyReq`: `offset` = virtual address, `key` = rkey, `len` = length.
+    RkeyResp = 11,
 }
 
 impl Opcode {
@@ -60,7 +65,9 @@ impl Opcode {
             6 => Opcode::Ping,
             7 => Opcode::MapReq,
             8 => Opcode::MapResp,
-            9 => Opcode::ShmWritten,
+            9 => Opcode::Written,
+            10 => Opcode::RkeyReq,
+            11 => Opcode::RkeyResp,
             _ => return None,
         })
     }
@@ -86,8 +93,8 @@ pub enum Status {
     /// The data's crc32 did not match.
     #[error("crc32 mismatch")]
     CrcMismatch = 4,
-    /// The region cannot be shared (not memfd-backed).
-    #[error("region is not shareable")]
+    /// The region cannot be accessed one-sidedly over this backend (e.g. not memfd-backed for shm).
+    #[error("region is not accessible one-sidedly over this backend")]
     NotShareable = 5,
     /// The target failed for a local reason.
     #[error("internal error at the target")]
@@ -162,17 +169,7 @@ pub struct Header {
 impl Header {
     /// A header with everything but the opcode zeroed.
     pub fn new(op: Opcode) -> Header {
-        Header {
-            op,
-            flags: 0,
-            status: Status::Ok,
-            req_id: 0,
-            region: 0,
-            crc: 0,
-            key: 0,
-            offset: 0,
-            len: 0,
-        }
+        Header { op, flags: 0, status: Status::Ok, req_id: 0, region: 0, crc: 0, key: 0, offset: 0, len: 0 }
     }
 
     /// Number of payload bytes that follow this header on the wire.

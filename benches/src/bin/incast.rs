@@ -17,7 +17,5 @@ struct Cli {
 fn main() -> anyhow::Result<()> {
     let c = Cli::parse();
     let threads = c.args.threads;
-    main_or_peer(&c.peer, threads, || async move {
-        incast::run(c.args, false).await.map(drop)
-    })
+    main_or_peer(&c.peer, threads, || async move { incast::run(c.args, false).await.map(drop) })
 }

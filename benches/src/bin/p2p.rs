@@ -15,7 +15,5 @@ struct Cli {
 
 fn main() -> anyhow::Result<()> {
     let c = Cli::parse();
-    main_or_peer(&c.peer, 2, || async move {
-        p2p::run(c.args, false).await.map(drop)
-    })
+    main_or_peer(&c.peer, 2, || async move { p2p::run(c.args, false).await.map(drop) })
 }

@@ -28,41 +28,18 @@ fn f(v: &Value, k: &str) -> f64 {
 }
 
 async fn bench(quick: bool, json: Option<PathBuf>) -> anyhow::Result<()> {
-    let (bytes, rounds) = if quick {
-        (64u64 << 20, 500)
-    } else {
-        (1u64 << 30, 10_000)
-    };
+    let (bytes, rounds) = if quick { (64u64 << 20, 500) } else { (1u64 << 30, 10_000) };
     let mut results = Vec::new();
-    println!(
-        "Cascade transport benchmarks ({} run)\n",
-        if quick { "quick" } else { "full" }
-    );
+    println!("Cascade transport benchmarks ({} run)\n", if quick { "quick" } else { "full" });
     println!("| benchmark | backend | result | reference | ratio | target |");
     println!("| --- | --- | --- | --- | --- | --- |");
-    for (backend, target, min_ratio) in
-        [("tcp", "≥ 0.9× iperf3", 0.9), ("shm", "≥ 0.7× memcpy", 0.7)]
-    {
+    for (backend, target, min_ratio) in [("tcp", "≥ 0.9× iperf3", 0.9), ("shm", "≥ 0.7× memcpy", 0.7)] {
         eprintln!("p2p {backend}: {bytes} bytes ...");
-        let a = p2p::P2pArgs {
-            backend: backend.into(),
-            bytes,
-            iters: 5,
-            verify: false,
-            compare: true,
-            json: false,
-        };
+        let a = p2p::P2pArgs { backend: backend.into(), bytes, iters: 5, verify: false, compare: true, json: false };
         let r = p2p::run(a, true).await?;
         let reference = match r.get("reference_gbit_per_s") {
-            Some(x) => format!(
-                "{:.1} Gbit/s ({})",
-                x.as_f64().unwrap_or(0.0),
-                r["reference"].as_str().unwrap_or("")
-            ),
-            None => format!(
-                "unavailable: {}",
-                r["reference_error"].as_str().unwrap_or("?")
-            ),
+            Some(x) => format!("{:.1} Gbit/s ({})", x.as_f64().unwrap_or(0.0), r["reference"].as_str().unwrap_or("")),
+            None => format!("unavailable: {}", r["reference_error"].as_str().unwrap_or("?")),
         };
         let ratio = f(&r, "ratio");
         let verdict = if ratio.is_nan() {
@@ -72,7 +49,11 @@ async fn bench(quick: bool, json: Option<PathBuf>) -> anyhow::Result<()> {
         } else {
             "MISSED"
         };
-        println!("| p2p {} MiB | {backend} | {:.1} Gbit/s | {reference} | {ratio:.2} | {target}: {verdict} |", bytes >> 20, f(&r, "gbit_per_s"));
+        println!(
+            "| p2p {} MiB | {backend} | {:.1} Gbit/s | {reference} | {ratio:.2} | {target}: {verdict} |",
+            bytes >> 20,
+            f(&r, "gbit_per_s")
+        );
         results.push(r);
     }
     for backend in ["tcp", "shm"] {

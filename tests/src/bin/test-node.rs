@@ -11,9 +11,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use cascade_transport::{
-    ClusterSpec, Endpoint, EndpointConfig, Op, RegionId, RemoteKey, RemoteRegion,
-};
+use cascade_transport::{ClusterSpec, Endpoint, EndpointConfig, Op, RegionId, RemoteKey, RemoteRegion};
 use clap::Parser;
 use serde_json::{json, Value};
 use tokio::io::{AsyncBufReadExt, BufReader};
@@ -51,9 +49,7 @@ fn say(v: Value) {
 async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
-        )
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
         .init();
     let a = Args::parse();
     let cluster = ClusterSpec::load(&a.cluster)?;
@@ -64,10 +60,7 @@ async fn main() -> anyhow::Result<()> {
     cfg.op_timeout = Duration::from_secs(120);
     let ep = Endpoint::start(cfg).await?;
     let region = ep.register_new(a.region_bytes)?;
-    match ep
-        .wait_ready(Duration::from_secs_f64(a.ready_timeout_s))
-        .await
-    {
+    match ep.wait_ready(Duration::from_secs_f64(a.ready_timeout_s)).await {
         Ok(rep) => say(json!({
             "event": "ready", "node": a.node,
             "region": {"id": region.id().0, "key": region.key().0, "len": region.len()},
@@ -95,17 +88,10 @@ fn num<T: std::str::FromStr>(w: &[&str], i: usize) -> anyhow::Result<T>
 where
     T::Err: std::error::Error + Send + Sync + 'static,
 {
-    w.get(i)
-        .with_context(|| format!("missing argument {i}"))?
-        .parse::<T>()
-        .with_context(|| format!("argument {i}"))
+    w.get(i).with_context(|| format!("missing argument {i}"))?.parse::<T>().with_context(|| format!("argument {i}"))
 }
 
-async fn run(
-    ep: &Endpoint,
-    region: &cascade_transport::Region,
-    w: &[&str],
-) -> anyhow::Result<Option<Value>> {
+async fn run(ep: &Endpoint, region: &cascade_transport::Region, w: &[&str]) -> anyhow::Result<Option<Value>> {
     Ok(Some(match w.first().copied() {
         Some("quit") | None => return Ok(None),
         Some("fill") => {
@@ -113,11 +99,7 @@ async fn run(
             let mut off = 0;
             while off < region.len() {
                 let n = 4096.min(region.len() - off);
-                region.fill(
-                    off,
-                    n,
-                    ((off / 4096).wrapping_mul(31).wrapping_add(seed) % 251) as u8,
-                )?;
+                region.fill(off, n, ((off / 4096).wrapping_mul(31).wrapping_add(seed) % 251) as u8)?;
                 off += n;
             }
             json!({"ok": true})
@@ -128,12 +110,7 @@ async fn run(
         }
         Some(op @ ("write" | "read")) => {
             let peer: u32 = num(w, 1)?;
-            let remote = RemoteRegion {
-                node: peer,
-                id: RegionId(num(w, 2)?),
-                key: RemoteKey(num(w, 3)?),
-                len: 0,
-            };
+            let remote = RemoteRegion { node: peer, id: RegionId(num(w, 2)?), key: RemoteKey(num(w, 3)?), len: 0 };
             let (roff, len, verify): (u64, u64, u8) = (num(w, 4)?, num(w, 5)?, num(w, 6)?);
             let count: u32 = if op == "write" { num(w, 7)? } else { 1 };
             let t = Instant::now();

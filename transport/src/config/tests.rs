@@ -1,11 +1,7 @@
 use super::*;
 
 fn spec(id: NodeId, addr: &str, host: Option<&str>) -> NodeSpec {
-    NodeSpec {
-        id,
-        addr: addr.parse().unwrap(),
-        host: host.map(String::from),
-    }
+    NodeSpec { id, addr: addr.parse().unwrap(), host: host.map(String::from) }
 }
 
 #[test]
@@ -30,24 +26,13 @@ fn parses_a_cluster_file() {
 
 #[test]
 fn rejects_duplicates_and_junk() {
-    let dup =
-        "[[nodes]]\nid = 0\naddr = \"127.0.0.1:1\"\n[[nodes]]\nid = 0\naddr = \"127.0.0.1:2\"\n";
-    assert!(ClusterSpec::from_toml(dup)
-        .unwrap_err()
-        .to_string()
-        .contains("appears twice"));
-    let same_addr =
-        "[[nodes]]\nid = 0\naddr = \"127.0.0.1:1\"\n[[nodes]]\nid = 1\naddr = \"127.0.0.1:1\"\n";
-    assert!(ClusterSpec::from_toml(same_addr)
-        .unwrap_err()
-        .to_string()
-        .contains("share address"));
+    let dup = "[[nodes]]\nid = 0\naddr = \"127.0.0.1:1\"\n[[nodes]]\nid = 0\naddr = \"127.0.0.1:2\"\n";
+    assert!(ClusterSpec::from_toml(dup).unwrap_err().to_string().contains("appears twice"));
+    let same_addr = "[[nodes]]\nid = 0\naddr = \"127.0.0.1:1\"\n[[nodes]]\nid = 1\naddr = \"127.0.0.1:1\"\n";
+    assert!(ClusterSpec::from_toml(same_addr).unwrap_err().to_string().contains("share address"));
     assert!(ClusterSpec::from_toml("nodes = []").is_err());
     assert!(ClusterSpec::from_toml("[[nodes]]\nid = 0\naddr = \"nowhere\"\n").is_err());
-    assert!(
-        ClusterSpec::from_toml("name = \"../x\"\n[[nodes]]\nid = 0\naddr = \"127.0.0.1:1\"\n")
-            .is_err()
-    );
+    assert!(ClusterSpec::from_toml("name = \"../x\"\n[[nodes]]\nid = 0\naddr = \"127.0.0.1:1\"\n").is_err());
 }
 
 #[test]
@@ -67,15 +52,9 @@ fn backend_selection() {
     assert_eq!(select_backend(&a, all, &b, all), BackendKind::Shm);
     assert_eq!(select_backend(&a, Caps::TCP, &b, all), BackendKind::Tcp);
     assert_eq!(select_backend(&a, all, &c, all), BackendKind::Rdma);
-    assert_eq!(
-        select_backend(&a, all, &c, Caps::TCP.with(Caps::SHM)),
-        BackendKind::Tcp
-    );
+    assert_eq!(select_backend(&a, all, &c, Caps::TCP.with(Caps::SHM)), BackendKind::Tcp);
     // Same answer from both sides.
     for (x, y) in [(&a, &b), (&a, &c)] {
-        assert_eq!(
-            select_backend(x, all, y, all),
-            select_backend(y, all, x, all)
-        );
+        assert_eq!(select_backend(x, all, y, all), select_backend(y, all, x, all));
     }
 }

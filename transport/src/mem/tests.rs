@@ -47,25 +47,10 @@ async fn bad_accesses_are_refused_and_memory_untouched() {
     let l = a.link(2).unwrap();
     let mut wrong_key = dst.remote(2);
     wrong_key.key = crate::RemoteKey(wrong_key.key.0 ^ 1);
-    let r = futures_all(l.post(vec![
-        Op::write(&src, 0, wrong_key, 0, 8),
-        Op::write(&src, 0, dst.remote(2), 1020, 8),
-    ]))
-    .await;
-    assert!(matches!(
-        r[0],
-        Err(TransportError::Refused {
-            status: Status::BadKey,
-            ..
-        })
-    ));
-    assert!(matches!(
-        r[1],
-        Err(TransportError::Refused {
-            status: Status::OutOfBounds,
-            ..
-        })
-    ));
+    let r = futures_all(l.post(vec![Op::write(&src, 0, wrong_key, 0, 8), Op::write(&src, 0, dst.remote(2), 1020, 8)]))
+        .await;
+    assert!(matches!(r[0], Err(TransportError::Refused { status: Status::BadKey, .. })));
+    assert!(matches!(r[1], Err(TransportError::Refused { status: Status::OutOfBounds, .. })));
     assert!(dst.view(0, 1024).unwrap().iter().all(|&b| b == 0));
 }
 
@@ -75,11 +60,7 @@ async fn corruption_is_caught_by_verification() {
     f.set_fault(1, 2, Some(Fault::Corrupt));
     let l = a.link(2).unwrap();
     let r = futures_all(l.post(vec![Op::write(&src, 0, dst.remote(2), 0, 64).verified()])).await;
-    assert!(
-        matches!(r[0], Err(TransportError::CrcMismatch { .. })),
-        "{:?}",
-        r[0]
-    );
+    assert!(matches!(r[0], Err(TransportError::CrcMismatch { .. })), "{:?}", r[0]);
     f.set_fault(1, 2, None);
     let r = futures_all(l.post(vec![Op::write(&src, 0, dst.remote(2), 0, 64).verified()])).await;
     assert!(r[0].is_ok());
@@ -90,22 +71,13 @@ async fn dropped_operations_time_out_and_killed_nodes_fail_fast() {
     let (f, a, _b, src, dst) = setup();
     let l = a.link(2).unwrap();
     f.set_fault(1, 2, Some(Fault::Drop));
-    let h = l
-        .post(vec![Op::write(&src, 0, dst.remote(2), 0, 8)])
-        .pop()
-        .unwrap();
-    assert!(matches!(
-        h.wait("write", Duration::from_millis(50)).await,
-        Err(TransportError::Timeout { .. })
-    ));
+    let h = l.post(vec![Op::write(&src, 0, dst.remote(2), 0, 8)]).pop().unwrap();
+    assert!(matches!(h.wait("write", Duration::from_millis(50)).await, Err(TransportError::Timeout { .. })));
     f.set_fault(1, 2, None);
     f.kill(2);
     assert!(!l.is_alive());
     let r = futures_all(l.post(vec![Op::write(&src, 0, dst.remote(2), 0, 8)])).await;
-    assert!(matches!(
-        r[0],
-        Err(TransportError::PeerDown { peer: 2, .. })
-    ));
+    assert!(matches!(r[0], Err(TransportError::PeerDown { peer: 2, .. })));
 }
 
 #[tokio::test]
@@ -123,10 +95,7 @@ async fn delayed_operations_complete_late() {
 async fn send_reaches_the_receive_queue() {
     let (_f, a, b, _src, _dst) = setup();
     let l = a.link(2).unwrap();
-    let r = futures_all(l.post(vec![Op::Send {
-        payload: Bytes::from_static(b"hi"),
-    }]))
-    .await;
+    let r = futures_all(l.post(vec![Op::Send { payload: Bytes::from_static(b"hi") }])).await;
     assert!(r[0].is_ok());
     let m = b.recv().await.unwrap();
     assert_eq!((m.from, &m.payload[..]), (1, &b"hi"[..]));

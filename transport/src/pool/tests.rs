@@ -10,22 +10,13 @@ use crate::config::ClusterSpec;
 use crate::wire::Status;
 
 fn free_addrs(n: usize) -> Vec<SocketAddr> {
-    let ls: Vec<_> = (0..n)
-        .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
-        .collect();
+    let ls: Vec<_> = (0..n).map(|_| TcpListener::bind("127.0.0.1:0").unwrap()).collect();
     ls.iter().map(|l| l.local_addr().unwrap()).collect()
 }
 
 fn cluster(n: usize, tag: &str) -> ClusterSpec {
-    let nodes = free_addrs(n)
-        .into_iter()
-        .enumerate()
-        .map(|(i, addr)| NodeSpec {
-            id: i as NodeId,
-            addr,
-            host: None,
-        })
-        .collect();
+    let nodes =
+        free_addrs(n).into_iter().enumerate().map(|(i, addr)| NodeSpec { id: i as NodeId, addr, host: None }).collect();
     ClusterSpec::new(format!("t-{tag}-{}", std::process::id()), nodes).unwrap()
 }
 
@@ -41,14 +32,7 @@ async fn mesh(n: usize, shm: bool, tag: &str) -> Vec<Endpoint> {
     let c = cluster(n, tag);
     let mut eps = Vec::new();
     for i in 0..n {
-        eps.push(
-            Endpoint::start(fast(
-                EndpointConfig::new(i as NodeId, c.clone(), b"secret"),
-                shm,
-            ))
-            .await
-            .unwrap(),
-        );
+        eps.push(Endpoint::start(fast(EndpointConfig::new(i as NodeId, c.clone(), b"secret"), shm)).await.unwrap());
     }
     for e in &eps {
         let rep = e.wait_ready(Duration::from_secs(10)).await.unwrap();
@@ -59,29 +43,16 @@ async fn mesh(n: usize, shm: bool, tag: &str) -> Vec<Endpoint> {
 
 async fn one_sided(shm: bool) {
     let eps = mesh(2, shm, if shm { "os-shm" } else { "os-tcp" }).await;
-    let want = if shm {
-        BackendKind::Shm
-    } else {
-        BackendKind::Tcp
-    };
+    let want = if shm { BackendKind::Shm } else { BackendKind::Tcp };
     assert_eq!(eps[0].connected(), vec![(1, want)]);
     let dst = eps[1].register_new(1 << 20).unwrap();
     let src = eps[0].register_new(1 << 20).unwrap();
     for i in 0..(1u64 << 20) / 4096 {
         src.fill(i * 4096, 4096, (i % 200) as u8 + 1).unwrap();
     }
-    let r = eps[0]
-        .run(
-            1,
-            vec![Op::write(&src, 0, dst.remote(1), 0, 1 << 20).verified()],
-        )
-        .await
-        .unwrap();
+    let r = eps[0].run(1, vec![Op::write(&src, 0, dst.remote(1), 0, 1 << 20).verified()]).await.unwrap();
     assert_eq!(r[0].as_ref().unwrap().bytes, 1 << 20);
-    assert_eq!(
-        dst.crc32(0, 1 << 20).unwrap(),
-        src.crc32(0, 1 << 20).unwrap()
-    );
+    assert_eq!(dst.crc32(0, 1 << 20).unwrap(), src.crc32(0, 1 << 20).unwrap());
 
     // READ back a slice, with and without verification.
     let back = eps[0].register_new(8192).unwrap();
@@ -126,21 +97,11 @@ async fn one_sided(shm: bool) {
         .collect();
     assert_eq!(
         statuses,
-        [
-            Status::BadKey,
-            Status::OutOfBounds,
-            Status::UnknownRegion,
-            Status::BadKey,
-            Status::OutOfBounds
-        ]
+        [Status::BadKey, Status::OutOfBounds, Status::UnknownRegion, Status::BadKey, Status::OutOfBounds]
     );
     assert_eq!(dst.crc32(0, 1 << 20).unwrap(), before);
     // The link survived the refusals.
-    assert!(eps[0]
-        .run(1, vec![Op::write(&src, 0, dst.remote(1), 0, 16)])
-        .await
-        .unwrap()[0]
-        .is_ok());
+    assert!(eps[0].run(1, vec![Op::write(&src, 0, dst.remote(1), 0, 16)]).await.unwrap()[0].is_ok());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -160,13 +121,7 @@ async fn host_regions_over_shm_fall_back_to_the_stream() {
     eps[1].regions().register(&dst);
     let src = Region::alloc(4096, Default::default()).unwrap();
     src.fill(0, 4096, 9).unwrap();
-    let r = eps[0]
-        .run(
-            1,
-            vec![Op::write(&src, 0, dst.remote(1), 0, 4096).verified()],
-        )
-        .await
-        .unwrap();
+    let r = eps[0].run(1, vec![Op::write(&src, 0, dst.remote(1), 0, 4096).verified()]).await.unwrap();
     assert!(r[0].is_ok(), "{r:?}");
     assert!(dst.view(0, 4096).unwrap().iter().all(|&b| b == 9));
 }
@@ -174,32 +129,17 @@ async fn host_regions_over_shm_fall_back_to_the_stream() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn send_recv_and_events() {
     let eps = mesh(3, false, "send").await;
-    eps[2]
-        .send(0, Bytes::from_static(b"from two"))
-        .await
-        .unwrap();
-    eps[1]
-        .send(0, Bytes::from_static(b"from one"))
-        .await
-        .unwrap();
+    eps[2].send(0, Bytes::from_static(b"from two")).await.unwrap();
+    eps[1].send(0, Bytes::from_static(b"from one")).await.unwrap();
     let mut got = vec![];
     for _ in 0..2 {
         let m = eps[0].recv().await.unwrap();
         got.push((m.from, m.payload));
     }
     got.sort();
-    assert_eq!(
-        got,
-        vec![
-            (1, Bytes::from_static(b"from one")),
-            (2, Bytes::from_static(b"from two"))
-        ]
-    );
+    assert_eq!(got, vec![(1, Bytes::from_static(b"from one")), (2, Bytes::from_static(b"from two"))]);
     let too_big = Bytes::from(vec![0u8; (crate::wire::MAX_MESSAGE + 1) as usize]);
-    assert!(matches!(
-        eps[1].send(0, too_big).await,
-        Err(TransportError::MessageTooLarge { .. })
-    ));
+    assert!(matches!(eps[1].send(0, too_big).await, Err(TransportError::MessageTooLarge { .. })));
     let s = eps[0].stats();
     assert_eq!(s.len(), 2);
     assert!(s.iter().all(|p| p.stats.bytes_rx == 8));
@@ -208,12 +148,8 @@ async fn send_recv_and_events() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lost_peer_is_reported_and_reconnected() {
     let c = cluster(2, "reconnect");
-    let a = Endpoint::start(fast(EndpointConfig::new(0, c.clone(), b"s"), false))
-        .await
-        .unwrap();
-    let b = Endpoint::start(fast(EndpointConfig::new(1, c.clone(), b"s"), false))
-        .await
-        .unwrap();
+    let a = Endpoint::start(fast(EndpointConfig::new(0, c.clone(), b"s"), false)).await.unwrap();
+    let b = Endpoint::start(fast(EndpointConfig::new(1, c.clone(), b"s"), false)).await.unwrap();
     a.wait_ready(Duration::from_secs(5)).await.unwrap();
     let mut ev = a.events();
     b.shutdown();
@@ -228,14 +164,9 @@ async fn lost_peer_is_reported_and_reconnected() {
     .await
     .unwrap();
     assert_eq!(down, 1);
-    assert!(matches!(
-        a.link(1),
-        Err(TransportError::NotConnected { peer: 1 })
-    ));
+    assert!(matches!(a.link(1), Err(TransportError::NotConnected { peer: 1 })));
     // The peer comes back on the same address: node 0 dials it again.
-    let b = Endpoint::start(fast(EndpointConfig::new(1, c, b"s"), false))
-        .await
-        .unwrap();
+    let b = Endpoint::start(fast(EndpointConfig::new(1, c, b"s"), false)).await.unwrap();
     b.wait_ready(Duration::from_secs(10)).await.unwrap();
     a.wait_ready(Duration::from_secs(10)).await.unwrap();
 }
@@ -243,12 +174,8 @@ async fn lost_peer_is_reported_and_reconnected() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wrong_secret_never_connects() {
     let c = cluster(2, "secret");
-    let a = Endpoint::start(fast(EndpointConfig::new(0, c.clone(), b"right"), false))
-        .await
-        .unwrap();
-    let _b = Endpoint::start(fast(EndpointConfig::new(1, c, b"wrong"), false))
-        .await
-        .unwrap();
+    let a = Endpoint::start(fast(EndpointConfig::new(0, c.clone(), b"right"), false)).await.unwrap();
+    let _b = Endpoint::start(fast(EndpointConfig::new(1, c, b"wrong"), false)).await.unwrap();
     assert!(a.wait_ready(Duration::from_millis(800)).await.is_err());
     assert!(a.connected().is_empty());
 }
@@ -258,12 +185,8 @@ async fn malformed_frame_after_handshake_closes_only_that_link() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     // Nodes 0 and 1 run; node 2's place is taken by a raw client that knows the secret.
     let c = cluster(3, "malformed");
-    let a = Endpoint::start(fast(EndpointConfig::new(0, c.clone(), b"s"), false))
-        .await
-        .unwrap();
-    let b = Endpoint::start(fast(EndpointConfig::new(1, c.clone(), b"s"), false))
-        .await
-        .unwrap();
+    let a = Endpoint::start(fast(EndpointConfig::new(0, c.clone(), b"s"), false)).await.unwrap();
+    let b = Endpoint::start(fast(EndpointConfig::new(1, c.clone(), b"s"), false)).await.unwrap();
     let hcfg = HandshakeConfig {
         version: PROTOCOL_VERSION,
         node: 2,
@@ -271,20 +194,14 @@ async fn malformed_frame_after_handshake_closes_only_that_link() {
         secret: Arc::from(&b"s"[..]),
         timeout: Duration::from_secs(5),
     };
-    for junk in [
-        vec![0x42u8; 200],
-        crate::wire::Header::new(crate::wire::Opcode::Write).encode()[..30].to_vec(),
-    ] {
+    for junk in [vec![0x42u8; 200], crate::wire::Header::new(crate::wire::Opcode::Write).encode()[..30].to_vec()] {
         let mut raw = TcpStream::connect(c.node(0).unwrap().addr).await.unwrap();
         handshake::dial(&mut raw, &hcfg, 0).await.unwrap();
         raw.write_all(&junk).await.unwrap();
         raw.shutdown().await.unwrap();
         // The endpoint drops this connection...
         let mut sink = Vec::new();
-        tokio::time::timeout(Duration::from_secs(5), raw.read_to_end(&mut sink))
-            .await
-            .unwrap()
-            .ok();
+        tokio::time::timeout(Duration::from_secs(5), raw.read_to_end(&mut sink)).await.unwrap().ok();
     }
     // ...and keeps serving node 1.
     let dst = a.register_new(4096).unwrap();
@@ -296,17 +213,30 @@ async fn malformed_frame_after_handshake_closes_only_that_link() {
     })
     .await
     .unwrap();
-    let r = b
-        .run(
-            0,
-            vec![Op::write(&src, 0, dst.remote(0), 0, 4096).verified()],
-        )
-        .await
-        .unwrap();
+    let r = b.run(0, vec![Op::write(&src, 0, dst.remote(0), 0, 4096).verified()]).await.unwrap();
     assert!(r[0].is_ok(), "{r:?}");
     assert!(a.connected().iter().any(|(p, _)| *p == 1));
-    assert!(matches!(
-        a.link(2),
-        Err(TransportError::NotConnected { .. })
-    ));
+    assert!(matches!(a.link(2), Err(TransportError::NotConnected { .. })));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rdma_requested_without_a_device_falls_back_to_tcp() {
+    let c = cluster(2, "rdma-fallback");
+    let mut eps = Vec::new();
+    for i in 0..2 {
+        let mut cfg = fast(EndpointConfig::new(i, c.clone(), b"s"), false);
+        cfg.rdma = true;
+        eps.push(Endpoint::start(cfg).await.unwrap());
+    }
+    // This machine has no RDMA device (and the default build no RDMA support).
+    if crate::rdma::probe().is_ok() {
+        eprintln!("an RDMA device is present; the fallback is not exercised here");
+        return;
+    }
+    assert!(!eps[0].caps().has(Caps::RDMA));
+    eps[0].wait_ready(Duration::from_secs(5)).await.unwrap();
+    assert_eq!(eps[0].connected(), vec![(1, BackendKind::Tcp)]);
+    let dst = eps[1].register_new(4096).unwrap();
+    let src = eps[0].register_new(4096).unwrap();
+    assert!(eps[0].run(1, vec![Op::write(&src, 0, dst.remote(1), 0, 4096).verified()]).await.unwrap()[0].is_ok());
 }

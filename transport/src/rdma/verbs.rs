@@ -18,8 +18,8 @@ use sideway::ibverbs::device_context::{DeviceContext, Mtu};
 use sideway::ibverbs::memory_region::MemoryRegion;
 use sideway::ibverbs::protection_domain::ProtectionDomain;
 use sideway::ibverbs::queue_pair::{
-    BasicQueuePair, PostSendGuard, QueuePair, QueuePairAttribute, QueuePairState,
-    SetScatterGatherEntry, WorkRequestFlags,
+    BasicQueuePair, PostSendGuard, QueuePair, QueuePairAttribute, QueuePairState, SetScatterGatherEntry,
+    WorkRequestFlags,
 };
 use sideway::ibverbs::AccessFlags;
 
@@ -34,10 +34,7 @@ const PORT: u8 = 1;
 const MAX_SEND_WR: u32 = 512;
 
 fn err(context: &str, e: impl std::fmt::Display) -> TransportError {
-    TransportError::io(
-        format!("RDMA {context}"),
-        std::io::Error::other(e.to_string()),
-    )
+    TransportError::io(format!("RDMA {context}"), std::io::Error::other(e.to_string()))
 }
 
 /// An opened RDMA device with its protection domain and the regions registered with it.
@@ -55,27 +52,16 @@ impl Device {
     pub fn open(name: Option<&str>) -> Result<Arc<Device>> {
         let none = |detail: String| TransportError::NoRdmaDevice { detail };
         let list = DeviceList::new().map_err(|e| none(format!("cannot list devices: {e}")))?;
-        let dev = list
-            .iter()
-            .find(|d| name.is_none_or(|n| d.name() == n))
-            .ok_or_else(|| {
-                none(match name {
-                    Some(n) => format!("no device named {n:?} among {} found", list.len()),
-                    None => "libibverbs found no device".into(),
-                })
-            })?;
-        let ctx = dev
-            .open()
-            .map_err(|e| none(format!("opening {}: {e}", dev.name())))?;
-        let pd = ctx
-            .alloc_pd()
-            .map_err(|e| err("allocating a protection domain", e))?;
-        let port = ctx
-            .query_port(PORT)
-            .map_err(|e| err("querying port 1", e))?;
-        let gids = ctx
-            .query_gid_table()
-            .map_err(|e| err("querying the GID table", e))?;
+        let dev = list.iter().find(|d| name.is_none_or(|n| d.name() == n)).ok_or_else(|| {
+            none(match name {
+                Some(n) => format!("no device named {n:?} among {} found", list.len()),
+                None => "libibverbs found no device".into(),
+            })
+        })?;
+        let ctx = dev.open().map_err(|e| none(format!("opening {}: {e}", dev.name())))?;
+        let pd = ctx.alloc_pd().map_err(|e| err("allocating a protection domain", e))?;
+        let port = ctx.query_port(PORT).map_err(|e| err("querying port 1", e))?;
+        let gids = ctx.query_gid_table().map_err(|e| err("querying the GID table", e))?;
         let entry = gids
             .iter()
             .find(|g| {
@@ -86,8 +72,7 @@ impl Device {
             .ok_or_else(|| none(format!("{}: no usable GID on port {PORT}", dev.name())))?;
         Ok(Arc::new(Device {
             lid: port.lid(),
-            gid_index: u8::try_from(entry.gid_index())
-                .map_err(|_| err("GID index", "above 255"))?,
+            gid_index: u8::try_from(entry.gid_index()).map_err(|_| err("GID index", "above 255"))?,
             gid: entry.gid().raw,
             ctx,
             pd,
@@ -101,29 +86,19 @@ impl Device {
 
     /// Registers `region` for local use and remote READ/WRITE; returns what peers need.
     pub fn register(&self, region: &Region) -> Result<RemoteMr> {
-        let len =
-            usize::try_from(region.len()).map_err(|_| err("registering", "region too large"))?;
+        let len = usize::try_from(region.len()).map_err(|_| err("registering", "region too large"))?;
         // SAFETY: the slice spans the whole region, which `Region` keeps allocated for as long as
         // the registration (held in `mrs` next to the region id) — `deregister` must run before a
         // region is dropped for good; posted work requests also hold the region.
         let addr = unsafe { region.slice(0, region.len()) }.as_ptr() as usize;
         // SAFETY: `addr..addr+len` is the live allocation of `region` (see above).
         let mr = unsafe {
-            self.pd.reg_mr(
-                addr,
-                len,
-                AccessFlags::LocalWrite | AccessFlags::RemoteWrite | AccessFlags::RemoteRead,
-            )
+            self.pd.reg_mr(addr, len, AccessFlags::LocalWrite | AccessFlags::RemoteWrite | AccessFlags::RemoteRead)
         }
         .map_err(|e| err("registering memory", e))?;
-        let remote = RemoteMr {
-            addr: addr as u64,
-            rkey: mr.rkey(),
-            len: region.len(),
-        };
+        let remote = RemoteMr { addr: addr as u64, rkey: mr.rkey(), len: region.len() };
         let lkey = mr.lkey();
-        self.mrs()
-            .insert(region.id(), region.key(), lkey, remote, mr);
+        self.mrs().insert(region.id(), region.key(), lkey, remote, mr);
         Ok(remote)
     }
 
@@ -157,9 +132,7 @@ impl RcQp {
     pub fn create(device: &Arc<Device>, peer: NodeId) -> Result<RcQp> {
         let mut cqb = device.ctx.create_cq_builder();
         cqb.setup_cqe(MAX_SEND_WR * 2);
-        let cq = cqb
-            .build()
-            .map_err(|e| err("creating a completion queue", e))?;
+        let cq = cqb.build().map_err(|e| err("creating a completion queue", e))?;
         let mut b = device.pd.create_qp_builder();
         b.setup_max_send_wr(MAX_SEND_WR)
             .setup_max_recv_wr(1)
@@ -171,11 +144,8 @@ impl RcQp {
         attr.setup_state(QueuePairState::Init)
             .setup_pkey_index(0)
             .setup_port(PORT)
-            .setup_access_flags(
-                AccessFlags::LocalWrite | AccessFlags::RemoteWrite | AccessFlags::RemoteRead,
-            );
-        qp.modify(&attr)
-            .map_err(|e| err("moving the queue pair to INIT", e))?;
+            .setup_access_flags(AccessFlags::LocalWrite | AccessFlags::RemoteWrite | AccessFlags::RemoteRead);
+        qp.modify(&attr).map_err(|e| err("moving the queue pair to INIT", e))?;
         let mut psn = [0u8; 4];
         getrandom::fill(&mut psn).map_err(|e| err("drawing a PSN", e))?;
         let local = ConnInfo {
@@ -230,8 +200,7 @@ impl RcQp {
             .setup_grh_dest_gid(&sideway::ibverbs::address::Gid { raw: remote.gid })
             .setup_grh_hop_limit(64);
         attr.setup_address_vector(&ah);
-        qp.modify(&attr)
-            .map_err(|e| err("moving the queue pair to RTR", e))?;
+        qp.modify(&attr).map_err(|e| err("moving the queue pair to RTR", e))?;
         let mut attr = QueuePairAttribute::new();
         attr.setup_state(QueuePairState::ReadyToSend)
             .setup_sq_psn(self.local.psn)
@@ -239,8 +208,7 @@ impl RcQp {
             .setup_retry_cnt(7)
             .setup_rnr_retry(7)
             .setup_max_read_atomic(16);
-        qp.modify(&attr)
-            .map_err(|e| err("moving the queue pair to RTS", e))
+        qp.modify(&attr).map_err(|e| err("moving the queue pair to RTS", e))
     }
 
     /// Posts a one-sided WRITE of `len` bytes from `local[local_offset..]` to `remote[remote_offset..]`.
@@ -283,21 +251,11 @@ impl RcQp {
         let raddr = match remote.address(remote_offset, len) {
             Ok(a) => a,
             Err(status) => {
-                return OpHandle::ready(
-                    self.peer,
-                    Err(TransportError::Refused {
-                        peer: self.peer,
-                        op,
-                        status,
-                    }),
-                )
+                return OpHandle::ready(self.peer, Err(TransportError::Refused { peer: self.peer, op, status }))
             }
         };
         let Ok(len32) = u32::try_from(len) else {
-            return OpHandle::ready(
-                self.peer,
-                Err(err(op, "a work request moves at most 4 GiB - 1")),
-            );
+            return OpHandle::ready(self.peer, Err(err(op, "a work request moves at most 4 GiB - 1")));
         };
         let lkey = match self.device.mrs().lkey(local.id()) {
             Some(k) => k,
@@ -308,30 +266,18 @@ impl RcQp {
         };
         let (done, handle) = OpHandle::new(self.peer);
         let wr_id = self.next.fetch_add(1, Ordering::Relaxed);
-        self.pending
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(wr_id, (done, len, local.clone()));
+        self.pending.lock().unwrap_or_else(|e| e.into_inner()).insert(wr_id, (done, len, local.clone()));
         // SAFETY: bounds-checked above; the region stays alive in `pending` until completion.
         let laddr = unsafe { local.slice(local_offset, len) }.as_ptr() as u64;
         let mut qp = self.qp.lock().unwrap_or_else(|e| e.into_inner());
         let mut guard = qp.start_post_send();
         let wr = guard.construct_wr(wr_id, WorkRequestFlags::Signaled);
-        let wr = if write {
-            wr.setup_write(remote.rkey, raddr)
-        } else {
-            wr.setup_read(remote.rkey, raddr)
-        };
+        let wr = if write { wr.setup_write(remote.rkey, raddr) } else { wr.setup_read(remote.rkey, raddr) };
         // SAFETY: `laddr..laddr+len` lies in a region registered under `lkey` that is kept alive
         // (in `pending`) until the work completion is reaped.
         unsafe { wr.setup_sge(lkey, laddr, len32) };
         if let Err(e) = guard.post() {
-            if let Some((done, _, _)) = self
-                .pending
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .remove(&wr_id)
-            {
+            if let Some((done, _, _)) = self.pending.lock().unwrap_or_else(|e| e.into_inner()).remove(&wr_id) {
                 let _ = done.send(Err(err("posting a work request", e)));
             }
         }
@@ -348,22 +294,14 @@ impl Drop for RcQp {
     }
 }
 
-fn poll_loop(
-    peer: NodeId,
-    cq: Arc<BasicCompletionQueue>,
-    pending: Arc<Mutex<Pending>>,
-    stop: Arc<AtomicBool>,
-) {
+fn poll_loop(peer: NodeId, cq: Arc<BasicCompletionQueue>, pending: Arc<Mutex<Pending>>, stop: Arc<AtomicBool>) {
     let mut idle = 0u32;
     while !stop.load(Ordering::Relaxed) {
         match cq.start_poll() {
             Ok(poller) => {
                 idle = 0;
                 for wc in poller {
-                    let entry = pending
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .remove(&wc.wr_id());
+                    let entry = pending.lock().unwrap_or_else(|e| e.into_inner()).remove(&wc.wr_id());
                     if let Some((done, len, _region)) = entry {
                         let r = match wc.status() {
                             0 => Ok(Completion { bytes: len }),
@@ -394,10 +332,7 @@ fn poll_loop(
         }
     }
     for (_, (done, _, _)) in pending.lock().unwrap_or_else(|e| e.into_inner()).drain() {
-        let _ = done.send(Err(TransportError::PeerDown {
-            peer,
-            reason: "queue pair closed".into(),
-        }));
+        let _ = done.send(Err(TransportError::PeerDown { peer, reason: "queue pair closed".into() }));
     }
 }
 
@@ -411,10 +346,7 @@ mod tests {
             Ok(_) => eprintln!("an RDMA device is present; the device tests cover it"),
             Err(e) => assert!(matches!(e, TransportError::NoRdmaDevice { .. }), "{e}"),
         }
-        assert!(matches!(
-            Device::open(Some("no-such-device-xyz")),
-            Err(TransportError::NoRdmaDevice { .. })
-        ));
+        assert!(matches!(Device::open(Some("no-such-device-xyz")), Err(TransportError::NoRdmaDevice { .. })));
     }
 
     #[tokio::test]
@@ -427,27 +359,15 @@ mod tests {
         dev.register(&src).unwrap();
         let remote = dev.register(&dst).unwrap();
         assert_eq!(dev.resolve(dst.id(), dst.key()), Ok(remote));
-        let (a, b) = (
-            RcQp::create(&dev, 1).unwrap(),
-            RcQp::create(&dev, 0).unwrap(),
-        );
+        let (a, b) = (RcQp::create(&dev, 1).unwrap(), RcQp::create(&dev, 0).unwrap());
         a.connect(&b.local_info()).unwrap();
         b.connect(&a.local_info()).unwrap();
         a.post_write(&src, 0, remote, 0, 1 << 20).await.unwrap();
-        assert_eq!(
-            dst.crc32(0, 1 << 20).unwrap(),
-            src.crc32(0, 1 << 20).unwrap()
-        );
+        assert_eq!(dst.crc32(0, 1 << 20).unwrap(), src.crc32(0, 1 << 20).unwrap());
         let back = Region::alloc(4096, Default::default()).unwrap();
         a.post_read(&back, 0, remote, 4096, 4096).await.unwrap();
         assert!(back.view(0, 4096).unwrap().iter().all(|&x| x == 0x3c));
         let refused = a.post_write(&src, 0, remote, (1 << 20) - 1, 2).await;
-        assert!(matches!(
-            refused,
-            Err(TransportError::Refused {
-                status: Status::OutOfBounds,
-                ..
-            })
-        ));
+        assert!(matches!(refused, Err(TransportError::Refused { status: Status::OutOfBounds, .. })));
     }
 }

@@ -20,17 +20,9 @@ fn local_access_is_bounds_checked() {
     r.write_local(90, &[7; 10]).unwrap();
     assert!(matches!(
         r.write_local(91, &[7; 10]),
-        Err(TransportError::OutOfBounds {
-            offset: 91,
-            len: 10,
-            region_len: 100,
-            ..
-        })
+        Err(TransportError::OutOfBounds { offset: 91, len: 10, region_len: 100, .. })
     ));
-    assert!(
-        r.view(u64::MAX, 2).is_err(),
-        "offset overflow must not wrap"
-    );
+    assert!(r.view(u64::MAX, 2).is_err(), "offset overflow must not wrap");
     assert_eq!(&r.view(88, 4).unwrap()[..], &[0, 0, 7, 7]);
 }
 
@@ -61,24 +53,11 @@ fn table_checks_region_key_and_bounds() {
     let r = Region::alloc(4096, RegionOptions::default()).unwrap();
     t.register(&r);
     assert!(t.access(r.id(), r.key(), 0, 4096).is_ok());
-    assert_eq!(
-        t.access(r.id(), RemoteKey(r.key().0 ^ 2), 0, 1)
-            .unwrap_err(),
-        Status::BadKey
-    );
-    assert_eq!(
-        t.access(r.id(), r.key(), 4000, 97).unwrap_err(),
-        Status::OutOfBounds
-    );
-    assert_eq!(
-        t.access(RegionId(u32::MAX), r.key(), 0, 1).unwrap_err(),
-        Status::UnknownRegion
-    );
+    assert_eq!(t.access(r.id(), RemoteKey(r.key().0 ^ 2), 0, 1).unwrap_err(), Status::BadKey);
+    assert_eq!(t.access(r.id(), r.key(), 4000, 97).unwrap_err(), Status::OutOfBounds);
+    assert_eq!(t.access(RegionId(u32::MAX), r.key(), 0, 1).unwrap_err(), Status::UnknownRegion);
     t.deregister(r.id());
-    assert_eq!(
-        t.access(r.id(), r.key(), 0, 1).unwrap_err(),
-        Status::UnknownRegion
-    );
+    assert_eq!(t.access(r.id(), r.key(), 0, 1).unwrap_err(), Status::UnknownRegion);
 }
 
 #[test]

@@ -2,7 +2,7 @@ use super::*;
 use proptest::prelude::*;
 
 fn any_op() -> impl Strategy<Value = Opcode> {
-    (1u8..=9).prop_map(|v| Opcode::from_u8(v).unwrap())
+    (1u8..=11).prop_map(|v| Opcode::from_u8(v).unwrap())
 }
 
 fn any_status() -> impl Strategy<Value = Status> {
@@ -43,20 +43,14 @@ fn truncated_header_is_refused() {
 
 #[test]
 fn garbage_is_refused_by_magic() {
-    assert!(matches!(
-        Header::decode(&[b'G'; 64]),
-        Err(FrameError::BadMagic(_))
-    ));
+    assert!(matches!(Header::decode(&[b'G'; 64]), Err(FrameError::BadMagic(_))));
 }
 
 #[test]
 fn oversized_send_is_refused() {
     let mut h = Header::new(Opcode::Send);
     h.len = MAX_MESSAGE + 1;
-    assert_eq!(
-        Header::decode(&h.encode()),
-        Err(FrameError::TooLarge(MAX_MESSAGE + 1))
-    );
+    assert_eq!(Header::decode(&h.encode()), Err(FrameError::TooLarge(MAX_MESSAGE + 1)));
 }
 
 #[test]

@@ -1,0 +1,99 @@
+//! Link-level tests over an in-memory duplex stream (no sockets, no device).
+
+use std::time::Duration;
+
+use tokio::io::{DuplexStream, ReadHalf, WriteHalf};
+
+use super::*;
+
+impl FrameSource for ReadHalf<DuplexStream> {
+    fn take_fd(&mut self) -> Option<OwnedFd> {
+        None
+    }
+}
+
+impl FrameSink for WriteHalf<DuplexStream> {
+    fn send_fd<'a>(
+        &'a mut self,
+        _bytes: &'a [u8],
+        _fd: &'a OwnedFd,
+    ) -> Pin<Box<dyn std::future::Future<Output = io::Result<()>> + Send + 'a>> {
+        Box::pin(async { Err(io::ErrorKind::Unsupported.into()) })
+    }
+}
+
+fn link(peer: NodeId, io: DuplexStream, regions: RegionTable, rkeys: Option<RkeyResolver>) -> Arc<StreamLink> {
+    let (r, w) = tokio::io::split(io);
+    let ctx = LinkCtx {
+        one_sided: None,
+        rkeys,
+        peer,
+        kind: BackendKind::Tcp,
+        regions,
+        inbox: mpsc::unbounded_channel().0,
+        timing: Timing { keepalive: Duration::from_millis(100), dead_after: Duration::from_secs(5) },
+        on_close: Box::new(|_| {}),
+    };
+    StreamLink::spawn(ctx, r, w)
+}
+
+/// A stand-in for the RDMA device's lookup: answers with a registration derived from the region.
+fn fake_resolver() -> RkeyResolver {
+    Arc::new(|r: &Region| Ok(RemoteMr { addr: 0x7000_0000 + u64::from(r.id().0), rkey: 42, len: r.len() }))
+}
+
+#[tokio::test]
+async fn rdma_lookup_is_key_checked_by_the_owner() {
+    let (a_io, b_io) = tokio::io::duplex(1 << 16);
+    let b_regions = RegionTable::new();
+    let region = Region::alloc(8192, Default::default()).unwrap();
+    b_regions.register(&region);
+    let a = link(1, a_io, RegionTable::new(), None);
+    let _b = link(0, b_io, b_regions, Some(fake_resolver()));
+    let got = a.shared.request_access(region.id(), region.key(), Opcode::RkeyReq).await.unwrap();
+    match got {
+        Some(Access::Rdma(mr)) => {
+            assert_eq!(mr, RemoteMr { addr: 0x7000_0000 + u64::from(region.id().0), rkey: 42, len: 8192 })
+        }
+        _ => panic!("expected an RDMA registration"),
+    }
+    let bad = a.shared.request_access(region.id(), RemoteKey(region.key().0 ^ 1), Opcode::RkeyReq).await;
+    assert!(matches!(bad, Err(TransportError::Refused { status: Status::BadKey, .. })));
+    let unknown = a.shared.request_access(RegionId(u32::MAX), region.key(), Opcode::RkeyReq).await;
+    assert!(matches!(unknown, Err(TransportError::Refused { status: Status::UnknownRegion, .. })));
+}
+
+#[tokio::test]
+async fn a_node_without_a_device_declines_rdma_lookups() {
+    let (a_io, b_io) = tokio::io::duplex(1 << 16);
+    let b_regions = RegionTable::new();
+    let region = Region::alloc(4096, Default::default()).unwrap();
+    b_regions.register(&region);
+    let a = link(1, a_io, RegionTable::new(), None);
+    let _b = link(0, b_io, b_regions, None);
+    let got = a.shared.request_access(region.id(), region.key(), Opcode::RkeyReq).await.unwrap();
+    assert!(got.is_none(), "the initiator must fall back to the framed protocol");
+}
+
+#[tokio::test]
+async fn written_notice_verifies_the_crc_at_the_owner() {
+    let (a_io, b_io) = tokio::io::duplex(1 << 16);
+    let b_regions = RegionTable::new();
+    let region = Region::alloc(4096, Default::default()).unwrap();
+    region.fill(0, 4096, 7).unwrap();
+    b_regions.register(&region);
+    let a = link(1, a_io, RegionTable::new(), None);
+    let _b = link(0, b_io, b_regions, None);
+    let good = region.crc32(0, 4096).unwrap();
+    for (crc, ok) in [(good, true), (good ^ 1, false)] {
+        let (done, h) = OpHandle::new(0);
+        a.shared.post_written(done, region.id(), region.key(), 0, 4096, Some(crc));
+        match (h.await, ok) {
+            (Ok(c), true) => assert_eq!(c.bytes, 4096),
+            (Err(TransportError::CrcMismatch { expected, actual, .. }), false) => {
+                assert_eq!((expected, actual), (good ^ 1, good))
+            }
+            (other, _) => panic!("crc {crc:#x}: {other:?}"),
+        }
+    }
+}
