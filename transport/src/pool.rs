@@ -306,6 +306,25 @@ impl Inner {
         }
     }
 
+    /// Installs an authenticated same-host connection as a shm link.
+    fn install_shm(self: &Arc<Self>, peer: NodeId, s: UnixStream, closed: Option<oneshot::Sender<String>>) {
+        let (r, w) = s.into_split();
+        self.install(peer, BackendKind::Shm, Some(OneSided::new(Engine::Shm)), FdReader::new(r), FdWriter(w), closed);
+    }
+
+    /// Installs an authenticated TCP connection, upgraded to RDMA when both sides can.
+    async fn install_tcp(
+        self: &Arc<Self>,
+        mut s: TcpStream,
+        peer: &PeerInfo,
+        closed: Option<oneshot::Sender<String>>,
+    ) -> Result<()> {
+        let (kind, one_sided) = self.maybe_rdma(&mut s, peer).await?;
+        let (r, w) = s.into_split();
+        self.install(peer.node, kind, one_sided, r, w, closed);
+        Ok(())
+    }
+
     /// After the handshake on a TCP connection: upgrade to RDMA when both sides have a device.
     async fn maybe_rdma(&self, s: &mut TcpStream, peer: &PeerInfo) -> Result<(BackendKind, Option<OneSided>)> {
         match &self.rdma {
@@ -409,15 +428,7 @@ async fn dial_once(inner: &Arc<Inner>, peer: &NodeSpec) -> Result<oneshot::Recei
                     .await
                     .map_err(|e| hs_error(format!("node {}", peer.id), e))?;
                 check_info(&info, peer.id)?;
-                let (r, w) = s.into_split();
-                inner.install(
-                    peer.id,
-                    BackendKind::Shm,
-                    Some(OneSided::new(Engine::Shm)),
-                    FdReader::new(r),
-                    FdWriter(w),
-                    Some(tx),
-                );
+                inner.install_shm(peer.id, s, Some(tx));
                 return Ok(rx);
             }
             Ok(Err(e)) => {
@@ -435,9 +446,7 @@ async fn dial_once(inner: &Arc<Inner>, peer: &NodeSpec) -> Result<oneshot::Recei
         .await
         .map_err(|e| hs_error(format!("node {} at {}", peer.id, peer.addr), e))?;
     check_info(&info, peer.id)?;
-    let (kind, one_sided) = inner.maybe_rdma(&mut s, &info).await?;
-    let (r, w) = s.into_split();
-    inner.install(peer.id, kind, one_sided, r, w, Some(tx));
+    inner.install_tcp(s, &info, Some(tx)).await?;
     Ok(rx)
 }
 
@@ -497,13 +506,11 @@ async fn accept_tcp(weak: Weak<Inner>, l: TcpListener, mut stop: watch::Receiver
             let _ = crate::tcp::tune(&s);
             let hcfg = inner.handshake_cfg();
             match handshake::accept(&mut s, &hcfg, |n| inner.is_member(n)).await {
-                Ok(info) => match inner.maybe_rdma(&mut s, &info).await {
-                    Ok((kind, one_sided)) => {
-                        let (r, w) = s.into_split();
-                        inner.install(info.node, kind, one_sided, r, w, None);
+                Ok(info) => {
+                    if let Err(e) = inner.install_tcp(s, &info, None).await {
+                        warn!(node = inner.cfg.node, peer = info.node, error = %e, "RDMA setup failed")
                     }
-                    Err(e) => warn!(node = inner.cfg.node, peer = info.node, error = %e, "RDMA setup failed"),
-                },
+                }
                 Err(e) => {
                     warn!(node = inner.cfg.node, from = %addr, error = %hs_error(addr.to_string(), e), "refused a connection")
                 }
@@ -525,17 +532,7 @@ async fn accept_unix(weak: Weak<Inner>, l: UnixListener, mut stop: watch::Receiv
         tokio::spawn(async move {
             let hcfg = inner.handshake_cfg();
             match handshake::accept(&mut s, &hcfg, |n| inner.is_member(n)).await {
-                Ok(info) => {
-                    let (r, w) = s.into_split();
-                    inner.install(
-                        info.node,
-                        BackendKind::Shm,
-                        Some(OneSided::new(Engine::Shm)),
-                        FdReader::new(r),
-                        FdWriter(w),
-                        None,
-                    );
-                }
+                Ok(info) => inner.install_shm(info.node, s, None),
                 Err(e) => {
                     warn!(node = inner.cfg.node, error = %hs_error("a local peer".into(), e), "refused a connection")
                 }

@@ -323,16 +323,16 @@ fn poll_loop(peer: NodeId, cq: Arc<BasicCompletionQueue>, pending: Arc<Mutex<Pen
                     std::hint::spin_loop();
                 }
             }
-            Err(e) => {
-                for (_, (done, _, _)) in pending.lock().unwrap_or_else(|e| e.into_inner()).drain() {
-                    let _ = done.send(Err(err("polling the completion queue", &e)));
-                }
-                return;
-            }
+            Err(e) => return fail_all(&pending, || err("polling the completion queue", &e)),
         }
     }
+    fail_all(&pending, || TransportError::PeerDown { peer, reason: "queue pair closed".into() });
+}
+
+/// Fails every operation still waiting for a completion.
+fn fail_all(pending: &Mutex<Pending>, error: impl Fn() -> TransportError) {
     for (_, (done, _, _)) in pending.lock().unwrap_or_else(|e| e.into_inner()).drain() {
-        let _ = done.send(Err(TransportError::PeerDown { peer, reason: "queue pair closed".into() }));
+        let _ = done.send(Err(error()));
     }
 }
 
