@@ -1,0 +1,96 @@
+use super::*;
+
+const TOML: &str = r#"
+[[nodes]]
+id = 0
+gpus = 4
+nic_gbps = 100
+nvlink = true
+nics = [[0, 1], [2, 3]]
+
+[[nodes]]
+id = 1
+gpus = 2
+nic_gbps = 25
+
+[[links]]
+a = 0
+b = 1
+gbps = 10
+kind = "tcp"
+
+[[flows]]
+from = "0/gpu0"
+to = "1/gpu1"
+"#;
+
+#[test]
+fn parses_nodes_links_nics_and_flows() {
+    let t = Topology::from_toml(TOML).unwrap();
+    assert_eq!(t.nodes().count(), 2);
+    assert_eq!(t.link(Loc::gpu(0, 0), Loc::gpu(0, 3)).unwrap().kind, LinkKind::Nvlink);
+    assert_eq!(t.link(Loc::gpu(1, 0), Loc::gpu(1, 1)).unwrap().kind, LinkKind::Pcie, "no NVLink on node 1");
+    assert_eq!(t.link(Loc::host(0), Loc::gpu(0, 1)).unwrap().kind, LinkKind::Pcie);
+    assert_eq!(t.link(Loc::gpu(0, 0), Loc::gpu(1, 0)).unwrap(), Link { kind: LinkKind::Tcp, gbps: 10.0 });
+    assert_eq!(t.nic(Loc::gpu(0, 3)), (0, 1));
+    assert!(t.sends_outward(Loc::gpu(0, 1)), "gpu1 shares gpu0's NIC, which sends outward");
+    assert!(!t.sends_outward(Loc::gpu(0, 2)));
+    assert!(t.receives_inward(Loc::gpu(1, 0)));
+    assert!(!t.receives_inward(Loc::gpu(0, 0)));
+}
+
+#[test]
+fn default_inter_node_bandwidth_is_the_slower_nic() {
+    let mut t = Topology::new();
+    t.add_node(0, 1, 100.0).unwrap();
+    t.add_node(1, 1, 40.0).unwrap();
+    assert_eq!(t.link(Loc::gpu(0, 0), Loc::gpu(1, 0)).unwrap(), Link { kind: LinkKind::Rdma, gbps: 40.0 });
+}
+
+#[test]
+fn nvlink_groups_follow_connectivity() {
+    let mut t = Topology::new();
+    t.add_node(0, 4, 100.0).unwrap();
+    t.add_node(1, 2, 100.0).unwrap();
+    t.join_nvlink(0, &[0, 1]).unwrap();
+    t.join_nvlink(0, &[1, 2]).unwrap(); // 0-1-2 joined through 1
+    let g = t.nvlink_groups(&[
+        Loc::gpu(1, 1),
+        Loc::gpu(0, 2),
+        Loc::gpu(0, 0),
+        Loc::gpu(0, 3),
+        Loc::host(1),
+        Loc::gpu(1, 0),
+    ]);
+    assert_eq!(
+        g,
+        vec![
+            vec![Loc::gpu(0, 0), Loc::gpu(0, 2)],
+            vec![Loc::gpu(0, 3)],
+            vec![Loc::host(1)], // host memory orders before a node's GPUs
+            vec![Loc::gpu(1, 0)],
+            vec![Loc::gpu(1, 1)],
+        ]
+    );
+}
+
+#[test]
+fn bad_topologies_are_refused_with_the_reason() {
+    let e = |s: &str| Topology::from_toml(s).unwrap_err().to_string();
+    assert!(e("[[nodes]]\nid = 0\nnic_gbps = 1\n[[nodes]]\nid = 0\nnic_gbps = 1\n").contains("appears twice"));
+    assert!(e("[[nodes]]\nid = 0\nnic_gbps = 0\n").contains("positive"));
+    assert!(e("[[nodes]]\nid = 0\ngpus = 2\nnic_gbps = 1\nnics = [[0]]\n").contains("exactly one NIC"));
+    assert!(e("[[nodes]]\nid = 0\nnic_gbps = 1\n[[flows]]\nfrom = \"0/gpu0\"\nto = \"0/host\"\n").contains("0/gpu0"));
+    assert!(e("[[nodes]]\nid = 0\nnic_gbps = 1\n[[links]]\na = 0\nb = 9\ngbps = 1\n").contains("node 9"));
+    assert!(e("[[nodes]]\nid = 0\nnic_gbps = 1\nbogus = 3\n").contains("bogus"));
+}
+
+#[test]
+fn locations_parse_and_print() {
+    for s in ["3/gpu7", "12/host"] {
+        assert_eq!(s.parse::<Loc>().unwrap().to_string(), s);
+    }
+    for bad in ["3", "x/gpu1", "3/gpu", "3/cpu0", "/host"] {
+        assert!(bad.parse::<Loc>().is_err(), "{bad}");
+    }
+}
