@@ -7,12 +7,20 @@
 //! * [`planner`] — the pure, deterministic scale planner (`blitz`) and the `chain`, `star`, `tree`
 //!   baselines, with a cost model that picks the chunk size and predicts completion times.
 //!
-//! **Status:** the pipelined chain executor over `cascade-transport`, the node daemon and the
-//! multi-host harness are not implemented yet (tracked by the multicast issue).
+//! * [`executor`] — runs a plan over the transport: pipelined chunks landing in registered regions,
+//!   crc32 verified before forwarding, `LayerReady` events, re-planning around failed members;
+//! * [`layout`] — chunks, per-chunk crc32 and the layer table of what travels.
+//!
+//! **Status:** the node daemon, the `cascade multicast` command and the multi-host (netns)
+//! harness and benchmark are not implemented yet (tracked by the multicast issue).
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
+pub mod executor;
+pub mod layout;
 pub mod planner;
 pub mod topology;
 
+pub use executor::{execute, Event, ExecError, ExecOptions, Member, Report};
+pub use layout::{Layout, LayoutError};
 pub use planner::{plan, plan_with, CostModel, Edge, Forwarding, Plan, PlanError, PlannerKind, Request};
 pub use topology::{Link, LinkKind, Loc, NodeId, Topology, TopologyError};

@@ -29,6 +29,8 @@ pub enum Fault {
     Delay(Duration),
     /// Land the data with one byte flipped (crc verification catches it).
     Corrupt,
+    /// Corrupt only the next `n` operations, then behave normally.
+    CorruptNext(u32),
 }
 
 struct NodeState {
@@ -74,6 +76,20 @@ impl MemFabric {
             Some(x) => f.insert((from, to), x),
             None => f.remove(&(from, to)),
         };
+    }
+
+    /// The fault applying to the next operation from `from` to `to`, counting down `CorruptNext`.
+    fn take_fault(&self, from: NodeId, to: NodeId) -> Option<Fault> {
+        let mut f = self.0.faults.lock().unwrap_or_else(|e| e.into_inner());
+        let fault = f.get(&(from, to)).copied();
+        if let Some(Fault::CorruptNext(n)) = fault {
+            if n <= 1 {
+                f.remove(&(from, to));
+            } else {
+                f.insert((from, to), Fault::CorruptNext(n - 1));
+            }
+        }
+        fault
     }
 
     /// Kills a node: every operation to or from it fails with `PeerDown`.
@@ -225,11 +241,10 @@ impl Link for MemLink {
         BackendKind::Mem
     }
     fn post(&self, ops: Vec<Op>) -> Vec<OpHandle> {
-        let fault = self.fabric.0.faults.lock().unwrap_or_else(|e| e.into_inner()).get(&(self.from, self.to)).copied();
         ops.into_iter()
             .map(|op| {
                 let (done, handle) = OpHandle::new(self.to);
-                match fault {
+                match self.fabric.take_fault(self.from, self.to) {
                     Some(Fault::Drop) => self.swallowed.lock().unwrap_or_else(|e| e.into_inner()).push(done),
                     Some(Fault::Delay(d)) => {
                         let me = self.clone_handle();
@@ -238,7 +253,7 @@ impl Link for MemLink {
                             me.finish(done, me.execute(op, false));
                         });
                     }
-                    Some(Fault::Corrupt) => self.finish(done, self.execute(op, true)),
+                    Some(Fault::Corrupt | Fault::CorruptNext(_)) => self.finish(done, self.execute(op, true)),
                     None => self.finish(done, self.execute(op, false)),
                 }
                 handle
