@@ -141,19 +141,13 @@ pub enum Forwarding {
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
 pub struct Edge {
     /// Sender.
-    #[serde(serialize_with = "ser_loc")]
     pub from: Loc,
     /// Receiver.
-    #[serde(serialize_with = "ser_loc")]
     pub to: Loc,
     /// Link kind.
     pub kind: LinkKind,
     /// Link bandwidth, Gbit/s.
     pub gbps: f64,
-}
-
-fn ser_loc<S: serde::Serializer>(l: &Loc, s: S) -> Result<S::Ok, S::Error> {
-    s.collect_str(l)
 }
 
 /// A scale plan. Every target has exactly one incoming edge.

@@ -1,6 +1,6 @@
 //! Executor tests on the `mem` test double (faults on demand) and on real loopback endpoints.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use cascade_transport::mem::{Fault, MemFabric};
 use cascade_transport::{ClusterSpec, Endpoint, EndpointConfig, NodeSpec};
@@ -192,6 +192,7 @@ async fn runs_over_real_tcp_endpoints() {
 
 #[test]
 fn notices_round_trip_and_reject_junk() {
+    use super::notice::{Kind, Notice, NOTICE_LEN};
     let n = Notice { run: 9, kind: Kind::Nack, index: 77, from: Loc::host(3), to: Loc::gpu(4, 1) };
     assert_eq!(Notice::decode(&n.encode()), Some(n));
     assert_eq!(Notice::decode(&[0u8; NOTICE_LEN]), None);

@@ -1,0 +1,313 @@
+//! The member side: one task per plan member on its node, and the per-node router that hands it
+//! the notices addressed to it.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use cascade_transport::{Link, Mesh, Op, Region, RemoteRegion, TransportError};
+use tokio::sync::{mpsc, Notify};
+use tokio::task::JoinSet;
+
+use super::notice::{Kind, Notice};
+use crate::layout::Layout;
+use crate::topology::Loc;
+
+/// A child of a member: where it is and which region of its node to write into.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ChildSpec {
+    /// The child's location.
+    pub loc: Loc,
+    /// Region id on the child's node.
+    pub region: u32,
+    /// Its remote key.
+    pub key: u64,
+}
+
+impl ChildSpec {
+    fn remote(&self, len: u64) -> RemoteRegion {
+        RemoteRegion {
+            node: self.loc.node,
+            id: cascade_transport::RegionId(self.region),
+            key: cascade_transport::RemoteKey(self.key),
+            len,
+        }
+    }
+}
+
+/// What a member tells its coordinator.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum ToCoord {
+    /// The member holds every chunk, verified.
+    Done(Loc),
+    /// Every chunk of a layer is verified at the member.
+    LayerReady {
+        /// The member.
+        loc: Loc,
+        /// The layer.
+        layer: usize,
+    },
+    /// The member could not send to a child.
+    ChildLost {
+        /// The sender.
+        parent: Loc,
+        /// The child.
+        child: Loc,
+        /// The error.
+        reason: String,
+    },
+}
+
+/// Where members send their reports (a channel in-process, the controller's link in a daemon).
+pub trait CoordSink: Send + Sync + 'static {
+    /// Delivers one report.
+    fn send(&self, m: ToCoord);
+}
+
+impl CoordSink for mpsc::UnboundedSender<ToCoord> {
+    fn send(&self, m: ToCoord) {
+        let _ = mpsc::UnboundedSender::send(self, m);
+    }
+}
+
+/// Commands from the coordinator to a member.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum MemberCmd {
+    /// Start sending everything to a new child.
+    AddChild(ChildSpec),
+}
+
+/// Routes a node's notices (for one run) to its member tasks; also carries same-node deliveries.
+/// Notices for a member that is not registered yet are kept until it is.
+#[derive(Default)]
+pub(crate) struct Router {
+    inner: Mutex<RouterState>,
+}
+
+#[derive(Default)]
+struct RouterState {
+    inboxes: BTreeMap<Loc, mpsc::UnboundedSender<Notice>>,
+    early: BTreeMap<Loc, Vec<Notice>>,
+}
+
+impl Router {
+    pub(crate) fn add(&self, loc: Loc) -> mpsc::UnboundedReceiver<Notice> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let mut st = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        for n in st.early.remove(&loc).unwrap_or_default() {
+            let _ = tx.send(n);
+        }
+        st.inboxes.insert(loc, tx);
+        rx
+    }
+
+    pub(crate) fn deliver(&self, n: Notice) {
+        let mut st = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        match st.inboxes.get(&n.to) {
+            Some(tx) => {
+                let _ = tx.send(n);
+            }
+            None => st.early.entry(n.to).or_default().push(n),
+        }
+    }
+
+    /// Handles a received message if it is a notice of `run`; false otherwise.
+    pub(crate) fn route(&self, run: u32, payload: &[u8]) -> bool {
+        match Notice::decode(payload) {
+            Some(n) if n.run == run => {
+                self.deliver(n);
+                true
+            }
+            _ => false,
+        }
+    }
+}
+
+/// Everything a member task needs.
+pub(crate) struct MemberCtx {
+    pub(crate) run: u32,
+    pub(crate) me: Loc,
+    pub(crate) is_source: bool,
+    pub(crate) layout: Arc<Layout>,
+    pub(crate) mesh: Arc<dyn Mesh>,
+    pub(crate) region: Region,
+    pub(crate) router: Arc<Router>,
+    pub(crate) coord: Arc<dyn CoordSink>,
+    pub(crate) op_timeout: Duration,
+    pub(crate) resent: Arc<std::sync::atomic::AtomicU64>,
+}
+
+#[derive(Clone)]
+enum Dest {
+    Remote { link: Arc<dyn Link>, region: RemoteRegion },
+    Local { region: Region },
+}
+
+impl MemberCtx {
+    fn dest(&self, child: &ChildSpec) -> Result<Dest, TransportError> {
+        if child.loc.node == self.mesh.node() {
+            let region = self
+                .mesh
+                .regions()
+                .get(cascade_transport::RegionId(child.region))
+                .ok_or(TransportError::NotConnected { peer: child.loc.node })?;
+            return Ok(Dest::Local { region });
+        }
+        Ok(Dest::Remote { link: self.mesh.link(child.loc.node)?, region: child.remote(self.layout.bytes) })
+    }
+
+    /// Moves chunk `i` of this member's region to `to` and tells it.
+    async fn send_chunk(&self, to: Loc, dest: &Dest, i: u32) -> Result<(), TransportError> {
+        let r = self.layout.chunk_range(i);
+        let notice = Notice { run: self.run, kind: Kind::Chunk, index: i, from: self.me, to };
+        match dest {
+            Dest::Local { region } => {
+                // Same node: a local copy (stand-in for an NVLink/PCIe copy).
+                region.write_local(r.start, &self.region.view(r.start, r.end - r.start)?)?;
+                self.router.deliver(notice);
+                Ok(())
+            }
+            Dest::Remote { link, region } => {
+                // The notice is posted only once the WRITE has completed, so data precedes it.
+                let write = Op::write(&self.region, r.start, *region, r.start, r.end - r.start);
+                let h = link.post(vec![write]).pop().ok_or_else(|| closed(to))?;
+                h.wait("chunk write", self.op_timeout).await?;
+                self.notify(link, notice).await
+            }
+        }
+    }
+
+    async fn notify(&self, link: &Arc<dyn Link>, n: Notice) -> Result<(), TransportError> {
+        let send = Op::Send { payload: bytes::Bytes::copy_from_slice(&n.encode()) };
+        let h = link.post(vec![send]).pop().ok_or_else(|| closed(n.to))?;
+        h.wait("chunk notice", self.op_timeout).await.map(drop)
+    }
+
+    async fn send_nack(&self, to: Loc, i: u32) {
+        let n = Notice { run: self.run, kind: Kind::Nack, index: i, from: self.me, to };
+        if to.node == self.mesh.node() {
+            self.router.deliver(n);
+        } else if let Ok(link) = self.mesh.link(to.node) {
+            let _ = self.notify(&link, n).await;
+        }
+    }
+}
+
+fn closed(peer: Loc) -> TransportError {
+    TransportError::PeerDown { peer: peer.node, reason: "link closed".into() }
+}
+
+/// Chunks a member holds, with a wake-up for its forwarding tasks.
+struct Have {
+    bits: Mutex<Vec<bool>>,
+    more: Notify,
+}
+
+impl Have {
+    fn has(&self, i: u32) -> bool {
+        self.bits.lock().unwrap_or_else(|e| e.into_inner())[i as usize]
+    }
+
+    async fn wait(&self, i: u32) {
+        loop {
+            let notified = self.more.notified();
+            if self.has(i) {
+                return;
+            }
+            notified.await;
+        }
+    }
+}
+
+/// One member: verifies what arrives, forwards to its children, answers NACKs.
+pub(crate) async fn run_member(
+    ctx: MemberCtx,
+    initial_children: Vec<ChildSpec>,
+    mut inbox: mpsc::UnboundedReceiver<Notice>,
+    mut cmds: mpsc::UnboundedReceiver<MemberCmd>,
+) {
+    let ctx = Arc::new(ctx);
+    let n = ctx.layout.chunks();
+    let have = Arc::new(Have { bits: Mutex::new(vec![ctx.is_source; n as usize]), more: Notify::new() });
+    let mut count = if ctx.is_source { n } else { 0 };
+    let mut layer_left: Vec<u32> =
+        (0..ctx.layout.layers.len()).map(|l| ctx.layout.chunks_of_layer(l).len() as u32).collect();
+    let mut forwarders = JoinSet::new();
+    let mut dests: BTreeMap<Loc, Dest> = BTreeMap::new();
+    let add_child = |child: ChildSpec, forwarders: &mut JoinSet<()>, dests: &mut BTreeMap<Loc, Dest>| {
+        let lost = |reason: String| ToCoord::ChildLost { parent: ctx.me, child: child.loc, reason };
+        match ctx.dest(&child) {
+            Ok(d) => {
+                dests.insert(child.loc, d.clone());
+                let (c2, have) = (ctx.clone(), have.clone());
+                forwarders.spawn(async move {
+                    for i in 0..c2.layout.chunks() {
+                        have.wait(i).await;
+                        if let Err(e) = c2.send_chunk(child.loc, &d, i).await {
+                            c2.coord.send(ToCoord::ChildLost {
+                                parent: c2.me,
+                                child: child.loc,
+                                reason: e.to_string(),
+                            });
+                            return;
+                        }
+                    }
+                });
+            }
+            Err(e) => ctx.coord.send(lost(e.to_string())),
+        }
+    };
+    for c in initial_children {
+        add_child(c, &mut forwarders, &mut dests);
+    }
+    loop {
+        tokio::select! {
+            notice = inbox.recv() => {
+                let Some(nt) = notice else { return };
+                match nt.kind {
+                    Kind::Chunk => {
+                        if nt.index >= n || have.has(nt.index) {
+                            continue;
+                        }
+                        let r = ctx.layout.chunk_range(nt.index);
+                        let got = ctx.region.crc32(r.start, r.end - r.start).ok();
+                        if got != Some(ctx.layout.crcs[nt.index as usize]) {
+                            // Never counted, never forwarded: ask the sender for it again.
+                            ctx.send_nack(nt.from, nt.index).await;
+                            continue;
+                        }
+                        have.bits.lock().unwrap_or_else(|e| e.into_inner())[nt.index as usize] = true;
+                        have.more.notify_waiters();
+                        count += 1;
+                        for (l, left) in layer_left.iter_mut().enumerate() {
+                            if ctx.layout.chunks_of_layer(l).contains(&nt.index) {
+                                *left -= 1;
+                                if *left == 0 {
+                                    ctx.coord.send(ToCoord::LayerReady { loc: ctx.me, layer: l });
+                                }
+                            }
+                        }
+                        if count == n {
+                            ctx.coord.send(ToCoord::Done(ctx.me));
+                        }
+                    }
+                    Kind::Nack => {
+                        if let Some(d) = dests.get(&nt.from).cloned() {
+                            ctx.resent.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            let c2 = ctx.clone();
+                            forwarders.spawn(async move {
+                                if let Err(e) = c2.send_chunk(nt.from, &d, nt.index).await {
+                                    c2.coord.send(ToCoord::ChildLost { parent: c2.me, child: nt.from, reason: e.to_string() });
+                                }
+                            });
+                        }
+                    }
+                }
+            }
+            cmd = cmds.recv() => match cmd {
+                Some(MemberCmd::AddChild(c)) => add_child(c, &mut forwarders, &mut dests),
+                None => return,
+            },
+        }
+    }
+}
