@@ -1,12 +1,14 @@
-//! `cascade` — the operator's command.
-//!
-//! Today it can check a cluster file; the node daemon, demo, pool tools and simulator arrive with
-//! the crates that implement them.
+//! `cascade` — the operator's command: run a node daemon, drive a multicast, check a cluster file.
 
 use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
 
-use anyhow::Context;
-use clap::{Parser, Subcommand};
+use anyhow::{bail, Context};
+use cascade_multicast::cluster::{serve_node, Controller, RunSpec};
+use cascade_multicast::{Event, Loc, PlannerKind, Topology};
+use cascade_transport::{ClusterSpec, Endpoint, EndpointConfig};
+use clap::{Args, Parser, Subcommand};
 
 #[derive(Parser)]
 #[command(name = "cascade", version, about = "Cascade data plane for model-serving clusters")]
@@ -22,18 +24,186 @@ enum Cmd {
         /// The TOML cluster file.
         file: PathBuf,
     },
+    /// Run a node: join the cluster's mesh and execute the multicast plans a controller sends.
+    Node(Member),
+    /// Plan and run a multicast from this node (the controller) on node daemons, then verify it.
+    Multicast(MulticastArgs),
+}
+
+#[derive(Args)]
+struct Member {
+    /// Cluster file (TOML: name, [[nodes]] id/addr/host).
+    #[arg(long)]
+    cluster: PathBuf,
+    /// This node's id in the cluster file.
+    #[arg(long)]
+    node: u32,
+    /// File holding the cluster secret (or set CASCADE_SECRET).
+    #[arg(long)]
+    secret_file: Option<PathBuf>,
+    /// Do not use shared memory with same-host nodes.
+    #[arg(long)]
+    no_shm: bool,
+    /// Seconds to wait for the full mesh.
+    #[arg(long, default_value_t = 30.0)]
+    ready_timeout_s: f64,
+}
+
+#[derive(Args)]
+struct MulticastArgs {
+    #[command(flatten)]
+    member: Member,
+    /// Topology file (TOML: [[nodes]] id/gpus/nic_gbps, [[links]], [[flows]]).
+    #[arg(long)]
+    topology: PathBuf,
+    /// Locations holding the parameters, comma separated (e.g. 1/gpu0).
+    #[arg(long, value_delimiter = ',', required = true)]
+    sources: Vec<Loc>,
+    /// Locations to load, comma separated.
+    #[arg(long, value_delimiter = ',', required = true)]
+    targets: Vec<Loc>,
+    /// Bytes of the (synthetic) model.
+    #[arg(long)]
+    bytes: u64,
+    /// blitz, chain, star or tree.
+    #[arg(long, default_value = "blitz")]
+    planner: PlannerKind,
+    /// Split the model into this many equal layers (LayerReady granularity).
+    #[arg(long, default_value_t = 8)]
+    layers: u64,
+    /// Give up after this many seconds; unfinished targets are reported failed.
+    #[arg(long, default_value_t = 600.0)]
+    deadline_s: f64,
+    /// Print one JSON object.
+    #[arg(long)]
+    json: bool,
+}
+
+fn logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
+    let _ = tracing_subscriber::fmt().with_writer(std::io::stderr).with_env_filter(filter).try_init();
+}
+
+async fn join(m: &Member) -> anyhow::Result<Arc<Endpoint>> {
+    let cluster = ClusterSpec::load(&m.cluster)?;
+    let secret = match (&m.secret_file, std::env::var("CASCADE_SECRET")) {
+        (Some(f), _) => std::fs::read(f).with_context(|| format!("reading {}", f.display()))?,
+        (None, Ok(s)) => s.into_bytes(),
+        (None, Err(_)) => bail!("no cluster secret: pass --secret-file or set CASCADE_SECRET"),
+    };
+    let secret: Vec<u8> = secret.trim_ascii().to_vec();
+    let mut cfg = EndpointConfig::new(m.node, cluster, &secret);
+    cfg.shm = !m.no_shm;
+    let ep = Arc::new(Endpoint::start(cfg).await?);
+    let rep = ep.wait_ready(Duration::from_secs_f64(m.ready_timeout_s)).await.context("waiting for the full mesh")?;
+    tracing::info!(
+        node = m.node,
+        peers = rep.peers.len(),
+        setup_ms = rep.setup.as_secs_f64() * 1e3,
+        "joined the cluster"
+    );
+    Ok(ep)
+}
+
+async fn shutdown_signal() {
+    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(_) => return std::future::pending().await,
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+}
+
+async fn node(m: Member) -> anyhow::Result<()> {
+    let ep = join(&m).await?;
+    tokio::select! {
+        _ = serve_node(ep.clone(), Duration::from_secs(30)) => {}
+        _ = shutdown_signal() => tracing::info!("shutting down"),
+    }
+    ep.shutdown();
+    Ok(())
+}
+
+async fn multicast(a: MulticastArgs) -> anyhow::Result<()> {
+    let text = std::fs::read_to_string(&a.topology).with_context(|| format!("reading {}", a.topology.display()))?;
+    let topology = Topology::from_toml(&text).with_context(|| format!("topology {}", a.topology.display()))?;
+    if a.bytes == 0 || a.layers == 0 {
+        bail!("--bytes and --layers must be positive");
+    }
+    let layers =
+        (0..a.layers).map(|i| i * a.bytes / a.layers..(i + 1) * a.bytes / a.layers).filter(|r| !r.is_empty()).collect();
+    let ep = join(&a.member).await?;
+    let spec = RunSpec {
+        topology,
+        bytes: a.bytes,
+        sources: a.sources.clone(),
+        targets: a.targets.clone(),
+        planner: a.planner,
+        layers,
+        seed: 0x5eed,
+        deadline: Duration::from_secs_f64(a.deadline_s),
+    };
+    let out = Controller::new(ep.clone()).run(&spec).await.map_err(|e| anyhow::anyhow!("{e}"))?;
+    ep.shutdown();
+    let done_at: Vec<_> = out
+        .events
+        .iter()
+        .filter_map(|(t, e)| match e {
+            Event::TargetDone { target } => Some(serde_json::json!({"target": target.to_string(), "seconds": t})),
+            _ => None,
+        })
+        .collect();
+    if a.json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "planner": a.planner, "targets": a.targets.len(), "bytes": a.bytes,
+                "seconds": out.transfer_seconds, "chunk_bytes": out.plan.chunk_bytes,
+                "predicted_seconds": out.plan.makespan(),
+                "completed": out.report.completed.len(), "verified": out.verified.len(),
+                "failed": out.report.failed.iter().map(|(l, w)| serde_json::json!([l.to_string(), w])).collect::<Vec<_>>(),
+                "replans": out.report.replans, "done_at": done_at,
+            })
+        );
+    } else {
+        print!("{}", out.plan);
+        println!(
+            "{} of {} targets completed and verified in {:.3} s (predicted {:.3} s); {} failed, {} re-plans",
+            out.verified.len(),
+            a.targets.len(),
+            out.transfer_seconds,
+            out.plan.makespan(),
+            out.report.failed.len(),
+            out.report.replans
+        );
+        for (l, why) in &out.report.failed {
+            println!("  failed {l}: {why}");
+        }
+    }
+    if !out.mismatched.is_empty() {
+        bail!("targets whose bytes differ from the source: {:?}", out.mismatched);
+    }
+    if !out.report.failed.is_empty() {
+        std::process::exit(1);
+    }
+    Ok(())
 }
 
 fn main() -> anyhow::Result<()> {
-    match Cli::parse().cmd {
+    let cli = Cli::parse();
+    logging();
+    match cli.cmd {
         Cmd::CheckCluster { file } => {
-            let c =
-                cascade_transport::ClusterSpec::load(&file).with_context(|| format!("checking {}", file.display()))?;
+            let c = ClusterSpec::load(&file).with_context(|| format!("checking {}", file.display()))?;
             println!("cluster {:?}: {} nodes", c.name, c.nodes.len());
             for n in &c.nodes {
                 println!("  node {:>4}  {}  host {}", n.id, n.addr, n.host_key());
             }
             Ok(())
         }
+        Cmd::Node(m) => tokio::runtime::Runtime::new()?.block_on(node(m)),
+        Cmd::Multicast(a) => tokio::runtime::Runtime::new()?.block_on(multicast(a)),
     }
 }

@@ -141,6 +141,11 @@ pub enum ExecError {
     Transport(#[from] TransportError),
 }
 
+/// The run id of a chunk notice, if `payload` is one.
+pub(crate) fn notice_run(payload: &[u8]) -> Option<u32> {
+    notice::Notice::decode(payload).map(|n| n.run)
+}
+
 /// A fresh run id: it keeps concurrent runs' notices apart.
 pub fn new_run_id() -> u32 {
     let mut b = [0u8; 4];

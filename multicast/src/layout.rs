@@ -6,7 +6,7 @@ use std::ops::Range;
 use cascade_transport::Region;
 
 /// Chunking and checksums of one model's parameters.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Layout {
     /// Total bytes.
     pub bytes: u64,

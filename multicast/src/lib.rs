@@ -15,6 +15,7 @@
 //! harness and benchmark are not implemented yet (tracked by the multicast issue).
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
+pub mod cluster;
 pub mod executor;
 pub mod layout;
 pub mod planner;

@@ -36,7 +36,7 @@ use std::str::FromStr;
 use crate::topology::{Link, LinkKind, Loc, NodeId, Topology, TopologyError};
 
 /// Which planner to run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum PlannerKind {
     /// BlitzScale's Algorithm 1.
