@@ -1,8 +1,9 @@
 //! # cascade-tests
 //!
-//! Cross-crate integration tests and the harness they share: [`Cluster`] starts N `test-node`
+//! Cross-crate integration tests and the harnesses they share: [`Cluster`] starts N `test-node`
 //! processes on loopback, each joining the mesh of a generated cluster file, and drives them with
-//! line commands. Every process is killed when the `Cluster` is dropped, also when a test panics.
+//! line commands; [`netns::Netns`] makes N hosts as network namespaces on a shaped bridge. Every
+//! process is killed (and every namespace deleted) on drop, also when a test panics.
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
 use std::io::{BufRead, BufReader, Write};
@@ -14,6 +15,8 @@ use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context};
 use serde_json::Value;
+
+pub mod netns;
 
 /// Options for a spawned cluster.
 #[derive(Debug, Clone)]

@@ -1,0 +1,139 @@
+//! Multi-host tests without a cluster: N hosts as network namespaces joined by veth pairs to a
+//! bridge (in a switch namespace of its own), each host's egress shaped with
+//! `tc qdisc … tbf rate <B>mbit`. Addresses are 10.77.0.1… inside these namespaces only.
+//! Everything is torn down on drop — also when a test panics.
+
+use std::net::Ipv4Addr;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use anyhow::{bail, Context};
+
+/// A set of namespaced hosts on one shaped bridge.
+pub struct Netns {
+    prefix: String,
+    hosts: Vec<String>,
+    switch: String,
+    children: Vec<Child>,
+}
+
+fn run(args: &[&str]) -> anyhow::Result<()> {
+    let out = Command::new(args[0]).args(&args[1..]).output().with_context(|| format!("running {}", args.join(" ")))?;
+    if !out.status.success() {
+        bail!("{} failed: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim());
+    }
+    Ok(())
+}
+
+impl Netns {
+    /// Why namespaced hosts cannot be made here, if they cannot (not root, no `ip`, no netns).
+    pub fn unavailable() -> Option<String> {
+        // SAFETY: geteuid has no preconditions and cannot fail.
+        if unsafe { libc::geteuid() } != 0 {
+            return Some("needs root to create network namespaces".into());
+        }
+        for tool in ["ip", "tc"] {
+            if Command::new(tool).arg("-V").stdout(Stdio::null()).stderr(Stdio::null()).status().is_err() {
+                return Some(format!("`{tool}` (iproute2) is not installed"));
+            }
+        }
+        let probe = format!("csprobe{}", std::process::id());
+        if let Err(e) = run(&["ip", "netns", "add", &probe]) {
+            return Some(format!("network namespaces unavailable: {e}"));
+        }
+        let _ = run(&["ip", "netns", "del", &probe]);
+        None
+    }
+
+    /// Creates `n` hosts; with `link_mbit`, shapes each host's egress to that rate.
+    pub fn create(n: usize, link_mbit: Option<u64>) -> anyhow::Result<Netns> {
+        static SEQ: AtomicU32 = AtomicU32::new(0);
+        if n == 0 || n > 250 {
+            bail!("between 1 and 250 hosts");
+        }
+        let prefix = format!("c{:x}{}", std::process::id() & 0xfffff, SEQ.fetch_add(1, Ordering::Relaxed));
+        let mut ns = Netns { switch: format!("{prefix}sw"), hosts: Vec::new(), children: Vec::new(), prefix };
+        run(&["ip", "netns", "add", &ns.switch])?;
+        run(&["ip", "-n", &ns.switch, "link", "add", "br0", "type", "bridge"])?;
+        run(&["ip", "-n", &ns.switch, "link", "set", "br0", "up"])?;
+        for i in 0..n {
+            let host = format!("{}h{i}", ns.prefix);
+            run(&["ip", "netns", "add", &host])?;
+            ns.hosts.push(host.clone());
+            let (h, s) = (format!("{}a{i}", ns.prefix), format!("{}b{i}", ns.prefix));
+            run(&["ip", "link", "add", &h, "type", "veth", "peer", "name", &s])?;
+            run(&["ip", "link", "set", &h, "netns", &host])?;
+            run(&["ip", "link", "set", &s, "netns", &ns.switch])?;
+            run(&["ip", "-n", &ns.switch, "link", "set", &s, "master", "br0"])?;
+            run(&["ip", "-n", &ns.switch, "link", "set", &s, "up"])?;
+            run(&["ip", "-n", &host, "link", "set", "lo", "up"])?;
+            run(&["ip", "-n", &host, "addr", "add", &format!("{}/24", Self::addr(i)), "dev", &h])?;
+            run(&["ip", "-n", &host, "link", "set", &h, "up"])?;
+            if let Some(mbit) = link_mbit {
+                // The bucket must hold at least one timer tick of traffic (and a 64 KiB GSO burst).
+                let burst = (mbit * 1_000_000 / 8 / 250).max(64 << 10);
+                run(&[
+                    "ip",
+                    "netns",
+                    "exec",
+                    &host,
+                    "tc",
+                    "qdisc",
+                    "add",
+                    "dev",
+                    &h,
+                    "root",
+                    "tbf",
+                    "rate",
+                    &format!("{mbit}mbit"),
+                    "burst",
+                    &burst.to_string(),
+                    "latency",
+                    "100ms",
+                ])?;
+            }
+        }
+        Ok(ns)
+    }
+
+    /// Address of host `i`.
+    pub fn addr(i: usize) -> Ipv4Addr {
+        Ipv4Addr::new(10, 77, 0, (i + 1) as u8)
+    }
+
+    /// Number of hosts.
+    pub fn len(&self) -> usize {
+        self.hosts.len()
+    }
+
+    /// True when there are no hosts.
+    pub fn is_empty(&self) -> bool {
+        self.hosts.is_empty()
+    }
+
+    /// A command that runs `program` inside host `i`.
+    pub fn command(&self, i: usize, program: &str) -> Command {
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", &self.hosts[i], program]);
+        c
+    }
+
+    /// Starts a command built by [`command`](Self::command); it is killed on drop.
+    pub fn spawn(&mut self, mut cmd: Command) -> anyhow::Result<()> {
+        self.children.push(cmd.spawn().context("starting a process in a namespace")?);
+        Ok(())
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        // Deleting a namespace removes its end of each veth pair, and so the pair.
+        for h in self.hosts.iter().chain(std::iter::once(&self.switch)) {
+            let _ = run(&["ip", "netns", "del", h]);
+        }
+    }
+}
