@@ -47,3 +47,18 @@ fn bad_arguments_are_refused_clearly() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("unknown backend"));
 }
+
+#[test]
+fn multicast_prints_the_contract_fields() {
+    // Loopback, unshaped: link_mbit and bound_seconds are null by design.
+    let v =
+        run(env!("CARGO_BIN_EXE_multicast"), &["--targets", "3", "--bytes", "4194304", "--planner", "blitz", "--json"]);
+    for k in ["planner", "targets", "bytes", "link_mbit", "seconds", "bound_seconds"] {
+        assert!(v.get(k).is_some(), "missing {k} in {v}");
+    }
+    assert_eq!(v["planner"], "blitz");
+    assert_eq!(v["targets"], 3);
+    assert_eq!(v["verified"], 3, "every target holds the source's bytes");
+    assert!(v["link_mbit"].is_null() && v["bound_seconds"].is_null(), "{v}");
+    assert!(v["seconds"].as_f64().unwrap() > 0.0);
+}

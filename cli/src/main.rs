@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use cascade_multicast::cluster::{serve_node, Controller, RunSpec};
-use cascade_multicast::{Event, Loc, PlannerKind, Topology};
+use cascade_multicast::{Event, Loc, MeshRates, PlannerKind, Topology};
 use cascade_transport::{ClusterSpec, Endpoint, EndpointConfig};
 use clap::{Args, Parser, Subcommand};
 
@@ -53,9 +53,13 @@ struct Member {
 struct MulticastArgs {
     #[command(flatten)]
     member: Member,
-    /// Topology file (TOML: [[nodes]] id/gpus/nic_gbps, [[links]], [[flows]]).
+    /// Topology file (TOML: [[nodes]] id/gpus/nic_gbps, [[links]], [[flows]]). Without it, the
+    /// topology is derived from this node's connection pool (one GPU per node, --nic-gbps).
     #[arg(long)]
-    topology: PathBuf,
+    topology: Option<PathBuf>,
+    /// NIC rate assumed when deriving the topology, Gbit/s.
+    #[arg(long, default_value_t = 100.0)]
+    nic_gbps: f64,
     /// Locations holding the parameters, comma separated (e.g. 1/gpu0).
     #[arg(long, value_delimiter = ',', required = true)]
     sources: Vec<Loc>,
@@ -127,14 +131,22 @@ async fn node(m: Member) -> anyhow::Result<()> {
 }
 
 async fn multicast(a: MulticastArgs) -> anyhow::Result<()> {
-    let text = std::fs::read_to_string(&a.topology).with_context(|| format!("reading {}", a.topology.display()))?;
-    let topology = Topology::from_toml(&text).with_context(|| format!("topology {}", a.topology.display()))?;
     if a.bytes == 0 || a.layers == 0 {
         bail!("--bytes and --layers must be positive");
     }
     let layers =
         (0..a.layers).map(|i| i * a.bytes / a.layers..(i + 1) * a.bytes / a.layers).filter(|r| !r.is_empty()).collect();
     let ep = join(&a.member).await?;
+    let topology = match &a.topology {
+        Some(path) => {
+            let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+            Topology::from_toml(&text).with_context(|| format!("topology {}", path.display()))?
+        }
+        None => {
+            let rates = MeshRates { nic_gbps: a.nic_gbps, tcp_gbps: a.nic_gbps, shm_gbps: 4.0 * a.nic_gbps };
+            Topology::from_mesh(&ep.config().cluster, ep.node(), &ep.connected(), 1, rates)?
+        }
+    };
     let spec = RunSpec {
         topology,
         bytes: a.bytes,

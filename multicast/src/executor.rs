@@ -8,7 +8,8 @@
 //!   forwards it; on a mismatch it asks the sender (NACK) to write that chunk again;
 //! * each child has its own forwarding task that sends chunk *i* as soon as it is verified, so
 //!   chunk *i* moves down the chain while chunk *i+1* arrives;
-//! * when every chunk of a layer is verified at a target, [`Event::LayerReady`] is emitted.
+//! * when every chunk of a layer and of all layers before it is verified at a target,
+//!   [`Event::LayerReady`] is emitted — in layer order, as layer-wise serving consumes them.
 //!
 //! A coordinator watches the edges. When a sender cannot reach its child (a failed WRITE, or the
 //! link reported dead), the child is re-planned from the members that hold everything — the
@@ -43,7 +44,7 @@ pub use member::{ChildSpec, CoordSink, MemberCmd, ToCoord};
 /// Progress reported while a multicast runs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Event {
-    /// Every chunk of `layer` is verified at `target`.
+    /// Every chunk of layers `0..=layer` is verified at `target` (announced in layer order).
     LayerReady {
         /// The target.
         target: Loc,

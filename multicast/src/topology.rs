@@ -218,6 +218,17 @@ struct TopologyFile {
     flows: Vec<FlowFile>,
 }
 
+/// Rates assumed by [`Topology::from_mesh`], in Gbit/s.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MeshRates {
+    /// Each node's NIC (and RDMA links).
+    pub nic_gbps: f64,
+    /// TCP links.
+    pub tcp_gbps: f64,
+    /// Same-host shared-memory links.
+    pub shm_gbps: f64,
+}
+
 /// One node as the planner sees it.
 #[derive(Debug, Clone)]
 pub struct NodeInfo {
@@ -293,6 +304,33 @@ impl Topology {
         }
         for fl in f.flows {
             t.add_flow(fl.from, fl.to)?;
+        }
+        Ok(t)
+    }
+
+    /// Derives a topology from a running cluster's connection pool: one node per cluster member
+    /// with `gpus` GPUs and a NIC of `nic_gbps`, and each link of `local`'s pool as an explicit
+    /// link of its kind (an RDMA link keeps the NIC rate; TCP gets `tcp_gbps`; a shared-memory
+    /// link, i.e. a peer on the same host, gets `shm_gbps`).
+    pub fn from_mesh(
+        cluster: &cascade_transport::ClusterSpec,
+        local: NodeId,
+        links: &[(NodeId, cascade_transport::BackendKind)],
+        gpus: u32,
+        rates: MeshRates,
+    ) -> Result<Topology, TopologyError> {
+        use cascade_transport::BackendKind as B;
+        let mut t = Topology::new();
+        for n in &cluster.nodes {
+            t.add_node(n.id, gpus, rates.nic_gbps)?;
+        }
+        for &(peer, kind) in links {
+            let link = match kind {
+                B::Rdma => Link { kind: LinkKind::Rdma, gbps: rates.nic_gbps },
+                B::Shm | B::Mem => Link { kind: LinkKind::Pcie, gbps: rates.shm_gbps },
+                _ => Link { kind: LinkKind::Tcp, gbps: rates.tcp_gbps },
+            };
+            t.set_link(local, peer, link)?;
         }
         Ok(t)
     }

@@ -6,12 +6,15 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use cascade_transport::{Link, Mesh, Op, Region, RemoteRegion, TransportError};
-use tokio::sync::{mpsc, Notify};
+use tokio::sync::{mpsc, Notify, Semaphore};
 use tokio::task::JoinSet;
 
 use super::notice::{Kind, Notice};
 use crate::layout::Layout;
 use crate::topology::Loc;
+
+/// Chunks in flight from one member to one child.
+const WINDOW: usize = 4;
 
 /// A child of a member: where it is and which region of its node to write into.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -230,6 +233,7 @@ pub(crate) async fn run_member(
     let n = ctx.layout.chunks();
     let have = Arc::new(Have { bits: Mutex::new(vec![ctx.is_source; n as usize]), more: Notify::new() });
     let mut count = if ctx.is_source { n } else { 0 };
+    let mut next_layer = 0;
     let mut layer_left: Vec<u32> =
         (0..ctx.layout.layers.len()).map(|l| ctx.layout.chunks_of_layer(l).len() as u32).collect();
     let mut forwarders = JoinSet::new();
@@ -241,17 +245,31 @@ pub(crate) async fn run_member(
                 dests.insert(child.loc, d.clone());
                 let (c2, have) = (ctx.clone(), have.clone());
                 forwarders.spawn(async move {
+                    // Up to WINDOW chunks in flight to this child: a WRITE's round trip and its
+                    // notice overlap the next chunks' transfer instead of idling the link.
+                    let window = Arc::new(Semaphore::new(WINDOW));
+                    let failed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+                    let mut inflight = JoinSet::new();
                     for i in 0..c2.layout.chunks() {
                         have.wait(i).await;
-                        if let Err(e) = c2.send_chunk(child.loc, &d, i).await {
-                            c2.coord.send(ToCoord::ChildLost {
-                                parent: c2.me,
-                                child: child.loc,
-                                reason: e.to_string(),
-                            });
+                        let Ok(permit) = window.clone().acquire_owned().await else { return };
+                        if failed.load(std::sync::atomic::Ordering::Relaxed) {
                             return;
                         }
+                        let (c3, d, failed) = (c2.clone(), d.clone(), failed.clone());
+                        inflight.spawn(async move {
+                            let r = c3.send_chunk(child.loc, &d, i).await;
+                            drop(permit);
+                            if let Err(e) = r {
+                                if !failed.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                                    let reason = e.to_string();
+                                    c3.coord.send(ToCoord::ChildLost { parent: c3.me, child: child.loc, reason });
+                                }
+                            }
+                        });
+                        while inflight.try_join_next().is_some() {}
                     }
+                    while inflight.join_next().await.is_some() {}
                 });
             }
             Err(e) => ctx.coord.send(lost(e.to_string())),
@@ -282,10 +300,13 @@ pub(crate) async fn run_member(
                         for (l, left) in layer_left.iter_mut().enumerate() {
                             if ctx.layout.chunks_of_layer(l).contains(&nt.index) {
                                 *left -= 1;
-                                if *left == 0 {
-                                    ctx.coord.send(ToCoord::LayerReady { loc: ctx.me, layer: l });
-                                }
                             }
+                        }
+                        // Layers are announced in order: LayerReady{k} means layers 0..=k are all
+                        // complete (chunks may land out of order within the sending window).
+                        while next_layer < layer_left.len() && layer_left[next_layer] == 0 {
+                            ctx.coord.send(ToCoord::LayerReady { loc: ctx.me, layer: next_layer });
+                            next_layer += 1;
                         }
                         if count == n {
                             ctx.coord.send(ToCoord::Done(ctx.me));

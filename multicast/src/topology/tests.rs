@@ -94,3 +94,18 @@ fn locations_parse_and_print() {
         assert!(bad.parse::<Loc>().is_err(), "{bad}");
     }
 }
+
+#[test]
+fn derived_from_a_connection_pool() {
+    use cascade_transport::{BackendKind, ClusterSpec, NodeSpec};
+    let nodes =
+        (0..3).map(|i| NodeSpec { id: i, addr: format!("127.0.0.{}:1", i + 1).parse().unwrap(), host: None }).collect();
+    let c = ClusterSpec::new("m", nodes).unwrap();
+    let rates = MeshRates { nic_gbps: 100.0, tcp_gbps: 25.0, shm_gbps: 400.0 };
+    let t = Topology::from_mesh(&c, 0, &[(1, BackendKind::Shm), (2, BackendKind::Tcp)], 2, rates).unwrap();
+    assert_eq!(t.nodes().count(), 3);
+    assert_eq!(t.link(Loc::gpu(0, 0), Loc::gpu(1, 1)).unwrap(), Link { kind: LinkKind::Pcie, gbps: 400.0 });
+    assert_eq!(t.link(Loc::gpu(0, 0), Loc::gpu(2, 0)).unwrap(), Link { kind: LinkKind::Tcp, gbps: 25.0 });
+    // Links the local pool does not see keep the NIC default.
+    assert_eq!(t.link(Loc::gpu(1, 0), Loc::gpu(2, 0)).unwrap(), Link { kind: LinkKind::Rdma, gbps: 100.0 });
+}

@@ -1,0 +1,198 @@
+//! `multicast`: load a synthetic model onto N targets from one source through a planner, on
+//! separate node processes — in namespaced hosts with shaped links (`--netns`, root) or on
+//! loopback (unshaped) — and report the time until the last target holds every byte, verified.
+//!
+//! `multicast --targets N --bytes S --link-mbit B --planner blitz|chain|star|tree [--netns] --json`
+//! → `{planner, targets, bytes, link_mbit, seconds, bound_seconds, ...}`, bound = S·8/(B·10⁶).
+//! Without `--netns` nothing is shaped: `link_mbit` and `bound_seconds` are null.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use cascade_multicast::cluster::{serve_node, Controller, RunSpec};
+use cascade_multicast::{Loc, PlannerKind, Topology};
+use cascade_tests::netns::Netns;
+use cascade_transport::{ClusterSpec, Endpoint, EndpointConfig};
+use serde_json::{json, Value};
+
+const SECRET: &str = "cascade-multicast-bench";
+
+/// Hidden roles of the benchmark binaries (node daemon, controller).
+#[derive(Debug, Clone, clap::Args)]
+pub struct RoleArgs {
+    /// "node" or "controller" when started by the benchmark itself.
+    #[arg(long, hide = true)]
+    pub mc_role: Option<String>,
+    /// Cluster file of the role.
+    #[arg(long, hide = true)]
+    pub mc_cluster: Option<PathBuf>,
+    /// Node id of the role.
+    #[arg(long, hide = true)]
+    pub mc_node: Option<u32>,
+    /// Topology file (controller).
+    #[arg(long, hide = true)]
+    pub mc_topology: Option<PathBuf>,
+    /// Planner (controller).
+    #[arg(long, hide = true)]
+    pub mc_planner: Option<PlannerKind>,
+    /// Targets (controller).
+    #[arg(long, hide = true)]
+    pub mc_targets: Option<usize>,
+    /// Bytes (controller).
+    #[arg(long, hide = true)]
+    pub mc_bytes: Option<u64>,
+}
+
+async fn join(cluster: &std::path::Path, node: u32) -> anyhow::Result<Arc<Endpoint>> {
+    let mut cfg = EndpointConfig::new(node, ClusterSpec::load(cluster)?, SECRET.as_bytes());
+    cfg.shm = false;
+    let ep = Arc::new(Endpoint::start(cfg).await?);
+    ep.wait_ready(Duration::from_secs(30)).await?;
+    Ok(ep)
+}
+
+/// Runs a hidden role if asked to; `Ok(true)` when one ran.
+pub fn run_role(r: &RoleArgs) -> anyhow::Result<bool> {
+    let Some(role) = r.mc_role.as_deref() else { return Ok(false) };
+    let (Some(cluster), Some(node)) = (&r.mc_cluster, r.mc_node) else { bail!("role needs a cluster and a node") };
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    rt.block_on(async {
+        let ep = join(cluster, node).await?;
+        match role {
+            "node" => serve_node(ep, Duration::from_secs(60)).await,
+            "controller" => {
+                let text = std::fs::read_to_string(r.mc_topology.as_ref().context("topology")?)?;
+                let (n, bytes) = (r.mc_targets.context("targets")?, r.mc_bytes.context("bytes")?);
+                let spec = RunSpec {
+                    topology: Topology::from_toml(&text)?,
+                    bytes,
+                    sources: vec![Loc::gpu(1, 0)],
+                    targets: (2..2 + n as u32).map(|i| Loc::gpu(i, 0)).collect(),
+                    planner: r.mc_planner.context("planner")?,
+                    layers: (0..8u64).map(|i| i * bytes / 8..(i + 1) * bytes / 8).filter(|l| !l.is_empty()).collect(),
+                    seed: 0x5eed,
+                    deadline: Duration::from_secs(300),
+                };
+                let out = Controller::new(ep.clone()).run(&spec).await.map_err(|e| anyhow::anyhow!("{e}"))?;
+                println!(
+                    "{}",
+                    json!({
+                        "seconds": out.transfer_seconds, "completed": out.report.completed.len(),
+                        "verified": out.verified.len(), "failed": out.report.failed.len(),
+                        "predicted_seconds": out.plan.makespan(), "chunk_bytes": out.plan.chunk_bytes,
+                    })
+                );
+                ep.shutdown();
+            }
+            other => bail!("unknown role {other}"),
+        }
+        Ok::<_, anyhow::Error>(())
+    })?;
+    Ok(true)
+}
+
+/// A running test bed: one source, up to `max_targets` targets, a controller slot; node processes
+/// serve every run started on it.
+pub struct Bed {
+    net: Option<Netns>,
+    exe: PathBuf,
+    dir: PathBuf,
+    children: Vec<Child>,
+    /// The shaped rate, if any.
+    pub link_mbit: Option<u64>,
+}
+
+impl Bed {
+    /// Starts the nodes: in namespaces shaped to `link_mbit` with `netns`, else on loopback.
+    pub fn start(netns: bool, max_targets: usize, link_mbit: u64) -> anyhow::Result<Bed> {
+        let hosts = max_targets + 2; // 0: controller, 1: source, 2..: targets
+        let exe = std::env::current_exe()?;
+        let dir = std::env::temp_dir().join(format!("cascade-mcbench-{}", std::process::id()));
+        std::fs::create_dir_all(&dir)?;
+        let (net, addrs): (Option<Netns>, Vec<String>) = if netns {
+            if let Some(why) = Netns::unavailable() {
+                bail!("--netns: {why}");
+            }
+            let n = Netns::create(hosts, Some(link_mbit))?;
+            (Some(n), (0..hosts).map(|i| format!("{}:7400", Netns::addr(i))).collect())
+        } else {
+            let ls: Vec<_> =
+                (0..hosts).map(|_| std::net::TcpListener::bind("127.0.0.1:0")).collect::<Result<_, _>>()?;
+            (None, ls.iter().map(|l| l.local_addr().map(|a| a.to_string())).collect::<Result<_, _>>()?)
+        };
+        let mut cluster = format!("name = \"mcbench{}\"\n", std::process::id());
+        let mut topo = String::new();
+        for (i, a) in addrs.iter().enumerate() {
+            cluster += &format!("[[nodes]]\nid = {i}\naddr = \"{a}\"\n");
+            topo += &format!("[[nodes]]\nid = {i}\ngpus = 1\nnic_gbps = {}\n", link_mbit as f64 / 1000.0);
+        }
+        std::fs::write(dir.join("cluster.toml"), cluster)?;
+        std::fs::write(dir.join("topo.toml"), topo)?;
+        let mut bed = Bed { net, exe, dir, children: Vec::new(), link_mbit: netns.then_some(link_mbit) };
+        for i in 1..hosts {
+            let mut c = bed.command(i);
+            c.args(["--mc-role", "node", "--mc-node", &i.to_string()]).stdout(Stdio::null());
+            bed.spawn(c)?;
+        }
+        Ok(bed)
+    }
+
+    fn command(&self, host: usize) -> Command {
+        let mut c = match &self.net {
+            Some(n) => n.command(host, self.exe.to_str().unwrap_or_default()),
+            None => Command::new(&self.exe),
+        };
+        c.arg("--mc-cluster").arg(self.dir.join("cluster.toml"));
+        c.env("XDG_RUNTIME_DIR", &self.dir);
+        if std::env::var_os("RUST_LOG").is_none() {
+            c.env("RUST_LOG", "error");
+        }
+        c
+    }
+
+    fn spawn(&mut self, c: Command) -> anyhow::Result<()> {
+        let mut c = c;
+        let child = c.spawn().context("starting a node")?;
+        match &mut self.net {
+            Some(_) => self.children.push(child),
+            None => self.children.push(child),
+        }
+        Ok(())
+    }
+
+    /// One run: `targets` targets, `bytes` bytes, through `planner`.
+    pub fn run(&self, planner: PlannerKind, targets: usize, bytes: u64) -> anyhow::Result<Value> {
+        let mut c = self.command(0);
+        c.args(["--mc-role", "controller", "--mc-node", "0", "--mc-planner", &planner.to_string()]);
+        c.args(["--mc-targets", &targets.to_string(), "--mc-bytes", &bytes.to_string(), "--mc-topology"]);
+        c.arg(self.dir.join("topo.toml"));
+        let out = c.output().context("running the controller")?;
+        if !out.status.success() {
+            bail!("controller failed: {}", String::from_utf8_lossy(&out.stderr).trim());
+        }
+        let v: Value = serde_json::from_slice(&out.stdout).context("controller output")?;
+        if v["completed"] != json!(targets) || v["verified"] != json!(targets) {
+            bail!("not every target completed with the source's bytes: {v}");
+        }
+        let bound = self.link_mbit.map(|b| bytes as f64 * 8.0 / (b as f64 * 1e6));
+        Ok(json!({
+            "planner": planner, "targets": targets, "bytes": bytes, "link_mbit": self.link_mbit,
+            "seconds": v["seconds"], "bound_seconds": bound, "netns": self.net.is_some(),
+            "predicted_seconds": v["predicted_seconds"], "chunk_bytes": v["chunk_bytes"], "verified": v["verified"],
+        }))
+    }
+}
+
+impl Drop for Bed {
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        self.net = None; // deletes the namespaces
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
