@@ -1,11 +1,14 @@
 //! `transport-bench`: today's main job — the point-to-point and incast benchmarks end to end, over
-//! tcp and shm, each against its reference, printed as the README's table.
+//! tcp and shm, each against its reference, then a chained multicast (blitz vs star) to 7 node
+//! processes: in namespaced hosts with 1000 Mbit/s links when run as root, else on loopback.
 //!
 //! `--quick` shrinks the sizes for a smoke run; `--json FILE` also writes every result.
 
 use std::path::PathBuf;
 
+use cascade_benches::multicast::{run_role, Bed, RoleArgs};
 use cascade_benches::{incast, main_or_peer, p2p, PeerArgs};
+use cascade_multicast::PlannerKind;
 use clap::Parser;
 use serde_json::Value;
 
@@ -21,6 +24,8 @@ struct Cli {
     json: Option<PathBuf>,
     #[command(flatten)]
     peer: PeerArgs,
+    #[command(flatten)]
+    role: RoleArgs,
 }
 
 fn f(v: &Value, k: &str) -> f64 {
@@ -79,6 +84,29 @@ async fn bench(quick: bool, json: Option<PathBuf>) -> anyhow::Result<()> {
         );
         results.push(r);
     }
+    let netns = cascade_tests::netns::Netns::unavailable().is_none();
+    let (mc_bytes, n) = if quick { (8u64 << 20, 7) } else { (64u64 << 20, 7) };
+    eprintln!(
+        "multicast: {} MiB to {n} targets ({}) ...",
+        mc_bytes >> 20,
+        if netns { "namespaces, 1000 Mbit/s" } else { "loopback" }
+    );
+    let bed = Bed::start(netns, n, 1000)?;
+    println!();
+    for planner in [PlannerKind::Blitz, PlannerKind::Star] {
+        let r = bed.run(planner, n, mc_bytes)?;
+        let against = match r["bound_seconds"].as_f64() {
+            Some(b) => format!("{:.2}x the one-load bound {:.3} s", f(&r, "seconds") / b, b),
+            None => "unshaped loopback (run as root for shaped namespaced hosts)".into(),
+        };
+        println!(
+            "multicast {planner}: {} MiB to {n} targets in {:.3} s, all crc32-verified; {against}",
+            mc_bytes >> 20,
+            f(&r, "seconds")
+        );
+        results.push(r);
+    }
+    drop(bed);
     if let Some(path) = json {
         std::fs::write(&path, serde_json::to_string_pretty(&results)?)?;
         eprintln!("results written to {}", path.display());
@@ -88,6 +116,9 @@ async fn bench(quick: bool, json: Option<PathBuf>) -> anyhow::Result<()> {
 
 fn main() -> anyhow::Result<()> {
     let c = Cli::parse();
+    if run_role(&c.role)? {
+        return Ok(());
+    }
     let (quick, json) = (c.quick, c.json.clone());
     main_or_peer(&c.peer, 1, || bench(quick, json))
 }
