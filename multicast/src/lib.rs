@@ -21,6 +21,9 @@ pub mod layout;
 pub mod planner;
 pub mod topology;
 
+#[cfg(test)]
+mod test_util;
+
 pub use executor::{execute, Event, ExecError, ExecOptions, Member, Report};
 pub use layout::{Layout, LayoutError};
 pub use planner::{plan, plan_with, CostModel, Edge, Forwarding, Plan, PlanError, PlannerKind, Request};

@@ -3,7 +3,6 @@
 use std::time::{Duration, Instant};
 
 use cascade_transport::mem::{Fault, MemFabric};
-use cascade_transport::{ClusterSpec, Endpoint, EndpointConfig, NodeSpec};
 
 use super::*;
 use crate::planner::{plan as make_plan, PlannerKind, Request};
@@ -145,36 +144,15 @@ async fn missing_members_and_small_regions_are_refused() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn runs_over_real_tcp_endpoints() {
-    let ls: Vec<_> = (0..3).map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap()).collect();
-    let nodes = ls
-        .iter()
-        .enumerate()
-        .map(|(i, l)| NodeSpec { id: i as u32, addr: l.local_addr().unwrap(), host: None })
-        .collect();
-    drop(ls);
-    let c = ClusterSpec::new(format!("mc{}", std::process::id()), nodes).unwrap();
-    let mut members = Vec::new();
     let bytes = 8 * MIB;
-    for i in 0..3u32 {
-        let mut cfg = EndpointConfig::new(i, c.clone(), b"s");
-        cfg.shm = false;
-        let ep = Arc::new(Endpoint::start(cfg).await.unwrap());
+    let mut members = Vec::new();
+    for (i, ep) in crate::test_util::loopback_endpoints(3, "mc").await.into_iter().enumerate() {
         let region = ep.register_new(bytes).unwrap();
         if i == 0 {
             region.fill(0, bytes, 0x77).unwrap();
             region.fill(MIB, MIB, 0x11).unwrap();
         }
-        members.push(Member { loc: Loc::gpu(i, 0), mesh: ep, region });
-    }
-    for m in &members {
-        let ep = m.mesh.clone();
-        tokio::time::timeout(Duration::from_secs(10), async move {
-            while (0..3).filter(|p| *p != ep.node()).any(|p| ep.link(p).is_err()) {
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-        })
-        .await
-        .unwrap();
+        members.push(Member { loc: Loc::gpu(i as u32, 0), mesh: ep, region });
     }
     let t = flat(3);
     let p = make_plan(
