@@ -1,7 +1,14 @@
 //! # cascade-param-pool
 //!
-//! Will hold the global parameter pool (seed paper 004, "Global parameter pool" and "Fault
-//! tolerance"): safetensors manifests, the io_uring loader, the ≥k-copies invariant, durable
-//! metadata and repair.
+//! The global parameter pool (seed paper 004, "Global parameter pool" and "Fault tolerance").
 //!
-//! **Status:** not implemented yet (tracked by the parameter-pool issue). This crate exports nothing.
+//! * [`manifest`] — model manifests from safetensors files: layers, layer-major packing, chunk
+//!   crc32s and a content hash.
+//!
+//! **Status:** the io_uring loader, the pool manager with its ≥k-copies invariant, the MetaStore
+//! and repair are not implemented yet (tracked by the parameter-pool issue).
+#![cfg_attr(test, allow(clippy::unwrap_used))]
+
+pub mod manifest;
+
+pub use manifest::{classify, LayerEntry, LayerKind, Manifest, ManifestError, TensorEntry, DEFAULT_CHUNK};
