@@ -3,12 +3,15 @@
 //! The global parameter pool (seed paper 004, "Global parameter pool" and "Fault tolerance").
 //!
 //! * [`manifest`] — model manifests from safetensors files: layers, layer-major packing, chunk
-//!   crc32s and a content hash.
+//!   crc32s and a content hash;
+//! * [`loader`] — io_uring loading (O_DIRECT, buffered fallback) into a registered region.
 //!
-//! **Status:** the io_uring loader, the pool manager with its ≥k-copies invariant, the MetaStore
+//! **Status:** the pool manager with its ≥k-copies invariant, the MetaStore
 //! and repair are not implemented yet (tracked by the parameter-pool issue).
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
+pub mod loader;
 pub mod manifest;
 
+pub use loader::{load, LoadError, LoadMode, LoadOptions, LoadReport};
 pub use manifest::{classify, LayerEntry, LayerKind, Manifest, ManifestError, TensorEntry, DEFAULT_CHUNK};

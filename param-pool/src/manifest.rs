@@ -168,9 +168,10 @@ impl Manifest {
     pub fn from_file(path: &Path, name: &str, chunk: u64) -> Result<Manifest, ManifestError> {
         let shown = path.display().to_string();
         let file = std::fs::File::open(path).map_err(|source| ManifestError::Io { path: shown.clone(), source })?;
-        // SAFETY: the mapping is read-only and private to this call; a file modified concurrently
-        // by another process could change under it, which would at worst yield wrong checksums
-        // (caught when the copy is verified), never memory unsafety in this process's own data.
+        // SAFETY: the mapping is read-only and lives only for this call. Model files must not be
+        // modified while they are read (the pool publishes new models under new names): a
+        // concurrent write would only change the checksums recorded, but a concurrent truncation
+        // would raise SIGBUS, as with any mapped file.
         let map =
             unsafe { memmap2::Mmap::map(&file) }.map_err(|source| ManifestError::Io { path: shown.clone(), source })?;
         Self::from_bytes(&map, name, chunk, &shown)

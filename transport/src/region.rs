@@ -219,6 +219,13 @@ impl Region {
         }
     }
 
+    /// The address of the region's first byte, for handing the memory to the kernel or a device
+    /// (e.g. an io_uring read). Writing through it is `unsafe` for the caller and falls under the
+    /// region concurrency contract; the pointer is valid while any clone of the region lives.
+    pub fn as_mut_ptr(&self) -> *mut u8 {
+        self.base()
+    }
+
     fn base(&self) -> *mut u8 {
         match &self.0.backing {
             Backing::Host { ptr, .. } => ptr.as_ptr(),

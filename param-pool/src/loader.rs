@@ -1,0 +1,341 @@
+//! The disk loader: reads a model file into a registered host region in the manifest's packed,
+//! layer-major layout, with io_uring and several reads in flight.
+//!
+//! * **direct** (default): `O_DIRECT` reads of aligned blocks (4 MiB) bypass the page cache into
+//!   page-aligned staging buffers, and the tensor pieces of each block are copied to their packed
+//!   offsets as the block completes. (A safetensors header makes the tensor data start at an
+//!   arbitrary file offset, so `O_DIRECT` — which needs aligned offsets, lengths and addresses —
+//!   cannot land directly at packed offsets; the staging copy runs at memory speed, well above a
+//!   disk's.)
+//! * **buffered**: where `O_DIRECT` is refused (tmpfs, some overlay filesystems), or when asked,
+//!   reads go through the page cache straight into the region at the packed offsets.
+//!
+//! With `verify`, every chunk's crc32 is checked against the manifest after the load.
+
+use std::fs::File;
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::Path;
+use std::time::Instant;
+
+use cascade_transport::{Region, RegionOptions};
+use io_uring::{opcode, types, IoUring};
+
+use crate::manifest::Manifest;
+
+const ALIGN: u64 = 4096;
+
+/// How the file was read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LoadMode {
+    /// `O_DIRECT` through aligned staging buffers.
+    Direct,
+    /// Through the page cache, straight into the region.
+    Buffered,
+}
+
+/// Settings of a load.
+#[derive(Debug, Clone, Copy)]
+pub struct LoadOptions {
+    /// Reads in flight.
+    pub queue_depth: u32,
+    /// Bytes per read (a multiple of 4096).
+    pub block: u64,
+    /// Try `O_DIRECT` first (falls back to buffered when the filesystem refuses it).
+    pub direct: bool,
+    /// Check every chunk's crc32 against the manifest afterwards.
+    pub verify: bool,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        LoadOptions { queue_depth: 8, block: 4 << 20, direct: true, verify: true }
+    }
+}
+
+/// What a load did.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct LoadReport {
+    /// Bytes of tensor data placed in the region.
+    pub bytes: u64,
+    /// Seconds reading (and placing) them.
+    pub seconds: f64,
+    /// Seconds verifying the chunk crcs (0 without `verify`).
+    pub verify_seconds: f64,
+    /// How the file was read.
+    pub mode: LoadMode,
+}
+
+/// Why a load failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum LoadError {
+    /// An I/O call failed.
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// The error.
+        #[source]
+        source: io::Error,
+    },
+    /// The region cannot hold the model.
+    #[error("region of {have} bytes cannot hold the {want}-byte model")]
+    RegionTooSmall {
+        /// Region length.
+        have: u64,
+        /// Bytes needed.
+        want: u64,
+    },
+    /// The file is not the one the manifest describes.
+    #[error("{path}: {what} (the file changed since its manifest was made?)")]
+    Changed {
+        /// The file.
+        path: String,
+        /// What differs.
+        what: String,
+    },
+    /// Options out of range.
+    #[error("invalid load options: {0}")]
+    Options(&'static str),
+    /// Placing bytes in the region failed.
+    #[error("writing the region: {0}")]
+    Region(#[from] cascade_transport::TransportError),
+}
+
+fn io_err(context: impl Into<String>) -> impl FnOnce(io::Error) -> LoadError {
+    let context = context.into();
+    move |source| LoadError::Io { context, source }
+}
+
+/// One tensor's bytes: where they are in the file and where they go in the region.
+#[derive(Debug, Clone, Copy)]
+struct Piece {
+    file: u64,
+    end: u64,
+    dst: u64,
+}
+
+/// Loads `path` (described by `manifest`) into `region`.
+pub fn load(manifest: &Manifest, path: &Path, region: &Region, opts: LoadOptions) -> Result<LoadReport, LoadError> {
+    if opts.queue_depth == 0 || opts.block == 0 || !opts.block.is_multiple_of(ALIGN) || opts.block > (1 << 30) {
+        return Err(LoadError::Options("queue depth > 0 and block a multiple of 4096 up to 1 GiB"));
+    }
+    if region.len() < manifest.bytes {
+        return Err(LoadError::RegionTooSmall { have: region.len(), want: manifest.bytes });
+    }
+    let shown = path.display().to_string();
+    let len = std::fs::metadata(path).map_err(io_err(format!("stat {shown}")))?.len();
+    if len != manifest.file_bytes {
+        return Err(LoadError::Changed {
+            path: shown,
+            what: format!("{len} bytes, manifest says {}", manifest.file_bytes),
+        });
+    }
+    let mut pieces: Vec<Piece> = manifest
+        .layers
+        .iter()
+        .flat_map(|l| &l.tensors)
+        .map(|t| Piece { file: t.file_range.start, end: t.file_range.end, dst: t.offset })
+        .filter(|p| p.end > p.file)
+        .collect();
+    pieces.sort_by_key(|p| p.file);
+    let started = Instant::now();
+    let direct = if opts.direct {
+        match File::options().read(true).custom_flags(libc::O_DIRECT).open(path) {
+            Ok(f) => Some(f),
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => None, // filesystem refuses O_DIRECT
+            Err(e) => return Err(io_err(format!("opening {shown}"))(e)),
+        }
+    } else {
+        None
+    };
+    let mode = match direct {
+        Some(f) => {
+            load_direct(&f, &pieces, region, opts, &shown)?;
+            LoadMode::Direct
+        }
+        None => {
+            let f = File::open(path).map_err(io_err(format!("opening {shown}")))?;
+            load_buffered(&f, &pieces, region, opts, &shown)?;
+            LoadMode::Buffered
+        }
+    };
+    let seconds = started.elapsed().as_secs_f64();
+    let t = Instant::now();
+    if opts.verify {
+        for (i, want) in manifest.chunk_crcs.iter().enumerate() {
+            let off = i as u64 * manifest.chunk;
+            let n = manifest.chunk.min(manifest.bytes - off);
+            let got = region.crc32(off, n)?;
+            if got != *want {
+                return Err(LoadError::Changed {
+                    path: shown,
+                    what: format!("chunk {i} has crc32 {got:#010x}, manifest {want:#010x}"),
+                });
+            }
+        }
+    }
+    Ok(LoadReport {
+        bytes: manifest.bytes,
+        seconds,
+        verify_seconds: if opts.verify { t.elapsed().as_secs_f64() } else { 0.0 },
+        mode,
+    })
+}
+
+/// Copies the parts of `pieces` inside file range `[start, start+n)` from `buf` into the region.
+fn scatter(pieces: &[Piece], start: u64, buf: &[u8], region: &Region) -> Result<(), LoadError> {
+    let end = start + buf.len() as u64;
+    let first = pieces.partition_point(|p| p.end <= start);
+    for p in pieces[first..].iter().take_while(|p| p.file < end) {
+        let (a, b) = (p.file.max(start), p.end.min(end));
+        region.write_local(p.dst + (a - p.file), &buf[(a - start) as usize..(b - start) as usize])?;
+    }
+    Ok(())
+}
+
+struct Ring {
+    ring: IoUring,
+    inflight: u32,
+}
+
+impl Ring {
+    fn new(depth: u32) -> Result<Ring, LoadError> {
+        Ok(Ring { ring: IoUring::new(depth.next_power_of_two()).map_err(io_err("creating an io_uring"))?, inflight: 0 })
+    }
+
+    /// Queues a read of `len` bytes at `offset` into `dst`.
+    ///
+    /// # Safety
+    /// `dst..dst+len` must stay valid and untouched until the completion is reaped.
+    unsafe fn read(&mut self, fd: i32, dst: *mut u8, len: u32, offset: u64, tag: u64) -> Result<(), LoadError> {
+        let e = opcode::Read::new(types::Fd(fd), dst, len).offset(offset).build().user_data(tag);
+        // SAFETY: the caller keeps the buffer alive until the completion; the ring has room
+        // because `inflight` never exceeds the queue depth it was created with.
+        unsafe { self.ring.submission().push(&e) }.map_err(|_| LoadError::Io {
+            context: "io_uring submission queue full".into(),
+            source: io::ErrorKind::Other.into(),
+        })?;
+        self.inflight += 1;
+        Ok(())
+    }
+
+    /// Submits queued reads without waiting.
+    fn submit(&mut self) -> Result<(), LoadError> {
+        self.ring.submit().map(drop).map_err(io_err("io_uring submit"))
+    }
+
+    /// Submits and waits for at least one completion; returns (tag, result) pairs.
+    fn reap(&mut self) -> Result<Vec<(u64, i32)>, LoadError> {
+        self.ring.submit_and_wait(1).map_err(io_err("io_uring submit"))?;
+        let done: Vec<(u64, i32)> = self.ring.completion().map(|c| (c.user_data(), c.result())).collect();
+        self.inflight -= done.len() as u32;
+        Ok(done)
+    }
+}
+
+fn load_direct(f: &File, pieces: &[Piece], region: &Region, opts: LoadOptions, path: &str) -> Result<(), LoadError> {
+    let (Some(first), Some(last)) = (pieces.first(), pieces.iter().map(|p| p.end).max()) else { return Ok(()) };
+    // Blocks on block-size boundaries of the file, as a plain sequential reader issues them.
+    let start = first.file / opts.block * opts.block;
+    let blocks = (last - start).div_ceil(opts.block);
+    let depth = opts.queue_depth.min(blocks as u32).max(1);
+    // Page-aligned staging buffers (a Region is page-aligned memory).
+    let staging: Vec<Region> =
+        (0..depth).map(|_| Region::alloc(opts.block, RegionOptions::default())).collect::<Result<_, _>>().map_err(
+            |e| LoadError::Io { context: "allocating staging buffers".into(), source: io::Error::other(e.to_string()) },
+        )?;
+    let mut ring = Ring::new(depth)?;
+    let fd = f.as_raw_fd();
+    let mut next = 0u64;
+    let mut done = 0u64;
+    // Queues the next block into staging buffer `b`, if any block is left.
+    let mut refill = |ring: &mut Ring, b: usize| -> Result<(), LoadError> {
+        if next < blocks {
+            let off = start + next * opts.block;
+            // SAFETY: staging buffer `b` is `opts.block` bytes, owned here, and not touched again
+            // until its completion is reaped below.
+            unsafe { ring.read(fd, staging[b].as_mut_ptr(), opts.block as u32, off, (next << 16) | b as u64)? };
+            next += 1;
+        }
+        Ok(())
+    };
+    for b in 0..depth as usize {
+        refill(&mut ring, b)?;
+    }
+    while done < blocks {
+        for (tag, res) in ring.reap()? {
+            let (block, b) = (tag >> 16, (tag & 0xffff) as usize);
+            let off = start + block * opts.block;
+            if res < 0 {
+                return Err(LoadError::Io {
+                    context: format!("O_DIRECT read of {path} at {off}"),
+                    source: io::Error::from_raw_os_error(-res),
+                });
+            }
+            let n = res as u64;
+            if n < opts.block && off + n < last {
+                return Err(LoadError::Changed { path: path.into(), what: format!("short read at {off} ({n} bytes)") });
+            }
+            // SAFETY: the kernel filled `n` bytes of staging buffer `b`; no read is in flight into it.
+            let buf = unsafe { std::slice::from_raw_parts(staging[b].as_mut_ptr(), n as usize) };
+            scatter(pieces, off, buf, region)?;
+            done += 1;
+            // Keep the device busy: the buffer goes straight back into the ring.
+            refill(&mut ring, b)?;
+            ring.submit()?;
+        }
+    }
+    Ok(())
+}
+
+fn load_buffered(f: &File, pieces: &[Piece], region: &Region, opts: LoadOptions, path: &str) -> Result<(), LoadError> {
+    // Split every tensor into reads of at most one block, straight to its packed offset.
+    let mut queue: std::collections::VecDeque<(u64, u64, u64)> = std::collections::VecDeque::new(); // (file, len, dst)
+    for p in pieces {
+        let mut at = p.file;
+        while at < p.end {
+            let n = (p.end - at).min(opts.block);
+            queue.push_back((at, n, p.dst + (at - p.file)));
+            at += n;
+        }
+    }
+    let mut ring = Ring::new(opts.queue_depth)?;
+    let fd = f.as_raw_fd();
+    let base = region.as_mut_ptr();
+    // Reads in flight, by tag (slot index).
+    let mut slots: Vec<Option<(u64, u64, u64)>> = vec![None; opts.queue_depth as usize];
+    while !queue.is_empty() || ring.inflight > 0 {
+        while let Some(slot) = slots.iter().position(Option::is_none) {
+            let Some((off, n, dst)) = queue.pop_front() else { break };
+            // SAFETY: `dst..dst+n` lies inside the region (packed offsets are below
+            // `manifest.bytes <= region.len()`); reads in flight cover disjoint ranges; the region
+            // outlives this function.
+            unsafe { ring.read(fd, base.add(dst as usize), n as u32, off, slot as u64)? };
+            slots[slot] = Some((off, n, dst));
+        }
+        for (tag, res) in ring.reap()? {
+            let Some((off, n, dst)) = slots.get_mut(tag as usize).and_then(Option::take) else { continue };
+            if res < 0 {
+                return Err(LoadError::Io {
+                    context: format!("reading {path} at {off}"),
+                    source: io::Error::from_raw_os_error(-res),
+                });
+            }
+            let got = res as u64;
+            if got == 0 {
+                return Err(LoadError::Changed { path: path.into(), what: format!("unexpected end of file at {off}") });
+            }
+            if got < n {
+                queue.push_front((off + got, n - got, dst + got)); // short read: the rest again
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests;
