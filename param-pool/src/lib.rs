@@ -4,14 +4,18 @@
 //!
 //! * [`manifest`] — model manifests from safetensors files: layers, layer-major packing, chunk
 //!   crc32s and a content hash;
-//! * [`loader`] — io_uring loading (O_DIRECT, buffered fallback) into a registered region.
+//! * [`loader`] — io_uring loading (O_DIRECT, buffered fallback) into a registered region;
+//! * [`pool`] — the pool manager's pure core: ≥k ready copies per model on distinct nodes,
+//!   balanced placement, reclaim that copies first, repair after a node dies.
 //!
-//! **Status:** the pool manager with its ≥k-copies invariant, the MetaStore
+//! **Status:** the pool manager's daemon side with its ≥k-copies invariant, the MetaStore
 //! and repair are not implemented yet (tracked by the parameter-pool issue).
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
 pub mod loader;
 pub mod manifest;
+pub mod pool;
 
 pub use loader::{load, LoadError, LoadMode, LoadOptions, LoadReport};
 pub use manifest::{classify, LayerEntry, LayerKind, Manifest, ManifestError, TensorEntry, DEFAULT_CHUNK};
+pub use pool::{Action as PoolAction, Copy, CopyKind, CopyState, Pool, PoolError, Source, Violation};
