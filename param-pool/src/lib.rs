@@ -6,16 +6,21 @@
 //!   crc32s and a content hash;
 //! * [`loader`] — io_uring loading (O_DIRECT, buffered fallback) into a registered region;
 //! * [`pool`] — the pool manager's pure core: ≥k ready copies per model on distinct nodes,
-//!   balanced placement, reclaim that copies first, repair after a node dies.
+//!   balanced placement, reclaim that copies first, repair after a node dies;
+//! * [`meta`] — durable metadata: the `MetaStore` trait, the embedded WAL + snapshot store, and
+//!   `DurablePool`, which writes every event ahead and recovers the same pool after a restart.
 //!
-//! **Status:** the pool manager's daemon side with its ≥k-copies invariant, the MetaStore
-//! and repair are not implemented yet (tracked by the parameter-pool issue).
+//! **Status:** the etcd store, the pool manager's daemon side (executing its actions through the
+//! loader and the multicast), `cascade pool` and `cascade demo` are not implemented yet (tracked
+//! by the parameter-pool issue).
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
 pub mod loader;
 pub mod manifest;
+pub mod meta;
 pub mod pool;
 
 pub use loader::{load, LoadError, LoadMode, LoadOptions, LoadReport};
 pub use manifest::{classify, LayerEntry, LayerKind, Manifest, ManifestError, TensorEntry, DEFAULT_CHUNK};
+pub use meta::{DurablePool, EmbeddedStore, Event as PoolEvent, MetaError, MetaStore, Recovered};
 pub use pool::{Action as PoolAction, Copy, CopyKind, CopyState, Pool, PoolError, Source, Violation};

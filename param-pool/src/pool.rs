@@ -128,7 +128,7 @@ pub enum Violation {
     },
 }
 
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 struct Model {
     bytes: u64,
     file_reachable: bool,
@@ -136,7 +136,7 @@ struct Model {
 }
 
 /// The pool's state.
-#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Pool {
     k: usize,
     nodes: BTreeMap<NodeId, bool>,
