@@ -123,8 +123,7 @@ impl Endpoint {
         } else {
             None
         };
-        let tcp =
-            TcpListener::bind(me.addr).await.map_err(|e| TransportError::io(format!("binding {}", me.addr), e))?;
+        let tcp = bind(me.addr, cfg.connect_timeout).await?;
         let unix = if cfg.shm {
             let path = cfg.socket_path(cfg.node);
             let _ = std::fs::remove_file(&path);
@@ -404,6 +403,23 @@ impl Inner {
 
     fn is_member(&self, id: NodeId) -> bool {
         self.cfg.cluster.node(id).is_some()
+    }
+}
+
+/// Binds the TCP listener. A previous endpoint on the same address (this node restarting) may
+/// still be closing its listener: the bind is retried for up to `patience` while the address is
+/// in use, then fails with that error.
+async fn bind(addr: std::net::SocketAddr, patience: Duration) -> Result<TcpListener> {
+    let deadline = Instant::now() + patience;
+    loop {
+        match TcpListener::bind(addr).await {
+            Ok(l) => return Ok(l),
+            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && Instant::now() < deadline => {
+                debug!(%addr, "address in use; waiting for it to be released");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(e) => return Err(TransportError::io(format!("binding {addr}"), e)),
+        }
     }
 }
 

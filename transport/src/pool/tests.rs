@@ -240,3 +240,13 @@ async fn rdma_requested_without_a_device_falls_back_to_tcp() {
     let src = eps[0].register_new(4096).unwrap();
     assert!(eps[0].run(1, vec![Op::write(&src, 0, dst.remote(1), 0, 4096).verified()]).await.unwrap()[0].is_ok());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_restarts_on_its_address_at_once() {
+    let c = cluster(2, "rebind");
+    for _ in 0..5 {
+        let e = Endpoint::start(fast(EndpointConfig::new(0, c.clone(), b"s"), false)).await.unwrap();
+        e.shutdown();
+        drop(e); // the listener may still be open in its task: the next start must wait for it
+    }
+}
