@@ -123,13 +123,23 @@ impl Endpoint {
         } else {
             None
         };
-        let tcp = bind(me.addr, cfg.connect_timeout).await?;
+        // The same-host socket is bound before the TCP listener: a peer that can reach this node
+        // over TCP then always finds the socket too, and never settles for tcp by racing start-up.
         let unix = if cfg.shm {
             let path = cfg.socket_path(cfg.node);
             let _ = std::fs::remove_file(&path);
             Some(UnixListener::bind(&path).map_err(|e| TransportError::io(format!("binding {}", path.display()), e))?)
         } else {
             None
+        };
+        let tcp = match bind(me.addr, cfg.connect_timeout).await {
+            Ok(l) => l,
+            Err(e) => {
+                if cfg.shm {
+                    let _ = std::fs::remove_file(cfg.socket_path(cfg.node));
+                }
+                return Err(e);
+            }
         };
         let (inbox_tx, inbox_rx) = mpsc::unbounded_channel();
         let inner = Arc::new(Inner {
