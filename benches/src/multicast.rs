@@ -153,13 +153,8 @@ impl Bed {
         c
     }
 
-    fn spawn(&mut self, c: Command) -> anyhow::Result<()> {
-        let mut c = c;
-        let child = c.spawn().context("starting a node")?;
-        match &mut self.net {
-            Some(_) => self.children.push(child),
-            None => self.children.push(child),
-        }
+    fn spawn(&mut self, mut c: Command) -> anyhow::Result<()> {
+        self.children.push(c.spawn().context("starting a node")?);
         Ok(())
     }
 
