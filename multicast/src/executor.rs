@@ -185,7 +185,7 @@ pub async fn execute(
         children.entry(e.from).or_default().push(spec);
     }
     let mut coord = Coordinator::new(topo, plan, specs);
-    let sources: Vec<Loc> = plan.edges.iter().map(|e| e.from).filter(|l| !coord_targets(plan).contains(l)).collect();
+    let sources = plan.sources();
     let run = new_run_id();
     let layout = Arc::new(layout.clone());
     let (to_coord, mut coord_rx) = mpsc::unbounded_channel::<ToCoord>();
@@ -267,10 +267,6 @@ pub async fn execute(
     }
     tasks.abort_all();
     Ok(coord.report(resent.load(std::sync::atomic::Ordering::Relaxed), started.elapsed().as_secs_f64()))
-}
-
-fn coord_targets(plan: &Plan) -> std::collections::BTreeSet<Loc> {
-    plan.edges.iter().map(|e| e.to).collect()
 }
 
 #[cfg(test)]

@@ -205,6 +205,17 @@ impl Plan {
         out
     }
 
+    /// The plan's targets: every receiver of an edge.
+    pub fn targets(&self) -> BTreeSet<Loc> {
+        self.edges.iter().map(|e| e.to).collect()
+    }
+
+    /// The senders that receive nothing: the sources the plan actually uses.
+    pub fn sources(&self) -> BTreeSet<Loc> {
+        let targets = self.targets();
+        self.edges.iter().map(|e| e.from).filter(|l| !targets.contains(l)).collect()
+    }
+
     /// Predicted time until the last target is complete.
     pub fn makespan(&self) -> f64 {
         self.predicted.iter().map(|(_, t)| *t).fold(0.0, f64::max)

@@ -46,13 +46,12 @@ pub struct Coordinator {
 impl Coordinator {
     /// Starts tracking `plan`; `specs` gives each target's region.
     pub fn new(topo: &Topology, plan: &Plan, specs: BTreeMap<Loc, ChildSpec>) -> Coordinator {
-        let targets: BTreeSet<Loc> = plan.edges.iter().map(|e| e.to).collect();
         Coordinator {
             topo: topo.clone(),
             bytes: plan.bytes,
-            sources: plan.edges.iter().map(|e| e.from).filter(|l| !targets.contains(l)).collect(),
+            sources: plan.sources(),
             parent: plan.edges.iter().map(|e| (e.to, e.from)).collect(),
-            targets,
+            targets: plan.targets(),
             specs,
             done: BTreeSet::new(),
             failed: BTreeMap::new(),
