@@ -154,6 +154,12 @@ pub async fn run_peer(a: &PeerArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Median of samples (sorts them in place).
+pub fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
 /// Percentile helper over microsecond samples.
 pub fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {

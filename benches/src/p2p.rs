@@ -11,7 +11,7 @@ use anyhow::{bail, Context};
 use cascade_transport::{Endpoint, Op, Region};
 use serde_json::{json, Value};
 
-use crate::BenchCluster;
+use crate::{median, BenchCluster};
 
 /// Arguments of the `p2p` benchmark.
 #[derive(Debug, Clone, clap::Args)]
@@ -34,11 +34,6 @@ pub struct P2pArgs {
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
-}
-
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 /// Runs the benchmark; returns its JSON result (and prints it unless `quiet`).

@@ -266,16 +266,9 @@ impl RdmaCtx {
     }
 }
 
-/// Checks that an RDMA device can be opened.
-#[cfg(not(feature = "rdma"))]
+/// Checks that an RDMA device can be opened (always `NoRdmaDevice` without the `rdma` feature).
 pub fn probe() -> Result<()> {
-    Err(TransportError::NoRdmaDevice { detail: "built without the `rdma` feature".into() })
-}
-
-/// Checks that an RDMA device can be opened.
-#[cfg(feature = "rdma")]
-pub fn probe() -> Result<()> {
-    verbs::Device::open(None).map(drop)
+    RdmaCtx::open().map(drop)
 }
 
 #[cfg(feature = "rdma")]

@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use std::process::Command;
 
 use anyhow::{bail, Context};
+use cascade_benches::median;
 use cascade_param_pool::{load, LoadOptions, Manifest, DEFAULT_CHUNK};
 use cascade_transport::Region;
 use clap::Parser;
@@ -47,11 +48,6 @@ struct Cli {
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
-}
-
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 fn drop_caches() -> anyhow::Result<()> {
