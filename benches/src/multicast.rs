@@ -75,6 +75,10 @@ pub fn run_role(r: &RoleArgs) -> anyhow::Result<bool> {
                     layers: (0..8u64).map(|i| i * bytes / 8..(i + 1) * bytes / 8).filter(|l| !l.is_empty()).collect(),
                     seed: 0x5eed,
                     deadline: Duration::from_secs(300),
+                    source_copies: Default::default(),
+                    keep: Default::default(),
+                    layout: None,
+                    progress: None,
                 };
                 let out = Controller::new(ep.clone()).run(&spec).await.map_err(|e| anyhow::anyhow!("{e}"))?;
                 println!(

@@ -156,6 +156,10 @@ async fn multicast(a: MulticastArgs) -> anyhow::Result<()> {
         layers,
         seed: 0x5eed,
         deadline: Duration::from_secs_f64(a.deadline_s),
+        source_copies: Default::default(),
+        keep: Default::default(),
+        layout: None,
+        progress: None,
     };
     let out = Controller::new(ep.clone()).run(&spec).await.map_err(|e| anyhow::anyhow!("{e}"))?;
     ep.shutdown();
