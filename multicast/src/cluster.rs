@@ -35,7 +35,7 @@ mod controller;
 mod node;
 
 pub use controller::{Controller, RunOutcome, RunSpec};
-pub use node::{serve_node, serve_node_with, Extension};
+pub use node::{chunk_crcs, serve_node, serve_node_with, Extension};
 
 const MAGIC: &[u8; 4] = b"CSCT";
 

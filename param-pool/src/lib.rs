@@ -16,11 +16,14 @@
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
 pub mod loader;
+pub mod manager;
 pub mod manifest;
 pub mod meta;
+pub mod node;
 pub mod pool;
+pub mod synthetic;
 
 pub use loader::{load, LoadError, LoadMode, LoadOptions, LoadReport};
 pub use manifest::{classify, LayerEntry, LayerKind, Manifest, ManifestError, TensorEntry, DEFAULT_CHUNK};
-pub use meta::{DurablePool, EmbeddedStore, Event as PoolEvent, MetaError, MetaStore, Recovered};
+pub use meta::{DurablePool, EmbeddedStore, Event as PoolEvent, MetaError, MetaStore, ModelEntry, Recovered};
 pub use pool::{Action as PoolAction, Copy, CopyKind, CopyState, Pool, PoolError, Source, Violation};

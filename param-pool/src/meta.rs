@@ -13,6 +13,9 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use std::collections::BTreeMap;
+
+use crate::manifest::Manifest;
 use crate::pool::{Action, CopyId, ModelId, NodeId, Pool, PoolError};
 
 /// Why the store failed.
@@ -189,10 +192,46 @@ pub enum Event {
     NodeDown(NodeId),
     /// [`Pool::node_up`].
     NodeUp(NodeId),
+    /// [`Pool::set_file_reachable`].
+    FileReachable {
+        /// Model.
+        model: ModelId,
+        /// Whether repairs may load it from its file.
+        reachable: bool,
+    },
+    /// What a model is (written before its `Register`): the catalog entry daemons load it from.
+    Describe {
+        /// Model.
+        model: ModelId,
+        /// Its file and manifest.
+        entry: Box<ModelEntry>,
+    },
 }
 
-fn apply(pool: &mut Pool, e: &Event) -> Result<Vec<Action>, PoolError> {
+/// A registered model's file and manifest.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModelEntry {
+    /// The safetensors file, as the nodes open it.
+    pub path: String,
+    /// Its manifest (layers, packed size, chunk crcs, content hash).
+    pub manifest: Manifest,
+}
+
+/// Everything the store keeps: the pool and the model catalog.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct State {
+    pool: Pool,
+    #[serde(default)]
+    catalog: BTreeMap<ModelId, ModelEntry>,
+}
+
+fn apply(state: &mut State, e: &Event) -> Result<Vec<Action>, PoolError> {
+    let pool = &mut state.pool;
     match *e {
+        Event::Describe { model, ref entry } => {
+            state.catalog.insert(model, (**entry).clone());
+            Ok(Vec::new())
+        }
         Event::Register { model, bytes, file_reachable } => pool.register(model, bytes, file_reachable),
         Event::Deploy { model, node, gpu } => pool.deploy(model, node, gpu),
         Event::CopyReady(c) => pool.copy_ready(c),
@@ -200,12 +239,13 @@ fn apply(pool: &mut Pool, e: &Event) -> Result<Vec<Action>, PoolError> {
         Event::Reclaim(c) => pool.reclaim(c),
         Event::NodeDown(n) => Ok(pool.node_down(n)),
         Event::NodeUp(n) => Ok(pool.node_up(n)),
+        Event::FileReachable { model, reachable } => pool.set_file_reachable(model, reachable).map(|_| Vec::new()),
     }
 }
 
 /// A pool whose events are written ahead to a [`MetaStore`].
 pub struct DurablePool<S: MetaStore> {
-    pool: Pool,
+    state: State,
     store: S,
     since_snapshot: usize,
     snapshot_every: usize,
@@ -216,18 +256,18 @@ impl<S: MetaStore> DurablePool<S> {
     /// and how many bytes of a torn tail recovery cut off.
     pub fn open(mut store: S, fresh: Pool, snapshot_every: usize) -> Result<(DurablePool<S>, u64), MetaError> {
         let rec = store.recover()?;
-        let mut pool = match rec.snapshot {
+        let mut state = match rec.snapshot {
             Some(s) => serde_json::from_slice(&s).map_err(|e| MetaError::Corrupt(format!("snapshot: {e}")))?,
-            None => fresh,
+            None => State { pool: fresh, catalog: BTreeMap::new() },
         };
         for r in &rec.records {
             let e: Event = serde_json::from_slice(r).map_err(|e| MetaError::Corrupt(format!("WAL record: {e}")))?;
             // Replaying refused events is deterministic too: they were refused the first time.
-            let _ = apply(&mut pool, &e);
+            let _ = apply(&mut state, &e);
         }
         let since = rec.records.len();
         Ok((
-            DurablePool { pool, store, since_snapshot: since, snapshot_every: snapshot_every.max(1) },
+            DurablePool { state, store, since_snapshot: since, snapshot_every: snapshot_every.max(1) },
             rec.dropped_tail_bytes,
         ))
     }
@@ -236,10 +276,10 @@ impl<S: MetaStore> DurablePool<S> {
     pub fn apply(&mut self, e: Event) -> Result<Vec<Action>, MetaError> {
         let bytes = serde_json::to_vec(&e).map_err(|e| MetaError::Corrupt(e.to_string()))?;
         self.store.append(&bytes)?;
-        let actions = apply(&mut self.pool, &e)?;
+        let actions = apply(&mut self.state, &e)?;
         self.since_snapshot += 1;
         if self.since_snapshot >= self.snapshot_every {
-            let state = serde_json::to_vec(&self.pool).map_err(|e| MetaError::Corrupt(e.to_string()))?;
+            let state = serde_json::to_vec(&self.state).map_err(|e| MetaError::Corrupt(e.to_string()))?;
             self.store.snapshot(&state)?;
             self.since_snapshot = 0;
         }
@@ -248,7 +288,12 @@ impl<S: MetaStore> DurablePool<S> {
 
     /// The pool.
     pub fn pool(&self) -> &Pool {
-        &self.pool
+        &self.state.pool
+    }
+
+    /// The model catalog.
+    pub fn catalog(&self) -> &BTreeMap<ModelId, ModelEntry> {
+        &self.state.catalog
     }
 }
 

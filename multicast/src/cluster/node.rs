@@ -115,7 +115,8 @@ fn release(ep: &Endpoint, r: &NodeRun) {
     // Dropping the command senders ends the member tasks.
 }
 
-fn source_crcs(region: &Region, bytes: u64, chunk: u64) -> Result<Vec<u32>, TransportError> {
+/// crc32 of each `chunk` of `region[..bytes]` (the last one may be short).
+pub fn chunk_crcs(region: &Region, bytes: u64, chunk: u64) -> Result<Vec<u32>, TransportError> {
     let chunk = chunk.max(1);
     (0..bytes.div_ceil(chunk)).map(|i| region.crc32(i * chunk, chunk.min(bytes - i * chunk))).collect()
 }
@@ -146,13 +147,13 @@ fn handle(
                         return Err(protocol(format!("copy {id} has {} bytes, the run moves {bytes}", region.len())));
                     }
                     r.lent.insert(loc);
-                    let crcs = source_crcs(&region, bytes, chunk)?;
+                    let crcs = chunk_crcs(&region, bytes, chunk)?;
                     (region, Some(crcs))
                 }
                 (None, Some(seed)) => {
                     let region = ep.register_new(bytes)?;
                     fill_synthetic(&region, bytes, seed)?;
-                    let crcs = source_crcs(&region, bytes, chunk)?;
+                    let crcs = chunk_crcs(&region, bytes, chunk)?;
                     (region, Some(crcs))
                 }
                 (None, None) => (ep.register_new(bytes)?, None),

@@ -111,7 +111,16 @@ fn events() -> Vec<Event> {
         Event::Reclaim(5),
         Event::CopyFailed(99), // refused: unknown copy — replays the same way
         Event::NodeUp(0),
+        Event::Describe {
+            model: 1,
+            entry: Box::new(ModelEntry { path: "/m/one.safetensors".into(), manifest: tiny() }),
+        },
     ]
+}
+
+fn tiny() -> crate::manifest::Manifest {
+    let bytes = crate::synthetic::llama2_like(64 << 10, 1).unwrap();
+    crate::manifest::Manifest::from_bytes(&bytes, "tiny", 4096, "tiny.safetensors").unwrap()
 }
 
 fn fresh() -> Pool {
@@ -123,17 +132,19 @@ fn a_restarted_manager_rebuilds_the_same_pool() {
     for every in [1000, 3] {
         let d = dir("pool");
         let (mut p, _) = DurablePool::open(EmbeddedStore::open(&d).unwrap(), fresh(), every).unwrap();
-        let mut reference = fresh();
+        let mut reference = State { pool: fresh(), catalog: Default::default() };
         for e in events() {
             let got = p.apply(e.clone());
             let want = apply(&mut reference, &e);
             assert_eq!(got.is_ok(), want.is_ok(), "{e:?}");
         }
-        assert_eq!(p.pool(), &reference);
+        assert_eq!(p.pool(), &reference.pool);
+        assert_eq!(p.catalog().len(), 1);
         drop(p);
         let (p, dropped) = DurablePool::open(EmbeddedStore::open(&d).unwrap(), fresh(), every).unwrap();
         assert_eq!(dropped, 0);
-        assert_eq!(p.pool(), &reference, "snapshot every {every}");
+        assert_eq!(p.pool(), &reference.pool, "snapshot every {every}");
+        assert_eq!(p.catalog(), &reference.catalog, "the catalog survives a restart (snapshot every {every})");
     }
 }
 

@@ -1,0 +1,179 @@
+//! What the manager reports: the pool's status and the outcome of a check.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+
+use crate::meta::ModelEntry;
+use crate::pool::{CopyId, CopyKind, CopyState, ModelId, NodeId, Pool, Violation};
+
+/// One model in [`Status`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModelStatus {
+    /// Id.
+    pub id: ModelId,
+    /// Name.
+    pub name: String,
+    /// Bytes of parameters.
+    pub bytes: u64,
+    /// Ready copies on distinct live nodes.
+    pub ready: usize,
+    /// Why it is lost, if it is.
+    pub lost: Option<String>,
+}
+
+/// One copy in [`Status`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CopyStatus {
+    /// Id.
+    pub id: CopyId,
+    /// Model.
+    pub model: ModelId,
+    /// Node.
+    pub node: NodeId,
+    /// `host` or `gpuN`.
+    pub kind: String,
+    /// `loading`, `ready` or `evicting`.
+    pub state: String,
+}
+
+/// One node in [`Status`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeStatus {
+    /// Id.
+    pub id: NodeId,
+    /// Member of the pool (not declared dead).
+    pub live: bool,
+    /// Its link is down, not yet declared dead.
+    pub unreachable: bool,
+    /// Bytes of the copies it holds or fills.
+    pub bytes: u64,
+    /// Copies it holds or fills.
+    pub copies: usize,
+}
+
+/// The pool at a glance (`cascade pool status`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Status {
+    /// Copies required per model.
+    pub k: usize,
+    /// Every model.
+    pub models: Vec<ModelStatus>,
+    /// Every copy.
+    pub copies: Vec<CopyStatus>,
+    /// Every node.
+    pub nodes: Vec<NodeStatus>,
+    /// Broken invariants (copies still loading count as missing).
+    pub violations: Vec<String>,
+    /// No violation, nothing loading, nothing lost, every node reachable.
+    pub healthy: bool,
+}
+
+pub(super) fn describe(v: &Violation) -> String {
+    match v {
+        Violation::TooFewCopies { model, have } => format!("model {model} has {have} ready copies on distinct nodes"),
+        Violation::OnDeadNode { copy } => format!("copy {copy} is recorded on a dead node"),
+    }
+}
+
+fn kind(k: CopyKind) -> String {
+    match k {
+        CopyKind::Gpu(g) => format!("gpu{g}"),
+        CopyKind::HostCache => "host".into(),
+    }
+}
+
+fn state(s: CopyState) -> String {
+    match s {
+        CopyState::Loading => "loading",
+        CopyState::Ready => "ready",
+        CopyState::Evicting => "evicting",
+    }
+    .into()
+}
+
+impl Status {
+    pub(super) fn of(
+        pool: &Pool,
+        catalog: &BTreeMap<ModelId, ModelEntry>,
+        lost: &BTreeMap<ModelId, String>,
+        suspects: &BTreeMap<NodeId, Instant>,
+    ) -> Status {
+        let models: Vec<ModelStatus> = catalog
+            .iter()
+            .map(|(id, e)| ModelStatus {
+                id: *id,
+                name: e.manifest.name.clone(),
+                bytes: e.manifest.bytes,
+                ready: pool.ready_nodes(*id).len(),
+                lost: lost.get(id).cloned(),
+            })
+            .collect();
+        let copies: Vec<CopyStatus> = pool
+            .copies()
+            .map(|c| CopyStatus { id: c.id, model: c.model, node: c.node, kind: kind(c.kind), state: state(c.state) })
+            .collect();
+        let bytes = pool.bytes_per_node();
+        let nodes = bytes
+            .iter()
+            .map(|(n, b)| NodeStatus {
+                id: *n,
+                live: true,
+                unreachable: suspects.contains_key(n),
+                bytes: *b,
+                copies: copies.iter().filter(|c| c.node == *n).count(),
+            })
+            .collect();
+        let violations: Vec<String> = pool.check().iter().map(describe).collect();
+        let healthy = violations.is_empty()
+            && lost.is_empty()
+            && suspects.is_empty()
+            && pool.copies().all(|c| c.state != CopyState::Loading);
+        Status { k: pool.k(), models, copies, nodes, violations, healthy }
+    }
+}
+
+impl fmt::Display for Status {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "k = {}; {}", self.k, if self.healthy { "healthy" } else { "NOT healthy" })?;
+        writeln!(f, "{:>5}  {:<28} {:>14}  {:>5}  copies (node:kind:state)", "model", "name", "bytes", "ready")?;
+        for m in &self.models {
+            let cs: Vec<String> = self
+                .copies
+                .iter()
+                .filter(|c| c.model == m.id)
+                .map(|c| format!("{}:{}:{}", c.node, c.kind, c.state))
+                .collect();
+            writeln!(f, "{:>5}  {:<28} {:>14}  {:>5}  {}", m.id, m.name, m.bytes, m.ready, cs.join(" "))?;
+            if let Some(why) = &m.lost {
+                writeln!(f, "       LOST: {why}")?;
+            }
+        }
+        writeln!(f, "{:>5}  {:>14}  {:>6}", "node", "bytes", "copies")?;
+        for n in &self.nodes {
+            let note = if n.unreachable { "  (unreachable)" } else { "" };
+            writeln!(f, "{:>5}  {:>14}  {:>6}{note}", n.id, n.bytes, n.copies)?;
+        }
+        for v in &self.violations {
+            writeln!(f, "violation: {v}")?;
+        }
+        Ok(())
+    }
+}
+
+/// The outcome of `cascade pool check`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CheckReport {
+    /// Nothing wrong.
+    pub healthy: bool,
+    /// What is wrong, one line each.
+    pub problems: Vec<String>,
+    /// Copies whose checksums were verified.
+    pub copies_checked: usize,
+    /// Their bytes.
+    pub bytes_checked: u64,
+    /// Copies that are missing on their node or whose crcs differ from the manifest.
+    pub bad_copies: Vec<CopyId>,
+}
