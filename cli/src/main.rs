@@ -5,10 +5,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use cascade_multicast::cluster::{serve_node, Controller, RunSpec};
+use cascade_multicast::cluster::{Controller, RunSpec};
 use cascade_multicast::{Event, Loc, MeshRates, PlannerKind, Topology};
+use cascade_param_pool::node::serve_pool_node;
 use cascade_transport::{ClusterSpec, Endpoint, EndpointConfig};
 use clap::{Args, Parser, Subcommand};
+
+mod pool;
 
 #[derive(Parser)]
 #[command(name = "cascade", version, about = "Cascade data plane for model-serving clusters")]
@@ -28,25 +31,30 @@ enum Cmd {
     Node(Member),
     /// Plan and run a multicast from this node (the controller) on node daemons, then verify it.
     Multicast(MulticastArgs),
+    /// The global parameter pool: run its manager, inspect, check and repair it.
+    Pool {
+        #[command(subcommand)]
+        cmd: pool::PoolCmd,
+    },
 }
 
 #[derive(Args)]
-struct Member {
+pub(crate) struct Member {
     /// Cluster file (TOML: name, [[nodes]] id/addr/host).
     #[arg(long)]
-    cluster: PathBuf,
+    pub(crate) cluster: PathBuf,
     /// This node's id in the cluster file.
     #[arg(long)]
-    node: u32,
+    pub(crate) node: u32,
     /// File holding the cluster secret (or set CASCADE_SECRET).
     #[arg(long)]
-    secret_file: Option<PathBuf>,
+    pub(crate) secret_file: Option<PathBuf>,
     /// Do not use shared memory with same-host nodes.
     #[arg(long)]
-    no_shm: bool,
+    pub(crate) no_shm: bool,
     /// Seconds to wait for the full mesh.
     #[arg(long, default_value_t = 30.0)]
-    ready_timeout_s: f64,
+    pub(crate) ready_timeout_s: f64,
 }
 
 #[derive(Args)]
@@ -85,10 +93,16 @@ struct MulticastArgs {
 
 fn logging() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
-    let _ = tracing_subscriber::fmt().with_writer(std::io::stderr).with_env_filter(filter).try_init();
+    use std::io::IsTerminal;
+    let _ = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_env_filter(filter)
+        .try_init();
 }
 
-async fn join(m: &Member) -> anyhow::Result<Arc<Endpoint>> {
+/// Joins the cluster as `m`; with `wait_all`, waits until every member is connected.
+pub(crate) async fn join(m: &Member, wait_all: bool) -> anyhow::Result<Arc<Endpoint>> {
     let cluster = ClusterSpec::load(&m.cluster)?;
     let secret = match (&m.secret_file, std::env::var("CASCADE_SECRET")) {
         (Some(f), _) => std::fs::read(f).with_context(|| format!("reading {}", f.display()))?,
@@ -99,6 +113,9 @@ async fn join(m: &Member) -> anyhow::Result<Arc<Endpoint>> {
     let mut cfg = EndpointConfig::new(m.node, cluster, &secret);
     cfg.shm = !m.no_shm;
     let ep = Arc::new(Endpoint::start(cfg).await?);
+    if !wait_all {
+        return Ok(ep);
+    }
     let rep = ep.wait_ready(Duration::from_secs_f64(m.ready_timeout_s)).await.context("waiting for the full mesh")?;
     tracing::info!(
         node = m.node,
@@ -109,7 +126,7 @@ async fn join(m: &Member) -> anyhow::Result<Arc<Endpoint>> {
     Ok(ep)
 }
 
-async fn shutdown_signal() {
+pub(crate) async fn shutdown_signal() {
     let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
         Ok(s) => s,
         Err(_) => return std::future::pending().await,
@@ -121,9 +138,9 @@ async fn shutdown_signal() {
 }
 
 async fn node(m: Member) -> anyhow::Result<()> {
-    let ep = join(&m).await?;
+    let ep = join(&m, true).await?;
     tokio::select! {
-        _ = serve_node(ep.clone(), Duration::from_secs(30)) => {}
+        _ = serve_pool_node(ep.clone(), Duration::from_secs(30)) => {}
         _ = shutdown_signal() => tracing::info!("shutting down"),
     }
     ep.shutdown();
@@ -136,7 +153,7 @@ async fn multicast(a: MulticastArgs) -> anyhow::Result<()> {
     }
     let layers =
         (0..a.layers).map(|i| i * a.bytes / a.layers..(i + 1) * a.bytes / a.layers).filter(|r| !r.is_empty()).collect();
-    let ep = join(&a.member).await?;
+    let ep = join(&a.member, true).await?;
     let topology = match &a.topology {
         Some(path) => {
             let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
@@ -221,5 +238,6 @@ fn main() -> anyhow::Result<()> {
         }
         Cmd::Node(m) => tokio::runtime::Runtime::new()?.block_on(node(m)),
         Cmd::Multicast(a) => tokio::runtime::Runtime::new()?.block_on(multicast(a)),
+        Cmd::Pool { cmd } => tokio::runtime::Runtime::new()?.block_on(pool::run(cmd)),
     }
 }

@@ -1,0 +1,179 @@
+//! `cascade pool …`: run the pool manager, and the operator's tools that talk to it.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use cascade_multicast::MeshRates;
+use cascade_param_pool::manager::{admin_call, serve_admin, AdminRequest, CheckReport, Manager, ManagerConfig, Status};
+use cascade_param_pool::EmbeddedStore;
+use clap::{Args, Subcommand};
+
+use crate::{join, shutdown_signal, Member};
+
+/// Default admin address of the manager.
+pub(crate) const DEFAULT_ADMIN: &str = "127.0.0.1:7470";
+
+#[derive(Subcommand)]
+pub(crate) enum PoolCmd {
+    /// Run the pool manager: a cluster member that keeps every model at k copies and repairs the
+    /// pool when a node dies. Its metadata lives in --data-dir.
+    Serve(ServeArgs),
+    /// Print the pool: models, copies, nodes, bytes.
+    Status(Admin),
+    /// Verify the invariant and every copy's checksums; exit 0 when healthy, 1 otherwise.
+    Check(Admin),
+    /// Repair what a check finds (unreachable nodes, bad, unknown or unfinished copies), then check.
+    Repair(Admin),
+    /// Register a safetensors model file; its first k copies are loaded from the file.
+    Register {
+        #[command(flatten)]
+        admin: Admin,
+        /// Model name.
+        #[arg(long)]
+        name: String,
+        /// The safetensors file (a path every node can read).
+        #[arg(long)]
+        file: PathBuf,
+    },
+    /// Start a serving instance of a model on a node's GPU (its parameters come from the pool).
+    Deploy {
+        #[command(flatten)]
+        admin: Admin,
+        /// Model id.
+        #[arg(long)]
+        model: u32,
+        /// Node.
+        #[arg(long)]
+        node: u32,
+        /// GPU index.
+        #[arg(long, default_value_t = 0)]
+        gpu: u32,
+    },
+}
+
+#[derive(Args)]
+pub(crate) struct Admin {
+    /// The manager's admin address.
+    #[arg(long, default_value = DEFAULT_ADMIN)]
+    admin: SocketAddr,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+pub(crate) struct ServeArgs {
+    #[command(flatten)]
+    member: Member,
+    /// Metadata directory (write-ahead log and snapshots).
+    #[arg(long)]
+    data_dir: PathBuf,
+    /// Admin address (JSON lines over TCP; keep it on loopback).
+    #[arg(long, default_value = DEFAULT_ADMIN)]
+    admin: SocketAddr,
+    /// Copies required per model.
+    #[arg(long, default_value_t = 1)]
+    k: usize,
+    /// Seconds a node's link may stay down before the node is declared dead.
+    #[arg(long, default_value_t = 1.0)]
+    dead_after_s: f64,
+    /// Pool nodes, comma separated (default: every other cluster member).
+    #[arg(long, value_delimiter = ',')]
+    nodes: Vec<u32>,
+    /// Link rate the planner assumes, Gbit/s.
+    #[arg(long, default_value_t = 25.0)]
+    nic_gbps: f64,
+}
+
+pub(crate) fn config(a: &ServeArgs, cluster_nodes: impl Iterator<Item = u32>) -> anyhow::Result<ManagerConfig> {
+    if !(a.dead_after_s >= 0.0 && a.dead_after_s.is_finite()) {
+        bail!("--dead-after-s must be a non-negative number of seconds");
+    }
+    if !(a.nic_gbps > 0.0 && a.nic_gbps.is_finite()) {
+        bail!("--nic-gbps must be positive");
+    }
+    let nodes: Vec<u32> =
+        if a.nodes.is_empty() { cluster_nodes.filter(|n| *n != a.member.node).collect() } else { a.nodes.clone() };
+    if nodes.contains(&a.member.node) {
+        bail!("the manager (node {}) cannot be one of the pool's nodes", a.member.node);
+    }
+    let mut cfg = ManagerConfig::new(nodes);
+    cfg.k = a.k;
+    cfg.dead_after = Duration::from_secs_f64(a.dead_after_s);
+    cfg.rates = MeshRates { nic_gbps: a.nic_gbps, tcp_gbps: a.nic_gbps, shm_gbps: 4.0 * a.nic_gbps };
+    cfg.ready_timeout = Duration::from_secs_f64(a.member.ready_timeout_s);
+    Ok(cfg)
+}
+
+async fn serve(a: ServeArgs) -> anyhow::Result<()> {
+    let ep = join(&a.member, false).await?;
+    let cfg = config(&a, ep.config().cluster.nodes.iter().map(|n| n.id))?;
+    let store = EmbeddedStore::open(&a.data_dir).with_context(|| format!("opening {}", a.data_dir.display()))?;
+    let mut m = Manager::open(ep.clone(), store, cfg)?;
+    let listener = tokio::net::TcpListener::bind(a.admin).await.with_context(|| format!("binding {}", a.admin))?;
+    m.start().await?;
+    tracing::info!(admin = %a.admin, "pool manager ready");
+    let (tx, rx) = tokio::sync::mpsc::channel(16);
+    tokio::spawn(serve_admin(listener, tx, m.status_handle()));
+    tokio::select! {
+        r = m.run(rx) => r?,
+        _ = shutdown_signal() => tracing::info!("shutting down"),
+    }
+    ep.shutdown();
+    Ok(())
+}
+
+async fn call(admin: SocketAddr, req: AdminRequest) -> anyhow::Result<serde_json::Value> {
+    admin_call(admin, &req).await.map_err(|e| anyhow::anyhow!("{e}"))
+}
+
+fn print_check(rep: &CheckReport, json: bool) -> anyhow::Result<()> {
+    if json {
+        println!("{}", serde_json::to_string(rep)?);
+    } else {
+        println!(
+            "{}: {} copies ({} bytes) checked against their manifests",
+            if rep.healthy { "healthy" } else { "NOT healthy" },
+            rep.copies_checked,
+            rep.bytes_checked
+        );
+        for p in &rep.problems {
+            println!("  {p}");
+        }
+    }
+    if !rep.healthy {
+        std::process::exit(1);
+    }
+    Ok(())
+}
+
+pub(crate) async fn run(cmd: PoolCmd) -> anyhow::Result<()> {
+    match cmd {
+        PoolCmd::Serve(a) => serve(a).await,
+        PoolCmd::Status(a) => {
+            let v = call(a.admin, AdminRequest::Status).await?;
+            if a.json {
+                println!("{v}");
+            } else {
+                let s: Status = serde_json::from_value(v)?;
+                print!("{s}");
+            }
+            Ok(())
+        }
+        PoolCmd::Check(a) => print_check(&serde_json::from_value(call(a.admin, AdminRequest::Check).await?)?, a.json),
+        PoolCmd::Repair(a) => print_check(&serde_json::from_value(call(a.admin, AdminRequest::Repair).await?)?, a.json),
+        PoolCmd::Register { admin, name, file } => {
+            let file = std::fs::canonicalize(&file).with_context(|| format!("{}", file.display()))?;
+            let v = call(admin.admin, AdminRequest::Register { name, path: file.display().to_string() }).await?;
+            println!("{}", if admin.json { v.to_string() } else { format!("registered model {}", v["model"]) });
+            Ok(())
+        }
+        PoolCmd::Deploy { admin, model, node, gpu } => {
+            call(admin.admin, AdminRequest::Deploy { model, node, gpu }).await?;
+            println!("model {model} serving on node {node} gpu{gpu}");
+            Ok(())
+        }
+    }
+}

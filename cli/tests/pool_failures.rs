@@ -1,0 +1,255 @@
+//! The parameter pool across processes: six `cascade node` daemons and a `cascade pool serve`
+//! manager on loopback (tcp, no shared memory), twelve models. A node is killed with SIGKILL and
+//! the pool must be whole again within (lost bytes ÷ link bandwidth) × 1.5 + 2 s, with every
+//! copy's crc32 matching its manifest and `cascade pool check` exiting 0. Then the manager itself
+//! is killed in the middle of a repair and restarted: it recovers from its metadata and finishes
+//! the repair without duplicating or losing a copy.
+#![allow(clippy::unwrap_used)]
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use cascade_param_pool::manager::{admin_call, AdminRequest, Status};
+
+const CASCADE: &str = env!("CARGO_BIN_EXE_cascade");
+/// The link rate the restore bound assumes: loopback tcp, measured at about 27 Gbit/s here
+/// (README, p2p table); the manager's planner is told the same.
+const LINK_GBPS: f64 = 25.0;
+const NODES: u32 = 6;
+const MODELS: usize = 12;
+
+struct Proc {
+    child: Child,
+    log: Arc<Mutex<Vec<String>>>,
+}
+
+impl Proc {
+    fn spawn(mut cmd: Command) -> Proc {
+        cmd.stdout(Stdio::null()).stderr(Stdio::piped());
+        let mut child = cmd.spawn().unwrap();
+        let log: Arc<Mutex<Vec<String>>> = Arc::default();
+        let (err, l) = (child.stderr.take().unwrap(), log.clone());
+        std::thread::spawn(move || {
+            for line in BufReader::new(err).lines().map_while(Result::ok) {
+                l.lock().unwrap().push(line);
+            }
+        });
+        Proc { child, log }
+    }
+
+    fn kill9(&mut self) {
+        let _ = self.child.kill(); // SIGKILL
+        let _ = self.child.wait();
+    }
+
+    fn saw(&self, what: &str) -> bool {
+        self.log.lock().unwrap().iter().any(|l| l.contains(what))
+    }
+
+    fn log(&self) -> String {
+        self.log.lock().unwrap().join("\n")
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+struct PoolCluster {
+    dir: PathBuf,
+    nodes: Vec<Proc>,
+    manager: Option<Proc>,
+    admin: SocketAddr,
+    k: usize,
+    rt: tokio::runtime::Runtime,
+}
+
+impl PoolCluster {
+    fn start(k: usize, tag: &str) -> PoolCluster {
+        let dir = std::env::temp_dir().join(format!("cascade-pf-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let addrs = cascade_tests::free_addrs(NODES as usize + 2);
+        let mut toml = format!("name = \"pf{tag}{}\"\n", std::process::id());
+        for (i, a) in addrs[..=NODES as usize].iter().enumerate() {
+            toml += &format!("[[nodes]]\nid = {i}\naddr = \"{a}\"\n");
+        }
+        std::fs::write(dir.join("cluster.toml"), toml).unwrap();
+        let mut c = PoolCluster {
+            nodes: Vec::new(),
+            manager: None,
+            admin: addrs[NODES as usize + 1],
+            k,
+            rt: tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap(),
+            dir,
+        };
+        for i in 1..=NODES {
+            let mut cmd = c.command("node", i);
+            cmd.args(["--ready-timeout-s", "60"]);
+            c.nodes.push(Proc::spawn(cmd));
+        }
+        c.start_manager();
+        c
+    }
+
+    fn command(&self, what: &str, node: u32) -> Command {
+        let mut cmd = Command::new(CASCADE);
+        if what == "node" {
+            cmd.arg("node");
+        } else {
+            cmd.args(["pool", "serve"]);
+        }
+        cmd.arg("--cluster").arg(self.dir.join("cluster.toml")).args(["--node", &node.to_string(), "--no-shm"]);
+        cmd.env("CASCADE_SECRET", "pool-secret").env("RUST_LOG", "info");
+        cmd
+    }
+
+    fn start_manager(&mut self) {
+        let mut cmd = self.command("manager", 0);
+        cmd.arg("--data-dir").arg(self.dir.join("meta")).args(["--admin", &self.admin.to_string()]);
+        cmd.args(["--k", &self.k.to_string(), "--dead-after-s", "0.5", "--ready-timeout-s", "10"]);
+        cmd.args(["--nic-gbps", &LINK_GBPS.to_string()]);
+        self.manager = Some(Proc::spawn(cmd));
+        let t = Instant::now();
+        while self.try_status().is_none() {
+            assert!(t.elapsed() < Duration::from_secs(60), "manager never answered: {}", self.manager_log());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn manager_log(&self) -> String {
+        self.manager.as_ref().map(Proc::log).unwrap_or_default()
+    }
+
+    fn call(&self, req: AdminRequest) -> Result<serde_json::Value, String> {
+        self.rt.block_on(admin_call(self.admin, &req))
+    }
+
+    fn try_status(&self) -> Option<Status> {
+        self.call(AdminRequest::Status).ok().map(|v| serde_json::from_value(v).unwrap())
+    }
+
+    fn status(&self) -> Status {
+        self.try_status().unwrap()
+    }
+
+    /// `cascade pool check`'s exit status and output.
+    fn check(&self) -> (bool, String) {
+        let out = Command::new(CASCADE).args(["pool", "check", "--admin", &self.admin.to_string()]).output().unwrap();
+        (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    fn register_models(&self) {
+        for i in 0..MODELS {
+            let p = self.dir.join(format!("model{i}.safetensors"));
+            // 2 to 8 MiB, Llama-2-7B's structure scaled down.
+            cascade_param_pool::synthetic::write_llama2_like(&p, (2 + (i as u64 % 4) * 2) << 20, 100 + i as u64)
+                .unwrap();
+            let v = self
+                .call(AdminRequest::Register { name: format!("model{i}"), path: p.display().to_string() })
+                .unwrap_or_else(|e| panic!("registering model{i}: {e}\n{}", self.manager_log()));
+            assert_eq!(v["model"], i + 1);
+        }
+    }
+
+    /// Polls until the pool is healthy and no copy is on `dead`.
+    fn wait_restored(&self, dead: u32, limit: Duration) -> Option<Status> {
+        let t = Instant::now();
+        while t.elapsed() < limit {
+            if let Some(s) = self.try_status() {
+                if s.healthy && s.nodes.iter().all(|n| n.id != dead) {
+                    return Some(s);
+                }
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        None
+    }
+}
+
+impl Drop for PoolCluster {
+    fn drop(&mut self) {
+        self.manager = None;
+        self.nodes.clear();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The node with the most bytes, and those bytes.
+fn busiest(s: &Status) -> (u32, u64) {
+    s.nodes.iter().map(|n| (n.id, n.bytes)).max_by_key(|(_, b)| *b).unwrap()
+}
+
+fn assert_whole(s: &Status, k: usize) {
+    assert_eq!(s.copies.len(), MODELS * k, "exactly k copies of every model, none duplicated:\n{s}");
+    for m in &s.models {
+        assert_eq!(m.ready, k, "model {} has {} ready copies on distinct nodes:\n{s}", m.id, m.ready);
+    }
+}
+
+#[test]
+fn killing_a_node_restores_the_pool_within_the_bound() {
+    for k in [1, 2] {
+        let mut c = PoolCluster::start(k, &format!("node{k}"));
+        c.register_models();
+        let s = c.status();
+        assert!(s.healthy, "{s}");
+        assert_whole(&s, k);
+        let (ok, out) = c.check();
+        assert!(ok, "check before the failure: {out}");
+        let (victim, lost) = busiest(&s);
+        let bound = lost as f64 * 8.0 / (LINK_GBPS * 1e9) * 1.5 + 2.0;
+        let t = Instant::now();
+        c.nodes[victim as usize - 1].kill9();
+        let restored = c.wait_restored(victim, Duration::from_secs(60));
+        let took = t.elapsed().as_secs_f64();
+        let s = restored.unwrap_or_else(|| panic!("k={k}: never restored:\n{}\n{}", c.status(), c.manager_log()));
+        eprintln!(
+            "k={k}: node {victim} killed holding {lost} bytes; pool restored in {took:.3} s (bound {bound:.3} s)"
+        );
+        assert!(took <= bound, "k={k}: restored in {took:.3} s, bound {bound:.3} s");
+        assert_whole(&s, k);
+        let (ok, out) = c.check();
+        assert!(ok, "k={k}: check after the repair: {out}");
+        assert!(out.contains(&format!("{} copies", MODELS * k)), "{out}");
+    }
+}
+
+#[test]
+fn a_manager_killed_mid_repair_recovers_and_finishes_it() {
+    let k = 2;
+    let mut c = PoolCluster::start(k, "mgr");
+    c.register_models();
+    let (victim, _) = busiest(&c.status());
+    let held = c.status().copies.iter().filter(|x| x.node == victim).count();
+    assert!(held >= 2, "the victim holds copies of at least two models");
+    eprintln!("node {victim} holds {held} copies");
+    c.nodes[victim as usize - 1].kill9();
+    // Kill the manager once it has finished the first of the victim's models.
+    let t = Instant::now();
+    while !c.manager.as_ref().unwrap().saw("multicast finished") {
+        assert!(t.elapsed() < Duration::from_secs(30), "repair never started: {}", c.manager_log());
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    c.manager.as_mut().unwrap().kill9();
+    let first = c.manager_log();
+    assert!(first.contains("declaring the node dead"), "{first}");
+    c.start_manager();
+    let s = c.wait_restored(victim, Duration::from_secs(60)).unwrap_or_else(|| panic!("{}", c.manager_log()));
+    let second = c.manager_log();
+    let line = second.lines().find(|l| l.contains("reconciled the nodes")).unwrap_or_default().to_string();
+    eprintln!("restarted manager: {line}");
+    let count = |key: &str| -> usize {
+        line.split_whitespace().find_map(|w| w.strip_prefix(key)).and_then(|v| v.parse().ok()).unwrap_or(0)
+    };
+    assert!(count("kept=") + count("reissued=") > 0, "the restart found the repair unfinished: {line}");
+    assert_whole(&s, k);
+    let (ok, out) = c.check();
+    assert!(ok, "check after the restarted repair (no unknown, missing or corrupt copy): {out}");
+}
