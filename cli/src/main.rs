@@ -11,6 +11,7 @@ use cascade_param_pool::node::serve_pool_node;
 use cascade_transport::{ClusterSpec, Endpoint, EndpointConfig};
 use clap::{Args, Parser, Subcommand};
 
+mod demo;
 mod pool;
 
 #[derive(Parser)]
@@ -31,6 +32,9 @@ enum Cmd {
     Node(Member),
     /// Plan and run a multicast from this node (the controller) on node daemons, then verify it.
     Multicast(MulticastArgs),
+    /// Cascade's main job on one machine: a local cluster and pool manager; register a model,
+    /// scale it to every node by chained multicast, kill a node, repair, check; report + timeline.
+    Demo(demo::DemoArgs),
     /// The global parameter pool: run its manager, inspect, check and repair it.
     Pool {
         #[command(subcommand)]
@@ -91,8 +95,9 @@ struct MulticastArgs {
     json: bool,
 }
 
-fn logging() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
+/// Logs to stderr at `RUST_LOG`, or at `default` when it is not set.
+fn logging(default: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| default.into());
     use std::io::IsTerminal;
     let _ = tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
@@ -226,7 +231,8 @@ async fn multicast(a: MulticastArgs) -> anyhow::Result<()> {
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    logging();
+    // The demo's own output is the point; its daemons log to files.
+    logging(if matches!(cli.cmd, Cmd::Demo(_)) { "error" } else { "info" });
     match cli.cmd {
         Cmd::CheckCluster { file } => {
             let c = ClusterSpec::load(&file).with_context(|| format!("checking {}", file.display()))?;
@@ -238,6 +244,7 @@ fn main() -> anyhow::Result<()> {
         }
         Cmd::Node(m) => tokio::runtime::Runtime::new()?.block_on(node(m)),
         Cmd::Multicast(a) => tokio::runtime::Runtime::new()?.block_on(multicast(a)),
+        Cmd::Demo(a) => demo::run(a),
         Cmd::Pool { cmd } => tokio::runtime::Runtime::new()?.block_on(pool::run(cmd)),
     }
 }

@@ -110,6 +110,8 @@ pub enum Notice {
         node: NodeId,
         /// `file` or `multicast`.
         from: &'static str,
+        /// Bytes of the model.
+        bytes: u64,
     },
     /// Layers `0..=layer` of a copy arrived (multicast only).
     Progress {
@@ -506,7 +508,13 @@ impl<S: MetaStore> Manager<S> {
         let mut asked = Vec::new();
         let mut out = Vec::new();
         for (c, _) in group {
-            self.notice(Notice::Creating { copy: c.id, model, node: c.node, from: "file" });
+            self.notice(Notice::Creating {
+                copy: c.id,
+                model,
+                node: c.node,
+                from: "file",
+                bytes: entry.manifest.bytes,
+            });
             let m = NodeMsg::Load { copy: c.id, path: entry.path.clone(), manifest: Box::new(entry.manifest.clone()) };
             if self.send(c.node, &m) {
                 asked.push(c.id);
@@ -582,10 +590,10 @@ impl<S: MetaStore> Manager<S> {
                 Ok(t) => t,
                 Err(e) => return fail_all(format!("topology: {e}"), self),
             };
-        for c in targets.values() {
-            self.notice(Notice::Creating { copy: c.id, model, node: c.node, from: "multicast" });
-        }
         let bytes = entry.manifest.bytes;
+        for c in targets.values() {
+            self.notice(Notice::Creating { copy: c.id, model, node: c.node, from: "multicast", bytes });
+        }
         let (tx, mut rx) = mpsc::unbounded_channel();
         let spec = RunSpec {
             topology,

@@ -118,10 +118,13 @@ impl Netns {
         c
     }
 
-    /// Starts a command built by [`command`](Self::command); it is killed on drop.
-    pub fn spawn(&mut self, mut cmd: Command) -> anyhow::Result<()> {
-        self.children.push(cmd.spawn().context("starting a process in a namespace")?);
-        Ok(())
+    /// Starts a command built by [`command`](Self::command); it is killed on drop. Returns its
+    /// process id.
+    pub fn spawn(&mut self, mut cmd: Command) -> anyhow::Result<u32> {
+        let child = cmd.spawn().context("starting a process in a namespace")?;
+        let pid = child.id();
+        self.children.push(child);
+        Ok(pid)
     }
 }
 

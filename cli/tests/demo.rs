@@ -1,0 +1,73 @@
+//! `cascade demo`, the README's main job, end to end at a small size: on loopback always, and in
+//! shaped network namespaces when they can be made (root; CI runs as root).
+#![allow(clippy::unwrap_used)]
+
+use std::path::PathBuf;
+use std::process::Command;
+
+const CASCADE: &str = env!("CARGO_BIN_EXE_cascade");
+
+fn out_dir(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("cascade-demo-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+fn demo(tag: &str, extra: &[&str]) -> serde_json::Value {
+    let out = out_dir(tag);
+    let model = std::env::temp_dir().join(format!("cascade-demo-model-{}.safetensors", std::process::id()));
+    cascade_param_pool::synthetic::write_llama2_like(&model, 24 << 20, 3).unwrap();
+    let res = Command::new(CASCADE)
+        .args(["demo", "--nodes", "4", "--tenants", "3", "--out"])
+        .arg(&out)
+        .arg("--model")
+        .arg(&model)
+        .args(extra)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&res.stdout);
+    assert!(res.status.success(), "demo failed:\n{stdout}\n{}", String::from_utf8_lossy(&res.stderr));
+    for step in ["1. registered", "2. scaling", "3. kill -9 node", "pool restored in", "4. pool check: healthy"] {
+        assert!(stdout.contains(step), "missing {step:?} in:\n{stdout}");
+    }
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap()).unwrap();
+    let _ = std::fs::remove_file(&model);
+    let _ = std::fs::remove_dir_all(&out);
+    report
+}
+
+fn check(r: &serde_json::Value) {
+    assert_eq!(r["check"]["healthy"], true, "{r:#}");
+    assert_eq!(r["scale_out"]["ready_copies"], 4, "the model is on every node after the scale-out: {r:#}");
+    assert_eq!(r["failure"]["within_bound"], true, "{:#}", r["failure"]);
+    assert!(r["timeline"].as_array().unwrap().len() > 8);
+    let final_copies = r["final"]["copies"].as_array().unwrap();
+    let victim = r["failure"]["node"].as_u64().unwrap();
+    assert!(final_copies.iter().all(|c| c["node"].as_u64() != Some(victim)));
+}
+
+#[test]
+fn demo_on_loopback_scales_kills_repairs_and_reports() {
+    let r = demo("lo", &[]);
+    check(&r);
+    eprintln!(
+        "loopback demo: scale-out {:.3} s, restore {:.3} s",
+        r["scale_out"]["seconds"], r["failure"]["restore_seconds"]
+    );
+}
+
+#[test]
+fn demo_in_shaped_namespaces() {
+    if let Some(why) = cascade_tests::netns::Netns::unavailable() {
+        eprintln!("SKIPPED: {why}");
+        return;
+    }
+    let r = demo("ns", &["--netns", "--link-mbit", "1000"]);
+    check(&r);
+    assert_eq!(r["cluster"]["netns"], true);
+    eprintln!(
+        "netns demo: scale-out {:.3} s, restore {:.3} s",
+        r["scale_out"]["seconds"], r["failure"]["restore_seconds"]
+    );
+}
