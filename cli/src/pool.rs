@@ -67,9 +67,19 @@ pub(crate) struct Admin {
 pub(crate) struct ServeArgs {
     #[command(flatten)]
     member: Member,
-    /// Metadata directory (write-ahead log and snapshots).
-    #[arg(long)]
-    data_dir: PathBuf,
+    /// Where the metadata lives: `embedded` (a write-ahead log and snapshots in --data-dir) or
+    /// `etcd` (--etcd-endpoints; needs a build with the `etcd` feature).
+    #[arg(long, default_value = "embedded")]
+    meta: String,
+    /// Metadata directory of the embedded store.
+    #[arg(long, required_if_eq("meta", "embedded"))]
+    data_dir: Option<PathBuf>,
+    /// etcd endpoints, comma separated (e.g. http://127.0.0.1:2379).
+    #[arg(long, value_delimiter = ',', required_if_eq("meta", "etcd"))]
+    etcd_endpoints: Vec<String>,
+    /// Key prefix of the pool's metadata in etcd.
+    #[arg(long, default_value = "/cascade/pool")]
+    etcd_prefix: String,
     /// Admin address (JSON lines over TCP; keep it on loopback).
     #[arg(long, default_value = DEFAULT_ADMIN)]
     admin: SocketAddr,
@@ -110,7 +120,34 @@ pub(crate) fn config(a: &ServeArgs, cluster_nodes: impl Iterator<Item = u32>) ->
 async fn serve(a: ServeArgs) -> anyhow::Result<()> {
     let ep = join(&a.member, false).await?;
     let cfg = config(&a, ep.config().cluster.nodes.iter().map(|n| n.id))?;
-    let store = EmbeddedStore::open(&a.data_dir).with_context(|| format!("opening {}", a.data_dir.display()))?;
+    match a.meta.as_str() {
+        "embedded" => {
+            let dir = a.data_dir.as_ref().context("--data-dir is required with --meta embedded")?;
+            let store = EmbeddedStore::open(dir).with_context(|| format!("opening {}", dir.display()))?;
+            serve_with(a, ep, store, cfg).await
+        }
+        #[cfg(feature = "etcd")]
+        "etcd" => {
+            let eps = a.etcd_endpoints.clone();
+            let prefix = a.etcd_prefix.clone();
+            let store = tokio::task::spawn_blocking(move || {
+                cascade_param_pool::EtcdStore::connect(&eps, &prefix, Duration::from_secs(5))
+            })
+            .await??;
+            serve_with(a, ep, store, cfg).await
+        }
+        #[cfg(not(feature = "etcd"))]
+        "etcd" => bail!("this cascade was built without the `etcd` feature (cargo build --features etcd)"),
+        other => bail!("unknown --meta {other:?}: embedded or etcd"),
+    }
+}
+
+async fn serve_with<S: cascade_param_pool::MetaStore>(
+    a: ServeArgs,
+    ep: std::sync::Arc<cascade_transport::Endpoint>,
+    store: S,
+    cfg: ManagerConfig,
+) -> anyhow::Result<()> {
     let mut m = Manager::open(ep.clone(), store, cfg)?;
     let listener = tokio::net::TcpListener::bind(a.admin).await.with_context(|| format!("binding {}", a.admin))?;
     m.start().await?;

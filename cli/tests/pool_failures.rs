@@ -67,11 +67,17 @@ struct PoolCluster {
     manager: Option<Proc>,
     admin: SocketAddr,
     k: usize,
+    /// How the manager stores its metadata (default: --data-dir in the scratch directory).
+    meta: Vec<String>,
     rt: tokio::runtime::Runtime,
 }
 
 impl PoolCluster {
     fn start(k: usize, tag: &str) -> PoolCluster {
+        Self::start_with(k, tag, Vec::new())
+    }
+
+    fn start_with(k: usize, tag: &str, meta: Vec<String>) -> PoolCluster {
         let dir = std::env::temp_dir().join(format!("cascade-pf-{tag}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
@@ -86,6 +92,7 @@ impl PoolCluster {
             manager: None,
             admin: addrs[NODES as usize + 1],
             k,
+            meta,
             rt: tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap(),
             dir,
         };
@@ -112,7 +119,12 @@ impl PoolCluster {
 
     fn start_manager(&mut self) {
         let mut cmd = self.command("manager", 0);
-        cmd.arg("--data-dir").arg(self.dir.join("meta")).args(["--admin", &self.admin.to_string()]);
+        if self.meta.is_empty() {
+            cmd.arg("--data-dir").arg(self.dir.join("meta"));
+        } else {
+            cmd.args(&self.meta);
+        }
+        cmd.args(["--admin", &self.admin.to_string()]);
         cmd.args(["--k", &self.k.to_string(), "--dead-after-s", "0.5", "--ready-timeout-s", "10"]);
         cmd.args(["--nic-gbps", &LINK_GBPS.to_string()]);
         self.manager = Some(Proc::spawn(cmd));
@@ -223,8 +235,22 @@ fn killing_a_node_restores_the_pool_within_the_bound() {
 
 #[test]
 fn a_manager_killed_mid_repair_recovers_and_finishes_it() {
-    let k = 2;
-    let mut c = PoolCluster::start(k, "mgr");
+    kill_manager_mid_repair(PoolCluster::start(2, "mgr"));
+}
+
+#[cfg(feature = "etcd")]
+#[test]
+fn a_manager_on_etcd_killed_mid_repair_recovers_and_finishes_it() {
+    let etcd = match cascade_tests::etcd::EtcdServer::start("pf") {
+        Ok(s) => s,
+        Err(why) => return eprintln!("SKIPPED: {why}"),
+    };
+    let meta = ["--meta", "etcd", "--etcd-endpoints", &etcd.endpoint, "--etcd-prefix", "/cascade/pf"];
+    kill_manager_mid_repair(PoolCluster::start_with(2, "etcd", meta.iter().map(|s| s.to_string()).collect()));
+}
+
+fn kill_manager_mid_repair(mut c: PoolCluster) {
+    let k = c.k;
     c.register_models();
     let (victim, _) = busiest(&c.status());
     let held = c.status().copies.iter().filter(|x| x.node == victim).count();

@@ -25,5 +25,7 @@ pub mod synthetic;
 
 pub use loader::{load, LoadError, LoadMode, LoadOptions, LoadReport};
 pub use manifest::{classify, LayerEntry, LayerKind, Manifest, ManifestError, TensorEntry, DEFAULT_CHUNK};
+#[cfg(feature = "etcd")]
+pub use meta::EtcdStore;
 pub use meta::{DurablePool, EmbeddedStore, Event as PoolEvent, MetaError, MetaStore, ModelEntry, Recovered};
 pub use pool::{Action as PoolAction, Copy, CopyKind, CopyState, Pool, PoolError, Source, Violation};

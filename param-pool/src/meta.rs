@@ -6,6 +6,8 @@
 //! `len u32 | crc32 u32 | bytes`, fsynced on append — and `snapshot.bin` (same framing, replaced
 //! atomically by write-to-temp, fsync, rename, fsync of the directory). On recovery a torn or
 //! corrupt tail (a crash mid-append) is detected by its length or crc, reported, and cut off.
+//!
+//! With the `etcd` feature, `EtcdStore` keeps the same log and snapshots in etcd.
 
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};
@@ -296,6 +298,11 @@ impl<S: MetaStore> DurablePool<S> {
         &self.state.catalog
     }
 }
+
+#[cfg(feature = "etcd")]
+mod etcd;
+#[cfg(feature = "etcd")]
+pub use etcd::EtcdStore;
 
 #[cfg(test)]
 mod tests;

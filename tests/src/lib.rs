@@ -16,6 +16,7 @@ use std::time::Duration;
 use anyhow::{anyhow, bail, Context};
 use serde_json::Value;
 
+pub mod etcd;
 pub mod netns;
 
 /// Options for a spawned cluster.

@@ -168,3 +168,80 @@ proptest! {
         prop_assert!(states.contains(p.pool()), "recovered a state that never existed");
     }
 }
+
+/// A real etcd server on loopback for the test's lifetime (Debian package `etcd-server`).
+#[cfg(feature = "etcd")]
+mod etcd {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::meta::EtcdStore;
+
+    use cascade_tests::etcd::EtcdServer as Server;
+
+    fn server(tag: &str) -> Result<Server, String> {
+        Server::start(tag)
+    }
+
+    fn port() -> u16 {
+        std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    }
+
+    fn store(s: &Server, prefix: &str) -> EtcdStore {
+        EtcdStore::connect(std::slice::from_ref(&s.endpoint), prefix, Duration::from_secs(5)).unwrap()
+    }
+
+    #[test]
+    fn a_restarted_manager_rebuilds_the_same_pool_from_etcd() {
+        let s = match server("pool") {
+            Ok(s) => s,
+            Err(why) => return eprintln!("SKIPPED: {why}"),
+        };
+        for every in [1000, 3] {
+            let prefix = format!("/cascade/test/{every}");
+            let (mut p, _) = DurablePool::open(store(&s, &prefix), fresh(), every).unwrap();
+            let mut reference = State { pool: fresh(), catalog: Default::default() };
+            for e in events() {
+                let got = p.apply(e.clone());
+                let want = apply(&mut reference, &e);
+                assert_eq!(got.is_ok(), want.is_ok(), "{e:?}");
+            }
+            drop(p);
+            let (p, dropped) = DurablePool::open(store(&s, &prefix), fresh(), every).unwrap();
+            assert_eq!(dropped, 0);
+            assert_eq!(p.pool(), &reference.pool, "snapshot every {every}");
+            assert_eq!(p.catalog(), &reference.catalog);
+        }
+    }
+
+    #[test]
+    fn two_managers_on_one_prefix_cannot_interleave_their_logs() {
+        let s = match server("fence") {
+            Ok(s) => s,
+            Err(why) => return eprintln!("SKIPPED: {why}"),
+        };
+        let (mut a, mut b) = (store(&s, "/cascade/fence"), store(&s, "/cascade/fence"));
+        a.recover().unwrap();
+        a.append(b"one").unwrap();
+        b.recover().unwrap();
+        a.append(b"two").unwrap();
+        let err = b.append(b"other").unwrap_err().to_string();
+        assert!(err.contains("another manager"), "{err}");
+        let mut c = store(&s, "/cascade/fence");
+        assert_eq!(c.recover().unwrap().records, vec![b"one".to_vec(), b"two".to_vec()]);
+        c.snapshot(b"state").unwrap();
+        c.append(b"three").unwrap();
+        let r = store(&s, "/cascade/fence").recover().unwrap();
+        assert_eq!(r.snapshot.as_deref(), Some(&b"state"[..]));
+        assert_eq!(r.records, vec![b"three".to_vec()], "the snapshot replaced the records it covers");
+    }
+
+    #[test]
+    fn an_unreachable_etcd_is_a_clear_error() {
+        let err = EtcdStore::connect(&[format!("http://127.0.0.1:{}", port())], "/x", Duration::from_millis(300))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(err.contains("etcd"), "{err}");
+    }
+}
