@@ -15,7 +15,7 @@ fn out_dir(tag: &str) -> PathBuf {
 
 fn demo(tag: &str, extra: &[&str]) -> serde_json::Value {
     let out = out_dir(tag);
-    let model = std::env::temp_dir().join(format!("cascade-demo-model-{}.safetensors", std::process::id()));
+    let model = std::env::temp_dir().join(format!("cascade-demo-model-{tag}-{}.safetensors", std::process::id()));
     cascade_param_pool::synthetic::write_llama2_like(&model, 24 << 20, 3).unwrap();
     let res = Command::new(CASCADE)
         .args(["demo", "--nodes", "4", "--tenants", "3", "--out"])
