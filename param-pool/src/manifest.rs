@@ -18,8 +18,10 @@ use safetensors::{SafeTensorError, SafeTensors};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-/// Chunk size used when none is given: 4 MiB.
-pub const DEFAULT_CHUNK: u64 = 4 << 20;
+/// Chunk size used when none is given: 1 MiB. It is also the pool's multicast chunk (a run moves
+/// the chunks its crcs describe), and a chain's pipeline fills one chunk per hop: 4 MiB chunks
+/// made the demo's 6-target scale-out of MiniLM at 1 Gbit/s take 1.30 s, 1 MiB ones 1.00 s.
+pub const DEFAULT_CHUNK: u64 = 1 << 20;
 
 /// Why a model file was rejected.
 #[derive(Debug, thiserror::Error)]
