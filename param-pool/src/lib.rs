@@ -7,12 +7,14 @@
 //! * [`loader`] — io_uring loading (O_DIRECT, buffered fallback) into a registered region;
 //! * [`pool`] — the pool manager's pure core: ≥k ready copies per model on distinct nodes,
 //!   balanced placement, reclaim that copies first, repair after a node dies;
-//! * [`meta`] — durable metadata: the `MetaStore` trait, the embedded WAL + snapshot store, and
-//!   `DurablePool`, which writes every event ahead and recovers the same pool after a restart.
-//!
-//! **Status:** the etcd store, the pool manager's daemon side (executing its actions through the
-//! loader and the multicast), `cascade pool` and `cascade demo` are not implemented yet (tracked
-//! by the parameter-pool issue).
+//! * [`meta`] — durable metadata: the `MetaStore` trait, the embedded WAL + snapshot store, the
+//!   etcd store (feature `etcd`), and `DurablePool`, which writes every event ahead and recovers
+//!   the same pool after a restart;
+//! * [`manager`] — the pool manager daemon: executes the pool's actions on the nodes (multicast
+//!   from surviving copies, io_uring loads from the file), declares dead nodes and repairs, checks
+//!   every copy's crcs, and serves `cascade pool …` over its admin interface;
+//! * [`node`] — the node side of the pool (what `cascade node` serves besides multicast runs);
+//! * [`synthetic`] — Llama-2-7B-structured synthetic models for demos and tests.
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
 pub mod loader;
