@@ -153,7 +153,12 @@ impl PoolCluster {
 
     /// `cascade pool check`'s exit status and output.
     fn check(&self) -> (bool, String) {
-        let out = Command::new(CASCADE).args(["pool", "check", "--admin", &self.admin.to_string()]).output().unwrap();
+        self.tool("check")
+    }
+
+    /// `cascade pool <what>`'s exit status and output.
+    fn tool(&self, what: &str) -> (bool, String) {
+        let out = Command::new(CASCADE).args(["pool", what, "--admin", &self.admin.to_string()]).output().unwrap();
         (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned())
     }
 
@@ -230,6 +235,11 @@ fn killing_a_node_restores_the_pool_within_the_bound() {
         let (ok, out) = c.check();
         assert!(ok, "k={k}: check after the repair: {out}");
         assert!(out.contains(&format!("{} copies", MODELS * k)), "{out}");
+        let (ok, out) = c.tool("status");
+        assert!(ok && out.contains("healthy") && out.contains("model11"), "pool status:\n{out}");
+        assert!(!out.contains(&format!(" {victim}:host")), "no copy on node {victim}:\n{out}");
+        let (ok, out) = c.tool("repair");
+        assert!(ok && out.starts_with("healthy"), "pool repair on a healthy pool:\n{out}");
     }
 }
 
