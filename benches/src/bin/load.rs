@@ -56,26 +56,6 @@ fn drop_caches() -> anyhow::Result<()> {
     std::fs::write("/proc/sys/vm/drop_caches", "3").context("--cold: dropping the page cache needs root")
 }
 
-fn synthetic(path: &std::path::Path, bytes: u64) -> anyhow::Result<()> {
-    use safetensors::tensor::TensorView;
-    let blocks = 32u64;
-    let per = (bytes / (blocks * 4 + 2)).max(4) / 4 * 4;
-    let mut names = vec!["model.embed_tokens.weight".to_string(), "lm_head.weight".into()];
-    for b in 0..blocks {
-        for t in ["self_attn.qkv_proj.weight", "self_attn.o_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
-        {
-            names.push(format!("model.layers.{b}.{t}"));
-        }
-    }
-    let data: Vec<u8> = (0..per).map(|i| ((i * 2654435761) >> 13) as u8).collect();
-    let views: Vec<(String, TensorView<'_>)> = names
-        .iter()
-        .map(|n| Ok((n.clone(), TensorView::new(safetensors::Dtype::F32, vec![(per / 4) as usize], &data)?)))
-        .collect::<Result<_, safetensors::SafeTensorError>>()?;
-    safetensors::serialize_to_file(views, None, path).context("writing the synthetic model")?;
-    Ok(())
-}
-
 fn fio(path: &std::path::Path, bs: u64, depth: u32) -> anyhow::Result<f64> {
     let out = Command::new("fio")
         .args(["--name=cascade-load", "--ioengine=io_uring", "--direct=1", "--rw=read", "--output-format=json"])
@@ -95,7 +75,7 @@ fn main() -> anyhow::Result<()> {
         if b < 1 << 20 {
             bail!("--make-synthetic needs at least 1 MiB");
         }
-        synthetic(&c.file, b)?;
+        cascade_param_pool::synthetic::write_llama2_like(&c.file, b, 1).context("writing the synthetic model")?;
     }
     let manifest = Manifest::from_file(&c.file, "model", DEFAULT_CHUNK)?;
     let region = Region::alloc(manifest.bytes, Default::default())?;
