@@ -1,6 +1,38 @@
 //! # cascade-sched
 //!
-//! Will hold the batching schedulers (Symphony, Shepherd's FLEX, Clockwork-like, Nexus-like,
-//! dLoRA), the deterministic serving simulator and the real-time engine (seed papers 001–003).
+//! Batching schedulers for GPU model serving under latency SLOs (seed papers 001 Symphony and
+//! 003 Shepherd), a deterministic serving simulator to evaluate them at cluster scale, and the
+//! metrics the papers report.
 //!
-//! **Status:** not implemented yet (tracked by the schedulers issue). This crate exports nothing.
+//! * [`scheduler`] — the sans-IO [`Scheduler`](scheduler::Scheduler) trait every scheduler
+//!   implements: the simulator (and the real-time engine) drive it with events and carry out its
+//!   decisions;
+//! * [`symphony`] — Symphony's non-work-conserving scheduler (§4.3, Appendix C) and its
+//!   work-conserving variant, split into the model and rank sides of §4.5;
+//! * [`clockwork`], [`nexus`] — the baselines as the papers describe them;
+//! * [`flex`] — Shepherd's FLEX (Algorithm 1) and its non-preemptive variant;
+//! * [`profile`] — ℓ(b) = α·b + β profiles and the papers' tables (`data/`);
+//! * [`arrival`] — Poisson, Gamma, MMPP and trace-replay arrivals;
+//! * [`sim`], [`metrics`], [`scenario`] — the simulator, what it measures, and scenario files;
+//! * [`autoscale`] — Symphony's autoscaling advice (§4.4).
+//!
+//! **Status:** the real-time engine (§4.5 on threads) and dLoRA are not implemented yet.
+#![cfg_attr(test, allow(clippy::unwrap_used))]
+
+pub mod arrival;
+pub mod autoscale;
+pub mod clockwork;
+pub mod flex;
+pub mod metrics;
+pub mod nexus;
+pub mod profile;
+pub mod scenario;
+pub mod scheduler;
+pub mod sim;
+pub mod symphony;
+pub mod time;
+
+pub use metrics::Report;
+pub use profile::Profile;
+pub use scenario::{Scenario, ScenarioError};
+pub use scheduler::{Decision, GpuId, ModelId, Ms, Request, Scheduler, SCHEDULERS};

@@ -1,0 +1,86 @@
+//! `goodput --scenario FILE --scheduler NAME [--rate R | --max-goodput] --json`: simulates a
+//! scenario (DESIGN.md's TOML format; see `cascade_sched::scenario`) under one scheduler and
+//! reports `scheduler, offered_rps, goodput_rps, bad_rate, gpu_idle_fraction, mean_batch,
+//! per_model[{name, goodput_rps, p99_ms, mean_batch}]` plus batch sizes, queueing delays and
+//! Symphony's autoscaling advice.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use cascade_sched::{autoscale, Scenario};
+use clap::Parser;
+use serde_json::json;
+
+#[derive(Parser)]
+#[command(about = "Simulate a serving scenario under a batching scheduler")]
+struct Cli {
+    /// Scenario file (TOML).
+    #[arg(long)]
+    scenario: PathBuf,
+    /// symphony, symphony-wc, clockwork, nexus, flex or flex-np.
+    #[arg(long)]
+    scheduler: String,
+    /// Total offered rate, requests/s, split by the models' weights (default: the file's rates).
+    #[arg(long, conflicts_with = "max_goodput")]
+    rate: Option<f64>,
+    /// Search for the goodput: the highest rate with ≥ 99% of every model's requests in SLO.
+    #[arg(long)]
+    max_goodput: bool,
+    /// Bad rate above which the autoscaling advice adds GPUs.
+    #[arg(long, default_value_t = 0.01)]
+    bad_threshold: f64,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+fn main() -> anyhow::Result<()> {
+    let c = Cli::parse();
+    let s = Scenario::load(&c.scenario).with_context(|| format!("scenario {}", c.scenario.display()))?;
+    if let Some(r) = c.rate {
+        if !(r >= 0.0 && r.is_finite()) {
+            bail!("--rate must be a non-negative number");
+        }
+    }
+    let t = Instant::now();
+    let (rate, rep) = if c.max_goodput {
+        let (r, rep) = s.max_goodput(&c.scheduler)?;
+        (Some(r), rep)
+    } else {
+        (c.rate, s.run(&c.scheduler, c.rate)?)
+    };
+    let wall = t.elapsed().as_secs_f64();
+    let advice = autoscale::advise(s.gpus, rep.bad_rate, rep.gpu_idle_fraction, c.bad_threshold);
+    let goodput = if c.max_goodput { rate.unwrap_or(0.0) } else { rep.goodput_rps };
+    if c.json {
+        println!(
+            "{}",
+            json!({
+                "scheduler": c.scheduler, "offered_rps": rep.offered_rps, "goodput_rps": goodput,
+                "bad_rate": rep.bad_rate, "gpu_idle_fraction": rep.gpu_idle_fraction, "mean_batch": rep.mean_batch,
+                "per_model": rep.per_model, "batch_histogram": rep.batch_histogram, "preemptions": rep.preemptions,
+                "lost": rep.lost, "autoscale": advice, "max_goodput_search": c.max_goodput, "wall_seconds": wall,
+            })
+        );
+    } else {
+        if c.max_goodput {
+            println!("{}: goodput {:.0} requests/s (≥ 99% of every model's requests within SLO)", c.scheduler, goodput);
+        }
+        println!(
+            "{}: offered {:.0} rps, within SLO {:.0} rps, bad rate {:.4}, GPU idle {:.3}, mean batch {:.2}, lost {} ({:.2} s wall)",
+            c.scheduler, rep.offered_rps, rep.goodput_rps, rep.bad_rate, rep.gpu_idle_fraction, rep.mean_batch, rep.lost, wall
+        );
+        for m in &rep.per_model {
+            println!(
+                "  {:<20} {:>9.0} rps good {:.4}  p99 {:>7.2} ms  queue p50/p99 {:.2}/{:.2} ms  mean batch {:.2}",
+                m.name, m.goodput_rps, m.good_fraction, m.p99_ms, m.queue_p50_ms, m.queue_p99_ms, m.mean_batch
+            );
+        }
+        println!("  autoscale: add {:.2} GPUs, release {:.2}", advice.add_gpus, advice.release_gpus);
+    }
+    if rep.lost != 0 {
+        bail!("{} requests unaccounted for", rep.lost);
+    }
+    Ok(())
+}

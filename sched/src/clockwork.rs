@@ -1,0 +1,95 @@
+//! A Clockwork-like scheduler, as the Symphony and Shepherd papers describe Clockwork's policy:
+//! centralized and work-conserving; whenever a GPU is free it takes the queued request with the
+//! earliest deadline and runs the largest batch of that request's model that still meets that
+//! deadline. Requests that cannot finish even alone are dropped.
+//!
+//! Departure: Clockwork itself also profiles and admits requests per worker with its own
+//! latency predictions; here every GPU runs every model and the profile is exact.
+
+use std::collections::VecDeque;
+
+use crate::profile::{largest_batch, Profile};
+use crate::scheduler::{Decision, GpuId, Ms, Request, Scheduler};
+use crate::time::Delay;
+
+/// The scheduler.
+pub struct Clockwork {
+    profiles: Vec<Profile>,
+    queues: Vec<VecDeque<Request>>,
+    free_at: Vec<Ms>,
+    delay: Delay,
+}
+
+impl Clockwork {
+    /// Clockwork over `gpus` GPUs.
+    pub fn new(profiles: &[Profile], gpus: usize, delay: Delay) -> Clockwork {
+        Clockwork {
+            profiles: profiles.to_vec(),
+            queues: vec![VecDeque::new(); profiles.len()],
+            free_at: vec![0.0; gpus],
+            delay,
+        }
+    }
+
+    fn dispatch(&mut self, now: Ms, out: &mut Vec<Decision>) {
+        loop {
+            let Some(gpu) = (0..self.free_at.len()).find(|g| self.free_at[*g] <= now) else { return };
+            // Drop fronts that cannot make it alone; find the earliest deadline.
+            let mut best: Option<(Ms, usize)> = None;
+            for (m, q) in self.queues.iter_mut().enumerate() {
+                let p = &self.profiles[m];
+                while let Some(r) = q.front() {
+                    if largest_batch(p, self.delay, now, now, r.deadline, 1) == 0 {
+                        out.push(Decision::Drop(*r));
+                        q.pop_front();
+                    } else {
+                        break;
+                    }
+                }
+                if let Some(r) = q.front() {
+                    if best.is_none_or(|(d, _)| r.deadline < d) {
+                        best = Some((r.deadline, m));
+                    }
+                }
+            }
+            let Some((dl, m)) = best else { return };
+            let q = &mut self.queues[m];
+            let p = &self.profiles[m];
+            let b = largest_batch(p, self.delay, now, now, dl, q.len()).max(1);
+            let requests: Vec<Request> = q.drain(..b).collect();
+            let start = now + self.delay.of(b);
+            self.free_at[gpu] = start + p.latency(b);
+            out.push(Decision::Dispatch { gpu, model: m, requests, start });
+        }
+    }
+}
+
+impl Scheduler for Clockwork {
+    fn name(&self) -> &'static str {
+        "clockwork"
+    }
+
+    fn on_arrival(&mut self, now: Ms, req: Request, out: &mut Vec<Decision>) {
+        self.queues[req.model].push_back(req);
+        self.dispatch(now, out);
+    }
+
+    fn on_gpu_free(&mut self, now: Ms, gpu: GpuId, out: &mut Vec<Decision>) {
+        // The GPU's free time is known from the dispatch (a batch dispatched at this very
+        // instant may already occupy it).
+        let _ = gpu;
+        self.dispatch(now, out);
+    }
+
+    fn on_timer(&mut self, now: Ms, out: &mut Vec<Decision>) {
+        self.dispatch(now, out);
+    }
+
+    fn next_timer(&self) -> Option<Ms> {
+        None
+    }
+
+    fn queued(&self) -> usize {
+        self.queues.iter().map(VecDeque::len).sum()
+    }
+}

@@ -1,0 +1,265 @@
+//! Scenario files (TOML, DESIGN.md's format) and running them: one rate, or a search for the
+//! goodput (the highest rate at which every model has ≥ 99% of its requests within SLO).
+//!
+//! ```toml
+//! duration_s = 60
+//! warmup_s = 5
+//! seed = 1
+//! gpus = 8
+//! delay_ctrl_ms = 0.2      # optional: Symphony's delay(bs) = d_ctrl + d_data·bs
+//! delay_data_ms = 0.01
+//! [[models]]
+//! name = "ResNet50"
+//! alpha_ms = 1.053
+//! beta_ms = 5.072
+//! slo_ms = 25
+//! rate_rps = 4000          # or weight = 1 (share of --rate)
+//! arrival = "poisson"      # gamma:SHAPE | mmpp:L1,L2,…:DWELL_MS | trace:PATH
+//! max_batch = 64           # optional
+//! ```
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::arrival::{Arrival, ArrivalGen};
+use crate::metrics::Report;
+use crate::profile::Profile;
+use crate::scheduler::Scheduler;
+use crate::sim::{run, SimConfig};
+use crate::time::Delay;
+
+/// One model of a scenario.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSpec {
+    /// Name.
+    pub name: String,
+    /// α, ms.
+    pub alpha_ms: f64,
+    /// β, ms.
+    pub beta_ms: f64,
+    /// SLO, ms.
+    pub slo_ms: f64,
+    /// Rate, requests/s.
+    #[serde(default)]
+    pub rate_rps: Option<f64>,
+    /// Share of the total rate given with `--rate`.
+    #[serde(default)]
+    pub weight: Option<f64>,
+    /// Arrival process.
+    #[serde(default = "poisson")]
+    pub arrival: String,
+    /// Largest batch.
+    #[serde(default = "max_batch")]
+    pub max_batch: usize,
+}
+
+fn poisson() -> String {
+    "poisson".into()
+}
+
+fn max_batch() -> usize {
+    128
+}
+
+/// A scenario.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Scenario {
+    /// Simulated seconds.
+    pub duration_s: f64,
+    /// Seconds not measured at the start.
+    #[serde(default)]
+    pub warmup_s: f64,
+    /// Seed.
+    #[serde(default)]
+    pub seed: u64,
+    /// GPUs.
+    pub gpus: usize,
+    /// Control delay, ms.
+    #[serde(default)]
+    pub delay_ctrl_ms: f64,
+    /// Data delay per request, ms.
+    #[serde(default)]
+    pub delay_data_ms: f64,
+    /// Nexus: frontends.
+    #[serde(default = "frontends")]
+    pub nexus_frontends: usize,
+    /// Nexus: seconds between re-plans.
+    #[serde(default = "epoch")]
+    pub nexus_epoch_s: f64,
+    /// The models.
+    pub models: Vec<ModelSpec>,
+}
+
+fn frontends() -> usize {
+    4
+}
+
+fn epoch() -> f64 {
+    10.0
+}
+
+/// Why a scenario could not be used.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ScenarioError {
+    /// Not valid TOML for a scenario.
+    #[error("{path}: {detail}")]
+    Parse {
+        /// The file.
+        path: String,
+        /// What is wrong.
+        detail: String,
+    },
+    /// Inconsistent values.
+    #[error("{0}")]
+    Invalid(String),
+    /// Unknown scheduler.
+    #[error("unknown scheduler {0:?} (have {list})", list = crate::scheduler::SCHEDULERS.join(", "))]
+    UnknownScheduler(String),
+    /// The simulator refused a scheduler's decision.
+    #[error("simulation: {0}")]
+    Sim(#[from] crate::sim::SimError),
+}
+
+impl Scenario {
+    /// Reads a scenario file.
+    pub fn load(path: &Path) -> Result<Scenario, ScenarioError> {
+        let shown = path.display().to_string();
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| ScenarioError::Parse { path: shown.clone(), detail: e.to_string() })?;
+        let s: Scenario =
+            toml::from_str(&text).map_err(|e| ScenarioError::Parse { path: shown, detail: e.to_string() })?;
+        s.check()?;
+        Ok(s)
+    }
+
+    /// Checks the values.
+    pub fn check(&self) -> Result<(), ScenarioError> {
+        let bad = |s: String| Err(ScenarioError::Invalid(s));
+        if !(self.duration_s > 0.0 && self.warmup_s >= 0.0 && self.warmup_s < self.duration_s) {
+            return bad(format!("need duration_s > warmup_s ≥ 0 (got {} and {})", self.duration_s, self.warmup_s));
+        }
+        if self.gpus == 0 || self.models.is_empty() {
+            return bad("need at least one GPU and one model".into());
+        }
+        if self.delay_ctrl_ms < 0.0 || self.delay_data_ms < 0.0 {
+            return bad("delays cannot be negative".into());
+        }
+        for m in &self.models {
+            self.profile(m)?;
+            let a = Arrival::parse(&m.arrival).map_err(|e| ScenarioError::Invalid(format!("model {}: {e}", m.name)))?;
+            if m.rate_rps.is_none() && m.weight.is_none() && !matches!(a, Arrival::Periodic { .. }) {
+                return bad(format!("model {}: give rate_rps or weight", m.name));
+            }
+        }
+        Ok(())
+    }
+
+    fn profile(&self, m: &ModelSpec) -> Result<Profile, ScenarioError> {
+        Profile::new(&m.name, m.alpha_ms, m.beta_ms, m.slo_ms, m.max_batch)
+            .map_err(|e| ScenarioError::Invalid(e.to_string()))
+    }
+
+    /// The profiles, in model order.
+    pub fn profiles(&self) -> Result<Vec<Profile>, ScenarioError> {
+        self.models.iter().map(|m| self.profile(m)).collect()
+    }
+
+    /// The delay model.
+    pub fn delay(&self) -> Delay {
+        Delay { ctrl_ms: self.delay_ctrl_ms, data_ms: self.delay_data_ms }
+    }
+
+    /// Each model's rate: as given, or `total` split by weight (rates given count as weights).
+    pub fn rates(&self, total: Option<f64>) -> Vec<f64> {
+        let shares: Vec<f64> = self.models.iter().map(|m| m.weight.or(m.rate_rps).unwrap_or(1.0).max(0.0)).collect();
+        match total {
+            None => self.models.iter().zip(&shares).map(|(m, s)| m.rate_rps.unwrap_or(*s)).collect(),
+            Some(t) => {
+                let sum: f64 = shares.iter().sum::<f64>().max(1e-12);
+                shares.iter().map(|s| t * s / sum).collect()
+            }
+        }
+    }
+
+    /// A fresh scheduler `name` for this scenario at `rates`.
+    pub fn scheduler(&self, name: &str, rates: &[f64]) -> Result<Box<dyn Scheduler>, ScenarioError> {
+        let p = self.profiles()?;
+        let (g, d) = (self.gpus, self.delay());
+        Ok(match name {
+            "symphony" => Box::new(crate::symphony::Symphony::new(&p, g, d, false)),
+            "symphony-wc" => Box::new(crate::symphony::Symphony::new(&p, g, d, true)),
+            "clockwork" => Box::new(crate::clockwork::Clockwork::new(&p, g, d)),
+            "nexus" => {
+                Box::new(crate::nexus::Nexus::new(&p, g, d, rates, self.nexus_frontends, self.nexus_epoch_s * 1000.0))
+            }
+            "flex" => Box::new(crate::flex::Flex::new(&p, g, d, true)),
+            "flex-np" => Box::new(crate::flex::Flex::new(&p, g, d, false)),
+            other => return Err(ScenarioError::UnknownScheduler(other.to_string())),
+        })
+    }
+
+    /// Simulates `scheduler` at `total` requests/s (None: the rates in the file).
+    pub fn run(&self, scheduler: &str, total: Option<f64>) -> Result<Report, ScenarioError> {
+        let rates = self.rates(total);
+        let arrivals = self
+            .models
+            .iter()
+            .zip(&rates)
+            .enumerate()
+            .map(|(i, (m, r))| {
+                let kind = Arrival::parse(&m.arrival).map_err(|e| ScenarioError::Invalid(e.to_string()))?;
+                Ok(ArrivalGen::new(kind, *r, self.seed.wrapping_mul(1_000_003).wrapping_add(i as u64)))
+            })
+            .collect::<Result<Vec<_>, ScenarioError>>()?;
+        let cfg = SimConfig {
+            profiles: self.profiles()?,
+            arrivals,
+            gpus: self.gpus,
+            duration_ms: self.duration_s * 1000.0,
+            warmup_ms: self.warmup_s * 1000.0,
+        };
+        let mut s = self.scheduler(scheduler, &rates)?;
+        Ok(run(cfg, s.as_mut())?.report())
+    }
+
+    /// Goodput (DESIGN.md): the highest total rate at which every model has ≥ 99% of its
+    /// requests within SLO, by bisection on the total rate (relative precision 1%). Returns the
+    /// rate and the run at it.
+    pub fn max_goodput(&self, scheduler: &str) -> Result<(f64, Report), ScenarioError> {
+        let ok = |r: &Report| r.per_model.iter().all(|m| m.requests == 0 || m.good_fraction >= 0.99);
+        let start: f64 = self.rates(None).iter().sum::<f64>().max(1.0);
+        let (mut lo, mut hi) = (0.0, start);
+        let mut best: Option<(f64, Report)> = None;
+        // Grow until it fails.
+        loop {
+            let r = self.run(scheduler, Some(hi))?;
+            if !ok(&r) {
+                break;
+            }
+            lo = hi;
+            best = Some((hi, r));
+            hi *= 2.0;
+            if hi > 1e9 {
+                break;
+            }
+        }
+        while hi - lo > 0.01 * hi {
+            let mid = (lo + hi) / 2.0;
+            let r = self.run(scheduler, Some(mid))?;
+            if ok(&r) {
+                lo = mid;
+                best = Some((mid, r));
+            } else {
+                hi = mid;
+            }
+        }
+        match best {
+            Some(b) => Ok(b),
+            None => Ok((0.0, self.run(scheduler, Some(lo.max(1e-3)))?)),
+        }
+    }
+}

@@ -1,0 +1,69 @@
+//! The interface every scheduler implements, shared by the simulator and the real-time engine.
+//!
+//! A scheduler is sans-IO: it never reads a clock or sleeps. The driver tells it the time with
+//! every event (a request arrived, a GPU became free, a timer it asked for is due) and carries out
+//! the [`Decision`]s it returns: run a batch on a GPU at a given time, drop a request that can no
+//! longer meet its deadline, or preempt a GPU's running batch.
+
+/// Milliseconds since the start of the run.
+pub type Ms = f64;
+/// A GPU's index.
+pub type GpuId = usize;
+/// A model's index in the scenario.
+pub type ModelId = usize;
+
+/// One inference request.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Request {
+    /// Unique id.
+    pub id: u64,
+    /// The model it queries.
+    pub model: ModelId,
+    /// When the scheduler received it.
+    pub arrival: Ms,
+    /// When it must be complete (arrival + the model's SLO).
+    pub deadline: Ms,
+}
+
+/// What the driver must do.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Decision {
+    /// Run `requests` (all of `model`) as one batch on `gpu`, starting at `start` (≥ now).
+    Dispatch {
+        /// The GPU.
+        gpu: GpuId,
+        /// The model.
+        model: ModelId,
+        /// The batch.
+        requests: Vec<Request>,
+        /// When execution starts (after the control and data delays).
+        start: Ms,
+    },
+    /// The request cannot meet its deadline: report it dropped to its sender.
+    Drop(Request),
+    /// Abort the batch running on `gpu`; the scheduler has taken its requests back.
+    Preempt {
+        /// The GPU.
+        gpu: GpuId,
+    },
+}
+
+/// A batching scheduler.
+pub trait Scheduler {
+    /// Its name (`symphony`, `flex`, …).
+    fn name(&self) -> &'static str;
+    /// A request arrived at `now`.
+    fn on_arrival(&mut self, now: Ms, req: Request, out: &mut Vec<Decision>);
+    /// `gpu` finished its batch at `now` (GPUs start free; the scheduler knows them from its
+    /// construction).
+    fn on_gpu_free(&mut self, now: Ms, gpu: GpuId, out: &mut Vec<Decision>);
+    /// The time asked for by [`next_timer`](Self::next_timer) has come.
+    fn on_timer(&mut self, now: Ms, out: &mut Vec<Decision>);
+    /// When the scheduler next wants [`on_timer`](Self::on_timer), if ever.
+    fn next_timer(&self) -> Option<Ms>;
+    /// Requests it still holds (queued, not dispatched or dropped).
+    fn queued(&self) -> usize;
+}
+
+/// The names [`by_name`](crate::by_name) knows.
+pub const SCHEDULERS: [&str; 6] = ["symphony", "symphony-wc", "clockwork", "nexus", "flex", "flex-np"];
