@@ -62,3 +62,39 @@ fn multicast_prints_the_contract_fields() {
     assert!(v["link_mbit"].is_null() && v["bound_seconds"].is_null(), "{v}");
     assert!(v["seconds"].as_f64().unwrap() > 0.0);
 }
+
+#[test]
+fn goodput_prints_the_contract_fields() {
+    let scenario = concat!(env!("CARGO_MANIFEST_DIR"), "/../sched/scenarios/table4_resnet50.toml");
+    for sched in ["symphony", "clockwork", "nexus", "flex"] {
+        let v = run(
+            env!("CARGO_BIN_EXE_goodput"),
+            &["--scenario", scenario, "--scheduler", sched, "--rate", "3000", "--json"],
+        );
+        for k in ["scheduler", "offered_rps", "goodput_rps", "bad_rate", "gpu_idle_fraction", "mean_batch", "per_model"]
+        {
+            assert!(!v[k].is_null(), "{sched}: missing {k} in {v}");
+        }
+        for k in ["name", "goodput_rps", "p99_ms", "mean_batch"] {
+            assert!(!v["per_model"][0][k].is_null(), "{sched}: per_model lacks {k}");
+        }
+        assert_eq!(v["lost"], 0);
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_goodput"))
+        .args(["--scenario", scenario, "--scheduler", "fifo"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("unknown scheduler"));
+}
+
+#[test]
+fn sched_throughput_prints_the_contract_fields() {
+    let v = run(
+        env!("CARGO_BIN_EXE_sched-throughput"),
+        &["--models", "8", "--gpus", "32", "--rate", "100000", "--seconds", "0.3", "--json"],
+    );
+    for k in ["requests", "seconds", "requests_per_s", "lost"] {
+        assert!(v[k].as_f64().is_some(), "missing {k} in {v}");
+    }
+    assert_eq!(v["lost"], 0);
+}

@@ -14,9 +14,11 @@
 //! * [`profile`] — ℓ(b) = α·b + β profiles and the papers' tables (`data/`);
 //! * [`arrival`] — Poisson, Gamma, MMPP and trace-replay arrivals;
 //! * [`sim`], [`metrics`], [`scenario`] — the simulator, what it measures, and scenario files;
-//! * [`autoscale`] — Symphony's autoscaling advice (§4.4).
+//! * [`autoscale`] — Symphony's autoscaling advice (§4.4);
+//! * [`realtime`] — Symphony on real threads against the wall clock (§4.5): ModelThreads, a
+//!   RankThread and emulated GPU workers, fed by an in-process load generator.
 //!
-//! **Status:** the real-time engine (§4.5 on threads) and dLoRA are not implemented yet.
+//! **Status:** dLoRA's scheduler is not implemented yet.
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
 pub mod arrival;
@@ -26,6 +28,7 @@ pub mod flex;
 pub mod metrics;
 pub mod nexus;
 pub mod profile;
+pub mod realtime;
 pub mod scenario;
 pub mod scheduler;
 pub mod sim;

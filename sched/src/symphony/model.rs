@@ -116,7 +116,8 @@ impl ModelState {
     ///
     /// Departures: the pseudo-code assigns `exec_at` twice, the second time unconditionally
     /// (`max(earliest, frontrun_at)`), which would ignore the β·λ rule that §4.3 states; this
-    /// follows §4.3. The paper's pruning keeps "a subset of the batch with the earliest
+    /// follows §4.3. A batch at the model's largest size counts as holding β·λ requests (it
+    /// cannot grow). The paper's pruning keeps "a subset of the batch with the earliest
     /// deadlines that can still be scheduled together"; taking that subset always from the head
     /// of the queue lets a backlog of nearly expired requests force batches of one forever (the
     /// simulator showed it at 87% of capacity), so the subset is the largest window that fits,
@@ -140,11 +141,11 @@ impl ModelState {
             self.start = start;
             let earliest = (now + self.delay.of(bs)).max(gpu_free_at);
             let frontrun_at = dl - p.latency(bs + 1);
-            let exec_at = if self.work_conserving || bs as f64 >= self.beta_lambda() {
-                earliest
-            } else {
-                earliest.max(frontrun_at)
-            };
+            // A full batch cannot grow: waiting for β·λ requests beyond the largest batch
+            // would only hold it back (β·λ exceeds it at high rates).
+            let enough = self.beta_lambda().min(p.max_batch as f64);
+            let exec_at =
+                if self.work_conserving || bs as f64 >= enough { earliest } else { earliest.max(frontrun_at) };
             self.cand = Some(Candidate { bs, exec_at, invalid_after: dl - p.latency(bs) });
             return;
         }

@@ -1,0 +1,81 @@
+//! `sched-throughput --models M --gpus G --json` → `requests, seconds, requests_per_s, lost`:
+//! Symphony's real-time engine (ModelThreads, a RankThread, emulated GPUs on wall-clock timers)
+//! fed by an in-process open-loop load generator. Models take, in turn, the A100 profiles of
+//! Symphony's table with α ≤ 0.5 ms (16 models, with their SLOs), so that 1000 GPUs can carry
+//! millions of requests per second and the figure measures the scheduler, not GPU capacity.
+
+use std::time::Duration;
+
+use anyhow::bail;
+use cascade_sched::profile::{parse_table, Profile, TABLES};
+use cascade_sched::realtime::{run, EngineConfig};
+use cascade_sched::time::Delay;
+use clap::Parser;
+use serde_json::json;
+
+#[derive(Parser)]
+#[command(about = "Scheduled requests per second of the real-time Symphony engine")]
+struct Cli {
+    /// Models.
+    #[arg(long, default_value_t = 64)]
+    models: usize,
+    /// Emulated GPUs.
+    #[arg(long, default_value_t = 1000)]
+    gpus: usize,
+    /// Offered load, requests/s.
+    #[arg(long, default_value_t = 1_500_000.0)]
+    rate: f64,
+    /// Seconds of offered load.
+    #[arg(long, default_value_t = 5.0)]
+    seconds: f64,
+    /// ModelThreads.
+    #[arg(long, default_value_t = 1)]
+    shards: usize,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+fn main() -> anyhow::Result<()> {
+    let c = Cli::parse();
+    let positive = |x: f64| x.is_finite() && x > 0.0;
+    if c.models == 0 || c.gpus == 0 || c.shards == 0 || !positive(c.rate) || !positive(c.seconds) {
+        bail!("--models, --gpus, --shards, --rate and --seconds must be positive");
+    }
+    let (name, text) = TABLES[1];
+    let rows: Vec<_> = parse_table(name, text)?.into_iter().filter(|r| r.alpha_ms <= 0.5).collect();
+    let profiles = (0..c.models)
+        .map(|i| {
+            let r = &rows[i % rows.len()];
+            Profile::new(&format!("{}#{i}", r.model), r.alpha_ms, r.beta_ms, r.slo_ms.unwrap_or(50.0), 128)
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let cfg = EngineConfig {
+        profiles,
+        gpus: c.gpus,
+        shards: c.shards,
+        rate_rps: c.rate,
+        duration: Duration::from_secs_f64(c.seconds),
+        delay: Delay::default(),
+    };
+    let r = run(&cfg);
+    if c.json {
+        println!(
+            "{}",
+            json!({
+                "requests": r.requests, "seconds": r.seconds, "requests_per_s": r.requests_per_s, "lost": r.lost,
+                "executed": r.executed, "within_slo": r.within_slo, "dropped": r.dropped, "batches": r.batches,
+                "grants": r.grants, "models": c.models, "gpus": c.gpus, "offered_rps": c.rate, "shards": c.shards,
+            })
+        );
+    } else {
+        println!(
+            "{} requests offered at {:.0}/s to {} models on {} GPUs: {:.0} executed/s ({} executed, {} within SLO, {} dropped, {} lost) in {:.2} s; {} batches",
+            r.requests, c.rate, c.models, c.gpus, r.requests_per_s, r.executed, r.within_slo, r.dropped, r.lost, r.seconds, r.batches
+        );
+    }
+    if r.lost != 0 {
+        bail!("{} requests lost", r.lost);
+    }
+    Ok(())
+}
