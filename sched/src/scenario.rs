@@ -130,8 +130,17 @@ impl Scenario {
         let shown = path.display().to_string();
         let text = std::fs::read_to_string(path)
             .map_err(|e| ScenarioError::Parse { path: shown.clone(), detail: e.to_string() })?;
-        let s: Scenario =
+        let mut s: Scenario =
             toml::from_str(&text).map_err(|e| ScenarioError::Parse { path: shown, detail: e.to_string() })?;
+        // Trace paths are relative to the scenario file.
+        let dir = path.parent().unwrap_or(Path::new("."));
+        for m in &mut s.models {
+            if let Some(p) = m.arrival.strip_prefix("trace:") {
+                if Path::new(p).is_relative() {
+                    m.arrival = format!("trace:{}", dir.join(p).display());
+                }
+            }
+        }
         s.check()?;
         Ok(s)
     }

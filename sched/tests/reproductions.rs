@@ -114,3 +114,18 @@ fn a_lightly_loaded_gpu_runs_every_request_alone_and_idles_the_rest() {
         assert!((r.goodput_rps - 100.0).abs() < 1.0, "{name}: {}", r.goodput_rps);
     }
 }
+
+#[test]
+fn the_azure_code_trace_replays_at_the_asked_rate() {
+    let s = scenario("azure_code_trace.toml", 20.0);
+    let r = s.run("symphony", None).unwrap();
+    assert_eq!(r.lost, 0);
+    let trace = &r.per_model[0];
+    let secs = s.duration_s - s.warmup_s;
+    assert!(
+        (trace.requests as f64 / secs - 2000.0).abs() < 200.0,
+        "rescaled to 2000 r/s: {} in {secs} s",
+        trace.requests
+    );
+    eprintln!("azure trace: {:?}", r.per_model.iter().map(|m| (m.name.clone(), m.good_fraction)).collect::<Vec<_>>());
+}
