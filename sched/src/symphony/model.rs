@@ -40,13 +40,9 @@ impl RateEstimate {
         self.last = Some(t);
     }
 
-    /// Requests per millisecond (0 until two arrivals were seen).
-    pub fn per_ms(&self) -> f64 {
-        match self.mean_gap {
-            Some(g) if g > 0.0 => 1.0 / g,
-            Some(_) => f64::INFINITY,
-            None => 0.0,
-        }
+    /// Requests per millisecond; `None` until two arrivals were seen.
+    pub fn per_ms(&self) -> Option<f64> {
+        self.mean_gap.map(|g| if g > 0.0 { 1.0 / g } else { f64::INFINITY })
     }
 }
 
@@ -103,9 +99,10 @@ impl ModelState {
         self.queue.front().map(|r| r.deadline)
     }
 
-    /// β·λ: the batch size worth waiting for (§4.3).
+    /// β·λ: the batch size worth waiting for (§4.3); unbounded while the rate is unknown (so a
+    /// model's first request waits for its `sched_at` rather than going out alone at once).
     pub fn beta_lambda(&self) -> f64 {
-        self.profile.beta_ms * self.rate.per_ms()
+        self.rate.per_ms().map_or(f64::INFINITY, |l| self.profile.beta_ms * l)
     }
 
     /// Appendix C's `update_candidate`: drops requests that cannot finish even alone (into
