@@ -9,8 +9,8 @@
 //!   when ℓ(b) of wall-clock time has passed;
 //! * an in-process **load generator** offers requests open-loop at a target rate.
 //!
-//! Every request ends executed (by a GPU) or reported dropped to its sender; `lost` counts those
-//! that did neither (must be 0). Departure from the paper: a ModelThread tells the RankThread
+//! Every request ends executed (by a GPU) or dropped, and its sender — the generator — is told
+//! which, by request id; `lost` counts requests it heard nothing (or twice) about (must be 0). Departure from the paper: a ModelThread tells the RankThread
 //! about its candidates once per batch of messages it processed rather than once per request,
 //! so the RankThread's load scales with batches, as §4.5 intends.
 
@@ -66,13 +66,25 @@ pub struct EngineReport {
     pub grants: u64,
 }
 
+/// Counters of the engine's own work (statistics, not request outcomes).
 #[derive(Default)]
 struct Results {
-    executed: AtomicU64,
-    within_slo: AtomicU64,
-    dropped: AtomicU64,
     batches: AtomicU64,
     grants: AtomicU64,
+}
+
+/// What the sender (the load generator) is told about its requests.
+enum Outcome {
+    /// A batch ran: its request ids, and how many finished within their deadline.
+    Executed(Vec<u64>, u64),
+    /// These requests were dropped.
+    Dropped(Vec<u64>),
+}
+
+fn report_dropped(to: &Sender<Outcome>, reqs: &mut Vec<Request>) {
+    if !reqs.is_empty() {
+        let _ = to.send(Outcome::Dropped(reqs.drain(..).map(|r| r.id).collect()));
+    }
 }
 
 enum ToShard {
@@ -102,15 +114,17 @@ fn wait_for(next: Option<Ms>, now: Ms) -> Duration {
 }
 
 /// A ModelThread: its models, their drop timers, the candidates it last told the rank.
-fn model_thread(
-    models: Vec<ModelState>,
-    inbox: Receiver<ToShard>,
+/// Where a ModelThread sends things.
+struct ShardLinks {
     rank: Sender<Vec<ToRank>>,
     gpus: Sender<Vec<Exec>>,
+    outcomes: Sender<Outcome>,
     results: Arc<Results>,
     closing: Arc<AtomicBool>,
-    epoch: Instant,
-) {
+}
+
+fn model_thread(models: Vec<ModelState>, inbox: Receiver<ToShard>, links: ShardLinks, epoch: Instant) {
+    let ShardLinks { rank, gpus, outcomes, results, closing } = links;
     let base: Vec<ModelId> = models.iter().map(|m| m.id).collect();
     let mut models = models;
     let index = |id: ModelId| base.iter().position(|b| *b == id);
@@ -186,10 +200,7 @@ fn model_thread(
             }
             to_rank.push(ToRank::Candidate(models[i].id, models[i].candidate()));
         }
-        if !dropped.is_empty() {
-            results.dropped.fetch_add(dropped.len() as u64, Ordering::Relaxed);
-            dropped.clear();
-        }
+        report_dropped(&outcomes, &mut dropped);
         if !to_gpus.is_empty() {
             let _ = gpus.send(std::mem::take(&mut to_gpus));
         }
@@ -200,13 +211,13 @@ fn model_thread(
             // Shutting down: whatever is still queued is reported dropped to its sender.
             for m in inbox.try_iter() {
                 if let ToShard::Requests(rs) = m {
-                    results.dropped.fetch_add(rs.len() as u64, Ordering::Relaxed);
+                    dropped.extend(rs);
                 }
             }
             for m in models.iter_mut() {
                 m.update(f64::INFINITY, f64::NEG_INFINITY, &mut dropped);
             }
-            results.dropped.fetch_add(dropped.len() as u64, Ordering::Relaxed);
+            report_dropped(&outcomes, &mut dropped);
             return;
         }
     }
@@ -250,7 +261,7 @@ fn rank_thread(
 }
 
 /// The emulated GPUs: each batch completes when its end time has passed on the wall clock.
-fn gpu_thread(inbox: Receiver<Vec<Exec>>, results: Arc<Results>, epoch: Instant) {
+fn gpu_thread(inbox: Receiver<Vec<Exec>>, outcomes: Sender<Outcome>, epoch: Instant) {
     let mut running: BinaryHeap<std::cmp::Reverse<(At, u64)>> = BinaryHeap::new();
     let mut batches: std::collections::HashMap<u64, Vec<Request>> = Default::default();
     let mut seq = 0u64;
@@ -277,8 +288,46 @@ fn gpu_thread(inbox: Receiver<Vec<Exec>>, results: Arc<Results>, epoch: Instant)
             running.pop();
             if let Some(reqs) = batches.remove(&s) {
                 let good = reqs.iter().filter(|r| end.0 <= r.deadline + 1e-6).count() as u64;
-                results.executed.fetch_add(reqs.len() as u64, Ordering::Relaxed);
-                results.within_slo.fetch_add(good, Ordering::Relaxed);
+                let _ = outcomes.send(Outcome::Executed(reqs.iter().map(|r| r.id).collect(), good));
+            }
+        }
+    }
+}
+
+/// The generator's tally of outcomes; a request reported twice would be a bug (counted as lost).
+#[derive(Default)]
+struct Heard {
+    executed: u64,
+    within_slo: u64,
+    dropped: u64,
+    twice: u64,
+    seen: Vec<u64>,
+}
+
+impl Heard {
+    fn mark(&mut self, id: u64) {
+        let (word, bit) = ((id / 64) as usize, id % 64);
+        if self.seen.len() <= word {
+            self.seen.resize(word + 1, 0);
+        }
+        if self.seen[word] & (1 << bit) != 0 {
+            self.twice += 1;
+        }
+        self.seen[word] |= 1 << bit;
+    }
+
+    fn take(&mut self, rx: &Receiver<Outcome>) {
+        for o in rx.try_iter() {
+            match o {
+                Outcome::Executed(ids, good) => {
+                    self.executed += ids.len() as u64;
+                    self.within_slo += good;
+                    ids.into_iter().for_each(|id| self.mark(id));
+                }
+                Outcome::Dropped(ids) => {
+                    self.dropped += ids.len() as u64;
+                    ids.into_iter().for_each(|id| self.mark(id));
+                }
             }
         }
     }
@@ -293,6 +342,7 @@ pub fn run(cfg: &EngineConfig) -> EngineReport {
     let shard_of: Vec<usize> = (0..n).map(|m| m % shards).collect();
     let (rank_tx, rank_rx) = mpsc::channel::<Vec<ToRank>>();
     let (gpu_tx, gpu_rx) = mpsc::channel::<Vec<Exec>>();
+    let (out_tx, out_rx) = mpsc::channel::<Outcome>();
     let mut shard_txs = Vec::new();
     let mut handles = Vec::new();
     let closing = Arc::new(AtomicBool::new(false));
@@ -303,8 +353,14 @@ pub fn run(cfg: &EngineConfig) -> EngineReport {
             .filter(|m| shard_of[*m] == s)
             .map(|m| ModelState::new(m, cfg.profiles[m].clone(), cfg.delay, false))
             .collect();
-        let (rtx, gtx, res, cl) = (rank_tx.clone(), gpu_tx.clone(), results.clone(), closing.clone());
-        handles.push(std::thread::spawn(move || model_thread(models, rx, rtx, gtx, res, cl, epoch)));
+        let links = ShardLinks {
+            rank: rank_tx.clone(),
+            gpus: gpu_tx.clone(),
+            outcomes: out_tx.clone(),
+            results: results.clone(),
+            closing: closing.clone(),
+        };
+        handles.push(std::thread::spawn(move || model_thread(models, rx, links, epoch)));
     }
     drop(rank_tx);
     drop(gpu_tx);
@@ -314,9 +370,12 @@ pub fn run(cfg: &EngineConfig) -> EngineReport {
         std::thread::spawn(move || rank_thread(rank, rank_rx, txs, so, res, epoch))
     };
     let gpu_handle = {
-        let res = results.clone();
-        std::thread::spawn(move || gpu_thread(gpu_rx, res, epoch))
+        let otx = out_tx.clone();
+        std::thread::spawn(move || gpu_thread(gpu_rx, otx, epoch))
     };
+    drop(out_tx);
+    // What the sender hears back: each request once, executed or dropped.
+    let mut heard = Heard::default();
     // The load generator: open loop, every 0.5 ms the requests due since the last tick, with
     // equal shares per model, sent to each shard in one message.
     let mut sent = 0u64;
@@ -346,6 +405,7 @@ pub fn run(cfg: &EngineConfig) -> EngineReport {
                 let _ = shard_txs[s].send(ToShard::Requests(std::mem::take(b)));
             }
         }
+        heard.take(&out_rx);
         std::thread::sleep(Duration::from_micros(500));
     }
     // Shut down: shards drain (dropping what is left), then the rank and the GPUs finish.
@@ -356,17 +416,17 @@ pub fn run(cfg: &EngineConfig) -> EngineReport {
     }
     let _ = rank_handle.join();
     let _ = gpu_handle.join();
+    heard.take(&out_rx);
     let seconds = epoch.elapsed().as_secs_f64();
-    let executed = results.executed.load(Ordering::Relaxed);
-    let dropped = results.dropped.load(Ordering::Relaxed);
+    let (executed, dropped) = (heard.executed, heard.dropped);
     EngineReport {
         requests: sent,
         seconds,
         requests_per_s: executed as f64 / seconds,
         executed,
-        within_slo: results.within_slo.load(Ordering::Relaxed),
+        within_slo: heard.within_slo,
         dropped,
-        lost: sent.saturating_sub(executed + dropped),
+        lost: sent.saturating_sub(executed + dropped) + heard.twice,
         batches: results.batches.load(Ordering::Relaxed),
         grants: results.grants.load(Ordering::Relaxed),
     }
