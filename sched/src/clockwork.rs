@@ -9,7 +9,7 @@
 use std::collections::VecDeque;
 
 use crate::profile::{largest_batch, Profile};
-use crate::scheduler::{Decision, GpuId, Ms, Request, Scheduler};
+use crate::scheduler::{drop_expired, Decision, GpuId, Ms, Request, Scheduler};
 use crate::time::Delay;
 
 /// The scheduler.
@@ -38,14 +38,7 @@ impl Clockwork {
             let mut best: Option<(Ms, usize)> = None;
             for (m, q) in self.queues.iter_mut().enumerate() {
                 let p = &self.profiles[m];
-                while let Some(r) = q.front() {
-                    if largest_batch(p, self.delay, now, now, r.deadline, 1) == 0 {
-                        out.push(Decision::Drop(*r));
-                        q.pop_front();
-                    } else {
-                        break;
-                    }
-                }
+                drop_expired(p, self.delay, now, q, out);
                 if let Some(r) = q.front() {
                     if best.is_none_or(|(d, _)| r.deadline < d) {
                         best = Some((r.deadline, m));

@@ -14,7 +14,7 @@
 use std::collections::VecDeque;
 
 use crate::profile::{best_window, largest_batch, Profile};
-use crate::scheduler::{Decision, GpuId, ModelId, Ms, Request, Scheduler};
+use crate::scheduler::{drop_expired, Decision, GpuId, ModelId, Ms, Request, Scheduler};
 use crate::time::Delay;
 
 /// Shepherd's preemption threshold (Theorem 5.2).
@@ -61,14 +61,7 @@ impl Flex {
         let mut best: Option<(usize, Ms, ModelId, usize)> = None;
         for (m, q) in self.queues.iter_mut().enumerate() {
             let p = &self.profiles[m];
-            while let Some(r) = q.front() {
-                if largest_batch(p, self.delay, now, now, r.deadline, 1) == 0 {
-                    out.push(Decision::Drop(*r));
-                    q.pop_front();
-                } else {
-                    break;
-                }
-            }
+            drop_expired(p, self.delay, now, q, out);
             if q.is_empty() {
                 continue;
             }

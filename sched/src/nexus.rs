@@ -14,7 +14,7 @@
 use std::collections::VecDeque;
 
 use crate::profile::{largest_batch, Profile};
-use crate::scheduler::{Decision, GpuId, ModelId, Ms, Request, Scheduler};
+use crate::scheduler::{drop_expired, Decision, GpuId, ModelId, Ms, Request, Scheduler};
 use crate::time::Delay;
 
 /// A model's share of one GPU: batches of up to `batch`.
@@ -206,14 +206,7 @@ impl Nexus {
                 let s = self.plan[g][(self.turn[g] + k) % n];
                 let p = &self.profiles[s.model];
                 let q = &mut self.queues[g][s.model];
-                while let Some(r) = q.front() {
-                    if largest_batch(p, self.delay, now, now, r.deadline, 1) == 0 {
-                        out.push(Decision::Drop(*r));
-                        q.pop_front();
-                    } else {
-                        break;
-                    }
-                }
+                drop_expired(p, self.delay, now, q, out);
                 let Some(front) = q.front() else { continue };
                 let b = largest_batch(p, self.delay, now, now, front.deadline, q.len().min(s.batch)).max(1);
                 let requests: Vec<Request> = q.drain(..b).collect();

@@ -67,3 +67,21 @@ pub trait Scheduler {
 
 /// The names [`by_name`](crate::by_name) knows.
 pub const SCHEDULERS: [&str; 6] = ["symphony", "symphony-wc", "clockwork", "nexus", "flex", "flex-np"];
+
+/// Drops (into `out`) the requests at the head of a deadline-ordered queue that cannot finish by
+/// their deadline even alone, started now.
+pub fn drop_expired(
+    p: &crate::profile::Profile,
+    delay: crate::time::Delay,
+    now: Ms,
+    q: &mut std::collections::VecDeque<Request>,
+    out: &mut Vec<Decision>,
+) {
+    while let Some(r) = q.front() {
+        if crate::profile::largest_batch(p, delay, now, now, r.deadline, 1) > 0 {
+            return;
+        }
+        out.push(Decision::Drop(*r));
+        q.pop_front();
+    }
+}
