@@ -17,6 +17,7 @@ use anyhow::{anyhow, bail, Context};
 use serde_json::Value;
 
 pub mod etcd;
+pub mod loopback;
 pub mod netns;
 
 /// Options for a spawned cluster.

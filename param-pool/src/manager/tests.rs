@@ -4,32 +4,14 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cascade_transport::{ClusterSpec, Endpoint, EndpointConfig, NodeSpec};
+use cascade_transport::Endpoint;
 
 use super::*;
 use crate::meta::EmbeddedStore;
 use crate::node::serve_pool_node;
 
 async fn endpoints(n: u32, tag: &str) -> Vec<Arc<Endpoint>> {
-    let ls: Vec<_> = (0..n).map(|_| std::net::TcpListener::bind("127.0.0.1:0").unwrap()).collect();
-    let nodes = ls
-        .iter()
-        .enumerate()
-        .map(|(i, l)| NodeSpec { id: i as u32, addr: l.local_addr().unwrap(), host: None })
-        .collect();
-    drop(ls);
-    let c = ClusterSpec::new(format!("{tag}{}", std::process::id()), nodes).unwrap();
-    let mut eps = Vec::new();
-    for i in 0..n {
-        let mut cfg = EndpointConfig::new(i, c.clone(), b"s");
-        cfg.shm = false;
-        cfg.connect_timeout = Duration::from_millis(300);
-        eps.push(Arc::new(Endpoint::start(cfg).await.unwrap()));
-    }
-    for e in &eps {
-        e.wait_ready(Duration::from_secs(10)).await.unwrap();
-    }
-    eps
+    cascade_tests::loopback::endpoints(n, tag, |cfg| cfg.connect_timeout = Duration::from_millis(300)).await.unwrap()
 }
 
 fn scratch(tag: &str) -> PathBuf {
