@@ -308,20 +308,7 @@ impl<S: MetaStore> Manager<S> {
 
     /// `Create` actions for copies still loading, from the model's current sources.
     fn pending(&self, copies: Vec<Copy>) -> Vec<Action> {
-        copies
-            .into_iter()
-            .map(|c| {
-                let ready: Vec<CopyId> = self
-                    .pool
-                    .pool()
-                    .copies()
-                    .filter(|o| o.model == c.model && o.state != CopyState::Loading && self.alive(o.node))
-                    .map(|o| o.id)
-                    .collect();
-                let from = if ready.is_empty() { Source::File } else { Source::Copies(ready) };
-                Action::Create { copy: c, from }
-            })
-            .collect()
+        copies.into_iter().map(|c| Action::Create { from: self.pool.pool().sources(c.model), copy: c }).collect()
     }
 
     fn alive(&self, n: NodeId) -> bool {
@@ -657,28 +644,37 @@ impl<S: MetaStore> Manager<S> {
         }
     }
 
+    /// A link down makes a live pool node a suspect; a link up clears it.
+    fn note_peer(&mut self, ev: PeerEvent) {
+        match ev {
+            PeerEvent::Down { peer, reason } => {
+                if self.alive(peer) {
+                    info!(node = peer, %reason, "link to a pool node went down");
+                    self.suspects.entry(peer).or_insert_with(Instant::now);
+                }
+            }
+            PeerEvent::Up { peer, .. } => {
+                self.suspects.remove(&peer);
+            }
+        }
+    }
+
+    /// Peer events were missed: every live pool node without a link becomes a suspect.
+    fn recheck_links(&mut self) {
+        for n in self.pool.pool().live_nodes().collect::<Vec<_>>() {
+            if !self.connected(n) {
+                self.suspects.entry(n).or_insert_with(Instant::now);
+            }
+        }
+    }
+
     /// Takes the peer events that arrived: a link down makes its node a suspect; a suspect whose
     /// link stayed down for `dead_after` is declared dead. Returns the resulting actions.
     fn poll_peers(&mut self) -> Result<Vec<Action>, ManagerError> {
         loop {
             match self.events.try_recv() {
-                Ok(PeerEvent::Down { peer, reason }) => {
-                    if self.alive(peer) {
-                        info!(node = peer, %reason, "link to a pool node went down");
-                        self.suspects.entry(peer).or_insert_with(Instant::now);
-                    }
-                }
-                Ok(PeerEvent::Up { peer, .. }) => {
-                    self.suspects.remove(&peer);
-                }
-                Err(broadcast::error::TryRecvError::Lagged(_)) => {
-                    // Missed events: look at the links themselves.
-                    for n in self.pool.pool().live_nodes().collect::<Vec<_>>() {
-                        if !self.connected(n) {
-                            self.suspects.entry(n).or_insert_with(Instant::now);
-                        }
-                    }
-                }
+                Ok(ev) => self.note_peer(ev),
+                Err(broadcast::error::TryRecvError::Lagged(_)) => self.recheck_links(),
                 Err(_) => break,
             }
         }
@@ -786,20 +782,12 @@ impl<S: MetaStore> Manager<S> {
                     let res = self.serve(call.request).await;
                     let _ = call.reply.send(res.map_err(|e| e.to_string()));
                 }
-                ev = self.events.recv() => {
-                    match ev {
-                        Ok(PeerEvent::Down { peer, reason }) if self.alive(peer) => {
-                            info!(node = peer, %reason, "link to a pool node went down");
-                            self.suspects.entry(peer).or_insert_with(Instant::now);
-                            self.publish();
-                        }
-                        Ok(PeerEvent::Up { peer, .. }) => {
-                            self.suspects.remove(&peer);
-                            self.publish();
-                        }
-                        _ => {}
-                    }
-                }
+                ev = self.events.recv() => match ev {
+                    // poll_peers below publishes the new status.
+                    Ok(ev) => self.note_peer(ev),
+                    Err(broadcast::error::RecvError::Lagged(_)) => self.recheck_links(),
+                    Err(broadcast::error::RecvError::Closed) => {}
+                },
                 _ = tokio::time::sleep(sleep) => {}
             }
             let actions = self.poll_peers()?;

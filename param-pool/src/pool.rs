@@ -205,7 +205,9 @@ impl Pool {
             .collect()
     }
 
-    fn sources(&self, model: ModelId) -> Source {
+    /// Where a new copy of `model` would come from now: its ready (or evicting) copies on live
+    /// nodes, or its file when there are none.
+    pub fn sources(&self, model: ModelId) -> Source {
         let ready: Vec<CopyId> = self
             .copies
             .values()
