@@ -151,9 +151,6 @@ impl Metrics {
         }
     }
 
-    /// A batch was dispatched (its requests' queueing ends at `start`).
-    pub fn dispatched(&mut self, _model: ModelId, _start: Ms, _reqs: &[Request]) {}
-
     /// A batch ran from `start` to `end`.
     pub fn batch_done(&mut self, model: ModelId, start: Ms, end: Ms, reqs: &[Request]) {
         self.busy_ms += self.window.overlap(start, end);
@@ -191,7 +188,7 @@ impl Metrics {
     }
 
     /// A batch started at `start` was preempted at `now`.
-    pub fn preempted(&mut self, start: Ms, now: Ms, _n: usize) {
+    pub fn preempted(&mut self, start: Ms, now: Ms) {
         self.preemptions += 1;
         let used = self.window.overlap(start, now);
         self.busy_ms += used;

@@ -125,7 +125,7 @@ pub fn run(cfg: SimConfig, sched: &mut dyn Scheduler) -> Result<Metrics, SimErro
                     let Some(r) = gpu.get_mut(g).and_then(|x| x.batches.pop_front()) else {
                         return Err(SimError { at: now, detail: format!("preempt of idle GPU {g}") });
                     };
-                    metrics.preempted(r.1, now, r.4.len());
+                    metrics.preempted(r.1, now);
                 }
                 Decision::Dispatch { gpu: g, model, requests, start } => {
                     if g >= gpus || requests.is_empty() || start < now - 1e-9 {
@@ -143,7 +143,6 @@ pub fn run(cfg: SimConfig, sched: &mut dyn Scheduler) -> Result<Metrics, SimErro
                     }
                     let end = start + profiles[model].latency(requests.len());
                     batch_seq += 1;
-                    metrics.dispatched(model, start, &requests);
                     gpu[g].batches.push_back((batch_seq, start, end, model, requests));
                     push(&mut heap, end, Ev::Finish(g, batch_seq));
                 }
