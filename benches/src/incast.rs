@@ -90,7 +90,8 @@ pub async fn run(a: IncastArgs, quiet: bool) -> anyhow::Result<Value> {
         }
     }
     // Spot-check the bytes of the last round against the peers' fill pattern.
-    let probe = dst.view(0, 1)?[0];
+    // SAFETY: every READ of the last round completed above; nothing writes `dst` now.
+    let probe = unsafe { dst.view(0, 1)? }[0];
     let expect = 1u8; // peer 1 fills page 0 with 0 + (1 % 4)
     if probe != expect {
         bail!("data check failed: first byte {probe}, expected {expect}");

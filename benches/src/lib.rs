@@ -139,13 +139,15 @@ pub async fn run_peer(a: &PeerArgs) -> anyhow::Result<()> {
     let mut cfg = EndpointConfig::new(node, spec, SECRET);
     cfg.shm = a.shm;
     let ep = Endpoint::start(cfg).await?;
-    let r = ep.register_new(a.region_bytes)?;
+    let r = ep.alloc(a.region_bytes)?;
     let mut off = 0;
     while off < r.len() {
         let n = 4096.min(r.len() - off);
-        r.fill(off, n, (off / 4096 % 251) as u8 + u8::try_from(node % 4).unwrap_or(0))?;
+        // SAFETY: the region is not registered yet: nobody else can reach it.
+        unsafe { r.fill(off, n, (off / 4096 % 251) as u8 + u8::try_from(node % 4).unwrap_or(0))? };
         off += n;
     }
+    ep.register(&r)?;
     println!("{}", serde_json::json!({"id": r.id().0, "key": r.key().0, "len": r.len()}));
     let mut stdin = tokio::io::stdin();
     let mut sink = Vec::new();

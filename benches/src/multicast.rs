@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use cascade_multicast::cluster::{serve_node, Controller, RunSpec};
+use cascade_multicast::cluster::{Controller, MulticastNode, RunSpec};
 use cascade_multicast::{Loc, PlannerKind, Topology};
 use cascade_tests::netns::Netns;
 use cascade_transport::{ClusterSpec, Endpoint, EndpointConfig};
@@ -46,10 +46,15 @@ pub struct RoleArgs {
     pub mc_bytes: Option<u64>,
 }
 
-async fn join(cluster: &std::path::Path, node: u32) -> anyhow::Result<Arc<Endpoint>> {
+/// Joins the cluster; a node starts its multicast service before any peer can reach it.
+async fn join(cluster: &std::path::Path, node: u32, serve: bool) -> anyhow::Result<Arc<Endpoint>> {
     let mut cfg = EndpointConfig::new(node, ClusterSpec::load(cluster)?, SECRET.as_bytes());
     cfg.shm = false;
-    let ep = Arc::new(Endpoint::start(cfg).await?);
+    let ep = Arc::new(Endpoint::bind(cfg).await?);
+    if serve {
+        MulticastNode::start(ep.clone(), Duration::from_secs(60))?;
+    }
+    ep.open();
     ep.wait_ready(Duration::from_secs(30)).await?;
     Ok(ep)
 }
@@ -60,27 +65,20 @@ pub fn run_role(r: &RoleArgs) -> anyhow::Result<bool> {
     let (Some(cluster), Some(node)) = (&r.mc_cluster, r.mc_node) else { bail!("role needs a cluster and a node") };
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     rt.block_on(async {
-        let ep = join(cluster, node).await?;
+        let ep = join(cluster, node, role == "node").await?;
         match role {
-            "node" => serve_node(ep, Duration::from_secs(60)).await,
+            // Serves until the benchmark kills this process.
+            "node" => std::future::pending::<()>().await,
             "controller" => {
                 let text = std::fs::read_to_string(r.mc_topology.as_ref().context("topology")?)?;
                 let (n, bytes) = (r.mc_targets.context("targets")?, r.mc_bytes.context("bytes")?);
-                let spec = RunSpec {
-                    topology: Topology::from_toml(&text)?,
-                    bytes,
-                    sources: vec![Loc::gpu(1, 0)],
-                    targets: (2..2 + n as u32).map(|i| Loc::gpu(i, 0)).collect(),
-                    planner: r.mc_planner.context("planner")?,
-                    layers: (0..8u64).map(|i| i * bytes / 8..(i + 1) * bytes / 8).filter(|l| !l.is_empty()).collect(),
-                    seed: 0x5eed,
-                    deadline: Duration::from_secs(300),
-                    source_copies: Default::default(),
-                    keep: Default::default(),
-                    layout: None,
-                    progress: None,
-                };
-                let out = Controller::new(ep.clone()).run(&spec).await.map_err(|e| anyhow::anyhow!("{e}"))?;
+                let targets = (2..2 + n as u32).map(|i| Loc::gpu(i, 0)).collect();
+                let mut spec =
+                    RunSpec::synthetic(Topology::from_toml(&text)?, bytes, vec![Loc::gpu(1, 0)], targets, 0x5eed);
+                spec.planner = r.mc_planner.context("planner")?;
+                spec.layers = (0..8u64).map(|i| i * bytes / 8..(i + 1) * bytes / 8).filter(|l| !l.is_empty()).collect();
+                spec.deadline = Duration::from_secs(300);
+                let out = Controller::new(ep.clone())?.run(&spec).await?;
                 println!(
                     "{}",
                     json!({

@@ -51,7 +51,8 @@ pub async fn run(a: P2pArgs, quiet: bool) -> anyhow::Result<Value> {
     let ep = Endpoint::start(cluster.config(shm)).await?;
     let rep = ep.wait_ready(Duration::from_secs(20)).await?;
     let src = ep.register_new(a.bytes)?;
-    src.fill(0, a.bytes, 0x5a)?;
+    // SAFETY: the source is only read by the WRITEs below, which start after the fill.
+    unsafe { src.fill(0, a.bytes, 0x5a)? };
     let dst = cluster.regions[0];
     let link = ep.link(1)?;
     let mut samples = Vec::new();
@@ -105,13 +106,17 @@ pub async fn run(a: P2pArgs, quiet: bool) -> anyhow::Result<Value> {
 fn memcpy_gbit(bytes: u64) -> anyhow::Result<f64> {
     let a = Region::alloc(bytes, Default::default())?;
     let b = Region::alloc(bytes, Default::default())?;
-    a.fill(0, bytes, 1)?;
-    b.fill(0, bytes, 2)?;
-    let src = a.view(0, bytes)?;
+    // SAFETY: `a` and `b` are private to this function, never registered (so for the blocks below).
+    unsafe { a.fill(0, bytes, 1)? };
+    // SAFETY: as above.
+    unsafe { b.fill(0, bytes, 2)? };
+    // SAFETY: as above.
+    let src = unsafe { a.view(0, bytes)? };
     let mut v = Vec::new();
     for _ in 0..5 {
         let t = Instant::now();
-        b.write_local(0, &src)?;
+        // SAFETY: as above; `src` views `a`, not `b`.
+        unsafe { b.write_local(0, &src)? };
         v.push(t.elapsed().as_secs_f64());
     }
     Ok(bytes as f64 * 8.0 / median(&mut v) / 1e9)

@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use cascade_multicast::cluster::{Controller, RunSpec};
 use cascade_multicast::{Event, Loc, MeshRates, PlannerKind, Topology};
-use cascade_param_pool::node::serve_pool_node;
+use cascade_param_pool::node::start_services;
 use cascade_transport::{ClusterSpec, Endpoint, EndpointConfig};
 use clap::{Args, Parser, Subcommand};
 
@@ -108,6 +108,15 @@ fn logging(default: &str) {
 
 /// Joins the cluster as `m`; with `wait_all`, waits until every member is connected.
 pub(crate) async fn join(m: &Member, wait_all: bool) -> anyhow::Result<Arc<Endpoint>> {
+    join_with(m, wait_all, |_| Ok(())).await
+}
+
+/// Joins the cluster as `m`, with `services` started on the endpoint before any peer connects.
+pub(crate) async fn join_with(
+    m: &Member,
+    wait_all: bool,
+    services: impl FnOnce(&Arc<Endpoint>) -> anyhow::Result<()>,
+) -> anyhow::Result<Arc<Endpoint>> {
     let cluster = ClusterSpec::load(&m.cluster)?;
     let secret = match (&m.secret_file, std::env::var("CASCADE_SECRET")) {
         (Some(f), _) => std::fs::read(f).with_context(|| format!("reading {}", f.display()))?,
@@ -117,7 +126,9 @@ pub(crate) async fn join(m: &Member, wait_all: bool) -> anyhow::Result<Arc<Endpo
     let secret: Vec<u8> = secret.trim_ascii().to_vec();
     let mut cfg = EndpointConfig::new(m.node, cluster, &secret);
     cfg.shm = !m.no_shm;
-    let ep = Arc::new(Endpoint::start(cfg).await?);
+    let ep = Arc::new(Endpoint::bind(cfg).await?);
+    services(&ep)?;
+    ep.open();
     if !wait_all {
         return Ok(ep);
     }
@@ -143,11 +154,15 @@ pub(crate) async fn shutdown_signal() {
 }
 
 async fn node(m: Member) -> anyhow::Result<()> {
-    let ep = join(&m, true).await?;
-    tokio::select! {
-        _ = serve_pool_node(ep.clone(), Duration::from_secs(30)) => {}
-        _ = shutdown_signal() => tracing::info!("shutting down"),
-    }
+    // The node's services (multicast, pool) serve on their own tasks until the endpoint closes;
+    // they are subscribed before any peer can reach the node.
+    let ep = join_with(&m, true, |ep| {
+        start_services(ep.clone(), Duration::from_secs(30)).context("starting the node's services")?;
+        Ok(())
+    })
+    .await?;
+    shutdown_signal().await;
+    tracing::info!("shutting down");
     ep.shutdown();
     Ok(())
 }
@@ -169,21 +184,11 @@ async fn multicast(a: MulticastArgs) -> anyhow::Result<()> {
             Topology::from_mesh(&ep.config().cluster, ep.node(), &ep.connected(), 1, rates)?
         }
     };
-    let spec = RunSpec {
-        topology,
-        bytes: a.bytes,
-        sources: a.sources.clone(),
-        targets: a.targets.clone(),
-        planner: a.planner,
-        layers,
-        seed: 0x5eed,
-        deadline: Duration::from_secs_f64(a.deadline_s),
-        source_copies: Default::default(),
-        keep: Default::default(),
-        layout: None,
-        progress: None,
-    };
-    let out = Controller::new(ep.clone()).run(&spec).await.map_err(|e| anyhow::anyhow!("{e}"))?;
+    let mut spec = RunSpec::synthetic(topology, a.bytes, a.sources.clone(), a.targets.clone(), 0x5eed);
+    spec.planner = a.planner;
+    spec.layers = layers;
+    spec.deadline = Duration::from_secs_f64(a.deadline_s);
+    let out = Controller::new(ep.clone())?.run(&spec).await?;
     ep.shutdown();
     let done_at: Vec<_> = out
         .events

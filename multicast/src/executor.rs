@@ -19,13 +19,14 @@
 //!
 //! Members on the same node (an NVLink group, a host cache feeding a local GPU) exchange chunks by
 //! a local copy between their regions — a stand-in for NVLink/PCIe copies until the CUDA backend
-//! exists. The executor consumes its nodes' receive queues while it runs.
+//! exists. While it runs, the executor holds its nodes' multicast-notice inboxes.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cascade_transport::{Mesh, Region, TransportError};
+use cascade_transport::service::DEFAULT_INBOX;
+use cascade_transport::{Mesh, Region, ServiceExt, TransportError};
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
@@ -40,6 +41,7 @@ mod notice;
 pub use coord::{Action, Coordinator};
 pub(crate) use member::{run_member, MemberCtx, Router};
 pub use member::{ChildSpec, CoordSink, MemberCmd, ToCoord};
+pub(crate) use notice::Notice;
 
 /// Progress reported while a multicast runs.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -142,11 +144,6 @@ pub enum ExecError {
     Transport(#[from] TransportError),
 }
 
-/// The run id of a chunk notice, if `payload` is one.
-pub(crate) fn notice_run(payload: &[u8]) -> Option<u32> {
-    notice::Notice::decode(payload).map(|n| n.run)
-}
-
 /// A fresh run id: it keeps concurrent runs' notices apart.
 pub fn new_run_id() -> u32 {
     let mut b = [0u8; 4];
@@ -192,7 +189,7 @@ pub async fn execute(
     let sink: Arc<dyn CoordSink> = Arc::new(to_coord);
     let resent = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let mut tasks = JoinSet::new();
-    // One router per node, fed by that node's receive queue.
+    // One router per node, fed by that node's notice inbox (held for the run).
     let mut routers: BTreeMap<u32, Arc<Router>> = BTreeMap::new();
     for m in members.values() {
         let node = m.mesh.node();
@@ -201,10 +198,12 @@ pub async fn execute(
         }
         let router = Arc::new(Router::default());
         routers.insert(node, router.clone());
-        let mesh = m.mesh.clone();
+        let mut inbox = m.mesh.subscribe::<Notice>(DEFAULT_INBOX)?;
         tasks.spawn(async move {
-            while let Some(msg) = mesh.recv().await {
-                router.route(run, &msg.payload);
+            while let Some(m) = inbox.recv().await {
+                if m.msg.run == run {
+                    router.route(m.msg);
+                }
             }
         });
     }

@@ -48,7 +48,10 @@ pub enum LayoutError {
 
 impl Layout {
     /// Builds a layout from a source region's first `bytes` bytes, computing each chunk's crc32.
-    pub fn from_region(
+    ///
+    /// # Safety
+    /// No peer may write `source[..bytes]` meanwhile (the region concurrency contract).
+    pub unsafe fn from_region(
         source: &Region,
         bytes: u64,
         chunk: u64,
@@ -64,8 +67,8 @@ impl Layout {
         let crcs = (0..n)
             .map(|i| {
                 let off = i * chunk;
-                source
-                    .crc32(off, chunk.min(bytes - off))
+                // SAFETY: the caller guarantees that no peer writes the range.
+                unsafe { source.crc32(off, chunk.min(bytes - off)) }
                     .map_err(|_| LayoutError::Short { have: source.len(), want: bytes })
             })
             .collect::<Result<_, _>>()?;

@@ -84,16 +84,27 @@ impl FromStr for Loc {
     }
 }
 
+/// Text formats (TOML, JSON) write a location as `NODE/gpuN` or `NODE/host`; binary formats (the
+/// control plane's codec) as the pair `(node, gpu)`.
 impl serde::Serialize for Loc {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.collect_str(self)
+        if s.is_human_readable() {
+            s.collect_str(self)
+        } else {
+            serde::Serialize::serialize(&(self.node, self.gpu), s)
+        }
     }
 }
 
 impl<'de> Deserialize<'de> for Loc {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = String::deserialize(d)?;
-        s.parse().map_err(serde::de::Error::custom)
+        if d.is_human_readable() {
+            let s = String::deserialize(d)?;
+            s.parse().map_err(serde::de::Error::custom)
+        } else {
+            let (node, gpu) = <(NodeId, Option<u32>)>::deserialize(d)?;
+            Ok(Loc { node, gpu })
+        }
     }
 }
 

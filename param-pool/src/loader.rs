@@ -118,8 +118,18 @@ struct Piece {
     dst: u64,
 }
 
-/// Loads `path` (described by `manifest`) into `region`.
-pub fn load(manifest: &Manifest, path: &Path, region: &Region, opts: LoadOptions) -> Result<LoadReport, LoadError> {
+/// Loads `path` (described by `manifest`) into `region`. It returns only once no read is in
+/// flight, on success and on every error.
+///
+/// # Safety
+/// Nobody else may access `region[..manifest.bytes]` during the load (the kernel and this
+/// function write it): load into a region before registering it, or one no peer can reach.
+pub unsafe fn load(
+    manifest: &Manifest,
+    path: &Path,
+    region: &Region,
+    opts: LoadOptions,
+) -> Result<LoadReport, LoadError> {
     if opts.queue_depth == 0 || opts.block == 0 || !opts.block.is_multiple_of(ALIGN) || opts.block > (1 << 30) {
         return Err(LoadError::Options("queue depth > 0 and block a multiple of 4096 up to 1 GiB"));
     }
@@ -154,12 +164,14 @@ pub fn load(manifest: &Manifest, path: &Path, region: &Region, opts: LoadOptions
     };
     let mode = match direct {
         Some(f) => {
-            load_direct(&f, &pieces, region, opts, &shown)?;
+            // SAFETY: the caller keeps everyone else off the region.
+            unsafe { load_direct(&f, &pieces, region, opts, &shown)? };
             LoadMode::Direct
         }
         None => {
             let f = File::open(path).map_err(io_err(format!("opening {shown}")))?;
-            load_buffered(&f, &pieces, region, opts, &shown)?;
+            // SAFETY: as above.
+            unsafe { load_buffered(&f, &pieces, region, opts, &shown)? };
             LoadMode::Buffered
         }
     };
@@ -169,7 +181,8 @@ pub fn load(manifest: &Manifest, path: &Path, region: &Region, opts: LoadOptions
         for (i, want) in manifest.chunk_crcs.iter().enumerate() {
             let off = i as u64 * manifest.chunk;
             let n = manifest.chunk.min(manifest.bytes - off);
-            let got = region.crc32(off, n)?;
+            // SAFETY: the reads completed (the rings are gone) and the caller keeps peers off.
+            let got = unsafe { region.crc32(off, n)? };
             if got != *want {
                 return Err(LoadError::Changed {
                     path: shown,
@@ -187,39 +200,81 @@ pub fn load(manifest: &Manifest, path: &Path, region: &Region, opts: LoadOptions
 }
 
 /// Copies the parts of `pieces` inside file range `[start, start+n)` from `buf` into the region.
-fn scatter(pieces: &[Piece], start: u64, buf: &[u8], region: &Region) -> Result<(), LoadError> {
+///
+/// # Safety
+/// Nobody else may access the region's destination ranges meanwhile.
+unsafe fn scatter(pieces: &[Piece], start: u64, buf: &[u8], region: &Region) -> Result<(), LoadError> {
     let end = start + buf.len() as u64;
     let first = pieces.partition_point(|p| p.end <= start);
     for p in pieces[first..].iter().take_while(|p| p.file < end) {
         let (a, b) = (p.file.max(start), p.end.min(end));
-        region.write_local(p.dst + (a - p.file), &buf[(a - start) as usize..(b - start) as usize])?;
+        // SAFETY: the caller keeps everyone else off the region.
+        unsafe { region.write_local(p.dst + (a - p.file), &buf[(a - start) as usize..(b - start) as usize])? };
     }
     Ok(())
 }
 
+thread_local! {
+    /// Reads in flight in this thread's rings (a load runs on one thread; checked by the tests).
+    static IN_FLIGHT: std::cell::Cell<i64> = const { std::cell::Cell::new(0) };
+}
+
+/// An io_uring whose reads keep their target regions alive and are always reaped: the ring never
+/// goes away, and so no load returns, while the kernel may still write into a buffer.
 struct Ring {
     ring: IoUring,
-    inflight: u32,
+    /// The region each in-flight read writes into, by tag: held until its completion is reaped.
+    targets: std::collections::HashMap<u64, Region>,
+    /// Test hook: the n-th completion (counting from 0) reports EIO instead of its result.
+    #[cfg(test)]
+    fail_at: Option<u32>,
+    #[cfg(test)]
+    reaped: u32,
 }
 
 impl Ring {
     fn new(depth: u32) -> Result<Ring, LoadError> {
-        Ok(Ring { ring: IoUring::new(depth.next_power_of_two()).map_err(io_err("creating an io_uring"))?, inflight: 0 })
+        Ok(Ring {
+            ring: IoUring::new(depth.next_power_of_two()).map_err(io_err("creating an io_uring"))?,
+            targets: std::collections::HashMap::new(),
+            #[cfg(test)]
+            fail_at: FAIL_AT.with(|f| f.get()),
+            #[cfg(test)]
+            reaped: 0,
+        })
     }
 
-    /// Queues a read of `len` bytes at `offset` into `dst`.
+    fn inflight(&self) -> usize {
+        self.targets.len()
+    }
+
+    /// Queues a read of `len` bytes at file `offset` into `region[at..at+len]`; the ring holds
+    /// the region until the read's completion is reaped.
     ///
     /// # Safety
-    /// `dst..dst+len` must stay valid and untouched until the completion is reaped.
-    unsafe fn read(&mut self, fd: i32, dst: *mut u8, len: u32, offset: u64, tag: u64) -> Result<(), LoadError> {
+    /// Nothing else may access `region[at..at+len]` until the completion is reaped (the kernel
+    /// writes it meanwhile); `tag` must not be in flight already.
+    unsafe fn read(
+        &mut self,
+        fd: i32,
+        region: &Region,
+        at: u64,
+        len: u32,
+        offset: u64,
+        tag: u64,
+    ) -> Result<(), LoadError> {
+        let dst = region.ptr_range(at, u64::from(len))?;
         let e = opcode::Read::new(types::Fd(fd), dst, len).offset(offset).build().user_data(tag);
-        // SAFETY: the caller keeps the buffer alive until the completion; the ring has room
-        // because `inflight` never exceeds the queue depth it was created with.
+        // SAFETY: the range is bounds-checked and kept alive by the clone stored below until the
+        // completion is reaped (by `reap` or by `Drop`); the caller keeps everyone else off it;
+        // the ring has room because no more reads are queued than its depth.
         unsafe { self.ring.submission().push(&e) }.map_err(|_| LoadError::Io {
             context: "io_uring submission queue full".into(),
             source: io::ErrorKind::Other.into(),
         })?;
-        self.inflight += 1;
+        debug_assert!(!self.targets.contains_key(&tag), "tag {tag} is in flight already");
+        self.targets.insert(tag, region.clone());
+        IN_FLIGHT.with(|n| n.set(n.get() + 1));
         Ok(())
     }
 
@@ -232,18 +287,63 @@ impl Ring {
     fn reap(&mut self) -> Result<Vec<(u64, i32)>, LoadError> {
         self.ring.submit_and_wait(1).map_err(io_err("io_uring submit"))?;
         let done: Vec<(u64, i32)> = self.ring.completion().map(|c| (c.user_data(), c.result())).collect();
-        self.inflight -= done.len() as u32;
-        Ok(done)
+        let mut out = Vec::with_capacity(done.len());
+        for (tag, res) in done {
+            if self.targets.remove(&tag).is_some() {
+                IN_FLIGHT.with(|n| n.set(n.get() - 1));
+            }
+            #[cfg(test)]
+            let res = {
+                self.reaped += 1;
+                if self.fail_at == Some(self.reaped - 1) {
+                    -libc::EIO
+                } else {
+                    res
+                }
+            };
+            out.push((tag, res));
+        }
+        Ok(out)
     }
 }
 
-fn load_direct(f: &File, pieces: &[Piece], region: &Region, opts: LoadOptions, path: &str) -> Result<(), LoadError> {
+impl Drop for Ring {
+    /// Waits for every read still in flight (an early return on an error leaves some), so that no
+    /// buffer is released while the kernel writes into it.
+    fn drop(&mut self) {
+        while self.inflight() > 0 {
+            if let Err(e) = self.reap() {
+                // The ring cannot be waited on: keep the buffers (leak them) rather than free
+                // memory the kernel may still write.
+                tracing::error!(error = %e, reads = self.inflight(), "cannot reap io_uring reads; leaking their buffers");
+                std::mem::forget(std::mem::take(&mut self.targets));
+                return;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Test hook for the rings this thread creates (see `Ring::fail_at`).
+    static FAIL_AT: std::cell::Cell<Option<u32>> = const { std::cell::Cell::new(None) };
+}
+
+/// # Safety
+/// As for [`load`].
+unsafe fn load_direct(
+    f: &File,
+    pieces: &[Piece],
+    region: &Region,
+    opts: LoadOptions,
+    path: &str,
+) -> Result<(), LoadError> {
     let (Some(first), Some(last)) = (pieces.first(), pieces.iter().map(|p| p.end).max()) else { return Ok(()) };
     // Blocks on block-size boundaries of the file, as a plain sequential reader issues them.
     let start = first.file / opts.block * opts.block;
     let blocks = (last - start).div_ceil(opts.block);
     let depth = opts.queue_depth.min(blocks as u32).max(1);
-    // Page-aligned staging buffers (a Region is page-aligned memory).
+    // Page-aligned staging buffers (a Region is page-aligned memory, private to this load).
     let staging: Vec<Region> =
         (0..depth).map(|_| Region::alloc(opts.block, RegionOptions::default())).collect::<Result<_, _>>().map_err(
             |e| LoadError::Io { context: "allocating staging buffers".into(), source: io::Error::other(e.to_string()) },
@@ -256,9 +356,9 @@ fn load_direct(f: &File, pieces: &[Piece], region: &Region, opts: LoadOptions, p
     let mut refill = |ring: &mut Ring, b: usize| -> Result<(), LoadError> {
         if next < blocks {
             let off = start + next * opts.block;
-            // SAFETY: staging buffer `b` is `opts.block` bytes, owned here, and not touched again
-            // until its completion is reaped below.
-            unsafe { ring.read(fd, staging[b].as_mut_ptr(), opts.block as u32, off, (next << 16) | b as u64)? };
+            // SAFETY: staging buffer `b` is private to this load and not touched again until its
+            // completion is reaped.
+            unsafe { ring.read(fd, &staging[b], 0, opts.block as u32, off, (next << 16) | b as u64)? };
             next += 1;
         }
         Ok(())
@@ -280,9 +380,12 @@ fn load_direct(f: &File, pieces: &[Piece], region: &Region, opts: LoadOptions, p
             if n < opts.block && off + n < last {
                 return Err(LoadError::Changed { path: path.into(), what: format!("short read at {off} ({n} bytes)") });
             }
-            // SAFETY: the kernel filled `n` bytes of staging buffer `b`; no read is in flight into it.
-            let buf = unsafe { std::slice::from_raw_parts(staging[b].as_mut_ptr(), n as usize) };
-            scatter(pieces, off, buf, region)?;
+            // SAFETY: the kernel filled `n` bytes of staging buffer `b`, which is private to this
+            // load; no read is in flight into it until `refill` below.
+            let buf = unsafe { staging[b].view(0, n)? };
+            // SAFETY: `load`'s caller keeps everyone else off the region.
+            unsafe { scatter(pieces, off, &buf, region)? };
+            drop(buf);
             done += 1;
             // Keep the device busy: the buffer goes straight back into the ring.
             refill(&mut ring, b)?;
@@ -292,7 +395,15 @@ fn load_direct(f: &File, pieces: &[Piece], region: &Region, opts: LoadOptions, p
     Ok(())
 }
 
-fn load_buffered(f: &File, pieces: &[Piece], region: &Region, opts: LoadOptions, path: &str) -> Result<(), LoadError> {
+/// # Safety
+/// As for [`load`].
+unsafe fn load_buffered(
+    f: &File,
+    pieces: &[Piece],
+    region: &Region,
+    opts: LoadOptions,
+    path: &str,
+) -> Result<(), LoadError> {
     // Split every tensor into reads of at most one block, straight to its packed offset.
     let mut queue: std::collections::VecDeque<(u64, u64, u64)> = std::collections::VecDeque::new(); // (file, len, dst)
     for p in pieces {
@@ -305,16 +416,14 @@ fn load_buffered(f: &File, pieces: &[Piece], region: &Region, opts: LoadOptions,
     }
     let mut ring = Ring::new(opts.queue_depth)?;
     let fd = f.as_raw_fd();
-    let base = region.as_mut_ptr();
     // Reads in flight, by tag (slot index).
     let mut slots: Vec<Option<(u64, u64, u64)>> = vec![None; opts.queue_depth as usize];
-    while !queue.is_empty() || ring.inflight > 0 {
+    while !queue.is_empty() || ring.inflight() > 0 {
         while let Some(slot) = slots.iter().position(Option::is_none) {
             let Some((off, n, dst)) = queue.pop_front() else { break };
-            // SAFETY: `dst..dst+n` lies inside the region (packed offsets are below
-            // `manifest.bytes <= region.len()`); reads in flight cover disjoint ranges; the region
-            // outlives this function.
-            unsafe { ring.read(fd, base.add(dst as usize), n as u32, off, slot as u64)? };
+            // SAFETY: reads in flight cover disjoint ranges of the region, and `load`'s caller
+            // keeps everyone else off it.
+            unsafe { ring.read(fd, region, dst, n as u32, off, slot as u64)? };
             slots[slot] = Some((off, n, dst));
         }
         for (tag, res) in ring.reap()? {

@@ -24,15 +24,16 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use cascade_multicast::cluster::{Controller, RunSpec};
+use cascade_multicast::executor::new_run_id;
 use cascade_multicast::{Event as McEvent, Loc, MeshRates, PlannerKind, Topology};
-use cascade_transport::{Endpoint, PeerEvent};
+use cascade_transport::{Endpoint, PeerEvent, ServiceExt};
 use serde::Serialize;
 use tokio::sync::{broadcast, mpsc};
 use tracing::{error, info, warn};
 
 use crate::manifest::{Manifest, DEFAULT_CHUNK};
 use crate::meta::{DurablePool, Event, MetaError, MetaStore, ModelEntry};
-use crate::node::NodeMsg;
+use crate::node::PoolMsg;
 use crate::pool::{Action, Copy, CopyId, CopyKind, CopyState, ModelId, NodeId, Source};
 
 mod admin;
@@ -195,7 +196,8 @@ impl<S: MetaStore> Manager<S> {
         }
         let mut m = Manager {
             events: ep.events(),
-            ctl: Controller::new(ep.clone()),
+            ctl: Controller::new(ep.clone())
+                .map_err(|e| ManagerError::Refused(format!("starting the controller: {e}")))?,
             ep,
             pool,
             cfg,
@@ -276,17 +278,18 @@ impl<S: MetaStore> Manager<S> {
     /// Returns (kept, dropped, re-issued).
     async fn reconcile(&mut self) -> Result<(usize, usize, usize), ManagerError> {
         let held = self.list_all().await;
-        let mut dropped = 0;
+        let mut unknown = Vec::new();
         for (&node, ids) in &held {
             for &id in ids {
                 let known = self.pool.pool().copies().any(|c| c.id == id && c.node == node);
                 if !known {
-                    self.send(node, &NodeMsg::Drop { copy: id });
                     info!(node, copy = id, "dropping a copy the pool does not know");
-                    dropped += 1;
+                    unknown.push((node, id));
                 }
             }
         }
+        let dropped = unknown.len();
+        self.drop_on(unknown).await;
         let loading: Vec<Copy> = self.pool.pool().copies().filter(|c| c.state == CopyState::Loading).cloned().collect();
         let (mut kept, mut actions) = (0, Vec::new());
         let mut reissue = Vec::new();
@@ -315,38 +318,54 @@ impl<S: MetaStore> Manager<S> {
         self.pool.pool().live_nodes().any(|x| x == n)
     }
 
-    fn send(&self, node: NodeId, m: &NodeMsg) -> bool {
-        match self.ep.link(node) {
-            Ok(link) => {
-                drop(link.post(vec![cascade_transport::Op::Send { payload: m.encode() }]));
-                true
-            }
-            Err(_) => false,
+    /// Asks `nodes` the same kind of question at once; answers in the order asked.
+    async fn ask_all(&self, asks: Vec<(NodeId, PoolMsg)>) -> Vec<Result<PoolMsg, String>> {
+        let mut set = tokio::task::JoinSet::new();
+        for (i, (node, m)) in asks.into_iter().enumerate() {
+            let (ep, limit) = (self.ep.clone(), self.cfg.request_timeout);
+            set.spawn(async move {
+                // A `Failed` answer or a transport error is an `Err` with its text.
+                let r = match ep.call(node, &m, limit).await {
+                    Ok(PoolMsg::Failed { message }) => Err(message),
+                    Ok(r) => Ok(r),
+                    Err(e) => Err(e.to_string()),
+                };
+                (i, r)
+            });
         }
+        let mut out: Vec<(usize, Result<PoolMsg, String>)> = Vec::new();
+        while let Some(r) = set.join_next().await {
+            match r {
+                Ok(x) => out.push(x),
+                Err(e) => warn!(error = %e, "a request task failed"),
+            }
+        }
+        out.sort_by_key(|(i, _)| *i);
+        out.into_iter().map(|(_, r)| r).collect()
     }
 
-    /// Waits for `n` replies `f` accepts, within `limit`; returns those that came.
-    async fn replies<T>(&self, n: usize, limit: Duration, mut f: impl FnMut(NodeId, NodeMsg) -> Option<T>) -> Vec<T> {
-        let deadline = tokio::time::Instant::now() + limit;
-        let mut out = Vec::new();
-        while out.len() < n {
-            let Ok(Some(m)) = tokio::time::timeout_at(deadline, self.ep.recv()).await else { break };
-            if let Some(t) = NodeMsg::decode(&m.payload).and_then(|msg| f(m.from, msg)) {
-                out.push(t);
+    /// Drops copies on their nodes and waits for the answers (a later request then never sees
+    /// them).
+    async fn drop_on(&self, drops: Vec<(NodeId, CopyId)>) {
+        let asks = drops.iter().map(|(n, c)| (*n, PoolMsg::Drop { copy: *c })).collect();
+        for ((node, copy), r) in drops.iter().zip(self.ask_all(asks).await) {
+            if let Err(e) = r {
+                warn!(node, copy, error = %e, "dropping a copy failed");
             }
         }
-        out
     }
 
     async fn list_all(&self) -> BTreeMap<NodeId, Vec<u64>> {
-        let nodes: Vec<NodeId> = self.pool.pool().live_nodes().filter(|n| self.send(*n, &NodeMsg::List)).collect();
-        self.replies(nodes.len(), self.cfg.request_timeout, |from, m| match m {
-            NodeMsg::Listed { copies } => Some((from, copies)),
-            _ => None,
-        })
-        .await
-        .into_iter()
-        .collect()
+        let nodes: Vec<NodeId> = self.pool.pool().live_nodes().filter(|n| self.connected(*n)).collect();
+        let answers = self.ask_all(nodes.iter().map(|n| (*n, PoolMsg::List)).collect()).await;
+        nodes
+            .into_iter()
+            .zip(answers)
+            .filter_map(|(n, r)| match r {
+                Ok(PoolMsg::Listed { copies }) => Some((n, copies)),
+                _ => None,
+            })
+            .collect()
     }
 
     /// Whether the node holds `c` with every chunk's crc32 as its manifest says.
@@ -356,25 +375,20 @@ impl<S: MetaStore> Manager<S> {
 
     /// Checksums `copies` on their nodes: copy → whether every chunk matches its manifest.
     async fn check_copies(&self, copies: &[Copy]) -> BTreeMap<CopyId, bool> {
-        let mut asked = 0;
+        let mut asked = Vec::new();
+        let mut asks = Vec::new();
         for c in copies {
             let Some(e) = self.pool.catalog().get(&c.model) else { continue };
             let m = &e.manifest;
-            if self.send(c.node, &NodeMsg::Check { copy: c.id, bytes: m.bytes, chunk: m.chunk }) {
-                asked += 1;
-            }
+            asks.push((c.node, PoolMsg::Check { copy: c.id, bytes: m.bytes, chunk: m.chunk }));
+            asked.push(c);
         }
-        let got = self
-            .replies(asked, self.cfg.request_timeout, |_, m| match m {
-                NodeMsg::Checked { copy, crcs } => Some((copy, crcs)),
-                _ => None,
-            })
-            .await;
+        let answers = self.ask_all(asks).await;
         let mut out: BTreeMap<CopyId, bool> = copies.iter().map(|c| (c.id, false)).collect();
-        for (id, crcs) in got {
-            let Some(c) = copies.iter().find(|c| c.id == id) else { continue };
+        for (c, r) in asked.into_iter().zip(answers) {
             let want = self.pool.catalog().get(&c.model).map(|e| &e.manifest.chunk_crcs);
-            out.insert(id, crcs.is_some() && crcs.as_ref() == want);
+            let ok = matches!(r, Ok(PoolMsg::Checked { crcs: Some(ref got) }) if Some(got) == want);
+            out.insert(c.id, ok);
         }
         out
     }
@@ -438,7 +452,7 @@ impl<S: MetaStore> Manager<S> {
             let mut creates: BTreeMap<(ModelId, bool), Vec<(Copy, Source)>> = BTreeMap::new();
             for a in batch {
                 match a {
-                    Action::Drop { copy } => self.drop_copy(copy),
+                    Action::Drop { copy } => self.drop_copy(copy).await,
                     Action::Lost { model, reason } => {
                         error!(model, %reason, "model lost");
                         self.notice(Notice::Lost { model, reason: reason.clone() });
@@ -481,9 +495,10 @@ impl<S: MetaStore> Manager<S> {
         Ok(())
     }
 
-    fn drop_copy(&mut self, id: CopyId) {
+    async fn drop_copy(&mut self, id: CopyId) {
         let Some(c) = self.seen.get(&id).cloned() else { return };
-        if self.send(c.node, &NodeMsg::Drop { copy: id }) {
+        if self.connected(c.node) {
+            self.drop_on(vec![(c.node, id)]).await;
             self.notice(Notice::Dropped { copy: id, node: c.node, bytes: self.model_bytes(c.model) });
         }
     }
@@ -492,8 +507,7 @@ impl<S: MetaStore> Manager<S> {
         let Some(entry) = self.pool.catalog().get(&model).cloned() else {
             return group.iter().map(|(c, _)| (c.id, false)).collect();
         };
-        let mut asked = Vec::new();
-        let mut out = Vec::new();
+        let mut asks = Vec::new();
         for (c, _) in group {
             self.notice(Notice::Creating {
                 copy: c.id,
@@ -502,47 +516,34 @@ impl<S: MetaStore> Manager<S> {
                 from: "file",
                 bytes: entry.manifest.bytes,
             });
-            let m = NodeMsg::Load { copy: c.id, path: entry.path.clone(), manifest: Box::new(entry.manifest.clone()) };
-            if self.send(c.node, &m) {
-                asked.push(c.id);
-            } else {
-                out.push((c.id, false));
-            }
+            let m = PoolMsg::Load { copy: c.id, path: entry.path.clone(), manifest: Box::new(entry.manifest.clone()) };
+            asks.push((c.node, m));
         }
-        let limit = self.cfg.request_timeout;
-        let got = self
-            .replies(asked.len(), limit, |_, m| match m {
-                NodeMsg::Loaded { copy, result, file_missing } => Some((copy, result, file_missing)),
-                _ => None,
-            })
-            .await;
-        if got.iter().any(|(_, _, missing)| *missing) {
+        let answers = self.ask_all(asks).await;
+        if answers.iter().any(|r| matches!(r, Ok(PoolMsg::Loaded { file_missing: true, .. }))) {
             warn!(model, path = entry.path, "the model file is gone: repairs can no longer fall back to it");
             if let Err(e) = self.apply(Event::FileReachable { model, reachable: false }) {
                 warn!(model, error = %e, "recording the file as unreachable failed");
             }
         }
-        for id in asked {
-            let ok = match got.iter().find(|(c, _, _)| *c == id) {
-                Some((_, Ok(s), _)) => {
-                    info!(copy = id, model, seconds = s, "copy loaded from the file");
-                    true
+        let mut out = Vec::new();
+        for ((c, _), r) in group.iter().zip(answers) {
+            let failed = match r {
+                Ok(PoolMsg::Loaded { result: Ok(s), .. }) => {
+                    info!(copy = c.id, model, seconds = s, "copy loaded from the file");
+                    None
                 }
-                Some((_, Err(e), _)) => {
-                    warn!(copy = id, model, error = %e, "loading from the file failed");
-                    self.notice(Notice::Failed { copy: id, reason: e.clone() });
-                    false
-                }
-                None => {
-                    self.notice(Notice::Failed { copy: id, reason: format!("no answer within {limit:?}") });
-                    false
-                }
+                Ok(PoolMsg::Loaded { result: Err(e), .. }) | Err(e) => Some(e),
+                Ok(other) => Some(format!("unexpected answer {other:?}")),
             };
-            if ok {
-                let node = group.iter().find(|(c, _)| c.id == id).map_or(0, |(c, _)| c.node);
-                self.notice(Notice::Ready { copy: id, node, bytes: entry.manifest.bytes });
+            out.push((c.id, failed.is_none()));
+            match failed {
+                None => self.notice(Notice::Ready { copy: c.id, node: c.node, bytes: entry.manifest.bytes }),
+                Some(e) => {
+                    warn!(copy = c.id, model, error = %e, "loading from the file failed");
+                    self.notice(Notice::Failed { copy: c.id, reason: e });
+                }
             }
-            out.push((id, ok));
         }
         out
     }
@@ -581,19 +582,32 @@ impl<S: MetaStore> Manager<S> {
         for c in targets.values() {
             self.notice(Notice::Creating { copy: c.id, model, node: c.node, from: "multicast", bytes });
         }
+        // The source copies are lent to the run by their nodes' pool services.
+        let run_id = new_run_id();
+        let lends: Vec<(NodeId, PoolMsg)> =
+            sources.iter().map(|(l, c)| (l.node, PoolMsg::Lend { copy: *c, run: run_id, loc: *l, bytes })).collect();
+        let lent = self.ask_all(lends).await;
+        let lent: BTreeSet<Loc> =
+            sources.keys().zip(&lent).filter(|(_, r)| matches!(r, Ok(PoolMsg::Done))).map(|(l, _)| *l).collect();
+        if lent.is_empty() {
+            let members: Vec<Loc> = sources.keys().copied().collect();
+            self.ctl.release(run_id, &members).await;
+            return fail_all("no source copy could be lent to the multicast".into(), self);
+        }
         let (tx, mut rx) = mpsc::unbounded_channel();
         let spec = RunSpec {
             topology,
             bytes,
-            sources: sources.keys().copied().collect(),
+            sources: lent.iter().copied().collect(),
             targets: targets.keys().copied().collect(),
             planner: PlannerKind::Blitz,
             layers: Vec::new(),
             seed: 0,
             deadline: self.cfg.request_timeout
                 + Duration::from_secs_f64(bytes as f64 * 8.0 / (self.cfg.rates.nic_gbps * 1e9)),
-            source_copies: sources,
-            keep: targets.iter().map(|(l, c)| (*l, c.id)).collect(),
+            lent,
+            run: Some(run_id),
+            hold: true,
             layout: Some(entry.manifest.layout()),
             progress: Some(tx),
         };
@@ -612,8 +626,22 @@ impl<S: MetaStore> Manager<S> {
                 }
             }
         };
+        let members: Vec<Loc> = spec.sources.iter().chain(spec.targets.iter()).copied().collect();
         match res {
             Ok(out) => {
+                // The verified targets become held copies, then the run is released.
+                let adopt: Vec<(Loc, &Copy)> =
+                    targets.iter().filter(|(l, _)| out.verified.contains(l)).map(|(l, c)| (*l, *c)).collect();
+                let asks =
+                    adopt.iter().map(|(l, c)| (l.node, PoolMsg::Adopt { copy: c.id, run: run_id, loc: *l })).collect();
+                let answers = self.ask_all(asks).await;
+                let kept: BTreeSet<Loc> = adopt
+                    .iter()
+                    .zip(&answers)
+                    .filter(|(_, r)| matches!(r, Ok(PoolMsg::Done)))
+                    .map(|((l, _), _)| *l)
+                    .collect();
+                self.ctl.release(run_id, &members).await;
                 for (l, why) in &out.report.failed {
                     if let Some(c) = targets.get(l) {
                         self.notice(Notice::Failed { copy: c.id, reason: why.clone() });
@@ -622,14 +650,14 @@ impl<S: MetaStore> Manager<S> {
                 info!(
                     model,
                     targets = targets.len(),
-                    kept = out.kept.len(),
+                    kept = kept.len(),
                     seconds = out.transfer_seconds,
                     "multicast finished"
                 );
                 targets
                     .iter()
                     .map(|(l, c)| {
-                        let ok = out.kept.contains(l);
+                        let ok = kept.contains(l);
                         if ok {
                             self.notice(Notice::Ready { copy: c.id, node: c.node, bytes });
                         }
@@ -762,7 +790,7 @@ impl<S: MetaStore> Manager<S> {
         let mut actions = Vec::new();
         for id in &before.bad_copies {
             if let Some(c) = self.seen.get(id).cloned() {
-                self.send(c.node, &NodeMsg::Drop { copy: c.id });
+                self.drop_on(vec![(c.node, c.id)]).await;
                 actions.extend(self.apply(Event::CopyFailed(c.id))?);
             }
         }

@@ -1,35 +1,38 @@
-//! The node side of the pool: what a `cascade node` daemon does for the pool manager besides
-//! multicast runs — load a copy from its model file, drop one, checksum one, list them.
-//!
-//! Requests travel as SENDs behind their own 4-byte magic (`CSPL`), next to the multicast's
-//! control messages:
+//! The node side of the pool: the pool service a `cascade node` runs beside the multicast
+//! service. It owns the node's held copies (the regions that outlive multicast runs) and serves
+//! the pool manager's requests:
 //!
 //! ```text
-//! manager -> node   Load{copy, path, manifest}  ->  Loaded{copy, result}   (io_uring loader, crc-verified)
-//! manager -> node   Drop{copy}                  ->  Dropped{copy}
-//! manager -> node   Check{copy, bytes, chunk}   ->  Checked{copy, crcs}    (None: no such copy)
-//! manager -> node   List                        ->  Listed{copies}
+//! manager -> node   Load{copy, path, manifest}   ->  Loaded{result, file_missing}   (io_uring, crc-verified)
+//! manager -> node   Drop{copy}                   ->  Dropped
+//! manager -> node   Check{copy, bytes, chunk}    ->  Checked{crcs}    (None: no such copy)
+//! manager -> node   List                         ->  Listed{copies}
+//! manager -> node   Lend{copy, run, loc, bytes}  ->  Done      the copy becomes the source of a multicast run
+//! manager -> node   Adopt{copy, run, loc}        ->  Done      a verified target of a run becomes held copy `copy`
+//! (any of them)                                  ->  Failed{message}
 //! ```
+//!
+//! Lend and Adopt go through the node's [`MulticastNode`]: the pool (the higher crate) calls
+//! into the multicast (the lower one), never the other way round.
 
+use std::collections::BTreeMap;
 use std::path::Path;
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
 
-use bytes::Bytes;
-use cascade_multicast::cluster::{chunk_crcs, serve_node_with, Extension, HeldCopies};
-use cascade_multicast::NodeId;
-use cascade_transport::{Endpoint, Op};
+use cascade_multicast::cluster::{chunk_crcs, MulticastNode};
+use cascade_multicast::{Loc, NodeId};
+use cascade_transport::service::{ServiceId, DEFAULT_INBOX};
+use cascade_transport::{Inbox, Mesh, Received, Region, ServiceExt, TransportError};
 use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
 
 use crate::loader::{load, LoadOptions};
 use crate::manifest::Manifest;
 
-const MAGIC: &[u8; 4] = b"CSPL";
-
-/// A pool request or reply.
+/// Requests of the pool service, and their replies.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub enum NodeMsg {
+#[non_exhaustive]
+pub enum PoolMsg {
     /// Load the model file at `path` into a new held copy.
     Load {
         /// The copy's id.
@@ -41,12 +44,9 @@ pub enum NodeMsg {
     },
     /// The outcome of a load: seconds taken, or why it failed.
     Loaded {
-        /// The copy.
-        copy: u64,
         /// Seconds, or the error.
         result: Result<f64, String>,
         /// The error is that the file does not exist on the node.
-        #[serde(default)]
         file_missing: bool,
     },
     /// Release a held copy.
@@ -55,10 +55,7 @@ pub enum NodeMsg {
         copy: u64,
     },
     /// The copy is gone (or was never here).
-    Dropped {
-        /// The copy.
-        copy: u64,
-    },
+    Dropped,
     /// Checksum a held copy.
     Check {
         /// The copy.
@@ -70,8 +67,6 @@ pub enum NodeMsg {
     },
     /// The crc32 of each chunk; `None` when the node holds no such copy.
     Checked {
-        /// The copy.
-        copy: u64,
         /// Per-chunk crc32.
         crcs: Option<Vec<u32>>,
     },
@@ -82,89 +77,194 @@ pub enum NodeMsg {
         /// Their ids, ascending.
         copies: Vec<u64>,
     },
+    /// Lend held copy `copy` to multicast run `run` as its source at `loc`.
+    Lend {
+        /// The copy.
+        copy: u64,
+        /// The run (its controller is the requester).
+        run: u32,
+        /// The source's location in the run.
+        loc: Loc,
+        /// Bytes the run moves.
+        bytes: u64,
+    },
+    /// Take the verified target `loc` of run `run` as held copy `copy`.
+    Adopt {
+        /// The new copy's id.
+        copy: u64,
+        /// The run.
+        run: u32,
+        /// The target's location.
+        loc: Loc,
+    },
+    /// Lend or Adopt succeeded.
+    Done,
+    /// The request failed at the node.
+    Failed {
+        /// Why.
+        message: String,
+    },
 }
 
-impl NodeMsg {
-    /// Encodes with the magic prefix.
-    pub fn encode(&self) -> Bytes {
-        let mut v = MAGIC.to_vec();
-        // Serializing these plain types cannot fail.
-        v.extend(serde_json::to_vec(self).unwrap_or_default());
-        v.into()
+cascade_transport::binary_message!(PoolMsg, ServiceId::POOL, 1);
+
+/// The node's held copies, by copy id. Their regions stay registered (peers may read them as
+/// multicast sources) until dropped.
+#[derive(Default)]
+pub struct HeldCopies {
+    map: Mutex<BTreeMap<u64, Region>>,
+}
+
+impl HeldCopies {
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<u64, Region>> {
+        self.map.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Decodes a message that starts with the magic prefix.
-    pub fn decode(b: &[u8]) -> Option<NodeMsg> {
-        b.strip_prefix(MAGIC.as_slice()).and_then(|j| serde_json::from_slice(j).ok())
+    /// Holds `region` as copy `id`; returns the region it replaces, if any.
+    pub fn insert(&self, id: u64, region: Region) -> Option<Region> {
+        self.lock().insert(id, region)
+    }
+
+    /// The region of copy `id`.
+    pub fn get(&self, id: u64) -> Option<Region> {
+        self.lock().get(&id).cloned()
+    }
+
+    /// Stops holding copy `id`; the caller deregisters the region.
+    pub fn remove(&self, id: u64) -> Option<Region> {
+        self.lock().remove(&id)
+    }
+
+    /// Ids of every held copy, ascending.
+    pub fn ids(&self) -> Vec<u64> {
+        self.lock().keys().copied().collect()
     }
 }
 
-fn reply(ep: &Endpoint, to: NodeId, m: &NodeMsg) {
-    match ep.link(to) {
-        Ok(link) => drop(link.post(vec![Op::Send { payload: m.encode() }])),
-        Err(e) => warn!(to, error = %e, "cannot answer the pool manager"),
-    }
+/// The pool service of one node.
+pub struct PoolNode {
+    mesh: Arc<dyn Mesh>,
+    multicast: Arc<MulticastNode>,
+    held: HeldCopies,
 }
 
-/// Handles one pool request on a node (slow work runs on a blocking thread).
-fn handle(ep: &Arc<Endpoint>, held: &Arc<HeldCopies>, from: NodeId, msg: NodeMsg) {
-    match msg {
-        NodeMsg::Load { copy, path, manifest } => {
-            let (ep, held) = (ep.clone(), held.clone());
-            tokio::task::spawn_blocking(move || {
-                let file_missing = !Path::new(&path).exists();
-                let result = ep.register_new(manifest.bytes).map_err(|e| e.to_string()).and_then(|region| {
-                    match load(&manifest, Path::new(&path), &region, LoadOptions::default()) {
-                        Ok(rep) => {
-                            if let Some(old) = held.insert(copy, region) {
-                                ep.regions().deregister(old.id());
-                            }
-                            info!(copy, path, seconds = rep.seconds, mode = ?rep.mode, "loaded a copy from its file");
-                            Ok(rep.seconds)
-                        }
-                        Err(e) => {
-                            ep.regions().deregister(region.id());
-                            Err(e.to_string())
-                        }
-                    }
-                });
-                reply(&ep, from, &NodeMsg::Loaded { copy, result, file_missing });
-            });
+impl PoolNode {
+    /// Starts the pool service on `mesh` next to the node's multicast service: takes the pool
+    /// inbox now and serves it on a task until the node's service table closes.
+    pub fn start(mesh: Arc<dyn Mesh>, multicast: Arc<MulticastNode>) -> Result<Arc<PoolNode>, TransportError> {
+        let inbox = mesh.subscribe::<PoolMsg>(DEFAULT_INBOX)?;
+        let node = Arc::new(PoolNode { mesh, multicast, held: HeldCopies::default() });
+        tokio::spawn(node.clone().serve(inbox));
+        Ok(node)
+    }
+
+    /// The copies this node holds.
+    pub fn held(&self) -> &HeldCopies {
+        &self.held
+    }
+
+    async fn serve(self: Arc<Self>, mut inbox: Inbox<PoolMsg>) {
+        while let Some(m) = inbox.recv().await {
+            // Loads and checksums take long: each request on its own task.
+            tokio::spawn(self.clone().handle(m));
         }
-        NodeMsg::Drop { copy } => {
-            if let Some(r) = held.remove(copy) {
-                ep.regions().deregister(r.id());
-                info!(copy, "dropped a copy");
+    }
+
+    async fn handle(self: Arc<Self>, m: Received<PoolMsg>) {
+        let Some(to) = m.reply_to else {
+            warn!(from = m.from, "a pool message that is not a request");
+            return;
+        };
+        let reply = match self.serve_request(m.from, m.msg).await {
+            Ok(r) => r,
+            Err(e) => PoolMsg::Failed { message: e.to_string() },
+        };
+        if let Err(e) = self.mesh.reply(&to, &reply) {
+            warn!(to = to.peer, error = %e, "cannot answer the pool manager");
+        }
+    }
+
+    async fn serve_request(self: &Arc<Self>, from: NodeId, msg: PoolMsg) -> Result<PoolMsg, TransportError> {
+        match msg {
+            PoolMsg::Load { copy, path, manifest } => {
+                let me = self.clone();
+                blocking(move || Ok(me.load(copy, &path, &manifest))).await
             }
-            reply(ep, from, &NodeMsg::Dropped { copy });
+            PoolMsg::Drop { copy } => {
+                if let Some(r) = self.held.remove(copy) {
+                    self.mesh.regions().deregister(r.id());
+                    info!(copy, "dropped a copy");
+                }
+                Ok(PoolMsg::Dropped)
+            }
+            PoolMsg::Check { copy, bytes, chunk } => {
+                let Some(r) = self.held.get(copy) else { return Ok(PoolMsg::Checked { crcs: None }) };
+                // SAFETY: a held copy is complete and nobody writes it: sources are only read.
+                let crcs = blocking(move || unsafe { chunk_crcs(&r, bytes.min(r.len()), chunk) }).await.ok();
+                Ok(PoolMsg::Checked { crcs })
+            }
+            PoolMsg::List => Ok(PoolMsg::Listed { copies: self.held.ids() }),
+            PoolMsg::Lend { copy, run, loc, bytes } => {
+                let region = self.held.get(copy).ok_or_else(|| refused(format!("this node holds no copy {copy}")))?;
+                if region.len() < bytes {
+                    return Err(refused(format!("copy {copy} has {} bytes, the run moves {bytes}", region.len())));
+                }
+                self.multicast.lend(run, loc, region, from)?;
+                Ok(PoolMsg::Done)
+            }
+            PoolMsg::Adopt { copy, run, loc } => {
+                let region = self.multicast.detach(run, loc)?;
+                if let Some(old) = self.held.insert(copy, region) {
+                    // A manager re-issued this copy after a restart: the new bytes replace the old.
+                    self.mesh.regions().deregister(old.id());
+                }
+                Ok(PoolMsg::Done)
+            }
+            other => Err(refused(format!("a node does not serve {other:?}"))),
         }
-        NodeMsg::Check { copy, bytes, chunk } => {
-            let (ep, held) = (ep.clone(), held.clone());
-            tokio::task::spawn_blocking(move || {
-                let crcs = held.get(copy).and_then(|r| chunk_crcs(&r, bytes.min(r.len()), chunk).ok());
-                reply(&ep, from, &NodeMsg::Checked { copy, crcs });
-            });
-        }
-        NodeMsg::List => reply(ep, from, &NodeMsg::Listed { copies: held.ids() }),
-        other => warn!(?other, "a node got a pool reply"),
+    }
+
+    /// Loads `path` into a new held copy (on a blocking thread). The region is registered only
+    /// once it holds the verified bytes.
+    fn load(&self, copy: u64, path: &str, manifest: &Manifest) -> PoolMsg {
+        let file_missing = !Path::new(path).exists();
+        let result = self.mesh.alloc(manifest.bytes).map_err(|e| e.to_string()).and_then(|region| {
+            // SAFETY: the region was just allocated and is not registered: nobody else reaches it.
+            let rep = unsafe { load(manifest, Path::new(path), &region, LoadOptions::default()) };
+            let rep = rep.map_err(|e| e.to_string())?;
+            self.mesh.register(&region).map_err(|e| e.to_string())?;
+            if let Some(old) = self.held.insert(copy, region) {
+                self.mesh.regions().deregister(old.id());
+            }
+            info!(copy, path, seconds = rep.seconds, mode = ?rep.mode, "loaded a copy from its file");
+            Ok(rep.seconds)
+        });
+        PoolMsg::Loaded { result, file_missing }
     }
 }
 
-/// The extension that serves pool requests with `held` as the node's copies.
-pub fn extension(ep: Arc<Endpoint>, held: Arc<HeldCopies>) -> Extension {
-    Arc::new(move |from, payload: &Bytes| match NodeMsg::decode(payload) {
-        Some(m) => {
-            handle(&ep, &held, from, m);
-            true
-        }
-        None => false,
-    })
+fn refused(detail: String) -> TransportError {
+    TransportError::Protocol { peer: None, detail }
 }
 
-/// A node daemon's main loop: multicast runs plus the pool's requests, until the endpoint
-/// shuts down.
-pub async fn serve_pool_node(ep: Arc<Endpoint>, op_timeout: Duration) {
-    let held: Arc<HeldCopies> = Arc::default();
-    let ext = extension(ep.clone(), held.clone());
-    serve_node_with(ep, op_timeout, held, Some(ext)).await
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, TransportError> + Send + 'static,
+) -> Result<T, TransportError> {
+    tokio::task::spawn_blocking(f).await.map_err(|e| refused(format!("blocking task failed: {e}")))?
+}
+
+/// The services of a pool node: multicast and pool, on one endpoint.
+pub struct NodeServices {
+    /// The multicast service.
+    pub multicast: Arc<MulticastNode>,
+    /// The pool service.
+    pub pool: Arc<PoolNode>,
+}
+
+/// Starts a pool node's services on `mesh` (what `cascade node` runs); they serve until the
+/// node's service table closes. `op_timeout` limits each chunk WRITE of a multicast.
+pub fn start_services(mesh: Arc<dyn Mesh>, op_timeout: std::time::Duration) -> Result<NodeServices, TransportError> {
+    let multicast = MulticastNode::start(mesh.clone(), op_timeout)?;
+    let pool = PoolNode::start(mesh, multicast.clone())?;
+    Ok(NodeServices { multicast, pool })
 }

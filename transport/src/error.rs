@@ -138,6 +138,16 @@ pub enum TransportError {
         #[source]
         source: HandshakeError,
     },
+    /// A node's service table could not deliver a control message (see `service`).
+    #[error("node {peer}, {service} service: {fault}")]
+    Service {
+        /// The node that answered.
+        peer: NodeId,
+        /// The service addressed.
+        service: crate::service::ServiceId,
+        /// What it answered.
+        fault: crate::service::ServiceFault,
+    },
     /// Invalid configuration.
     #[error("configuration: {0}")]
     Config(String),

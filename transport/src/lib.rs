@@ -11,6 +11,8 @@
 //! * Backends: `tcp` (framed protocol over sockets, payloads land straight in regions),
 //!   `shm` (same host: a WRITE is one memcpy into the peer's mapping), `rdma` (feature `rdma`,
 //!   see [`rdma`]), and [`mem`] — an in-process **test double** with programmable faults.
+//! * [`service`] — the typed control plane: every message carries a service id, a version and a
+//!   request id; each service has its own bounded inbox; replies are matched to calls by id.
 //! * [`Endpoint`] — joins the cluster, picks the best backend per peer, authenticates peers with
 //!   a shared secret (HMAC; the secret never crosses the wire), detects lost peers by keepalive,
 //!   publishes [`PeerEvent`]s and reconnects with backoff.
@@ -21,15 +23,16 @@
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
 mod config;
+mod endpoint;
 mod error;
 pub mod handshake;
 mod link;
 pub mod mem;
 mod mesh;
 mod onesided;
-mod pool;
 pub mod rdma;
 mod region;
+pub mod service;
 mod shm;
 mod stats;
 mod stream;
@@ -40,10 +43,13 @@ pub mod wire;
 pub type NodeId = u32;
 
 pub use config::{select_backend, ClusterSpec, EndpointConfig, NodeSpec};
+pub use endpoint::{Endpoint, MeshReport, PeerEvent, PeerStats};
 pub use error::{HandshakeError, Result, TransportError};
 pub use handshake::Caps;
-pub use link::{run_batch, BackendKind, Completion, Incoming, Link, Op, OpHandle};
+pub use link::{run_batch, BackendKind, Completion, Link, Op, OpHandle};
 pub use mesh::{BoxFuture, Mesh};
-pub use pool::{Endpoint, MeshReport, PeerEvent, PeerStats};
+#[cfg(any(test, feature = "test-access"))]
+pub use region::test_access;
 pub use region::{Region, RegionId, RegionOptions, RegionTable, RemoteKey, RemoteRegion, PAGE};
+pub use service::{Inbox, Message, Received, ReplyTo, ServiceExt, ServiceId, Services};
 pub use stats::StatsSnapshot;

@@ -167,13 +167,13 @@ impl Future for OpHandle {
     }
 }
 
-/// A message received by SEND/RECV.
+/// A message received by SEND/RECV, before the node's services take it.
 #[derive(Debug, Clone)]
-pub struct Incoming {
+pub(crate) struct Incoming {
     /// The sender.
-    pub from: NodeId,
+    pub(crate) from: NodeId,
     /// The message.
-    pub payload: Bytes,
+    pub(crate) payload: Bytes,
 }
 
 /// A connection to one peer over one backend.

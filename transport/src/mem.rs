@@ -12,11 +12,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tokio::sync::mpsc;
+use tokio::sync::{broadcast, mpsc};
 
+use crate::endpoint::PeerEvent;
 use crate::error::{Result, TransportError};
 use crate::link::{BackendKind, Completion, Done, Incoming, Link, Op, OpHandle};
 use crate::region::{Region, RegionTable};
+use crate::service::Services;
 use crate::stats::{LinkStats, StatsSnapshot};
 use crate::NodeId;
 
@@ -35,7 +37,10 @@ pub enum Fault {
 
 struct NodeState {
     regions: RegionTable,
+    /// The node's link-level receive queue, pumped into its services in order.
     inbox: mpsc::UnboundedSender<Incoming>,
+    services: Arc<Services>,
+    events: broadcast::Sender<PeerEvent>,
     alive: bool,
 }
 
@@ -61,12 +66,40 @@ impl MemFabric {
         Self::default()
     }
 
-    /// Adds a node (or revives a killed one with fresh, empty state).
+    /// Adds a node (or revives a killed one with fresh, empty state). Must run inside a tokio
+    /// runtime: a task hands the node's received messages to its services.
     pub fn add_node(&self, id: NodeId) -> MemNode {
-        let (tx, rx) = mpsc::unbounded_channel();
+        let (tx, mut rx) = mpsc::unbounded_channel::<Incoming>();
         let regions = RegionTable::new();
-        self.0.lock_nodes().insert(id, NodeState { regions: regions.clone(), inbox: tx, alive: true });
-        MemNode { id, fabric: self.clone(), regions, inbox: tokio::sync::Mutex::new(rx) }
+        let services = Services::new(id);
+        let events = broadcast::channel(1024).0;
+        let state = NodeState {
+            regions: regions.clone(),
+            inbox: tx,
+            services: services.clone(),
+            events: events.clone(),
+            alive: true,
+        };
+        let others: Vec<broadcast::Sender<PeerEvent>> = {
+            let mut nodes = self.0.lock_nodes();
+            nodes.insert(id, state);
+            nodes.iter().filter(|(n, s)| **n != id && s.alive).map(|(_, s)| s.events.clone()).collect()
+        };
+        for o in others {
+            let _ = o.send(PeerEvent::Up { peer: id, backend: BackendKind::Mem });
+        }
+        let (fabric, svc) = (self.clone(), services.clone());
+        tokio::spawn(async move {
+            while let Some(m) = rx.recv().await {
+                if let Some(back) = svc.deliver(m.from, m.payload).await {
+                    let to = fabric.0.lock_nodes().get(&m.from).filter(|n| n.alive).map(|n| n.inbox.clone());
+                    if let Some(to) = to {
+                        let _ = to.send(Incoming { from: id, payload: back });
+                    }
+                }
+            }
+        });
+        MemNode { id, fabric: self.clone(), regions, services, events }
     }
 
     /// Sets (or with `None` clears) the fault on operations from `from` to `to`.
@@ -94,8 +127,25 @@ impl MemFabric {
 
     /// Kills a node: every operation to or from it fails with `PeerDown`.
     pub fn kill(&self, id: NodeId) {
-        if let Some(n) = self.0.lock_nodes().get_mut(&id) {
-            n.alive = false;
+        let others: Vec<(NodeId, Arc<Services>, broadcast::Sender<PeerEvent>)> = {
+            let mut nodes = self.0.lock_nodes();
+            if let Some(n) = nodes.get_mut(&id) {
+                n.alive = false;
+            }
+            nodes.iter().map(|(n, s)| (*n, s.services.clone(), s.events.clone())).collect()
+        };
+        // Calls waiting on the killed node fail at once, and so do the killed node's own.
+        let reason = "node killed (mem fault)";
+        let dead = others.iter().find(|(n, _, _)| *n == id).map(|(_, s, _)| s.clone());
+        for (n, s, ev) in &others {
+            if *n != id {
+                s.peer_down(id, reason);
+                let _ = ev.send(PeerEvent::Down { peer: id, reason: reason.into() });
+            }
+        }
+        // The killed node's own services stop, as its process would.
+        if let Some(d) = dead {
+            d.close();
         }
     }
 
@@ -110,7 +160,8 @@ pub struct MemNode {
     id: NodeId,
     fabric: MemFabric,
     regions: RegionTable,
-    inbox: tokio::sync::Mutex<mpsc::UnboundedReceiver<Incoming>>,
+    services: Arc<Services>,
+    events: broadcast::Sender<PeerEvent>,
 }
 
 impl MemNode {
@@ -139,9 +190,14 @@ impl MemNode {
         }))
     }
 
-    /// The next SEND addressed to this node.
-    pub async fn recv(&self) -> Option<Incoming> {
-        self.inbox.lock().await.recv().await
+    /// The node's control-plane services.
+    pub fn services(&self) -> &Arc<Services> {
+        &self.services
+    }
+
+    /// Peer up/down events: `Up` when a node joins the fabric, `Down` when one is killed.
+    pub fn events(&self) -> broadcast::Receiver<PeerEvent> {
+        self.events.subscribe()
     }
 }
 
@@ -202,11 +258,11 @@ fn copy_between(src: &Region, so: u64, dst: &Region, dof: u64, len: u64, corrupt
     if len == 0 {
         return;
     }
-    // SAFETY: both ranges were bounds-checked by the caller; regions stay alive for the call;
-    // `ptr::copy` handles overlap when source and destination are the same region.
+    let (Ok(s), Ok(d)) = (src.ptr_range(so, len), dst.ptr_range(dof, len)) else { return };
+    // SAFETY: both ranges were bounds-checked; the regions stay alive for the call. Only raw
+    // pointers touch the memory (other tasks may write these regions as peers); `ptr::copy`
+    // handles overlap when source and destination are the same region.
     unsafe {
-        let s = src.slice(so, len).as_ptr();
-        let d = dst.slice_mut(dof, len).as_mut_ptr();
         std::ptr::copy(s, d, len as usize);
         if corrupt {
             *d ^= 0x5a;
@@ -225,8 +281,10 @@ fn check_crc(
     if !verify {
         return Ok(());
     }
-    let expected = src.0.crc32(src.1, len)?;
-    let actual = dst.0.crc32(dst.1, len)?;
+    // SAFETY: the operation just copied these ranges; the initiator owns both until it completes.
+    let expected = unsafe { src.0.crc32(src.1, len)? };
+    // SAFETY: as above.
+    let actual = unsafe { dst.0.crc32(dst.1, len)? };
     if expected != actual {
         return Err(TransportError::CrcMismatch { peer, op, expected, actual });
     }

@@ -1,14 +1,18 @@
 //! [`Mesh`]: what code above the transport needs from a node — its id, its links, its regions and
-//! its receive queue — implemented by the real [`Endpoint`](crate::Endpoint) and by the
-//! [`MemNode`](crate::mem::MemNode) test double alike.
+//! its service table — implemented by the real [`Endpoint`](crate::Endpoint) and by the
+//! [`MemNode`](crate::mem::MemNode) test double alike. The control plane's typed operations
+//! (subscribe, call, reply) are [`ServiceExt`](crate::service::ServiceExt)'s, on every `Mesh`.
 
 use std::future::Future;
+
 use std::pin::Pin;
 use std::sync::Arc;
 
+use crate::endpoint::PeerEvent;
 use crate::error::Result;
-use crate::link::{Incoming, Link};
-use crate::region::RegionTable;
+use crate::link::Link;
+use crate::region::{Region, RegionTable};
+use crate::service::Services;
 use crate::NodeId;
 
 /// A boxed future, for the dyn-compatible async method of [`Mesh`].
@@ -22,8 +26,25 @@ pub trait Mesh: Send + Sync + 'static {
     fn link(&self, peer: NodeId) -> Result<Arc<dyn Link>>;
     /// Regions peers may access on this node.
     fn regions(&self) -> &RegionTable;
-    /// The next message sent to this node (`None` once the node is shut down).
-    fn recv(&self) -> BoxFuture<'_, Option<Incoming>>;
+    /// The node's service table (control-plane inboxes and pending calls).
+    fn services(&self) -> &Arc<Services>;
+    /// Allocates a region of `len` bytes that peers could reach once registered (shared memory
+    /// where the node's peers can map it); private to the caller until [`register`](Self::register).
+    fn alloc(&self, len: u64) -> Result<Region>;
+    /// Registers a region: peers may address it from now on.
+    fn register(&self, region: &Region) -> Result<()>;
+    /// Allocates a region and registers it.
+    fn register_new(&self, len: u64) -> Result<Region> {
+        let r = self.alloc(len)?;
+        self.register(&r)?;
+        Ok(r)
+    }
+    /// Peer up/down events from now on.
+    fn peer_events(&self) -> tokio::sync::broadcast::Receiver<PeerEvent>;
+    /// Whether a live link to `peer` exists now.
+    fn connected_to(&self, peer: NodeId) -> bool {
+        self.link(peer).is_ok_and(|l| l.is_alive())
+    }
 }
 
 impl Mesh for crate::Endpoint {
@@ -36,8 +57,17 @@ impl Mesh for crate::Endpoint {
     fn regions(&self) -> &RegionTable {
         crate::Endpoint::regions(self)
     }
-    fn recv(&self) -> BoxFuture<'_, Option<Incoming>> {
-        Box::pin(crate::Endpoint::recv(self))
+    fn services(&self) -> &Arc<Services> {
+        crate::Endpoint::services(self)
+    }
+    fn alloc(&self, len: u64) -> Result<Region> {
+        crate::Endpoint::alloc(self, len)
+    }
+    fn register(&self, region: &Region) -> Result<()> {
+        crate::Endpoint::register(self, region)
+    }
+    fn peer_events(&self) -> tokio::sync::broadcast::Receiver<PeerEvent> {
+        crate::Endpoint::events(self)
     }
 }
 
@@ -51,7 +81,17 @@ impl Mesh for crate::mem::MemNode {
     fn regions(&self) -> &RegionTable {
         crate::mem::MemNode::regions(self)
     }
-    fn recv(&self) -> BoxFuture<'_, Option<Incoming>> {
-        Box::pin(crate::mem::MemNode::recv(self))
+    fn services(&self) -> &Arc<Services> {
+        crate::mem::MemNode::services(self)
+    }
+    fn alloc(&self, len: u64) -> Result<Region> {
+        Region::alloc(len, Default::default())
+    }
+    fn register(&self, region: &Region) -> Result<()> {
+        self.regions().register(region);
+        Ok(())
+    }
+    fn peer_events(&self) -> tokio::sync::broadcast::Receiver<PeerEvent> {
+        crate::mem::MemNode::events(self)
     }
 }

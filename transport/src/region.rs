@@ -241,35 +241,75 @@ impl Region {
         }
     }
 
+    /// A raw pointer to `[offset, offset+len)` after a bounds check, for copies that must not
+    /// create references into memory peers may write (`ptr::copy_nonoverlapping`, a kernel or
+    /// device transfer). Dereferencing it follows the region concurrency contract.
+    pub fn ptr_range(&self, offset: u64, len: u64) -> Result<*mut u8> {
+        self.check(offset, len)?;
+        // SAFETY: `offset` is within the allocation (checked above), so the add stays in bounds.
+        Ok(unsafe { self.base().add(offset as usize) })
+    }
+
     /// Copies `data` into the region at `offset` (bounds-checked).
-    pub fn write_local(&self, offset: u64, data: &[u8]) -> Result<()> {
-        self.check(offset, data.len() as u64)?;
-        // SAFETY: the range was bounds-checked; the destination is our own allocation and cannot
-        // overlap `data` unless the caller passes a view of this very range, which copy handles
-        // as overlapping-safe below.
-        unsafe { std::ptr::copy(data.as_ptr(), self.base().add(offset as usize), data.len()) };
+    ///
+    /// # Safety
+    /// No peer may access `[offset, offset+len)` while it is written: the region is not
+    /// registered yet, or every operation that could touch the range has completed and the
+    /// application grants no new one (the region concurrency contract). `data` must not be a
+    /// view of the same range.
+    pub unsafe fn write_local(&self, offset: u64, data: &[u8]) -> Result<()> {
+        let dst = self.ptr_range(offset, data.len() as u64)?;
+        // SAFETY: bounds-checked; the caller guarantees nobody else accesses the range and that
+        // `data` does not overlap it.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst, data.len()) };
         Ok(())
     }
 
     /// Fills `[offset, offset+len)` with `byte`.
-    pub fn fill(&self, offset: u64, len: u64, byte: u8) -> Result<()> {
-        self.check(offset, len)?;
-        // SAFETY: bounds-checked range of our own allocation.
-        unsafe { std::ptr::write_bytes(self.base().add(offset as usize), byte, len as usize) };
+    ///
+    /// # Safety
+    /// As for [`write_local`](Self::write_local).
+    pub unsafe fn fill(&self, offset: u64, len: u64, byte: u8) -> Result<()> {
+        let dst = self.ptr_range(offset, len)?;
+        // SAFETY: bounds-checked; the caller guarantees nobody else accesses the range.
+        unsafe { std::ptr::write_bytes(dst, byte, len as usize) };
+        Ok(())
+    }
+
+    /// Copies `[offset, offset+len)` of this region to `dst[dst_offset..]` (a same-node transfer,
+    /// a stand-in for a device copy), through raw pointers only.
+    ///
+    /// # Safety
+    /// The caller owns both ranges for the copy under the region concurrency contract: no peer
+    /// writes the source range, and no one else accesses the destination range.
+    pub unsafe fn copy_to(&self, offset: u64, dst: &Region, dst_offset: u64, len: u64) -> Result<()> {
+        let s = self.ptr_range(offset, len)?;
+        let d = dst.ptr_range(dst_offset, len)?;
+        // SAFETY: bounds-checked; both regions live for the call; the caller owns both ranges;
+        // `ptr::copy` tolerates overlap within one region.
+        unsafe { std::ptr::copy(s, d, len as usize) };
         Ok(())
     }
 
     /// A zero-copy view of `[offset, offset+len)`; it keeps the region alive.
-    /// See the module's concurrency contract.
-    pub fn view(&self, offset: u64, len: u64) -> Result<Bytes> {
+    ///
+    /// # Safety
+    /// No peer may write the range while the view (or any clone of the `Bytes`) lives: every
+    /// operation that could write it has completed and the application grants no new one.
+    pub unsafe fn view(&self, offset: u64, len: u64) -> Result<Bytes> {
         self.check(offset, len)?;
         Ok(Bytes::from_owner(View { region: self.clone(), offset: offset as usize, len: len as usize }))
     }
 
     /// crc32 of `[offset, offset+len)`.
-    pub fn crc32(&self, offset: u64, len: u64) -> Result<u32> {
+    ///
+    /// # Safety
+    /// No peer may write the range during the call (the region concurrency contract): every
+    /// operation that could write it has completed, as the initiator's completion or a message
+    /// the writer sends afterwards tells.
+    pub unsafe fn crc32(&self, offset: u64, len: u64) -> Result<u32> {
         self.check(offset, len)?;
-        // SAFETY: bounds-checked; see the module's concurrency contract.
+        // SAFETY: bounds-checked; the caller guarantees the absence of concurrent writers.
         Ok(crc32fast::hash(unsafe { self.slice(offset, len) }))
     }
 
@@ -284,11 +324,11 @@ impl Region {
         unsafe { std::slice::from_raw_parts(self.base().add(offset as usize), len as usize) }
     }
 
-    /// The raw bytes of a range, for the transport to land incoming data in.
+    /// The raw bytes of a range, for the transport to land incoming data from a socket in.
     ///
     /// # Safety
     /// The range must be in bounds and nothing else may access it for the lifetime of the slice:
-    /// the transport only lands bytes of an operation the owner has exposed to peers.
+    /// the transport only lands bytes of an operation the owner has exposed to that one peer.
     #[allow(clippy::mut_from_ref)]
     pub(crate) unsafe fn slice_mut(&self, offset: u64, len: u64) -> &mut [u8] {
         debug_assert!(self.check(offset, len).is_ok());
@@ -305,8 +345,43 @@ struct View {
 
 impl AsRef<[u8]> for View {
     fn as_ref(&self) -> &[u8] {
-        // SAFETY: bounds were checked when the view was made; the region is kept alive by `self`.
+        // SAFETY: bounds were checked when the view was made; the region is kept alive by `self`;
+        // whoever made the view (an `unsafe` call) guaranteed that no peer writes the range.
         unsafe { self.region.slice(self.offset as u64, self.len as u64) }
+    }
+}
+
+/// Safe access to regions **for tests**, which touch a region only between its transfers (feature
+/// `test-access`; never for product code, which states its own `# Safety` argument at each use).
+#[cfg(any(test, feature = "test-access"))]
+pub mod test_access {
+    use bytes::Bytes;
+
+    use super::Region;
+    use crate::error::Result;
+
+    /// [`Region::crc32`] for tests.
+    pub fn crc32(r: &Region, offset: u64, len: u64) -> Result<u32> {
+        // SAFETY: tests read a region only after awaiting the transfers that write it.
+        unsafe { r.crc32(offset, len) }
+    }
+
+    /// [`Region::view`] for tests.
+    pub fn view(r: &Region, offset: u64, len: u64) -> Result<Bytes> {
+        // SAFETY: as above; the views are dropped before the next transfer.
+        unsafe { r.view(offset, len) }
+    }
+
+    /// [`Region::write_local`] for tests.
+    pub fn write_local(r: &Region, offset: u64, data: &[u8]) -> Result<()> {
+        // SAFETY: tests write a region only before they start the transfers that read it.
+        unsafe { r.write_local(offset, data) }
+    }
+
+    /// [`Region::fill`] for tests.
+    pub fn fill(r: &Region, offset: u64, len: u64, byte: u8) -> Result<()> {
+        // SAFETY: as above.
+        unsafe { r.fill(offset, len, byte) }
     }
 }
 

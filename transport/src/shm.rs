@@ -44,11 +44,14 @@ impl PeerMap {
     /// (into the mapping when `write`). The caller has bounds-checked both ranges.
     pub(crate) fn copy(&self, write: bool, local: &Region, local_offset: u64, remote_offset: u64, len: u64) {
         debug_assert!(remote_offset + len <= self.len && local.check(local_offset, len).is_ok());
-        // SAFETY: both ranges were bounds-checked by the caller; `self` and `local` keep both
-        // mappings alive for the call; they are distinct mappings, and `ptr::copy` tolerates overlap.
+        let Ok(mine) = local.ptr_range(local_offset, len) else { return };
+        // SAFETY: both ranges were bounds-checked; `self` and `local` keep both mappings alive
+        // for the call. No reference is made to either side: the peer may write its memory and
+        // our region is open to other peers, so only raw pointers touch them (the region
+        // concurrency contract makes the initiator own the two ranges for this operation).
+        // `ptr::copy` tolerates the overlap of a region mapped twice (a node writing to itself).
         unsafe {
             let peer = self.map.as_mut_ptr().add(remote_offset as usize);
-            let mine = local.slice_mut(local_offset, len).as_mut_ptr();
             if write {
                 std::ptr::copy(mine, peer, len as usize);
             } else {

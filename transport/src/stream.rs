@@ -23,10 +23,11 @@ use tokio::sync::{mpsc, watch};
 use tracing::{debug, warn};
 
 use crate::error::{Result, TransportError};
-use crate::link::{BackendKind, Completion, Done, Incoming, Link, Op, OpHandle};
+use crate::link::{BackendKind, Completion, Done, Link, Op, OpHandle};
 use crate::onesided::{Access, OneSided};
 use crate::rdma::RemoteMr;
 use crate::region::{Region, RegionId, RegionTable, RemoteKey};
+use crate::service::Services;
 use crate::shm::PeerMap;
 use crate::stats::{LinkStats, StatsSnapshot};
 use crate::wire::{Header, Opcode, Status, FLAG_CRC, HEADER_LEN};
@@ -113,7 +114,8 @@ impl Shared {
         }
         let (header, payload, pending) = match op {
             Op::Write { local, local_offset, remote, remote_offset, len, verify } => {
-                let crc = if verify { local.crc32(local_offset, len).ok() } else { None };
+                // SAFETY: the initiator's source range is its own for the operation (region contract).
+                let crc = if verify { unsafe { local.crc32(local_offset, len) }.ok() } else { None };
                 let h = Header {
                     region: remote.id.0,
                     key: remote.key.0,
@@ -272,7 +274,7 @@ pub(crate) struct LinkCtx {
     pub(crate) peer: NodeId,
     pub(crate) kind: BackendKind,
     pub(crate) regions: RegionTable,
-    pub(crate) inbox: mpsc::UnboundedSender<Incoming>,
+    pub(crate) services: Arc<Services>,
     pub(crate) timing: Timing,
     pub(crate) on_close: OnClose,
 }
@@ -287,7 +289,7 @@ pub(crate) struct StreamLink {
 impl StreamLink {
     /// Starts the reader, writer and watchdog tasks on the current runtime.
     pub(crate) fn spawn<R: FrameSource, W: FrameSink>(ctx: LinkCtx, reader: R, writer: W) -> Arc<StreamLink> {
-        let LinkCtx { one_sided, rkeys, peer, kind, regions, inbox, timing, on_close } = ctx;
+        let LinkCtx { one_sided, rkeys, peer, kind, regions, services, timing, on_close } = ctx;
         let (tx, rx) = mpsc::unbounded_channel();
         let (shutdown, _) = watch::channel(false);
         let shared = Arc::new(Shared {
@@ -321,7 +323,7 @@ impl StreamLink {
         tokio::spawn(async move {
             let mut stop = s.shutdown.subscribe();
             let r = tokio::select! {
-                r = read_loop(&s, reader, &inbox) => r,
+                r = read_loop(&s, reader, &services, timing) => r,
                 _ = crate::stream::stopped(&mut stop) => Ok(()),
             };
             if let Err(e) = r {
@@ -489,7 +491,7 @@ fn reply(h: &Header, op: Opcode, status: Status) -> Header {
     Header { req_id: h.req_id, region: h.region, offset: h.offset, status, ..Header::new(op) }
 }
 
-async fn read_loop<R: FrameSource>(s: &Arc<Shared>, mut r: R, inbox: &mpsc::UnboundedSender<Incoming>) -> Result<()> {
+async fn read_loop<R: FrameSource>(s: &Arc<Shared>, mut r: R, services: &Services, timing: Timing) -> Result<()> {
     let peer = Some(s.peer);
     let io_err = |e: io::Error| {
         if e.kind() == io::ErrorKind::UnexpectedEof {
@@ -525,7 +527,9 @@ async fn read_loop<R: FrameSource>(s: &Arc<Shared>, mut r: R, inbox: &mpsc::Unbo
                     Ok(region) => {
                         s.stats.rx(h.len);
                         let got = match h.crc() {
-                            Some(_) => region.crc32(h.offset, h.len).ok(),
+                            // SAFETY: `Written` follows the peer's completed one-sided WRITE of
+                            // exactly this range, which the owner exposed to it alone.
+                            Some(_) => unsafe { region.crc32(h.offset, h.len) }.ok(),
                             None => None,
                         };
                         crc_status(h.crc(), got)
@@ -538,7 +542,13 @@ async fn read_loop<R: FrameSource>(s: &Arc<Shared>, mut r: R, inbox: &mpsc::Unbo
             Opcode::ReadReq => {
                 let out = match s.regions.access(RegionId(h.region), RemoteKey(h.key), h.offset, h.len) {
                     Ok(region) => {
-                        let crc = if h.flags & FLAG_CRC != 0 { region.crc32(h.offset, h.len).ok() } else { None };
+                        let crc = if h.flags & FLAG_CRC != 0 {
+                            // SAFETY: a READ's source range is stable while the owner exposes it
+                            // for reading (region contract); the answer below sends the same bytes.
+                            unsafe { region.crc32(h.offset, h.len) }.ok()
+                        } else {
+                            None
+                        };
                         let resp = Header { len: h.len, ..reply(&h, Opcode::ReadResp, Status::Ok) }.with_crc(crc);
                         Out::Frame {
                             header: resp,
@@ -558,7 +568,10 @@ async fn read_loop<R: FrameSource>(s: &Arc<Shared>, mut r: R, inbox: &mpsc::Unbo
                 r.read_exact(&mut buf).await.map_err(io_err)?;
                 s.touch_rx();
                 s.stats.rx(h.len);
-                let _ = inbox.send(Incoming { from: s.peer, payload: buf.freeze() });
+                if let Some(back) = deliver(s, services, buf.freeze(), timing).await {
+                    let h = Header { len: back.len() as u64, ..Header::new(Opcode::Send) };
+                    s.send(Out::Frame { header: h, payload: Payload::Bytes(back), done: None });
+                }
             }
             Opcode::MapReq => {
                 let out = match s.regions.access(RegionId(h.region), RemoteKey(h.key), 0, 0) {
@@ -656,6 +669,19 @@ async fn read_loop<R: FrameSource>(s: &Arc<Shared>, mut r: R, inbox: &mpsc::Unbo
                 };
                 s.send(Out::Frame { header: resp, payload: Payload::None, done: None });
             }
+        }
+    }
+}
+
+/// Hands a received message to the node's services. A full inbox holds this link's reader (the
+/// peer is alive: its message is in hand), so the wait keeps the keepalive watchdog quiet.
+async fn deliver(s: &Shared, services: &Services, payload: Bytes, timing: Timing) -> Option<Bytes> {
+    let fut = services.deliver(s.peer, payload);
+    tokio::pin!(fut);
+    loop {
+        tokio::select! {
+            back = &mut fut => return back,
+            _ = tokio::time::sleep(timing.keepalive / 2) => s.touch_rx(),
         }
     }
 }

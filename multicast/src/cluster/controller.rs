@@ -1,19 +1,24 @@
-//! The controller side of the control protocol: plans a run, drives the node daemons, verifies.
+//! The controller side: plans a run, drives the nodes' multicast services, verifies.
 
-use std::collections::{BTreeMap, BTreeSet};
-use std::sync::Arc;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use cascade_transport::{Endpoint, PeerEvent, TransportError};
+use cascade_transport::service::DEFAULT_INBOX;
+use cascade_transport::{Inbox, Mesh, PeerEvent, ServiceExt, TransportError};
 use tokio::sync::mpsc;
-use tracing::{debug, info, warn};
+use tokio::task::JoinSet;
+use tracing::{info, warn};
 
-use super::{send, Control};
-use crate::executor::{new_run_id, Action, ChildSpec, Coordinator, Event, Report};
-use crate::layout::Layout;
-use crate::planner::{plan, PlannerKind, Request};
+use super::proto::{Control, Fill, Report};
+use crate::executor::{new_run_id, Action, ChildSpec, Coordinator, Event, Report as RunReport, ToCoord};
+use crate::layout::{Layout, LayoutError};
+use crate::planner::{plan, PlanError, PlannerKind, Request};
 use crate::topology::{Loc, NodeId, Topology};
 use crate::Plan;
+
+/// How long a node may take to answer a set-up request (allocation, fill, checksums).
+const SETUP: Duration = Duration::from_secs(60);
 
 /// Where members live and how a run is shaped.
 #[derive(Debug, Clone)]
@@ -34,11 +39,14 @@ pub struct RunSpec {
     pub seed: u64,
     /// Limit for the whole run.
     pub deadline: Duration,
-    /// Sources that are copies their node holds already (by copy id) rather than a synthetic
-    /// model filled with `seed`.
-    pub source_copies: BTreeMap<Loc, u64>,
-    /// Targets whose region their node keeps as a held copy of this id once verified.
-    pub keep: BTreeMap<Loc, u64>,
+    /// Sources whose node lent the run a region it holds ([`MulticastNode::lend`](super::MulticastNode::lend)),
+    /// rather than a synthetic model filled with `seed`.
+    pub lent: BTreeSet<Loc>,
+    /// The run's id: set when regions were lent to it beforehand; `None` draws a fresh one.
+    pub run: Option<u32>,
+    /// Leave the run on the nodes after verification, so that their services can detach targets;
+    /// the caller then releases it with [`Controller::release`].
+    pub hold: bool,
     /// What the sources must hold (chunk size, crcs, layers): a source whose chunk crcs differ
     /// fails the run before anything moves. `None`: the planner's chunk size, the first
     /// source's crcs and `layers`.
@@ -48,7 +56,7 @@ pub struct RunSpec {
 }
 
 impl RunSpec {
-    /// A run of the synthetic model of `seed`, with nothing kept afterwards.
+    /// A run of the synthetic model of `seed`, released when it ends.
     pub fn synthetic(topology: Topology, bytes: u64, sources: Vec<Loc>, targets: Vec<Loc>, seed: u64) -> RunSpec {
         RunSpec {
             topology,
@@ -59,21 +67,28 @@ impl RunSpec {
             layers: Vec::new(),
             seed,
             deadline: Duration::from_secs(600),
-            source_copies: BTreeMap::new(),
-            keep: BTreeMap::new(),
+            lent: BTreeSet::new(),
+            run: None,
+            hold: false,
             layout: None,
             progress: None,
         }
+    }
+
+    fn members(&self) -> Vec<Loc> {
+        self.sources.iter().chain(self.targets.iter()).copied().collect()
     }
 }
 
 /// The outcome of a controlled run.
 #[derive(Debug, Clone)]
 pub struct RunOutcome {
+    /// The run's id.
+    pub run: u32,
     /// The plan that was executed.
     pub plan: Plan,
     /// Which targets completed, failed, re-plans.
-    pub report: Report,
+    pub report: RunReport,
     /// Seconds from the start of the transfer until the last target completed.
     pub transfer_seconds: f64,
     /// Targets whose whole region's crc32 equals the source's.
@@ -82,152 +97,222 @@ pub struct RunOutcome {
     pub mismatched: Vec<Loc>,
     /// Events as they happened, with their time since the transfer started.
     pub events: Vec<(f64, Event)>,
-    /// Targets their node now holds as the copy `RunSpec::keep` named.
-    pub kept: Vec<Loc>,
 }
 
-/// Drives runs on node daemons from a controller endpoint.
+/// Why a controlled run failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ControlError {
+    /// The planner refused the request.
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+    /// The layout does not describe the bytes.
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
+    /// A node could not be reached or did not answer.
+    #[error("{what}: {source}")]
+    Transport {
+        /// The step.
+        what: &'static str,
+        /// The transport's error.
+        #[source]
+        source: TransportError,
+    },
+    /// A node refused a request.
+    #[error("{what} at node {node}: {message}")]
+    Node {
+        /// The step.
+        what: &'static str,
+        /// The node.
+        node: NodeId,
+        /// Its answer.
+        message: String,
+    },
+    /// A source's chunk crcs differ from the layout's.
+    #[error("source {0} does not hold the bytes its layout describes")]
+    SourceMismatch(Loc),
+    /// A node answered with a message that does not answer the request.
+    #[error("{what} at node {node}: unexpected answer {answer}")]
+    Unexpected {
+        /// The step.
+        what: &'static str,
+        /// The node.
+        node: NodeId,
+        /// What came.
+        answer: String,
+    },
+}
+
+type RunTable = Arc<Mutex<HashMap<u32, mpsc::UnboundedSender<ToCoord>>>>;
+
+/// Drives runs on the nodes' multicast services from a controller node. Runs may overlap: the
+/// run that holds the report inbox hands every run its reports.
 pub struct Controller {
-    ep: Arc<Endpoint>,
+    mesh: Arc<dyn Mesh>,
+    runs: RunTable,
+    reports: tokio::sync::Mutex<Inbox<Report>>,
 }
 
 impl Controller {
-    /// A controller on `ep` (a cluster member; the nodes run [`serve_node`]).
-    pub fn new(ep: Arc<Endpoint>) -> Controller {
-        Controller { ep }
+    /// A controller on `mesh` (a cluster member; the nodes run [`MulticastNode`](super::MulticastNode)).
+    /// It takes the node's multicast-report inbox.
+    pub fn new(mesh: Arc<dyn Mesh>) -> Result<Controller, TransportError> {
+        let reports = tokio::sync::Mutex::new(mesh.subscribe::<Report>(DEFAULT_INBOX)?);
+        Ok(Controller { mesh, runs: Arc::default(), reports })
     }
 
-    async fn expect<T>(
-        &self,
-        what: &str,
-        limit: Duration,
-        mut f: impl FnMut(NodeId, Control) -> Option<T>,
-    ) -> Result<T, TransportError> {
-        let deadline = tokio::time::Instant::now() + limit;
-        loop {
-            let m = tokio::time::timeout_at(deadline, self.ep.recv())
-                .await
-                .map_err(|_| TransportError::Timeout { peer: 0, op: "multicast control", after: limit })?
-                .ok_or_else(|| TransportError::Protocol { peer: None, detail: "controller endpoint closed".into() })?;
-            match Control::decode(&m.payload) {
-                Some(Control::Error { message, .. }) => {
-                    return Err(TransportError::Protocol { peer: Some(m.from), detail: format!("{what}: {message}") })
-                }
-                Some(c) => {
-                    if let Some(t) = f(m.from, c) {
-                        return Ok(t);
-                    }
-                }
-                None => debug!(from = m.from, "controller ignores a non-control message"),
-            }
+    /// Takes one report from the inbox and hands it to its run. False once the inbox closed.
+    /// Cancel-safe: a waiting run that gets its own report elsewhere drops this future.
+    async fn pump(&self) -> bool {
+        let mut inbox = self.reports.lock().await;
+        let Some(m) = inbox.recv().await else { return false };
+        let tx = self.runs.lock().unwrap_or_else(|e| e.into_inner()).get(&m.msg.run).cloned();
+        if let Some(tx) = tx {
+            let _ = tx.send(m.msg.msg);
         }
+        true
+    }
+
+    /// Sends one request and returns its answer; a node's `Failed` is an error.
+    async fn request(&self, what: &'static str, node: NodeId, msg: Control) -> Result<Control, ControlError> {
+        ask(&self.mesh, what, node, msg).await
     }
 
     /// Releases run `run` on every node of `members` that is still reachable.
-    async fn release(&self, run: u32, members: &[Loc]) {
+    pub async fn release(&self, run: u32, members: &[Loc]) {
         let nodes: BTreeSet<NodeId> = members.iter().map(|l| l.node).collect();
-        let mut waiting = 0;
-        for &node in &nodes {
-            if send(&self.ep, node, &Control::Release { run }).is_ok() {
-                waiting += 1;
-            }
+        let mut set = JoinSet::new();
+        for node in nodes {
+            let mesh = self.mesh.clone();
+            set.spawn(async move { (node, ask(&mesh, "release", node, Control::Release { run }).await) });
         }
-        for _ in 0..waiting {
-            let r = self
-                .expect("release", Duration::from_secs(5), |_, c| {
-                    matches!(c, Control::Released { run: r } if r == run).then_some(())
-                })
-                .await;
-            if let Err(e) = r {
-                warn!(run, error = %e, "a node did not confirm releasing the run's regions");
-                break;
+        while let Some(r) = set.join_next().await {
+            if let Ok((node, Err(e))) = r {
+                warn!(run, node, error = %e, "a node did not confirm releasing the run's regions");
             }
         }
     }
 
     /// Plans and runs one multicast, then verifies every completed target's bytes.
     /// A run that fails part way releases what it had set up on the nodes.
-    pub async fn run(&self, spec: &RunSpec) -> Result<RunOutcome, Box<dyn std::error::Error + Send + Sync>> {
-        let run = new_run_id();
-        let res = self.run_inner(spec, run).await;
-        if res.is_err() {
-            let members: Vec<Loc> = spec.sources.iter().chain(spec.targets.iter()).copied().collect();
-            self.release(run, &members).await;
+    pub async fn run(&self, spec: &RunSpec) -> Result<RunOutcome, ControlError> {
+        let run = spec.run.unwrap_or_else(new_run_id);
+        let (tx, rx) = mpsc::unbounded_channel();
+        self.runs.lock().unwrap_or_else(|e| e.into_inner()).insert(run, tx);
+        let res = self.run_inner(spec, run, rx).await;
+        self.runs.lock().unwrap_or_else(|e| e.into_inner()).remove(&run);
+        if res.is_err() || !spec.hold {
+            self.release(run, &spec.members()).await;
         }
         res
+    }
+
+    /// Asks every member's node for its region, concurrently; checks the sources' crcs.
+    async fn prepare(
+        &self,
+        spec: &RunSpec,
+        run: u32,
+        chunk: u64,
+    ) -> Result<(BTreeMap<Loc, (u32, u64)>, Option<Vec<u32>>), ControlError> {
+        let mut set = JoinSet::new();
+        for loc in spec.members() {
+            let fill = match (spec.sources.contains(&loc), spec.lent.contains(&loc)) {
+                (true, true) => Fill::Lent,
+                (true, false) => Fill::Synthetic { seed: spec.seed },
+                (false, _) => Fill::Target,
+            };
+            let msg = Control::Prepare { run, loc, bytes: spec.bytes, chunk, fill };
+            let mesh = self.mesh.clone();
+            set.spawn(async move { (loc, ask(&mesh, "prepare", loc.node, msg).await) });
+        }
+        let mut prepared = BTreeMap::new();
+        let mut crcs: Option<(Loc, Vec<u32>)> = None;
+        while let Some(r) = set.join_next().await {
+            let Ok((loc, r)) = r else { continue };
+            match r? {
+                Control::Prepared { region, key, crcs: c } => {
+                    prepared.insert(loc, (region, key));
+                    if let (Some(want), Some(got)) = (&spec.layout, &c) {
+                        if &want.crcs != got {
+                            return Err(ControlError::SourceMismatch(loc));
+                        }
+                    }
+                    if let Some(c) = c {
+                        // The first source in the spec's order gives the layout's crcs.
+                        let rank = |l: &Loc| spec.sources.iter().position(|s| s == l);
+                        if crcs.as_ref().is_none_or(|(l, _)| rank(&loc) < rank(l)) {
+                            crcs = Some((loc, c));
+                        }
+                    }
+                }
+                other => return Err(unexpected("prepare", loc.node, &other)),
+            }
+        }
+        Ok((prepared, crcs.map(|(_, c)| c)))
     }
 
     async fn run_inner(
         &self,
         spec: &RunSpec,
         run: u32,
-    ) -> Result<RunOutcome, Box<dyn std::error::Error + Send + Sync>> {
+        mut reports: mpsc::UnboundedReceiver<ToCoord>,
+    ) -> Result<RunOutcome, ControlError> {
         let req = Request { bytes: spec.bytes, sources: spec.sources.clone(), targets: spec.targets.clone() };
         let plan = plan(&spec.topology, &req, spec.planner)?;
         let chunk = spec.layout.as_ref().map_or(plan.chunk_bytes, |l| l.chunk);
-        let setup = Duration::from_secs(60);
         // 1. Regions.
-        let members: Vec<Loc> = spec.sources.iter().chain(spec.targets.iter()).copied().collect();
-        for &loc in &members {
-            let copy = spec.source_copies.get(&loc).copied();
-            let fill = (spec.sources.contains(&loc) && copy.is_none()).then_some(spec.seed);
-            send(&self.ep, loc.node, &Control::Prepare { run, loc, bytes: spec.bytes, chunk, fill, copy })?;
-        }
-        let mut prepared: BTreeMap<Loc, (u32, u64)> = BTreeMap::new();
-        let mut crcs = None;
-        while prepared.len() < members.len() {
-            let (loc, region, key, c) = self
-                .expect("prepare", setup, |_, c| match c {
-                    Control::Prepared { run: r, loc, region, key, crcs } if r == run => Some((loc, region, key, crcs)),
-                    _ => None,
-                })
-                .await?;
-            prepared.insert(loc, (region, key));
-            if let (Some(want), Some(got)) = (&spec.layout, &c) {
-                if &want.crcs != got {
-                    return Err(format!("source {loc} does not hold the bytes its layout describes").into());
-                }
-            }
-            if crcs.is_none() {
-                crcs = c;
-            }
-        }
+        let (prepared, crcs) = self.prepare(spec, run, chunk).await?;
         let layout = match &spec.layout {
             Some(l) => l.clone(),
             None => {
-                let crcs = crcs.ok_or("no source reported its checksums")?;
+                let crcs = crcs.ok_or(ControlError::Unexpected {
+                    what: "prepare",
+                    node: spec.sources.first().map_or(0, |l| l.node),
+                    answer: "no checksums from a source".into(),
+                })?;
                 Layout::new(spec.bytes, chunk, crcs, spec.layers.clone())?
             }
         };
         let specs: BTreeMap<Loc, ChildSpec> =
             prepared.iter().map(|(l, (r, k))| (*l, ChildSpec { loc: *l, region: *r, key: *k })).collect();
-        // 2. Start: children before their senders, so the first notices find their member.
+        // 2. Start: every target before any source, so the first notices find their member.
         let mut children: BTreeMap<Loc, Vec<ChildSpec>> = BTreeMap::new();
         for e in &plan.edges {
             children.entry(e.from).or_default().push(specs[&e.to]);
         }
         let mut coord = Coordinator::new(&spec.topology, &plan, specs.clone());
-        let mut down = self.ep.events();
-        let started = Instant::now();
-        let mut order: Vec<Loc> = spec.targets.clone();
-        order.extend(spec.sources.iter().copied());
-        for loc in order {
-            let source = spec.sources.contains(&loc);
-            let kids = children.remove(&loc).unwrap_or_default();
-            send(&self.ep, loc.node, &Control::Start { run, loc, layout: layout.clone(), source, children: kids })?;
+        let mut down = self.mesh.peer_events();
+        for group in [&spec.targets, &spec.sources] {
+            let mut set = JoinSet::new();
+            for &loc in group {
+                let source = spec.sources.contains(&loc);
+                let kids = children.remove(&loc).unwrap_or_default();
+                let msg = Control::Start { run, loc, layout: layout.clone(), source, children: kids };
+                let mesh = self.mesh.clone();
+                set.spawn(async move { (loc, ask(&mesh, "start", loc.node, msg).await) });
+            }
+            while let Some(r) = set.join_next().await {
+                if let Ok((loc, r)) = r {
+                    expect_ack("start", loc.node, r?)?;
+                }
+            }
         }
+        let started = Instant::now();
         info!(run, planner = %spec.planner, targets = spec.targets.len(), bytes = spec.bytes, chunk, "multicast started");
         // 3. Coordinate.
         let mut events = Vec::new();
         let mut last_done = 0.0;
         let deadline = tokio::time::Instant::now() + spec.deadline;
+        let mut inbox_open = true;
         while !coord.finished() {
             let actions = tokio::select! {
-                m = self.ep.recv() => match m.as_ref().and_then(|m| Control::decode(&m.payload)) {
-                    Some(Control::Report { run: r, msg }) if r == run => coord.on_report(msg),
-                    Some(_) => vec![],
-                    None if m.is_none() => return Err("controller endpoint closed".into()),
-                    None => vec![],
+                m = reports.recv() => match m {
+                    Some(msg) => coord.on_report(msg),
+                    None => coord.on_deadline("the controller's report table closed"),
+                },
+                open = self.pump(), if inbox_open => {
+                    inbox_open = open;
+                    if open { vec![] } else { coord.on_deadline("the controller's node shut down") }
                 },
                 ev = down.recv() => match ev {
                     Ok(PeerEvent::Down { peer, reason }) => coord.on_node_down(peer, &reason),
@@ -238,7 +323,20 @@ impl Controller {
             for a in actions {
                 match a {
                     Action::AddChild { member, child } => {
-                        let _ = send(&self.ep, member.node, &Control::AddChild { run, loc: member, child });
+                        let msg = Control::AddChild { run, loc: member, child };
+                        if let Err(e) = self
+                            .request("add child", member.node, msg)
+                            .await
+                            .and_then(|r| expect_ack("add child", member.node, r))
+                        {
+                            warn!(run, %member, error = %e, "re-planned sender refused its new child");
+                            let actions = coord.on_broken(member, child.loc, &e.to_string());
+                            for a in actions {
+                                if let Action::Emit(e) = a {
+                                    events.push((started.elapsed().as_secs_f64(), e));
+                                }
+                            }
+                        }
                     }
                     Action::Emit(e) => {
                         let t = started.elapsed().as_secs_f64();
@@ -254,48 +352,52 @@ impl Controller {
             }
         }
         let report = coord.report(0, started.elapsed().as_secs_f64());
-        // 4. Verify every completed target against a source.
-        let mut verified = Vec::new();
-        let mut mismatched = Vec::new();
+        // 4. Verify every completed target against the first source, concurrently.
         let check: Vec<Loc> = spec.sources[..1].iter().chain(report.completed.iter()).copied().collect();
-        for &loc in &check {
-            send(&self.ep, loc.node, &Control::Verify { run, loc })?;
+        let mut set = JoinSet::new();
+        for loc in check {
+            let mesh = self.mesh.clone();
+            set.spawn(async move { (loc, ask(&mesh, "verify", loc.node, Control::Verify { run, loc }).await) });
         }
         let mut got: BTreeMap<Loc, u32> = BTreeMap::new();
-        while got.len() < check.len() {
-            let (loc, crc) = self
-                .expect("verify", setup, |_, c| match c {
-                    Control::Verified { run: r, loc, crc } if r == run => Some((loc, crc)),
-                    _ => None,
-                })
-                .await?;
-            got.insert(loc, crc);
+        while let Some(r) = set.join_next().await {
+            let Ok((loc, r)) = r else { continue };
+            match r? {
+                Control::Verified { crc } => {
+                    got.insert(loc, crc);
+                }
+                other => return Err(unexpected("verify", loc.node, &other)),
+            }
         }
-        let want = got[&spec.sources[0]];
+        let want = got.get(&spec.sources[0]).copied();
+        let (mut verified, mut mismatched) = (Vec::new(), Vec::new());
         for t in &report.completed {
-            if got.get(t) == Some(&want) {
+            if want.is_some() && got.get(t).copied() == want {
                 verified.push(*t);
             } else {
                 mismatched.push(*t);
             }
         }
-        // 5. Keep the verified targets that are to become copies.
-        let mut kept = Vec::new();
-        let keep: Vec<(Loc, u64)> = verified.iter().filter_map(|l| spec.keep.get(l).map(|c| (*l, *c))).collect();
-        for &(loc, copy) in &keep {
-            send(&self.ep, loc.node, &Control::Keep { run, loc, copy })?;
-        }
-        for _ in &keep {
-            let loc = self
-                .expect("keep", setup, |_, c| match c {
-                    Control::Kept { run: r, loc, .. } if r == run => Some(loc),
-                    _ => None,
-                })
-                .await?;
-            kept.push(loc);
-        }
-        // 6. Release, on every node still reachable.
-        self.release(run, &members).await;
-        Ok(RunOutcome { plan, report, transfer_seconds: last_done, verified, mismatched, events, kept })
+        Ok(RunOutcome { run, plan, report, transfer_seconds: last_done, verified, mismatched, events })
     }
+}
+
+/// One request to a node's multicast service; `Failed` becomes [`ControlError::Node`].
+async fn ask(mesh: &Arc<dyn Mesh>, what: &'static str, node: NodeId, msg: Control) -> Result<Control, ControlError> {
+    match mesh.call(node, &msg, SETUP).await {
+        Ok(Control::Failed { message }) => Err(ControlError::Node { what, node, message }),
+        Ok(r) => Ok(r),
+        Err(source) => Err(ControlError::Transport { what, source }),
+    }
+}
+
+fn expect_ack(what: &'static str, node: NodeId, r: Control) -> Result<(), ControlError> {
+    match r {
+        Control::Ack => Ok(()),
+        other => Err(unexpected(what, node, &other)),
+    }
+}
+
+fn unexpected(what: &'static str, node: NodeId, answer: &Control) -> ControlError {
+    ControlError::Unexpected { what, node, answer: format!("{answer:?}") }
 }

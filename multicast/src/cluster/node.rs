@@ -1,226 +1,73 @@
-//! The node side of the control protocol: what `cascade node` runs.
+//! The node side: the multicast service a `cascade node` runs.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::atomic::AtomicU64;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use bytes::Bytes;
-use cascade_transport::{Endpoint, Link, Op, PeerEvent, Region, TransportError};
+use cascade_transport::service::DEFAULT_INBOX;
+use cascade_transport::{Inbox, Mesh, PeerEvent, Received, Region, ServiceExt, TransportError};
 use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 
-use super::{fill_synthetic, send, Control, HeldCopies};
-use crate::executor::{notice_run, run_member, CoordSink, MemberCmd, MemberCtx, Router, ToCoord};
+use super::proto::{Control, Fill, Report};
+use super::{chunk_crcs, fill_synthetic};
+use crate::executor::{run_member, CoordSink, MemberCmd, MemberCtx, Notice, Router, ToCoord};
 use crate::topology::{Loc, NodeId};
 
-/// A handler for messages that are neither chunk notices nor multicast control (the parameter
-/// pool's node requests): returns `true` when it took the message.
-pub type Extension = Arc<dyn Fn(NodeId, &Bytes) -> bool + Send + Sync>;
+/// Run ids released recently: a request for one of them is refused rather than re-creating it.
+const RELEASED_MEMORY: usize = 4096;
 
 struct NodeRun {
     controller: NodeId,
     router: Arc<Router>,
     regions: BTreeMap<Loc, Region>,
-    /// Locations whose region is a held copy lent to the run (not deregistered on release).
+    /// Locations whose region was lent by a higher layer (never deregistered here).
     lent: BTreeSet<Loc>,
     cmds: BTreeMap<Loc, mpsc::UnboundedSender<MemberCmd>>,
     resent: Arc<AtomicU64>,
 }
 
-type Runs = Arc<Mutex<BTreeMap<u32, NodeRun>>>;
+impl NodeRun {
+    fn new(controller: NodeId) -> NodeRun {
+        NodeRun {
+            controller,
+            router: Arc::new(Router::default()),
+            regions: BTreeMap::new(),
+            lent: BTreeSet::new(),
+            cmds: BTreeMap::new(),
+            resent: Arc::default(),
+        }
+    }
+}
+
+#[derive(Default)]
+struct State {
+    runs: BTreeMap<u32, NodeRun>,
+    released: VecDeque<u32>,
+}
 
 struct ToController {
-    link: Arc<dyn Link>,
+    mesh: Arc<dyn Mesh>,
+    controller: NodeId,
     run: u32,
 }
 
 impl CoordSink for ToController {
     fn send(&self, msg: ToCoord) {
-        drop(self.link.post(vec![Op::Send { payload: Control::Report { run: self.run, msg }.encode() }]));
-    }
-}
-
-/// Serves multicast runs on this node until its endpoint shuts down, holding no copies and with
-/// no extension: what benchmarks and tests run.
-pub async fn serve_node(ep: Arc<Endpoint>, op_timeout: Duration) {
-    serve_node_with(ep, op_timeout, Arc::default(), None).await
-}
-
-/// Serves multicast runs on this node until its endpoint shuts down: the daemon's main loop.
-/// `held` are the node's copies (sources with `Prepare{copy}`, filled by `Keep`); `ext` gets the
-/// messages the multicast does not know.
-pub async fn serve_node_with(ep: Arc<Endpoint>, op_timeout: Duration, held: Arc<HeldCopies>, ext: Option<Extension>) {
-    let runs: Runs = Arc::default();
-    let mut events = ep.events();
-    loop {
-        let m = tokio::select! {
-            m = ep.recv() => match m { Some(m) => m, None => break },
-            ev = events.recv() => {
-                match ev {
-                    Ok(PeerEvent::Down { peer, .. }) => drop_runs_of(&ep, &runs, peer),
-                    Err(tokio::sync::broadcast::error::RecvError::Closed) => break,
-                    _ => {}
-                }
-                continue;
-            }
-        };
-        // Chunk notices go to their run's router.
-        if let Some(run) = notice_run(&m.payload) {
-            if let Some(r) = runs.lock().unwrap_or_else(|e| e.into_inner()).get(&run) {
-                r.router.route(run, &m.payload);
-            }
-            continue;
-        }
-        let Some(c) = Control::decode(&m.payload) else {
-            if !ext.as_ref().is_some_and(|f| f(m.from, &m.payload)) {
-                debug!(from = m.from, len = m.payload.len(), "ignoring an unknown message");
-            }
-            continue;
-        };
-        if let Err(e) = handle(&ep, &runs, &held, m.from, c.clone(), op_timeout) {
-            warn!(error = %e, "control request failed");
-            let run = match c {
-                Control::Prepare { run, .. }
-                | Control::Start { run, .. }
-                | Control::AddChild { run, .. }
-                | Control::Verify { run, .. }
-                | Control::Keep { run, .. }
-                | Control::Release { run } => run,
-                _ => 0,
-            };
-            let _ = send(&ep, m.from, &Control::Error { run, message: e.to_string() });
+        // One-way and in order on the link; a dead link is seen through the controller's events.
+        if let Err(e) = self.mesh.post_oneway(self.controller, &Report { run: self.run, msg }) {
+            debug!(run = self.run, error = %e, "cannot report to the controller");
         }
     }
 }
 
-/// The controller of these runs is gone: nobody will keep or release their regions.
-fn drop_runs_of(ep: &Endpoint, runs: &Runs, controller: NodeId) {
-    let mut guard = runs.lock().unwrap_or_else(|e| e.into_inner());
-    let orphans: Vec<u32> = guard.iter().filter(|(_, r)| r.controller == controller).map(|(id, _)| *id).collect();
-    for id in orphans {
-        if let Some(r) = guard.remove(&id) {
-            release(ep, &r);
-            info!(run = id, controller, "dropped the run of a controller that went down");
-        }
-    }
-}
-
-fn release(ep: &Endpoint, r: &NodeRun) {
-    for (loc, region) in &r.regions {
-        if !r.lent.contains(loc) {
-            ep.regions().deregister(region.id());
-        }
-    }
-    // Dropping the command senders ends the member tasks.
-}
-
-/// crc32 of each `chunk` of `region[..bytes]` (the last one may be short).
-pub fn chunk_crcs(region: &Region, bytes: u64, chunk: u64) -> Result<Vec<u32>, TransportError> {
-    let chunk = chunk.max(1);
-    (0..bytes.div_ceil(chunk)).map(|i| region.crc32(i * chunk, chunk.min(bytes - i * chunk))).collect()
-}
-
-fn handle(
-    ep: &Arc<Endpoint>,
-    runs: &Runs,
-    held: &HeldCopies,
-    from: NodeId,
-    c: Control,
+/// The multicast service of one node: prepares members' regions, runs member tasks, verifies,
+/// releases. Higher layers on the same node lend it source regions and take kept targets out.
+pub struct MulticastNode {
+    mesh: Arc<dyn Mesh>,
     op_timeout: Duration,
-) -> Result<(), TransportError> {
-    let mut guard = runs.lock().unwrap_or_else(|e| e.into_inner());
-    match c {
-        Control::Prepare { run, loc, bytes, chunk, fill, copy } => {
-            let r = guard.entry(run).or_insert_with(|| NodeRun {
-                controller: from,
-                router: Arc::new(Router::default()),
-                regions: BTreeMap::new(),
-                lent: BTreeSet::new(),
-                cmds: BTreeMap::new(),
-                resent: Default::default(),
-            });
-            let (region, crcs) = match (copy, fill) {
-                (Some(id), _) => {
-                    let region = held.get(id).ok_or_else(|| protocol(format!("this node holds no copy {id}")))?;
-                    if region.len() < bytes {
-                        return Err(protocol(format!("copy {id} has {} bytes, the run moves {bytes}", region.len())));
-                    }
-                    r.lent.insert(loc);
-                    let crcs = chunk_crcs(&region, bytes, chunk)?;
-                    (region, Some(crcs))
-                }
-                (None, Some(seed)) => {
-                    let region = ep.register_new(bytes)?;
-                    fill_synthetic(&region, bytes, seed)?;
-                    let crcs = chunk_crcs(&region, bytes, chunk)?;
-                    (region, Some(crcs))
-                }
-                (None, None) => (ep.register_new(bytes)?, None),
-            };
-            let reply = Control::Prepared { run, loc, region: region.id().0, key: region.key().0, crcs };
-            r.regions.insert(loc, region);
-            send(ep, from, &reply)
-        }
-        Control::Start { run, loc, layout, source, children } => {
-            let r = guard.get_mut(&run).ok_or_else(|| unknown(run))?;
-            let region = r.regions.get(&loc).cloned().ok_or_else(|| unknown(run))?;
-            let inbox = r.router.add(loc);
-            let (tx, rx) = mpsc::unbounded_channel();
-            r.cmds.insert(loc, tx);
-            let ctx = MemberCtx {
-                run,
-                me: loc,
-                is_source: source,
-                layout: Arc::new(layout),
-                mesh: ep.clone(),
-                region,
-                router: r.router.clone(),
-                coord: Arc::new(ToController { link: ep.link(r.controller)?, run }),
-                op_timeout,
-                resent: r.resent.clone(),
-            };
-            tokio::spawn(run_member(ctx, children, inbox, rx));
-            Ok(())
-        }
-        Control::AddChild { run, loc, child } => {
-            let r = guard.get(&run).ok_or_else(|| unknown(run))?;
-            if let Some(tx) = r.cmds.get(&loc) {
-                let _ = tx.send(MemberCmd::AddChild(child));
-            }
-            Ok(())
-        }
-        Control::Verify { run, loc } => {
-            let r = guard.get(&run).ok_or_else(|| unknown(run))?;
-            let region = r.regions.get(&loc).ok_or_else(|| unknown(run))?;
-            let bytes = region.len();
-            send(ep, from, &Control::Verified { run, loc, crc: region.crc32(0, bytes)? })
-        }
-        Control::Keep { run, loc, copy } => {
-            let r = guard.get_mut(&run).ok_or_else(|| unknown(run))?;
-            if r.lent.contains(&loc) {
-                return Err(protocol(format!("{loc} is a source of run {run}, not a new copy")));
-            }
-            let region = r.regions.remove(&loc).ok_or_else(|| unknown(run))?;
-            // The member task may still hold its command sender; it only reads the region now.
-            r.cmds.remove(&loc);
-            if let Some(old) = held.insert(copy, region) {
-                // A controller re-issued this copy after a restart: the new bytes replace the old.
-                ep.regions().deregister(old.id());
-            }
-            send(ep, from, &Control::Kept { run, loc, copy })
-        }
-        Control::Release { run } => {
-            if let Some(r) = guard.remove(&run) {
-                release(ep, &r);
-            }
-            send(ep, from, &Control::Released { run })
-        }
-        other => {
-            debug!(?other, "unexpected control message at a node");
-            Ok(())
-        }
-    }
+    state: Mutex<State>,
 }
 
 fn protocol(detail: String) -> TransportError {
@@ -229,4 +76,258 @@ fn protocol(detail: String) -> TransportError {
 
 fn unknown(run: u32) -> TransportError {
     protocol(format!("unknown multicast run {run}"))
+}
+
+impl MulticastNode {
+    /// Starts the service on `mesh`: takes the multicast and multicast-notice inboxes now (so a
+    /// request that arrives next is served) and serves them on a task until the node's service
+    /// table closes. `op_timeout` limits each chunk WRITE and notice.
+    pub fn start(mesh: Arc<dyn Mesh>, op_timeout: Duration) -> Result<Arc<MulticastNode>, TransportError> {
+        let control = mesh.subscribe::<Control>(DEFAULT_INBOX)?;
+        let notices = mesh.subscribe::<Notice>(DEFAULT_INBOX)?;
+        let events = mesh.peer_events();
+        let node = Arc::new(MulticastNode { mesh, op_timeout, state: Mutex::default() });
+        tokio::spawn(node.clone().serve(control, notices, events));
+        Ok(node)
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    async fn serve(
+        self: Arc<Self>,
+        mut control: Inbox<Control>,
+        mut notices: Inbox<Notice>,
+        mut events: tokio::sync::broadcast::Receiver<PeerEvent>,
+    ) {
+        loop {
+            tokio::select! {
+                m = control.recv() => {
+                    let Some(m) = m else { return };
+                    // Each request in its own task: checksums and fills never hold up the
+                    // notices of other runs.
+                    tokio::spawn(self.clone().handle(m));
+                }
+                n = notices.recv() => {
+                    let Some(n) = n else { return };
+                    let router = self.state().runs.get(&n.msg.run).map(|r| r.router.clone());
+                    match router {
+                        Some(r) => r.route(n.msg),
+                        None => debug!(run = n.msg.run, "notice for a run this node does not have"),
+                    }
+                }
+                ev = events.recv() => match ev {
+                    Ok(PeerEvent::Down { peer, .. }) => self.drop_runs_of(peer),
+                    Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+                    _ => {}
+                },
+            }
+        }
+    }
+
+    /// Lends `region` (a copy a higher layer holds) to run `run` as the source at `loc`, for the
+    /// controller `controller`. The run reads it and never deregisters it.
+    pub fn lend(&self, run: u32, loc: Loc, region: Region, controller: NodeId) -> Result<(), TransportError> {
+        let mut st = self.state();
+        if st.released.contains(&run) {
+            return Err(protocol(format!("run {run} was released already")));
+        }
+        let r = st.runs.entry(run).or_insert_with(|| NodeRun::new(controller));
+        if r.regions.contains_key(&loc) {
+            return Err(protocol(format!("run {run} already has a region at {loc}")));
+        }
+        r.lent.insert(loc);
+        r.regions.insert(loc, region);
+        Ok(())
+    }
+
+    /// Takes the region of target `loc` out of run `run`: releasing the run no longer drops it.
+    /// The caller takes over its registration (it stays registered).
+    pub fn detach(&self, run: u32, loc: Loc) -> Result<Region, TransportError> {
+        let mut st = self.state();
+        let r = st.runs.get_mut(&run).ok_or_else(|| unknown(run))?;
+        if r.lent.contains(&loc) {
+            return Err(protocol(format!("{loc} is a source of run {run}, not a new copy")));
+        }
+        let region = r.regions.remove(&loc).ok_or_else(|| protocol(format!("run {run} has no region at {loc}")))?;
+        // The member task only reads the region from now on; ending it is release's job.
+        Ok(region)
+    }
+
+    /// The controller of these runs is gone: nobody will detach or release their regions.
+    fn drop_runs_of(&self, controller: NodeId) {
+        let mut st = self.state();
+        let orphans: Vec<u32> = st.runs.iter().filter(|(_, r)| r.controller == controller).map(|(id, _)| *id).collect();
+        for id in orphans {
+            if let Some(r) = st.runs.remove(&id) {
+                self.release_regions(&r);
+                remember(&mut st.released, id);
+                info!(run = id, controller, "dropped the run of a controller that went down");
+            }
+        }
+    }
+
+    fn release_regions(&self, r: &NodeRun) {
+        for (loc, region) in &r.regions {
+            if !r.lent.contains(loc) {
+                self.mesh.regions().deregister(region.id());
+            }
+        }
+        // Dropping the command senders ends the member tasks.
+    }
+
+    async fn handle(self: Arc<Self>, m: Received<Control>) {
+        let Some(to) = m.reply_to else {
+            warn!(from = m.from, "a multicast control message that is not a request");
+            return;
+        };
+        let reply = match self.serve_request(m.from, m.msg).await {
+            Ok(r) => r,
+            Err(e) => {
+                warn!(error = %e, "multicast control request failed");
+                Control::Failed { message: e.to_string() }
+            }
+        };
+        if let Err(e) = self.mesh.reply(&to, &reply) {
+            warn!(to = to.peer, error = %e, "cannot answer the multicast controller");
+        }
+    }
+
+    async fn serve_request(&self, from: NodeId, c: Control) -> Result<Control, TransportError> {
+        match c {
+            Control::Prepare { run, loc, bytes, chunk, fill } => self.prepare(from, run, loc, bytes, chunk, fill).await,
+            Control::Start { run, loc, layout, source, children } => {
+                let mut st = self.state();
+                let r = st.runs.get_mut(&run).ok_or_else(|| unknown(run))?;
+                let region = r.regions.get(&loc).cloned().ok_or_else(|| unknown(run))?;
+                let inbox = r.router.add(loc);
+                let (tx, rx) = mpsc::unbounded_channel();
+                r.cmds.insert(loc, tx);
+                let ctx = MemberCtx {
+                    run,
+                    me: loc,
+                    is_source: source,
+                    layout: Arc::new(layout),
+                    mesh: self.mesh.clone(),
+                    region,
+                    router: r.router.clone(),
+                    coord: Arc::new(ToController { mesh: self.mesh.clone(), controller: r.controller, run }),
+                    op_timeout: self.op_timeout,
+                    resent: r.resent.clone(),
+                };
+                tokio::spawn(run_member(ctx, children, inbox, rx));
+                Ok(Control::Ack)
+            }
+            Control::AddChild { run, loc, child } => {
+                let st = self.state();
+                let r = st.runs.get(&run).ok_or_else(|| unknown(run))?;
+                let tx = r.cmds.get(&loc).ok_or_else(|| protocol(format!("run {run} has no member at {loc}")))?;
+                tx.send(MemberCmd::AddChild(child)).map_err(|_| protocol(format!("member {loc} has ended")))?;
+                Ok(Control::Ack)
+            }
+            Control::Verify { run, loc } => {
+                let region = {
+                    let st = self.state();
+                    let r = st.runs.get(&run).ok_or_else(|| unknown(run))?;
+                    r.regions.get(&loc).cloned().ok_or_else(|| unknown(run))?
+                };
+                let crc = blocking(move || {
+                    let n = region.len();
+                    // SAFETY: the controller verifies a target after it reported Done (every
+                    // chunk's WRITE completed and was checked) and a source that only sends.
+                    unsafe { region.crc32(0, n) }
+                })
+                .await?;
+                Ok(Control::Verified { crc })
+            }
+            Control::Release { run } => {
+                let mut st = self.state();
+                if let Some(r) = st.runs.remove(&run) {
+                    self.release_regions(&r);
+                }
+                remember(&mut st.released, run);
+                Ok(Control::Ack)
+            }
+            other => Err(protocol(format!("a node does not serve {other:?}"))),
+        }
+    }
+
+    async fn prepare(
+        &self,
+        from: NodeId,
+        run: u32,
+        loc: Loc,
+        bytes: u64,
+        chunk: u64,
+        fill: Fill,
+    ) -> Result<Control, TransportError> {
+        if self.state().released.contains(&run) {
+            return Err(protocol(format!("run {run} was released already")));
+        }
+        let (region, crcs) = match fill {
+            Fill::Lent => {
+                let region = {
+                    let st = self.state();
+                    let r = st.runs.get(&run).filter(|r| r.lent.contains(&loc));
+                    r.and_then(|r| r.regions.get(&loc).cloned())
+                        .ok_or_else(|| protocol(format!("no region was lent to run {run} at {loc}")))?
+                };
+                if region.len() < bytes {
+                    return Err(protocol(format!("the lent region has {} bytes, the run moves {bytes}", region.len())));
+                }
+                let r2 = region.clone();
+                // SAFETY: a lent region is a held copy: complete, and written by nobody while lent.
+                let crcs = blocking(move || unsafe { chunk_crcs(&r2, bytes, chunk) }).await?;
+                return Ok(Control::Prepared { region: region.id().0, key: region.key().0, crcs: Some(crcs) });
+            }
+            Fill::Synthetic { seed } => {
+                let region = self.mesh.register_new(bytes)?;
+                let r2 = region.clone();
+                let done = blocking(move || {
+                    // SAFETY: the region is new: no peer knows its key before the reply below.
+                    unsafe { fill_synthetic(&r2, bytes, seed)? };
+                    // SAFETY: as above.
+                    unsafe { chunk_crcs(&r2, bytes, chunk) }
+                })
+                .await;
+                match done {
+                    Ok(crcs) => (region, Some(crcs)),
+                    Err(e) => {
+                        self.mesh.regions().deregister(region.id());
+                        return Err(e);
+                    }
+                }
+            }
+            Fill::Target => (self.mesh.register_new(bytes)?, None),
+        };
+        let reply = Control::Prepared { region: region.id().0, key: region.key().0, crcs };
+        let mut st = self.state();
+        if st.released.contains(&run) {
+            // Released while this request was filling: nothing may stay behind.
+            self.mesh.regions().deregister(region.id());
+            return Err(protocol(format!("run {run} was released while it was prepared")));
+        }
+        let r = st.runs.entry(run).or_insert_with(|| NodeRun::new(from));
+        if let Some(old) = r.regions.insert(loc, region) {
+            if !r.lent.contains(&loc) {
+                self.mesh.regions().deregister(old.id());
+            }
+        }
+        Ok(reply)
+    }
+}
+
+fn remember(released: &mut VecDeque<u32>, run: u32) {
+    released.push_back(run);
+    while released.len() > RELEASED_MEMORY {
+        released.pop_front();
+    }
+}
+
+/// Runs CPU-heavy work (checksums, fills) on the blocking pool.
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, TransportError> + Send + 'static,
+) -> Result<T, TransportError> {
+    tokio::task::spawn_blocking(f).await.map_err(|e| protocol(format!("blocking task failed: {e}")))?
 }

@@ -1,19 +1,22 @@
-//! Controller and node daemons over real loopback endpoints, in one process.
+//! Controller and node services over real loopback endpoints, in one process.
 
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-use cascade_transport::{Endpoint, Region};
+use cascade_transport::{test_access as ta, Endpoint, Message, Region, ServiceExt};
 
 use super::*;
-use crate::{Event, PlannerKind, Topology};
+use crate::{Event, Layout, Loc, PlannerKind, Topology};
 
-async fn cluster(n: u32, tag: &str) -> Vec<Arc<Endpoint>> {
+/// Endpoints 0..n on loopback; nodes 1.. run the multicast service.
+async fn cluster(n: u32, tag: &str) -> (Vec<Arc<Endpoint>>, Vec<Arc<MulticastNode>>) {
     let eps = crate::test_util::loopback_endpoints(n, tag).await;
+    let mut nodes = Vec::new();
     for e in &eps[1..] {
-        tokio::spawn(serve_node(e.clone(), Duration::from_secs(10)));
+        nodes.push(MulticastNode::start(e.clone(), Duration::from_secs(10)).unwrap());
     }
-    eps
+    (eps, nodes)
 }
 
 fn topo(n: u32) -> Topology {
@@ -24,25 +27,26 @@ fn topo(n: u32) -> Topology {
     t
 }
 
+fn fill(r: &Region, bytes: u64, seed: u64) {
+    // SAFETY: the tests fill a region before any run that reads it.
+    unsafe { fill_synthetic(r, bytes, seed) }.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn controller_runs_a_multicast_on_node_daemons_and_verifies_every_byte() {
-    let eps = cluster(5, "ctl").await;
-    let ctl = Controller::new(eps[0].clone());
+async fn controller_runs_a_multicast_on_node_services_and_verifies_every_byte() {
+    let (eps, _nodes) = cluster(5, "ctl").await;
+    let ctl = Controller::new(eps[0].clone()).unwrap();
     for planner in [PlannerKind::Blitz, PlannerKind::Star, PlannerKind::Tree] {
-        let spec = RunSpec {
-            topology: topo(5),
-            bytes: 6 << 20,
-            sources: vec![Loc::gpu(1, 0)],
-            targets: vec![Loc::gpu(2, 0), Loc::gpu(3, 0), Loc::gpu(4, 0)],
-            planner,
-            layers: vec![0..(2 << 20), (2 << 20)..(6 << 20)],
-            seed: 42,
-            deadline: Duration::from_secs(30),
-            source_copies: Default::default(),
-            keep: Default::default(),
-            layout: None,
-            progress: None,
-        };
+        let mut spec = RunSpec::synthetic(
+            topo(5),
+            6 << 20,
+            vec![Loc::gpu(1, 0)],
+            vec![Loc::gpu(2, 0), Loc::gpu(3, 0), Loc::gpu(4, 0)],
+            42,
+        );
+        spec.planner = planner;
+        spec.layers = vec![0..(2 << 20), (2 << 20)..(6 << 20)];
+        spec.deadline = Duration::from_secs(30);
         let out = ctl.run(&spec).await.unwrap();
         assert_eq!(out.report.completed.len(), 3, "{planner}: {:?}", out.report);
         assert_eq!(out.verified.len(), 3, "{planner}: every target's crc32 matches the source");
@@ -54,91 +58,152 @@ async fn controller_runs_a_multicast_on_node_daemons_and_verifies_every_byte() {
     }
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn runs_overlap_on_one_controller() {
+    let (eps, _nodes) = cluster(5, "overlap").await;
+    let ctl = Controller::new(eps[0].clone()).unwrap();
+    let a = RunSpec::synthetic(topo(5), 4 << 20, vec![Loc::host(1)], vec![Loc::host(2), Loc::host(3)], 1);
+    let b = RunSpec::synthetic(topo(5), 3 << 20, vec![Loc::host(4)], vec![Loc::host(2), Loc::host(3)], 2);
+    let (x, y) = tokio::join!(ctl.run(&a), ctl.run(&b));
+    let (x, y) = (x.unwrap(), y.unwrap());
+    assert_eq!((x.verified.len(), y.verified.len()), (2, 2));
+    assert_ne!(x.run, y.run);
+}
+
+/// Golden bytes of the multicast control service (`testdata/control.txt`): changing one is a
+/// protocol change and needs a new version.
 #[test]
-fn control_messages_round_trip() {
-    let m = Control::Prepared { run: 7, loc: Loc::gpu(3, 1), region: 9, key: 11, crcs: Some(vec![1, 2]) };
-    assert_eq!(Control::decode(&m.encode()), Some(m));
-    assert_eq!(Control::decode(b"CSCT{not json"), None);
-    assert_eq!(Control::decode(b"other"), None);
+fn control_messages_match_their_golden_bytes() {
+    let text = include_str!("../../testdata/wire/control.txt");
+    let golden: std::collections::HashMap<&str, &str> = text
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .map(|l| l.split_once(char::is_whitespace).map(|(a, b)| (a, b.trim())).unwrap())
+        .collect();
+    let hex = |b: &[u8]| b.iter().map(|x| format!("{x:02x}")).collect::<String>();
+    let cases = [
+        (
+            "prepare_target",
+            Control::Prepare { run: 7, loc: Loc::gpu(3, 1), bytes: 1 << 20, chunk: 1 << 16, fill: Fill::Target },
+        ),
+        ("prepare_lent", Control::Prepare { run: 7, loc: Loc::host(2), bytes: 300, chunk: 100, fill: Fill::Lent }),
+        ("prepared", Control::Prepared { region: 9, key: 11, crcs: Some(vec![1, 2]) }),
+        ("verify", Control::Verify { run: 7, loc: Loc::host(2) }),
+        ("verified", Control::Verified { crc: 0xdeadbeef }),
+        ("release", Control::Release { run: 300 }),
+        ("ack", Control::Ack),
+        ("failed", Control::Failed { message: "no".into() }),
+    ];
+    for (name, m) in cases {
+        assert_eq!(hex(&m.encode_body()), golden[name], "{name}");
+        assert_eq!(Control::decode_body(1, &m.encode_body()).unwrap(), m, "{name}");
+    }
+    assert!(Control::decode_body(1, b"{not binary").is_err());
+    let r = Report { run: 5, msg: crate::executor::ToCoord::LayerReady { loc: Loc::host(1), layer: 2 } };
+    assert_eq!(hex(&r.encode_body()), golden["report_layer_ready"]);
 }
 
 #[test]
 fn synthetic_models_are_deterministic_and_differ_by_seed() {
     let a = Region::alloc(1 << 16, Default::default()).unwrap();
     let b = Region::alloc(1 << 16, Default::default()).unwrap();
-    fill_synthetic(&a, 1 << 16, 5).unwrap();
-    fill_synthetic(&b, 1 << 16, 5).unwrap();
-    assert_eq!(a.crc32(0, 1 << 16).unwrap(), b.crc32(0, 1 << 16).unwrap());
-    fill_synthetic(&b, 1 << 16, 6).unwrap();
-    assert_ne!(a.crc32(0, 1 << 16).unwrap(), b.crc32(0, 1 << 16).unwrap());
+    fill(&a, 1 << 16, 5);
+    fill(&b, 1 << 16, 5);
+    assert_eq!(ta::crc32(&a, 0, 1 << 16).unwrap(), ta::crc32(&b, 0, 1 << 16).unwrap());
+    fill(&b, 1 << 16, 6);
+    assert_ne!(ta::crc32(&a, 0, 1 << 16).unwrap(), ta::crc32(&b, 0, 1 << 16).unwrap());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn held_copies_serve_as_sources_and_verified_targets_are_kept() {
-    let eps = crate::test_util::loopback_endpoints(4, "held").await;
-    let held: Vec<Arc<HeldCopies>> = (0..4).map(|_| Arc::default()).collect();
-    for (e, h) in eps[1..].iter().zip(&held[1..]) {
-        tokio::spawn(serve_node_with(e.clone(), Duration::from_secs(10), h.clone(), None));
-    }
-    // Node 1 holds copy 7: a region filled with the synthetic model of seed 9.
+async fn lent_sources_serve_and_verified_targets_are_detached() {
+    let (eps, nodes) = cluster(4, "held").await;
+    // Node 1 holds a region filled with the synthetic model of seed 9 and lends it to run 500.
     let bytes = 3 << 20;
     let r = eps[1].register_new(bytes).unwrap();
-    fill_synthetic(&r, bytes, 9).unwrap();
-    held[1].insert(7, r.clone());
-    let layout =
-        Layout::new(bytes, 1 << 20, (0..3).map(|i| r.crc32(i << 20, 1 << 20).unwrap()).collect(), vec![]).unwrap();
-    let ctl = Controller::new(eps[0].clone());
+    fill(&r, bytes, 9);
+    let crcs = (0..3).map(|i| ta::crc32(&r, i << 20, 1 << 20).unwrap()).collect();
+    let layout = Layout::new(bytes, 1 << 20, crcs, vec![]).unwrap();
+    let run = 500;
+    nodes[0].lend(run, Loc::host(1), r.clone(), 0).unwrap();
+    let ctl = Controller::new(eps[0].clone()).unwrap();
     let mut spec = RunSpec::synthetic(topo(4), bytes, vec![Loc::host(1)], vec![Loc::host(2), Loc::host(3)], 1);
-    spec.source_copies.insert(Loc::host(1), 7);
-    spec.keep.insert(Loc::host(2), 8);
-    spec.keep.insert(Loc::host(3), 9);
+    spec.lent = BTreeSet::from([Loc::host(1)]);
+    spec.run = Some(run);
+    spec.hold = true;
     spec.layout = Some(layout.clone());
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     spec.progress = Some(tx);
     let out = ctl.run(&spec).await.unwrap();
     assert_eq!(out.verified.len(), 2);
-    assert_eq!(out.kept.len(), 2);
     let mut seen = 0;
     while rx.try_recv().is_ok() {
         seen += 1;
     }
     assert_eq!(seen, out.events.len(), "every event also went to the progress channel");
-    // The kept regions are the source's bytes; the lent source is still registered.
-    for (n, id) in [(2, 8), (3, 9)] {
-        let k = held[n].get(id).unwrap();
-        assert_eq!(k.crc32(0, bytes).unwrap(), r.crc32(0, bytes).unwrap());
-        assert_eq!(eps[n].regions().len(), 1, "only the kept copy stays registered on node {n}");
+    // The node services take the verified targets out; releasing the run leaves them alone.
+    let kept: Vec<Region> =
+        [(1, 2), (2, 3)].iter().map(|(i, n)| nodes[*i].detach(run, Loc::host(*n)).unwrap()).collect();
+    ctl.release(run, &[Loc::host(1), Loc::host(2), Loc::host(3)]).await;
+    for (k, n) in kept.iter().zip([2, 3]) {
+        assert_eq!(ta::crc32(k, 0, bytes).unwrap(), ta::crc32(&r, 0, bytes).unwrap());
+        assert_eq!(eps[n].regions().len(), 1, "only the detached region stays registered on node {n}");
     }
-    assert_eq!(eps[1].regions().len(), 1, "the source copy is still registered after the run");
+    assert_eq!(eps[1].regions().len(), 1, "the lent source is still registered after the run");
+    assert!(nodes[0].detach(run, Loc::host(1)).is_err(), "a released run has nothing to detach");
     // A source whose bytes differ from the layout fails the run and leaves nothing behind.
-    fill_synthetic(&r, 1 << 20, 10).unwrap();
+    fill(&r, 1 << 20, 10);
+    nodes[0].lend(501, Loc::host(1), r.clone(), 0).unwrap();
     let mut bad = RunSpec::synthetic(topo(4), bytes, vec![Loc::host(1)], vec![Loc::host(2)], 1);
-    bad.source_copies.insert(Loc::host(1), 7);
+    bad.lent = BTreeSet::from([Loc::host(1)]);
+    bad.run = Some(501);
     bad.layout = Some(layout);
-    let err = ctl.run(&bad).await.unwrap_err().to_string();
-    assert!(err.contains("does not hold the bytes"), "{err}");
+    let err = ctl.run(&bad).await.unwrap_err();
+    assert!(matches!(err, ControlError::SourceMismatch(_)), "{err}");
     assert_eq!(eps[2].regions().len(), 1, "the failed run's target region was released");
-    // A copy the node does not hold is a clear error.
+    assert_eq!(eps[1].regions().len(), 1, "the lent region is not released with the run");
+    // A source that was never lent is a clear error from that node alone.
     let mut missing = RunSpec::synthetic(topo(4), bytes, vec![Loc::host(1)], vec![Loc::host(2)], 1);
-    missing.source_copies.insert(Loc::host(1), 99);
-    let err = ctl.run(&missing).await.unwrap_err().to_string();
-    assert!(err.contains("holds no copy 99"), "{err}");
+    missing.lent = BTreeSet::from([Loc::host(1)]);
+    let err = ctl.run(&missing).await.unwrap_err();
+    assert!(matches!(err, ControlError::Node { node: 1, .. }), "{err}");
+    assert!(err.to_string().contains("no region was lent"), "{err}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_drops_the_runs_of_a_controller_that_went_down() {
-    let eps = cluster(3, "orphan").await;
+    let (eps, _nodes) = cluster(3, "orphan").await;
     // Prepare a target on node 2 by hand, then the controller disappears.
-    let m = Control::Prepare { run: 77, loc: Loc::host(2), bytes: 1 << 20, chunk: 1 << 20, fill: None, copy: None };
-    eps[0].send(2, m.encode()).await.unwrap();
-    let deadline = std::time::Instant::now() + Duration::from_secs(5);
-    while eps[2].regions().is_empty() {
-        assert!(std::time::Instant::now() < deadline, "the region was never prepared");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    let m = Control::Prepare { run: 77, loc: Loc::host(2), bytes: 1 << 20, chunk: 1 << 20, fill: Fill::Target };
+    let r = eps[0].call(2, &m, Duration::from_secs(5)).await.unwrap();
+    assert!(matches!(r, Control::Prepared { crcs: None, .. }), "{r:?}");
+    assert_eq!(eps[2].regions().len(), 1);
     eps[0].shutdown();
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
     while !eps[2].regions().is_empty() {
         assert!(std::time::Instant::now() < deadline, "the orphaned run's region was not dropped");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_request_fails_its_call_only() {
+    let (eps, _nodes) = cluster(3, "refuse").await;
+    let bad = Control::Start {
+        run: 1234,
+        loc: Loc::host(2),
+        layout: Layout::new(1, 1, vec![0], vec![]).unwrap(),
+        source: false,
+        children: vec![],
+    };
+    let r = eps[0].call(2, &bad, Duration::from_secs(5)).await.unwrap();
+    assert!(matches!(&r, Control::Failed { message } if message.contains("unknown multicast run 1234")), "{r:?}");
+    // The node keeps serving, and a reply to a request is never given to another.
+    let ok =
+        Control::Prepare { run: 78, loc: Loc::host(2), bytes: 4096, chunk: 4096, fill: Fill::Synthetic { seed: 3 } };
+    let r = eps[0].call(2, &ok, Duration::from_secs(5)).await.unwrap();
+    assert!(matches!(r, Control::Prepared { crcs: Some(ref c), .. } if c.len() == 1), "{r:?}");
+    let r = eps[0].call(2, &Control::Release { run: 78 }, Duration::from_secs(5)).await.unwrap();
+    assert_eq!(r, Control::Ack);
+    assert!(eps[2].regions().is_empty());
+    assert_eq!(eps[0].services().stats().late_replies, 0);
 }

@@ -6,6 +6,7 @@ use cascade_transport::mem::{Fault, MemFabric};
 
 use super::*;
 use crate::planner::{plan as make_plan, PlannerKind, Request};
+use cascade_transport::test_access as ta;
 
 const MIB: u64 = 1 << 20;
 
@@ -25,7 +26,7 @@ fn mem_members(f: &MemFabric, n: u32, bytes: u64) -> Vec<Member> {
             let region = Region::alloc(bytes, Default::default()).unwrap();
             if i == 0 {
                 for c in 0..bytes / 4096 {
-                    region.fill(c * 4096, 4096, (c % 251) as u8 + 1).unwrap();
+                    ta::fill(&region, c * 4096, 4096, (c % 251) as u8 + 1).unwrap();
                 }
             }
             node.regions().register(&region);
@@ -44,8 +45,19 @@ fn setup(n: u32, bytes: u64, chunk: u64) -> (MemFabric, Topology, Plan, Layout, 
     let t = flat(n);
     let targets: Vec<Loc> = (1..n).map(|i| Loc::gpu(i, 0)).collect();
     let p = make_plan(&t, &Request { bytes, sources: vec![Loc::gpu(0, 0)], targets }, PlannerKind::Blitz).unwrap();
-    let layout = Layout::from_region(&members[0].region, bytes, chunk, layers(bytes, 4)).unwrap();
+    let layout = unsafe_layout(&members[0].region, bytes, chunk, layers(bytes, 4)).unwrap();
     (f, t, p, layout, members)
+}
+
+/// The layout of a test's source region (nothing writes it while the crcs are taken).
+fn unsafe_layout(
+    r: &Region,
+    bytes: u64,
+    chunk: u64,
+    layers: Vec<std::ops::Range<u64>>,
+) -> Result<Layout, crate::LayoutError> {
+    // SAFETY: the tests fill their source regions before any run starts.
+    unsafe { Layout::from_region(r, bytes, chunk, layers) }
 }
 
 fn opts() -> ExecOptions {
@@ -64,9 +76,9 @@ async fn chain_delivers_every_byte_and_every_layer() {
     assert_eq!(rep.completed.len(), 4, "{rep:?}");
     assert!(rep.failed.is_empty());
     assert_eq!(rep.resent_chunks, 0);
-    let want = members[0].region.crc32(0, 4 * MIB).unwrap();
+    let want = ta::crc32(&members[0].region, 0, 4 * MIB).unwrap();
     for m in &members[1..] {
-        assert_eq!(m.region.crc32(0, 4 * MIB).unwrap(), want, "{}", m.loc);
+        assert_eq!(ta::crc32(&m.region, 0, 4 * MIB).unwrap(), want, "{}", m.loc);
     }
     let mut ready: BTreeMap<Loc, Vec<usize>> = BTreeMap::new();
     while let Ok(e) = rx.try_recv() {
@@ -88,9 +100,9 @@ async fn a_corrupted_chunk_is_caught_refetched_and_never_forwarded() {
     assert_eq!(rep.completed.len(), 3, "{rep:?}");
     // Exactly one re-send: had the bad chunk been forwarded, the next hop would have NACKed too.
     assert_eq!(rep.resent_chunks, 1);
-    let want = members[0].region.crc32(0, 2 * MIB).unwrap();
+    let want = ta::crc32(&members[0].region, 0, 2 * MIB).unwrap();
     for m in &members[1..] {
-        assert_eq!(m.region.crc32(0, 2 * MIB).unwrap(), want);
+        assert_eq!(ta::crc32(&m.region, 0, 2 * MIB).unwrap(), want);
     }
 }
 
@@ -115,9 +127,9 @@ async fn a_member_killed_mid_chain_is_routed_around() {
     assert_eq!(rep.completed.len(), 4);
     assert!(rep.replans >= 1);
     assert!(started.elapsed() < Duration::from_secs(10), "no hang: {:?}", started.elapsed());
-    let want = members[0].region.crc32(0, 4 * MIB).unwrap();
+    let want = ta::crc32(&members[0].region, 0, 4 * MIB).unwrap();
     for m in members.iter().filter(|m| m.loc != victim && m.loc != Loc::gpu(0, 0)) {
-        assert_eq!(m.region.crc32(0, 4 * MIB).unwrap(), want, "{}", m.loc);
+        assert_eq!(ta::crc32(&m.region, 0, 4 * MIB).unwrap(), want, "{}", m.loc);
     }
 }
 
@@ -149,8 +161,8 @@ async fn runs_over_real_tcp_endpoints() {
     for (i, ep) in crate::test_util::loopback_endpoints(3, "mc").await.into_iter().enumerate() {
         let region = ep.register_new(bytes).unwrap();
         if i == 0 {
-            region.fill(0, bytes, 0x77).unwrap();
-            region.fill(MIB, MIB, 0x11).unwrap();
+            ta::fill(&region, 0, bytes, 0x77).unwrap();
+            ta::fill(&region, MIB, MIB, 0x11).unwrap();
         }
         members.push(Member { loc: Loc::gpu(i as u32, 0), mesh: ep, region });
     }
@@ -161,20 +173,24 @@ async fn runs_over_real_tcp_endpoints() {
         PlannerKind::Blitz,
     )
     .unwrap();
-    let layout = Layout::from_region(&members[0].region, bytes, MIB, vec![]).unwrap();
+    let layout = unsafe_layout(&members[0].region, bytes, MIB, vec![]).unwrap();
     let rep = execute(&t, &p, &layout, members.clone(), None, opts()).await.unwrap();
     assert_eq!(rep.completed.len(), 2, "{rep:?}");
-    let want = members[0].region.crc32(0, bytes).unwrap();
-    assert!(members[1..].iter().all(|m| m.region.crc32(0, bytes).unwrap() == want));
+    let want = ta::crc32(&members[0].region, 0, bytes).unwrap();
+    assert!(members[1..].iter().all(|m| ta::crc32(&m.region, 0, bytes).unwrap() == want));
 }
 
 #[test]
 fn notices_round_trip_and_reject_junk() {
-    use super::notice::{Kind, Notice, NOTICE_LEN};
+    use cascade_transport::Message;
+
+    use super::notice::{Kind, Notice};
     let n = Notice { run: 9, kind: Kind::Nack, index: 77, from: Loc::host(3), to: Loc::gpu(4, 1) };
-    assert_eq!(Notice::decode(&n.encode()), Some(n));
-    assert_eq!(Notice::decode(&[0u8; NOTICE_LEN]), None);
-    assert_eq!(Notice::decode(&n.encode()[..31]), None);
+    assert_eq!(Notice::decode_body(1, &n.encode_body()).unwrap(), n);
+    // Golden bytes: run 9, Nack (1), index 77, (3, None), (4, Some(1)) in postcard varints.
+    assert_eq!(n.encode_body(), vec![9, 1, 77, 3, 0, 4, 1, 1]);
+    assert!(Notice::decode_body(1, &[9, 7, 77, 3, 0, 4, 1, 1]).is_err(), "unknown kind");
+    assert!(Notice::decode_body(1, &n.encode_body()[..7]).is_err(), "truncated");
 }
 
 #[test]

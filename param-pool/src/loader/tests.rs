@@ -2,6 +2,13 @@ use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 
 use super::*;
+use cascade_transport::test_access as ta;
+
+/// Loads into a region the test allocated and never registered: nobody else can reach it.
+fn load_private(m: &Manifest, path: &Path, region: &Region, opts: LoadOptions) -> Result<LoadReport, LoadError> {
+    // SAFETY: the tests' regions are private to them.
+    unsafe { load(m, path, region, opts) }
+}
 
 /// Writes a synthetic model of about `mib` MiB whose file order is not the packed order.
 fn model_file(dir: &Path, tag: &str, mib: usize) -> std::path::PathBuf {
@@ -36,7 +43,7 @@ fn check(tag: &str, opts: LoadOptions, want_mode: Option<LoadMode>) {
     let path = model_file(&dir, tag, 20);
     let m = Manifest::from_file(&path, "m", 1 << 20).unwrap();
     let region = Region::alloc(m.bytes, Default::default()).unwrap();
-    let rep = load(&m, &path, &region, opts).unwrap();
+    let rep = load_private(&m, &path, &region, opts).unwrap();
     if let Some(mode) = want_mode {
         assert_eq!(rep.mode, mode);
     }
@@ -45,7 +52,7 @@ fn check(tag: &str, opts: LoadOptions, want_mode: Option<LoadMode>) {
     let file = std::fs::read(&path).unwrap();
     let mut want = vec![0u8; m.bytes as usize];
     m.pack(&file, &mut want);
-    assert_eq!(&region.view(0, m.bytes).unwrap()[..], &want[..]);
+    assert_eq!(&ta::view(&region, 0, m.bytes).unwrap()[..], &want[..]);
     let _ = std::fs::remove_file(&path);
 }
 
@@ -76,22 +83,49 @@ fn a_changed_file_or_a_small_region_is_refused() {
     let path = model_file(&dir, "changed", 2);
     let m = Manifest::from_file(&path, "m", 1 << 20).unwrap();
     let small = Region::alloc(4096, Default::default()).unwrap();
-    assert!(matches!(load(&m, &path, &small, LoadOptions::default()), Err(LoadError::RegionTooSmall { .. })));
+    assert!(matches!(load_private(&m, &path, &small, LoadOptions::default()), Err(LoadError::RegionTooSmall { .. })));
     let region = Region::alloc(m.bytes, Default::default()).unwrap();
     // Same length, different bytes: caught by the chunk crcs.
     let mut bytes = std::fs::read(&path).unwrap();
     let last = bytes.len() - 1;
     bytes[last] ^= 0xff;
     std::fs::write(&path, &bytes).unwrap();
-    let e = load(&m, &path, &region, LoadOptions::default()).unwrap_err();
+    let e = load_private(&m, &path, &region, LoadOptions::default()).unwrap_err();
     assert!(e.to_string().contains("crc32"), "{e}");
     // Different length.
     bytes.push(0);
     std::fs::write(&path, &bytes).unwrap();
-    assert!(load(&m, &path, &region, LoadOptions::default()).unwrap_err().to_string().contains("manifest says"));
+    assert!(load_private(&m, &path, &region, LoadOptions::default())
+        .unwrap_err()
+        .to_string()
+        .contains("manifest says"));
     assert!(matches!(
-        load(&m, &path, &region, LoadOptions { block: 1000, ..Default::default() }),
+        load_private(&m, &path, &region, LoadOptions { block: 1000, ..Default::default() }),
         Err(LoadError::Options(_))
     ));
+    let _ = std::fs::remove_file(&path);
+}
+
+/// A read that fails while others are in flight: the load returns the error only after every
+/// read was reaped (before the fix, the ring was dropped with reads still targeting staging
+/// buffers that were then freed).
+#[test]
+fn a_failing_read_midway_leaves_no_read_in_flight() {
+    let dir = tmp();
+    let path = model_file(&dir, "fail", 20);
+    let m = Manifest::from_file(&path, "m", 1 << 20).unwrap();
+    for direct in [true, false] {
+        let region = Region::alloc(m.bytes, Default::default()).unwrap();
+        FAIL_AT.with(|f| f.set(Some(1)));
+        let opts = LoadOptions { direct, block: 1 << 20, queue_depth: 8, ..Default::default() };
+        let e = load_private(&m, &path, &region, opts);
+        FAIL_AT.with(|f| f.set(None));
+        let e = e.unwrap_err();
+        assert!(e.to_string().contains("Input/output error"), "{e}");
+        assert_eq!(IN_FLIGHT.with(|n| n.get()), 0, "direct={direct}: reads still in flight");
+    }
+    // The same load without the fault succeeds: the ring and the file are fine.
+    let region = Region::alloc(m.bytes, Default::default()).unwrap();
+    assert!(load_private(&m, &path, &region, LoadOptions::default()).is_ok());
     let _ = std::fs::remove_file(&path);
 }

@@ -8,7 +8,8 @@ use cascade_transport::Endpoint;
 
 use super::*;
 use crate::meta::EmbeddedStore;
-use crate::node::serve_pool_node;
+use crate::node::start_services;
+use cascade_transport::test_access as ta;
 
 async fn endpoints(n: u32, tag: &str) -> Vec<Arc<Endpoint>> {
     cascade_tests::loopback::endpoints(n, tag, |cfg| cfg.connect_timeout = Duration::from_millis(300)).await.unwrap()
@@ -56,7 +57,7 @@ async fn repairs_after_a_node_dies_from_copies_or_from_the_file() {
         let dir = scratch(&format!("repair{k}"));
         let eps = endpoints(5, &format!("mgr{k}")).await;
         for e in &eps[1..] {
-            tokio::spawn(serve_pool_node(e.clone(), Duration::from_secs(10)));
+            start_services(e.clone(), Duration::from_secs(10)).unwrap();
         }
         let mut m =
             Manager::open(eps[0].clone(), EmbeddedStore::open(&dir.join("meta")).unwrap(), config(vec![1, 2, 3, 4], k))
@@ -109,7 +110,7 @@ async fn a_model_whose_only_copy_died_with_its_file_gone_is_reported_lost() {
     let dir = scratch("lost");
     let eps = endpoints(3, "lost").await;
     for e in &eps[1..] {
-        tokio::spawn(serve_pool_node(e.clone(), Duration::from_secs(10)));
+        start_services(e.clone(), Duration::from_secs(10)).unwrap();
     }
     let mut m =
         Manager::open(eps[0].clone(), EmbeddedStore::open(&dir.join("meta")).unwrap(), config(vec![1, 2], 1)).unwrap();
@@ -139,16 +140,11 @@ async fn a_model_whose_only_copy_died_with_its_file_gone_is_reported_lost() {
 async fn check_finds_corrupt_and_unknown_copies_and_repair_fixes_them() {
     let dir = scratch("corrupt");
     let eps = endpoints(4, "corrupt").await;
-    let held: Vec<Arc<cascade_multicast::cluster::HeldCopies>> = (0..4).map(|_| Arc::default()).collect();
-    for (e, h) in eps[1..].iter().zip(&held[1..]) {
-        let ext = crate::node::extension(e.clone(), h.clone());
-        tokio::spawn(cascade_multicast::cluster::serve_node_with(
-            e.clone(),
-            Duration::from_secs(10),
-            h.clone(),
-            Some(ext),
-        ));
+    let mut pools = vec![None];
+    for e in &eps[1..] {
+        pools.push(Some(start_services(e.clone(), Duration::from_secs(10)).unwrap().pool));
     }
+    let held = |n: usize| pools[n].as_ref().unwrap().held();
     let mut m =
         Manager::open(eps[0].clone(), EmbeddedStore::open(&dir.join("meta")).unwrap(), config(vec![1, 2, 3], 2))
             .unwrap();
@@ -156,16 +152,20 @@ async fn check_finds_corrupt_and_unknown_copies_and_repair_fixes_them() {
     m.register("m", &models(&dir, 1)[0]).await.unwrap();
     let c = m.status_handle().lock().unwrap().copies[0].clone();
     // Flip a byte of one copy, and plant a copy nobody knows.
-    held[c.node as usize].get(c.id).unwrap().write_local(12345, &[0xff, 0x00, 0xff]).unwrap();
+    ta::write_local(&held(c.node as usize).get(c.id).unwrap(), 12345, &[0xff, 0x00, 0xff]).unwrap();
     let stray = eps[3].register_new(4096).unwrap();
-    held[3].insert(999, stray);
+    held(3).insert(999, stray);
     let rep = m.check().await.unwrap();
     assert!(!rep.healthy);
     assert_eq!(rep.bad_copies, vec![c.id], "{:?}", rep.problems);
     assert!(rep.problems.iter().any(|p| p.contains("copy 999")), "{:?}", rep.problems);
     let after = m.repair().await.unwrap();
     assert!(after.healthy, "{:?}", after.problems);
-    assert!(held[3].get(999).is_none(), "the unknown copy was dropped");
+    let t = Instant::now();
+    while held(3).get(999).is_some() {
+        assert!(t.elapsed() < Duration::from_secs(5), "the unknown copy was dropped");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     assert_eq!(m.status_handle().lock().unwrap().copies.len(), 2);
 }
 
@@ -174,7 +174,7 @@ async fn a_restarted_manager_keeps_finished_copies_and_remakes_unfinished_ones()
     let dir = scratch("restart");
     let eps = endpoints(4, "restart").await;
     for e in &eps[1..] {
-        tokio::spawn(serve_pool_node(e.clone(), Duration::from_secs(10)));
+        start_services(e.clone(), Duration::from_secs(10)).unwrap();
     }
     let paths = models(&dir, 3);
     {

@@ -3,6 +3,7 @@ use std::time::Duration;
 use bytes::Bytes;
 
 use super::*;
+use crate::region::test_access as ta;
 use crate::wire::Status;
 
 fn setup() -> (MemFabric, MemNode, MemNode, Region, Region) {
@@ -12,7 +13,7 @@ fn setup() -> (MemFabric, MemNode, MemNode, Region, Region) {
     let src = Region::alloc(1024, Default::default()).unwrap();
     let dst = Region::alloc(1024, Default::default()).unwrap();
     for i in 0..1024u64 {
-        src.write_local(i, &[(i % 251) as u8]).unwrap();
+        ta::write_local(&src, i, &[(i % 251) as u8]).unwrap();
     }
     b.regions().register(&dst);
     (f, a, b, src, dst)
@@ -26,11 +27,11 @@ async fn write_and_read_move_the_bytes() {
     for r in futures_all(h).await {
         assert_eq!(r.unwrap().bytes, 1024);
     }
-    assert_eq!(dst.view(0, 1024).unwrap(), src.view(0, 1024).unwrap());
+    assert_eq!(ta::view(&dst, 0, 1024).unwrap(), ta::view(&src, 0, 1024).unwrap());
     let back = Region::alloc(100, Default::default()).unwrap();
     let r = futures_all(l.post(vec![Op::read(&back, 0, dst.remote(2), 10, 100).verified()])).await;
     assert!(r[0].is_ok());
-    assert_eq!(back.view(0, 100).unwrap(), src.view(10, 100).unwrap());
+    assert_eq!(ta::view(&back, 0, 100).unwrap(), ta::view(&src, 10, 100).unwrap());
 }
 
 async fn futures_all(h: Vec<OpHandle>) -> Vec<Result<Completion>> {
@@ -51,7 +52,7 @@ async fn bad_accesses_are_refused_and_memory_untouched() {
         .await;
     assert!(matches!(r[0], Err(TransportError::Refused { status: Status::BadKey, .. })));
     assert!(matches!(r[1], Err(TransportError::Refused { status: Status::OutOfBounds, .. })));
-    assert!(dst.view(0, 1024).unwrap().iter().all(|&b| b == 0));
+    assert!(ta::view(&dst, 0, 1024).unwrap().iter().all(|&b| b == 0));
 }
 
 #[tokio::test]
@@ -92,11 +93,22 @@ async fn delayed_operations_complete_late() {
 }
 
 #[tokio::test]
-async fn send_reaches_the_receive_queue() {
+async fn send_reaches_the_service_inbox() {
+    use crate::service::{ServiceExt, ServiceFault};
     let (_f, a, b, _src, _dst) = setup();
+    let mut inbox = b.subscribe::<ServiceFault>(4).unwrap();
+    let h = a.post_oneway(2, &ServiceFault::Malformed { detail: "hi".into() }).unwrap();
+    assert!(h.await.is_ok());
+    let m = inbox.recv().await.unwrap();
+    assert_eq!((m.from, m.msg), (1, ServiceFault::Malformed { detail: "hi".into() }));
+    // A raw SEND that is not an envelope is dropped and counted.
     let l = a.link(2).unwrap();
-    let r = futures_all(l.post(vec![Op::Send { payload: Bytes::from_static(b"hi") }])).await;
-    assert!(r[0].is_ok());
-    let m = b.recv().await.unwrap();
-    assert_eq!((m.from, &m.payload[..]), (1, &b"hi"[..]));
+    assert!(futures_all(l.post(vec![Op::Send { payload: Bytes::from_static(b"hi") }])).await[0].is_ok());
+    tokio::time::timeout(std::time::Duration::from_secs(5), async {
+        while b.services().stats().malformed == 0 {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .unwrap();
 }

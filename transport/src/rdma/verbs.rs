@@ -339,6 +339,7 @@ fn fail_all(pending: &Mutex<Pending>, error: impl Fn() -> TransportError) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::region::test_access as ta;
 
     #[test]
     fn opening_without_a_device_is_a_clear_error() {
@@ -355,7 +356,7 @@ mod tests {
         let dev = Device::open(None).unwrap();
         let src = Region::alloc(1 << 20, Default::default()).unwrap();
         let dst = Region::alloc(1 << 20, Default::default()).unwrap();
-        src.fill(0, 1 << 20, 0x3c).unwrap();
+        ta::fill(&src, 0, 1 << 20, 0x3c).unwrap();
         dev.register(&src).unwrap();
         let remote = dev.register(&dst).unwrap();
         assert_eq!(dev.resolve(dst.id(), dst.key()), Ok(remote));
@@ -363,10 +364,10 @@ mod tests {
         a.connect(&b.local_info()).unwrap();
         b.connect(&a.local_info()).unwrap();
         a.post_write(&src, 0, remote, 0, 1 << 20).await.unwrap();
-        assert_eq!(dst.crc32(0, 1 << 20).unwrap(), src.crc32(0, 1 << 20).unwrap());
+        assert_eq!(ta::crc32(&dst, 0, 1 << 20).unwrap(), ta::crc32(&src, 0, 1 << 20).unwrap());
         let back = Region::alloc(4096, Default::default()).unwrap();
         a.post_read(&back, 0, remote, 4096, 4096).await.unwrap();
-        assert!(back.view(0, 4096).unwrap().iter().all(|&x| x == 0x3c));
+        assert!(ta::view(&back, 0, 4096).unwrap().iter().all(|&x| x == 0x3c));
         let refused = a.post_write(&src, 0, remote, (1 << 20) - 1, 2).await;
         assert!(matches!(refused, Err(TransportError::Refused { status: Status::OutOfBounds, .. })));
     }

@@ -1,10 +1,11 @@
 use super::*;
+use crate::region::test_access as ta;
 
 #[test]
 fn host_region_is_page_aligned_and_zeroed() {
     let r = Region::alloc(3 * PAGE as u64 + 5, RegionOptions::default()).unwrap();
     assert_eq!(r.base() as usize % PAGE, 0);
-    assert!(r.view(0, r.len()).unwrap().iter().all(|&b| b == 0));
+    assert!(ta::view(&r, 0, r.len()).unwrap().iter().all(|&b| b == 0));
     assert!(!r.is_shared());
 }
 
@@ -17,20 +18,20 @@ fn empty_region_is_refused() {
 #[test]
 fn local_access_is_bounds_checked() {
     let r = Region::alloc(100, RegionOptions::default()).unwrap();
-    r.write_local(90, &[7; 10]).unwrap();
+    ta::write_local(&r, 90, &[7; 10]).unwrap();
     assert!(matches!(
-        r.write_local(91, &[7; 10]),
+        ta::write_local(&r, 91, &[7; 10]),
         Err(TransportError::OutOfBounds { offset: 91, len: 10, region_len: 100, .. })
     ));
-    assert!(r.view(u64::MAX, 2).is_err(), "offset overflow must not wrap");
-    assert_eq!(&r.view(88, 4).unwrap()[..], &[0, 0, 7, 7]);
+    assert!(ta::view(&r, u64::MAX, 2).is_err(), "offset overflow must not wrap");
+    assert_eq!(&ta::view(&r, 88, 4).unwrap()[..], &[0, 0, 7, 7]);
 }
 
 #[test]
 fn view_is_zero_copy_and_keeps_region_alive() {
     let r = Region::alloc(64, RegionOptions::default()).unwrap();
-    r.fill(0, 64, 3).unwrap();
-    let v = r.view(8, 8).unwrap();
+    ta::fill(&r, 0, 64, 3).unwrap();
+    let v = ta::view(&r, 8, 8).unwrap();
     let base = r.base() as usize;
     drop(r);
     assert_eq!(v.as_ptr() as usize, base + 8);
@@ -41,7 +42,7 @@ fn view_is_zero_copy_and_keeps_region_alive() {
 fn shared_region_is_visible_through_a_second_mapping() {
     let r = Region::shared(2 * PAGE as u64).unwrap();
     let other = map_fd(r.shared_fd().unwrap(), r.len(), false).unwrap();
-    r.write_local(PAGE as u64, b"hello").unwrap();
+    ta::write_local(&r, PAGE as u64, b"hello").unwrap();
     // SAFETY: the mapping is 2 pages long and nobody writes it concurrently.
     let seen = unsafe { std::slice::from_raw_parts(other.as_ptr().add(PAGE), 5) };
     assert_eq!(seen, b"hello");

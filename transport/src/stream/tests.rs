@@ -5,6 +5,7 @@ use std::time::Duration;
 use tokio::io::{DuplexStream, ReadHalf, WriteHalf};
 
 use super::*;
+use crate::region::test_access as ta;
 
 impl FrameSource for ReadHalf<DuplexStream> {
     fn take_fd(&mut self) -> Option<OwnedFd> {
@@ -30,7 +31,7 @@ fn link(peer: NodeId, io: DuplexStream, regions: RegionTable, rkeys: Option<Rkey
         peer,
         kind: BackendKind::Tcp,
         regions,
-        inbox: mpsc::unbounded_channel().0,
+        services: crate::service::Services::new(2),
         timing: Timing { keepalive: Duration::from_millis(100), dead_after: Duration::from_secs(5) },
         on_close: Box::new(|_| {}),
     };
@@ -80,11 +81,11 @@ async fn written_notice_verifies_the_crc_at_the_owner() {
     let (a_io, b_io) = tokio::io::duplex(1 << 16);
     let b_regions = RegionTable::new();
     let region = Region::alloc(4096, Default::default()).unwrap();
-    region.fill(0, 4096, 7).unwrap();
+    ta::fill(&region, 0, 4096, 7).unwrap();
     b_regions.register(&region);
     let a = link(1, a_io, RegionTable::new(), None);
     let _b = link(0, b_io, b_regions, None);
-    let good = region.crc32(0, 4096).unwrap();
+    let good = ta::crc32(&region, 0, 4096).unwrap();
     for (crc, ok) in [(good, true), (good ^ 1, false)] {
         let (done, h) = OpHandle::new(0);
         a.shared.post_written(done, region.id(), region.key(), 0, 4096, Some(crc));

@@ -1,4 +1,4 @@
-//! The connection pool: an [`Endpoint`] joins the cluster and keeps a full mesh of links.
+//! The endpoint: a node joins the cluster and keeps a full mesh of links (the connection pool).
 //!
 //! At start the endpoint binds its listeners (TCP, plus a unix socket for same-host peers), then
 //! for every peer with a larger id it dials — shared memory when the peer is on the same host,
@@ -17,18 +17,18 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
-use tokio::sync::{broadcast, mpsc, oneshot, watch};
+use tokio::sync::{broadcast, oneshot, watch};
 use tracing::{debug, info, info_span, warn, Instrument};
 
 use crate::config::{select_backend, EndpointConfig, NodeSpec};
 use crate::error::{Result, TransportError};
 use crate::handshake::{self, Caps, DriveError, HandshakeConfig, PeerInfo, PROTOCOL_VERSION};
-use crate::link::{run_batch, BackendKind, Completion, Incoming, Link, Op};
+use crate::link::{run_batch, BackendKind, Completion, Link, Op};
 use crate::onesided::{Engine, OneSided};
 use crate::rdma::RdmaCtx;
 use crate::region::{Region, RegionTable};
+use crate::service::Services;
 use crate::shm::{FdReader, FdWriter};
 use crate::stats::StatsSnapshot;
 use crate::stream::{LinkCtx, StreamLink, Timing};
@@ -86,8 +86,7 @@ struct Inner {
     links: Mutex<HashMap<NodeId, Entry>>,
     generation: AtomicU64,
     events: broadcast::Sender<PeerEvent>,
-    inbox_tx: mpsc::UnboundedSender<Incoming>,
-    inbox_rx: tokio::sync::Mutex<mpsc::UnboundedReceiver<Incoming>>,
+    services: Arc<Services>,
     changed: watch::Sender<u64>,
     shutdown: watch::Sender<bool>,
     started: Instant,
@@ -97,11 +96,21 @@ struct Inner {
 /// A node's endpoint in the cluster: its regions, its links, and the operations over them.
 pub struct Endpoint {
     inner: Arc<Inner>,
+    /// Listeners bound by [`bind`](Self::bind), until [`open`](Self::open) starts serving them.
+    unopened: Mutex<Option<(TcpListener, Option<UnixListener>)>>,
 }
 
 impl Endpoint {
     /// Binds the listeners and starts connecting to every peer. Must run inside a tokio runtime.
     pub async fn start(cfg: EndpointConfig) -> Result<Endpoint> {
+        let ep = Endpoint::bind(cfg).await?;
+        ep.open();
+        Ok(ep)
+    }
+
+    /// Binds the listeners but connects to no peer yet: a node subscribes its services between
+    /// `bind` and [`open`](Self::open), so that no peer's request finds a service missing.
+    pub async fn bind(cfg: EndpointConfig) -> Result<Endpoint> {
         cfg.validate()?;
         let me =
             cfg.cluster.node(cfg.node).cloned().ok_or_else(|| TransportError::Config("node not in cluster".into()))?;
@@ -141,7 +150,6 @@ impl Endpoint {
                 return Err(e);
             }
         };
-        let (inbox_tx, inbox_rx) = mpsc::unbounded_channel();
         let inner = Arc::new(Inner {
             me,
             caps,
@@ -149,8 +157,7 @@ impl Endpoint {
             links: Mutex::new(HashMap::new()),
             generation: AtomicU64::new(0),
             events: broadcast::channel(1024).0,
-            inbox_tx,
-            inbox_rx: tokio::sync::Mutex::new(inbox_rx),
+            services: Services::new(cfg.node),
             changed: watch::channel(0).0,
             shutdown: watch::channel(false).0,
             started: Instant::now(),
@@ -158,14 +165,20 @@ impl Endpoint {
             cfg,
         });
         info!(node = inner.cfg.node, addr = %inner.me.addr, caps = inner.caps.0, "endpoint listening");
-        tokio::spawn(accept_tcp(Arc::downgrade(&inner), tcp, inner.shutdown.subscribe()));
+        Ok(Endpoint { inner, unopened: Mutex::new(Some((tcp, unix))) })
+    }
+
+    /// Starts accepting peers and dialing them (once; later calls do nothing).
+    pub fn open(&self) {
+        let Some((tcp, unix)) = self.unopened.lock().unwrap_or_else(|e| e.into_inner()).take() else { return };
+        let inner = &self.inner;
+        tokio::spawn(accept_tcp(Arc::downgrade(inner), tcp, inner.shutdown.subscribe()));
         if let Some(u) = unix {
-            tokio::spawn(accept_unix(Arc::downgrade(&inner), u, inner.shutdown.subscribe()));
+            tokio::spawn(accept_unix(Arc::downgrade(inner), u, inner.shutdown.subscribe()));
         }
         for peer in inner.cfg.cluster.nodes.iter().filter(|n| n.id > inner.cfg.node) {
-            tokio::spawn(dial_loop(Arc::downgrade(&inner), peer.clone(), inner.shutdown.subscribe()));
+            tokio::spawn(dial_loop(Arc::downgrade(inner), peer.clone(), inner.shutdown.subscribe()));
         }
-        Ok(Endpoint { inner })
     }
 
     /// This node's id.
@@ -188,14 +201,29 @@ impl Endpoint {
         &self.inner.regions
     }
 
-    /// Allocates a region (shared memory when shm is on, so same-host peers can map it) and
-    /// registers it.
-    pub fn register_new(&self, len: u64) -> Result<Region> {
-        let r = if self.inner.cfg.shm { Region::shared(len)? } else { Region::alloc(len, Default::default())? };
-        if let Some(rdma) = &self.inner.rdma {
-            rdma.register(&r)?;
+    /// Allocates a region peers could reach once registered (shared memory when shm is on, so
+    /// same-host peers can map it); it is private to the caller until [`register`](Self::register).
+    pub fn alloc(&self, len: u64) -> Result<Region> {
+        if self.inner.cfg.shm {
+            Region::shared(len)
+        } else {
+            Region::alloc(len, Default::default())
         }
-        self.inner.regions.register(&r);
+    }
+
+    /// Registers `r`: peers may address it from now on (with the RDMA device too, if any).
+    pub fn register(&self, r: &Region) -> Result<()> {
+        if let Some(rdma) = &self.inner.rdma {
+            rdma.register(r)?;
+        }
+        self.inner.regions.register(r);
+        Ok(())
+    }
+
+    /// Allocates a region and registers it.
+    pub fn register_new(&self, len: u64) -> Result<Region> {
+        let r = self.alloc(len)?;
+        self.register(&r)?;
         Ok(r)
     }
 
@@ -259,15 +287,10 @@ impl Endpoint {
         Ok(run_batch(&link, ops, self.inner.cfg.op_timeout).await)
     }
 
-    /// Sends a message to `peer`.
-    pub async fn send(&self, peer: NodeId, payload: Bytes) -> Result<()> {
-        let mut r = self.run(peer, vec![Op::Send { payload }]).await?;
-        r.pop().unwrap_or(Err(TransportError::NotConnected { peer })).map(|_| ())
-    }
-
-    /// The next message any peer sent to this node.
-    pub async fn recv(&self) -> Option<Incoming> {
-        self.inner.inbox_rx.lock().await.recv().await
+    /// The node's control-plane services: subscribe, call and reply through
+    /// [`ServiceExt`](crate::service::ServiceExt).
+    pub fn services(&self) -> &Arc<Services> {
+        &self.inner.services
     }
 
     /// Subscribes to peer up/down events.
@@ -287,6 +310,7 @@ impl Endpoint {
     /// Closes every link and stops listening.
     pub fn shutdown(&self) {
         let _ = self.inner.shutdown.send(true);
+        self.inner.services.close();
         let links: Vec<Entry> =
             self.inner.links.lock().unwrap_or_else(|e| e.into_inner()).drain().map(|(_, e)| e).collect();
         for e in links {
@@ -383,7 +407,7 @@ impl Inner {
             peer,
             kind,
             regions: self.regions.clone(),
-            inbox: self.inbox_tx.clone(),
+            services: self.services.clone(),
             timing: self.timing(),
             on_close,
         };
@@ -405,6 +429,7 @@ impl Inner {
         };
         if removed.is_some() {
             warn!(node = self.cfg.node, peer, reason, "peer down");
+            self.services.peer_down(peer, reason);
             let _ = self.events.send(PeerEvent::Down { peer, reason: reason.to_string() });
             self.changed.send_modify(|g| *g += 1);
         }

@@ -7,6 +7,7 @@ use bytes::Bytes;
 
 use super::*;
 use crate::config::ClusterSpec;
+use crate::region::test_access as ta;
 use crate::wire::Status;
 
 fn free_addrs(n: usize) -> Vec<SocketAddr> {
@@ -48,11 +49,11 @@ async fn one_sided(shm: bool) {
     let dst = eps[1].register_new(1 << 20).unwrap();
     let src = eps[0].register_new(1 << 20).unwrap();
     for i in 0..(1u64 << 20) / 4096 {
-        src.fill(i * 4096, 4096, (i % 200) as u8 + 1).unwrap();
+        ta::fill(&src, i * 4096, 4096, (i % 200) as u8 + 1).unwrap();
     }
     let r = eps[0].run(1, vec![Op::write(&src, 0, dst.remote(1), 0, 1 << 20).verified()]).await.unwrap();
     assert_eq!(r[0].as_ref().unwrap().bytes, 1 << 20);
-    assert_eq!(dst.crc32(0, 1 << 20).unwrap(), src.crc32(0, 1 << 20).unwrap());
+    assert_eq!(ta::crc32(&dst, 0, 1 << 20).unwrap(), ta::crc32(&src, 0, 1 << 20).unwrap());
 
     // READ back a slice, with and without verification.
     let back = eps[0].register_new(8192).unwrap();
@@ -67,10 +68,10 @@ async fn one_sided(shm: bool) {
         .await
         .unwrap();
     assert!(r.iter().all(|x| x.is_ok()), "{r:?}");
-    assert_eq!(back.view(0, 8192).unwrap(), src.view(4096, 8192).unwrap());
+    assert_eq!(ta::view(&back, 0, 8192).unwrap(), ta::view(&src, 4096, 8192).unwrap());
 
     // Refusals leave the target untouched.
-    let before = dst.crc32(0, 1 << 20).unwrap();
+    let before = ta::crc32(&dst, 0, 1 << 20).unwrap();
     let mut bad_key = dst.remote(1);
     bad_key.key = crate::RemoteKey(bad_key.key.0.wrapping_add(1));
     let mut unknown = dst.remote(1);
@@ -99,7 +100,7 @@ async fn one_sided(shm: bool) {
         statuses,
         [Status::BadKey, Status::OutOfBounds, Status::UnknownRegion, Status::BadKey, Status::OutOfBounds]
     );
-    assert_eq!(dst.crc32(0, 1 << 20).unwrap(), before);
+    assert_eq!(ta::crc32(&dst, 0, 1 << 20).unwrap(), before);
     // The link survived the refusals.
     assert!(eps[0].run(1, vec![Op::write(&src, 0, dst.remote(1), 0, 16)]).await.unwrap()[0].is_ok());
 }
@@ -120,29 +121,34 @@ async fn host_regions_over_shm_fall_back_to_the_stream() {
     let dst = Region::alloc(4096, Default::default()).unwrap();
     eps[1].regions().register(&dst);
     let src = Region::alloc(4096, Default::default()).unwrap();
-    src.fill(0, 4096, 9).unwrap();
+    ta::fill(&src, 0, 4096, 9).unwrap();
     let r = eps[0].run(1, vec![Op::write(&src, 0, dst.remote(1), 0, 4096).verified()]).await.unwrap();
     assert!(r[0].is_ok(), "{r:?}");
-    assert!(dst.view(0, 4096).unwrap().iter().all(|&b| b == 9));
+    assert!(ta::view(&dst, 0, 4096).unwrap().iter().all(|&b| b == 9));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn send_recv_and_events() {
+    use crate::service::{ServiceExt, ServiceFault};
     let eps = mesh(3, false, "send").await;
-    eps[2].send(0, Bytes::from_static(b"from two")).await.unwrap();
-    eps[1].send(0, Bytes::from_static(b"from one")).await.unwrap();
+    let mut inbox = eps[0].subscribe::<ServiceFault>(8).unwrap();
+    let msg = |s: &str| ServiceFault::Malformed { detail: s.into() };
+    eps[2].post_oneway(0, &msg("from two")).unwrap().await.unwrap();
+    eps[1].post_oneway(0, &msg("from one")).unwrap().await.unwrap();
     let mut got = vec![];
     for _ in 0..2 {
-        let m = eps[0].recv().await.unwrap();
-        got.push((m.from, m.payload));
+        let m = inbox.recv().await.unwrap();
+        got.push((m.from, m.msg));
     }
-    got.sort();
-    assert_eq!(got, vec![(1, Bytes::from_static(b"from one")), (2, Bytes::from_static(b"from two"))]);
+    got.sort_by_key(|g| g.0);
+    assert_eq!(got, vec![(1, msg("from one")), (2, msg("from two"))]);
     let too_big = Bytes::from(vec![0u8; (crate::wire::MAX_MESSAGE + 1) as usize]);
-    assert!(matches!(eps[1].send(0, too_big).await, Err(TransportError::MessageTooLarge { .. })));
+    let r = eps[1].run(0, vec![Op::Send { payload: too_big }]).await.unwrap();
+    assert!(matches!(r[0], Err(TransportError::MessageTooLarge { .. })));
     let s = eps[0].stats();
     assert_eq!(s.len(), 2);
-    assert!(s.iter().all(|p| p.stats.bytes_rx == 8));
+    // 16-byte envelope, 1-byte variant, 1-byte length, 8 bytes of text.
+    assert!(s.iter().all(|p| p.stats.bytes_rx == 26), "{s:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
