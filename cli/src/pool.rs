@@ -142,7 +142,7 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
     }
 }
 
-async fn serve_with<S: cascade_param_pool::MetaStore>(
+async fn serve_with<S: cascade_param_pool::MetaStore + 'static>(
     a: ServeArgs,
     ep: std::sync::Arc<cascade_transport::Endpoint>,
     store: S,

@@ -41,7 +41,7 @@ mod notice;
 pub use coord::{Action, Coordinator};
 pub(crate) use member::{run_member, MemberCtx, Router};
 pub use member::{ChildSpec, CoordSink, MemberCmd, ToCoord};
-pub(crate) use notice::Notice;
+pub use notice::{Kind as NoticeKind, Notice};
 
 /// Progress reported while a multicast runs.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -33,8 +33,8 @@ use petgraph::graph::UnGraph;
 use petgraph::unionfind::UnionFind;
 use serde::Deserialize;
 
-/// A node of the cluster.
-pub type NodeId = u32;
+/// A node of the cluster (the transport's node id).
+pub use cascade_transport::NodeId;
 
 /// Where parameters can live: a GPU of a node, or the node's host memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -330,10 +330,22 @@ impl Topology {
         gpus: u32,
         rates: MeshRates,
     ) -> Result<Topology, TopologyError> {
+        let nodes: Vec<NodeId> = cluster.nodes.iter().map(|n| n.id).collect();
+        Topology::from_links(&nodes, local, links, gpus, rates)
+    }
+
+    /// The same from a list of node ids (every node of the cluster, `local` included).
+    pub fn from_links(
+        nodes: &[NodeId],
+        local: NodeId,
+        links: &[(NodeId, cascade_transport::BackendKind)],
+        gpus: u32,
+        rates: MeshRates,
+    ) -> Result<Topology, TopologyError> {
         use cascade_transport::BackendKind as B;
         let mut t = Topology::new();
-        for n in &cluster.nodes {
-            t.add_node(n.id, gpus, rates.nic_gbps)?;
+        for &n in nodes {
+            t.add_node(n, gpus, rates.nic_gbps)?;
         }
         for &(peer, kind) in links {
             let link = match kind {

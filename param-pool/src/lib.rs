@@ -30,4 +30,4 @@ pub use manifest::{classify, LayerEntry, LayerKind, Manifest, ManifestError, Ten
 #[cfg(feature = "etcd")]
 pub use meta::EtcdStore;
 pub use meta::{DurablePool, EmbeddedStore, Event as PoolEvent, MetaError, MetaStore, ModelEntry, Recovered};
-pub use pool::{Action as PoolAction, Copy, CopyKind, CopyState, Pool, PoolError, Source, Violation};
+pub use pool::{Action as PoolAction, CopyKind, CopyState, ModelCopy, Pool, PoolError, Source, Violation};

@@ -14,32 +14,42 @@
 //! their crcs), drops the ones it no longer knows, and re-issues the copies still loading: no
 //! copy is duplicated or lost.
 //!
-//! Departures from the paper: the manager runs its work one model at a time (multicasts of
-//! different models do not overlap), and a copy's location is host memory or GPU 0 of a node
-//! (the derived topology has one GPU per node).
+//! The manager is a sans-I/O core and a thin driver. The core is the pure pool
+//! ([`Pool`](crate::pool::Pool)), the failure detector ([`Detector`]: peer events and the time
+//! in, nodes due to be declared dead out) and the policy ([`plan`]: actions into one job per
+//! model, the retry budget, reconcile decisions). The driver executes: it writes events ahead
+//! (on a blocking thread), runs the jobs of different models concurrently ([`exec`]), and feeds
+//! their outcomes back. It reaches the nodes through a [`Mesh`], so the same manager runs on
+//! real endpoints and on the `mem` test double with virtual time.
+//!
+//! Departures from the paper: a copy's location is host memory or GPU 0 of a node (the derived
+//! topology has one GPU per node); at most one job per model runs at a time (a model's
+//! follow-up copies wait for its running job).
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use cascade_multicast::cluster::{Controller, RunSpec};
-use cascade_multicast::executor::new_run_id;
-use cascade_multicast::{Event as McEvent, Loc, MeshRates, PlannerKind, Topology};
-use cascade_transport::{Endpoint, PeerEvent, ServiceExt};
+use cascade_multicast::cluster::Controller;
+use cascade_multicast::MeshRates;
+use cascade_transport::{Mesh, PeerEvent};
 use serde::Serialize;
 use tokio::sync::{broadcast, mpsc};
 use tracing::{error, info, warn};
 
 use crate::manifest::{Manifest, DEFAULT_CHUNK};
 use crate::meta::{DurablePool, Event, MetaError, MetaStore, ModelEntry};
-use crate::node::PoolMsg;
-use crate::pool::{Action, Copy, CopyId, CopyKind, CopyState, ModelId, NodeId, Source};
+use crate::pool::{Action, CopyId, CopyState, ModelCopy, ModelId, NodeId};
 
 mod admin;
+mod detector;
+pub mod exec;
+pub mod plan;
 mod report;
 
 pub use admin::{admin_call, serve_admin, AdminCall, AdminRequest};
+pub use detector::Detector;
 pub use report::{CheckReport, CopyStatus, ModelStatus, NodeStatus, Status};
 
 /// Why a manager operation failed.
@@ -160,32 +170,22 @@ pub enum Notice {
 }
 
 /// The pool manager.
-pub struct Manager<S: MetaStore> {
-    ep: Arc<Endpoint>,
-    pool: DurablePool<S>,
+pub struct Manager<S: MetaStore + 'static> {
+    io: exec::Io,
+    /// `None` only while an event is being written ahead on a blocking thread.
+    pool: Option<DurablePool<S>>,
     cfg: ManagerConfig,
-    ctl: Controller,
     events: broadcast::Receiver<PeerEvent>,
-    /// Nodes whose link went down, and when.
-    suspects: BTreeMap<NodeId, Instant>,
+    detector: Detector,
     /// Every copy ever seen, so a dropped copy's node is still known.
-    seen: BTreeMap<CopyId, Copy>,
+    seen: BTreeMap<CopyId, ModelCopy>,
     lost: BTreeMap<ModelId, String>,
     status: Arc<Mutex<Status>>,
-    notices: Option<mpsc::UnboundedSender<(f64, Notice)>>,
-    epoch: Instant,
 }
 
-fn loc_of(c: &Copy) -> Loc {
-    match c.kind {
-        CopyKind::Gpu(g) => Loc::gpu(c.node, g),
-        CopyKind::HostCache => Loc::host(c.node),
-    }
-}
-
-impl<S: MetaStore> Manager<S> {
-    /// Recovers the pool from `store` (or starts an empty one) on the cluster member `ep`.
-    pub fn open(ep: Arc<Endpoint>, store: S, cfg: ManagerConfig) -> Result<Manager<S>, ManagerError> {
+impl<S: MetaStore + 'static> Manager<S> {
+    /// Recovers the pool from `store` (or starts an empty one) on the cluster member `mesh`.
+    pub fn open(mesh: Arc<dyn Mesh>, store: S, cfg: ManagerConfig) -> Result<Manager<S>, ManagerError> {
         let fresh = crate::pool::Pool::new(cfg.k, cfg.nodes.iter().copied());
         let (pool, torn) = DurablePool::open(store, fresh, cfg.snapshot_every)?;
         if torn > 0 {
@@ -194,19 +194,26 @@ impl<S: MetaStore> Manager<S> {
         if pool.pool().k() != cfg.k.max(1) {
             warn!(stored = pool.pool().k(), asked = cfg.k, "the store's k wins over the configured one");
         }
+        let ctl = Controller::new(mesh.clone())
+            .map_err(|e| ManagerError::Refused(format!("starting the multicast controller: {e}")))?;
+        let io = exec::Io {
+            ctl: Arc::new(ctl),
+            nodes: cfg.nodes.clone(),
+            rates: cfg.rates,
+            request_timeout: cfg.request_timeout,
+            notices: None,
+            epoch: Instant::now(),
+            mesh: mesh.clone(),
+        };
         let mut m = Manager {
-            events: ep.events(),
-            ctl: Controller::new(ep.clone())
-                .map_err(|e| ManagerError::Refused(format!("starting the controller: {e}")))?,
-            ep,
-            pool,
+            events: mesh.peer_events(),
+            io,
+            pool: Some(pool),
+            detector: Detector::new(cfg.dead_after),
             cfg,
-            suspects: BTreeMap::new(),
             seen: BTreeMap::new(),
             lost: BTreeMap::new(),
             status: Arc::default(),
-            notices: None,
-            epoch: Instant::now(),
         };
         m.publish();
         Ok(m)
@@ -214,8 +221,8 @@ impl<S: MetaStore> Manager<S> {
 
     /// Sends every [`Notice`] to `tx`, with its time since `epoch`.
     pub fn notify(&mut self, tx: mpsc::UnboundedSender<(f64, Notice)>, epoch: Instant) {
-        self.notices = Some(tx);
-        self.epoch = epoch;
+        self.io.notices = Some(tx);
+        self.io.epoch = epoch;
     }
 
     /// The latest status, updated after every event (readable while the manager works).
@@ -223,44 +230,78 @@ impl<S: MetaStore> Manager<S> {
         self.status.clone()
     }
 
+    fn durable(&self) -> &DurablePool<S> {
+        // The pool is only out while `apply` awaits its blocking write, which holds `&mut self`.
+        self.pool.as_ref().unwrap_or_else(|| unreachable!("the pool is back after every apply"))
+    }
+
+    fn pool(&self) -> &crate::pool::Pool {
+        self.durable().pool()
+    }
+
+    fn catalog(&self) -> &BTreeMap<ModelId, ModelEntry> {
+        self.durable().catalog()
+    }
+
     fn notice(&self, n: Notice) {
-        if let Some(tx) = &self.notices {
-            let _ = tx.send((self.epoch.elapsed().as_secs_f64(), n));
-        }
+        self.io.notice(n);
     }
 
     fn publish(&mut self) {
-        for c in self.pool.pool().copies() {
+        let Some(p) = self.pool.as_ref() else { return };
+        for c in p.pool().copies() {
             self.seen.insert(c.id, c.clone());
         }
-        let s = Status::of(self.pool.pool(), self.pool.catalog(), &self.lost, &self.suspects);
+        let suspects: BTreeMap<NodeId, Instant> =
+            self.detector.suspects().iter().map(|(n, t)| (*n, Instant::now() - t.elapsed())).collect();
+        let s = Status::of(p.pool(), p.catalog(), &self.lost, &suspects);
         *self.status.lock().unwrap_or_else(|e| e.into_inner()) = s;
     }
 
-    fn apply(&mut self, e: Event) -> Result<Vec<Action>, ManagerError> {
-        let actions = self.pool.apply(e)?;
+    /// Writes `e` ahead (fsync on a blocking thread) and applies it.
+    async fn apply(&mut self, e: Event) -> Result<Vec<Action>, ManagerError> {
+        let Some(mut pool) = self.pool.take() else {
+            return Err(ManagerError::Refused("the pool is being written".into()));
+        };
+        let (pool, r) = tokio::task::spawn_blocking(move || {
+            let r = pool.apply(e);
+            (pool, r)
+        })
+        .await
+        .map_err(|e| ManagerError::Refused(format!("the metadata writer failed: {e}")))?;
+        self.pool = Some(pool);
         self.publish();
-        Ok(actions)
+        Ok(r?)
     }
 
     fn model_bytes(&self, model: ModelId) -> u64 {
-        self.pool.catalog().get(&model).map_or(0, |e| e.manifest.bytes)
+        self.catalog().get(&model).map_or(0, |e| e.manifest.bytes)
+    }
+
+    fn connected(&self, n: NodeId) -> bool {
+        self.io.connected(n)
+    }
+
+    async fn declare_dead(&mut self, n: NodeId) -> Result<Vec<Action>, ManagerError> {
+        warn!(node = n, after = ?self.cfg.dead_after, "declaring the node dead; repairing the pool");
+        self.detector.forget(n);
+        self.notice(Notice::NodeDown { node: n });
+        self.apply(Event::NodeDown(n)).await
     }
 
     /// Waits for the pool's live nodes; declares the missing ones dead, reconciles what every node
     /// holds with the recovered pool, and finishes the work a previous run left.
     pub async fn start(&mut self) -> Result<(), ManagerError> {
-        let want: BTreeSet<NodeId> = self.pool.pool().live_nodes().collect();
-        let deadline = Instant::now() + self.cfg.ready_timeout;
-        while Instant::now() < deadline && !want.iter().all(|n| self.connected(*n)) {
+        let want: BTreeSet<NodeId> = self.pool().live_nodes().collect();
+        let deadline = tokio::time::Instant::now() + self.cfg.ready_timeout;
+        while tokio::time::Instant::now() < deadline && !want.iter().all(|n| self.connected(*n)) {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         let mut actions = Vec::new();
         for n in want {
             if !self.connected(n) {
-                warn!(node = n, "a node did not join within the ready timeout: declaring it dead");
-                self.notice(Notice::NodeDown { node: n });
-                actions.extend(self.apply(Event::NodeDown(n))?);
+                warn!(node = n, "a node did not join within the ready timeout");
+                actions.extend(self.declare_dead(n).await?);
             }
         }
         self.drive(actions).await?;
@@ -269,154 +310,67 @@ impl<S: MetaStore> Manager<S> {
         Ok(())
     }
 
-    fn connected(&self, n: NodeId) -> bool {
-        self.ep.link(n).is_ok()
-    }
-
     /// Asks every live node what it holds: completed copies still loading in the pool are checked
     /// and marked ready, unknown copies are dropped, and the copies still missing are made again.
     /// Returns (kept, dropped, re-issued).
     async fn reconcile(&mut self) -> Result<(usize, usize, usize), ManagerError> {
-        let held = self.list_all().await;
-        let mut unknown = Vec::new();
-        for (&node, ids) in &held {
-            for &id in ids {
-                let known = self.pool.pool().copies().any(|c| c.id == id && c.node == node);
-                if !known {
-                    info!(node, copy = id, "dropping a copy the pool does not know");
-                    unknown.push((node, id));
-                }
-            }
+        let held = self.io.list(self.pool().live_nodes().collect()).await;
+        let r = plan::reconcile(self.pool(), &held);
+        for (node, id) in &r.unknown {
+            info!(node, copy = id, "dropping a copy the pool does not know");
         }
-        let dropped = unknown.len();
-        self.drop_on(unknown).await;
-        let loading: Vec<Copy> = self.pool.pool().copies().filter(|c| c.state == CopyState::Loading).cloned().collect();
-        let (mut kept, mut actions) = (0, Vec::new());
-        let mut reissue = Vec::new();
-        for c in loading {
-            let there = held.get(&c.node).is_some_and(|ids| ids.contains(&c.id));
-            if there && self.copy_matches(&c).await {
+        let dropped = r.unknown.len();
+        self.io.drop_all(r.unknown).await;
+        let sums = self.io.check(self.with_crcs(&r.check)).await;
+        let (mut kept, mut actions, mut reissue) = (0, Vec::new(), r.reissue);
+        for c in r.check {
+            if sums.get(&c.id).copied().unwrap_or(false) {
                 kept += 1;
                 self.notice(Notice::Ready { copy: c.id, node: c.node, bytes: self.model_bytes(c.model) });
-                actions.extend(self.apply(Event::CopyReady(c.id))?);
+                actions.extend(self.apply(Event::CopyReady(c.id)).await?);
             } else {
                 reissue.push(c);
             }
         }
         let n = reissue.len();
-        actions.extend(self.pending(reissue));
+        actions.extend(plan::reissue(self.pool(), reissue));
         self.drive(actions).await?;
         Ok((kept, dropped, n))
     }
 
-    /// `Create` actions for copies still loading, from the model's current sources.
-    fn pending(&self, copies: Vec<Copy>) -> Vec<Action> {
-        copies.into_iter().map(|c| Action::Create { from: self.pool.pool().sources(c.model), copy: c }).collect()
-    }
-
-    fn alive(&self, n: NodeId) -> bool {
-        self.pool.pool().live_nodes().any(|x| x == n)
-    }
-
-    /// Asks `nodes` the same kind of question at once; answers in the order asked.
-    async fn ask_all(&self, asks: Vec<(NodeId, PoolMsg)>) -> Vec<Result<PoolMsg, String>> {
-        let mut set = tokio::task::JoinSet::new();
-        for (i, (node, m)) in asks.into_iter().enumerate() {
-            let (ep, limit) = (self.ep.clone(), self.cfg.request_timeout);
-            set.spawn(async move {
-                // A `Failed` answer or a transport error is an `Err` with its text.
-                let r = match ep.call(node, &m, limit).await {
-                    Ok(PoolMsg::Failed { message }) => Err(message),
-                    Ok(r) => Ok(r),
-                    Err(e) => Err(e.to_string()),
-                };
-                (i, r)
-            });
-        }
-        let mut out: Vec<(usize, Result<PoolMsg, String>)> = Vec::new();
-        while let Some(r) = set.join_next().await {
-            match r {
-                Ok(x) => out.push(x),
-                Err(e) => warn!(error = %e, "a request task failed"),
-            }
-        }
-        out.sort_by_key(|(i, _)| *i);
-        out.into_iter().map(|(_, r)| r).collect()
-    }
-
-    /// Drops copies on their nodes and waits for the answers (a later request then never sees
-    /// them).
-    async fn drop_on(&self, drops: Vec<(NodeId, CopyId)>) {
-        let asks = drops.iter().map(|(n, c)| (*n, PoolMsg::Drop { copy: *c })).collect();
-        for ((node, copy), r) in drops.iter().zip(self.ask_all(asks).await) {
-            if let Err(e) = r {
-                warn!(node, copy, error = %e, "dropping a copy failed");
-            }
-        }
-    }
-
-    async fn list_all(&self) -> BTreeMap<NodeId, Vec<u64>> {
-        let nodes: Vec<NodeId> = self.pool.pool().live_nodes().filter(|n| self.connected(*n)).collect();
-        let answers = self.ask_all(nodes.iter().map(|n| (*n, PoolMsg::List)).collect()).await;
-        nodes
-            .into_iter()
-            .zip(answers)
-            .filter_map(|(n, r)| match r {
-                Ok(PoolMsg::Listed { copies }) => Some((n, copies)),
-                _ => None,
+    /// Each copy with what its check needs: model bytes, chunk size and the manifest's crcs.
+    fn with_crcs(&self, copies: &[ModelCopy]) -> Vec<(ModelCopy, u64, u64, Vec<u32>)> {
+        copies
+            .iter()
+            .filter_map(|c| {
+                let m = &self.catalog().get(&c.model)?.manifest;
+                Some((c.clone(), m.bytes, m.chunk, m.chunk_crcs.clone()))
             })
             .collect()
-    }
-
-    /// Whether the node holds `c` with every chunk's crc32 as its manifest says.
-    async fn copy_matches(&self, c: &Copy) -> bool {
-        self.check_copies(std::slice::from_ref(c)).await.get(&c.id).copied().unwrap_or(false)
-    }
-
-    /// Checksums `copies` on their nodes: copy → whether every chunk matches its manifest.
-    async fn check_copies(&self, copies: &[Copy]) -> BTreeMap<CopyId, bool> {
-        let mut asked = Vec::new();
-        let mut asks = Vec::new();
-        for c in copies {
-            let Some(e) = self.pool.catalog().get(&c.model) else { continue };
-            let m = &e.manifest;
-            asks.push((c.node, PoolMsg::Check { copy: c.id, bytes: m.bytes, chunk: m.chunk }));
-            asked.push(c);
-        }
-        let answers = self.ask_all(asks).await;
-        let mut out: BTreeMap<CopyId, bool> = copies.iter().map(|c| (c.id, false)).collect();
-        for (c, r) in asked.into_iter().zip(answers) {
-            let want = self.pool.catalog().get(&c.model).map(|e| &e.manifest.chunk_crcs);
-            let ok = matches!(r, Ok(PoolMsg::Checked { crcs: Some(ref got) }) if Some(got) == want);
-            out.insert(c.id, ok);
-        }
-        out
     }
 
     /// Registers the safetensors file at `path` as model `name`; its first k copies are loaded
     /// from the file. Returns the model's id.
     pub async fn register(&mut self, name: &str, path: &Path) -> Result<ModelId, ManagerError> {
-        if self.pool.catalog().values().any(|e| e.manifest.name == name) {
+        if self.catalog().values().any(|e| e.manifest.name == name) {
             return Err(ManagerError::Refused(format!("a model named {name:?} is registered already")));
         }
         let (p, n) = (path.to_path_buf(), name.to_string());
         let manifest = tokio::task::spawn_blocking(move || Manifest::from_file(&p, &n, DEFAULT_CHUNK))
             .await
             .map_err(|e| ManagerError::Refused(format!("reading the manifest: {e}")))??;
-        if let Some((id, e)) =
-            self.pool.catalog().iter().find(|(_, e)| e.manifest.content_hash == manifest.content_hash)
-        {
+        if let Some((id, e)) = self.catalog().iter().find(|(_, e)| e.manifest.content_hash == manifest.content_hash) {
             return Err(ManagerError::Refused(format!(
                 "{} has the same content as model {id} ({:?})",
                 path.display(),
                 e.manifest.name
             )));
         }
-        let model = self.pool.catalog().keys().next_back().map_or(1, |m| m + 1);
+        let model = self.catalog().keys().next_back().map_or(1, |m| m + 1);
         let bytes = manifest.bytes;
         let entry = ModelEntry { path: path.display().to_string(), manifest };
-        self.apply(Event::Describe { model, entry: Box::new(entry) })?;
-        let actions = self.apply(Event::Register { model, bytes, file_reachable: true })?;
+        self.apply(Event::Describe { model, entry: Box::new(entry) }).await?;
+        let actions = self.apply(Event::Register { model, bytes, file_reachable: true }).await?;
         info!(model, name, bytes, "registered a model");
         self.drive(actions).await?;
         Ok(model)
@@ -424,7 +378,7 @@ impl<S: MetaStore> Manager<S> {
 
     /// Starts a serving instance of `model` on GPU `gpu` of `node` (from the pool's copies).
     pub async fn deploy(&mut self, model: ModelId, node: NodeId, gpu: u32) -> Result<(), ManagerError> {
-        let actions = self.apply(Event::Deploy { model, node, gpu })?;
+        let actions = self.apply(Event::Deploy { model, node, gpu }).await?;
         self.drive(actions).await
     }
 
@@ -432,273 +386,171 @@ impl<S: MetaStore> Manager<S> {
     pub async fn scale_out(&mut self, model: ModelId, nodes: &[NodeId]) -> Result<(), ManagerError> {
         let mut actions = Vec::new();
         for &n in nodes {
-            actions.extend(self.apply(Event::Deploy { model, node: n, gpu: 0 })?);
+            actions.extend(self.apply(Event::Deploy { model, node: n, gpu: 0 }).await?);
         }
         self.drive(actions).await
     }
 
     /// Asks for a copy to go; the pool copies first where the invariant needs it.
     pub async fn reclaim(&mut self, copy: CopyId) -> Result<(), ManagerError> {
-        let actions = self.apply(Event::Reclaim(copy))?;
+        let actions = self.apply(Event::Reclaim(copy)).await?;
         self.drive(actions).await
     }
 
-    /// Performs `actions` and everything they lead to.
+    /// Performs `actions` and everything they lead to. Jobs of different models run
+    /// concurrently; nodes that die meanwhile are declared dead and repaired in the same drive.
     async fn drive(&mut self, actions: Vec<Action>) -> Result<(), ManagerError> {
         let mut work: VecDeque<Action> = actions.into();
-        let mut failures: BTreeMap<ModelId, u32> = BTreeMap::new();
-        while !work.is_empty() {
-            let batch: Vec<Action> = work.drain(..).collect();
-            let mut creates: BTreeMap<(ModelId, bool), Vec<(Copy, Source)>> = BTreeMap::new();
-            for a in batch {
-                match a {
-                    Action::Drop { copy } => self.drop_copy(copy).await,
-                    Action::Lost { model, reason } => {
-                        error!(model, %reason, "model lost");
-                        self.notice(Notice::Lost { model, reason: reason.clone() });
-                        self.lost.insert(model, reason);
-                        self.publish();
+        let mut creates = BTreeMap::new();
+        let mut busy: BTreeSet<ModelId> = BTreeSet::new();
+        let mut retries = plan::Retries::default();
+        // Follow-ups of copies that failed while a node was suspect: held until the detector
+        // decides (a source on a suspect node fails every attempt until it is declared dead).
+        let mut deferred: Vec<Action> = Vec::new();
+        let mut running: tokio::task::JoinSet<exec::Outcome> = tokio::task::JoinSet::new();
+        loop {
+            if self.detector.suspects().is_empty() {
+                work.extend(deferred.drain(..));
+            }
+            let batch = plan::split(work.drain(..));
+            let drops: Vec<(NodeId, CopyId)> = batch
+                .drops
+                .iter()
+                .filter_map(|id| self.seen.get(id))
+                .filter(|c| self.connected(c.node))
+                .map(|c| (c.node, c.id))
+                .collect();
+            for &(node, copy) in &drops {
+                let bytes = self.seen.get(&copy).map_or(0, |c| self.model_bytes(c.model));
+                self.notice(Notice::Dropped { copy, node, bytes });
+            }
+            self.io.drop_all(drops).await;
+            for (model, reason) in batch.lost {
+                error!(model, %reason, "model lost");
+                self.notice(Notice::Lost { model, reason: reason.clone() });
+                self.lost.insert(model, reason);
+                self.publish();
+            }
+            for (k, mut g) in batch.creates {
+                creates.entry(k).or_insert_with(Vec::new).append(&mut g);
+            }
+            for ((model, file), group) in plan::startable(&mut creates, &busy) {
+                match plan::job(self.pool(), self.catalog(), model, file, &group, |n| self.io.connected(n)) {
+                    Ok(job) => {
+                        busy.insert(model);
+                        running.spawn(self.io.clone().run(job));
                     }
-                    Action::Create { copy, from } => {
-                        let file = from == Source::File;
-                        creates.entry((copy.model, file)).or_default().push((copy, from));
+                    Err(why) => {
+                        for (c, _) in &group {
+                            self.notice(Notice::Failed { copy: c.id, reason: why.clone() });
+                            let next = self.failed(c.id, model, &mut retries).await?;
+                            self.follow_up(next, &mut work, &mut deferred);
+                        }
                     }
                 }
             }
-            for ((model, file), group) in creates {
-                let outcomes =
-                    if file { self.load_from_file(model, &group).await } else { self.multicast(model, &group).await };
-                for (copy, ok) in outcomes {
-                    let next = if ok {
-                        self.apply(Event::CopyReady(copy))?
-                    } else {
-                        let f = failures.entry(model).or_default();
-                        *f += 1;
-                        let next = self.apply(Event::CopyFailed(copy))?;
-                        if *f > 3 {
-                            error!(
-                                model,
-                                "giving up on this model's copies after repeated failures (see `cascade pool repair`)"
-                            );
+            if !work.is_empty() {
+                continue;
+            }
+            if running.is_empty() && deferred.is_empty() {
+                if creates.is_empty() {
+                    return Ok(());
+                }
+                continue;
+            }
+            // Wait for a job to end, or for a node to be due (a death during a repair).
+            let due = self.detector.poll_timeout();
+            tokio::select! {
+                done = running.join_next(), if !running.is_empty() => {
+                    let Some(done) = done else { continue };
+                    let out = done.map_err(|e| ManagerError::Refused(format!("a job failed: {e}")))?;
+                    busy.remove(&out.model);
+                    if out.file_missing {
+                        warn!(model = out.model, "the model file is gone: repairs can no longer fall back to it");
+                        self.apply(Event::FileReachable { model: out.model, reachable: false }).await?;
+                    }
+                    for (copy, ok) in out.copies {
+                        // The pool may have moved on while the job ran (its node died, say).
+                        if !self.pool().copies().any(|c| c.id == copy && c.state == CopyState::Loading) {
+                            info!(copy, ok, "a job's outcome for a copy the pool no longer makes");
                             continue;
                         }
-                        next
-                    };
-                    work.extend(next);
-                }
-            }
-            // Nodes that died meanwhile.
-            for a in self.poll_peers()? {
-                work.push_back(a);
-            }
-        }
-        Ok(())
-    }
-
-    async fn drop_copy(&mut self, id: CopyId) {
-        let Some(c) = self.seen.get(&id).cloned() else { return };
-        if self.connected(c.node) {
-            self.drop_on(vec![(c.node, id)]).await;
-            self.notice(Notice::Dropped { copy: id, node: c.node, bytes: self.model_bytes(c.model) });
-        }
-    }
-
-    async fn load_from_file(&mut self, model: ModelId, group: &[(Copy, Source)]) -> Vec<(CopyId, bool)> {
-        let Some(entry) = self.pool.catalog().get(&model).cloned() else {
-            return group.iter().map(|(c, _)| (c.id, false)).collect();
-        };
-        let mut asks = Vec::new();
-        for (c, _) in group {
-            self.notice(Notice::Creating {
-                copy: c.id,
-                model,
-                node: c.node,
-                from: "file",
-                bytes: entry.manifest.bytes,
-            });
-            let m = PoolMsg::Load { copy: c.id, path: entry.path.clone(), manifest: Box::new(entry.manifest.clone()) };
-            asks.push((c.node, m));
-        }
-        let answers = self.ask_all(asks).await;
-        if answers.iter().any(|r| matches!(r, Ok(PoolMsg::Loaded { file_missing: true, .. }))) {
-            warn!(model, path = entry.path, "the model file is gone: repairs can no longer fall back to it");
-            if let Err(e) = self.apply(Event::FileReachable { model, reachable: false }) {
-                warn!(model, error = %e, "recording the file as unreachable failed");
-            }
-        }
-        let mut out = Vec::new();
-        for ((c, _), r) in group.iter().zip(answers) {
-            let failed = match r {
-                Ok(PoolMsg::Loaded { result: Ok(s), .. }) => {
-                    info!(copy = c.id, model, seconds = s, "copy loaded from the file");
-                    None
-                }
-                Ok(PoolMsg::Loaded { result: Err(e), .. }) | Err(e) => Some(e),
-                Ok(other) => Some(format!("unexpected answer {other:?}")),
-            };
-            out.push((c.id, failed.is_none()));
-            match failed {
-                None => self.notice(Notice::Ready { copy: c.id, node: c.node, bytes: entry.manifest.bytes }),
-                Some(e) => {
-                    warn!(copy = c.id, model, error = %e, "loading from the file failed");
-                    self.notice(Notice::Failed { copy: c.id, reason: e });
-                }
-            }
-        }
-        out
-    }
-
-    async fn multicast(&mut self, model: ModelId, group: &[(Copy, Source)]) -> Vec<(CopyId, bool)> {
-        let fail_all = |why: String, me: &Self| {
-            for (c, _) in group {
-                me.notice(Notice::Failed { copy: c.id, reason: why.clone() });
-            }
-            group.iter().map(|(c, _)| (c.id, false)).collect::<Vec<_>>()
-        };
-        let Some(entry) = self.pool.catalog().get(&model).cloned() else {
-            return fail_all(format!("model {model} has no catalog entry"), self);
-        };
-        let mut sources: BTreeMap<Loc, u64> = BTreeMap::new();
-        for (_, from) in group {
-            if let Source::Copies(ids) = from {
-                for id in ids {
-                    if let Some(c) = self.pool.pool().copies().find(|c| c.id == *id && self.connected(c.node)) {
-                        sources.insert(loc_of(c), c.id);
-                    }
-                }
-            }
-        }
-        if sources.is_empty() {
-            return fail_all("no reachable source copy".into(), self);
-        }
-        let targets: BTreeMap<Loc, &Copy> = group.iter().map(|(c, _)| (loc_of(c), c)).collect();
-        let connected = self.ep.connected();
-        let topology =
-            match Topology::from_mesh(&self.ep.config().cluster, self.ep.node(), &connected, 1, self.cfg.rates) {
-                Ok(t) => t,
-                Err(e) => return fail_all(format!("topology: {e}"), self),
-            };
-        let bytes = entry.manifest.bytes;
-        for c in targets.values() {
-            self.notice(Notice::Creating { copy: c.id, model, node: c.node, from: "multicast", bytes });
-        }
-        // The source copies are lent to the run by their nodes' pool services.
-        let run_id = new_run_id();
-        let lends: Vec<(NodeId, PoolMsg)> =
-            sources.iter().map(|(l, c)| (l.node, PoolMsg::Lend { copy: *c, run: run_id, loc: *l, bytes })).collect();
-        let lent = self.ask_all(lends).await;
-        let lent: BTreeSet<Loc> =
-            sources.keys().zip(&lent).filter(|(_, r)| matches!(r, Ok(PoolMsg::Done))).map(|(l, _)| *l).collect();
-        if lent.is_empty() {
-            let members: Vec<Loc> = sources.keys().copied().collect();
-            self.ctl.release(run_id, &members).await;
-            return fail_all("no source copy could be lent to the multicast".into(), self);
-        }
-        let (tx, mut rx) = mpsc::unbounded_channel();
-        let spec = RunSpec {
-            topology,
-            bytes,
-            sources: lent.iter().copied().collect(),
-            targets: targets.keys().copied().collect(),
-            planner: PlannerKind::Blitz,
-            layers: Vec::new(),
-            seed: 0,
-            deadline: self.cfg.request_timeout
-                + Duration::from_secs_f64(bytes as f64 * 8.0 / (self.cfg.rates.nic_gbps * 1e9)),
-            lent,
-            run: Some(run_id),
-            hold: true,
-            layout: Some(entry.manifest.layout()),
-            progress: Some(tx),
-        };
-        let layers = entry.manifest.layout().layers;
-        let run = self.ctl.run(&spec);
-        tokio::pin!(run);
-        let res = loop {
-            tokio::select! {
-                r = &mut run => break r,
-                Some((_, ev)) = rx.recv() => {
-                    if let McEvent::LayerReady { target, layer } = ev {
-                        if let (Some(c), Some(r)) = (targets.get(&target), layers.get(layer)) {
-                            self.notice(Notice::Progress { copy: c.id, node: c.node, bytes: r.end, total: bytes });
-                        }
-                    }
-                }
-            }
-        };
-        let members: Vec<Loc> = spec.sources.iter().chain(spec.targets.iter()).copied().collect();
-        match res {
-            Ok(out) => {
-                // The verified targets become held copies, then the run is released.
-                let adopt: Vec<(Loc, &Copy)> =
-                    targets.iter().filter(|(l, _)| out.verified.contains(l)).map(|(l, c)| (*l, *c)).collect();
-                let asks =
-                    adopt.iter().map(|(l, c)| (l.node, PoolMsg::Adopt { copy: c.id, run: run_id, loc: *l })).collect();
-                let answers = self.ask_all(asks).await;
-                let kept: BTreeSet<Loc> = adopt
-                    .iter()
-                    .zip(&answers)
-                    .filter(|(_, r)| matches!(r, Ok(PoolMsg::Done)))
-                    .map(|((l, _), _)| *l)
-                    .collect();
-                self.ctl.release(run_id, &members).await;
-                for (l, why) in &out.report.failed {
-                    if let Some(c) = targets.get(l) {
-                        self.notice(Notice::Failed { copy: c.id, reason: why.clone() });
-                    }
-                }
-                info!(
-                    model,
-                    targets = targets.len(),
-                    kept = kept.len(),
-                    seconds = out.transfer_seconds,
-                    "multicast finished"
-                );
-                targets
-                    .iter()
-                    .map(|(l, c)| {
-                        let ok = kept.contains(l);
                         if ok {
-                            self.notice(Notice::Ready { copy: c.id, node: c.node, bytes });
+                            work.extend(self.apply(Event::CopyReady(copy)).await?);
+                        } else {
+                            let next = self.failed(copy, out.model, &mut retries).await?;
+                            self.follow_up(next, &mut work, &mut deferred);
                         }
-                        (c.id, ok)
-                    })
-                    .collect()
+                    }
+                }
+                ev = self.events.recv() => self.note_peer_result(ev),
+                _ = sleep_until(due) => {}
             }
-            Err(e) => {
-                warn!(model, error = %e, "multicast failed");
-                fail_all(e.to_string(), self)
-            }
+            work.extend(self.poll_peers().await?);
+        }
+    }
+
+    /// A copy could not be made: the pool re-plans it, until the model's retry budget is spent.
+    /// Failures while a node is suspect do not count: they wait for the detector's verdict.
+    async fn failed(
+        &mut self,
+        copy: CopyId,
+        model: ModelId,
+        retries: &mut plan::Retries,
+    ) -> Result<Vec<Action>, ManagerError> {
+        let next = self.apply(Event::CopyFailed(copy)).await?;
+        if !self.detector.suspects().is_empty() || retries.failed(model) {
+            Ok(next)
+        } else {
+            error!(model, "giving up on this model's copies after repeated failures (see `cascade pool repair`)");
+            Ok(Vec::new())
+        }
+    }
+
+    /// Where a failed copy's follow-ups go: straight back to work, or held while a node is suspect.
+    fn follow_up(&self, next: Vec<Action>, work: &mut VecDeque<Action>, deferred: &mut Vec<Action>) {
+        if self.detector.suspects().is_empty() {
+            work.extend(next);
+        } else {
+            deferred.extend(next);
+        }
+    }
+
+    fn note_peer_result(&mut self, ev: Result<PeerEvent, broadcast::error::RecvError>) {
+        match ev {
+            Ok(ev) => self.note_peer(ev),
+            Err(broadcast::error::RecvError::Lagged(_)) => self.recheck_links(),
+            Err(broadcast::error::RecvError::Closed) => {}
         }
     }
 
     /// A link down makes a live pool node a suspect; a link up clears it.
     fn note_peer(&mut self, ev: PeerEvent) {
+        let now = tokio::time::Instant::now();
         match ev {
             PeerEvent::Down { peer, reason } => {
-                if self.alive(peer) {
+                if self.pool().live_nodes().any(|x| x == peer) {
                     info!(node = peer, %reason, "link to a pool node went down");
-                    self.suspects.entry(peer).or_insert_with(Instant::now);
+                    self.detector.link_down(now, peer);
                 }
             }
-            PeerEvent::Up { peer, .. } => {
-                self.suspects.remove(&peer);
-            }
+            PeerEvent::Up { peer, .. } => self.detector.link_up(peer),
         }
     }
 
     /// Peer events were missed: every live pool node without a link becomes a suspect.
     fn recheck_links(&mut self) {
-        for n in self.pool.pool().live_nodes().collect::<Vec<_>>() {
+        let now = tokio::time::Instant::now();
+        for n in self.pool().live_nodes().collect::<Vec<_>>() {
             if !self.connected(n) {
-                self.suspects.entry(n).or_insert_with(Instant::now);
+                self.detector.link_down(now, n);
             }
         }
     }
 
-    /// Takes the peer events that arrived: a link down makes its node a suspect; a suspect whose
-    /// link stayed down for `dead_after` is declared dead. Returns the resulting actions.
-    fn poll_peers(&mut self) -> Result<Vec<Action>, ManagerError> {
+    /// Takes the peer events that arrived and declares the suspects that are due dead. Returns
+    /// the resulting actions.
+    async fn poll_peers(&mut self) -> Result<Vec<Action>, ManagerError> {
         loop {
             match self.events.try_recv() {
                 Ok(ev) => self.note_peer(ev),
@@ -706,17 +558,11 @@ impl<S: MetaStore> Manager<S> {
                 Err(_) => break,
             }
         }
+        let io = self.io.clone();
+        let due = self.detector.poll_dead(tokio::time::Instant::now(), |n| io.connected(n));
         let mut actions = Vec::new();
-        let due: Vec<NodeId> =
-            self.suspects.iter().filter(|(_, t)| t.elapsed() >= self.cfg.dead_after).map(|(n, _)| *n).collect();
         for n in due {
-            self.suspects.remove(&n);
-            if self.connected(n) {
-                continue; // it came back
-            }
-            warn!(node = n, after = ?self.cfg.dead_after, "declaring the node dead; repairing the pool");
-            self.notice(Notice::NodeDown { node: n });
-            actions.extend(self.apply(Event::NodeDown(n))?);
+            actions.extend(self.declare_dead(n).await?);
         }
         self.publish();
         Ok(actions)
@@ -725,22 +571,21 @@ impl<S: MetaStore> Manager<S> {
     /// Checks the invariant and every copy's checksums on its node.
     pub async fn check(&mut self) -> Result<CheckReport, ManagerError> {
         let mut problems: Vec<String> = Vec::new();
-        let pool = self.pool.pool();
-        for v in pool.check() {
+        for v in self.pool().check() {
             problems.push(report::describe(&v));
         }
         for (m, why) in &self.lost {
             problems.push(format!("model {m} is lost: {why}"));
         }
-        for n in self.suspects.keys() {
+        for n in self.detector.suspects().keys() {
             problems.push(format!("node {n} is unreachable (not yet declared dead)"));
         }
-        let copies: Vec<Copy> = pool.copies().cloned().collect();
+        let copies: Vec<ModelCopy> = self.pool().copies().cloned().collect();
         for c in copies.iter().filter(|c| c.state == CopyState::Loading) {
             problems.push(format!("copy {} of model {} on node {} is still loading", c.id, c.model, c.node));
         }
-        let held = self.list_all().await;
-        for n in self.pool.pool().live_nodes() {
+        let held = self.io.list(self.pool().live_nodes().collect()).await;
+        for n in self.pool().live_nodes() {
             match held.get(&n) {
                 None => problems.push(format!("node {n} did not answer")),
                 Some(ids) => {
@@ -752,8 +597,8 @@ impl<S: MetaStore> Manager<S> {
                 }
             }
         }
-        let ready: Vec<Copy> = copies.iter().filter(|c| c.state != CopyState::Loading).cloned().collect();
-        let sums = self.check_copies(&ready).await;
+        let ready: Vec<ModelCopy> = copies.iter().filter(|c| c.state != CopyState::Loading).cloned().collect();
+        let sums = self.io.check(self.with_crcs(&ready)).await;
         let mut bad = Vec::new();
         for c in &ready {
             if !sums.get(&c.id).copied().unwrap_or(false) {
@@ -778,11 +623,9 @@ impl<S: MetaStore> Manager<S> {
     /// after the repair.
     pub async fn repair(&mut self) -> Result<CheckReport, ManagerError> {
         let mut actions = Vec::new();
-        for n in self.pool.pool().live_nodes().collect::<Vec<_>>() {
+        for n in self.pool().live_nodes().collect::<Vec<_>>() {
             if !self.connected(n) {
-                self.suspects.remove(&n);
-                self.notice(Notice::NodeDown { node: n });
-                actions.extend(self.apply(Event::NodeDown(n))?);
+                actions.extend(self.declare_dead(n).await?);
             }
         }
         self.drive(actions).await?;
@@ -790,8 +633,8 @@ impl<S: MetaStore> Manager<S> {
         let mut actions = Vec::new();
         for id in &before.bad_copies {
             if let Some(c) = self.seen.get(id).cloned() {
-                self.drop_on(vec![(c.node, c.id)]).await;
-                actions.extend(self.apply(Event::CopyFailed(c.id))?);
+                self.io.drop_all(vec![(c.node, c.id)]).await;
+                actions.extend(self.apply(Event::CopyFailed(c.id)).await?);
             }
         }
         self.drive(actions).await?;
@@ -802,23 +645,18 @@ impl<S: MetaStore> Manager<S> {
     /// Serves admin requests and peer events until `admin` closes.
     pub async fn run(mut self, mut admin: mpsc::Receiver<AdminCall>) -> Result<(), ManagerError> {
         loop {
-            let next_due = self.suspects.values().min().map(|t| *t + self.cfg.dead_after);
-            let sleep = next_due.map_or(Duration::from_secs(3600), |t| t.saturating_duration_since(Instant::now()));
+            let due = self.detector.poll_timeout();
             tokio::select! {
                 call = admin.recv() => {
                     let Some(call) = call else { return Ok(()) };
                     let res = self.serve(call.request).await;
                     let _ = call.reply.send(res.map_err(|e| e.to_string()));
                 }
-                ev = self.events.recv() => match ev {
-                    // poll_peers below publishes the new status.
-                    Ok(ev) => self.note_peer(ev),
-                    Err(broadcast::error::RecvError::Lagged(_)) => self.recheck_links(),
-                    Err(broadcast::error::RecvError::Closed) => {}
-                },
-                _ = tokio::time::sleep(sleep) => {}
+                // poll_peers below publishes the new status.
+                ev = self.events.recv() => self.note_peer_result(ev),
+                _ = sleep_until(due) => {}
             }
-            let actions = self.poll_peers()?;
+            let actions = self.poll_peers().await?;
             self.drive(actions).await?;
         }
     }
@@ -844,6 +682,14 @@ impl<S: MetaStore> Manager<S> {
     }
 }
 
+/// Sleeps until `t`, or forever without one.
+async fn sleep_until(t: Option<tokio::time::Instant>) {
+    match t {
+        Some(t) => tokio::time::sleep_until(t).await,
+        None => std::future::pending().await,
+    }
+}
+
 /// A JSON value of plain data (serializing it cannot fail).
 fn to_json<T: Serialize>(v: &T) -> serde_json::Value {
     serde_json::to_value(v).unwrap_or_default()
@@ -851,3 +697,5 @@ fn to_json<T: Serialize>(v: &T) -> serde_json::Value {
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_mem;

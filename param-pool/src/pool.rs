@@ -10,8 +10,8 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-/// A node of the cluster.
-pub type NodeId = u32;
+/// A node of the cluster (the transport's node id).
+pub use cascade_transport::NodeId;
 /// A model's id.
 pub type ModelId = u32;
 /// A copy's id.
@@ -39,7 +39,7 @@ pub enum CopyState {
 
 /// One copy of a model.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct Copy {
+pub struct ModelCopy {
     /// Its id.
     pub id: CopyId,
     /// The model.
@@ -67,7 +67,7 @@ pub enum Action {
     /// Fill a new copy; report `copy_ready` or `copy_failed` when done.
     Create {
         /// The new copy.
-        copy: Copy,
+        copy: ModelCopy,
         /// Where its bytes come from.
         from: Source,
     },
@@ -141,7 +141,7 @@ pub struct Pool {
     k: usize,
     nodes: BTreeMap<NodeId, bool>,
     models: BTreeMap<ModelId, Model>,
-    copies: BTreeMap<CopyId, Copy>,
+    copies: BTreeMap<CopyId, ModelCopy>,
     next_copy: CopyId,
 }
 
@@ -163,7 +163,7 @@ impl Pool {
     }
 
     /// All copies.
-    pub fn copies(&self) -> impl Iterator<Item = &Copy> {
+    pub fn copies(&self) -> impl Iterator<Item = &ModelCopy> {
         self.copies.values()
     }
 
@@ -223,8 +223,8 @@ impl Pool {
         }
     }
 
-    fn new_copy(&mut self, model: ModelId, node: NodeId, kind: CopyKind) -> Copy {
-        let c = Copy { id: self.next_copy, model, node, kind, state: CopyState::Loading };
+    fn new_copy(&mut self, model: ModelId, node: NodeId, kind: CopyKind) -> ModelCopy {
+        let c = ModelCopy { id: self.next_copy, model, node, kind, state: CopyState::Loading };
         self.next_copy += 1;
         self.copies.insert(c.id, c.clone());
         c

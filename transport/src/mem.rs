@@ -48,6 +48,12 @@ struct NodeState {
 struct Fabric {
     nodes: Mutex<HashMap<NodeId, NodeState>>,
     faults: Mutex<HashMap<(NodeId, NodeId), Fault>>,
+    /// Links cut between two live nodes (unordered pairs, smaller id first).
+    cut: Mutex<std::collections::HashSet<(NodeId, NodeId)>>,
+}
+
+fn pair(a: NodeId, b: NodeId) -> (NodeId, NodeId) {
+    (a.min(b), a.max(b))
 }
 
 impl Fabric {
@@ -153,6 +159,43 @@ impl MemFabric {
     pub fn is_alive(&self, id: NodeId) -> bool {
         self.0.lock_nodes().get(&id).is_some_and(|n| n.alive)
     }
+
+    /// Cuts (`up = false`) or restores the link between `a` and `b`, both staying alive with
+    /// their state: a flapping link. Cutting fails the calls between them and tells both sides
+    /// `Down`; restoring tells both `Up`.
+    pub fn set_link(&self, a: NodeId, b: NodeId, up: bool) {
+        let changed = {
+            let mut cut = self.0.cut.lock().unwrap_or_else(|e| e.into_inner());
+            if up {
+                cut.remove(&pair(a, b))
+            } else {
+                cut.insert(pair(a, b))
+            }
+        };
+        if !changed {
+            return;
+        }
+        let ends: Vec<(NodeId, NodeId, Arc<Services>, broadcast::Sender<PeerEvent>)> = {
+            let nodes = self.0.lock_nodes();
+            [(a, b), (b, a)]
+                .into_iter()
+                .filter_map(|(me, peer)| nodes.get(&me).map(|n| (me, peer, n.services.clone(), n.events.clone())))
+                .collect()
+        };
+        let reason = "link cut (mem fault)";
+        for (_, peer, services, events) in ends {
+            if up {
+                let _ = events.send(PeerEvent::Up { peer, backend: BackendKind::Mem });
+            } else {
+                services.peer_down(peer, reason);
+                let _ = events.send(PeerEvent::Down { peer, reason: reason.into() });
+            }
+        }
+    }
+
+    fn is_cut(&self, a: NodeId, b: NodeId) -> bool {
+        self.0.cut.lock().unwrap_or_else(|e| e.into_inner()).contains(&pair(a, b))
+    }
 }
 
 /// One node of a [`MemFabric`] (test double).
@@ -223,6 +266,9 @@ impl MemLink {
             let alive = |n| nodes.get(&n).is_some_and(|s: &NodeState| s.alive);
             if !alive(self.from) || !alive(self.to) || self.closed.load(Ordering::SeqCst) {
                 return Err(self.down("node killed (mem fault)"));
+            }
+            if self.fabric.is_cut(self.from, self.to) {
+                return Err(self.down("link cut (mem fault)"));
             }
             let t = &nodes[&self.to];
             (t.regions.clone(), t.inbox.clone())
@@ -322,7 +368,10 @@ impl Link for MemLink {
         self.stats.snapshot()
     }
     fn is_alive(&self) -> bool {
-        !self.closed.load(Ordering::SeqCst) && self.fabric.is_alive(self.to) && self.fabric.is_alive(self.from)
+        !self.closed.load(Ordering::SeqCst)
+            && self.fabric.is_alive(self.to)
+            && self.fabric.is_alive(self.from)
+            && !self.fabric.is_cut(self.from, self.to)
     }
     fn close(&self, reason: &str) {
         self.closed.store(true, Ordering::SeqCst);

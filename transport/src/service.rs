@@ -347,7 +347,16 @@ impl Services {
                     service: env.service,
                     request_id: env.request_id,
                 });
-                if tx.send(Queued { from, reply_to, msg }).await.is_err() {
+                let q = Queued { from, reply_to, msg };
+                let sent = match tx.try_send(q) {
+                    Ok(()) => Ok(()),
+                    Err(mpsc::error::TrySendError::Full(q)) => {
+                        debug!(node = self.node, from, service = %env.service, "inbox full: holding the link back");
+                        tx.send(q).await.map_err(drop)
+                    }
+                    Err(mpsc::error::TrySendError::Closed(_)) => Err(()),
+                };
+                if sent.is_err() {
                     return self.fault(&env, ServiceFault::UnknownService);
                 }
                 bump(&self.counters.delivered);
@@ -376,6 +385,7 @@ impl Services {
             return;
         };
         bump(&self.counters.replies);
+        tracing::trace!(node = self.node, from, id = env.request_id, "reply matched");
         let r = match env.kind {
             Kind::Error => {
                 let fault = ServiceFault::decode_body(env.version, body)
@@ -437,15 +447,25 @@ pub trait ServiceExt: Mesh {
         Box::pin(async move {
             let services = self.services().clone();
             let (id, rx) = services.register_call(peer, M::SERVICE);
+            tracing::trace!(node = services.node, peer, id, service = %M::SERVICE, "call");
             let env = Envelope { service: M::SERVICE, version: M::VERSION, kind: Kind::Request, request_id: id };
             let posted = post(self, peer, env.encode(&msg.encode_body()));
             let r = match posted {
                 Err(e) => Err(e),
-                Ok(_) => match tokio::time::timeout(limit, rx).await {
-                    Ok(Ok(r)) => r,
-                    Ok(Err(_)) => Err(TransportError::PeerDown { peer, reason: "service table closed".into() }),
-                    Err(_) => Err(TransportError::Timeout { peer, op: "control call", after: limit }),
-                },
+                Ok(sent) => {
+                    let exchange = async {
+                        // A request that could not be sent fails now, not at the time limit.
+                        sent.await?;
+                        match rx.await {
+                            Ok(r) => r,
+                            Err(_) => Err(TransportError::PeerDown { peer, reason: "service table closed".into() }),
+                        }
+                    };
+                    match tokio::time::timeout(limit, exchange).await {
+                        Ok(r) => r,
+                        Err(_) => Err(TransportError::Timeout { peer, op: "control call", after: limit }),
+                    }
+                }
             };
             services.forget_call(id);
             let (version, body) = r?;

@@ -19,6 +19,8 @@ use crate::Plan;
 
 /// How long a node may take to answer a set-up request (allocation, fill, checksums).
 const SETUP: Duration = Duration::from_secs(60);
+/// How often a run checks that its members' links are up.
+const WATCH_EVERY: Duration = Duration::from_millis(50);
 
 /// Where members live and how a run is shaped.
 #[derive(Debug, Clone)]
@@ -260,6 +262,8 @@ impl Controller {
         let req = Request { bytes: spec.bytes, sources: spec.sources.clone(), targets: spec.targets.clone() };
         let plan = plan(&spec.topology, &req, spec.planner)?;
         let chunk = spec.layout.as_ref().map_or(plan.chunk_bytes, |l| l.chunk);
+        // Peer events from now on: a member that dies while the run is set up is seen too.
+        let mut down = self.mesh.peer_events();
         // 1. Regions.
         let (prepared, crcs) = self.prepare(spec, run, chunk).await?;
         let layout = match &spec.layout {
@@ -281,7 +285,6 @@ impl Controller {
             children.entry(e.from).or_default().push(specs[&e.to]);
         }
         let mut coord = Coordinator::new(&spec.topology, &plan, specs.clone());
-        let mut down = self.mesh.peer_events();
         for group in [&spec.targets, &spec.sources] {
             let mut set = JoinSet::new();
             for &loc in group {
@@ -298,16 +301,34 @@ impl Controller {
             }
         }
         let started = Instant::now();
+        tracing::debug!(run, edges = ?plan.edges.iter().map(|e| (e.from, e.to)).collect::<Vec<_>>(), "plan");
         info!(run, planner = %spec.planner, targets = spec.targets.len(), bytes = spec.bytes, chunk, "multicast started");
         // 3. Coordinate.
         let mut events = Vec::new();
         let mut last_done = 0.0;
         let deadline = tokio::time::Instant::now() + spec.deadline;
         let mut inbox_open = true;
+        // Links are also watched, in case a member's node went down before its events were
+        // subscribed (or they lagged).
+        let mut watch = tokio::time::interval(WATCH_EVERY);
         while !coord.finished() {
             let actions = tokio::select! {
+                _ = watch.tick() => {
+                    let mut out = Vec::new();
+                    for (p, c) in coord.edges_in_flight() {
+                        for node in [p.node, c.node] {
+                            if node != self.mesh.node() && !self.mesh.connected_to(node) {
+                                out.extend(coord.on_node_down(node, "its link is down"));
+                            }
+                        }
+                    }
+                    out
+                },
                 m = reports.recv() => match m {
-                    Some(msg) => coord.on_report(msg),
+                    Some(msg) => {
+                        tracing::debug!(run, ?msg, "report");
+                        coord.on_report(msg)
+                    }
                     None => coord.on_deadline("the controller's report table closed"),
                 },
                 open = self.pump(), if inbox_open => {

@@ -17,6 +17,7 @@ use cascade_transport::service::ServiceId;
 use serde::{Deserialize, Serialize};
 
 use crate::executor::{ChildSpec, ToCoord};
+pub use crate::executor::{Notice, NoticeKind};
 use crate::layout::Layout;
 use crate::topology::Loc;
 

@@ -207,3 +207,17 @@ async fn a_refused_request_fails_its_call_only() {
     assert!(eps[2].regions().is_empty());
     assert_eq!(eps[0].services().stats().late_replies, 0);
 }
+
+/// The same services on the `mem` test double, with virtual time.
+#[tokio::test(start_paused = true)]
+async fn controller_and_node_services_run_on_the_mem_double() {
+    let fabric = cascade_transport::mem::MemFabric::new();
+    let ctl_node = Arc::new(fabric.add_node(0));
+    for i in 1..4 {
+        MulticastNode::start(Arc::new(fabric.add_node(i)), Duration::from_secs(10)).unwrap();
+    }
+    let ctl = Controller::new(ctl_node).unwrap();
+    let spec = RunSpec::synthetic(topo(4), 3 << 20, vec![Loc::host(1)], vec![Loc::host(2), Loc::host(3)], 4);
+    let out = tokio::time::timeout(Duration::from_secs(30), ctl.run(&spec)).await.expect("the run ended").unwrap();
+    assert_eq!(out.verified.len(), 2, "{:?}", out.report);
+}

@@ -8,21 +8,26 @@ use crate::topology::Loc;
 
 /// What a notice says.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) enum Kind {
+pub enum Kind {
     /// Chunk `index` is in the receiver's region.
     Chunk,
     /// Chunk `index` failed its crc at the receiver: write it again.
     Nack,
 }
 
-/// A chunk notice between two members of run `run`.
+/// A chunk notice between two members of a run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub(crate) struct Notice {
-    pub(crate) run: u32,
-    pub(crate) kind: Kind,
-    pub(crate) index: u32,
-    pub(crate) from: Loc,
-    pub(crate) to: Loc,
+pub struct Notice {
+    /// The run.
+    pub run: u32,
+    /// Chunk or NACK.
+    pub kind: Kind,
+    /// The chunk.
+    pub index: u32,
+    /// The sender.
+    pub from: Loc,
+    /// The receiver.
+    pub to: Loc,
 }
 
 cascade_transport::binary_message!(Notice, ServiceId::MULTICAST_NOTICE, 1);

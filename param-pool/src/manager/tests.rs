@@ -124,7 +124,7 @@ async fn a_model_whose_only_copy_died_with_its_file_gone_is_reported_lost() {
     while m.status_handle().lock().unwrap().nodes.iter().any(|n| n.id == node) {
         assert!(t.elapsed() < Duration::from_secs(10), "node {node} was never declared dead");
         tokio::time::sleep(Duration::from_millis(20)).await;
-        let actions = m.poll_peers().unwrap();
+        let actions = m.poll_peers().await.unwrap();
         m.drive(actions).await.unwrap();
     }
     // The file is gone: the load on the survivor fails, and the model is reported lost.
@@ -190,8 +190,8 @@ async fn a_restarted_manager_keeps_finished_copies_and_remakes_unfinished_ones()
             manifest: Manifest::from_file(&paths[1], "b", DEFAULT_CHUNK).unwrap(),
         };
         let bytes = entry.manifest.bytes;
-        m.apply(Event::Describe { model: 2, entry: Box::new(entry) }).unwrap();
-        let pending = m.apply(Event::Register { model: 2, bytes, file_reachable: true }).unwrap();
+        m.apply(Event::Describe { model: 2, entry: Box::new(entry) }).await.unwrap();
+        let pending = m.apply(Event::Register { model: 2, bytes, file_reachable: true }).await.unwrap();
         assert_eq!(pending.len(), 1);
     }
     let mut m =

@@ -16,7 +16,7 @@ fn settle(p: &mut Pool, mut actions: Vec<Action>) -> Vec<Action> {
     all
 }
 
-fn creates(a: &[Action]) -> Vec<&Copy> {
+fn creates(a: &[Action]) -> Vec<&ModelCopy> {
     a.iter().filter_map(|x| if let Action::Create { copy, .. } = x { Some(copy) } else { None }).collect()
 }
 

@@ -1,0 +1,89 @@
+//! The manager's failure detector, sans I/O: it takes peer events and the time, and says which
+//! nodes are due to be declared dead (seed paper 004, "Fault tolerance": a node whose link stays
+//! down for `dead_after` is dead; a link that comes back in time clears the suspicion).
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::pool::NodeId;
+
+/// Suspects and when their links went down.
+#[derive(Debug, Clone)]
+pub struct Detector {
+    dead_after: Duration,
+    suspects: BTreeMap<NodeId, Instant>,
+}
+
+impl Detector {
+    /// A detector declaring a node dead once its link stayed down for `dead_after`.
+    pub fn new(dead_after: Duration) -> Detector {
+        Detector { dead_after, suspects: BTreeMap::new() }
+    }
+
+    /// The link to `node` went down at `now`: it becomes a suspect (if it is not one already).
+    pub fn link_down(&mut self, now: Instant, node: NodeId) {
+        self.suspects.entry(node).or_insert(now);
+    }
+
+    /// The link to `node` is up again: it is no longer a suspect.
+    pub fn link_up(&mut self, node: NodeId) {
+        self.suspects.remove(&node);
+    }
+
+    /// When the next suspect is due, if any: the driver wakes up then.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.suspects.values().min().map(|t| *t + self.dead_after)
+    }
+
+    /// Suspects due at `now`, which the driver declares dead; a suspect whose link is up again
+    /// (`connected`) is cleared instead. Due nodes stop being suspects.
+    pub fn poll_dead(&mut self, now: Instant, connected: impl Fn(NodeId) -> bool) -> Vec<NodeId> {
+        let due: Vec<NodeId> =
+            self.suspects.iter().filter(|(_, t)| now >= **t + self.dead_after).map(|(n, _)| *n).collect();
+        due.into_iter()
+            .filter(|n| {
+                self.suspects.remove(n);
+                !connected(*n)
+            })
+            .collect()
+    }
+
+    /// The current suspects (unreachable, not yet declared dead), with when their link went down.
+    pub fn suspects(&self) -> &BTreeMap<NodeId, Instant> {
+        &self.suspects
+    }
+
+    /// Forgets `node` (it was declared dead by other means).
+    pub fn forget(&mut self, node: NodeId) {
+        self.suspects.remove(&node);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_node_is_due_after_dead_after_unless_its_link_came_back() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let mut d = Detector::new(ms(500));
+        assert_eq!(d.poll_timeout(), None);
+        d.link_down(t0, 1);
+        d.link_down(t0 + ms(100), 2);
+        d.link_down(t0 + ms(200), 1); // a second Down does not restart the clock
+        assert_eq!(d.poll_timeout(), Some(t0 + ms(500)));
+        assert!(d.poll_dead(t0 + ms(499), |_| false).is_empty());
+        assert_eq!(d.poll_dead(t0 + ms(500), |_| false), vec![1]);
+        assert_eq!(d.poll_timeout(), Some(t0 + ms(600)));
+        // Node 2's link flaps back before it is due: cleared.
+        d.link_up(2);
+        assert_eq!(d.poll_timeout(), None);
+        // A link that is up again when the node is due (the Up event was missed) clears it too.
+        d.link_down(t0 + ms(1000), 3);
+        assert!(d.poll_dead(t0 + ms(2000), |n| n == 3).is_empty());
+        assert!(d.suspects().is_empty());
+    }
+}

@@ -1,0 +1,271 @@
+//! Executes the manager's jobs on the nodes: loads from the model file through the nodes' pool
+//! services, chained multicasts through the controller. A job owns what it needs (an [`Io`]
+//! handle and its [`Job`]), so jobs of different models run concurrently.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cascade_multicast::cluster::{Controller, RunSpec};
+use cascade_multicast::executor::new_run_id;
+use cascade_multicast::{Event as McEvent, Loc, MeshRates, PlannerKind, Topology};
+use cascade_transport::{Mesh, ServiceExt};
+use tokio::sync::mpsc;
+use tracing::{info, warn};
+
+use super::plan::Job;
+use super::Notice;
+use crate::node::PoolMsg;
+use crate::pool::{CopyId, ModelCopy, ModelId, NodeId};
+
+/// What a finished job reports to the driver.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Outcome {
+    /// The model.
+    pub model: ModelId,
+    /// Each copy, and whether it is ready.
+    pub copies: Vec<(CopyId, bool)>,
+    /// A node found the model file missing.
+    pub file_missing: bool,
+}
+
+/// The manager's handles for talking to the nodes, shared by concurrent jobs.
+#[derive(Clone)]
+pub struct Io {
+    /// The manager's node.
+    pub mesh: Arc<dyn Mesh>,
+    /// Drives multicasts.
+    pub ctl: Arc<Controller>,
+    /// The pool's nodes (for the derived topology).
+    pub nodes: Vec<NodeId>,
+    /// Rates the planner assumes.
+    pub rates: MeshRates,
+    /// How long a node may take to answer one request.
+    pub request_timeout: Duration,
+    /// Where notices go, with their time since `epoch`.
+    pub notices: Option<mpsc::UnboundedSender<(f64, Notice)>>,
+    /// Time zero of the notices.
+    pub epoch: Instant,
+}
+
+impl Io {
+    /// Publishes a notice.
+    pub fn notice(&self, n: Notice) {
+        if let Some(tx) = &self.notices {
+            let _ = tx.send((self.epoch.elapsed().as_secs_f64(), n));
+        }
+    }
+
+    /// Whether the link to `node` is up.
+    pub fn connected(&self, node: NodeId) -> bool {
+        self.mesh.connected_to(node)
+    }
+
+    /// Asks several nodes' pool services at once; the answers come in the order asked. A
+    /// `Failed` answer or a transport error is an `Err` with its text.
+    pub async fn ask_all(&self, asks: Vec<(NodeId, PoolMsg)>) -> Vec<Result<PoolMsg, String>> {
+        let mut set = tokio::task::JoinSet::new();
+        for (i, (node, m)) in asks.into_iter().enumerate() {
+            let (mesh, limit) = (self.mesh.clone(), self.request_timeout);
+            set.spawn(async move {
+                let r = match mesh.call(node, &m, limit).await {
+                    Ok(PoolMsg::Failed { message }) => Err(message),
+                    Ok(r) => Ok(r),
+                    Err(e) => Err(e.to_string()),
+                };
+                (i, r)
+            });
+        }
+        let mut out: Vec<(usize, Result<PoolMsg, String>)> = Vec::new();
+        while let Some(r) = set.join_next().await {
+            match r {
+                Ok(x) => out.push(x),
+                Err(e) => warn!(error = %e, "a request task failed"),
+            }
+        }
+        out.sort_by_key(|(i, _)| *i);
+        out.into_iter().map(|(_, r)| r).collect()
+    }
+
+    /// Drops copies on their nodes and waits for the answers (a later request never sees them).
+    pub async fn drop_all(&self, drops: Vec<(NodeId, CopyId)>) {
+        let asks = drops.iter().map(|(n, c)| (*n, PoolMsg::Drop { copy: *c })).collect();
+        for ((node, copy), r) in drops.iter().zip(self.ask_all(asks).await) {
+            if let Err(e) = r {
+                warn!(node, copy, error = %e, "dropping a copy failed");
+            }
+        }
+    }
+
+    /// Lists every given node's copies; nodes that do not answer are left out.
+    pub async fn list(&self, nodes: Vec<NodeId>) -> BTreeMap<NodeId, Vec<CopyId>> {
+        let nodes: Vec<NodeId> = nodes.into_iter().filter(|n| self.connected(*n)).collect();
+        let answers = self.ask_all(nodes.iter().map(|n| (*n, PoolMsg::List)).collect()).await;
+        nodes
+            .into_iter()
+            .zip(answers)
+            .filter_map(|(n, r)| match r {
+                Ok(PoolMsg::Listed { copies }) => Some((n, copies)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Checksums copies on their nodes against the crcs given with each: copy → match.
+    pub async fn check(&self, copies: Vec<(ModelCopy, u64, u64, Vec<u32>)>) -> BTreeMap<CopyId, bool> {
+        let asks = copies
+            .iter()
+            .map(|(c, bytes, chunk, _)| (c.node, PoolMsg::Check { copy: c.id, bytes: *bytes, chunk: *chunk }))
+            .collect();
+        let answers = self.ask_all(asks).await;
+        copies
+            .iter()
+            .zip(answers)
+            .map(|((c, _, _, want), r)| {
+                (c.id, matches!(r, Ok(PoolMsg::Checked { crcs: Some(ref got) }) if got == want))
+            })
+            .collect()
+    }
+
+    /// Runs one job to its end.
+    pub async fn run(self, job: Job) -> Outcome {
+        match job {
+            Job::Load { model, entry, copies } => self.load(model, entry, copies).await,
+            Job::Multicast { model, entry, sources, targets } => self.multicast(model, entry, sources, targets).await,
+        }
+    }
+
+    async fn load(self, model: ModelId, entry: crate::meta::ModelEntry, copies: Vec<ModelCopy>) -> Outcome {
+        let bytes = entry.manifest.bytes;
+        let mut asks = Vec::new();
+        for c in &copies {
+            self.notice(Notice::Creating { copy: c.id, model, node: c.node, from: "file", bytes });
+            let m = PoolMsg::Load { copy: c.id, path: entry.path.clone(), manifest: Box::new(entry.manifest.clone()) };
+            asks.push((c.node, m));
+        }
+        let answers = self.ask_all(asks).await;
+        let file_missing = answers.iter().any(|r| matches!(r, Ok(PoolMsg::Loaded { file_missing: true, .. })));
+        let mut out = Vec::new();
+        for (c, r) in copies.iter().zip(answers) {
+            let failed = match r {
+                Ok(PoolMsg::Loaded { result: Ok(s), .. }) => {
+                    info!(copy = c.id, model, seconds = s, "copy loaded from the file");
+                    None
+                }
+                Ok(PoolMsg::Loaded { result: Err(e), .. }) | Err(e) => Some(e),
+                Ok(other) => Some(format!("unexpected answer {other:?}")),
+            };
+            out.push((c.id, failed.is_none()));
+            match failed {
+                None => self.notice(Notice::Ready { copy: c.id, node: c.node, bytes }),
+                Some(e) => {
+                    warn!(copy = c.id, model, error = %e, "loading from the file failed");
+                    self.notice(Notice::Failed { copy: c.id, reason: e });
+                }
+            }
+        }
+        Outcome { model, copies: out, file_missing }
+    }
+
+    fn fail_all(&self, model: ModelId, targets: &BTreeMap<Loc, ModelCopy>, why: &str) -> Outcome {
+        for c in targets.values() {
+            self.notice(Notice::Failed { copy: c.id, reason: why.to_string() });
+        }
+        Outcome { model, copies: targets.values().map(|c| (c.id, false)).collect(), file_missing: false }
+    }
+
+    async fn multicast(
+        self,
+        model: ModelId,
+        entry: crate::meta::ModelEntry,
+        sources: BTreeMap<Loc, CopyId>,
+        targets: BTreeMap<Loc, ModelCopy>,
+    ) -> Outcome {
+        let bytes = entry.manifest.bytes;
+        let links: Vec<_> = self.nodes.iter().filter_map(|n| self.mesh.link(*n).ok().map(|l| (*n, l.kind()))).collect();
+        let mut all = self.nodes.clone();
+        all.push(self.mesh.node());
+        let topology = match Topology::from_links(&all, self.mesh.node(), &links, 1, self.rates) {
+            Ok(t) => t,
+            Err(e) => return self.fail_all(model, &targets, &format!("topology: {e}")),
+        };
+        for c in targets.values() {
+            self.notice(Notice::Creating { copy: c.id, model, node: c.node, from: "multicast", bytes });
+        }
+        // The source copies are lent to the run by their nodes' pool services.
+        let run = new_run_id();
+        let lends = sources.iter().map(|(l, c)| (l.node, PoolMsg::Lend { copy: *c, run, loc: *l, bytes })).collect();
+        let lent = self.ask_all(lends).await;
+        let lent: BTreeSet<Loc> =
+            sources.keys().zip(&lent).filter(|(_, r)| matches!(r, Ok(PoolMsg::Done))).map(|(l, _)| *l).collect();
+        if lent.is_empty() {
+            let members: Vec<Loc> = sources.keys().copied().collect();
+            self.ctl.release(run, &members).await;
+            return self.fail_all(model, &targets, "no source copy could be lent to the multicast");
+        }
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let spec = RunSpec {
+            topology,
+            bytes,
+            sources: lent.iter().copied().collect(),
+            targets: targets.keys().copied().collect(),
+            planner: PlannerKind::Blitz,
+            layers: Vec::new(),
+            seed: 0,
+            deadline: self.request_timeout + Duration::from_secs_f64(bytes as f64 * 8.0 / (self.rates.nic_gbps * 1e9)),
+            lent,
+            run: Some(run),
+            hold: true,
+            layout: Some(entry.manifest.layout()),
+            progress: Some(tx),
+        };
+        let layers = entry.manifest.layout().layers;
+        let running = self.ctl.run(&spec);
+        tokio::pin!(running);
+        let res = loop {
+            tokio::select! {
+                r = &mut running => break r,
+                Some((_, ev)) = rx.recv() => {
+                    if let McEvent::LayerReady { target, layer } = ev {
+                        if let (Some(c), Some(r)) = (targets.get(&target), layers.get(layer)) {
+                            self.notice(Notice::Progress { copy: c.id, node: c.node, bytes: r.end, total: bytes });
+                        }
+                    }
+                }
+            }
+        };
+        let members: Vec<Loc> = spec.sources.iter().chain(spec.targets.iter()).copied().collect();
+        let out = match res {
+            Ok(out) => out,
+            Err(e) => {
+                warn!(model, error = %e, "multicast failed");
+                return self.fail_all(model, &targets, &e.to_string());
+            }
+        };
+        // The verified targets become held copies, then the run is released.
+        let adopt: Vec<(Loc, &ModelCopy)> =
+            targets.iter().filter(|(l, _)| out.verified.contains(l)).map(|(l, c)| (*l, c)).collect();
+        let asks = adopt.iter().map(|(l, c)| (l.node, PoolMsg::Adopt { copy: c.id, run, loc: *l })).collect();
+        let answers = self.ask_all(asks).await;
+        let kept: BTreeSet<Loc> =
+            adopt.iter().zip(&answers).filter(|(_, r)| matches!(r, Ok(PoolMsg::Done))).map(|((l, _), _)| *l).collect();
+        self.ctl.release(run, &members).await;
+        for (l, why) in &out.report.failed {
+            if let Some(c) = targets.get(l) {
+                self.notice(Notice::Failed { copy: c.id, reason: why.clone() });
+            }
+        }
+        info!(model, targets = targets.len(), kept = kept.len(), seconds = out.transfer_seconds, "multicast finished");
+        let copies = targets
+            .iter()
+            .map(|(l, c)| {
+                let ok = kept.contains(l);
+                if ok {
+                    self.notice(Notice::Ready { copy: c.id, node: c.node, bytes });
+                }
+                (c.id, ok)
+            })
+            .collect();
+        Outcome { model, copies, file_missing: false }
+    }
+}

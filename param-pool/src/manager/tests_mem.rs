@@ -1,0 +1,217 @@
+//! The manager's failure scenarios on the `mem` test double with virtual time (tokio's paused
+//! clock): a node killed in the middle of a repair, the manager itself restarted in the middle of
+//! a repair, a flapping link. Time moves only when every task waits on a timer (blocking work —
+//! loads, checksums, WAL writes — holds it still), so the times measured here are virtual and
+//! the same on every run of a seed.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use cascade_transport::mem::{MemFabric, MemNode};
+use tokio::time::Instant;
+
+use super::*;
+use crate::meta::EmbeddedStore;
+use crate::node::start_services;
+
+const DEAD_AFTER: Duration = Duration::from_millis(500);
+
+struct MemCluster {
+    fabric: MemFabric,
+    nodes: u32,
+    dir: PathBuf,
+    models: Vec<PathBuf>,
+}
+
+impl MemCluster {
+    /// Node 0 is the manager's, nodes 1..=n serve the pool; `models` model files of 1–3 MiB.
+    fn new(n: u32, models: usize, tag: &str) -> MemCluster {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../target/mem-manager-tests")
+            .join(format!("{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let paths = (0..models)
+            .map(|i| {
+                let p = dir.join(format!("m{i}.safetensors"));
+                crate::synthetic::write_llama2_like(&p, (1 + i as u64 % 3) << 20, 100 + i as u64).unwrap();
+                p
+            })
+            .collect();
+        let fabric = MemFabric::new();
+        for i in 1..=n {
+            start_services(Arc::new(fabric.add_node(i)), Duration::from_secs(10)).unwrap();
+        }
+        MemCluster { fabric, nodes: n, dir, models: paths }
+    }
+
+    /// A manager on a fresh node 0 (a restarted manager process), on the cluster's store.
+    fn manager(&self, k: usize) -> Manager<EmbeddedStore> {
+        let mesh: Arc<MemNode> = Arc::new(self.fabric.add_node(0));
+        let mut cfg = ManagerConfig::new((1..=self.nodes).collect());
+        cfg.k = k;
+        cfg.dead_after = DEAD_AFTER;
+        cfg.request_timeout = Duration::from_secs(20);
+        Manager::open(mesh, EmbeddedStore::open(&self.dir.join("meta")).unwrap(), cfg).unwrap()
+    }
+}
+
+impl Drop for MemCluster {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Exactly k ready copies of every model, none on `dead`, and every copy's crcs match.
+async fn assert_whole(m: &mut Manager<EmbeddedStore>, k: usize, models: usize, dead: &[NodeId]) {
+    let s = m.status_handle().lock().unwrap().clone();
+    assert!(s.healthy, "{s}");
+    assert_eq!(s.copies.len(), models * k, "exactly k copies of every model:\n{s}");
+    assert!(s.copies.iter().all(|c| !dead.contains(&c.node)), "{s}");
+    let rep = m.check().await.unwrap();
+    assert!(rep.healthy, "{:?}", rep.problems);
+}
+
+/// Waits (virtually) for a notice that `f` accepts.
+async fn notice_where(rx: &mut mpsc::UnboundedReceiver<(f64, Notice)>, f: impl Fn(&Notice) -> bool) -> Notice {
+    loop {
+        let (_, n) = rx.recv().await.expect("the manager stopped sending notices");
+        if f(&n) {
+            return n;
+        }
+    }
+}
+
+/// Lets every blocking task (a load, a checksum, a WAL write) end: paused time does not move
+/// while one runs.
+async fn settle() {
+    tokio::time::sleep(Duration::from_millis(1)).await;
+}
+
+async fn healthy_without(status: &Arc<Mutex<Status>>, dead: &[NodeId]) {
+    let t = Instant::now();
+    loop {
+        {
+            let s = status.lock().unwrap();
+            if s.healthy && s.nodes.iter().all(|n| !dead.contains(&n.id)) {
+                return;
+            }
+            assert!(t.elapsed() < Duration::from_secs(60), "not healthy after a virtual minute:\n{s}");
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// A second node dies while the pool repairs the first: the drive takes the second death in and
+/// the pool ends whole. Returns the virtual time from the first kill to the whole pool.
+async fn second_death_mid_repair(seed: u64) -> Duration {
+    let (k, models) = (2, 8);
+    let c = MemCluster::new(5, models, &format!("kill{seed}"));
+    let mut m = c.manager(k);
+    let (tx, mut notices) = mpsc::unbounded_channel();
+    m.notify(tx, std::time::Instant::now());
+    m.start().await.unwrap();
+    for (i, p) in c.models.iter().enumerate() {
+        m.register(&format!("m{i}"), p).await.unwrap();
+    }
+    let status = m.status_handle();
+    let first = 1 + (seed % 5) as NodeId;
+    let second = 1 + ((seed / 5 + first as u64) % 5) as NodeId;
+    let second = if second == first { first % 5 + 1 } else { second };
+    let (admin, rx) = mpsc::channel(4);
+    let task = tokio::spawn(m.run(rx));
+    while notices.try_recv().is_ok() {} // the registrations' notices
+    let t0 = Instant::now();
+    c.fabric.kill(first);
+    notice_where(&mut notices, |n| matches!(n, Notice::Creating { .. })).await;
+    c.fabric.kill(second);
+    healthy_without(&status, &[first, second]).await;
+    assert!(!task.is_finished(), "the manager stopped: {:?}", task.await);
+    let took = t0.elapsed();
+    drop(admin);
+    let mut m = match task.await.unwrap() {
+        Ok(()) => c.manager(k),
+        Err(e) => panic!("{e}"),
+    };
+    m.start().await.unwrap();
+    assert_whole(&mut m, k, models, &[first, second]).await;
+    took
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_node_killed_mid_repair_on_mem_with_virtual_time() {
+    for seed in [1, 7, 12] {
+        let took = second_death_mid_repair(seed).await;
+        // Each death is declared `dead_after` after it; the repairs themselves take no virtual time.
+        assert!(took >= DEAD_AFTER && took <= 2 * DEAD_AFTER + Duration::from_millis(100), "seed {seed}: {took:?}");
+        assert_eq!(second_death_mid_repair(seed).await, took, "seed {seed}: the same virtual time again");
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_manager_restarted_mid_repair_on_mem_finishes_it() {
+    let (k, models) = (2, 8);
+    let c = MemCluster::new(5, models, "restart");
+    let mut m = c.manager(k);
+    let (tx, mut notices) = mpsc::unbounded_channel();
+    m.notify(tx, std::time::Instant::now());
+    m.start().await.unwrap();
+    for (i, p) in c.models.iter().enumerate() {
+        m.register(&format!("m{i}"), p).await.unwrap();
+    }
+    let victim = m.status_handle().lock().unwrap().nodes.iter().max_by_key(|n| n.bytes).unwrap().id;
+    let (_admin, rx) = mpsc::channel(4);
+    let task = tokio::spawn(m.run(rx));
+    c.fabric.kill(victim);
+    // The manager "crashes" once the first repaired copy is ready: its node dies (the nodes drop
+    // its runs), its task goes, and its blocking writes end before a new manager opens the store.
+    notice_where(&mut notices, |n| matches!(n, Notice::Ready { .. })).await;
+    c.fabric.kill(0);
+    task.abort();
+    let _ = task.await;
+    settle().await;
+    let mut m = c.manager(k);
+    m.start().await.unwrap();
+    assert_whole(&mut m, k, models, &[victim]).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_flapping_link_is_not_a_death_but_a_long_cut_is() {
+    let (k, models) = (2, 4);
+    let c = MemCluster::new(4, models, "flap");
+    let mut m = c.manager(k);
+    let (tx, mut notices) = mpsc::unbounded_channel();
+    m.notify(tx, std::time::Instant::now());
+    m.start().await.unwrap();
+    for (i, p) in c.models.iter().enumerate() {
+        m.register(&format!("m{i}"), p).await.unwrap();
+    }
+    let status = m.status_handle();
+    let (_admin, rx) = mpsc::channel(4);
+    let _task = tokio::spawn(m.run(rx));
+    // Three short cuts of 200 ms (under dead_after): never declared dead.
+    for _ in 0..3 {
+        c.fabric.set_link(0, 2, false);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        c.fabric.set_link(0, 2, true);
+        tokio::time::sleep(Duration::from_millis(400)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    {
+        let s = status.lock().unwrap();
+        assert!(s.healthy && s.nodes.iter().any(|n| n.id == 2), "{s}");
+    }
+    while let Ok((_, n)) = notices.try_recv() {
+        assert!(!matches!(n, Notice::NodeDown { .. }), "a short cut declared a node dead: {n:?}");
+    }
+    // A cut longer than dead_after: declared dead exactly dead_after after the cut, repaired.
+    let t0 = Instant::now();
+    c.fabric.set_link(0, 2, false);
+    let n = notice_where(&mut notices, |n| matches!(n, Notice::NodeDown { .. })).await;
+    assert_eq!(n, Notice::NodeDown { node: 2 });
+    assert_eq!(t0.elapsed(), DEAD_AFTER, "declared dead after exactly dead_after (virtual time)");
+    healthy_without(&status, &[2]).await;
+    let s = status.lock().unwrap().clone();
+    assert_eq!(s.copies.len(), models * k, "{s}");
+}
