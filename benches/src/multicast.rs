@@ -12,9 +12,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
+use cascade_devcluster::netns::Netns;
 use cascade_multicast::cluster::{Controller, MulticastNode, RunSpec};
 use cascade_multicast::{Loc, PlannerKind, Topology};
-use cascade_tests::netns::Netns;
 use cascade_transport::{ClusterSpec, Endpoint, EndpointConfig};
 use serde_json::{json, Value};
 

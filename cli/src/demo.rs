@@ -15,10 +15,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
+use cascade_devcluster::netns::Netns;
 use cascade_multicast::MeshRates;
 use cascade_param_pool::manager::{AdminCall, AdminRequest, CheckReport, Manager, ManagerConfig, Status};
 use cascade_param_pool::{EmbeddedStore, Manifest, DEFAULT_CHUNK};
-use cascade_tests::netns::Netns;
 use cascade_transport::{ClusterSpec, Endpoint, EndpointConfig};
 use clap::Args;
 use serde_json::json;
@@ -117,7 +117,7 @@ pub(crate) fn run(a: DemoArgs) -> anyhow::Result<()> {
         }
         return Ok(());
     }
-    let addrs = cascade_tests::free_addrs(n + 1);
+    let addrs = cascade_devcluster::free_addrs(n + 1);
     if addrs.len() != n + 1 {
         bail!("could not reserve {} loopback ports", n + 1);
     }

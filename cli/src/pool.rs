@@ -163,7 +163,7 @@ async fn serve_with<S: cascade_param_pool::MetaStore + 'static>(
 }
 
 async fn call(admin: SocketAddr, req: AdminRequest) -> anyhow::Result<serde_json::Value> {
-    admin_call(admin, &req).await.map_err(|e| anyhow::anyhow!("{e}"))
+    Ok(admin_call(admin, &req).await?)
 }
 
 fn print_check(rep: &CheckReport, json: bool) -> anyhow::Result<()> {

@@ -139,7 +139,7 @@ impl PoolCluster {
         self.manager.as_ref().map(Proc::log).unwrap_or_default()
     }
 
-    fn call(&self, req: AdminRequest) -> Result<serde_json::Value, String> {
+    fn call(&self, req: AdminRequest) -> Result<serde_json::Value, cascade_param_pool::manager::AdminError> {
         self.rt.block_on(admin_call(self.admin, &req))
     }
 

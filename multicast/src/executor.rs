@@ -38,9 +38,9 @@ mod coord;
 mod member;
 mod notice;
 
-pub use coord::{Action, Coordinator};
-pub(crate) use member::{run_member, MemberCtx, Router};
-pub use member::{ChildSpec, CoordSink, MemberCmd, ToCoord};
+pub(crate) use coord::{Action, Coordinator};
+pub(crate) use member::{run_member, CoordSink, MemberCmd, MemberCtx, Router};
+pub use member::{ChildSpec, ToCoord};
 pub use notice::{Kind as NoticeKind, Notice};
 
 /// Progress reported while a multicast runs.

@@ -48,7 +48,7 @@ pub mod exec;
 pub mod plan;
 mod report;
 
-pub use admin::{admin_call, serve_admin, AdminCall, AdminRequest};
+pub use admin::{admin_call, serve_admin, AdminCall, AdminError, AdminRequest};
 pub use detector::Detector;
 pub use report::{CheckReport, CopyStatus, ModelStatus, NodeStatus, Status};
 

@@ -2,12 +2,12 @@
 //!
 //! Cross-crate integration tests and the harnesses they share: [`Cluster`] starts N `test-node`
 //! processes on loopback, each joining the mesh of a generated cluster file, and drives them with
-//! line commands; [`netns::Netns`] makes N hosts as network namespaces on a shaped bridge. Every
+//! line commands; [`netns::Netns`] (from `cascade-devcluster`) makes N hosts as network namespaces on a shaped bridge. Every
 //! process is killed (and every namespace deleted) on drop, also when a test panics.
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
 use std::io::{BufRead, BufReader, Write};
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc;
@@ -16,9 +16,10 @@ use std::time::Duration;
 use anyhow::{anyhow, bail, Context};
 use serde_json::Value;
 
+pub use cascade_devcluster::{free_addrs, netns};
+
 pub mod etcd;
 pub mod loopback;
-pub mod netns;
 
 /// Options for a spawned cluster.
 #[derive(Debug, Clone)]
@@ -102,12 +103,6 @@ pub struct Cluster {
     /// Each node's TCP address.
     pub addrs: Vec<SocketAddr>,
     dir: PathBuf,
-}
-
-/// Free loopback ports, reserved only for the moment of asking.
-pub fn free_addrs(n: usize) -> Vec<SocketAddr> {
-    let ls: Vec<_> = (0..n).filter_map(|_| TcpListener::bind("127.0.0.1:0").ok()).collect();
-    ls.iter().filter_map(|l| l.local_addr().ok()).collect()
 }
 
 impl Cluster {

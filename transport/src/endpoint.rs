@@ -253,11 +253,7 @@ impl Endpoint {
                 .map(|n| n.id)
                 .filter(|id| *id != self.node() && !peers.iter().any(|(p, _)| p == id))
                 .collect();
-            return Err(TransportError::Timeout {
-                peer: missing.first().copied().unwrap_or(0),
-                op: "mesh setup",
-                after: limit,
-            });
+            return Err(TransportError::MeshIncomplete { missing, after: limit });
         }
         let setup = self.inner.started.elapsed();
         info!(node = self.node(), peers = want, setup_ms = setup.as_secs_f64() * 1e3, "mesh ready");

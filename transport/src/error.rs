@@ -104,6 +104,14 @@ pub enum TransportError {
         /// The time limit.
         after: Duration,
     },
+    /// The full mesh did not come up in time.
+    #[error("nodes {missing:?} did not connect within {after:?}")]
+    MeshIncomplete {
+        /// The members still missing.
+        missing: Vec<NodeId>,
+        /// The time limit.
+        after: Duration,
+    },
     /// A message exceeds the largest SEND the transport accepts.
     #[error("message of {len} bytes exceeds the limit of {max} bytes")]
     MessageTooLarge {

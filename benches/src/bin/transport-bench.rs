@@ -84,7 +84,7 @@ async fn bench(quick: bool, json: Option<PathBuf>) -> anyhow::Result<()> {
         );
         results.push(r);
     }
-    let netns = cascade_tests::netns::Netns::unavailable().is_none();
+    let netns = cascade_devcluster::netns::Netns::unavailable().is_none();
     let (mc_bytes, n) = if quick { (8u64 << 20, 7) } else { (64u64 << 20, 7) };
     eprintln!(
         "multicast: {} MiB to {n} targets ({}) ...",

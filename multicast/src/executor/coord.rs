@@ -15,7 +15,7 @@ const MAX_ATTEMPTS: u32 = 3;
 
 /// What the driver must do.
 #[derive(Debug, Clone, PartialEq)]
-pub enum Action {
+pub(crate) enum Action {
     /// Tell `member` to send everything to `child`.
     AddChild {
         /// The sender.
@@ -29,7 +29,7 @@ pub enum Action {
 
 /// Tracks a multicast run.
 #[derive(Debug, Clone)]
-pub struct Coordinator {
+pub(crate) struct Coordinator {
     topo: Topology,
     bytes: u64,
     sources: BTreeSet<Loc>,
@@ -45,7 +45,7 @@ pub struct Coordinator {
 
 impl Coordinator {
     /// Starts tracking `plan`; `specs` gives each target's region.
-    pub fn new(topo: &Topology, plan: &Plan, specs: BTreeMap<Loc, ChildSpec>) -> Coordinator {
+    pub(crate) fn new(topo: &Topology, plan: &Plan, specs: BTreeMap<Loc, ChildSpec>) -> Coordinator {
         Coordinator {
             topo: topo.clone(),
             bytes: plan.bytes,
@@ -62,7 +62,7 @@ impl Coordinator {
     }
 
     /// True once every target is completed or failed.
-    pub fn finished(&self) -> bool {
+    pub(crate) fn finished(&self) -> bool {
         self.done.len() + self.failed.len() >= self.targets.len()
     }
 
@@ -71,12 +71,12 @@ impl Coordinator {
     }
 
     /// The (sender, target) pairs still in flight between different nodes, for liveness checks.
-    pub fn edges_in_flight(&self) -> Vec<(Loc, Loc)> {
+    pub(crate) fn edges_in_flight(&self) -> Vec<(Loc, Loc)> {
         self.parent.iter().filter(|(c, p)| self.open(c) && p.node != c.node).map(|(c, p)| (*p, *c)).collect()
     }
 
     /// A member's report.
-    pub fn on_report(&mut self, m: ToCoord) -> Vec<Action> {
+    pub(crate) fn on_report(&mut self, m: ToCoord) -> Vec<Action> {
         match m {
             ToCoord::Done(l) => {
                 if self.targets.contains(&l) && self.open(&l) {
@@ -92,7 +92,7 @@ impl Coordinator {
 
     /// Every member on `node` is gone: its open targets fail, and the targets it was feeding are
     /// re-planned.
-    pub fn on_node_down(&mut self, node: NodeId, reason: &str) -> Vec<Action> {
+    pub(crate) fn on_node_down(&mut self, node: NodeId, reason: &str) -> Vec<Action> {
         let mut out = Vec::new();
         let lost: Vec<Loc> = self.targets.iter().copied().filter(|t| t.node == node && self.open(t)).collect();
         for t in lost {
@@ -107,13 +107,13 @@ impl Coordinator {
     }
 
     /// The deadline passed: every open target fails.
-    pub fn on_deadline(&mut self, why: &str) -> Vec<Action> {
+    pub(crate) fn on_deadline(&mut self, why: &str) -> Vec<Action> {
         let open: Vec<Loc> = self.targets.iter().copied().filter(|t| self.open(t)).collect();
         open.into_iter().flat_map(|t| self.fail(t, why.to_string())).collect()
     }
 
     /// `parent` could not send to `child`: find `child` another sender, or fail it.
-    pub fn on_broken(&mut self, parent: Loc, child: Loc, reason: &str) -> Vec<Action> {
+    pub(crate) fn on_broken(&mut self, parent: Loc, child: Loc, reason: &str) -> Vec<Action> {
         let mut out = Vec::new();
         let mut work = vec![(parent, child, reason.to_string())];
         while let Some((p, c, why)) = work.pop() {
@@ -166,7 +166,7 @@ impl Coordinator {
     }
 
     /// The outcome so far.
-    pub fn report(&self, resent_chunks: u64, seconds: f64) -> Report {
+    pub(crate) fn report(&self, resent_chunks: u64, seconds: f64) -> Report {
         Report {
             completed: self.done.iter().copied().collect(),
             failed: self.failed.iter().map(|(l, w)| (*l, w.clone())).collect(),

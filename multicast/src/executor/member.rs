@@ -62,7 +62,7 @@ pub enum ToCoord {
 }
 
 /// Where members send their reports (a channel in-process, the controller's link in a daemon).
-pub trait CoordSink: Send + Sync + 'static {
+pub(crate) trait CoordSink: Send + Sync + 'static {
     /// Delivers one report.
     fn send(&self, m: ToCoord);
 }
@@ -75,7 +75,7 @@ impl CoordSink for mpsc::UnboundedSender<ToCoord> {
 
 /// Commands from the coordinator to a member.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub enum MemberCmd {
+pub(crate) enum MemberCmd {
     /// Start sending everything to a new child.
     AddChild(ChildSpec),
 }

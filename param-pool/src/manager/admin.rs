@@ -103,23 +103,45 @@ async fn connection(sock: TcpStream, tx: mpsc::Sender<AdminCall>, status: Arc<Mu
     Ok(())
 }
 
+/// Why an admin call failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum AdminError {
+    /// The manager could not be reached or the exchange broke off.
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The manager's answer is not an answer.
+    #[error("the pool manager's answer is malformed: {0}")]
+    Malformed(String),
+    /// The manager refused the request, with its reason.
+    #[error("{0}")]
+    Refused(String),
+}
+
 /// Sends one request to the manager at `addr` and returns its result.
-pub async fn admin_call(addr: SocketAddr, req: &AdminRequest) -> Result<serde_json::Value, String> {
-    let sock = TcpStream::connect(addr).await.map_err(|e| format!("connecting to the pool manager at {addr}: {e}"))?;
+pub async fn admin_call(addr: SocketAddr, req: &AdminRequest) -> Result<serde_json::Value, AdminError> {
+    let io = |context: String| move |source| AdminError::Io { context, source };
+    let sock = TcpStream::connect(addr).await.map_err(io(format!("connecting to the pool manager at {addr}")))?;
     let (r, mut w) = sock.into_split();
-    let mut line = serde_json::to_vec(req).map_err(|e| e.to_string())?;
+    let mut line = serde_json::to_vec(req).map_err(|e| AdminError::Malformed(e.to_string()))?;
     line.push(b'\n');
-    w.write_all(&line).await.map_err(|e| format!("sending to the pool manager: {e}"))?;
+    w.write_all(&line).await.map_err(io("sending to the pool manager".into()))?;
     let answer = BufReader::new(r)
         .lines()
         .next_line()
         .await
-        .map_err(|e| format!("reading the pool manager's answer: {e}"))?
-        .ok_or("the pool manager closed the connection without answering")?;
-    let v: serde_json::Value = serde_json::from_str(&answer).map_err(|e| format!("bad answer: {e}"))?;
+        .map_err(io("reading the pool manager's answer".into()))?
+        .ok_or_else(|| AdminError::Malformed("the connection closed without an answer".into()))?;
+    let v: serde_json::Value = serde_json::from_str(&answer).map_err(|e| AdminError::Malformed(e.to_string()))?;
     if v["ok"] == serde_json::Value::Bool(true) {
         Ok(v["result"].clone())
     } else {
-        Err(v["error"].as_str().unwrap_or("unknown error").to_string())
+        Err(AdminError::Refused(v["error"].as_str().unwrap_or("unknown error").to_string()))
     }
 }
