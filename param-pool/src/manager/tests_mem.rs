@@ -46,6 +46,18 @@ impl MemCluster {
         MemCluster { fabric, nodes: n, dir, models: paths }
     }
 
+    /// A started manager with every model registered, and its notices.
+    async fn registered(&self, k: usize) -> (Manager<EmbeddedStore>, mpsc::UnboundedReceiver<(f64, Notice)>) {
+        let mut m = self.manager(k);
+        let (tx, notices) = mpsc::unbounded_channel();
+        m.notify(tx, std::time::Instant::now());
+        m.start().await.unwrap();
+        for (i, p) in self.models.iter().enumerate() {
+            m.register(&format!("m{i}"), p).await.unwrap();
+        }
+        (m, notices)
+    }
+
     /// A manager on a fresh node 0 (a restarted manager process), on the cluster's store.
     fn manager(&self, k: usize) -> Manager<EmbeddedStore> {
         let mesh: Arc<MemNode> = Arc::new(self.fabric.add_node(0));
@@ -108,13 +120,7 @@ async fn healthy_without(status: &Arc<Mutex<Status>>, dead: &[NodeId]) {
 async fn second_death_mid_repair(seed: u64) -> Duration {
     let (k, models) = (2, 8);
     let c = MemCluster::new(5, models, &format!("kill{seed}"));
-    let mut m = c.manager(k);
-    let (tx, mut notices) = mpsc::unbounded_channel();
-    m.notify(tx, std::time::Instant::now());
-    m.start().await.unwrap();
-    for (i, p) in c.models.iter().enumerate() {
-        m.register(&format!("m{i}"), p).await.unwrap();
-    }
+    let (m, mut notices) = c.registered(k).await;
     let status = m.status_handle();
     let first = 1 + (seed % 5) as NodeId;
     let second = 1 + ((seed / 5 + first as u64) % 5) as NodeId;
@@ -153,13 +159,7 @@ async fn a_node_killed_mid_repair_on_mem_with_virtual_time() {
 async fn a_manager_restarted_mid_repair_on_mem_finishes_it() {
     let (k, models) = (2, 8);
     let c = MemCluster::new(5, models, "restart");
-    let mut m = c.manager(k);
-    let (tx, mut notices) = mpsc::unbounded_channel();
-    m.notify(tx, std::time::Instant::now());
-    m.start().await.unwrap();
-    for (i, p) in c.models.iter().enumerate() {
-        m.register(&format!("m{i}"), p).await.unwrap();
-    }
+    let (m, mut notices) = c.registered(k).await;
     let victim = m.status_handle().lock().unwrap().nodes.iter().max_by_key(|n| n.bytes).unwrap().id;
     let (_admin, rx) = mpsc::channel(4);
     let task = tokio::spawn(m.run(rx));
@@ -180,13 +180,7 @@ async fn a_manager_restarted_mid_repair_on_mem_finishes_it() {
 async fn a_flapping_link_is_not_a_death_but_a_long_cut_is() {
     let (k, models) = (2, 4);
     let c = MemCluster::new(4, models, "flap");
-    let mut m = c.manager(k);
-    let (tx, mut notices) = mpsc::unbounded_channel();
-    m.notify(tx, std::time::Instant::now());
-    m.start().await.unwrap();
-    for (i, p) in c.models.iter().enumerate() {
-        m.register(&format!("m{i}"), p).await.unwrap();
-    }
+    let (m, mut notices) = c.registered(k).await;
     let status = m.status_handle();
     let (_admin, rx) = mpsc::channel(4);
     let _task = tokio::spawn(m.run(rx));
