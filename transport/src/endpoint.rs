@@ -25,7 +25,7 @@ use crate::config::{select_backend, EndpointConfig, NodeSpec};
 use crate::error::{Result, TransportError};
 use crate::handshake::{self, Caps, DriveError, HandshakeConfig, PeerInfo, PROTOCOL_VERSION};
 use crate::link::{run_batch, BackendKind, Completion, Link, Op};
-use crate::onesided::{Engine, OneSided};
+use crate::onesided::{LookupServer, OneSided};
 use crate::rdma::RdmaCtx;
 use crate::region::{Region, RegionTable};
 use crate::service::Services;
@@ -338,7 +338,8 @@ impl Inner {
     /// Installs an authenticated same-host connection as a shm link.
     fn install_shm(self: &Arc<Self>, peer: NodeId, s: UnixStream, closed: Option<oneshot::Sender<String>>) {
         let (r, w) = s.into_split();
-        self.install(peer, BackendKind::Shm, Some(OneSided::new(Engine::Shm)), FdReader::new(r), FdWriter(w), closed);
+        let shm = OneSided::new(Arc::new(crate::shm::ShmEngine));
+        self.install(peer, BackendKind::Shm, Some(shm), FdReader::new(r), FdWriter(w), closed);
     }
 
     /// Installs an authenticated TCP connection, upgraded to RDMA when both sides can.
@@ -367,6 +368,16 @@ impl Inner {
         }
     }
 
+    /// The one-sided engines whose lookups this node answers: shm always (regions that are not
+    /// shared answer `NotShareable`), rdma with a device.
+    fn lookup_servers(&self) -> Vec<Arc<dyn LookupServer>> {
+        let mut v: Vec<Arc<dyn LookupServer>> = vec![Arc::new(crate::shm::ShmLookups)];
+        if let Some(rdma) = &self.rdma {
+            v.push(rdma.lookups());
+        }
+        v
+    }
+
     fn timing(&self) -> Timing {
         Timing { keepalive: self.cfg.keepalive, dead_after: self.cfg.dead_after }
     }
@@ -381,8 +392,8 @@ impl Inner {
         w: W,
         closed: Option<oneshot::Sender<String>>,
     ) where
-        R: crate::stream::FrameSource,
-        W: crate::stream::FrameSink,
+        R: crate::frame::FrameSource,
+        W: crate::frame::FrameSink,
     {
         if *self.shutdown.borrow() {
             return;
@@ -399,7 +410,7 @@ impl Inner {
         });
         let ctx = LinkCtx {
             one_sided,
-            rkeys: self.rdma.as_ref().map(RdmaCtx::resolver),
+            servers: self.lookup_servers(),
             peer,
             kind,
             regions: self.regions.clone(),

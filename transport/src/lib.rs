@@ -25,6 +25,7 @@
 mod config;
 mod endpoint;
 mod error;
+mod frame;
 pub mod handshake;
 mod link;
 pub mod mem;

@@ -1,171 +1,93 @@
 //! One-sided operations on links that can place bytes without the target's CPU: `shm` (memcpy into
 //! a mapping of the peer's memfd) and `rdma` (RDMA WRITE/READ on an RC queue pair).
 //!
-//! Both follow the same protocol over the link's control stream:
-//! 1. on first access to a peer region, a lookup (`MapReq` for shm, `RkeyReq` for rdma) that the
-//!    owner answers only if the region exists and the key matches; the answer is cached;
+//! Every engine follows the same protocol over the link's control stream:
+//! 1. on first access to a peer region, a lookup (the engine's request opcode) that the owner
+//!    answers only if the region exists and the key matches; the answer is cached;
 //! 2. the transfer itself, bounds-checked locally against the region's true length first;
 //! 3. for a WRITE, a `Written` notice: the owner re-checks region, key and bounds, verifies the
 //!    crc32 when asked, and acknowledges — that ack is the WRITE's completion.
 //!
+//! An engine is one [`OneSidedEngine`] (the initiator's side: its lookup, decoding the answer,
+//! moving bytes) and one [`LookupServer`] (the owner's side: answering lookups), each in the
+//! engine's own file (`shm.rs`, `rdma.rs`); the link engine (`stream`, which posts operations
+//! one-sidedly through them) knows them only through these traits. A new engine is its file, its lookup opcodes in `wire`, and the line
+//! that installs it on a link in `endpoint`.
+//!
 //! A region the owner cannot expose this way (a plain host region over shm, say), and a READ with
 //! crc verification (whose checksum must come from the owner), go through the framed protocol.
 
+use std::any::Any;
 use std::collections::HashMap;
+use std::os::fd::OwnedFd;
 use std::sync::{Arc, Mutex};
 
-use crate::error::TransportError;
-use crate::link::{Completion, Done, Op, OpHandle};
-use crate::rdma::RemoteMr;
-use crate::region::{RegionId, RemoteKey};
-use crate::shm::PeerMap;
-use crate::stream::Shared;
-use crate::wire::{Opcode, Status};
+use crate::error::Result;
+use crate::frame::Out;
+use crate::mesh::BoxFuture;
+use crate::region::{Region, RegionId, RemoteKey};
+use crate::wire::{Header, Opcode};
+use crate::NodeId;
 
-/// Copies at least this large run on the blocking pool, off the async workers.
-const BLOCKING_COPY: u64 = 256 << 10;
+/// A peer region as one engine reaches it (a mapping, a remote memory key): opaque to the link,
+/// downcast by the engine that made it.
+pub(crate) type PeerAccess = Arc<dyn Any + Send + Sync>;
 
-/// How a peer region can be reached one-sidedly.
-#[derive(Clone)]
-pub(crate) enum Access {
-    /// Mapped into this process (shm).
-    Mapped(Arc<PeerMap>),
-    /// Registered with the peer's RDMA device (only read by the `rdma` engine).
-    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
-    Rdma(RemoteMr),
+/// The initiator's side of a one-sided engine.
+pub(crate) trait OneSidedEngine: Send + Sync + 'static {
+    /// The lookup request this engine sends for a peer region.
+    fn lookup_op(&self) -> Opcode;
+    /// Decodes the owner's (successful) answer to a lookup; `fd` is a descriptor that came with
+    /// it, if any. An error closes the link (the peer broke the protocol).
+    fn decode_answer(&self, peer: NodeId, h: &Header, fd: Option<OwnedFd>) -> Result<PeerAccess>;
+    /// Moves the bytes of `m` between the local region and the peer region `access` reaches.
+    fn transfer<'a>(&'a self, access: &'a PeerAccess, m: Move<'a>) -> BoxFuture<'a, Result<()>>;
 }
 
-/// What moves the bytes.
-pub(crate) enum Engine {
-    /// memcpy through mappings.
-    Shm,
-    /// An RC queue pair.
-    #[cfg(feature = "rdma")]
-    Rdma(Arc<crate::rdma::verbs::RcQp>),
+/// One transfer of an engine: `len` bytes between `local[local_offset..]` and the peer region at
+/// `remote_offset` (into the peer when `write`). The local range was bounds-checked; the engine
+/// checks the remote range against what its lookup answered.
+#[derive(Clone, Copy)]
+pub(crate) struct Move<'a> {
+    /// The peer.
+    pub(crate) peer: NodeId,
+    /// Into the peer (WRITE) or out of it (READ).
+    pub(crate) write: bool,
+    /// The local region.
+    pub(crate) local: &'a Region,
+    /// Offset in the local region.
+    pub(crate) local_offset: u64,
+    /// Offset in the peer region.
+    pub(crate) remote_offset: u64,
+    /// Bytes.
+    pub(crate) len: u64,
+}
+
+/// The owner's side of a one-sided engine: answers a peer's lookup of a local region whose id
+/// and key were already checked.
+pub(crate) trait LookupServer: Send + Sync + 'static {
+    /// The request it answers.
+    fn request_op(&self) -> Opcode;
+    /// The answer to request `h` for `region`.
+    fn answer(&self, h: &Header, region: &Region) -> Out;
 }
 
 /// Per-link one-sided state: the engine and the cache of looked-up peer regions.
 pub(crate) struct OneSided {
-    engine: Engine,
-    cache: Mutex<HashMap<(RegionId, RemoteKey), Option<Access>>>,
+    pub(crate) engine: Arc<dyn OneSidedEngine>,
+    cache: Mutex<HashMap<(RegionId, RemoteKey), Option<PeerAccess>>>,
 }
 
 impl OneSided {
-    pub(crate) fn new(engine: Engine) -> Self {
+    pub(crate) fn new(engine: Arc<dyn OneSidedEngine>) -> Self {
         OneSided { engine, cache: Mutex::default() }
     }
 
-    /// The lookup request of this engine.
-    pub(crate) fn lookup_op(&self) -> Opcode {
-        match self.engine {
-            Engine::Shm => Opcode::MapReq,
-            #[cfg(feature = "rdma")]
-            Engine::Rdma(_) => Opcode::RkeyReq,
-        }
-    }
-
-    fn cached(&self, k: (RegionId, RemoteKey)) -> Option<Option<Access>> {
+    pub(crate) fn cached(&self, k: (RegionId, RemoteKey)) -> Option<Option<PeerAccess>> {
         self.cache.lock().unwrap_or_else(|e| e.into_inner()).get(&k).cloned()
     }
 
-    fn remember(&self, k: (RegionId, RemoteKey), a: Option<Access>) {
+    pub(crate) fn remember(&self, k: (RegionId, RemoteKey), a: Option<PeerAccess>) {
         self.cache.lock().unwrap_or_else(|e| e.into_inner()).insert(k, a);
-    }
-}
-
-/// Posts one operation: one-sided when the peer region allows it, framed otherwise.
-pub(crate) fn post(s: &Arc<Shared>, os: &Arc<OneSided>, op: Op) -> OpHandle {
-    let remote = match &op {
-        Op::Write { remote, .. } | Op::Read { remote, verify: false, .. } => *remote,
-        _ => return s.post_framed(op),
-    };
-    if op.check_local().is_err() {
-        return s.post_framed(op); // reports the local error
-    }
-    let k = (remote.id, remote.key);
-    let (done, handle) = OpHandle::new(s.peer);
-    match os.cached(k) {
-        Some(None) => return s.post_framed(op),
-        Some(Some(access)) => {
-            tokio::spawn(transfer(s.clone(), os.clone(), op, access, done));
-        }
-        None => {
-            let (s, os) = (s.clone(), os.clone());
-            tokio::spawn(async move {
-                match s.request_access(remote.id, remote.key, os.lookup_op()).await {
-                    Ok(a) => {
-                        os.remember(k, a.clone());
-                        match a {
-                            Some(access) => transfer(s, os, op, access, done).await,
-                            None => {
-                                let r = s.post_framed(op).await;
-                                let _ = done.send(r);
-                            }
-                        }
-                    }
-                    Err(e) => s.finish_op(done, Err(e)),
-                }
-            });
-        }
-    }
-    handle
-}
-
-/// The transfer itself, then (for a WRITE) the `Written` notice whose ack completes it.
-async fn transfer(s: Arc<Shared>, os: Arc<OneSided>, op: Op, access: Access, done: Done) {
-    let (write, local, local_offset, remote, remote_offset, len, verify) = match op {
-        Op::Write { local, local_offset, remote, remote_offset, len, verify } => {
-            (true, local, local_offset, remote, remote_offset, len, verify)
-        }
-        Op::Read { local, local_offset, remote, remote_offset, len, verify } => {
-            (false, local, local_offset, remote, remote_offset, len, verify)
-        }
-        Op::Send { .. } => return,
-    };
-    let name = if write { "write" } else { "read" };
-    let moved = match (&os.engine, access) {
-        (Engine::Shm, Access::Mapped(map)) => {
-            if remote_offset.checked_add(len).is_none_or(|end| end > map.len()) {
-                Err(TransportError::Refused { peer: s.peer, op: name, status: Status::OutOfBounds })
-            } else {
-                let l = local.clone();
-                let run = move || map.copy(write, &l, local_offset, remote_offset, len);
-                if len >= BLOCKING_COPY {
-                    tokio::task::spawn_blocking(run).await.map_err(|e| TransportError::Protocol {
-                        peer: Some(s.peer),
-                        detail: format!("copy task failed: {e}"),
-                    })
-                } else {
-                    run();
-                    Ok(())
-                }
-            }
-        }
-        #[cfg(feature = "rdma")]
-        (Engine::Rdma(qp), Access::Rdma(mr)) => {
-            let h = if write {
-                qp.post_write(&local, local_offset, mr, remote_offset, len)
-            } else {
-                qp.post_read(&local, local_offset, mr, remote_offset, len)
-            };
-            h.await.map(drop)
-        }
-        _ => Err(TransportError::Protocol {
-            peer: Some(s.peer),
-            detail: "lookup answer does not fit the link's engine".into(),
-        }),
-    };
-    if let Err(e) = moved {
-        s.finish_op(done, Err(e));
-        return;
-    }
-    if write {
-        s.stats.tx(len);
-        // SAFETY: the initiator's source range is its own for the operation (region contract).
-        let crc = if verify { unsafe { local.crc32(local_offset, len) }.ok() } else { None };
-        s.post_written(done, remote.id, remote.key, remote_offset, len, crc);
-    } else {
-        s.stats.rx(len);
-        s.finish_op(done, Ok(Completion { bytes: len }));
     }
 }

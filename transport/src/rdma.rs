@@ -18,12 +18,81 @@ use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
+use std::sync::Arc;
+
 use crate::error::{Result, TransportError};
-use crate::onesided::Engine;
+use crate::frame::{reply, Out, Payload};
+use crate::onesided::{LookupServer, OneSidedEngine};
 use crate::region::{Region, RegionId, RemoteKey};
-use crate::stream::RkeyResolver;
-use crate::wire::Status;
+use crate::wire::{Header, Opcode, Status};
 use crate::NodeId;
+
+/// Gives a local region's RDMA registration (registering it on first use).
+pub(crate) type RkeyResolver = Arc<dyn Fn(&Region) -> std::result::Result<RemoteMr, Status> + Send + Sync>;
+
+/// The owner's side of rdma: answers `RkeyReq` with the region's registration (from the device;
+/// link tests give it a stand-in resolver).
+#[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+pub(crate) struct RdmaLookups(pub(crate) RkeyResolver);
+
+impl LookupServer for RdmaLookups {
+    fn request_op(&self) -> Opcode {
+        Opcode::RkeyReq
+    }
+
+    fn answer(&self, h: &Header, region: &Region) -> Out {
+        let header = match (self.0)(region) {
+            Ok(mr) => Header {
+                offset: mr.addr,
+                key: u64::from(mr.rkey),
+                len: mr.len,
+                ..reply(h, Opcode::RkeyResp, Status::Ok)
+            },
+            Err(st) => reply(h, Opcode::RkeyResp, st),
+        };
+        Out::Frame { header, payload: Payload::None, done: None }
+    }
+}
+
+/// The initiator's side of rdma: RDMA WRITE/READ on the link's RC queue pair.
+#[cfg(feature = "rdma")]
+struct RdmaEngine(Arc<verbs::RcQp>);
+
+#[cfg(feature = "rdma")]
+impl OneSidedEngine for RdmaEngine {
+    fn lookup_op(&self) -> Opcode {
+        Opcode::RkeyReq
+    }
+
+    fn decode_answer(
+        &self,
+        peer: NodeId,
+        h: &Header,
+        _fd: Option<std::os::fd::OwnedFd>,
+    ) -> Result<crate::onesided::PeerAccess> {
+        Ok(Arc::new(RemoteMr::from_answer(peer, h)?))
+    }
+
+    fn transfer<'a>(
+        &'a self,
+        access: &'a crate::onesided::PeerAccess,
+        m: crate::onesided::Move<'a>,
+    ) -> crate::mesh::BoxFuture<'a, Result<()>> {
+        let crate::onesided::Move { peer, write, local, local_offset, remote_offset, len } = m;
+        Box::pin(async move {
+            let mr = *access.clone().downcast::<RemoteMr>().map_err(|_| TransportError::Protocol {
+                peer: Some(peer),
+                detail: "not an RDMA registration".into(),
+            })?;
+            let h = if write {
+                self.0.post_write(local, local_offset, mr, remote_offset, len)
+            } else {
+                self.0.post_read(local, local_offset, mr, remote_offset, len)
+            };
+            h.await.map(drop)
+        })
+    }
+}
 
 /// What one side of an RC connection tells the other to bring its queue pair to RTR/RTS.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -102,6 +171,16 @@ pub struct RemoteMr {
 }
 
 impl RemoteMr {
+    /// Decodes the answer to an `RkeyReq` (`offset` = address, `key` = rkey, `len` = length).
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+    pub(crate) fn from_answer(peer: NodeId, h: &Header) -> Result<RemoteMr> {
+        let rkey = u32::try_from(h.key).map_err(|_| TransportError::Protocol {
+            peer: Some(peer),
+            detail: "RkeyResp with an rkey above 32 bits".into(),
+        })?;
+        Ok(RemoteMr { addr: h.offset, rkey, len: h.len })
+    }
+
     /// The remote address of `[offset, offset+len)`, or `OutOfBounds`. A NIC enforces the same
     /// bound; checking first gives the initiator a clear error instead of a broken QP.
     pub fn address(&self, offset: u64, len: u64) -> Result<u64, Status> {
@@ -222,13 +301,13 @@ impl RdmaCtx {
     }
 
     /// Answers peers' lookups, registering a region on first use.
-    pub(crate) fn resolver(&self) -> RkeyResolver {
+    pub(crate) fn lookups(&self) -> Arc<dyn LookupServer> {
         #[cfg(feature = "rdma")]
         {
             let dev = self.dev.clone();
-            std::sync::Arc::new(move |r: &Region| {
+            Arc::new(RdmaLookups(Arc::new(move |r: &Region| {
                 dev.resolve(r.id(), r.key()).or_else(|_| dev.register(r).map_err(|_| Status::Internal))
-            })
+            })))
         }
         #[cfg(not(feature = "rdma"))]
         match self.never {}
@@ -241,7 +320,7 @@ impl RdmaCtx {
         s: &mut S,
         peer: NodeId,
         limit: Duration,
-    ) -> Result<Option<Engine>> {
+    ) -> Result<Option<Arc<dyn OneSidedEngine>>> {
         #[cfg(feature = "rdma")]
         {
             let qp = verbs::RcQp::create(&self.dev, peer)
@@ -252,7 +331,7 @@ impl RdmaCtx {
             };
             let Some(qp) = qp else { return Ok(None) };
             match qp.connect(&theirs) {
-                Ok(()) => Ok(Some(Engine::Rdma(std::sync::Arc::new(qp)))),
+                Ok(()) => Ok(Some(Arc::new(RdmaEngine(Arc::new(qp))))),
                 Err(e) => {
                     // The peer may have reached RTS; its one-sided operations will then fail with
                     // a work-completion error rather than hang.

@@ -3,7 +3,8 @@
 //! Control runs over a unix socket with the framed protocol of [`crate::stream`]. The first access
 //! to a peer region sends `MapReq{region, key}`; the owner checks the key and answers with the
 //! region's memfd (SCM_RIGHTS), which the initiator maps; the rest of the protocol is the one of
-//! [`crate::onesided`]. This module holds the descriptor passing and the mappings.
+//! [`crate::onesided`]. This module holds the engine ([`ShmEngine`], [`ShmLookups`]), the
+//! descriptor passing and the mappings.
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -14,9 +15,78 @@ use memmap2::MmapRaw;
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, Interest, ReadBuf};
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 
-use crate::error::Result;
+use std::sync::Arc;
+
+use crate::error::{Result, TransportError};
+use crate::frame::{reply, FrameSink, FrameSource, Out, Payload};
+use crate::mesh::BoxFuture;
+use crate::onesided::{LookupServer, Move, OneSidedEngine, PeerAccess};
 use crate::region::{map_fd, Region};
-use crate::stream::{FrameSink, FrameSource};
+use crate::wire::{Header, Opcode, Status};
+use crate::NodeId;
+
+/// Copies at least this large run on the blocking pool, off the async workers.
+const BLOCKING_COPY: u64 = 256 << 10;
+
+/// The initiator's side of shm: maps the peer's memfd and copies through the mapping.
+pub(crate) struct ShmEngine;
+
+impl OneSidedEngine for ShmEngine {
+    fn lookup_op(&self) -> Opcode {
+        Opcode::MapReq
+    }
+
+    fn decode_answer(&self, peer: NodeId, h: &Header, fd: Option<OwnedFd>) -> Result<PeerAccess> {
+        let fd = fd.ok_or_else(|| TransportError::Protocol {
+            peer: Some(peer),
+            detail: "MapResp arrived without a descriptor".into(),
+        })?;
+        Ok(Arc::new(PeerMap::open(fd, h.len)?))
+    }
+
+    fn transfer<'a>(&'a self, access: &'a PeerAccess, m: Move<'a>) -> BoxFuture<'a, Result<()>> {
+        let Move { peer, write, local, local_offset, remote_offset, len } = m;
+        Box::pin(async move {
+            let protocol = |detail: String| TransportError::Protocol { peer: Some(peer), detail };
+            let map = access.clone().downcast::<PeerMap>().map_err(|_| protocol("not a shm mapping".into()))?;
+            if remote_offset.checked_add(len).is_none_or(|end| end > map.len()) {
+                let op = if write { "write" } else { "read" };
+                return Err(TransportError::Refused { peer, op, status: Status::OutOfBounds });
+            }
+            let l = local.clone();
+            let run = move || map.copy(write, &l, local_offset, remote_offset, len);
+            if len >= BLOCKING_COPY {
+                tokio::task::spawn_blocking(run).await.map_err(|e| protocol(format!("copy task failed: {e}")))
+            } else {
+                run();
+                Ok(())
+            }
+        })
+    }
+}
+
+/// The owner's side of shm: answers `MapReq` with the region's memfd.
+pub(crate) struct ShmLookups;
+
+impl LookupServer for ShmLookups {
+    fn request_op(&self) -> Opcode {
+        Opcode::MapReq
+    }
+
+    fn answer(&self, h: &Header, region: &Region) -> Out {
+        let status = match region.shared_fd().map(|fd| fd.try_clone()) {
+            Some(Ok(fd)) => {
+                return Out::WithFd {
+                    header: Header { len: region.len(), ..reply(h, Opcode::MapResp, Status::Ok) },
+                    fd,
+                }
+            }
+            Some(Err(_)) => Status::Internal,
+            None => Status::NotShareable,
+        };
+        Out::Frame { header: reply(h, Opcode::MapResp, status), payload: Payload::None, done: None }
+    }
+}
 
 /// A peer's shared region, mapped into this process.
 pub(crate) struct PeerMap {

@@ -11,46 +11,27 @@
 
 use std::collections::HashMap;
 use std::io;
-use std::os::fd::OwnedFd;
-use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufWriter};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, BufWriter};
 use tokio::sync::{mpsc, watch};
 use tracing::{debug, warn};
 
 use crate::error::{Result, TransportError};
+pub(crate) use crate::frame::{reply, FrameSink, FrameSource, Out, Payload};
 use crate::link::{BackendKind, Completion, Done, Link, Op, OpHandle};
-use crate::onesided::{Access, OneSided};
-use crate::rdma::RemoteMr;
+use crate::onesided::{LookupServer, OneSided, OneSidedEngine, PeerAccess};
 use crate::region::{Region, RegionId, RegionTable, RemoteKey};
 use crate::service::Services;
-use crate::shm::PeerMap;
 use crate::stats::{LinkStats, StatsSnapshot};
 use crate::wire::{Header, Opcode, Status, FLAG_CRC, HEADER_LEN};
 use crate::NodeId;
 
 /// Payload bytes read per socket call while landing data (also the liveness granularity).
 const CHUNK: usize = 1 << 20;
-
-/// Source half of a stream: an `AsyncRead` that may also carry file descriptors.
-pub(crate) trait FrameSource: AsyncRead + Unpin + Send + 'static {
-    /// A descriptor that arrived with the bytes read so far, if any.
-    fn take_fd(&mut self) -> Option<OwnedFd>;
-}
-
-/// Sink half of a stream: an `AsyncWrite` that may also send file descriptors.
-pub(crate) trait FrameSink: AsyncWrite + Unpin + Send + 'static {
-    /// Writes `bytes` with `fd` attached.
-    fn send_fd<'a>(
-        &'a mut self,
-        bytes: &'a [u8],
-        fd: &'a OwnedFd,
-    ) -> Pin<Box<dyn std::future::Future<Output = io::Result<()>> + Send + 'a>>;
-}
 
 /// Timing settings of a link.
 #[derive(Debug, Clone, Copy)]
@@ -67,21 +48,10 @@ pub(crate) async fn stopped(rx: &mut watch::Receiver<bool>) {
 /// Called once when the link closes, with the reason.
 pub(crate) type OnClose = Box<dyn FnOnce(String) + Send>;
 
-pub(crate) enum Payload {
-    None,
-    Region { region: Region, offset: u64, len: u64 },
-    Bytes(Bytes),
-}
-
-pub(crate) enum Out {
-    Frame { header: Header, payload: Payload, done: Option<(Done, u64)> },
-    WithFd { header: Header, fd: OwnedFd },
-}
-
 enum Pending {
     Write { done: Done, len: u64, crc: Option<u32> },
     Read { done: Done, dest: Region, offset: u64, len: u64, verify: bool },
-    Lookup { done: tokio::sync::oneshot::Sender<Result<Option<Access>>> },
+    Lookup { done: tokio::sync::oneshot::Sender<Result<Option<PeerAccess>>>, engine: Arc<dyn OneSidedEngine> },
 }
 
 pub(crate) struct Shared {
@@ -98,8 +68,8 @@ pub(crate) struct Shared {
     last_tx_ms: AtomicU64,
     shutdown: watch::Sender<bool>,
     on_close: Mutex<Option<OnClose>>,
-    /// Answers RDMA lookups of local regions (links whose node has an RDMA device).
-    rkeys: Option<RkeyResolver>,
+    /// Answer the peer's one-sided lookups of local regions, one per engine this node serves.
+    servers: Vec<Arc<dyn LookupServer>>,
     pub(crate) tx: mpsc::UnboundedSender<Out>,
 }
 
@@ -163,11 +133,17 @@ impl Shared {
         handle
     }
 
-    /// Looks up a peer region for one-sided access (`MapReq` on shm, `RkeyReq` on rdma).
+    /// Looks up a peer region for `engine`'s one-sided access (its lookup request).
     /// `Ok(None)`: the peer cannot expose it this way; use the framed protocol.
-    pub(crate) async fn request_access(&self, region: RegionId, key: RemoteKey, op: Opcode) -> Result<Option<Access>> {
+    pub(crate) async fn request_access(
+        &self,
+        region: RegionId,
+        key: RemoteKey,
+        engine: Arc<dyn OneSidedEngine>,
+    ) -> Result<Option<PeerAccess>> {
         let (done, rx) = tokio::sync::oneshot::channel();
-        let id = self.insert(Pending::Lookup { done }).map_err(|_| self.down("link closed"))?;
+        let op = engine.lookup_op();
+        let id = self.insert(Pending::Lookup { done, engine }).map_err(|_| self.down("link closed"))?;
         let h = Header { req_id: id, region: region.0, key: key.0, ..Header::new(op) };
         self.send(Out::Frame { header: h, payload: Payload::None, done: None });
         rx.await.map_err(|_| self.down("link closed"))?
@@ -242,7 +218,7 @@ impl Shared {
                 Pending::Write { done, .. } | Pending::Read { done, .. } => {
                     let _ = done.send(Err(self.down(reason)));
                 }
-                Pending::Lookup { done } => {
+                Pending::Lookup { done, .. } => {
                     let _ = done.send(Err(self.down(reason)));
                 }
             }
@@ -263,14 +239,11 @@ impl Shared {
 }
 
 /// Everything a link needs besides its stream.
-/// Gives a local region's RDMA registration (registering it on first use).
-pub(crate) type RkeyResolver = Arc<dyn Fn(&Region) -> std::result::Result<RemoteMr, Status> + Send + Sync>;
-
 pub(crate) struct LinkCtx {
     /// One-sided engine of this link (shm, rdma), if any.
     pub(crate) one_sided: Option<OneSided>,
-    /// Answers the peer's RDMA lookups, if this node has a device.
-    pub(crate) rkeys: Option<RkeyResolver>,
+    /// Answer the peer's one-sided lookups, one per engine this node serves.
+    pub(crate) servers: Vec<Arc<dyn LookupServer>>,
     pub(crate) peer: NodeId,
     pub(crate) kind: BackendKind,
     pub(crate) regions: RegionTable,
@@ -289,7 +262,7 @@ pub(crate) struct StreamLink {
 impl StreamLink {
     /// Starts the reader, writer and watchdog tasks on the current runtime.
     pub(crate) fn spawn<R: FrameSource, W: FrameSink>(ctx: LinkCtx, reader: R, writer: W) -> Arc<StreamLink> {
-        let LinkCtx { one_sided, rkeys, peer, kind, regions, services, timing, on_close } = ctx;
+        let LinkCtx { one_sided, servers, peer, kind, regions, services, timing, on_close } = ctx;
         let (tx, rx) = mpsc::unbounded_channel();
         let (shutdown, _) = watch::channel(false);
         let shared = Arc::new(Shared {
@@ -305,7 +278,7 @@ impl StreamLink {
             last_tx_ms: AtomicU64::new(0),
             shutdown,
             on_close: Mutex::new(Some(on_close)),
-            rkeys,
+            servers,
             tx,
         });
         let s = shared.clone();
@@ -361,7 +334,7 @@ impl Link for StreamLink {
     fn post(&self, ops: Vec<Op>) -> Vec<OpHandle> {
         let _span = tracing::debug_span!("post", peer = self.shared.peer, n = ops.len()).entered();
         match &self.one_sided {
-            Some(os) => ops.into_iter().map(|op| crate::onesided::post(&self.shared, os, op)).collect(),
+            Some(os) => ops.into_iter().map(|op| one_sided::post(&self.shared, os, op)).collect(),
             None => ops.into_iter().map(|op| self.shared.post_framed(op)).collect(),
         }
     }
@@ -487,10 +460,6 @@ async fn drain<R: FrameSource>(s: &Shared, r: &mut R, mut len: u64) -> io::Resul
     Ok(())
 }
 
-fn reply(h: &Header, op: Opcode, status: Status) -> Header {
-    Header { req_id: h.req_id, region: h.region, offset: h.offset, status, ..Header::new(op) }
-}
-
 async fn read_loop<R: FrameSource>(s: &Arc<Shared>, mut r: R, services: &Services, timing: Timing) -> Result<()> {
     let peer = Some(s.peer);
     let io_err = |e: io::Error| {
@@ -573,27 +542,18 @@ async fn read_loop<R: FrameSource>(s: &Arc<Shared>, mut r: R, services: &Service
                     s.send(Out::Frame { header: h, payload: Payload::Bytes(back), done: None });
                 }
             }
-            Opcode::MapReq => {
+            Opcode::MapReq | Opcode::RkeyReq => {
+                let answer = h.op.lookup_answer().unwrap_or(h.op);
                 let out = match s.regions.access(RegionId(h.region), RemoteKey(h.key), 0, 0) {
-                    Ok(region) => match region.shared_fd().map(|fd| fd.try_clone()) {
-                        Some(Ok(fd)) => Out::WithFd {
-                            header: Header { len: region.len(), ..reply(&h, Opcode::MapResp, Status::Ok) },
-                            fd,
-                        },
-                        Some(Err(_)) => Out::Frame {
-                            header: reply(&h, Opcode::MapResp, Status::Internal),
-                            payload: Payload::None,
-                            done: None,
-                        },
+                    Ok(region) => match s.servers.iter().find(|x| x.request_op() == h.op) {
+                        Some(server) => server.answer(&h, &region),
                         None => Out::Frame {
-                            header: reply(&h, Opcode::MapResp, Status::NotShareable),
+                            header: reply(&h, answer, Status::NotShareable),
                             payload: Payload::None,
                             done: None,
                         },
                     },
-                    Err(st) => {
-                        Out::Frame { header: reply(&h, Opcode::MapResp, st), payload: Payload::None, done: None }
-                    }
+                    Err(st) => Out::Frame { header: reply(&h, answer, st), payload: Payload::None, done: None },
                 };
                 s.send(out);
             }
@@ -636,39 +596,23 @@ async fn read_loop<R: FrameSource>(s: &Arc<Shared>, mut r: R, services: &Service
                 _ => return Err(protocol(s, format!("READ answer for unknown request {}", h.req_id))),
             },
             Opcode::MapResp | Opcode::RkeyResp => match s.take(h.req_id) {
-                Some(Pending::Lookup { done }) => {
-                    let found = match (h.status, h.op) {
-                        (Status::Ok, Opcode::MapResp) => match r.take_fd() {
-                            Some(fd) => PeerMap::open(fd, h.len).map(|m| Some(Access::Mapped(Arc::new(m)))),
-                            None => return Err(protocol(s, "MapResp arrived without a descriptor".into())),
+                Some(Pending::Lookup { done, engine }) => {
+                    let fd = r.take_fd();
+                    let found = match h.status {
+                        Status::Ok => match engine.decode_answer(s.peer, &h, fd) {
+                            Ok(a) => Ok(Some(a)),
+                            Err(e) => {
+                                let _ = done.send(Err(s.down("bad lookup answer")));
+                                return Err(e);
+                            }
                         },
-                        (Status::Ok, _) => match u32::try_from(h.key) {
-                            Ok(rkey) => Ok(Some(Access::Rdma(RemoteMr { addr: h.offset, rkey, len: h.len }))),
-                            Err(_) => return Err(protocol(s, "RkeyResp with an rkey above 32 bits".into())),
-                        },
-                        (Status::NotShareable, _) => Ok(None),
-                        (status, _) => Err(TransportError::Refused { peer: s.peer, op: "lookup", status }),
+                        Status::NotShareable => Ok(None),
+                        status => Err(TransportError::Refused { peer: s.peer, op: "lookup", status }),
                     };
                     let _ = done.send(found);
                 }
                 _ => return Err(protocol(s, format!("{:?} for unknown request {}", h.op, h.req_id))),
             },
-            Opcode::RkeyReq => {
-                let resp = match s.regions.access(RegionId(h.region), RemoteKey(h.key), 0, 0) {
-                    Ok(region) => match s.rkeys.as_ref().map(|f| f(&region)) {
-                        Some(Ok(mr)) => Header {
-                            offset: mr.addr,
-                            key: u64::from(mr.rkey),
-                            len: mr.len,
-                            ..reply(&h, Opcode::RkeyResp, Status::Ok)
-                        },
-                        Some(Err(st)) => reply(&h, Opcode::RkeyResp, st),
-                        None => reply(&h, Opcode::RkeyResp, Status::NotShareable),
-                    },
-                    Err(st) => reply(&h, Opcode::RkeyResp, st),
-                };
-                s.send(Out::Frame { header: resp, payload: Payload::None, done: None });
-            }
         }
     }
 }
@@ -696,6 +640,8 @@ fn crc_status(expected: Option<u32>, got: Option<u32>) -> (Status, Option<u32>) 
 fn protocol(s: &Shared, detail: String) -> TransportError {
     TransportError::Protocol { peer: Some(s.peer), detail }
 }
+
+mod one_sided;
 
 #[cfg(test)]
 mod tests;

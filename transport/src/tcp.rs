@@ -7,7 +7,7 @@ use std::pin::Pin;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 
-use crate::stream::{FrameSink, FrameSource};
+use crate::frame::{FrameSink, FrameSource};
 
 impl FrameSource for OwnedReadHalf {
     fn take_fd(&mut self) -> Option<OwnedFd> {

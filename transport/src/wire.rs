@@ -55,6 +55,15 @@ pub enum Opcode {
 }
 
 impl Opcode {
+    /// The answer to a one-sided engine's lookup request (`None` for other opcodes).
+    pub(crate) fn lookup_answer(self) -> Option<Opcode> {
+        match self {
+            Opcode::MapReq => Some(Opcode::MapResp),
+            Opcode::RkeyReq => Some(Opcode::RkeyResp),
+            _ => None,
+        }
+    }
+
     fn from_u8(v: u8) -> Option<Opcode> {
         Some(match v {
             1 => Opcode::Write,

@@ -1,10 +1,14 @@
 //! Link-level tests over an in-memory duplex stream (no sockets, no device).
 
+use std::os::fd::OwnedFd;
+use std::pin::Pin;
 use std::time::Duration;
 
 use tokio::io::{DuplexStream, ReadHalf, WriteHalf};
 
 use super::*;
+use crate::onesided::{LookupServer, OneSidedEngine, PeerAccess};
+use crate::rdma::{RdmaLookups, RemoteMr, RkeyResolver};
 use crate::region::test_access as ta;
 
 impl FrameSource for ReadHalf<DuplexStream> {
@@ -25,9 +29,11 @@ impl FrameSink for WriteHalf<DuplexStream> {
 
 fn link(peer: NodeId, io: DuplexStream, regions: RegionTable, rkeys: Option<RkeyResolver>) -> Arc<StreamLink> {
     let (r, w) = tokio::io::split(io);
+    let servers: Vec<Arc<dyn LookupServer>> =
+        rkeys.into_iter().map(|f| Arc::new(RdmaLookups(f)) as Arc<dyn LookupServer>).collect();
     let ctx = LinkCtx {
         one_sided: None,
-        rkeys,
+        servers,
         peer,
         kind: BackendKind::Tcp,
         regions,
@@ -36,6 +42,30 @@ fn link(peer: NodeId, io: DuplexStream, regions: RegionTable, rkeys: Option<Rkey
         on_close: Box::new(|_| {}),
     };
     StreamLink::spawn(ctx, r, w)
+}
+
+/// The initiator's side of an RDMA lookup without a queue pair: decodes answers, moves nothing.
+struct RkeyProbe;
+
+impl OneSidedEngine for RkeyProbe {
+    fn lookup_op(&self) -> Opcode {
+        Opcode::RkeyReq
+    }
+    fn decode_answer(&self, peer: NodeId, h: &Header, _fd: Option<OwnedFd>) -> Result<PeerAccess> {
+        Ok(Arc::new(RemoteMr::from_answer(peer, h)?))
+    }
+    fn transfer<'a>(
+        &'a self,
+        _access: &'a PeerAccess,
+        m: crate::onesided::Move<'a>,
+    ) -> crate::mesh::BoxFuture<'a, Result<()>> {
+        Box::pin(async move { Err(TransportError::NotConnected { peer: m.peer }) })
+    }
+}
+
+async fn rkey_lookup(link: &StreamLink, region: RegionId, key: RemoteKey) -> Result<Option<RemoteMr>> {
+    let got = link.shared.request_access(region, key, Arc::new(RkeyProbe)).await?;
+    Ok(got.map(|a| *a.downcast::<RemoteMr>().unwrap()))
 }
 
 /// A stand-in for the RDMA device's lookup: answers with a registration derived from the region.
@@ -51,16 +81,11 @@ async fn rdma_lookup_is_key_checked_by_the_owner() {
     b_regions.register(&region);
     let a = link(1, a_io, RegionTable::new(), None);
     let _b = link(0, b_io, b_regions, Some(fake_resolver()));
-    let got = a.shared.request_access(region.id(), region.key(), Opcode::RkeyReq).await.unwrap();
-    match got {
-        Some(Access::Rdma(mr)) => {
-            assert_eq!(mr, RemoteMr { addr: 0x7000_0000 + u64::from(region.id().0), rkey: 42, len: 8192 })
-        }
-        _ => panic!("expected an RDMA registration"),
-    }
-    let bad = a.shared.request_access(region.id(), RemoteKey(region.key().0 ^ 1), Opcode::RkeyReq).await;
+    let got = rkey_lookup(&a, region.id(), region.key()).await.unwrap();
+    assert_eq!(got, Some(RemoteMr { addr: 0x7000_0000 + u64::from(region.id().0), rkey: 42, len: 8192 }));
+    let bad = rkey_lookup(&a, region.id(), RemoteKey(region.key().0 ^ 1)).await;
     assert!(matches!(bad, Err(TransportError::Refused { status: Status::BadKey, .. })));
-    let unknown = a.shared.request_access(RegionId(u32::MAX), region.key(), Opcode::RkeyReq).await;
+    let unknown = rkey_lookup(&a, RegionId(u32::MAX), region.key()).await;
     assert!(matches!(unknown, Err(TransportError::Refused { status: Status::UnknownRegion, .. })));
 }
 
@@ -72,7 +97,7 @@ async fn a_node_without_a_device_declines_rdma_lookups() {
     b_regions.register(&region);
     let a = link(1, a_io, RegionTable::new(), None);
     let _b = link(0, b_io, b_regions, None);
-    let got = a.shared.request_access(region.id(), region.key(), Opcode::RkeyReq).await.unwrap();
+    let got = rkey_lookup(&a, region.id(), region.key()).await.unwrap();
     assert!(got.is_none(), "the initiator must fall back to the framed protocol");
 }
 
