@@ -84,6 +84,7 @@ pub fn run_role(r: &RoleArgs) -> anyhow::Result<bool> {
                     json!({
                         "seconds": out.transfer_seconds, "completed": out.report.completed.len(),
                         "verified": out.verified.len(), "failed": out.report.failed.len(),
+                        "failures": out.report.failed.iter().map(|(l, why)| format!("{l}: {why}")).collect::<Vec<_>>(),
                         "predicted_seconds": out.plan.makespan(), "chunk_bytes": out.plan.chunk_bytes,
                     })
                 );

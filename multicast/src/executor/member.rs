@@ -15,6 +15,8 @@ use crate::topology::Loc;
 
 /// Chunks in flight from one member to one child.
 const WINDOW: usize = 4;
+/// How often a member looks for a link that is not up yet.
+const LINK_POLL: std::time::Duration = std::time::Duration::from_millis(10);
 
 /// A child of a member: where it is and which region of its node to write into.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -136,8 +138,15 @@ pub(crate) struct MemberCtx {
 
 #[derive(Clone)]
 enum Dest {
-    Remote { link: Arc<dyn Link>, region: RemoteRegion },
-    Local { region: Region },
+    /// A child on another node; its link is looked up for every chunk (links are replaced when
+    /// they reconnect).
+    Remote {
+        node: cascade_transport::NodeId,
+        region: RemoteRegion,
+    },
+    Local {
+        region: Region,
+    },
 }
 
 impl MemberCtx {
@@ -150,7 +159,23 @@ impl MemberCtx {
                 .ok_or(TransportError::NotConnected { peer: child.loc.node })?;
             return Ok(Dest::Local { region });
         }
-        Ok(Dest::Remote { link: self.mesh.link(child.loc.node)?, region: child.remote(self.layout.bytes) })
+        Ok(Dest::Remote { node: child.loc.node, region: child.remote(self.layout.bytes) })
+    }
+
+    /// The link to `node`, waiting up to the operation timeout for it to come up: a node may
+    /// serve a run before its own mesh is complete, and a link may be reconnecting. A node that
+    /// is really gone is seen by the coordinator, which re-plans meanwhile.
+    async fn link_to(&self, node: cascade_transport::NodeId) -> Result<Arc<dyn Link>, TransportError> {
+        let deadline = tokio::time::Instant::now() + self.op_timeout;
+        loop {
+            match self.mesh.link(node) {
+                Ok(l) if l.is_alive() => return Ok(l),
+                r if tokio::time::Instant::now() >= deadline => {
+                    return Err(r.err().unwrap_or(TransportError::NotConnected { peer: node }))
+                }
+                _ => tokio::time::sleep(LINK_POLL).await,
+            }
+        }
     }
 
     /// Moves chunk `i` of this member's region to `to` and tells it.
@@ -167,7 +192,8 @@ impl MemberCtx {
                 self.router.deliver(notice);
                 Ok(())
             }
-            Dest::Remote { link, region } => {
+            Dest::Remote { node, region } => {
+                let link = self.link_to(*node).await?;
                 // The notice is posted only once the WRITE has completed, so data precedes it.
                 let write = Op::write(&self.region, r.start, *region, r.start, r.end - r.start);
                 let h = link.post(vec![write]).pop().ok_or_else(|| closed(to))?;
