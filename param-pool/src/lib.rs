@@ -24,6 +24,8 @@ pub mod meta;
 pub mod node;
 pub mod pool;
 pub mod synthetic;
+#[cfg(test)]
+mod test_util;
 
 pub use loader::{load, LoadError, LoadMode, LoadOptions, LoadReport};
 pub use manifest::{classify, LayerEntry, LayerKind, Manifest, ManifestError, TensorEntry, DEFAULT_CHUNK};

@@ -252,9 +252,7 @@ impl<S: MetaStore + 'static> Manager<S> {
         for c in p.pool().copies() {
             self.seen.insert(c.id, c.clone());
         }
-        let suspects: BTreeMap<NodeId, Instant> =
-            self.detector.suspects().iter().map(|(n, t)| (*n, Instant::now() - t.elapsed())).collect();
-        let s = Status::of(p.pool(), p.catalog(), &self.lost, &suspects);
+        let s = Status::of(p.pool(), p.catalog(), &self.lost, self.detector.suspects());
         *self.status.lock().unwrap_or_else(|e| e.into_inner()) = s;
     }
 

@@ -2,7 +2,6 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
@@ -99,7 +98,7 @@ impl Status {
         pool: &Pool,
         catalog: &BTreeMap<ModelId, ModelEntry>,
         lost: &BTreeMap<ModelId, String>,
-        suspects: &BTreeMap<NodeId, Instant>,
+        suspects: &BTreeMap<NodeId, tokio::time::Instant>,
     ) -> Status {
         let models: Vec<ModelStatus> = catalog
             .iter()

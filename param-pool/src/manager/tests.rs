@@ -9,33 +9,17 @@ use cascade_transport::Endpoint;
 use super::*;
 use crate::meta::EmbeddedStore;
 use crate::node::start_services;
+use crate::test_util::Scratch;
 use cascade_transport::test_access as ta;
 
 async fn endpoints(n: u32, tag: &str) -> Vec<Arc<Endpoint>> {
     cascade_tests::loopback::endpoints(n, tag, |cfg| cfg.connect_timeout = Duration::from_millis(300)).await.unwrap()
 }
 
-/// A scratch directory, removed when dropped (also when the test fails).
-struct Scratch(PathBuf);
-
-impl std::ops::Deref for Scratch {
-    type Target = PathBuf;
-    fn deref(&self) -> &PathBuf {
-        &self.0
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 fn scratch(tag: &str) -> Scratch {
-    let d = std::env::temp_dir().join(format!("cascade-mgr-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    Scratch(d)
+    let d = Scratch::new(&format!("mgr-{tag}"));
+    std::fs::create_dir_all(&*d).unwrap();
+    d
 }
 
 fn models(dir: &std::path::Path, n: usize) -> Vec<PathBuf> {

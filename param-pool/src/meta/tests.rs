@@ -1,33 +1,10 @@
 use proptest::prelude::*;
 
 use super::*;
+use crate::test_util::Scratch;
 
-/// A scratch directory, removed when dropped (also when a test panics).
-struct Dir(PathBuf);
-
-impl std::ops::Deref for Dir {
-    type Target = Path;
-    fn deref(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for Dir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-fn dir(tag: &str) -> Dir {
-    let d = std::env::temp_dir().join(format!("cascade-meta-{}-{tag}-{}", std::process::id(), rand_suffix()));
-    let _ = std::fs::remove_dir_all(&d);
-    Dir(d)
-}
-
-fn rand_suffix() -> u64 {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static N: AtomicU64 = AtomicU64::new(0);
-    N.fetch_add(1, Ordering::Relaxed)
+fn dir(tag: &str) -> Scratch {
+    Scratch::new(&format!("meta-{tag}"))
 }
 
 #[test]
