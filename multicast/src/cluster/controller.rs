@@ -175,11 +175,6 @@ impl Controller {
         true
     }
 
-    /// Sends one request and returns its answer; a node's `Failed` is an error.
-    async fn request(&self, what: &'static str, node: NodeId, msg: Control) -> Result<Control, ControlError> {
-        ask(&self.mesh, what, node, msg).await
-    }
-
     /// Releases run `run` on every node of `members` that is still reachable.
     pub async fn release(&self, run: u32, members: &[Loc]) {
         let nodes: BTreeSet<NodeId> = members.iter().map(|l| l.node).collect();
@@ -325,10 +320,7 @@ impl Controller {
                     out
                 },
                 m = reports.recv() => match m {
-                    Some(msg) => {
-                        tracing::debug!(run, ?msg, "report");
-                        coord.on_report(msg)
-                    }
+                    Some(msg) => coord.on_report(msg),
                     None => coord.on_deadline("the controller's report table closed"),
                 },
                 open = self.pump(), if inbox_open => {
@@ -345,8 +337,7 @@ impl Controller {
                 match a {
                     Action::AddChild { member, child } => {
                         let msg = Control::AddChild { run, loc: member, child };
-                        if let Err(e) = self
-                            .request("add child", member.node, msg)
+                        if let Err(e) = ask(&self.mesh, "add child", member.node, msg)
                             .await
                             .and_then(|r| expect_ack("add child", member.node, r))
                         {
