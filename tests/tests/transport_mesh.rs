@@ -152,8 +152,10 @@ fn garbage_on_the_port_does_not_disturb_other_connections() {
     // Plain garbage, a truncated handshake, and a connection that says nothing and hangs up.
     for junk in [vec![0xAB; 4096], b"CSHS\x01".to_vec(), vec![]] {
         let mut s = std::net::TcpStream::connect(target).unwrap();
-        s.write_all(&junk).unwrap();
-        s.shutdown(std::net::Shutdown::Write).unwrap();
+        // The endpoint may refuse and reset the connection before the test has finished
+        // writing, so a failed write or shutdown here is one of the allowed outcomes.
+        let _ = s.write_all(&junk);
+        let _ = s.shutdown(std::net::Shutdown::Write);
         s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
         let mut buf = [0u8; 256];
         let _ = s.read(&mut buf); // the endpoint closes (or rejects) it
