@@ -25,7 +25,7 @@ use crate::error::HandshakeError;
 use crate::NodeId;
 
 /// The wire protocol version this build speaks.
-pub const PROTOCOL_VERSION: u16 = 1;
+pub const PROTOCOL_VERSION: u16 = 2;
 /// Every handshake message is exactly this long.
 pub const MSG_LEN: usize = 84;
 const MAGIC: [u8; 4] = *b"CSHS";

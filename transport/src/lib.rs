@@ -40,6 +40,13 @@ mod stream;
 mod tcp;
 pub mod wire;
 
+/// Harnesses for `cargo fuzz` (feature `fuzzing`): not part of the API.
+#[cfg(feature = "fuzzing")]
+#[doc(hidden)]
+pub mod fuzzing {
+    pub use crate::stream::fuzz::link_machine;
+}
+
 /// Identifies a node of the cluster.
 pub type NodeId = u32;
 

@@ -2,8 +2,9 @@
 //! a mapping of the peer's memfd) and `rdma` (RDMA WRITE/READ on an RC queue pair).
 //!
 //! Every engine follows the same protocol over the link's control stream:
-//! 1. on first access to a peer region, a lookup (the engine's request opcode) that the owner
-//!    answers only if the region exists and the key matches; the answer is cached;
+//! 1. on first access to a peer region, a `LookupReq` naming the engine by its [`EngineTag`],
+//!    which the owner's server for that tag answers only if the region exists and the key
+//!    matches; the answer is cached;
 //! 2. the transfer itself, bounds-checked locally against the region's true length first;
 //! 3. for a WRITE, a `Written` notice: the owner re-checks region, key and bounds, verifies the
 //!    crc32 when asked, and acknowledges — that ack is the WRITE's completion.
@@ -11,8 +12,10 @@
 //! An engine is one [`OneSidedEngine`] (the initiator's side: its lookup, decoding the answer,
 //! moving bytes) and one [`LookupServer`] (the owner's side: answering lookups), each in the
 //! engine's own file (`shm.rs`, `rdma.rs`); the link engine (`stream`, which posts operations
-//! one-sidedly through them) knows them only through these traits. A new engine is its file, its lookup opcodes in `wire`, and the line
-//! that installs it on a link in `endpoint`.
+//! one-sidedly through them) and the wire format know them only through these traits and the
+//! tag. A new engine is its file (tag, engine, server) plus its registration in `endpoint`: the
+//! line that adds its server to [`crate::endpoint`]'s list and the one that installs its engine
+//! on the links that have its fabric.
 //!
 //! A region the owner cannot expose this way (a plain host region over shm, say), and a READ with
 //! crc verification (whose checksum must come from the owner), go through the framed protocol.
@@ -26,7 +29,7 @@ use crate::error::Result;
 use crate::frame::Out;
 use crate::mesh::BoxFuture;
 use crate::region::{Region, RegionId, RemoteKey};
-use crate::wire::{Header, Opcode};
+use crate::wire::{EngineTag, Header};
 use crate::NodeId;
 
 /// A peer region as one engine reaches it (a mapping, a remote memory key): opaque to the link,
@@ -35,8 +38,8 @@ pub(crate) type PeerAccess = Arc<dyn Any + Send + Sync>;
 
 /// The initiator's side of a one-sided engine.
 pub(crate) trait OneSidedEngine: Send + Sync + 'static {
-    /// The lookup request this engine sends for a peer region.
-    fn lookup_op(&self) -> Opcode;
+    /// The engine's name in its lookups (the owner answers with the server of the same tag).
+    fn tag(&self) -> EngineTag;
     /// Decodes the owner's (successful) answer to a lookup; `fd` is a descriptor that came with
     /// it, if any. An error closes the link (the peer broke the protocol).
     fn decode_answer(&self, peer: NodeId, h: &Header, fd: Option<OwnedFd>) -> Result<PeerAccess>;
@@ -66,8 +69,8 @@ pub(crate) struct Move<'a> {
 /// The owner's side of a one-sided engine: answers a peer's lookup of a local region whose id
 /// and key were already checked.
 pub(crate) trait LookupServer: Send + Sync + 'static {
-    /// The request it answers.
-    fn request_op(&self) -> Opcode;
+    /// The engine whose lookups it answers.
+    fn tag(&self) -> EngineTag;
     /// The answer to request `h` for `region`.
     fn answer(&self, h: &Header, region: &Region) -> Out;
 }

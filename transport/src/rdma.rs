@@ -24,20 +24,24 @@ use crate::error::{Result, TransportError};
 use crate::frame::{reply, Out, Payload};
 use crate::onesided::{LookupServer, OneSidedEngine};
 use crate::region::{Region, RegionId, RemoteKey};
-use crate::wire::{Header, Opcode, Status};
+use crate::wire::{EngineTag, Header, Opcode, Status};
 use crate::NodeId;
 
 /// Gives a local region's RDMA registration (registering it on first use).
 pub(crate) type RkeyResolver = Arc<dyn Fn(&Region) -> std::result::Result<RemoteMr, Status> + Send + Sync>;
 
-/// The owner's side of rdma: answers `RkeyReq` with the region's registration (from the device;
+/// rdma's name in lookups.
+#[cfg_attr(not(any(test, feature = "rdma")), allow(dead_code))]
+pub(crate) const TAG: EngineTag = EngineTag(2);
+
+/// The owner's side of rdma: answers a lookup with the region's registration (from the device;
 /// link tests give it a stand-in resolver).
 #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
 pub(crate) struct RdmaLookups(pub(crate) RkeyResolver);
 
 impl LookupServer for RdmaLookups {
-    fn request_op(&self) -> Opcode {
-        Opcode::RkeyReq
+    fn tag(&self) -> EngineTag {
+        TAG
     }
 
     fn answer(&self, h: &Header, region: &Region) -> Out {
@@ -46,9 +50,9 @@ impl LookupServer for RdmaLookups {
                 offset: mr.addr,
                 key: u64::from(mr.rkey),
                 len: mr.len,
-                ..reply(h, Opcode::RkeyResp, Status::Ok)
+                ..reply(h, Opcode::LookupResp, Status::Ok)
             },
-            Err(st) => reply(h, Opcode::RkeyResp, st),
+            Err(st) => reply(h, Opcode::LookupResp, st),
         };
         Out::Frame { header, payload: Payload::None, done: None }
     }
@@ -60,8 +64,8 @@ struct RdmaEngine(Arc<verbs::RcQp>);
 
 #[cfg(feature = "rdma")]
 impl OneSidedEngine for RdmaEngine {
-    fn lookup_op(&self) -> Opcode {
-        Opcode::RkeyReq
+    fn tag(&self) -> EngineTag {
+        TAG
     }
 
     fn decode_answer(
@@ -171,12 +175,12 @@ pub struct RemoteMr {
 }
 
 impl RemoteMr {
-    /// Decodes the answer to an `RkeyReq` (`offset` = address, `key` = rkey, `len` = length).
+    /// Decodes the answer to an rdma lookup (`offset` = address, `key` = rkey, `len` = length).
     #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
     pub(crate) fn from_answer(peer: NodeId, h: &Header) -> Result<RemoteMr> {
         let rkey = u32::try_from(h.key).map_err(|_| TransportError::Protocol {
             peer: Some(peer),
-            detail: "RkeyResp with an rkey above 32 bits".into(),
+            detail: "rdma lookup answer with an rkey above 32 bits".into(),
         })?;
         Ok(RemoteMr { addr: h.offset, rkey, len: h.len })
     }

@@ -1,7 +1,7 @@
 //! Same-host backend: a WRITE (or READ) is one `memcpy` into (or out of) the peer's shared mapping.
 //!
 //! Control runs over a unix socket with the framed protocol of [`crate::stream`]. The first access
-//! to a peer region sends `MapReq{region, key}`; the owner checks the key and answers with the
+//! to a peer region sends a lookup `{region, key}`; the owner checks the key and answers with the
 //! region's memfd (SCM_RIGHTS), which the initiator maps; the rest of the protocol is the one of
 //! [`crate::onesided`]. This module holds the engine ([`ShmEngine`], [`ShmLookups`]), the
 //! descriptor passing and the mappings.
@@ -22,24 +22,27 @@ use crate::frame::{reply, FrameSink, FrameSource, Out, Payload};
 use crate::mesh::BoxFuture;
 use crate::onesided::{LookupServer, Move, OneSidedEngine, PeerAccess};
 use crate::region::{map_fd, Region};
-use crate::wire::{Header, Opcode, Status};
+use crate::wire::{EngineTag, Header, Opcode, Status};
 use crate::NodeId;
 
 /// Copies at least this large run on the blocking pool, off the async workers.
 const BLOCKING_COPY: u64 = 256 << 10;
 
+/// shm's name in lookups.
+pub(crate) const TAG: EngineTag = EngineTag(1);
+
 /// The initiator's side of shm: maps the peer's memfd and copies through the mapping.
 pub(crate) struct ShmEngine;
 
 impl OneSidedEngine for ShmEngine {
-    fn lookup_op(&self) -> Opcode {
-        Opcode::MapReq
+    fn tag(&self) -> EngineTag {
+        TAG
     }
 
     fn decode_answer(&self, peer: NodeId, h: &Header, fd: Option<OwnedFd>) -> Result<PeerAccess> {
         let fd = fd.ok_or_else(|| TransportError::Protocol {
             peer: Some(peer),
-            detail: "MapResp arrived without a descriptor".into(),
+            detail: "shm lookup answer arrived without a descriptor".into(),
         })?;
         Ok(Arc::new(PeerMap::open(fd, h.len)?))
     }
@@ -65,26 +68,26 @@ impl OneSidedEngine for ShmEngine {
     }
 }
 
-/// The owner's side of shm: answers `MapReq` with the region's memfd.
+/// The owner's side of shm: answers a lookup with the region's memfd.
 pub(crate) struct ShmLookups;
 
 impl LookupServer for ShmLookups {
-    fn request_op(&self) -> Opcode {
-        Opcode::MapReq
+    fn tag(&self) -> EngineTag {
+        TAG
     }
 
     fn answer(&self, h: &Header, region: &Region) -> Out {
         let status = match region.shared_fd().map(|fd| fd.try_clone()) {
             Some(Ok(fd)) => {
                 return Out::WithFd {
-                    header: Header { len: region.len(), ..reply(h, Opcode::MapResp, Status::Ok) },
+                    header: Header { len: region.len(), ..reply(h, Opcode::LookupResp, Status::Ok) },
                     fd,
                 }
             }
             Some(Err(_)) => Status::Internal,
             None => Status::NotShareable,
         };
-        Out::Frame { header: reply(h, Opcode::MapResp, status), payload: Payload::None, done: None }
+        Out::Frame { header: reply(h, Opcode::LookupResp, status), payload: Payload::None, done: None }
     }
 }
 

@@ -6,7 +6,8 @@
 //! socket and registered regions directly: WRITE data is read from the socket straight into the
 //! destination region, READ answers are written to the socket straight from the source region.
 //!
-//! A malformed frame, an unknown request id or a dead peer closes only this link: every pending
+//! What the reader does with each frame is decided by a pure state machine (`machine.rs`); the
+//! reader only executes its steps. A malformed frame, an unknown request id or a dead peer closes only this link: every pending
 //! operation fails with `PeerDown` and the owner is told through `on_close`.
 
 use std::collections::HashMap;
@@ -21,13 +22,14 @@ use tokio::sync::{mpsc, watch};
 use tracing::{debug, warn};
 
 use crate::error::{Result, TransportError};
-pub(crate) use crate::frame::{reply, FrameSink, FrameSource, Out, Payload};
+pub(crate) use crate::frame::{FrameSink, FrameSource, Out, Payload};
 use crate::link::{BackendKind, Completion, Done, Link, Op, OpHandle};
 use crate::onesided::{LookupServer, OneSided, OneSidedEngine, PeerAccess};
 use crate::region::{Region, RegionId, RegionTable, RemoteKey};
 use crate::service::Services;
 use crate::stats::{LinkStats, StatsSnapshot};
-use crate::wire::{Header, Opcode, Status, FLAG_CRC, HEADER_LEN};
+use crate::wire::{EngineTag, Header, Opcode, FLAG_CRC, HEADER_LEN};
+use machine::{LinkTables, Step};
 use crate::NodeId;
 
 /// Payload bytes read per socket call while landing data (also the liveness granularity).
@@ -48,6 +50,7 @@ pub(crate) async fn stopped(rx: &mut watch::Receiver<bool>) {
 /// Called once when the link closes, with the reason.
 pub(crate) type OnClose = Box<dyn FnOnce(String) + Send>;
 
+/// One of our operations, waiting for the peer's answer.
 enum Pending {
     Write { done: Done, len: u64, crc: Option<u32> },
     Read { done: Done, dest: Region, offset: u64, len: u64, verify: bool },
@@ -142,9 +145,9 @@ impl Shared {
         engine: Arc<dyn OneSidedEngine>,
     ) -> Result<Option<PeerAccess>> {
         let (done, rx) = tokio::sync::oneshot::channel();
-        let op = engine.lookup_op();
+        let tag = engine.tag();
         let id = self.insert(Pending::Lookup { done, engine }).map_err(|_| self.down("link closed"))?;
-        let h = Header { req_id: id, region: region.0, key: key.0, ..Header::new(op) };
+        let h = Header::lookup(tag, id, region.0, key.0);
         self.send(Out::Frame { header: h, payload: Payload::None, done: None });
         rx.await.map_err(|_| self.down("link closed"))?
     }
@@ -213,19 +216,24 @@ impl Shared {
         debug!(peer = self.peer, kind = %self.kind, reason, "link closed");
         let drained = self.pending.lock().unwrap_or_else(|e| e.into_inner()).take();
         for (_, p) in drained.into_iter().flatten() {
-            self.stats.op_err();
-            match p {
-                Pending::Write { done, .. } | Pending::Read { done, .. } => {
-                    let _ = done.send(Err(self.down(reason)));
-                }
-                Pending::Lookup { done, .. } => {
-                    let _ = done.send(Err(self.down(reason)));
-                }
-            }
+            self.fail(p, reason);
         }
         let _ = self.shutdown.send(true);
         if let Some(f) = self.on_close.lock().unwrap_or_else(|e| e.into_inner()).take() {
             f(reason.to_string());
+        }
+    }
+
+    /// Fails a pending operation with `PeerDown`.
+    fn fail(&self, p: Pending, reason: &str) {
+        self.stats.op_err();
+        match p {
+            Pending::Write { done, .. } | Pending::Read { done, .. } => {
+                let _ = done.send(Err(self.down(reason)));
+            }
+            Pending::Lookup { done, .. } => {
+                let _ = done.send(Err(self.down(reason)));
+            }
         }
     }
 
@@ -235,6 +243,24 @@ impl Shared {
             Err(_) => self.stats.op_err(),
         }
         let _ = done.send(r);
+    }
+}
+
+impl LinkTables for Shared {
+    fn peer(&self) -> NodeId {
+        self.peer
+    }
+    fn regions(&self) -> &RegionTable {
+        &self.regions
+    }
+    fn take(&self, req_id: u64) -> Option<Pending> {
+        Shared::take(self, req_id)
+    }
+    fn server(&self, tag: EngineTag) -> Option<&Arc<dyn LookupServer>> {
+        self.servers.iter().find(|x| x.tag() == tag)
+    }
+    fn stats(&self) -> &LinkStats {
+        &self.stats
     }
 }
 
@@ -460,159 +486,68 @@ async fn drain<R: FrameSource>(s: &Shared, r: &mut R, mut len: u64) -> io::Resul
     Ok(())
 }
 
+/// Reads frames and executes the steps the link machine ([`machine`]) decides on.
 async fn read_loop<R: FrameSource>(s: &Arc<Shared>, mut r: R, services: &Services, timing: Timing) -> Result<()> {
-    let peer = Some(s.peer);
+    let peer = s.peer;
     let io_err = |e: io::Error| {
         if e.kind() == io::ErrorKind::UnexpectedEof {
-            TransportError::PeerDown { peer: s.peer, reason: "connection closed by peer".into() }
+            TransportError::PeerDown { peer, reason: "connection closed by peer".into() }
         } else {
-            TransportError::io(format!("receiving from node {}", s.peer), e)
+            TransportError::io(format!("receiving from node {peer}"), e)
         }
     };
     let mut hb = [0u8; HEADER_LEN];
     loop {
         r.read_exact(&mut hb).await.map_err(io_err)?;
         s.touch_rx();
-        let h = Header::decode(&hb).map_err(|source| TransportError::Frame { peer, source })?;
-        match h.op {
-            Opcode::Ping => {}
-            Opcode::Write => {
-                let status = match s.regions.access(RegionId(h.region), RemoteKey(h.key), h.offset, h.len) {
-                    Ok(region) => {
-                        let got = land(s, &mut r, &region, h.offset, h.len, h.crc().is_some()).await.map_err(io_err)?;
-                        crc_status(h.crc(), got)
-                    }
-                    Err(st) => {
-                        s.stats.op_err();
-                        drain(s, &mut r, h.len).await.map_err(io_err)?;
-                        (st, None)
-                    }
-                };
-                let ack = reply(&h, Opcode::WriteAck, status.0).with_crc(status.1);
-                s.send(Out::Frame { header: ack, payload: Payload::None, done: None });
-            }
-            Opcode::Written => {
-                let status = match s.regions.access(RegionId(h.region), RemoteKey(h.key), h.offset, h.len) {
-                    Ok(region) => {
-                        s.stats.rx(h.len);
-                        let got = match h.crc() {
-                            // SAFETY: `Written` follows the peer's completed one-sided WRITE of
-                            // exactly this range, which the owner exposed to it alone.
-                            Some(_) => unsafe { region.crc32(h.offset, h.len) }.ok(),
-                            None => None,
-                        };
-                        crc_status(h.crc(), got)
-                    }
-                    Err(st) => (st, None),
-                };
-                let ack = reply(&h, Opcode::WriteAck, status.0).with_crc(status.1);
-                s.send(Out::Frame { header: ack, payload: Payload::None, done: None });
-            }
-            Opcode::ReadReq => {
-                let out = match s.regions.access(RegionId(h.region), RemoteKey(h.key), h.offset, h.len) {
-                    Ok(region) => {
-                        let crc = if h.flags & FLAG_CRC != 0 {
-                            // SAFETY: a READ's source range is stable while the owner exposes it
-                            // for reading (region contract); the answer below sends the same bytes.
-                            unsafe { region.crc32(h.offset, h.len) }.ok()
-                        } else {
-                            None
-                        };
-                        let resp = Header { len: h.len, ..reply(&h, Opcode::ReadResp, Status::Ok) }.with_crc(crc);
-                        Out::Frame {
-                            header: resp,
-                            payload: Payload::Region { region, offset: h.offset, len: h.len },
-                            done: None,
-                        }
-                    }
-                    Err(st) => {
-                        s.stats.op_err();
-                        Out::Frame { header: reply(&h, Opcode::ReadResp, st), payload: Payload::None, done: None }
-                    }
-                };
-                s.send(out);
-            }
-            Opcode::Send => {
-                let mut buf = BytesMut::zeroed(h.len as usize);
-                r.read_exact(&mut buf).await.map_err(io_err)?;
-                s.touch_rx();
-                s.stats.rx(h.len);
-                if let Some(back) = deliver(s, services, buf.freeze(), timing).await {
-                    let h = Header { len: back.len() as u64, ..Header::new(Opcode::Send) };
-                    s.send(Out::Frame { header: h, payload: Payload::Bytes(back), done: None });
+        let h = Header::decode(&hb).map_err(|source| TransportError::Frame { peer: Some(peer), source })?;
+        let mut step = machine::on_header(&**s, h);
+        loop {
+            step = match step {
+                Step::Nothing => break,
+                Step::Send(out) => {
+                    s.send(out);
+                    break;
                 }
-            }
-            Opcode::MapReq | Opcode::RkeyReq => {
-                let answer = h.op.lookup_answer().unwrap_or(h.op);
-                let out = match s.regions.access(RegionId(h.region), RemoteKey(h.key), 0, 0) {
-                    Ok(region) => match s.servers.iter().find(|x| x.request_op() == h.op) {
-                        Some(server) => server.answer(&h, &region),
-                        None => Out::Frame {
-                            header: reply(&h, answer, Status::NotShareable),
-                            payload: Payload::None,
-                            done: None,
-                        },
-                    },
-                    Err(st) => Out::Frame { header: reply(&h, answer, st), payload: Payload::None, done: None },
-                };
-                s.send(out);
-            }
-            Opcode::WriteAck => match s.take(h.req_id) {
-                Some(Pending::Write { done, len, crc }) => {
-                    let r = match h.status {
-                        Status::Ok => Ok(Completion { bytes: len }),
-                        Status::CrcMismatch => Err(TransportError::CrcMismatch {
-                            peer: s.peer,
-                            op: "write",
-                            expected: crc.unwrap_or(0),
-                            actual: h.crc().unwrap_or(0),
-                        }),
-                        status => Err(TransportError::Refused { peer: s.peer, op: "write", status }),
-                    };
-                    s.finish_op(done, r);
+                Step::Land { region, offset, len, crc, then } => {
+                    let got = land(s, &mut r, &region, offset, len, crc).await.map_err(io_err)?;
+                    machine::on_landed(&**s, then, got)
                 }
-                _ => return Err(protocol(s, format!("WriteAck for unknown request {}", h.req_id))),
-            },
-            Opcode::ReadResp => match s.take(h.req_id) {
-                Some(Pending::Read { done, dest, offset, len, verify }) => {
-                    if h.status != Status::Ok {
-                        s.finish_op(done, Err(TransportError::Refused { peer: s.peer, op: "read", status: h.status }));
-                        continue;
-                    }
-                    if h.len != len {
-                        let _ = done.send(Err(s.down("bad read answer")));
-                        return Err(protocol(s, format!("READ answer of {} bytes, {len} requested", h.len)));
-                    }
-                    let got = land(s, &mut r, &dest, offset, len, verify).await.map_err(io_err)?;
-                    let result = match (h.crc(), got) {
-                        (Some(expected), Some(actual)) if expected != actual => {
-                            Err(TransportError::CrcMismatch { peer: s.peer, op: "read", expected, actual })
+                Step::Drain { len, ack } => {
+                    drain(s, &mut r, len).await.map_err(io_err)?;
+                    Step::Send(Out::Frame { header: ack, payload: Payload::None, done: None })
+                }
+                Step::Message { len } => {
+                    let mut buf = BytesMut::zeroed(len as usize);
+                    r.read_exact(&mut buf).await.map_err(io_err)?;
+                    s.touch_rx();
+                    s.stats.rx(len);
+                    match deliver(s, services, buf.freeze(), timing).await {
+                        Some(back) => {
+                            let h = Header { len: back.len() as u64, ..Header::new(Opcode::Send) };
+                            Step::Send(Out::Frame { header: h, payload: Payload::Bytes(back), done: None })
                         }
-                        (None, Some(_)) => Err(protocol(s, "READ answer lacks the requested crc32".into())),
-                        _ => Ok(Completion { bytes: len }),
-                    };
+                        None => break,
+                    }
+                }
+                Step::Complete { done, result } => {
                     s.finish_op(done, result);
+                    break;
                 }
-                _ => return Err(protocol(s, format!("READ answer for unknown request {}", h.req_id))),
-            },
-            Opcode::MapResp | Opcode::RkeyResp => match s.take(h.req_id) {
-                Some(Pending::Lookup { done, engine }) => {
-                    let fd = r.take_fd();
-                    let found = match h.status {
-                        Status::Ok => match engine.decode_answer(s.peer, &h, fd) {
-                            Ok(a) => Ok(Some(a)),
-                            Err(e) => {
-                                let _ = done.send(Err(s.down("bad lookup answer")));
-                                return Err(e);
-                            }
-                        },
-                        Status::NotShareable => Ok(None),
-                        status => Err(TransportError::Refused { peer: s.peer, op: "lookup", status }),
-                    };
+                Step::DecodeLookup { done, engine, header } => {
+                    machine::decode_lookup(peer, done, &engine, &header, r.take_fd())
+                }
+                Step::Looked { done, found } => {
                     let _ = done.send(found);
+                    break;
                 }
-                _ => return Err(protocol(s, format!("{:?} for unknown request {}", h.op, h.req_id))),
-            },
+                Step::Close { error, taken } => {
+                    if let Some(p) = taken {
+                        s.fail(p, &error.to_string());
+                    }
+                    return Err(error);
+                }
+            }
         }
     }
 }
@@ -630,17 +565,9 @@ async fn deliver(s: &Shared, services: &Services, payload: Bytes, timing: Timing
     }
 }
 
-fn crc_status(expected: Option<u32>, got: Option<u32>) -> (Status, Option<u32>) {
-    match (expected, got) {
-        (Some(e), Some(g)) if e != g => (Status::CrcMismatch, Some(g)),
-        _ => (Status::Ok, None),
-    }
-}
-
-fn protocol(s: &Shared, detail: String) -> TransportError {
-    TransportError::Protocol { peer: Some(s.peer), detail }
-}
-
+#[cfg(any(test, feature = "fuzzing"))]
+pub(crate) mod fuzz;
+mod machine;
 mod one_sided;
 
 #[cfg(test)]

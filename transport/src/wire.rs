@@ -11,7 +11,7 @@
 //! 6  status  u16                  48 hcrc    u32  crc32 of bytes 0..48
 //! 8  req_id  u64                  52 pad     u32  zero
 //! 16 region  u32
-//! 20 crc     u32  crc32 of the data (when flags bit0)
+//! 20 crc     u32  crc32 of the data (when flags bit0); in a LookupReq, the engine's tag
 //! ```
 //!
 //! This module is pure: it encodes and decodes, and never touches a socket.
@@ -41,29 +41,22 @@ pub enum Opcode {
     Send = 5,
     /// Keepalive; carries nothing.
     Ping = 6,
-    /// shm: asks for a shared region's file descriptor (key-checked by the owner).
-    MapReq = 7,
-    /// shm: answer to `MapReq`; on success the descriptor travels with it (SCM_RIGHTS).
-    MapResp = 8,
+    /// A one-sided engine asks for access to a region (key-checked by the owner); the `crc`
+    /// field names the engine ([`EngineTag`]), whose lookup server answers.
+    LookupReq = 7,
+    /// Answer to a `LookupReq`, in the engine's own terms (shm: the memfd travels with it by
+    /// SCM_RIGHTS; rdma: `offset` = virtual address, `key` = rkey, `len` = length).
+    LookupResp = 8,
     /// One-sided paths (shm, rdma): the initiator has placed `len` bytes at `region`/`offset`
     /// without the target's CPU; asks the target to check (and verify the crc) and send a WriteAck.
     Written = 9,
-    /// rdma: asks for a region's memory registration (key-checked by the owner).
-    RkeyReq = 10,
-    /// rdma: answer to `RkeyReq`: `offset` = virtual address, `key` = rkey, `len` = length.
-    RkeyResp = 11,
 }
 
-impl Opcode {
-    /// The answer to a one-sided engine's lookup request (`None` for other opcodes).
-    pub(crate) fn lookup_answer(self) -> Option<Opcode> {
-        match self {
-            Opcode::MapReq => Some(Opcode::MapResp),
-            Opcode::RkeyReq => Some(Opcode::RkeyResp),
-            _ => None,
-        }
-    }
+/// Names a one-sided engine in a [`Opcode::LookupReq`]: each engine's file declares its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct EngineTag(pub u32);
 
+impl Opcode {
     fn from_u8(v: u8) -> Option<Opcode> {
         Some(match v {
             1 => Opcode::Write,
@@ -72,11 +65,9 @@ impl Opcode {
             4 => Opcode::ReadResp,
             5 => Opcode::Send,
             6 => Opcode::Ping,
-            7 => Opcode::MapReq,
-            8 => Opcode::MapResp,
+            7 => Opcode::LookupReq,
+            8 => Opcode::LookupResp,
             9 => Opcode::Written,
-            10 => Opcode::RkeyReq,
-            11 => Opcode::RkeyResp,
             _ => return None,
         })
     }
@@ -188,6 +179,16 @@ impl Header {
             Opcode::ReadResp if self.status == Status::Ok => self.len,
             _ => 0,
         }
+    }
+
+    /// The engine a `LookupReq` is for.
+    pub fn engine(&self) -> EngineTag {
+        EngineTag(self.crc)
+    }
+
+    /// A `LookupReq` for `engine`.
+    pub fn lookup(engine: EngineTag, req_id: u64, region: u32, key: u64) -> Header {
+        Header { req_id, region, key, crc: engine.0, ..Header::new(Opcode::LookupReq) }
     }
 
     /// The crc32 carried, if any.

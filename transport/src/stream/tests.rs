@@ -9,6 +9,7 @@ use tokio::io::{DuplexStream, ReadHalf, WriteHalf};
 use super::*;
 use crate::onesided::{LookupServer, OneSidedEngine, PeerAccess};
 use crate::rdma::{RdmaLookups, RemoteMr, RkeyResolver};
+use crate::wire::Status;
 use crate::region::test_access as ta;
 
 impl FrameSource for ReadHalf<DuplexStream> {
@@ -48,8 +49,8 @@ fn link(peer: NodeId, io: DuplexStream, regions: RegionTable, rkeys: Option<Rkey
 struct RkeyProbe;
 
 impl OneSidedEngine for RkeyProbe {
-    fn lookup_op(&self) -> Opcode {
-        Opcode::RkeyReq
+    fn tag(&self) -> crate::wire::EngineTag {
+        crate::rdma::TAG
     }
     fn decode_answer(&self, peer: NodeId, h: &Header, _fd: Option<OwnedFd>) -> Result<PeerAccess> {
         Ok(Arc::new(RemoteMr::from_answer(peer, h)?))
