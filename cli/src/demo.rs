@@ -244,6 +244,7 @@ async fn driver(a: DemoArgs, cluster_file: PathBuf, pids: Vec<u32>) -> anyhow::R
     let gbps = if a.netns { a.link_mbit as f64 / 1000.0 } else { 25.0 };
     let mut mcfg = ManagerConfig::new((1..=a.nodes).collect());
     mcfg.k = a.k;
+    mcfg.init = true;
     mcfg.rates = MeshRates { nic_gbps: gbps, tcp_gbps: gbps, shm_gbps: 4.0 * gbps };
     let meta = a.out.join("meta");
     let _ = std::fs::remove_dir_all(&meta);

@@ -42,6 +42,17 @@ enum Cmd {
     },
 }
 
+impl Cmd {
+    /// A short-lived command that prints its result (not a daemon, not the demo).
+    fn prints_and_exits(&self) -> bool {
+        match self {
+            Cmd::CheckCluster { .. } => true,
+            Cmd::Pool { cmd } => cmd.prints_and_exits(),
+            Cmd::Node(_) | Cmd::Multicast(_) | Cmd::Demo(_) => false,
+        }
+    }
+}
+
 #[derive(Args)]
 pub(crate) struct Member {
     /// Cluster file (TOML: name, [[nodes]] id/addr/host).
@@ -57,7 +68,7 @@ pub(crate) struct Member {
     #[arg(long)]
     pub(crate) no_shm: bool,
     /// Seconds to wait for the full mesh.
-    #[arg(long, default_value_t = 30.0)]
+    #[arg(long, default_value_t = 30.0, value_parser = seconds)]
     pub(crate) ready_timeout_s: f64,
 }
 
@@ -70,7 +81,7 @@ struct MulticastArgs {
     #[arg(long)]
     topology: Option<PathBuf>,
     /// NIC rate assumed when deriving the topology, Gbit/s.
-    #[arg(long, default_value_t = 100.0)]
+    #[arg(long, default_value_t = 100.0, value_parser = rate)]
     nic_gbps: f64,
     /// Locations holding the parameters, comma separated (e.g. 1/gpu0).
     #[arg(long, value_delimiter = ',', required = true)]
@@ -88,7 +99,7 @@ struct MulticastArgs {
     #[arg(long, default_value_t = 8)]
     layers: u64,
     /// Give up after this many seconds; unfinished targets are reported failed.
-    #[arg(long, default_value_t = 600.0)]
+    #[arg(long, default_value_t = 600.0, value_parser = seconds)]
     deadline_s: f64,
     /// Print one JSON object.
     #[arg(long)]
@@ -234,8 +245,33 @@ async fn multicast(a: MulticastArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A number of seconds: finite and not negative (NaN, inf and -1 are refused at parse time).
+pub(crate) fn seconds(s: &str) -> Result<f64, String> {
+    let v: f64 = s.parse().map_err(|e| format!("{s:?} is not a number: {e}"))?;
+    if !v.is_finite() || v < 0.0 || v > 1e9 {
+        return Err(format!("{s} is not a usable number of seconds (finite, 0 to 1e9)"));
+    }
+    Ok(v)
+}
+
+/// A link rate in Gbit/s: finite and positive.
+pub(crate) fn rate(s: &str) -> Result<f64, String> {
+    let v: f64 = s.parse().map_err(|e| format!("{s:?} is not a number: {e}"))?;
+    if !v.is_finite() || v <= 0.0 {
+        return Err(format!("{s} is not a usable rate (finite and positive)"));
+    }
+    Ok(v)
+}
+
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    if cli.cmd.prints_and_exits() {
+        // A tool whose output is piped into `head` ends quietly when the reader goes away, as
+        // Unix tools do, instead of panicking in println!. Daemons keep SIGPIPE ignored: their
+        // sockets report EPIPE as an error.
+        // SAFETY: restoring a signal's default disposition at start-up, before any thread exists.
+        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    }
     // The demo's own output is the point; its daemons log to files.
     logging(if matches!(cli.cmd, Cmd::Demo(_)) { "error" } else { "info" });
     match cli.cmd {

@@ -51,6 +51,37 @@ pub(crate) enum PoolCmd {
         #[arg(long, default_value_t = 0)]
         gpu: u32,
     },
+    /// Look at (or, explicitly, salvage) an embedded store's write-ahead log. The manager refuses
+    /// to start on a damaged log rather than lose what follows the damage; these are the tools.
+    Wal {
+        #[command(subcommand)]
+        what: WalCmd,
+    },
+}
+
+impl PoolCmd {
+    /// Every pool command but the manager itself prints its result and exits.
+    pub(crate) fn prints_and_exits(&self) -> bool {
+        !matches!(self, PoolCmd::Serve(_))
+    }
+}
+
+#[derive(Subcommand)]
+pub(crate) enum WalCmd {
+    /// Check the log; exit 0 when recovery would accept it, 1 otherwise. Changes nothing.
+    Verify(WalArgs),
+    /// Print the intact records, one JSON event per line. Changes nothing.
+    Dump(WalArgs),
+    /// Keep the intact prefix and give up everything from the first damaged record on (the
+    /// original is kept beside it as wal.log.damaged-<time>). Run with the manager stopped.
+    Salvage(WalArgs),
+}
+
+#[derive(Args)]
+pub(crate) struct WalArgs {
+    /// The manager's --data-dir.
+    #[arg(long)]
+    data_dir: PathBuf,
 }
 
 #[derive(Args)]
@@ -74,6 +105,10 @@ pub(crate) struct ServeArgs {
     /// Metadata directory of the embedded store.
     #[arg(long, required_if_eq("meta", "embedded"))]
     data_dir: Option<PathBuf>,
+    /// Create a new pool in an empty store (refused if the store holds one). Without it, a store
+    /// that holds no pool is refused: a mistyped path never starts an empty pool.
+    #[arg(long)]
+    init: bool,
     /// etcd endpoints, comma separated (e.g. http://127.0.0.1:2379).
     #[arg(long, value_delimiter = ',', required_if_eq("meta", "etcd"))]
     etcd_endpoints: Vec<String>,
@@ -87,13 +122,13 @@ pub(crate) struct ServeArgs {
     #[arg(long, default_value_t = 1)]
     k: usize,
     /// Seconds a node's link may stay down before the node is declared dead.
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, value_parser = crate::seconds)]
     dead_after_s: f64,
     /// Pool nodes, comma separated (default: every other cluster member).
     #[arg(long, value_delimiter = ',')]
     nodes: Vec<u32>,
     /// Link rate the planner assumes, Gbit/s.
-    #[arg(long, default_value_t = 25.0)]
+    #[arg(long, default_value_t = 25.0, value_parser = crate::rate)]
     nic_gbps: f64,
 }
 
@@ -109,8 +144,12 @@ pub(crate) fn config(a: &ServeArgs, cluster_nodes: impl Iterator<Item = u32>) ->
     if nodes.contains(&a.member.node) {
         bail!("the manager (node {}) cannot be one of the pool's nodes", a.member.node);
     }
+    if a.k == 0 {
+        bail!("--k must be at least 1");
+    }
     let mut cfg = ManagerConfig::new(nodes);
     cfg.k = a.k;
+    cfg.init = a.init;
     cfg.dead_after = Duration::from_secs_f64(a.dead_after_s);
     cfg.rates = MeshRates { nic_gbps: a.nic_gbps, tcp_gbps: a.nic_gbps, shm_gbps: 4.0 * a.nic_gbps };
     cfg.ready_timeout = Duration::from_secs_f64(a.member.ready_timeout_s);
@@ -118,6 +157,12 @@ pub(crate) fn config(a: &ServeArgs, cluster_nodes: impl Iterator<Item = u32>) ->
 }
 
 async fn serve(a: ServeArgs) -> anyhow::Result<()> {
+    if let (false, "embedded", Some(dir)) = (a.init, a.meta.as_str(), a.data_dir.as_ref()) {
+        // Before joining or creating anything: a mistyped path is an error, never an empty pool.
+        if !dir.join("wal.log").is_file() && !dir.join("snapshot.bin").is_file() {
+            bail!("{} holds no pool: start with --init to create one (is the path right?)", dir.display());
+        }
+    }
     let ep = join(&a.member, false).await?;
     let cfg = config(&a, ep.config().cluster.nodes.iter().map(|n| n.id))?;
     match a.meta.as_str() {
@@ -159,6 +204,32 @@ async fn serve_with<S: cascade_param_pool::MetaStore + 'static>(
         _ = shutdown_signal() => tracing::info!("shutting down"),
     }
     ep.shutdown();
+    Ok(())
+}
+
+fn wal(cmd: WalCmd) -> anyhow::Result<()> {
+    use cascade_param_pool::meta::wal;
+    let dir = |a: &WalArgs| {
+        if !a.data_dir.join("wal.log").is_file() {
+            bail!("{} holds no write-ahead log (wal.log)", a.data_dir.display());
+        }
+        Ok(a.data_dir.clone())
+    };
+    match cmd {
+        WalCmd::Verify(a) => {
+            let r = wal::verify(&dir(&a)?)?;
+            println!("{}", serde_json::to_string(&r)?);
+            if !r.ok() {
+                std::process::exit(1);
+            }
+        }
+        WalCmd::Dump(a) => {
+            for e in wal::dump(&dir(&a)?)? {
+                println!("{e}");
+            }
+        }
+        WalCmd::Salvage(a) => println!("{}", serde_json::to_string(&wal::salvage(&dir(&a)?)?)?),
+    }
     Ok(())
 }
 
@@ -207,6 +278,7 @@ pub(crate) async fn run(cmd: PoolCmd) -> anyhow::Result<()> {
             println!("{}", if admin.json { v.to_string() } else { format!("registered model {}", v["model"]) });
             Ok(())
         }
+        PoolCmd::Wal { what } => wal(what),
         PoolCmd::Deploy { admin, model, node, gpu } => {
             call(admin.admin, AdminRequest::Deploy { model, node, gpu }).await?;
             println!("model {model} serving on node {node} gpu{gpu}");

@@ -69,6 +69,8 @@ struct PoolCluster {
     k: usize,
     /// How the manager stores its metadata (default: --data-dir in the scratch directory).
     meta: Vec<String>,
+    /// Whether the pool was made (the first manager start passes --init).
+    initialized: bool,
     rt: tokio::runtime::Runtime,
 }
 
@@ -93,6 +95,7 @@ impl PoolCluster {
             admin: addrs[NODES as usize + 1],
             k,
             meta,
+            initialized: false,
             rt: tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap(),
             dir,
         };
@@ -123,6 +126,10 @@ impl PoolCluster {
             cmd.arg("--data-dir").arg(self.dir.join("meta"));
         } else {
             cmd.args(&self.meta);
+        }
+        if !self.initialized {
+            cmd.arg("--init");
+            self.initialized = true;
         }
         cmd.args(["--admin", &self.admin.to_string()]);
         cmd.args(["--k", &self.k.to_string(), "--dead-after-s", "0.5", "--ready-timeout-s", "10"]);

@@ -40,7 +40,7 @@ use tracing::{error, info, warn};
 
 use crate::manifest::{Manifest, DEFAULT_CHUNK};
 use crate::meta::{DurablePool, Event, MetaError, MetaStore, ModelEntry};
-use crate::pool::{Action, CopyId, CopyState, ModelCopy, ModelId, NodeId};
+use crate::pool::{Action, CopyId, CopyKind, CopyState, ModelCopy, ModelId, NodeId};
 
 mod admin;
 mod detector;
@@ -85,6 +85,8 @@ pub struct ManagerConfig {
     pub request_timeout: Duration,
     /// How long to wait for the nodes at start-up; a node still missing is declared dead.
     pub ready_timeout: Duration,
+    /// Make a new pool in an empty store (`--init`) instead of opening the one it holds.
+    pub init: bool,
 }
 
 impl ManagerConfig {
@@ -98,6 +100,7 @@ impl ManagerConfig {
             snapshot_every: 256,
             request_timeout: Duration::from_secs(120),
             ready_timeout: Duration::from_secs(30),
+            init: false,
         }
     }
 }
@@ -184,14 +187,23 @@ pub struct Manager<S: MetaStore + 'static> {
 }
 
 impl<S: MetaStore + 'static> Manager<S> {
-    /// Recovers the pool from `store` (or starts an empty one) on the cluster member `mesh`.
+    /// Recovers the pool `store` holds (or, with `cfg.init`, makes a new one in an empty store)
+    /// on the cluster member `mesh`.
     pub fn open(mesh: Arc<dyn Mesh>, store: S, cfg: ManagerConfig) -> Result<Manager<S>, ManagerError> {
+        if cfg.k == 0 {
+            return Err(ManagerError::Refused("k must be at least 1".into()));
+        }
         let fresh = crate::pool::Pool::new(cfg.k, cfg.nodes.iter().copied());
-        let (pool, torn) = DurablePool::open(store, fresh, cfg.snapshot_every)?;
+        let (pool, torn) = if cfg.init {
+            (DurablePool::init(store, fresh, cfg.snapshot_every)?, 0)
+        } else {
+            DurablePool::open(store, fresh, cfg.snapshot_every)?
+        };
+        info!(pool = pool.id(), "pool opened");
         if torn > 0 {
             warn!(bytes = torn, "recovery cut off a torn tail of the metadata log");
         }
-        if pool.pool().k() != cfg.k.max(1) {
+        if pool.pool().k() != cfg.k {
             warn!(stored = pool.pool().k(), asked = cfg.k, "the store's k wins over the configured one");
         }
         let ctl = Controller::new(mesh.clone())
@@ -350,6 +362,20 @@ impl<S: MetaStore + 'static> Manager<S> {
     /// Registers the safetensors file at `path` as model `name`; its first k copies are loaded
     /// from the file. Returns the model's id.
     pub async fn register(&mut self, name: &str, path: &Path) -> Result<ModelId, ManagerError> {
+        if name.is_empty() || name.len() > 128 || name.chars().any(char::is_control) {
+            return Err(ManagerError::Refused(format!(
+                "model name {:?}: 1 to 128 characters, none of them control characters",
+                name.escape_debug().to_string()
+            )));
+        }
+        // Refused before anything is written: a refused register leaves no trace.
+        let live = self.pool().live_nodes().count();
+        if live < self.pool().k() {
+            return Err(ManagerError::Refused(format!(
+                "{live} live nodes cannot hold k = {} copies on distinct nodes",
+                self.pool().k()
+            )));
+        }
         if self.catalog().values().any(|e| e.manifest.name == name) {
             return Err(ManagerError::Refused(format!("a model named {name:?} is registered already")));
         }
@@ -371,13 +397,32 @@ impl<S: MetaStore + 'static> Manager<S> {
         let actions = self.apply(Event::Register { model, bytes, file_reachable: true }).await?;
         info!(model, name, bytes, "registered a model");
         self.drive(actions).await?;
+        let ready = self.ready_copies(model, |_| true);
+        if ready < self.pool().k() {
+            return Err(ManagerError::Refused(format!(
+                "model {model} is registered, but only {ready} of its k = {} copies could be made \
+                 (see `cascade pool status`; `cascade pool repair` retries)",
+                self.pool().k()
+            )));
+        }
         Ok(model)
     }
 
     /// Starts a serving instance of `model` on GPU `gpu` of `node` (from the pool's copies).
     pub async fn deploy(&mut self, model: ModelId, node: NodeId, gpu: u32) -> Result<(), ManagerError> {
         let actions = self.apply(Event::Deploy { model, node, gpu }).await?;
-        self.drive(actions).await
+        self.drive(actions).await?;
+        if self.ready_copies(model, |c| c.node == node && c.kind == CopyKind::Gpu(gpu)) == 0 {
+            return Err(ManagerError::Refused(format!(
+                "the instance of model {model} on node {node} gpu{gpu} could not be made (see the manager's log)"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Ready copies of `model` that `pick` accepts.
+    fn ready_copies(&self, model: ModelId, pick: impl Fn(&ModelCopy) -> bool) -> usize {
+        self.pool().copies().filter(|c| c.model == model && c.state == CopyState::Ready && pick(c)).count()
     }
 
     /// Deploys `model` on GPU 0 of each of `nodes` at once: one multicast.

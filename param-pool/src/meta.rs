@@ -3,9 +3,23 @@
 //! the same state (the pool is deterministic) and carries on where it stopped.
 //!
 //! [`EmbeddedStore`] keeps a data directory: `wal.log` — records framed as
-//! `len u32 | crc32 u32 | bytes`, fsynced on append — and `snapshot.bin` (same framing, replaced
-//! atomically by write-to-temp, fsync, rename, fsync of the directory). On recovery a torn or
-//! corrupt tail (a crash mid-append) is detected by its length or crc, reported, and cut off.
+//! `magic "CSWL" | len u32 | crc32(magic, len) u32 | crc32(body) u32 | body`, fsynced on
+//! append — and `snapshot.bin` (same framing, replaced atomically by write-to-temp, fsync,
+//! rename, fsync of the directory).
+//!
+//! Recovery never silently loses an acknowledged record. A record is acknowledged only after its
+//! fsync, and the next append starts only after that, so a crash can leave at most one
+//! incomplete record, at the very end: a partial header, a body cut short, or a zero-filled
+//! tail. That *torn tail* is cut off and reported. Anything else that does not decode — a bad
+//! header or body anywhere, including a complete last record — is corruption: recovery fails
+//! with [`MetaError::WalCorrupt`] and the manager refuses to start; `cascade pool wal verify`,
+//! `dump` and `salvage` (see [`wal`]) let the operator look and decide. A failed append (ENOSPC,
+//! EIO) is cut back off the file before anything else is appended; while that cut fails, every
+//! append fails, so nothing is acknowledged behind a damaged record.
+//!
+//! The pool's identity lives in the log: [`DurablePool::init`] writes a fresh pool id as the
+//! first record, and [`DurablePool::open`] refuses a store without one — a mistyped data
+//! directory is an error, never an empty pool.
 //!
 //! With the `etcd` feature, `EtcdStore` keeps the same log and snapshots in etcd.
 
@@ -36,6 +50,31 @@ pub enum MetaError {
     /// A record or snapshot did not decode.
     #[error("{0}")]
     Corrupt(String),
+    /// The write-ahead log is damaged before its end: recovery refuses to guess.
+    #[error(
+        "{path}: damaged record at byte {offset} ({reason}); {valid} records before it are intact. \
+         Nothing was changed: inspect it with `cascade pool wal verify|dump`, and only if losing \
+         what follows is acceptable, `cascade pool wal salvage`"
+    )]
+    WalCorrupt {
+        /// The log.
+        path: String,
+        /// Where the damaged record starts.
+        offset: u64,
+        /// What is wrong with it.
+        reason: String,
+        /// Intact records before it.
+        valid: usize,
+    },
+    /// The store holds no pool (a new one is made with `--init`).
+    #[error("{0} holds no pool: start with --init to create one (is the path right?)")]
+    NotAPool(String),
+    /// `--init` on a store that already holds a pool.
+    #[error("{0} already holds pool {1}: start without --init to open it")]
+    AlreadyAPool(String, String),
+    /// An earlier append failed and could not be cut off the log; nothing is appended until it is.
+    #[error("the WAL is not writable until its failed append is cut off: {0}")]
+    Poisoned(String),
     /// The pool refused a replayed or new event.
     #[error(transparent)]
     Pool(#[from] PoolError),
@@ -65,41 +104,84 @@ pub trait MetaStore: Send {
     fn snapshot(&mut self, state: &[u8]) -> Result<(), MetaError>;
     /// The last snapshot and the records after it; cuts off a torn tail.
     fn recover(&mut self) -> Result<Recovered, MetaError>;
+    /// Where the store is, for messages.
+    fn describe(&self) -> String;
 }
 
 /// The default store: a write-ahead log and snapshots in a data directory.
 pub struct EmbeddedStore {
     dir: PathBuf,
     wal: File,
+    /// Bytes of whole, acknowledged records in `wal.log`.
+    len: u64,
+    /// Set when a failed append could not be cut off: appends fail until it is.
+    poisoned: bool,
+    #[cfg(test)]
+    pub(crate) fail_append: Option<usize>,
 }
 
+/// Magic number at the start of every framed record ("CSWL").
+const MAGIC: [u8; 4] = *b"CSWL";
+/// Size of a record's header.
+const HEADER: usize = 16;
+
 fn frame(b: &[u8]) -> Vec<u8> {
-    let mut v = Vec::with_capacity(b.len() + 8);
+    let mut v = Vec::with_capacity(b.len() + HEADER);
+    v.extend(MAGIC);
     v.extend((b.len() as u32).to_le_bytes());
+    v.extend(crc32fast::hash(&v[..8]).to_le_bytes());
     v.extend(crc32fast::hash(b).to_le_bytes());
     v.extend(b);
     v
 }
 
-/// Decodes framed records from `buf`; returns them and where the valid part ends.
-fn unframe(buf: &[u8]) -> (Vec<Vec<u8>>, usize) {
-    let mut out = Vec::new();
+/// What a scan of a framed log found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Scan {
+    /// The intact records, in order.
+    pub(crate) records: Vec<Vec<u8>>,
+    /// Where they end.
+    pub(crate) end: usize,
+    /// Why the bytes after `end` are not a record: `None` when there are none, `Some((torn,
+    /// reason))` otherwise; `torn` when they can only be the last append, cut short by a crash.
+    pub(crate) stop: Option<(bool, String)>,
+}
+
+/// Decodes framed records from `buf` (see the module docs for what a torn tail is).
+pub(crate) fn scan(buf: &[u8]) -> Scan {
+    let u32_at = |i: usize| u32::from_le_bytes([buf[i], buf[i + 1], buf[i + 2], buf[i + 3]]);
+    let mut records = Vec::new();
     let mut at = 0;
-    while buf.len() - at >= 8 {
-        let len = u32::from_le_bytes([buf[at], buf[at + 1], buf[at + 2], buf[at + 3]]) as usize;
-        let crc = u32::from_le_bytes([buf[at + 4], buf[at + 5], buf[at + 6], buf[at + 7]]);
-        let Some(body) = buf.get(at + 8..at + 8 + len) else { break };
-        if crc32fast::hash(body) != crc {
-            break;
+    let stop = loop {
+        let rest = &buf[at..];
+        if rest.is_empty() {
+            break None;
         }
-        out.push(body.to_vec());
-        at += 8 + len;
-    }
-    (out, at)
+        if rest.iter().all(|&b| b == 0) {
+            break Some((true, format!("{} zero bytes after the last record", rest.len())));
+        }
+        if rest.len() < HEADER {
+            break Some((true, format!("a {}-byte partial header", rest.len())));
+        }
+        if rest[..4] != MAGIC || crc32fast::hash(&rest[..8]) != u32_at(at + 8) {
+            break Some((false, "bad record header".into()));
+        }
+        let len = u32_at(at + 4) as usize;
+        let Some(body) = rest.get(HEADER..HEADER + len) else {
+            break Some((true, format!("a record of {len} bytes cut short at {}", rest.len() - HEADER)));
+        };
+        if crc32fast::hash(body) != u32_at(at + 12) {
+            break Some((false, "record body crc32 mismatch".into()));
+        }
+        records.push(body.to_vec());
+        at += HEADER + len;
+    };
+    Scan { records, end: at, stop }
 }
 
 impl EmbeddedStore {
-    /// Opens (creating if needed) the store in `dir`.
+    /// Opens (creating if needed) the store in `dir`. Whether it holds a pool is decided by
+    /// [`DurablePool::open`] / [`DurablePool::init`].
     pub fn open(dir: &Path) -> Result<EmbeddedStore, MetaError> {
         std::fs::create_dir_all(dir).map_err(io(format!("creating {}", dir.display())))?;
         let wal = OpenOptions::new()
@@ -108,18 +190,59 @@ impl EmbeddedStore {
             .append(true)
             .open(dir.join("wal.log"))
             .map_err(io(format!("opening {}", dir.join("wal.log").display())))?;
-        Ok(EmbeddedStore { dir: dir.to_path_buf(), wal })
+        let len = wal.metadata().map_err(io("reading the WAL's length"))?.len();
+        Ok(EmbeddedStore {
+            dir: dir.to_path_buf(),
+            wal,
+            len,
+            poisoned: false,
+            #[cfg(test)]
+            fail_append: None,
+        })
     }
 
     fn sync_dir(&self) -> Result<(), MetaError> {
         File::open(&self.dir).and_then(|d| d.sync_all()).map_err(io(format!("syncing {}", self.dir.display())))
     }
+
+    fn wal_path(&self) -> String {
+        self.dir.join("wal.log").display().to_string()
+    }
+
+    /// Cuts the log back to its acknowledged records.
+    fn cut_back(&mut self) -> std::io::Result<()> {
+        self.wal.set_len(self.len)?;
+        self.wal.sync_all()
+    }
+
+    fn write_record(&mut self, framed: &[u8]) -> std::io::Result<()> {
+        #[cfg(test)]
+        if let Some(n) = self.fail_append.take() {
+            // A disk that fills up after `n` bytes of this record.
+            self.wal.write_all(&framed[..n.min(framed.len())])?;
+            return Err(std::io::Error::from_raw_os_error(libc::ENOSPC));
+        }
+        self.wal.write_all(framed)?;
+        self.wal.sync_data()
+    }
 }
 
 impl MetaStore for EmbeddedStore {
     fn append(&mut self, record: &[u8]) -> Result<(), MetaError> {
-        self.wal.write_all(&frame(record)).map_err(io("appending to the WAL"))?;
-        self.wal.sync_data().map_err(io("syncing the WAL"))
+        if self.poisoned {
+            self.cut_back().map_err(|e| MetaError::Poisoned(e.to_string()))?;
+            self.poisoned = false;
+        }
+        let framed = frame(record);
+        if let Err(e) = self.write_record(&framed) {
+            // Nothing after a failed append may be acknowledged while its bytes are on disk.
+            if self.cut_back().is_err() {
+                self.poisoned = true;
+            }
+            return Err(io("appending to the WAL")(e));
+        }
+        self.len += framed.len() as u64;
+        Ok(())
     }
 
     fn snapshot(&mut self, state: &[u8]) -> Result<(), MetaError> {
@@ -130,20 +253,26 @@ impl MetaStore for EmbeddedStore {
         self.sync_dir()?;
         // The snapshot covers every record: start an empty log.
         self.wal.set_len(0).and_then(|_| self.wal.sync_all()).map_err(io("truncating the WAL"))?;
+        self.len = 0;
+        self.poisoned = false;
         Ok(())
+    }
+
+    fn describe(&self) -> String {
+        self.dir.display().to_string()
     }
 
     fn recover(&mut self) -> Result<Recovered, MetaError> {
         let snapshot = match std::fs::read(self.dir.join("snapshot.bin")) {
             Ok(b) => {
-                let (mut recs, end) = unframe(&b);
-                if recs.len() != 1 || end != b.len() {
+                let Scan { mut records, stop, .. } = scan(&b);
+                if records.len() != 1 || stop.is_some() {
                     return Err(MetaError::Corrupt(format!(
                         "{}: damaged snapshot",
                         self.dir.join("snapshot.bin").display()
                     )));
                 }
-                recs.pop()
+                records.pop()
             }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
             Err(e) => return Err(io("reading the snapshot")(e)),
@@ -151,13 +280,19 @@ impl MetaStore for EmbeddedStore {
         let mut buf = Vec::new();
         self.wal.seek(SeekFrom::Start(0)).map_err(io("reading the WAL"))?;
         self.wal.read_to_end(&mut buf).map_err(io("reading the WAL"))?;
-        let (records, end) = unframe(&buf);
+        let Scan { records, end, stop } = scan(&buf);
+        if let Some((false, reason)) = stop {
+            return Err(MetaError::WalCorrupt {
+                path: self.wal_path(),
+                offset: end as u64,
+                reason,
+                valid: records.len(),
+            });
+        }
         let dropped = (buf.len() - end) as u64;
+        self.len = end as u64;
         if dropped > 0 {
-            self.wal
-                .set_len(end as u64)
-                .and_then(|_| self.wal.sync_all())
-                .map_err(io("cutting the WAL's torn tail"))?;
+            self.cut_back().map_err(io("cutting the WAL's torn tail"))?;
         }
         Ok(Recovered { snapshot, records, dropped_tail_bytes: dropped })
     }
@@ -166,6 +301,11 @@ impl MetaStore for EmbeddedStore {
 /// A pool event, as written ahead to the store.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Event {
+    /// The pool's birth: its id, the store's first record.
+    Init {
+        /// The pool id.
+        pool: String,
+    },
     /// [`Pool::register`].
     Register {
         /// Model.
@@ -222,6 +362,9 @@ pub struct ModelEntry {
 /// Everything the store keeps: the pool and the model catalog.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct State {
+    /// The pool's id (written by `init`); `None` in a store that holds no pool.
+    #[serde(default)]
+    id: Option<String>,
     pool: Pool,
     #[serde(default)]
     catalog: BTreeMap<ModelId, ModelEntry>,
@@ -230,6 +373,10 @@ struct State {
 fn apply(state: &mut State, e: &Event) -> Result<Vec<Action>, PoolError> {
     let pool = &mut state.pool;
     match *e {
+        Event::Init { ref pool } => {
+            state.id = Some(pool.clone());
+            Ok(Vec::new())
+        }
         Event::Describe { model, ref entry } => {
             state.catalog.insert(model, (**entry).clone());
             Ok(Vec::new())
@@ -254,13 +401,42 @@ pub struct DurablePool<S: MetaStore> {
 }
 
 impl<S: MetaStore> DurablePool<S> {
-    /// Recovers the pool from `store`, or starts `fresh` when the store is empty. Returns the pool
+    /// Recovers the pool `store` holds. A store without one is refused
+    /// ([`MetaError::NotAPool`]): a new pool is made by [`DurablePool::init`]. Returns the pool
     /// and how many bytes of a torn tail recovery cut off.
-    pub fn open(mut store: S, fresh: Pool, snapshot_every: usize) -> Result<(DurablePool<S>, u64), MetaError> {
+    pub fn open(store: S, fresh: Pool, snapshot_every: usize) -> Result<(DurablePool<S>, u64), MetaError> {
+        let (pool, torn, _) = Self::recover(store, fresh, snapshot_every)?;
+        if pool.state.id.is_none() {
+            return Err(MetaError::NotAPool(pool.store.describe()));
+        }
+        Ok((pool, torn))
+    }
+
+    /// Makes a new pool, `fresh`, in an empty `store`: its first record is the new pool's id.
+    /// A store that holds anything is refused ([`MetaError::AlreadyAPool`]).
+    pub fn init(store: S, fresh: Pool, snapshot_every: usize) -> Result<DurablePool<S>, MetaError> {
+        let (mut pool, _, had_snapshot) = Self::recover(store, fresh, snapshot_every)?;
+        if pool.state.id.is_some() || pool.since_snapshot > 0 || had_snapshot {
+            let id = pool.state.id.clone().unwrap_or_else(|| "without an id".into());
+            return Err(MetaError::AlreadyAPool(pool.store.describe(), id));
+        }
+        let mut b = [0u8; 16];
+        getrandom::fill(&mut b).map_err(|e| MetaError::Io {
+            context: "drawing a pool id".into(),
+            source: std::io::Error::other(e.to_string()),
+        })?;
+        let id: String = b.iter().map(|x| format!("{x:02x}")).collect();
+        pool.apply(Event::Init { pool: id })?;
+        Ok(pool)
+    }
+
+    /// The store's pool (or `fresh`), the torn bytes cut off and whether there was a snapshot.
+    fn recover(mut store: S, fresh: Pool, snapshot_every: usize) -> Result<(DurablePool<S>, u64, bool), MetaError> {
         let rec = store.recover()?;
+        let had_snapshot = rec.snapshot.is_some();
         let mut state = match rec.snapshot {
             Some(s) => serde_json::from_slice(&s).map_err(|e| MetaError::Corrupt(format!("snapshot: {e}")))?,
-            None => State { pool: fresh, catalog: BTreeMap::new() },
+            None => State { id: None, pool: fresh, catalog: BTreeMap::new() },
         };
         for r in &rec.records {
             let e: Event = serde_json::from_slice(r).map_err(|e| MetaError::Corrupt(format!("WAL record: {e}")))?;
@@ -271,7 +447,13 @@ impl<S: MetaStore> DurablePool<S> {
         Ok((
             DurablePool { state, store, since_snapshot: since, snapshot_every: snapshot_every.max(1) },
             rec.dropped_tail_bytes,
+            had_snapshot,
         ))
+    }
+
+    /// The pool's id.
+    pub fn id(&self) -> &str {
+        self.state.id.as_deref().unwrap_or("")
     }
 
     /// Writes `e` ahead, then applies it; returns the actions for the daemons.
@@ -298,6 +480,8 @@ impl<S: MetaStore> DurablePool<S> {
         &self.state.catalog
     }
 }
+
+pub mod wal;
 
 #[cfg(feature = "etcd")]
 mod etcd;

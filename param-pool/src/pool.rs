@@ -259,8 +259,17 @@ impl Pool {
                 return out;
             }
             let loads = self.bytes_per_node();
-            let Some(node) =
-                loads.iter().filter(|(n, _)| !used.contains(n)).min_by_key(|(n, b)| (**b, **n)).map(|(n, _)| *n)
+            let evicting: BTreeSet<NodeId> = self
+                .copies
+                .values()
+                .filter(|c| c.model == model && c.state == CopyState::Evicting)
+                .map(|c| c.node)
+                .collect();
+            let Some(node) = loads
+                .iter()
+                .filter(|(n, _)| !used.contains(n) && !evicting.contains(n))
+                .min_by_key(|(n, b)| (**b, **n))
+                .map(|(n, _)| *n)
             else {
                 break; // fewer live nodes than k: nothing more can be placed
             };
@@ -323,9 +332,22 @@ impl Pool {
     /// Asks for a copy to go (scale-in). If the invariant would break without it, a host-cache copy
     /// is made elsewhere first and the copy is dropped once that one is ready.
     pub fn reclaim(&mut self, id: CopyId) -> Result<Vec<Action>, PoolError> {
+        let c = self.copies.get(&id).ok_or(PoolError::UnknownCopy(id))?;
+        let (model, node) = (c.model, c.node);
+        // Without it, can the model still have k copies on distinct live nodes? Its node only
+        // counts if another copy stays there: a replacement never goes where one is leaving.
+        let used: BTreeSet<NodeId> = self
+            .copies
+            .values()
+            .filter(|o| o.id != id && o.model == model && o.state != CopyState::Evicting && self.alive(o.node))
+            .map(|o| o.node)
+            .collect();
+        let free = self.live_nodes().filter(|n| *n != node && !used.contains(n)).count();
+        if used.len() + free < self.k {
+            return Err(PoolError::TooFewNodes { have: used.len() + free, k: self.k });
+        }
         let c = self.copies.get_mut(&id).ok_or(PoolError::UnknownCopy(id))?;
         c.state = CopyState::Evicting;
-        let model = c.model;
         let mut out = self.top_up(model);
         out.extend(self.finish_evictions(model));
         Ok(out)

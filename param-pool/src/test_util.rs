@@ -29,3 +29,14 @@ impl Drop for Scratch {
         let _ = std::fs::remove_dir_all(&self.0);
     }
 }
+
+/// Opens a manager on the embedded store in `meta`, making the pool (`--init`) when the store
+/// is new.
+pub(crate) fn open_manager(
+    mesh: std::sync::Arc<dyn cascade_transport::Mesh>,
+    meta: &Path,
+    mut cfg: crate::manager::ManagerConfig,
+) -> Result<crate::manager::Manager<crate::EmbeddedStore>, crate::manager::ManagerError> {
+    cfg.init = !meta.join("wal.log").exists() && !meta.join("snapshot.bin").exists();
+    crate::manager::Manager::open(mesh, crate::EmbeddedStore::open(meta)?, cfg)
+}

@@ -29,8 +29,8 @@ use crate::region::{Region, RegionId, RegionTable, RemoteKey};
 use crate::service::Services;
 use crate::stats::{LinkStats, StatsSnapshot};
 use crate::wire::{EngineTag, Header, Opcode, FLAG_CRC, HEADER_LEN};
-use machine::{LinkTables, Step};
 use crate::NodeId;
+use machine::{LinkTables, Step};
 
 /// Payload bytes read per socket call while landing data (also the liveness granularity).
 const CHUNK: usize = 1 << 20;

@@ -7,7 +7,6 @@ use std::time::{Duration, Instant};
 use cascade_transport::Endpoint;
 
 use super::*;
-use crate::meta::EmbeddedStore;
 use crate::node::start_services;
 use crate::test_util::Scratch;
 use cascade_transport::test_access as ta;
@@ -60,8 +59,7 @@ async fn repairs_after_a_node_dies_from_copies_or_from_the_file() {
             start_services(e.clone(), Duration::from_secs(10)).unwrap();
         }
         let mut m =
-            Manager::open(eps[0].clone(), EmbeddedStore::open(&dir.join("meta")).unwrap(), config(vec![1, 2, 3, 4], k))
-                .unwrap();
+            crate::test_util::open_manager(eps[0].clone(), &dir.join("meta"), config(vec![1, 2, 3, 4], k)).unwrap();
         m.start().await.unwrap();
         for (i, p) in models(&dir, 6).iter().enumerate() {
             m.register(&format!("m{i}"), p).await.unwrap();
@@ -112,8 +110,7 @@ async fn a_model_whose_only_copy_died_with_its_file_gone_is_reported_lost() {
     for e in &eps[1..] {
         start_services(e.clone(), Duration::from_secs(10)).unwrap();
     }
-    let mut m =
-        Manager::open(eps[0].clone(), EmbeddedStore::open(&dir.join("meta")).unwrap(), config(vec![1, 2], 1)).unwrap();
+    let mut m = crate::test_util::open_manager(eps[0].clone(), &dir.join("meta"), config(vec![1, 2], 1)).unwrap();
     m.start().await.unwrap();
     let p = &models(&dir, 1)[0];
     let id = m.register("m", p).await.unwrap();
@@ -145,9 +142,7 @@ async fn check_finds_corrupt_and_unknown_copies_and_repair_fixes_them() {
         pools.push(Some(start_services(e.clone(), Duration::from_secs(10)).unwrap().pool));
     }
     let held = |n: usize| pools[n].as_ref().unwrap().held();
-    let mut m =
-        Manager::open(eps[0].clone(), EmbeddedStore::open(&dir.join("meta")).unwrap(), config(vec![1, 2, 3], 2))
-            .unwrap();
+    let mut m = crate::test_util::open_manager(eps[0].clone(), &dir.join("meta"), config(vec![1, 2, 3], 2)).unwrap();
     m.start().await.unwrap();
     m.register("m", &models(&dir, 1)[0]).await.unwrap();
     let c = m.status_handle().lock().unwrap().copies[0].clone();
@@ -179,8 +174,7 @@ async fn a_restarted_manager_keeps_finished_copies_and_remakes_unfinished_ones()
     let paths = models(&dir, 3);
     {
         let mut m =
-            Manager::open(eps[0].clone(), EmbeddedStore::open(&dir.join("meta")).unwrap(), config(vec![1, 2, 3], 1))
-                .unwrap();
+            crate::test_util::open_manager(eps[0].clone(), &dir.join("meta"), config(vec![1, 2, 3], 1)).unwrap();
         m.start().await.unwrap();
         m.register("a", &paths[0]).await.unwrap();
         // Register b, but "crash" before any of its copies is made: the events are in the log,
@@ -194,9 +188,7 @@ async fn a_restarted_manager_keeps_finished_copies_and_remakes_unfinished_ones()
         let pending = m.apply(Event::Register { model: 2, bytes, file_reachable: true }).await.unwrap();
         assert_eq!(pending.len(), 1);
     }
-    let mut m =
-        Manager::open(eps[0].clone(), EmbeddedStore::open(&dir.join("meta")).unwrap(), config(vec![1, 2, 3], 1))
-            .unwrap();
+    let mut m = crate::test_util::open_manager(eps[0].clone(), &dir.join("meta"), config(vec![1, 2, 3], 1)).unwrap();
     assert!(!m.status_handle().lock().unwrap().healthy, "b's copy is still loading after recovery");
     m.start().await.unwrap();
     let rep = m.check().await.unwrap();

@@ -65,7 +65,7 @@ impl MemCluster {
         cfg.k = k;
         cfg.dead_after = DEAD_AFTER;
         cfg.request_timeout = Duration::from_secs(20);
-        Manager::open(mesh, EmbeddedStore::open(&self.dir.join("meta")).unwrap(), cfg).unwrap()
+        crate::test_util::open_manager(mesh, &self.dir.join("meta"), cfg).unwrap()
     }
 }
 
@@ -208,4 +208,24 @@ async fn a_flapping_link_is_not_a_death_but_a_long_cut_is() {
     healthy_without(&status, &[2]).await;
     let s = status.lock().unwrap().clone();
     assert_eq!(s.copies.len(), models * k, "{s}");
+}
+
+/// A register the pool cannot honour (k above the live nodes, a name with control characters)
+/// is refused before anything is written: the catalog stays empty and the name stays free.
+#[tokio::test(start_paused = true)]
+async fn a_refused_register_leaves_nothing_behind() {
+    let c = MemCluster::new(2, 1, "refused");
+    let mut m = c.manager(3);
+    m.start().await.unwrap();
+    let err = m.register("m0", &c.models[0]).await.unwrap_err().to_string();
+    assert!(err.contains("cannot hold k = 3"), "{err}");
+    let err = m.register("bad\u{1b}[2Jname", &c.models[0]).await.unwrap_err().to_string();
+    assert!(err.contains("control characters") && !err.contains('\u{1b}'), "{err}");
+    assert!(m.catalog().is_empty(), "a refused register left a catalog entry");
+    drop(m);
+    // The same store with a k the nodes can hold: the name is free.
+    let mut m = c.manager(2);
+    m.start().await.unwrap();
+    let err = m.register("m0", &c.models[0]).await;
+    assert!(err.is_ok(), "{err:?}");
 }

@@ -43,6 +43,8 @@ type Call = (Req, std_mpsc::SyncSender<Result<Resp, MetaError>>);
 /// The pool's metadata in etcd.
 pub struct EtcdStore {
     calls: std_mpsc::Sender<Call>,
+    /// Where it is, for messages.
+    at: String,
 }
 
 fn etcd_err(what: &str) -> impl FnOnce(etcd_client::Error) -> MetaError + '_ {
@@ -158,6 +160,7 @@ impl EtcdStore {
         let (ready_tx, ready_rx) = std_mpsc::sync_channel(1);
         let (calls, rx) = std_mpsc::channel::<Call>();
         let prefix = prefix.trim_end_matches('/').to_string();
+        let prefix_shown = prefix.clone();
         std::thread::Builder::new()
             .name("etcd-store".into())
             .spawn(move || {
@@ -188,7 +191,7 @@ impl EtcdStore {
             })
             .map_err(|e| MetaError::Io { context: "starting the etcd client's thread".into(), source: e })?;
         ready_rx.recv().map_err(|_| MetaError::Corrupt("etcd: the client thread stopped".into()))??;
-        Ok(EtcdStore { calls })
+        Ok(EtcdStore { calls, at: format!("etcd {} under {prefix_shown}", endpoints.join(",")) })
     }
 
     fn call(&self, req: Req) -> Result<Resp, MetaError> {
@@ -205,6 +208,10 @@ impl MetaStore for EtcdStore {
 
     fn snapshot(&mut self, state: &[u8]) -> Result<(), MetaError> {
         self.call(Req::Snapshot(state.to_vec())).map(|_| ())
+    }
+
+    fn describe(&self) -> String {
+        self.at.clone()
     }
 
     fn recover(&mut self) -> Result<Recovered, MetaError> {

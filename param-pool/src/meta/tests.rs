@@ -1,5 +1,7 @@
 use proptest::prelude::*;
 
+use std::path::Path;
+
 use super::*;
 use crate::test_util::Scratch;
 
@@ -40,20 +42,85 @@ fn a_torn_tail_is_cut_off_and_appending_continues() {
     assert_eq!(s.recover().unwrap().records.len(), 3);
 }
 
-#[test]
-fn a_corrupt_record_stops_replay_there() {
-    let d = dir("crc");
+fn three_records(tag: &str) -> (Scratch, Vec<u8>) {
+    let d = dir(tag);
     let mut s = EmbeddedStore::open(&d).unwrap();
     for r in [&b"first"[..], b"second", b"third"] {
         s.append(r).unwrap();
     }
-    let path = d.join("wal.log");
-    let mut bytes = std::fs::read(&path).unwrap();
-    bytes[8 + 5 + 8 + 2] ^= 0xff; // inside "second"
-    std::fs::write(&path, &bytes).unwrap();
-    let rec = EmbeddedStore::open(&d).unwrap().recover().unwrap();
-    assert_eq!(rec.records, vec![b"first".to_vec()]);
-    assert!(rec.dropped_tail_bytes > 0);
+    let bytes = std::fs::read(d.join("wal.log")).unwrap();
+    (d, bytes)
+}
+
+fn recover_from(d: &Path, bytes: &[u8]) -> Result<Recovered, MetaError> {
+    std::fs::write(d.join("wal.log"), bytes).unwrap();
+    EmbeddedStore::open(d).unwrap().recover()
+}
+
+#[test]
+fn a_damaged_record_before_the_end_refuses_recovery_and_changes_nothing() {
+    let (d, mut bytes) = three_records("crc");
+    bytes[HEADER + 5 + HEADER + 2] ^= 0xff; // inside "second"
+    let err = recover_from(&d, &bytes).unwrap_err();
+    assert!(matches!(err, MetaError::WalCorrupt { offset, valid: 1, .. } if offset == (HEADER + 5) as u64), "{err}");
+    assert_eq!(std::fs::read(d.join("wal.log")).unwrap(), bytes, "recovery left the log as it was");
+}
+
+#[test]
+fn a_damaged_complete_last_record_is_corruption_not_a_torn_tail() {
+    let (d, mut bytes) = three_records("last");
+    let n = bytes.len();
+    bytes[n - 1] ^= 1;
+    assert!(matches!(recover_from(&d, &bytes), Err(MetaError::WalCorrupt { valid: 2, .. })));
+}
+
+#[test]
+fn every_single_bit_flip_is_refused_or_harmless() {
+    let (d, bytes) = three_records("flip");
+    let all = vec![b"first".to_vec(), b"second".to_vec(), b"third".to_vec()];
+    for bit in 0..bytes.len() * 8 {
+        let mut b = bytes.clone();
+        b[bit / 8] ^= 1 << (bit % 8);
+        match recover_from(&d, &b) {
+            Ok(rec) => assert_eq!(rec.records, all, "bit {bit}: recovered with less state"),
+            Err(MetaError::WalCorrupt { .. }) => {}
+            Err(e) => panic!("bit {bit}: {e}"),
+        }
+    }
+}
+
+#[test]
+fn a_crash_at_every_byte_of_an_append_loses_nothing_acknowledged() {
+    let (d, bytes) = three_records("cut");
+    let acknowledged = HEADER * 2 + 5 + 6;
+    for cut in acknowledged..bytes.len() {
+        let rec = recover_from(&d, &bytes[..cut]).unwrap();
+        assert_eq!(rec.records, vec![b"first".to_vec(), b"second".to_vec()], "cut at {cut}");
+        assert_eq!(rec.dropped_tail_bytes, (cut - acknowledged) as u64);
+    }
+    // A zero-filled tail (the file grew, its data never reached the disk) is torn too.
+    let mut b = bytes[..acknowledged].to_vec();
+    b.extend([0u8; 40]);
+    assert_eq!(recover_from(&d, &b).unwrap().records.len(), 2);
+}
+
+#[test]
+fn a_failed_append_is_cut_back_before_anything_else_is_acknowledged() {
+    for written in [0, 3, HEADER, HEADER + 2] {
+        let d = dir("enospc");
+        let mut s = EmbeddedStore::open(&d).unwrap();
+        s.append(b"one").unwrap();
+        s.fail_append = Some(written);
+        let err = s.append(b"lost-to-enospc").unwrap_err();
+        assert!(err.to_string().contains("No space left"), "{err}");
+        // Space is back: these are acknowledged and must survive a restart.
+        s.append(b"two").unwrap();
+        s.append(b"three").unwrap();
+        drop(s);
+        let rec = EmbeddedStore::open(&d).unwrap().recover().unwrap();
+        assert_eq!(rec.records, vec![b"one".to_vec(), b"two".to_vec(), b"three".to_vec()], "{written} bytes");
+        assert_eq!(rec.dropped_tail_bytes, 0);
+    }
 }
 
 #[test]
@@ -68,7 +135,7 @@ fn snapshots_compact_the_log() {
     assert_eq!(rec.records, vec![b"y".to_vec()]);
     // A damaged snapshot is an error, not silently empty state.
     let mut b = std::fs::read(d.join("snapshot.bin")).unwrap();
-    b[9] ^= 1;
+    b[HEADER + 1] ^= 1;
     std::fs::write(d.join("snapshot.bin"), b).unwrap();
     assert!(matches!(EmbeddedStore::open(&d).unwrap().recover(), Err(MetaError::Corrupt(_))));
 }
@@ -108,8 +175,8 @@ fn fresh() -> Pool {
 fn a_restarted_manager_rebuilds_the_same_pool() {
     for every in [1000, 3] {
         let d = dir("pool");
-        let (mut p, _) = DurablePool::open(EmbeddedStore::open(&d).unwrap(), fresh(), every).unwrap();
-        let mut reference = State { pool: fresh(), catalog: Default::default() };
+        let mut p = DurablePool::init(EmbeddedStore::open(&d).unwrap(), fresh(), every).unwrap();
+        let mut reference = State { id: None, pool: fresh(), catalog: Default::default() };
         for e in events() {
             let got = p.apply(e.clone());
             let want = apply(&mut reference, &e);
@@ -117,20 +184,38 @@ fn a_restarted_manager_rebuilds_the_same_pool() {
         }
         assert_eq!(p.pool(), &reference.pool);
         assert_eq!(p.catalog().len(), 1);
+        let id = p.id().to_string();
         drop(p);
         let (p, dropped) = DurablePool::open(EmbeddedStore::open(&d).unwrap(), fresh(), every).unwrap();
         assert_eq!(dropped, 0);
+        assert_eq!(p.id(), id, "the pool keeps its id");
         assert_eq!(p.pool(), &reference.pool, "snapshot every {every}");
         assert_eq!(p.catalog(), &reference.catalog, "the catalog survives a restart (snapshot every {every})");
     }
 }
 
+#[test]
+fn a_store_without_a_pool_is_refused_and_init_refuses_a_store_with_one() {
+    let d = dir("identity");
+    let err = DurablePool::open(EmbeddedStore::open(&d).unwrap(), fresh(), 10).err().unwrap();
+    assert!(matches!(err, MetaError::NotAPool(_)), "{err}");
+    assert!(err.to_string().contains("--init"), "{err}");
+    let mut p = DurablePool::init(EmbeddedStore::open(&d).unwrap(), fresh(), 10).unwrap();
+    p.apply(Event::Register { model: 1, bytes: 100, file_reachable: true }).unwrap();
+    drop(p);
+    let err = DurablePool::init(EmbeddedStore::open(&d).unwrap(), fresh(), 10).err().unwrap();
+    assert!(matches!(err, MetaError::AlreadyAPool(..)), "{err}");
+    let (p, _) = DurablePool::open(EmbeddedStore::open(&d).unwrap(), fresh(), 10).unwrap();
+    assert_eq!(p.pool().copies().count(), 2, "nothing was lost by the refused --init");
+}
+
 proptest! {
-    /// A crash at any byte of the log recovers the pool after some prefix of the events.
+    /// A crash at any byte of the log recovers the pool after some prefix of the events (or,
+    /// cut inside the pool's first record, finds no pool and refuses).
     #[test]
     fn a_crash_anywhere_recovers_a_prefix(cut in any::<u64>()) {
         let d = dir("crash");
-        let (mut p, _) = DurablePool::open(EmbeddedStore::open(&d).unwrap(), fresh(), 1000).unwrap();
+        let mut p = DurablePool::init(EmbeddedStore::open(&d).unwrap(), fresh(), 1000).unwrap();
         let mut states = vec![fresh()];
         for e in events() {
             let _ = p.apply(e);
@@ -141,8 +226,10 @@ proptest! {
         let len = std::fs::metadata(&wal).unwrap().len();
         let f = OpenOptions::new().write(true).open(&wal).unwrap();
         f.set_len(cut % (len + 1)).unwrap();
-        let (p, _) = DurablePool::open(EmbeddedStore::open(&d).unwrap(), fresh(), 1000).unwrap();
-        prop_assert!(states.contains(p.pool()), "recovered a state that never existed");
+        match DurablePool::open(EmbeddedStore::open(&d).unwrap(), fresh(), 1000) {
+            Ok((p, _)) => prop_assert!(states.contains(p.pool()), "recovered a state that never existed"),
+            Err(e) => prop_assert!(matches!(e, MetaError::NotAPool(_)), "{}", e),
+        }
     }
 }
 
@@ -176,8 +263,8 @@ mod etcd {
         };
         for every in [1000, 3] {
             let prefix = format!("/cascade/test/{every}");
-            let (mut p, _) = DurablePool::open(store(&s, &prefix), fresh(), every).unwrap();
-            let mut reference = State { pool: fresh(), catalog: Default::default() };
+            let mut p = DurablePool::init(store(&s, &prefix), fresh(), every).unwrap();
+            let mut reference = State { id: None, pool: fresh(), catalog: Default::default() };
             for e in events() {
                 let got = p.apply(e.clone());
                 let want = apply(&mut reference, &e);

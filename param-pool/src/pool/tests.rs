@@ -148,7 +148,13 @@ proptest! {
                 Op::Deploy(m, n) => p.deploy(m, n, 0).unwrap_or_default(),
                 Op::Reclaim(i) => {
                     let ids: Vec<CopyId> = p.copies().map(|c| c.id).collect();
-                    if ids.is_empty() { vec![] } else { p.reclaim(ids[i % ids.len()]).unwrap() }
+                    if ids.is_empty() { vec![] } else {
+                        // Refused only when no other live node could take the copy's place.
+                        p.reclaim(ids[i % ids.len()]).unwrap_or_else(|e| {
+                            assert!(matches!(e, PoolError::TooFewNodes { .. }), "{e}");
+                            vec![]
+                        })
+                    }
                 }
                 Op::Fail(i) => {
                     // A copy being filled fails (a completed one cannot).
@@ -173,4 +179,20 @@ proptest! {
             }
         }
     }
+}
+
+#[test]
+fn reclaim_with_no_other_node_to_take_the_place_is_refused_and_changes_nothing() {
+    let mut p = Pool::new(2, 0..2);
+    let acts = p.register(1, 100, true).unwrap();
+    settle(&mut p, acts);
+    let ids: Vec<CopyId> = p.copies().map(|c| c.id).collect();
+    for &id in &ids {
+        let copy = p.copies().find(|c| c.id == id).unwrap().clone();
+        p.copy_ready(id).unwrap();
+        let before = p.clone();
+        assert_eq!(p.reclaim(id), Err(PoolError::TooFewNodes { have: 1, k: 2 }), "{copy:?}");
+        assert_eq!(p, before, "a refused reclaim leaves the pool as it was");
+    }
+    assert!(p.check().is_empty(), "{:?}", p.check());
 }

@@ -9,8 +9,8 @@ use tokio::io::{DuplexStream, ReadHalf, WriteHalf};
 use super::*;
 use crate::onesided::{LookupServer, OneSidedEngine, PeerAccess};
 use crate::rdma::{RdmaLookups, RemoteMr, RkeyResolver};
-use crate::wire::Status;
 use crate::region::test_access as ta;
+use crate::wire::Status;
 
 impl FrameSource for ReadHalf<DuplexStream> {
     fn take_fd(&mut self) -> Option<OwnedFd> {

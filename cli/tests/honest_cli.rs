@@ -1,0 +1,92 @@
+//! The CLI says what really happened: bad numbers are refused with a message (no panic), a
+//! mistyped data directory is refused instead of starting an empty pool, and a tool whose reader
+//! goes away ends quietly.
+
+use std::io::Read;
+use std::process::{Command, Stdio};
+
+const CASCADE: &str = env!("CARGO_BIN_EXE_cascade");
+
+fn scratch(tag: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("cascade-honest-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn cluster(dir: &std::path::Path, nodes: usize) -> std::path::PathBuf {
+    let mut toml = String::from("name = \"honest\"\n");
+    for i in 0..nodes {
+        toml += &format!("[[nodes]]\nid = {i}\naddr = \"127.0.0.1:{}\"\n", 20000 + i);
+    }
+    let p = dir.join("cluster.toml");
+    std::fs::write(&p, toml).unwrap();
+    p
+}
+
+#[test]
+fn nan_inf_and_negative_numbers_are_refused_without_a_panic() {
+    let d = scratch("numbers");
+    let c = cluster(&d, 2);
+    for bad in ["NaN", "inf", "-1", "1e300"] {
+        let out = Command::new(CASCADE)
+            .args(["node", "--cluster"])
+            .arg(&c)
+            .args(["--node", "0", &format!("--ready-timeout-s={bad}")])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{bad} accepted");
+        assert!(err.contains("not a usable number of seconds"), "{bad}: {err}");
+        assert!(!err.contains("panicked"), "{bad}: {err}");
+    }
+    let out = Command::new(CASCADE)
+        .args(["pool", "serve", "--cluster"])
+        .arg(&c)
+        .args(["--node", "0", "--init", "--k", "0", "--data-dir"])
+        .arg(d.join("meta"))
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "--k 0 accepted");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn a_data_dir_without_a_pool_is_refused_and_left_alone() {
+    let d = scratch("nodir");
+    let c = cluster(&d, 2);
+    let typo = d.join("mtea");
+    let out = Command::new(CASCADE)
+        .args(["pool", "serve", "--cluster"])
+        .arg(&c)
+        .args(["--node", "0", "--data-dir"])
+        .arg(&typo)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("holds no pool") && err.contains("--init"), "{err}");
+    assert!(!typo.exists(), "the refused start created {}", typo.display());
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+#[test]
+fn a_tool_whose_reader_goes_away_ends_without_a_panic() {
+    let d = scratch("pipe");
+    let c = cluster(&d, 20_000); // ~1 MB of output: more than a pipe holds
+    let mut child = Command::new(CASCADE)
+        .arg("check-cluster")
+        .arg(&c)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = [0u8; 16];
+    child.stdout.as_mut().unwrap().read_exact(&mut first).unwrap();
+    drop(child.stdout.take()); // `| head -c 16`
+    let mut err = String::new();
+    child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    child.wait().unwrap();
+    assert!(!err.contains("panicked"), "{err}");
+    let _ = std::fs::remove_dir_all(&d);
+}
