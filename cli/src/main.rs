@@ -248,7 +248,7 @@ async fn multicast(a: MulticastArgs) -> anyhow::Result<()> {
 /// A number of seconds: finite and not negative (NaN, inf and -1 are refused at parse time).
 pub(crate) fn seconds(s: &str) -> Result<f64, String> {
     let v: f64 = s.parse().map_err(|e| format!("{s:?} is not a number: {e}"))?;
-    if !v.is_finite() || v < 0.0 || v > 1e9 {
+    if !(0.0..=1e9).contains(&v) {
         return Err(format!("{s} is not a usable number of seconds (finite, 0 to 1e9)"));
     }
     Ok(v)

@@ -1,6 +1,7 @@
 //! The CLI says what really happened: bad numbers are refused with a message (no panic), a
 //! mistyped data directory is refused instead of starting an empty pool, and a tool whose reader
 //! goes away ends quietly.
+#![allow(clippy::unwrap_used)]
 
 use std::io::Read;
 use std::process::{Command, Stdio};
