@@ -183,8 +183,13 @@ pub struct Manager<S: MetaStore + 'static> {
     /// Every copy ever seen, so a dropped copy's node is still known.
     seen: BTreeMap<CopyId, ModelCopy>,
     lost: BTreeMap<ModelId, String>,
+    /// Why the manager is degraded (its store refuses writes), if it is.
+    degraded: Option<String>,
     status: Arc<Mutex<Status>>,
 }
+
+/// How often a degraded manager tries its store again.
+const DEGRADED_RETRY: Duration = Duration::from_secs(1);
 
 impl<S: MetaStore + 'static> Manager<S> {
     /// Recovers the pool `store` holds (or, with `cfg.init`, makes a new one in an empty store)
@@ -225,6 +230,7 @@ impl<S: MetaStore + 'static> Manager<S> {
             cfg,
             seen: BTreeMap::new(),
             lost: BTreeMap::new(),
+            degraded: None,
             status: Arc::default(),
         };
         m.publish();
@@ -264,7 +270,11 @@ impl<S: MetaStore + 'static> Manager<S> {
         for c in p.pool().copies() {
             self.seen.insert(c.id, c.clone());
         }
-        let s = Status::of(p.pool(), p.catalog(), &self.lost, self.detector.suspects());
+        let mut s = Status::of(p.pool(), p.catalog(), &self.lost, self.detector.suspects());
+        if let Some(why) = &self.degraded {
+            s.degraded = Some(why.clone());
+            s.healthy = false;
+        }
         *self.status.lock().unwrap_or_else(|e| e.into_inner()) = s;
     }
 
@@ -686,22 +696,76 @@ impl<S: MetaStore + 'static> Manager<S> {
     }
 
     /// Serves admin requests and peer events until `admin` closes.
+    ///
+    /// A store that refuses writes (a full disk, a failing etcd) does not stop the manager: it
+    /// reports itself degraded (`Status::degraded`), does nothing it could not write ahead — every
+    /// event is logged before it is applied, so a refused write changes nothing — and tries its
+    /// store again every second. When a write goes through it picks up what was interrupted: the
+    /// nodes it could not declare dead are suspects again, and unfinished copies are reconciled.
     pub async fn run(mut self, mut admin: mpsc::Receiver<AdminCall>) -> Result<(), ManagerError> {
         loop {
             let due = self.detector.poll_timeout();
+            let retry = self.degraded.is_some();
             tokio::select! {
                 call = admin.recv() => {
                     let Some(call) = call else { return Ok(()) };
                     let res = self.serve(call.request).await;
+                    if let Err(e) = &res {
+                        self.store_failed(e);
+                    }
                     let _ = call.reply.send(res.map_err(|e| e.to_string()));
                 }
                 // poll_peers below publishes the new status.
                 ev = self.events.recv() => self.note_peer_result(ev),
                 _ = sleep_until(due) => {}
+                _ = tokio::time::sleep(DEGRADED_RETRY), if retry => {
+                    if let Err(e) = self.resume().await {
+                        if !self.store_failed(&e) {
+                            return Err(e);
+                        }
+                    }
+                }
             }
-            let actions = self.poll_peers().await?;
-            self.drive(actions).await?;
+            let step = match self.poll_peers().await {
+                Ok(actions) => self.drive(actions).await,
+                Err(e) => Err(e),
+            };
+            if let Err(e) = step {
+                if !self.store_failed(&e) {
+                    return Err(e);
+                }
+            }
         }
+    }
+
+    /// Whether `e` is the store refusing a write; if so the manager is degraded until a write
+    /// goes through again.
+    fn store_failed(&mut self, e: &ManagerError) -> bool {
+        let ManagerError::Meta(m @ (MetaError::Io { .. } | MetaError::Poisoned(_))) = e else { return false };
+        if self.degraded.is_none() {
+            error!(error = %m, "the metadata store refuses writes: degraded until it recovers");
+        }
+        self.degraded = Some(m.to_string());
+        self.publish();
+        true
+    }
+
+    /// Tries the store again after a degraded spell: the nodes that lost their links are suspects
+    /// again (their deaths may not have been written), and unfinished copies are reconciled.
+    async fn resume(&mut self) -> Result<(), ManagerError> {
+        let Some(why) = self.degraded.clone() else { return Ok(()) };
+        self.recheck_links();
+        let mut actions = Vec::new();
+        // A write the store takes proves it writable again (it records a fact already true).
+        for n in self.pool().live_nodes().filter(|n| self.connected(*n)).take(1).collect::<Vec<_>>() {
+            actions.extend(self.apply(Event::NodeUp(n)).await?);
+        }
+        self.degraded = None;
+        info!(was = %why, "the metadata store takes writes again; resuming");
+        self.drive(actions).await?;
+        self.reconcile().await?;
+        self.publish();
+        Ok(())
     }
 
     async fn serve(&mut self, req: AdminRequest) -> Result<serde_json::Value, ManagerError> {

@@ -463,9 +463,15 @@ impl<S: MetaStore> DurablePool<S> {
         let actions = apply(&mut self.state, &e)?;
         self.since_snapshot += 1;
         if self.since_snapshot >= self.snapshot_every {
-            let state = serde_json::to_vec(&self.state).map_err(|e| MetaError::Corrupt(e.to_string()))?;
-            self.store.snapshot(&state)?;
-            self.since_snapshot = 0;
+            // The event is durable and applied: a failed compaction must not report it failed
+            // (its actions would be lost); it is tried again after the next event.
+            let done = serde_json::to_vec(&self.state)
+                .map_err(|e| MetaError::Corrupt(e.to_string()))
+                .and_then(|state| self.store.snapshot(&state));
+            match done {
+                Ok(()) => self.since_snapshot = 0,
+                Err(e) => tracing::warn!(error = %e, "compacting the metadata failed; will retry"),
+            }
         }
         Ok(actions)
     }

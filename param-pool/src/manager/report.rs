@@ -66,8 +66,11 @@ pub struct Status {
     pub nodes: Vec<NodeStatus>,
     /// Broken invariants (copies still loading count as missing).
     pub violations: Vec<String>,
-    /// No violation, nothing loading, nothing lost, every node reachable.
+    /// No violation, nothing loading, nothing lost, every node reachable, store writable.
     pub healthy: bool,
+    /// Why the manager is degraded (its metadata store refuses writes), if it is.
+    #[serde(default)]
+    pub degraded: Option<String>,
 }
 
 pub(super) fn describe(v: &Violation) -> String {
@@ -130,13 +133,16 @@ impl Status {
             && lost.is_empty()
             && suspects.is_empty()
             && pool.copies().all(|c| c.state != CopyState::Loading);
-        Status { k: pool.k(), models, copies, nodes, violations, healthy }
+        Status { k: pool.k(), models, copies, nodes, violations, healthy, degraded: None }
     }
 }
 
 impl fmt::Display for Status {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(f, "k = {}; {}", self.k, if self.healthy { "healthy" } else { "NOT healthy" })?;
+        if let Some(why) = &self.degraded {
+            writeln!(f, "DEGRADED (metadata store refuses writes; retrying): {why}")?;
+        }
         writeln!(f, "{:>5}  {:<28} {:>14}  {:>5}  copies (node:kind:state)", "model", "name", "bytes", "ready")?;
         for m in &self.models {
             let cs: Vec<String> = self

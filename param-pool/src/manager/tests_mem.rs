@@ -229,3 +229,78 @@ async fn a_refused_register_leaves_nothing_behind() {
     let err = m.register("m0", &c.models[0]).await;
     assert!(err.is_ok(), "{err:?}");
 }
+
+/// A store whose writes fail while `full` is set (a full disk), in front of a real one.
+struct FlakyStore {
+    inner: EmbeddedStore,
+    full: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl crate::meta::MetaStore for FlakyStore {
+    fn append(&mut self, record: &[u8]) -> Result<(), crate::meta::MetaError> {
+        if self.full.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(crate::meta::MetaError::Io {
+                context: "appending to the WAL".into(),
+                source: std::io::Error::from_raw_os_error(libc::ENOSPC),
+            });
+        }
+        self.inner.append(record)
+    }
+    fn snapshot(&mut self, state: &[u8]) -> Result<(), crate::meta::MetaError> {
+        self.inner.snapshot(state)
+    }
+    fn recover(&mut self) -> Result<crate::meta::Recovered, crate::meta::MetaError> {
+        self.inner.recover()
+    }
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
+}
+
+/// A full disk while a node dies: the manager stays up and says it is degraded, then repairs the
+/// pool once writes go through again.
+#[tokio::test(start_paused = true)]
+async fn a_full_disk_degrades_the_manager_instead_of_killing_it() {
+    let (k, models) = (2, 4);
+    let c = MemCluster::new(4, models, "enospc");
+    let full = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut cfg = ManagerConfig::new((1..=c.nodes).collect());
+    cfg.k = k;
+    cfg.dead_after = DEAD_AFTER;
+    cfg.init = true;
+    let store = FlakyStore { inner: EmbeddedStore::open(&c.dir.join("meta")).unwrap(), full: full.clone() };
+    let mut m = Manager::open(Arc::new(c.fabric.add_node(0)), store, cfg).unwrap();
+    m.start().await.unwrap();
+    for (i, p) in c.models.iter().enumerate() {
+        m.register(&format!("m{i}"), p).await.unwrap();
+    }
+    let status = m.status_handle();
+    let (admin, rx) = mpsc::channel(4);
+    let task = tokio::spawn(m.run(rx));
+    full.store(true, std::sync::atomic::Ordering::SeqCst);
+    c.fabric.kill(3);
+    let t = Instant::now();
+    loop {
+        settle().await;
+        let s = status.lock().unwrap().clone();
+        if let Some(why) = &s.degraded {
+            assert!(why.contains("No space left"), "{why}");
+            assert!(!s.healthy);
+            break;
+        }
+        assert!(t.elapsed() < Duration::from_secs(30), "never degraded:\n{s}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // An admin request is answered (with the store's error), not left hanging.
+    let (tx, back) = tokio::sync::oneshot::channel();
+    admin.send(AdminCall { request: AdminRequest::Reclaim { copy: 1 }, reply: tx }).await.unwrap();
+    let answer = back.await.unwrap();
+    assert!(answer.is_err(), "{answer:?}");
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert!(!task.is_finished(), "the manager stopped on a full disk");
+    full.store(false, std::sync::atomic::Ordering::SeqCst);
+    healthy_without(&status, &[3]).await;
+    assert!(status.lock().unwrap().degraded.is_none());
+    drop(admin);
+    task.await.unwrap().unwrap();
+}
