@@ -67,6 +67,11 @@ pub(crate) struct Member {
     /// Do not use shared memory with same-host nodes.
     #[arg(long)]
     pub(crate) no_shm: bool,
+    /// Most MiB of memory this node gives to regions (multicast buffers, pool copies); what
+    /// does not fit is refused before anything is allocated. Default: the memory the system has
+    /// available, less 256 MiB.
+    #[arg(long)]
+    pub(crate) memory_limit_mib: Option<u64>,
     /// Seconds to wait for the full mesh.
     #[arg(long, default_value_t = 30.0, value_parser = seconds)]
     pub(crate) ready_timeout_s: f64,
@@ -137,6 +142,7 @@ pub(crate) async fn join_with(
     let secret: Vec<u8> = secret.trim_ascii().to_vec();
     let mut cfg = EndpointConfig::new(m.node, cluster, &secret);
     cfg.shm = !m.no_shm;
+    cfg.memory_limit = m.memory_limit_mib.map(|mib| mib << 20);
     let ep = Arc::new(Endpoint::bind(cfg).await?);
     services(&ep)?;
     ep.open();
@@ -199,8 +205,26 @@ async fn multicast(a: MulticastArgs) -> anyhow::Result<()> {
     spec.planner = a.planner;
     spec.layers = layers;
     spec.deadline = Duration::from_secs_f64(a.deadline_s);
-    let out = Controller::new(ep.clone())?.run(&spec).await?;
+    let out = match Controller::new(ep.clone()).map_err(anyhow::Error::from) {
+        Ok(ctl) => ctl.run(&spec).await.map_err(anyhow::Error::from),
+        Err(e) => Err(e),
+    };
     ep.shutdown();
+    let out = match out {
+        Ok(out) => out,
+        // A run that could not even finish still answers in the format asked for.
+        Err(e) if a.json => {
+            println!(
+                "{}",
+                serde_json::json!({
+                    "planner": a.planner, "targets": a.targets.len(), "bytes": a.bytes,
+                    "completed": 0, "verified": 0, "error": format!("{e:#}"),
+                })
+            );
+            std::process::exit(1);
+        }
+        Err(e) => return Err(e),
+    };
     let done_at: Vec<_> = out
         .events
         .iter()

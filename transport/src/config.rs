@@ -136,6 +136,9 @@ pub struct EndpointConfig {
     pub reconnect_max: Duration,
     /// Directory for the same-host sockets.
     pub runtime_dir: PathBuf,
+    /// Most bytes of regions this node allocates for the cluster (`None`: what the system has
+    /// available, less [`crate::HEADROOM`], is the only bound).
+    pub memory_limit: Option<u64>,
 }
 
 impl EndpointConfig {
@@ -154,6 +157,7 @@ impl EndpointConfig {
             connect_timeout: Duration::from_secs(5),
             reconnect_max: Duration::from_secs(5),
             runtime_dir: std::env::var_os("XDG_RUNTIME_DIR").map(PathBuf::from).unwrap_or_else(std::env::temp_dir),
+            memory_limit: None,
         }
     }
 

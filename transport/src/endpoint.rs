@@ -91,6 +91,7 @@ struct Inner {
     shutdown: watch::Sender<bool>,
     started: Instant,
     rdma: Option<RdmaCtx>,
+    budget: crate::MemoryBudget,
 }
 
 /// A node's endpoint in the cluster: its regions, its links, and the operations over them.
@@ -162,6 +163,7 @@ impl Endpoint {
             shutdown: watch::channel(false).0,
             started: Instant::now(),
             rdma,
+            budget: crate::MemoryBudget::new(cfg.memory_limit),
             cfg,
         });
         info!(node = inner.cfg.node, addr = %inner.me.addr, caps = inner.caps.0, "endpoint listening");
@@ -204,11 +206,12 @@ impl Endpoint {
     /// Allocates a region peers could reach once registered (shared memory when shm is on, so
     /// same-host peers can map it); it is private to the caller until [`register`](Self::register).
     pub fn alloc(&self, len: u64) -> Result<Region> {
-        if self.inner.cfg.shm {
-            Region::shared(len)
-        } else {
-            Region::alloc(len, Default::default())
-        }
+        Region::alloc_within(len, self.inner.cfg.shm, &self.inner.budget)
+    }
+
+    /// The node's memory budget for regions (what [`Endpoint::alloc`] allocates against).
+    pub fn budget(&self) -> &crate::MemoryBudget {
+        &self.inner.budget
     }
 
     /// Registers `r`: peers may address it from now on (with the RDMA device too, if any).

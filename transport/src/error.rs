@@ -159,6 +159,16 @@ pub enum TransportError {
     /// Invalid configuration.
     #[error("configuration: {0}")]
     Config(String),
+    /// A region that does not fit in the node's memory budget (nothing was allocated).
+    #[error("a region of {want} bytes does not fit: {free} bytes free under {by}")]
+    Capacity {
+        /// Bytes asked for.
+        want: u64,
+        /// Bytes that would fit.
+        free: u64,
+        /// Which bound refused it.
+        by: &'static str,
+    },
     /// No RDMA device could be opened.
     #[error("no RDMA device: {detail}")]
     NoRdmaDevice {

@@ -75,6 +75,11 @@ impl MemFabric {
     /// Adds a node (or revives a killed one with fresh, empty state). Must run inside a tokio
     /// runtime: a task hands the node's received messages to its services.
     pub fn add_node(&self, id: NodeId) -> MemNode {
+        self.add_node_with_limit(id, None)
+    }
+
+    /// Adds a node whose regions may take at most `limit` bytes (see [`crate::MemoryBudget`]).
+    pub fn add_node_with_limit(&self, id: NodeId, limit: Option<u64>) -> MemNode {
         let (tx, mut rx) = mpsc::unbounded_channel::<Incoming>();
         let regions = RegionTable::new();
         let services = Services::new(id);
@@ -105,7 +110,7 @@ impl MemFabric {
                 }
             }
         });
-        MemNode { id, fabric: self.clone(), regions, services, events }
+        MemNode { id, fabric: self.clone(), regions, services, events, budget: crate::MemoryBudget::new(limit) }
     }
 
     /// Sets (or with `None` clears) the fault on operations from `from` to `to`.
@@ -205,6 +210,7 @@ pub struct MemNode {
     regions: RegionTable,
     services: Arc<Services>,
     events: broadcast::Sender<PeerEvent>,
+    budget: crate::MemoryBudget,
 }
 
 impl MemNode {
@@ -241,6 +247,12 @@ impl MemNode {
     /// Peer up/down events: `Up` when a node joins the fabric, `Down` when one is killed.
     pub fn events(&self) -> broadcast::Receiver<PeerEvent> {
         self.events.subscribe()
+    }
+
+    /// The node's memory budget (the system's available memory; a test may set a limit with
+    /// [`MemFabric::add_node_with_limit`]).
+    pub fn budget(&self) -> &crate::MemoryBudget {
+        &self.budget
     }
 }
 

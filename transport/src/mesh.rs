@@ -85,7 +85,7 @@ impl Mesh for crate::mem::MemNode {
         crate::mem::MemNode::services(self)
     }
     fn alloc(&self, len: u64) -> Result<Region> {
-        Region::alloc(len, Default::default())
+        Region::alloc_within(len, false, crate::mem::MemNode::budget(self))
     }
     fn register(&self, region: &Region) -> Result<()> {
         self.regions().register(region);

@@ -78,6 +78,8 @@ struct Inner {
     key: RemoteKey,
     len: u64,
     backing: Backing,
+    /// The budget bytes this region holds, given back when it is freed.
+    _reserved: Option<crate::budget::Reservation>,
 }
 
 // SAFETY: the backing memory is owned by `Inner` for its whole life and only ever accessed through
@@ -154,6 +156,18 @@ impl Region {
         Self::wrap(len, Backing::Host { ptr, layout, locked })
     }
 
+    /// Allocates a zeroed region (memfd-shared when `shared`) against `budget`: refused before
+    /// anything is allocated when it does not fit.
+    pub fn alloc_within(len: u64, shared: bool, budget: &crate::budget::MemoryBudget) -> Result<Region> {
+        let reservation = budget.reserve(len)?;
+        let mut r = if shared { Region::shared(len)? } else { Region::alloc(len, RegionOptions::default())? };
+        match Arc::get_mut(&mut r.0) {
+            Some(inner) => inner._reserved = Some(reservation),
+            None => unreachable!("a region just made has one owner"),
+        }
+        Ok(r)
+    }
+
     /// Allocates a zeroed region backed by a `memfd`, mappable by same-host peers.
     pub fn shared(len: u64) -> Result<Region> {
         if len == 0 {
@@ -174,7 +188,8 @@ impl Region {
     fn wrap(len: u64, backing: Backing) -> Result<Region> {
         // On error `backing` drops here and frees the memory.
         let key = random_key()?;
-        Ok(Region(Arc::new(Inner { id: RegionId(NEXT_REGION.fetch_add(1, Ordering::Relaxed)), key, len, backing })))
+        let id = RegionId(NEXT_REGION.fetch_add(1, Ordering::Relaxed));
+        Ok(Region(Arc::new(Inner { id, key, len, backing, _reserved: None })))
     }
 
     /// The region's id.

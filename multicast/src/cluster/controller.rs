@@ -364,32 +364,27 @@ impl Controller {
             }
         }
         let report = coord.report(0, started.elapsed().as_secs_f64());
-        // 4. Verify every completed target against the first source, concurrently.
-        let check: Vec<Loc> = spec.sources[..1].iter().chain(report.completed.iter()).copied().collect();
+        // 4. Verify every completed target, concurrently, against the crc32 of the whole model
+        // as the layout's chunk crcs give it (the sources' bytes at prepare time): a source that
+        // died during the run is not needed, and a node that does not answer is not verified.
+        let want = layout.whole_crc();
         let mut set = JoinSet::new();
-        for loc in check {
+        for loc in report.completed.iter().copied() {
             let mesh = self.mesh.clone();
             set.spawn(async move { (loc, ask(&mesh, "verify", loc.node, Control::Verify { run, loc }).await) });
         }
-        let mut got: BTreeMap<Loc, u32> = BTreeMap::new();
+        let (mut verified, mut mismatched) = (Vec::new(), Vec::new());
         while let Some(r) = set.join_next().await {
             let Ok((loc, r)) = r else { continue };
-            match r? {
-                Control::Verified { crc } => {
-                    got.insert(loc, crc);
-                }
-                other => return Err(unexpected("verify", loc.node, &other)),
+            match r {
+                Ok(Control::Verified { crc }) if crc == want => verified.push(loc),
+                Ok(Control::Verified { .. }) => mismatched.push(loc),
+                Ok(other) => return Err(unexpected("verify", loc.node, &other)),
+                Err(e) => warn!(run, %loc, error = %e, "a completed target could not be verified"),
             }
         }
-        let want = got.get(&spec.sources[0]).copied();
-        let (mut verified, mut mismatched) = (Vec::new(), Vec::new());
-        for t in &report.completed {
-            if want.is_some() && got.get(t).copied() == want {
-                verified.push(*t);
-            } else {
-                mismatched.push(*t);
-            }
-        }
+        verified.sort();
+        mismatched.sort();
         Ok(RunOutcome { run, plan, report, transfer_seconds: last_done, verified, mismatched, events })
     }
 }

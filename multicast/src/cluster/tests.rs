@@ -221,3 +221,51 @@ async fn controller_and_node_services_run_on_the_mem_double() {
     let out = tokio::time::timeout(Duration::from_secs(30), ctl.run(&spec)).await.expect("the run ended").unwrap();
     assert_eq!(out.verified.len(), 2, "{:?}", out.report);
 }
+
+/// The only source dies in the middle of a run: the controller notices within the link's
+/// deadline, fails what nobody else can feed, and returns its report in seconds — completed
+/// targets verified against the layout, not against the dead source.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_source_that_dies_mid_run_ends_the_run_in_seconds_with_a_report() {
+    let (eps, _nodes) = cluster(5, "deadsrc").await;
+    let ctl = Controller::new(eps[0].clone()).unwrap();
+    let bytes: u64 = 256 << 20;
+    let mut spec = RunSpec::synthetic(topo(5), bytes, vec![Loc::host(1)], vec![Loc::host(2), Loc::host(3)], 7);
+    spec.planner = PlannerKind::Chain;
+    spec.layers = (0..256).map(|i| i * (1 << 20)..(i + 1) * (1 << 20)).collect();
+    spec.deadline = Duration::from_secs(600);
+    let (tx, mut progress) = tokio::sync::mpsc::unbounded_channel();
+    spec.progress = Some(tx);
+    let source = eps[1].clone();
+    tokio::spawn(async move {
+        while let Some((_, e)) = progress.recv().await {
+            if matches!(e, Event::LayerReady { .. }) {
+                source.shutdown();
+                return;
+            }
+        }
+    });
+    let t = std::time::Instant::now();
+    let out = tokio::time::timeout(Duration::from_secs(20), ctl.run(&spec)).await.expect("the run hung").unwrap();
+    assert!(t.elapsed() < Duration::from_secs(15), "took {:?}", t.elapsed());
+    let settled = out.report.completed.len() + out.report.failed.len();
+    assert_eq!(settled, 2, "every target completed or failed: {:?}", out.report);
+    assert_eq!(out.verified.len(), out.report.completed.len(), "completed targets verified without the source");
+}
+
+/// A multicast larger than the nodes can hold is refused at once, before anything is allocated
+/// or sent (it used to get the nodes OOM-killed and the controller stuck).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_multicast_that_does_not_fit_is_refused_before_anything_moves() {
+    let (eps, _nodes) = cluster(3, "toobig").await;
+    let ctl = Controller::new(eps[0].clone()).unwrap();
+    let spec = RunSpec::synthetic(topo(3), 1 << 50, vec![Loc::host(1)], vec![Loc::host(2)], 1);
+    let t = std::time::Instant::now();
+    let err = ctl.run(&spec).await.unwrap_err().to_string();
+    assert!(err.contains("does not fit"), "{err}");
+    assert!(t.elapsed() < Duration::from_secs(10));
+    for e in &eps {
+        assert!(e.regions().is_empty(), "node {}: nothing is left allocated", e.node());
+        assert_eq!(e.budget().used(), 0);
+    }
+}
