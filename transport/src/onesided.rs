@@ -21,7 +21,7 @@
 //! crc verification (whose checksum must come from the owner), go through the framed protocol.
 
 use std::any::Any;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::os::fd::OwnedFd;
 use std::sync::{Arc, Mutex};
 
@@ -75,10 +75,23 @@ pub(crate) trait LookupServer: Send + Sync + 'static {
     fn answer(&self, h: &Header, region: &Region) -> Out;
 }
 
+/// Most peer regions a link keeps looked up; the oldest goes first beyond it.
+pub(crate) const CACHE_LIMIT: usize = 64;
+
 /// Per-link one-sided state: the engine and the cache of looked-up peer regions.
+///
+/// A cached access can pin the peer's memory (a shm mapping keeps its memfd's pages alive), so
+/// an entry is dropped when the owner withdraws the region (its `Forget` frame) and the cache
+/// holds at most [`CACHE_LIMIT`] entries. A transfer in flight holds its own clone of the access.
 pub(crate) struct OneSided {
     pub(crate) engine: Arc<dyn OneSidedEngine>,
-    cache: Mutex<HashMap<(RegionId, RemoteKey), Option<PeerAccess>>>,
+    cache: Mutex<Cache>,
+}
+
+#[derive(Default)]
+struct Cache {
+    map: HashMap<(RegionId, RemoteKey), Option<PeerAccess>>,
+    order: VecDeque<(RegionId, RemoteKey)>,
 }
 
 impl OneSided {
@@ -86,11 +99,67 @@ impl OneSided {
         OneSided { engine, cache: Mutex::default() }
     }
 
+    fn lock(&self) -> std::sync::MutexGuard<'_, Cache> {
+        self.cache.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     pub(crate) fn cached(&self, k: (RegionId, RemoteKey)) -> Option<Option<PeerAccess>> {
-        self.cache.lock().unwrap_or_else(|e| e.into_inner()).get(&k).cloned()
+        self.lock().map.get(&k).cloned()
     }
 
     pub(crate) fn remember(&self, k: (RegionId, RemoteKey), a: Option<PeerAccess>) {
-        self.cache.lock().unwrap_or_else(|e| e.into_inner()).insert(k, a);
+        let mut c = self.lock();
+        if c.map.insert(k, a).is_none() {
+            c.order.push_back(k);
+        }
+        while c.map.len() > CACHE_LIMIT {
+            let Some(old) = c.order.pop_front() else { break };
+            c.map.remove(&old);
+        }
+    }
+
+    /// Drops what is cached for the peer's region `id` (it was withdrawn).
+    pub(crate) fn forget(&self, id: RegionId) {
+        let mut c = self.lock();
+        c.map.retain(|(r, _), _| *r != id);
+        c.order.retain(|(r, _)| *r != id);
+    }
+
+    /// Peer regions cached now.
+    #[cfg(test)]
+    pub(crate) fn cached_len(&self) -> usize {
+        self.lock().map.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Nothing;
+
+    impl OneSidedEngine for Nothing {
+        fn tag(&self) -> EngineTag {
+            EngineTag(99)
+        }
+        fn decode_answer(&self, _: NodeId, _: &Header, _: Option<OwnedFd>) -> Result<PeerAccess> {
+            Ok(Arc::new(()))
+        }
+        fn transfer<'a>(&'a self, _: &'a PeerAccess, _: Move<'a>) -> BoxFuture<'a, Result<()>> {
+            Box::pin(async { Ok(()) })
+        }
+    }
+
+    #[test]
+    fn the_cache_is_bounded_and_forgets_withdrawn_regions() {
+        let os = OneSided::new(Arc::new(Nothing));
+        for i in 0..(CACHE_LIMIT as u32 + 10) {
+            os.remember((RegionId(i), RemoteKey(1)), Some(Arc::new(())));
+        }
+        assert_eq!(os.cached_len(), CACHE_LIMIT);
+        assert!(os.cached((RegionId(0), RemoteKey(1))).is_none(), "the oldest went first");
+        os.forget(RegionId(CACHE_LIMIT as u32 + 9));
+        assert_eq!(os.cached_len(), CACHE_LIMIT - 1);
+        assert!(os.cached((RegionId(CACHE_LIMIT as u32 + 9), RemoteKey(1))).is_none());
     }
 }

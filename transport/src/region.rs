@@ -421,9 +421,17 @@ pub(crate) fn map_fd(fd: &OwnedFd, len: u64, resize: bool) -> Result<MmapRaw> {
 }
 
 /// The node's table of regions that peers may access, checked on every remote operation.
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct RegionTable {
     map: Arc<RwLock<HashMap<RegionId, Region>>>,
+    /// Ids of withdrawn regions, for the links that tell peers to drop their mappings.
+    withdrawn: tokio::sync::broadcast::Sender<RegionId>,
+}
+
+impl Default for RegionTable {
+    fn default() -> Self {
+        RegionTable { map: Arc::default(), withdrawn: tokio::sync::broadcast::channel(1024).0 }
+    }
 }
 
 impl RegionTable {
@@ -439,7 +447,16 @@ impl RegionTable {
 
     /// Withdraws a region; later remote accesses are refused with `UnknownRegion`.
     pub fn deregister(&self, id: RegionId) -> Option<Region> {
-        self.write_map().remove(&id)
+        let r = self.write_map().remove(&id);
+        if r.is_some() {
+            let _ = self.withdrawn.send(id);
+        }
+        r
+    }
+
+    /// Ids of regions withdrawn from now on.
+    pub(crate) fn withdrawn(&self) -> tokio::sync::broadcast::Receiver<RegionId> {
+        self.withdrawn.subscribe()
     }
 
     /// Number of registered regions.

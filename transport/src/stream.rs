@@ -289,6 +289,8 @@ impl StreamLink {
     /// Starts the reader, writer and watchdog tasks on the current runtime.
     pub(crate) fn spawn<R: FrameSource, W: FrameSink>(ctx: LinkCtx, reader: R, writer: W) -> Arc<StreamLink> {
         let LinkCtx { one_sided, servers, peer, kind, regions, services, timing, on_close } = ctx;
+        let one_sided = one_sided.map(Arc::new);
+        let mut withdrawn = regions.withdrawn();
         let (tx, rx) = mpsc::unbounded_channel();
         let (shutdown, _) = watch::channel(false);
         let shared = Arc::new(Shared {
@@ -319,16 +321,39 @@ impl StreamLink {
             }
         });
         let s = shared.clone();
+        let os = one_sided.clone();
         tokio::spawn(async move {
             let mut stop = s.shutdown.subscribe();
             let r = tokio::select! {
-                r = read_loop(&s, reader, &services, timing) => r,
+                r = read_loop(&s, reader, &services, os.as_deref(), timing) => r,
                 _ = crate::stream::stopped(&mut stop) => Ok(()),
             };
             if let Err(e) = r {
                 s.close(&e.to_string());
             }
         });
+        if matches!(kind, BackendKind::Shm | BackendKind::Rdma) {
+            // Tell a peer that may have mapped (or keyed) a local region when it is withdrawn, so
+            // the peer drops its mapping and the memory can be freed.
+            let s = shared.clone();
+            tokio::spawn(async move {
+                let mut stop = s.shutdown.subscribe();
+                loop {
+                    let id = tokio::select! {
+                        id = withdrawn.recv() => match id {
+                            Ok(id) => id,
+                            Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => continue,
+                            Err(_) => return,
+                        },
+                        _ = crate::stream::stopped(&mut stop) => return,
+                    };
+                    let h = Header { region: id.0, ..Header::new(Opcode::Forget) };
+                    if !s.send(Out::Frame { header: h, payload: Payload::None, done: None }) {
+                        return;
+                    }
+                }
+            });
+        }
         let s = shared.clone();
         tokio::spawn(async move {
             let mut stop = s.shutdown.subscribe();
@@ -346,7 +371,7 @@ impl StreamLink {
                 }
             }
         });
-        Arc::new(StreamLink { shared, one_sided: one_sided.map(Arc::new) })
+        Arc::new(StreamLink { shared, one_sided })
     }
 }
 
@@ -487,7 +512,13 @@ async fn drain<R: FrameSource>(s: &Shared, r: &mut R, mut len: u64) -> io::Resul
 }
 
 /// Reads frames and executes the steps the link machine ([`machine`]) decides on.
-async fn read_loop<R: FrameSource>(s: &Arc<Shared>, mut r: R, services: &Services, timing: Timing) -> Result<()> {
+async fn read_loop<R: FrameSource>(
+    s: &Arc<Shared>,
+    mut r: R,
+    services: &Services,
+    one_sided: Option<&OneSided>,
+    timing: Timing,
+) -> Result<()> {
     let peer = s.peer;
     let io_err = |e: io::Error| {
         if e.kind() == io::ErrorKind::UnexpectedEof {
@@ -532,6 +563,12 @@ async fn read_loop<R: FrameSource>(s: &Arc<Shared>, mut r: R, services: &Service
                 }
                 Step::Complete { done, result } => {
                     s.finish_op(done, result);
+                    break;
+                }
+                Step::Forget { region } => {
+                    if let Some(os) = one_sided {
+                        os.forget(region);
+                    }
                     break;
                 }
                 Step::DecodeLookup { done, engine, header } => {

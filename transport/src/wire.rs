@@ -50,6 +50,8 @@ pub enum Opcode {
     /// One-sided paths (shm, rdma): the initiator has placed `len` bytes at `region`/`offset`
     /// without the target's CPU; asks the target to check (and verify the crc) and send a WriteAck.
     Written = 9,
+    /// The owner withdrew `region`: drop any mapping or key cached for it (no answer).
+    Forget = 10,
 }
 
 /// Names a one-sided engine in a [`Opcode::LookupReq`]: each engine's file declares its own.
@@ -68,6 +70,7 @@ impl Opcode {
             7 => Opcode::LookupReq,
             8 => Opcode::LookupResp,
             9 => Opcode::Written,
+            10 => Opcode::Forget,
             _ => return None,
         })
     }

@@ -189,6 +189,10 @@ impl Harness {
                     consumed += len;
                     break;
                 }
+                Step::Forget { region } => {
+                    assert_eq!((h.op, region.0), (Opcode::Forget, h.region));
+                    break;
+                }
                 Step::Complete { done, result } => {
                     assert!(posted.is_some(), "{:?} completed an operation it does not answer", h.op);
                     let _ = done.send(result);
@@ -217,7 +221,7 @@ impl Harness {
     /// A frame header drawn from the input, biased towards pending ids, registered regions,
     /// right keys and ranges near the bounds.
     fn header(&self, input: &mut Input) -> Option<Header> {
-        let op = match input.byte()? % 9 {
+        let op = match input.byte()? % 10 {
             0 => Opcode::Write,
             1 => Opcode::WriteAck,
             2 => Opcode::ReadReq,
@@ -226,6 +230,7 @@ impl Harness {
             5 => Opcode::Ping,
             6 => Opcode::LookupReq,
             7 => Opcode::LookupResp,
+            8 => Opcode::Forget,
             _ => Opcode::Written,
         };
         let status = match input.byte()? % 8 {

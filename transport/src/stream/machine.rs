@@ -56,6 +56,8 @@ pub(crate) enum Step {
     Drain { len: u64, ack: Header },
     /// Read a `len`-byte message and hand it to the node's services.
     Message { len: u64 },
+    /// The peer withdrew its region `region`: drop what the one-sided engine cached for it.
+    Forget { region: RegionId },
     /// Complete one of our operations.
     Complete { done: Done, result: Result<Completion> },
     /// Decode the answer to our lookup with `engine` (a descriptor may have come with it).
@@ -84,6 +86,7 @@ pub(crate) fn on_header(t: &impl LinkTables, h: Header) -> Step {
     let access = |offset, len| t.regions().access(RegionId(h.region), RemoteKey(h.key), offset, len);
     match h.op {
         Opcode::Ping => Step::Nothing,
+        Opcode::Forget => Step::Forget { region: RegionId(h.region) },
         Opcode::Write => match access(h.offset, h.len) {
             Ok(region) => {
                 let ack = reply(&h, Opcode::WriteAck, Status::Ok);

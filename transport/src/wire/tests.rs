@@ -2,7 +2,7 @@ use super::*;
 use proptest::prelude::*;
 
 fn any_op() -> impl Strategy<Value = Opcode> {
-    (1u8..=9).prop_map(|v| Opcode::from_u8(v).unwrap())
+    (1u8..=10).prop_map(|v| Opcode::from_u8(v).unwrap())
 }
 
 fn any_status() -> impl Strategy<Value = Status> {
