@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use cascade_devcluster::netns::Netns;
 use cascade_multicast::MeshRates;
-use cascade_param_pool::manager::{AdminCall, AdminRequest, CheckReport, Manager, ManagerConfig, Status};
+use cascade_param_pool::manager::{AdminCall, AdminRequest, Caller, CheckReport, Manager, ManagerConfig, Status};
 use cascade_param_pool::{EmbeddedStore, Manifest, DEFAULT_CHUNK};
 use cascade_transport::{ClusterSpec, Endpoint, EndpointConfig};
 use clap::Args;
@@ -334,7 +334,11 @@ async fn driver(a: DemoArgs, cluster_file: PathBuf, pids: Vec<u32>) -> anyhow::R
 
     // 4. Check every copy against its manifest.
     let (reply, answer) = tokio::sync::oneshot::channel();
-    calls.send(AdminCall { request: AdminRequest::Check, reply }).await.ok().context("manager stopped")?;
+    calls
+        .send(AdminCall { request: AdminRequest::Check, caller: Caller::Operator, reply })
+        .await
+        .ok()
+        .context("manager stopped")?;
     let check: CheckReport =
         serde_json::from_value(answer.await?.map_err(|e| anyhow::anyhow!("{e}"))?).context("check report")?;
     drop(calls);

@@ -127,6 +127,16 @@ pub(crate) async fn join(m: &Member, wait_all: bool) -> anyhow::Result<Arc<Endpo
     join_with(m, wait_all, |_| Ok(())).await
 }
 
+/// The cluster secret: from `file`, or else `CASCADE_SECRET`.
+pub(crate) fn read_secret(file: Option<&std::path::Path>) -> anyhow::Result<Vec<u8>> {
+    let secret = match (file, std::env::var("CASCADE_SECRET")) {
+        (Some(f), _) => std::fs::read(f).with_context(|| format!("reading {}", f.display()))?,
+        (None, Ok(s)) => s.into_bytes(),
+        (None, Err(_)) => bail!("no cluster secret: pass --secret-file or set CASCADE_SECRET"),
+    };
+    Ok(secret.trim_ascii().to_vec())
+}
+
 /// Joins the cluster as `m`, with `services` started on the endpoint before any peer connects.
 pub(crate) async fn join_with(
     m: &Member,
@@ -134,12 +144,7 @@ pub(crate) async fn join_with(
     services: impl FnOnce(&Arc<Endpoint>) -> anyhow::Result<()>,
 ) -> anyhow::Result<Arc<Endpoint>> {
     let cluster = ClusterSpec::load(&m.cluster)?;
-    let secret = match (&m.secret_file, std::env::var("CASCADE_SECRET")) {
-        (Some(f), _) => std::fs::read(f).with_context(|| format!("reading {}", f.display()))?,
-        (None, Ok(s)) => s.into_bytes(),
-        (None, Err(_)) => bail!("no cluster secret: pass --secret-file or set CASCADE_SECRET"),
-    };
-    let secret: Vec<u8> = secret.trim_ascii().to_vec();
+    let secret = read_secret(m.secret_file.as_deref())?;
     let mut cfg = EndpointConfig::new(m.node, cluster, &secret);
     cfg.shm = !m.no_shm;
     cfg.memory_limit = m.memory_limit_mib.map(|mib| mib << 20);

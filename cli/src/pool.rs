@@ -1,19 +1,17 @@
 //! `cascade pool …`: run the pool manager, and the operator's tools that talk to it.
 
-use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
 use cascade_multicast::MeshRates;
-use cascade_param_pool::manager::{admin_call, serve_admin, AdminRequest, CheckReport, Manager, ManagerConfig, Status};
+use cascade_param_pool::manager::{
+    admin_call, serve_admin, AdminAddr, AdminListener, AdminRequest, CheckReport, Manager, ManagerConfig, Status,
+};
 use cascade_param_pool::EmbeddedStore;
 use clap::{Args, Subcommand};
 
 use crate::{join, shutdown_signal, Member};
-
-/// Default admin address of the manager.
-pub(crate) const DEFAULT_ADMIN: &str = "127.0.0.1:7470";
 
 #[derive(Subcommand)]
 pub(crate) enum PoolCmd {
@@ -86,12 +84,27 @@ pub(crate) struct WalArgs {
 
 #[derive(Args)]
 pub(crate) struct Admin {
-    /// The manager's admin address.
-    #[arg(long, default_value = DEFAULT_ADMIN)]
-    admin: SocketAddr,
+    /// The manager's admin address: a unix socket path (default: cascade-pool.sock in
+    /// $XDG_RUNTIME_DIR or the temp dir) or host:port (then the cluster secret is needed).
+    #[arg(long)]
+    admin: Option<AdminAddr>,
+    /// File holding the cluster secret, for a TCP admin address (or set CASCADE_SECRET).
+    #[arg(long)]
+    secret_file: Option<PathBuf>,
     /// Print JSON.
     #[arg(long)]
     json: bool,
+}
+
+impl Admin {
+    async fn call(&self, req: AdminRequest) -> anyhow::Result<serde_json::Value> {
+        let addr = self.admin.clone().unwrap_or_else(AdminAddr::default_unix);
+        let secret = match addr {
+            AdminAddr::Tcp(_) => crate::read_secret(self.secret_file.as_deref())?,
+            AdminAddr::Unix(_) => Vec::new(),
+        };
+        Ok(admin_call(&addr, &secret, &req).await?)
+    }
 }
 
 #[derive(Args)]
@@ -115,9 +128,11 @@ pub(crate) struct ServeArgs {
     /// Key prefix of the pool's metadata in etcd.
     #[arg(long, default_value = "/cascade/pool")]
     etcd_prefix: String,
-    /// Admin address (JSON lines over TCP; keep it on loopback).
-    #[arg(long, default_value = DEFAULT_ADMIN)]
-    admin: SocketAddr,
+    /// Admin address: a unix socket path, mode 0600 (default: cascade-pool.sock in
+    /// $XDG_RUNTIME_DIR or the temp dir), or host:port, where every client must prove it holds
+    /// the cluster secret.
+    #[arg(long)]
+    admin: Option<AdminAddr>,
     /// Copies required per model.
     #[arg(long, default_value_t = 1)]
     k: usize,
@@ -194,9 +209,11 @@ async fn serve_with<S: cascade_param_pool::MetaStore + 'static>(
     cfg: ManagerConfig,
 ) -> anyhow::Result<()> {
     let mut m = Manager::open(ep.clone(), store, cfg)?;
-    let listener = tokio::net::TcpListener::bind(a.admin).await.with_context(|| format!("binding {}", a.admin))?;
+    let addr = a.admin.clone().unwrap_or_else(AdminAddr::default_unix);
+    let secret = crate::read_secret(a.member.secret_file.as_deref())?;
+    let listener = AdminListener::bind(&addr, &secret).await.with_context(|| format!("binding {addr}"))?;
     m.start().await?;
-    tracing::info!(admin = %a.admin, "pool manager ready");
+    tracing::info!(admin = %addr, "pool manager ready");
     let (tx, rx) = tokio::sync::mpsc::channel(16);
     tokio::spawn(serve_admin(listener, tx, m.status_handle()));
     tokio::select! {
@@ -233,10 +250,6 @@ fn wal(cmd: WalCmd) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn call(admin: SocketAddr, req: AdminRequest) -> anyhow::Result<serde_json::Value> {
-    Ok(admin_call(admin, &req).await?)
-}
-
 fn print_check(rep: &CheckReport, json: bool) -> anyhow::Result<()> {
     if json {
         println!("{}", serde_json::to_string(rep)?);
@@ -261,7 +274,7 @@ pub(crate) async fn run(cmd: PoolCmd) -> anyhow::Result<()> {
     match cmd {
         PoolCmd::Serve(a) => serve(a).await,
         PoolCmd::Status(a) => {
-            let v = call(a.admin, AdminRequest::Status).await?;
+            let v = a.call(AdminRequest::Status).await?;
             if a.json {
                 println!("{v}");
             } else {
@@ -270,17 +283,17 @@ pub(crate) async fn run(cmd: PoolCmd) -> anyhow::Result<()> {
             }
             Ok(())
         }
-        PoolCmd::Check(a) => print_check(&serde_json::from_value(call(a.admin, AdminRequest::Check).await?)?, a.json),
-        PoolCmd::Repair(a) => print_check(&serde_json::from_value(call(a.admin, AdminRequest::Repair).await?)?, a.json),
+        PoolCmd::Check(a) => print_check(&serde_json::from_value(a.call(AdminRequest::Check).await?)?, a.json),
+        PoolCmd::Repair(a) => print_check(&serde_json::from_value(a.call(AdminRequest::Repair).await?)?, a.json),
         PoolCmd::Register { admin, name, file } => {
             let file = std::fs::canonicalize(&file).with_context(|| format!("{}", file.display()))?;
-            let v = call(admin.admin, AdminRequest::Register { name, path: file.display().to_string() }).await?;
+            let v = admin.call(AdminRequest::Register { name, path: file.display().to_string() }).await?;
             println!("{}", if admin.json { v.to_string() } else { format!("registered model {}", v["model"]) });
             Ok(())
         }
         PoolCmd::Wal { what } => wal(what),
         PoolCmd::Deploy { admin, model, node, gpu } => {
-            call(admin.admin, AdminRequest::Deploy { model, node, gpu }).await?;
+            admin.call(AdminRequest::Deploy { model, node, gpu }).await?;
             println!("model {model} serving on node {node} gpu{gpu}");
             Ok(())
         }

@@ -13,7 +13,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use cascade_param_pool::manager::{admin_call, AdminRequest, Status};
+use cascade_param_pool::manager::{admin_call, AdminAddr, AdminRequest, Status};
 
 const CASCADE: &str = env!("CARGO_BIN_EXE_cascade");
 /// The link rate the restore bound assumes: loopback tcp, measured at about 27 Gbit/s here
@@ -147,7 +147,7 @@ impl PoolCluster {
     }
 
     fn call(&self, req: AdminRequest) -> Result<serde_json::Value, cascade_param_pool::manager::AdminError> {
-        self.rt.block_on(admin_call(self.admin, &req))
+        self.rt.block_on(admin_call(&AdminAddr::Tcp(self.admin), b"pool-secret", &req))
     }
 
     fn try_status(&self) -> Option<Status> {
@@ -165,7 +165,11 @@ impl PoolCluster {
 
     /// `cascade pool <what>`'s exit status and output.
     fn tool(&self, what: &str) -> (bool, String) {
-        let out = Command::new(CASCADE).args(["pool", what, "--admin", &self.admin.to_string()]).output().unwrap();
+        let out = Command::new(CASCADE)
+            .args(["pool", what, "--admin", &self.admin.to_string()])
+            .env("CASCADE_SECRET", "pool-secret")
+            .output()
+            .unwrap();
         (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned())
     }
 

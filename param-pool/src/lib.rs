@@ -4,6 +4,7 @@
 //!
 //! * [`manifest`] — model manifests from safetensors files: layers, layer-major packing, chunk
 //!   crc32s and a content hash;
+//! * [`files`] — opening model files without blocking, regular files only;
 //! * [`loader`] — io_uring loading (O_DIRECT, buffered fallback) into a registered region;
 //! * [`pool`] — the pool manager's pure core: ≥k ready copies per model on distinct nodes,
 //!   balanced placement, reclaim that copies first, repair after a node dies;
@@ -17,6 +18,7 @@
 //! * [`synthetic`] — Llama-2-7B-structured synthetic models for demos and tests.
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
+pub mod files;
 pub mod loader;
 pub mod manager;
 pub mod manifest;

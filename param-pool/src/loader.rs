@@ -15,7 +15,6 @@
 use std::fs::File;
 use std::io;
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 use std::time::Instant;
 
@@ -154,7 +153,7 @@ pub unsafe fn load(
     pieces.sort_by_key(|p| p.file);
     let started = Instant::now();
     let direct = if opts.direct {
-        match File::options().read(true).custom_flags(libc::O_DIRECT).open(path) {
+        match crate::files::open_regular(path, libc::O_DIRECT) {
             Ok(f) => Some(f),
             Err(e) if e.raw_os_error() == Some(libc::EINVAL) => None, // filesystem refuses O_DIRECT
             Err(e) => return Err(io_err(format!("opening {shown}"))(e)),
@@ -169,7 +168,7 @@ pub unsafe fn load(
             LoadMode::Direct
         }
         None => {
-            let f = File::open(path).map_err(io_err(format!("opening {shown}")))?;
+            let f = crate::files::open_regular(path, 0).map_err(io_err(format!("opening {shown}")))?;
             // SAFETY: as above.
             unsafe { load_buffered(&f, &pieces, region, opts, &shown)? };
             LoadMode::Buffered

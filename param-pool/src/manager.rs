@@ -48,7 +48,10 @@ pub mod exec;
 pub mod plan;
 mod report;
 
-pub use admin::{admin_call, serve_admin, AdminCall, AdminError, AdminRequest};
+pub use admin::{
+    admin_call, serve_admin, AdminAddr, AdminCall, AdminError, AdminListener, AdminRequest, Caller, MAX_CONNECTIONS,
+    MAX_LINE,
+};
 pub use detector::Detector;
 pub use report::{CheckReport, CopyStatus, ModelStatus, NodeStatus, Status};
 
@@ -372,6 +375,19 @@ impl<S: MetaStore + 'static> Manager<S> {
     /// Registers the safetensors file at `path` as model `name`; its first k copies are loaded
     /// from the file. Returns the model's id.
     pub async fn register(&mut self, name: &str, path: &Path) -> Result<ModelId, ManagerError> {
+        self.register_as(name, path, Caller::Operator).await
+    }
+
+    /// As [`Manager::register`], for `caller`: a local user may only register a file it could
+    /// read itself (the manager, often root, reads it on the caller's behalf).
+    pub async fn register_as(&mut self, name: &str, path: &Path, caller: Caller) -> Result<ModelId, ManagerError> {
+        if let Caller::Local { uid, gid } = caller {
+            let p = path.to_path_buf();
+            tokio::task::spawn_blocking(move || admin::may_read(uid, gid, &p))
+                .await
+                .map_err(|e| ManagerError::Refused(format!("checking the file's permissions: {e}")))?
+                .map_err(ManagerError::Refused)?;
+        }
         if name.is_empty() || name.len() > 128 || name.chars().any(char::is_control) {
             return Err(ManagerError::Refused(format!(
                 "model name {:?}: 1 to 128 characters, none of them control characters",
@@ -709,7 +725,7 @@ impl<S: MetaStore + 'static> Manager<S> {
             tokio::select! {
                 call = admin.recv() => {
                     let Some(call) = call else { return Ok(()) };
-                    let res = self.serve(call.request).await;
+                    let res = self.serve(call.request, call.caller).await;
                     if let Err(e) = &res {
                         self.store_failed(e);
                     }
@@ -768,13 +784,13 @@ impl<S: MetaStore + 'static> Manager<S> {
         Ok(())
     }
 
-    async fn serve(&mut self, req: AdminRequest) -> Result<serde_json::Value, ManagerError> {
+    async fn serve(&mut self, req: AdminRequest, caller: Caller) -> Result<serde_json::Value, ManagerError> {
         match req {
             AdminRequest::Status => Ok(to_json(&*self.status.lock().unwrap_or_else(|e| e.into_inner()))),
             AdminRequest::Check => Ok(to_json(&self.check().await?)),
             AdminRequest::Repair => Ok(to_json(&self.repair().await?)),
             AdminRequest::Register { name, path } => {
-                let id = self.register(&name, Path::new(&path)).await?;
+                let id = self.register_as(&name, Path::new(&path), caller).await?;
                 Ok(serde_json::json!({ "model": id }))
             }
             AdminRequest::Deploy { model, node, gpu } => {

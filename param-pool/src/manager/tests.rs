@@ -92,7 +92,7 @@ async fn repairs_after_a_node_dies_from_copies_or_from_the_file() {
         assert!(s.copies.iter().all(|c| c.node != 2));
         assert_eq!(s.copies.len(), 6 * k, "k={k}: exactly k copies of every model, none duplicated");
         let (rtx, rrx) = tokio::sync::oneshot::channel();
-        tx.send(AdminCall { request: AdminRequest::Check, reply: rtx }).await.unwrap();
+        tx.send(AdminCall { request: AdminRequest::Check, caller: Caller::Operator, reply: rtx }).await.unwrap();
         let rep: CheckReport = serde_json::from_value(rrx.await.unwrap().unwrap()).unwrap();
         assert!(rep.healthy, "k={k}: {:?}", rep.problems);
         drop(tx);

@@ -293,7 +293,10 @@ async fn a_full_disk_degrades_the_manager_instead_of_killing_it() {
     }
     // An admin request is answered (with the store's error), not left hanging.
     let (tx, back) = tokio::sync::oneshot::channel();
-    admin.send(AdminCall { request: AdminRequest::Reclaim { copy: 1 }, reply: tx }).await.unwrap();
+    admin
+        .send(AdminCall { request: AdminRequest::Reclaim { copy: 1 }, caller: Caller::Operator, reply: tx })
+        .await
+        .unwrap();
     let answer = back.await.unwrap();
     assert!(answer.is_err(), "{answer:?}");
     tokio::time::sleep(Duration::from_secs(5)).await;
@@ -303,4 +306,21 @@ async fn a_full_disk_degrades_the_manager_instead_of_killing_it() {
     assert!(status.lock().unwrap().degraded.is_none());
     drop(admin);
     task.await.unwrap().unwrap();
+}
+
+/// Registering a FIFO (or anything but a regular file) is refused at once; the manager does not
+/// block on it (it used to, and missed a node's death meanwhile).
+#[tokio::test(start_paused = true)]
+async fn registering_a_fifo_is_refused_without_blocking() {
+    let c = MemCluster::new(2, 0, "fifo");
+    let mut m = c.manager(1);
+    m.start().await.unwrap();
+    let fifo = c.dir.join("model.safetensors");
+    let path = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: `path` is a valid NUL-terminated string.
+    assert_eq!(unsafe { libc::mkfifo(path.as_ptr(), 0o600) }, 0);
+    let r = tokio::time::timeout(Duration::from_secs(5), m.register("fifo", &fifo)).await;
+    let err = r.expect("register blocked on a FIFO").unwrap_err().to_string();
+    assert!(err.contains("not a regular file"), "{err}");
+    assert!(m.catalog().is_empty());
 }
