@@ -188,6 +188,8 @@ pub struct Manager<S: MetaStore + 'static> {
     lost: BTreeMap<ModelId, String>,
     /// Why the manager is degraded (its store refuses writes), if it is.
     degraded: Option<String>,
+    /// Other pools' copies the nodes hold, as last listed (reported, never touched).
+    foreign: BTreeMap<NodeId, Vec<(String, u64)>>,
     status: Arc<Mutex<Status>>,
 }
 
@@ -223,6 +225,7 @@ impl<S: MetaStore + 'static> Manager<S> {
             request_timeout: cfg.request_timeout,
             notices: None,
             epoch: Instant::now(),
+            pool: pool.id().to_string(),
             mesh: mesh.clone(),
         };
         let mut m = Manager {
@@ -234,10 +237,16 @@ impl<S: MetaStore + 'static> Manager<S> {
             seen: BTreeMap::new(),
             lost: BTreeMap::new(),
             degraded: None,
+            foreign: BTreeMap::new(),
             status: Arc::default(),
         };
         m.publish();
         Ok(m)
+    }
+
+    /// The pool's id (made by `--init`; the nodes keep its copies under it).
+    pub fn pool_id(&self) -> &str {
+        &self.io.pool
     }
 
     /// Sends every [`Notice`] to `tx`, with its time since `epoch`.
@@ -278,6 +287,11 @@ impl<S: MetaStore + 'static> Manager<S> {
             s.degraded = Some(why.clone());
             s.healthy = false;
         }
+        s.foreign = self
+            .foreign
+            .iter()
+            .flat_map(|(n, v)| v.iter().map(|(p, c)| report::ForeignCopy { node: *n, pool: p.clone(), copy: *c }))
+            .collect();
         *self.status.lock().unwrap_or_else(|e| e.into_inner()) = s;
     }
 
@@ -334,10 +348,21 @@ impl<S: MetaStore + 'static> Manager<S> {
     }
 
     /// Asks every live node what it holds: completed copies still loading in the pool are checked
-    /// and marked ready, unknown copies are dropped, and the copies still missing are made again.
-    /// Returns (kept, dropped, re-issued).
+    /// and marked ready, this pool's copies it has no record of (made after the last record a
+    /// crash cut off) are dropped, and the copies still missing are made again. Other pools'
+    /// copies are reported and left alone. Returns (kept, dropped, re-issued).
     async fn reconcile(&mut self) -> Result<(usize, usize, usize), ManagerError> {
-        let held = self.io.list(self.pool().live_nodes().collect()).await;
+        let listing = self.io.list(self.pool().live_nodes().collect()).await;
+        for (node, v) in &listing.foreign {
+            warn!(
+                node,
+                copies = v.len(),
+                "the node holds copies of another pool: left alone (see `cascade pool status`)"
+            );
+        }
+        self.foreign = listing.foreign;
+        self.publish();
+        let held = listing.ours;
         let r = plan::reconcile(self.pool(), &held);
         for (node, id) in &r.unknown {
             info!(node, copy = id, "dropping a copy the pool does not know");
@@ -653,7 +678,10 @@ impl<S: MetaStore + 'static> Manager<S> {
         for c in copies.iter().filter(|c| c.state == CopyState::Loading) {
             problems.push(format!("copy {} of model {} on node {} is still loading", c.id, c.model, c.node));
         }
-        let held = self.io.list(self.pool().live_nodes().collect()).await;
+        let listing = self.io.list(self.pool().live_nodes().collect()).await;
+        self.foreign = listing.foreign;
+        self.publish();
+        let held = listing.ours;
         for n in self.pool().live_nodes() {
             match held.get(&n) {
                 None => problems.push(format!("node {n} did not answer")),

@@ -3,14 +3,19 @@
 //! the pool manager's requests:
 //!
 //! ```text
-//! manager -> node   Load{copy, path, manifest}   ->  Loaded{result, file_missing}   (io_uring, crc-verified)
-//! manager -> node   Drop{copy}                   ->  Dropped
-//! manager -> node   Check{copy, bytes, chunk}    ->  Checked{crcs}    (None: no such copy)
-//! manager -> node   List                         ->  Listed{copies}
-//! manager -> node   Lend{copy, run, loc, bytes}  ->  Done      the copy becomes the source of a multicast run
-//! manager -> node   Adopt{copy, run, loc}        ->  Done      a verified target of a run becomes held copy `copy`
-//! (any of them)                                  ->  Failed{message}
+//! manager -> node   Load{pool, copy, path, manifest}   ->  Loaded{result, file_missing}   (io_uring, crc-verified)
+//! manager -> node   Drop{pool, copy}                   ->  Dropped
+//! manager -> node   Check{pool, copy, bytes, chunk}    ->  Checked{crcs}    (None: no such copy)
+//! manager -> node   List{pool}                         ->  Listed{copies, foreign}
+//! manager -> node   Lend{pool, copy, run, loc, bytes}  ->  Done      the copy becomes the source of a multicast run
+//! manager -> node   Adopt{pool, copy, run, loc}        ->  Done      a verified target of a run becomes held copy `copy`
+//! (any of them)                                        ->  Failed{message}
 //! ```
+//!
+//! A node remembers which pool each copy belongs to (the pool id its manager was created with):
+//! every request names its pool and reaches only that pool's copies, so a manager started on
+//! the wrong (or a new) store cannot drop or overwrite another pool's copies; it sees them as
+//! `foreign` in a listing.
 //!
 //! Lend and Adopt go through the node's [`MulticastNode`]: the pool (the higher crate) calls
 //! into the multicast (the lower one), never the other way round.
@@ -35,6 +40,8 @@ use crate::manifest::Manifest;
 pub enum PoolMsg {
     /// Load the model file at `path` into a new held copy.
     Load {
+        /// The pool.
+        pool: String,
         /// The copy's id.
         copy: u64,
         /// The safetensors file.
@@ -51,6 +58,8 @@ pub enum PoolMsg {
     },
     /// Release a held copy.
     Drop {
+        /// The pool.
+        pool: String,
         /// The copy.
         copy: u64,
     },
@@ -58,6 +67,8 @@ pub enum PoolMsg {
     Dropped,
     /// Checksum a held copy.
     Check {
+        /// The pool.
+        pool: String,
         /// The copy.
         copy: u64,
         /// Model bytes.
@@ -71,14 +82,21 @@ pub enum PoolMsg {
         crcs: Option<Vec<u32>>,
     },
     /// List the held copies.
-    List,
+    List {
+        /// The pool asking.
+        pool: String,
+    },
     /// The held copies.
     Listed {
-        /// Their ids, ascending.
+        /// Ids of the asking pool's copies, ascending.
         copies: Vec<u64>,
+        /// Copies of other pools, by pool id and copy id: not the asker's to touch.
+        foreign: Vec<(String, u64)>,
     },
     /// Lend held copy `copy` to multicast run `run` as its source at `loc`.
     Lend {
+        /// The pool.
+        pool: String,
         /// The copy.
         copy: u64,
         /// The run (its controller is the requester).
@@ -90,6 +108,8 @@ pub enum PoolMsg {
     },
     /// Take the verified target `loc` of run `run` as held copy `copy`.
     Adopt {
+        /// The pool.
+        pool: String,
         /// The new copy's id.
         copy: u64,
         /// The run.
@@ -106,38 +126,43 @@ pub enum PoolMsg {
     },
 }
 
-cascade_transport::binary_message!(PoolMsg, ServiceId::POOL, 1);
+cascade_transport::binary_message!(PoolMsg, ServiceId::POOL, 2);
 
-/// The node's held copies, by copy id. Their regions stay registered (peers may read them as
-/// multicast sources) until dropped.
+/// The node's held copies, by pool id and copy id. Their regions stay registered (peers may
+/// read them as multicast sources) until dropped.
 #[derive(Default)]
 pub struct HeldCopies {
-    map: Mutex<BTreeMap<u64, Region>>,
+    map: Mutex<BTreeMap<(String, u64), Region>>,
 }
 
 impl HeldCopies {
-    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<u64, Region>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<(String, u64), Region>> {
         self.map.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Holds `region` as copy `id`; returns the region it replaces, if any.
-    pub fn insert(&self, id: u64, region: Region) -> Option<Region> {
-        self.lock().insert(id, region)
+    /// Holds `region` as copy `id` of `pool`; returns the region it replaces, if any.
+    pub fn insert(&self, pool: &str, id: u64, region: Region) -> Option<Region> {
+        self.lock().insert((pool.to_string(), id), region)
     }
 
-    /// The region of copy `id`.
-    pub fn get(&self, id: u64) -> Option<Region> {
-        self.lock().get(&id).cloned()
+    /// The region of copy `id` of `pool`.
+    pub fn get(&self, pool: &str, id: u64) -> Option<Region> {
+        self.lock().get(&(pool.to_string(), id)).cloned()
     }
 
-    /// Stops holding copy `id`; the caller deregisters the region.
-    pub fn remove(&self, id: u64) -> Option<Region> {
-        self.lock().remove(&id)
+    /// Stops holding copy `id` of `pool`; the caller deregisters the region.
+    pub fn remove(&self, pool: &str, id: u64) -> Option<Region> {
+        self.lock().remove(&(pool.to_string(), id))
     }
 
-    /// Ids of every held copy, ascending.
-    pub fn ids(&self) -> Vec<u64> {
-        self.lock().keys().copied().collect()
+    /// Ids of `pool`'s held copies, ascending.
+    pub fn ids(&self, pool: &str) -> Vec<u64> {
+        self.lock().keys().filter(|(p, _)| p == pool).map(|(_, c)| *c).collect()
+    }
+
+    /// Copies held for pools other than `pool`.
+    pub fn foreign(&self, pool: &str) -> Vec<(String, u64)> {
+        self.lock().keys().filter(|(p, _)| p != pool).cloned().collect()
     }
 }
 
@@ -186,35 +211,38 @@ impl PoolNode {
 
     async fn serve_request(self: &Arc<Self>, from: NodeId, msg: PoolMsg) -> Result<PoolMsg, TransportError> {
         match msg {
-            PoolMsg::Load { copy, path, manifest } => {
+            PoolMsg::Load { pool, copy, path, manifest } => {
                 let me = self.clone();
-                blocking(move || Ok(me.load(copy, &path, &manifest))).await
+                blocking(move || Ok(me.load(&pool, copy, &path, &manifest))).await
             }
-            PoolMsg::Drop { copy } => {
-                if let Some(r) = self.held.remove(copy) {
+            PoolMsg::Drop { pool, copy } => {
+                if let Some(r) = self.held.remove(&pool, copy) {
                     self.mesh.regions().deregister(r.id());
                     info!(copy, "dropped a copy");
                 }
                 Ok(PoolMsg::Dropped)
             }
-            PoolMsg::Check { copy, bytes, chunk } => {
-                let Some(r) = self.held.get(copy) else { return Ok(PoolMsg::Checked { crcs: None }) };
+            PoolMsg::Check { pool, copy, bytes, chunk } => {
+                let Some(r) = self.held.get(&pool, copy) else { return Ok(PoolMsg::Checked { crcs: None }) };
                 // SAFETY: a held copy is complete and nobody writes it: sources are only read.
                 let crcs = blocking(move || unsafe { chunk_crcs(&r, bytes.min(r.len()), chunk) }).await.ok();
                 Ok(PoolMsg::Checked { crcs })
             }
-            PoolMsg::List => Ok(PoolMsg::Listed { copies: self.held.ids() }),
-            PoolMsg::Lend { copy, run, loc, bytes } => {
-                let region = self.held.get(copy).ok_or_else(|| refused(format!("this node holds no copy {copy}")))?;
+            PoolMsg::List { pool } => {
+                Ok(PoolMsg::Listed { copies: self.held.ids(&pool), foreign: self.held.foreign(&pool) })
+            }
+            PoolMsg::Lend { pool, copy, run, loc, bytes } => {
+                let region =
+                    self.held.get(&pool, copy).ok_or_else(|| refused(format!("this node holds no copy {copy}")))?;
                 if region.len() < bytes {
                     return Err(refused(format!("copy {copy} has {} bytes, the run moves {bytes}", region.len())));
                 }
                 self.multicast.lend(run, loc, region, from)?;
                 Ok(PoolMsg::Done)
             }
-            PoolMsg::Adopt { copy, run, loc } => {
+            PoolMsg::Adopt { pool, copy, run, loc } => {
                 let region = self.multicast.detach(run, loc)?;
-                if let Some(old) = self.held.insert(copy, region) {
+                if let Some(old) = self.held.insert(&pool, copy, region) {
                     // A manager re-issued this copy after a restart: the new bytes replace the old.
                     self.mesh.regions().deregister(old.id());
                 }
@@ -226,17 +254,17 @@ impl PoolNode {
 
     /// Loads `path` into a new held copy (on a blocking thread). The region is registered only
     /// once it holds the verified bytes.
-    fn load(&self, copy: u64, path: &str, manifest: &Manifest) -> PoolMsg {
+    fn load(&self, pool: &str, copy: u64, path: &str, manifest: &Manifest) -> PoolMsg {
         let file_missing = !Path::new(path).exists();
         let result = self.mesh.alloc(manifest.bytes).map_err(|e| e.to_string()).and_then(|region| {
             // SAFETY: the region was just allocated and is not registered: nobody else reaches it.
             let rep = unsafe { load(manifest, Path::new(path), &region, LoadOptions::default()) };
             let rep = rep.map_err(|e| e.to_string())?;
             self.mesh.register(&region).map_err(|e| e.to_string())?;
-            if let Some(old) = self.held.insert(copy, region) {
+            if let Some(old) = self.held.insert(pool, copy, region) {
                 self.mesh.regions().deregister(old.id());
             }
-            info!(copy, path, seconds = rep.seconds, mode = ?rep.mode, "loaded a copy from its file");
+            info!(pool, copy, path, seconds = rep.seconds, mode = ?rep.mode, "loaded a copy from its file");
             Ok(rep.seconds)
         });
         PoolMsg::Loaded { result, file_missing }

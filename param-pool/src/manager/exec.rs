@@ -46,6 +46,17 @@ pub struct Io {
     pub notices: Option<mpsc::UnboundedSender<(f64, Notice)>>,
     /// Time zero of the notices.
     pub epoch: Instant,
+    /// The pool's id: every request names it, and reaches only its copies.
+    pub pool: String,
+}
+
+/// What the nodes hold: this pool's copies, and other pools' (never touched).
+#[derive(Debug, Default)]
+pub struct Listing {
+    /// This pool's copies, per node.
+    pub ours: BTreeMap<NodeId, Vec<CopyId>>,
+    /// Other pools' copies (pool id, copy id), per node.
+    pub foreign: BTreeMap<NodeId, Vec<(String, u64)>>,
 }
 
 impl Io {
@@ -89,7 +100,7 @@ impl Io {
 
     /// Drops copies on their nodes and waits for the answers (a later request never sees them).
     pub async fn drop_all(&self, drops: Vec<(NodeId, CopyId)>) {
-        let asks = drops.iter().map(|(n, c)| (*n, PoolMsg::Drop { copy: *c })).collect();
+        let asks = drops.iter().map(|(n, c)| (*n, PoolMsg::Drop { pool: self.pool.clone(), copy: *c })).collect();
         for ((node, copy), r) in drops.iter().zip(self.ask_all(asks).await) {
             if let Err(e) = r {
                 warn!(node, copy, error = %e, "dropping a copy failed");
@@ -98,24 +109,29 @@ impl Io {
     }
 
     /// Lists every given node's copies; nodes that do not answer are left out.
-    pub async fn list(&self, nodes: Vec<NodeId>) -> BTreeMap<NodeId, Vec<CopyId>> {
+    pub async fn list(&self, nodes: Vec<NodeId>) -> Listing {
         let nodes: Vec<NodeId> = nodes.into_iter().filter(|n| self.connected(*n)).collect();
-        let answers = self.ask_all(nodes.iter().map(|n| (*n, PoolMsg::List)).collect()).await;
-        nodes
-            .into_iter()
-            .zip(answers)
-            .filter_map(|(n, r)| match r {
-                Ok(PoolMsg::Listed { copies }) => Some((n, copies)),
-                _ => None,
-            })
-            .collect()
+        let answers =
+            self.ask_all(nodes.iter().map(|n| (*n, PoolMsg::List { pool: self.pool.clone() })).collect()).await;
+        let mut out = Listing::default();
+        for (n, r) in nodes.into_iter().zip(answers) {
+            if let Ok(PoolMsg::Listed { copies, foreign }) = r {
+                out.ours.insert(n, copies);
+                if !foreign.is_empty() {
+                    out.foreign.insert(n, foreign);
+                }
+            }
+        }
+        out
     }
 
     /// Checksums copies on their nodes against the crcs given with each: copy → match.
     pub async fn check(&self, copies: Vec<(ModelCopy, u64, u64, Vec<u32>)>) -> BTreeMap<CopyId, bool> {
         let asks = copies
             .iter()
-            .map(|(c, bytes, chunk, _)| (c.node, PoolMsg::Check { copy: c.id, bytes: *bytes, chunk: *chunk }))
+            .map(|(c, bytes, chunk, _)| {
+                (c.node, PoolMsg::Check { pool: self.pool.clone(), copy: c.id, bytes: *bytes, chunk: *chunk })
+            })
             .collect();
         let answers = self.ask_all(asks).await;
         copies
@@ -140,7 +156,12 @@ impl Io {
         let mut asks = Vec::new();
         for c in &copies {
             self.notice(Notice::Creating { copy: c.id, model, node: c.node, from: "file", bytes });
-            let m = PoolMsg::Load { copy: c.id, path: entry.path.clone(), manifest: Box::new(entry.manifest.clone()) };
+            let m = PoolMsg::Load {
+                pool: self.pool.clone(),
+                copy: c.id,
+                path: entry.path.clone(),
+                manifest: Box::new(entry.manifest.clone()),
+            };
             asks.push((c.node, m));
         }
         let answers = self.ask_all(asks).await;
@@ -194,7 +215,10 @@ impl Io {
         }
         // The source copies are lent to the run by their nodes' pool services.
         let run = new_run_id();
-        let lends = sources.iter().map(|(l, c)| (l.node, PoolMsg::Lend { copy: *c, run, loc: *l, bytes })).collect();
+        let lends = sources
+            .iter()
+            .map(|(l, c)| (l.node, PoolMsg::Lend { pool: self.pool.clone(), copy: *c, run, loc: *l, bytes }))
+            .collect();
         let lent = self.ask_all(lends).await;
         let lent: BTreeSet<Loc> =
             sources.keys().zip(&lent).filter(|(_, r)| matches!(r, Ok(PoolMsg::Done))).map(|(l, _)| *l).collect();
@@ -245,7 +269,10 @@ impl Io {
         // The verified targets become held copies, then the run is released.
         let adopt: Vec<(Loc, &ModelCopy)> =
             targets.iter().filter(|(l, _)| out.verified.contains(l)).map(|(l, c)| (*l, c)).collect();
-        let asks = adopt.iter().map(|(l, c)| (l.node, PoolMsg::Adopt { copy: c.id, run, loc: *l })).collect();
+        let asks = adopt
+            .iter()
+            .map(|(l, c)| (l.node, PoolMsg::Adopt { pool: self.pool.clone(), copy: c.id, run, loc: *l }))
+            .collect();
         let answers = self.ask_all(asks).await;
         let kept: BTreeSet<Loc> =
             adopt.iter().zip(&answers).filter(|(_, r)| matches!(r, Ok(PoolMsg::Done))).map(|((l, _), _)| *l).collect();

@@ -71,6 +71,20 @@ pub struct Status {
     /// Why the manager is degraded (its metadata store refuses writes), if it is.
     #[serde(default)]
     pub degraded: Option<String>,
+    /// Copies the nodes hold for other pools: reported, never touched.
+    #[serde(default)]
+    pub foreign: Vec<ForeignCopy>,
+}
+
+/// A copy a node holds for another pool.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ForeignCopy {
+    /// The node.
+    pub node: NodeId,
+    /// The other pool's id.
+    pub pool: String,
+    /// Its copy id there.
+    pub copy: u64,
 }
 
 pub(super) fn describe(v: &Violation) -> String {
@@ -133,7 +147,7 @@ impl Status {
             && lost.is_empty()
             && suspects.is_empty()
             && pool.copies().all(|c| c.state != CopyState::Loading);
-        Status { k: pool.k(), models, copies, nodes, violations, healthy, degraded: None }
+        Status { k: pool.k(), models, copies, nodes, violations, healthy, degraded: None, foreign: Vec::new() }
     }
 }
 
@@ -163,6 +177,9 @@ impl fmt::Display for Status {
         }
         for v in &self.violations {
             writeln!(f, "violation: {v}")?;
+        }
+        for c in &self.foreign {
+            writeln!(f, "node {} holds copy {} of another pool ({}): left alone", c.node, c.copy, c.pool)?;
         }
         Ok(())
     }

@@ -147,9 +147,10 @@ async fn check_finds_corrupt_and_unknown_copies_and_repair_fixes_them() {
     m.register("m", &models(&dir, 1)[0]).await.unwrap();
     let c = m.status_handle().lock().unwrap().copies[0].clone();
     // Flip a byte of one copy, and plant a copy nobody knows.
-    ta::write_local(&held(c.node as usize).get(c.id).unwrap(), 12345, &[0xff, 0x00, 0xff]).unwrap();
+    let pid = m.pool_id().to_string();
+    ta::write_local(&held(c.node as usize).get(&pid, c.id).unwrap(), 12345, &[0xff, 0x00, 0xff]).unwrap();
     let stray = eps[3].register_new(4096).unwrap();
-    held(3).insert(999, stray);
+    held(3).insert(&pid, 999, stray);
     let rep = m.check().await.unwrap();
     assert!(!rep.healthy);
     assert_eq!(rep.bad_copies, vec![c.id], "{:?}", rep.problems);
@@ -157,7 +158,7 @@ async fn check_finds_corrupt_and_unknown_copies_and_repair_fixes_them() {
     let after = m.repair().await.unwrap();
     assert!(after.healthy, "{:?}", after.problems);
     let t = Instant::now();
-    while held(3).get(999).is_some() {
+    while held(3).get(&pid, 999).is_some() {
         assert!(t.elapsed() < Duration::from_secs(5), "the unknown copy was dropped");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }

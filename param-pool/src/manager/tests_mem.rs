@@ -324,3 +324,37 @@ async fn registering_a_fifo_is_refused_without_blocking() {
     assert!(err.contains("not a regular file"), "{err}");
     assert!(m.catalog().is_empty());
 }
+
+/// A manager started on a new store (a mistyped path with --init, say) on nodes that hold another
+/// pool's copies leaves them alone: it reports them, never drops or overwrites them — even where
+/// its own copy ids are the same numbers.
+#[tokio::test(start_paused = true)]
+async fn a_new_pool_leaves_another_pools_copies_alone() {
+    let c = MemCluster::new(3, 2, "twopools");
+    let (m, _) = c.registered(2).await;
+    let first = m.pool_id().to_string();
+    let before = m.status_handle().lock().unwrap().copies.len();
+    drop(m);
+    // A second pool: its own store, the same nodes.
+    let mut cfg = ManagerConfig::new((1..=c.nodes).collect());
+    cfg.k = 2;
+    cfg.init = true;
+    let store = EmbeddedStore::open(&c.dir.join("meta-other")).unwrap();
+    let mut other = Manager::open(Arc::new(c.fabric.add_node(0)), store, cfg).unwrap();
+    other.start().await.unwrap();
+    assert_ne!(other.pool_id(), first);
+    let s = other.status_handle().lock().unwrap().clone();
+    assert_eq!(s.foreign.len(), before, "the first pool's copies are reported:\n{s}");
+    assert!(s.foreign.iter().all(|f| f.pool == first));
+    other.register("m0", &c.models[0]).await.unwrap();
+    drop(other);
+    // The first pool finds every copy it had, intact: nothing is made again.
+    let mut m = c.manager(2);
+    let (tx, mut notices) = mpsc::unbounded_channel();
+    m.notify(tx, std::time::Instant::now());
+    m.start().await.unwrap();
+    assert_whole(&mut m, 2, 2, &[]).await;
+    while let Ok((_, n)) = notices.try_recv() {
+        assert!(!matches!(n, Notice::Creating { .. }), "a copy of the first pool had to be made again: {n:?}");
+    }
+}
