@@ -22,6 +22,8 @@ pub(crate) enum PoolCmd {
     Status(Admin),
     /// Verify the invariant and every copy's checksums; exit 0 when healthy, 1 otherwise.
     Check(Admin),
+    /// Every pool node: live, suspect, dead or returning, with what happened to it.
+    Nodes(Admin),
     /// Repair what a check finds (unreachable nodes, bad, unknown or unfinished copies), then check.
     Repair(Admin),
     /// Register a safetensors model file; its first k copies are loaded from the file.
@@ -280,6 +282,23 @@ pub(crate) async fn run(cmd: PoolCmd) -> anyhow::Result<()> {
             } else {
                 let s: Status = serde_json::from_value(v)?;
                 print!("{s}");
+            }
+            Ok(())
+        }
+        PoolCmd::Nodes(a) => {
+            let v = a.call(AdminRequest::Nodes).await?;
+            if a.json {
+                println!("{v}");
+            } else {
+                let nodes: Vec<cascade_param_pool::manager::NodeReport> = serde_json::from_value(v)?;
+                println!("{:>5}  {:<9} {:>14}  {:>6}  history", "node", "state", "bytes", "copies");
+                for n in nodes {
+                    let last = n.history.last().map(|(t, w)| format!("{t:.1} s: {w}")).unwrap_or_default();
+                    println!("{:>5}  {:<9} {:>14}  {:>6}  {}", n.id, n.state, n.bytes, n.copies, last.escape_debug());
+                    for (t, w) in n.history.iter().rev().skip(1) {
+                        println!("{:>40}  {t:.1} s: {}", "", w.escape_debug());
+                    }
+                }
             }
             Ok(())
         }

@@ -53,7 +53,7 @@ pub use admin::{
     MAX_LINE,
 };
 pub use detector::Detector;
-pub use report::{CheckReport, CopyStatus, ModelStatus, NodeStatus, Status};
+pub use report::{CheckReport, CopyStatus, ForeignCopy, ModelStatus, NodeReport, NodeStatus, Status};
 
 /// Why a manager operation failed.
 #[derive(Debug, thiserror::Error)]
@@ -190,8 +190,15 @@ pub struct Manager<S: MetaStore + 'static> {
     degraded: Option<String>,
     /// Other pools' copies the nodes hold, as last listed (reported, never touched).
     foreign: BTreeMap<NodeId, Vec<(String, u64)>>,
+    /// What happened to each node, latest last (at most [`HISTORY`] entries each).
+    history: BTreeMap<NodeId, VecDeque<(f64, String)>>,
+    /// Time zero of the history.
+    since: Instant,
     status: Arc<Mutex<Status>>,
 }
+
+/// Entries of history kept per node.
+const HISTORY: usize = 32;
 
 /// How often a degraded manager tries its store again.
 const DEGRADED_RETRY: Duration = Duration::from_secs(1);
@@ -238,6 +245,8 @@ impl<S: MetaStore + 'static> Manager<S> {
             lost: BTreeMap::new(),
             degraded: None,
             foreign: BTreeMap::new(),
+            history: BTreeMap::new(),
+            since: Instant::now(),
             status: Arc::default(),
         };
         m.publish();
@@ -323,7 +332,63 @@ impl<S: MetaStore + 'static> Manager<S> {
         warn!(node = n, after = ?self.cfg.dead_after, "declaring the node dead; repairing the pool");
         self.detector.forget(n);
         self.notice(Notice::NodeDown { node: n });
-        self.apply(Event::NodeDown(n)).await
+        let actions = self.apply(Event::NodeDown(n)).await?;
+        self.remember(n, "declared dead; its copies were replaced".into());
+        Ok(actions)
+    }
+
+    /// Records what happened to node `n`.
+    fn remember(&mut self, n: NodeId, what: String) {
+        let h = self.history.entry(n).or_default();
+        h.push_back((self.since.elapsed().as_secs_f64(), what));
+        while h.len() > HISTORY {
+            h.pop_front();
+        }
+    }
+
+    /// A member the pool holds dead.
+    fn is_dead_member(&self, n: NodeId) -> bool {
+        self.pool().members().any(|(m, live)| m == n && !live)
+    }
+
+    /// Re-admits a node declared dead whose link stayed up: the pool counts it live (and empty)
+    /// again, and the copies it still holds from before its death — replaced meanwhile — are
+    /// dropped.
+    async fn readmit(&mut self, n: NodeId) -> Result<Vec<Action>, ManagerError> {
+        let stale = self.io.list(vec![n]).await.ours.remove(&n).unwrap_or_default();
+        let actions = self.apply(Event::NodeUp(n)).await?;
+        info!(node = n, stale = stale.len(), "re-admitting a node declared dead; dropping the copies it kept");
+        self.io.drop_all(stale.iter().map(|c| (n, *c)).collect()).await;
+        self.remember(n, format!("re-admitted; {} stale copies dropped", stale.len()));
+        Ok(actions)
+    }
+
+    /// Every member node: state, bytes, copies and history (`cascade pool nodes`).
+    pub fn nodes_report(&self) -> Vec<report::NodeReport> {
+        let bytes = self.pool().bytes_per_node();
+        self.pool()
+            .members()
+            .map(|(n, live)| {
+                let state = if !live {
+                    if self.detector.returning().contains_key(&n) {
+                        "returning"
+                    } else {
+                        "dead"
+                    }
+                } else if self.detector.suspects().contains_key(&n) {
+                    "suspect"
+                } else {
+                    "live"
+                };
+                report::NodeReport {
+                    id: n,
+                    state: state.into(),
+                    bytes: bytes.get(&n).copied().unwrap_or(0),
+                    copies: self.pool().copies().filter(|c| c.node == n).count(),
+                    history: self.history.get(&n).map(|h| h.iter().cloned().collect()).unwrap_or_default(),
+                }
+            })
+            .collect()
     }
 
     /// Waits for the pool's live nodes; declares the missing ones dead, reconciles what every node
@@ -344,6 +409,15 @@ impl<S: MetaStore + 'static> Manager<S> {
         self.drive(actions).await?;
         let rep = self.reconcile().await?;
         info!(kept = rep.0, dropped = rep.1, reissued = rep.2, "reconciled the nodes with the pool");
+        // Members declared dead (by this run or an earlier one) that are connected now wait for
+        // re-admission like any returning node.
+        let now = tokio::time::Instant::now();
+        for (n, live) in self.pool().members().collect::<Vec<_>>() {
+            if !live && self.connected(n) {
+                self.detector.dead_link_up(now, n);
+                self.remember(n, "connected at start-up although declared dead; waiting before re-admission".into());
+            }
+        }
         Ok(())
     }
 
@@ -618,7 +692,8 @@ impl<S: MetaStore + 'static> Manager<S> {
         }
     }
 
-    /// A link down makes a live pool node a suspect; a link up clears it.
+    /// A link down makes a live pool node a suspect; a link up clears it. A dead member's link
+    /// coming up starts its wait for re-admission; going down again stops it.
     fn note_peer(&mut self, ev: PeerEvent) {
         let now = tokio::time::Instant::now();
         match ev {
@@ -626,18 +701,34 @@ impl<S: MetaStore + 'static> Manager<S> {
                 if self.pool().live_nodes().any(|x| x == peer) {
                     info!(node = peer, %reason, "link to a pool node went down");
                     self.detector.link_down(now, peer);
+                    self.remember(peer, format!("link down: {reason}"));
+                } else if self.is_dead_member(peer) {
+                    self.detector.dead_link_down(peer);
+                    self.remember(peer, format!("link down again before re-admission: {reason}"));
                 }
             }
-            PeerEvent::Up { peer, .. } => self.detector.link_up(peer),
+            PeerEvent::Up { peer, .. } => {
+                if self.is_dead_member(peer) {
+                    info!(node = peer, "a node declared dead is back; re-admitting it if it stays");
+                    self.detector.dead_link_up(now, peer);
+                    self.remember(peer, "link up after its death; waiting before re-admission".into());
+                } else if self.detector.suspects().contains_key(&peer) {
+                    self.detector.link_up(peer);
+                    self.remember(peer, "link up in time: not dead".into());
+                }
+            }
         }
     }
 
-    /// Peer events were missed: every live pool node without a link becomes a suspect.
+    /// Peer events were missed: every live pool node without a link becomes a suspect, and
+    /// every dead one with a link starts its wait for re-admission.
     fn recheck_links(&mut self) {
         let now = tokio::time::Instant::now();
-        for n in self.pool().live_nodes().collect::<Vec<_>>() {
-            if !self.connected(n) {
-                self.detector.link_down(now, n);
+        for (n, live) in self.pool().members().collect::<Vec<_>>() {
+            match (live, self.connected(n)) {
+                (true, false) => self.detector.link_down(now, n),
+                (false, true) => self.detector.dead_link_up(now, n),
+                _ => {}
             }
         }
     }
@@ -653,10 +744,15 @@ impl<S: MetaStore + 'static> Manager<S> {
             }
         }
         let io = self.io.clone();
-        let due = self.detector.poll_dead(tokio::time::Instant::now(), |n| io.connected(n));
+        let now = tokio::time::Instant::now();
+        let due = self.detector.poll_dead(now, |n| io.connected(n));
+        let back = self.detector.poll_returned(now, |n| io.connected(n));
         let mut actions = Vec::new();
         for n in due {
             actions.extend(self.declare_dead(n).await?);
+        }
+        for n in back {
+            actions.extend(self.readmit(n).await?);
         }
         self.publish();
         Ok(actions)
@@ -816,6 +912,7 @@ impl<S: MetaStore + 'static> Manager<S> {
         match req {
             AdminRequest::Status => Ok(to_json(&*self.status.lock().unwrap_or_else(|e| e.into_inner()))),
             AdminRequest::Check => Ok(to_json(&self.check().await?)),
+            AdminRequest::Nodes => Ok(to_json(&self.nodes_report())),
             AdminRequest::Repair => Ok(to_json(&self.repair().await?)),
             AdminRequest::Register { name, path } => {
                 let id = self.register_as(&name, Path::new(&path), caller).await?;

@@ -172,6 +172,11 @@ impl Pool {
         self.nodes.iter().filter(|(_, a)| **a).map(|(n, _)| *n)
     }
 
+    /// Every member node, with whether it is live.
+    pub fn members(&self) -> impl Iterator<Item = (NodeId, bool)> + '_ {
+        self.nodes.iter().map(|(n, a)| (*n, *a))
+    }
+
     /// Bytes held (or being filled) on each live node.
     pub fn bytes_per_node(&self) -> BTreeMap<NodeId, u64> {
         let mut m: BTreeMap<NodeId, u64> = self.live_nodes().map(|n| (n, 0)).collect();

@@ -39,6 +39,8 @@ pub enum AdminRequest {
     Status,
     /// Verify the invariant and every copy's checksums.
     Check,
+    /// Every member node: state and history.
+    Nodes,
     /// Repair what a check finds, then check again.
     Repair,
     /// Register a model file.

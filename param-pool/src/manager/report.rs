@@ -76,6 +76,22 @@ pub struct Status {
     pub foreign: Vec<ForeignCopy>,
 }
 
+/// A member node as `cascade pool nodes` shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NodeReport {
+    /// The node.
+    pub id: NodeId,
+    /// `live`, `suspect` (link down, not yet declared dead), `dead`, or `returning` (declared
+    /// dead, link back, waiting to be re-admitted).
+    pub state: String,
+    /// Bytes of copies it holds for the pool.
+    pub bytes: u64,
+    /// Copies it holds for the pool.
+    pub copies: usize,
+    /// What happened to it: seconds since the manager started, and what.
+    pub history: Vec<(f64, String)>,
+}
+
 /// A copy a node holds for another pool.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ForeignCopy {

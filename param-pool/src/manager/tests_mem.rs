@@ -358,3 +358,71 @@ async fn a_new_pool_leaves_another_pools_copies_alone() {
         assert!(!matches!(n, Notice::Creating { .. }), "a copy of the first pool had to be made again: {n:?}");
     }
 }
+
+async fn live_again(status: &Arc<Mutex<Status>>, node: NodeId) {
+    let t = Instant::now();
+    loop {
+        {
+            let s = status.lock().unwrap();
+            if s.healthy && s.nodes.iter().any(|n| n.id == node) {
+                return;
+            }
+            assert!(t.elapsed() < Duration::from_secs(60), "node {node} not re-admitted:\n{s}");
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+async fn nodes(admin: &mpsc::Sender<AdminCall>) -> Vec<NodeReport> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    admin.send(AdminCall { request: AdminRequest::Nodes, caller: Caller::Operator, reply: tx }).await.unwrap();
+    serde_json::from_value(rx.await.unwrap().unwrap()).unwrap()
+}
+
+/// A false death (a long pause, a network blip) is not permanent: the node, declared dead and
+/// replaced, is re-admitted once its link stayed up for `dead_after` — also by a manager
+/// restarted in between — and the copies it kept from before are dropped, not counted twice.
+#[tokio::test(start_paused = true)]
+async fn a_node_declared_dead_that_comes_back_is_readmitted() {
+    let (k, models) = (2, 4);
+    let c = MemCluster::new(4, models, "readmit");
+    let (m, mut notices) = c.registered(k).await;
+    let status = m.status_handle();
+    let (admin, rx) = mpsc::channel(4);
+    let task = tokio::spawn(m.run(rx));
+    while notices.try_recv().is_ok() {}
+    c.fabric.set_link(0, 2, false);
+    notice_where(&mut notices, |n| matches!(n, Notice::NodeDown { node: 2 })).await;
+    healthy_without(&status, &[2]).await;
+    assert_eq!(nodes(&admin).await.iter().find(|n| n.id == 2).unwrap().state, "dead");
+    // Back, briefly: a flap before dead_after does not re-admit it.
+    c.fabric.set_link(0, 2, true);
+    tokio::time::sleep(DEAD_AFTER / 2).await;
+    assert_eq!(nodes(&admin).await.iter().find(|n| n.id == 2).unwrap().state, "returning");
+    c.fabric.set_link(0, 2, false);
+    tokio::time::sleep(DEAD_AFTER * 2).await;
+    assert!(status.lock().unwrap().nodes.iter().all(|n| n.id != 2));
+    // Back for good: re-admitted dead_after later; the pool is whole with exactly k copies.
+    c.fabric.set_link(0, 2, true);
+    live_again(&status, 2).await;
+    assert_eq!(status.lock().unwrap().copies.len(), models * k);
+    let report = nodes(&admin).await;
+    let two = report.iter().find(|n| n.id == 2).unwrap();
+    assert_eq!(two.state, "live");
+    assert!(two.history.iter().any(|(_, w)| w.contains("re-admitted")), "{:?}", two.history);
+
+    // Dead again, and the manager restarts while the node is away and after it is back.
+    c.fabric.set_link(0, 2, false);
+    notice_where(&mut notices, |n| matches!(n, Notice::NodeDown { node: 2 })).await;
+    healthy_without(&status, &[2]).await;
+    drop(admin);
+    task.await.unwrap().unwrap();
+    c.fabric.set_link(0, 2, true);
+    let mut m = c.manager(k);
+    m.start().await.unwrap();
+    let status = m.status_handle();
+    let (_admin, rx) = mpsc::channel(4);
+    let _task = tokio::spawn(m.run(rx));
+    live_again(&status, 2).await;
+    assert_eq!(status.lock().unwrap().copies.len(), models * k);
+}
