@@ -97,6 +97,12 @@ fn frontends() -> usize {
     4
 }
 
+/// Most GPUs a scenario may simulate (the simulator keeps per-GPU state; Nexus plans over all).
+pub const MAX_GPUS: usize = 65_536;
+/// Most arrivals one simulation may generate (rates × duration): each pending request costs the
+/// simulator on the order of 100 bytes, so this bounds its memory to about 2 GB.
+pub const MAX_ARRIVALS: f64 = 20e6;
+
 fn epoch() -> f64 {
     10.0
 }
@@ -148,16 +154,43 @@ impl Scenario {
     /// Checks the values.
     pub fn check(&self) -> Result<(), ScenarioError> {
         let bad = |s: String| Err(ScenarioError::Invalid(s));
-        if !(self.duration_s > 0.0 && self.warmup_s >= 0.0 && self.warmup_s < self.duration_s) {
-            return bad(format!("need duration_s > warmup_s ≥ 0 (got {} and {})", self.duration_s, self.warmup_s));
+        let finite = |v: f64| v.is_finite();
+        if !(finite(self.duration_s)
+            && self.duration_s > 0.0
+            && self.warmup_s >= 0.0
+            && self.warmup_s < self.duration_s)
+        {
+            return bad(format!(
+                "need duration_s > warmup_s ≥ 0, finite (got {} and {})",
+                self.duration_s, self.warmup_s
+            ));
         }
         if self.gpus == 0 || self.models.is_empty() {
             return bad("need at least one GPU and one model".into());
         }
-        if self.delay_ctrl_ms < 0.0 || self.delay_data_ms < 0.0 {
-            return bad("delays cannot be negative".into());
+        if self.gpus > MAX_GPUS {
+            return bad(format!("{} GPUs: at most {MAX_GPUS} can be simulated", self.gpus));
+        }
+        if !(self.nexus_frontends >= 1 && self.nexus_frontends <= MAX_GPUS) {
+            return bad(format!("nexus_frontends must be 1 to {MAX_GPUS}"));
+        }
+        if !(finite(self.nexus_epoch_s) && self.nexus_epoch_s > 0.0) {
+            return bad("nexus_epoch_s must be a positive number of seconds".into());
+        }
+        if !(finite(self.delay_ctrl_ms) && finite(self.delay_data_ms))
+            || self.delay_ctrl_ms < 0.0
+            || self.delay_data_ms < 0.0
+        {
+            return bad("delays must be finite and not negative".into());
         }
         for m in &self.models {
+            for (what, v) in [("rate_rps", m.rate_rps), ("weight", m.weight)] {
+                if let Some(v) = v {
+                    if !(finite(v) && v >= 0.0) {
+                        return bad(format!("model {}: {what} = {v} (must be finite and not negative)", m.name));
+                    }
+                }
+            }
             self.profile(m)?;
             let a = Arrival::parse(&m.arrival).map_err(|e| ScenarioError::Invalid(format!("model {}: {e}", m.name)))?;
             if m.rate_rps.is_none() && m.weight.is_none() && !matches!(a, Arrival::Periodic { .. }) {
@@ -214,6 +247,13 @@ impl Scenario {
     /// Simulates `scheduler` at `total` requests/s (None: the rates in the file).
     pub fn run(&self, scheduler: &str, total: Option<f64>) -> Result<Report, ScenarioError> {
         let rates = self.rates(total);
+        let arrivals: f64 = rates.iter().sum::<f64>() * self.duration_s;
+        if !(arrivals.is_finite() && arrivals <= MAX_ARRIVALS) {
+            return Err(ScenarioError::Invalid(format!(
+                "{arrivals:.3e} arrivals (rates × duration_s) exceed the simulator's limit of {MAX_ARRIVALS:.0e} \
+                 (about 2 GB of memory): lower the rate or shorten duration_s"
+            )));
+        }
         let arrivals = self
             .models
             .iter()
@@ -241,6 +281,9 @@ impl Scenario {
     pub fn max_goodput(&self, scheduler: &str) -> Result<(f64, Report), ScenarioError> {
         let ok = |r: &Report| r.per_model.iter().all(|m| m.requests == 0 || m.good_fraction >= 0.99);
         let start: f64 = self.rates(None).iter().sum::<f64>().max(1.0);
+        // The search stays within what one simulation may generate.
+        let ceiling = MAX_ARRIVALS / self.duration_s;
+        let start = start.min(ceiling);
         let (mut lo, mut hi) = (0.0, start);
         let mut best: Option<(f64, Report)> = None;
         // Grow until it fails.
@@ -251,10 +294,10 @@ impl Scenario {
             }
             lo = hi;
             best = Some((hi, r));
-            hi *= 2.0;
-            if hi > 1e9 {
+            if hi >= ceiling {
                 break;
             }
+            hi = (hi * 2.0).min(ceiling);
         }
         while hi - lo > 0.01 * hi {
             let mid = (lo + hi) / 2.0;
@@ -270,5 +313,38 @@ impl Scenario {
             Some(b) => Ok(b),
             None => Ok((0.0, self.run(scheduler, Some(lo.max(1e-3)))?)),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scenario(gpus: &str, model: &str) -> Result<Scenario, ScenarioError> {
+        let text = format!(
+            "duration_s = 10.0\ngpus = {gpus}\n[[models]]\nname = \"a\"\nalpha_ms = 5.0\nbeta_ms = 1.0\nslo_ms = 100.0\n{model}\n"
+        );
+        let s: Scenario = toml::from_str(&text).map_err(|e| ScenarioError::Invalid(e.to_string()))?;
+        s.check().map(|_| s)
+    }
+
+    #[test]
+    fn rates_must_be_finite_and_not_negative() {
+        for bad in ["-100.0", "nan", "inf"] {
+            let err = scenario("2", &format!("rate_rps = {bad}")).unwrap_err().to_string();
+            assert!(err.contains("rate_rps"), "{bad}: {err}");
+        }
+        assert!(scenario("2", "weight = -1.0").is_err());
+        scenario("2", "rate_rps = 100.0").unwrap();
+    }
+
+    #[test]
+    fn sizes_beyond_the_stated_limits_are_refused_before_anything_is_allocated() {
+        let err = scenario("2", "rate_rps = 1e12").unwrap().run("symphony", None).unwrap_err().to_string();
+        assert!(err.contains("exceed the simulator's limit"), "{err}");
+        let err = scenario("2", "rate_rps = 100.0").unwrap().run("symphony", Some(f64::INFINITY)).unwrap_err();
+        assert!(err.to_string().contains("limit"), "{err}");
+        let err = scenario("100000000", "rate_rps = 1.0").unwrap_err().to_string();
+        assert!(err.contains("at most 65536"), "{err}");
     }
 }

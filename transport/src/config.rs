@@ -177,8 +177,16 @@ impl EndpointConfig {
     }
 
     /// Path of a node's same-host socket.
+    ///
+    /// The name is the cluster's plus a digest of its members (ids and addresses), so two
+    /// clusters that share a name — or have none, and so the default — never share sockets.
     pub fn socket_path(&self, node: NodeId) -> PathBuf {
-        self.runtime_dir.join(format!("cascade-{}-{}.sock", self.cluster.name, node))
+        let mut h = crc32fast::Hasher::new();
+        for n in &self.cluster.nodes {
+            h.update(&n.id.to_le_bytes());
+            h.update(n.addr.to_string().as_bytes());
+        }
+        self.runtime_dir.join(format!("cascade-{}-{:08x}-{}.sock", self.cluster.name, h.finalize(), node))
     }
 }
 

@@ -137,6 +137,15 @@ impl Endpoint {
         // over TCP then always finds the socket too, and never settles for tcp by racing start-up.
         let unix = if cfg.shm {
             let path = cfg.socket_path(cfg.node);
+            if std::os::unix::net::UnixStream::connect(&path).is_ok() {
+                // Another endpoint of this node answers there: taking its socket would silently
+                // push its same-host peers onto tcp.
+                return Err(TransportError::Config(format!(
+                    "node {} of this cluster already runs on this host (its socket {} answers)",
+                    cfg.node,
+                    path.display()
+                )));
+            }
             let _ = std::fs::remove_file(&path);
             Some(UnixListener::bind(&path).map_err(|e| TransportError::io(format!("binding {}", path.display()), e))?)
         } else {

@@ -181,7 +181,8 @@ impl fmt::Display for Status {
                 .filter(|c| c.model == m.id)
                 .map(|c| format!("{}:{}:{}", c.node, c.kind, c.state))
                 .collect();
-            writeln!(f, "{:>5}  {:<28} {:>14}  {:>5}  {}", m.id, m.name, m.bytes, m.ready, cs.join(" "))?;
+            let name = m.name.escape_debug().to_string();
+            writeln!(f, "{:>5}  {:<28} {:>14}  {:>5}  {}", m.id, name, m.bytes, m.ready, cs.join(" "))?;
             if let Some(why) = &m.lost {
                 writeln!(f, "       LOST: {why}")?;
             }

@@ -256,3 +256,29 @@ async fn a_node_restarts_on_its_address_at_once() {
         drop(e); // the listener may still be open in its task: the next start must wait for it
     }
 }
+
+/// Starting a node that already runs on this host is refused, and the running node keeps its
+/// same-host socket (it used to be deleted, silently pushing later peers onto tcp).
+#[tokio::test]
+async fn a_second_start_of_a_running_node_is_refused_and_leaves_its_socket() {
+    let c = cluster(2, "twice");
+    let first = Endpoint::start(fast(EndpointConfig::new(0, c.clone(), b"secret"), true)).await.unwrap();
+    let cfg = fast(EndpointConfig::new(0, c.clone(), b"secret"), true);
+    let path = cfg.socket_path(0);
+    let err = Endpoint::start(cfg).await.err().unwrap().to_string();
+    assert!(err.contains("already runs"), "{err}");
+    assert!(std::os::unix::net::UnixStream::connect(&path).is_ok(), "the running node's socket is gone");
+    drop(first);
+}
+
+/// Clusters without a name (or with the same one) do not share socket paths.
+#[test]
+fn clusters_that_share_a_name_do_not_share_sockets() {
+    let spec = |port: u16| {
+        let nodes = vec![NodeSpec { id: 1, addr: SocketAddr::from(([127, 0, 0, 1], port)), host: None }];
+        ClusterSpec::new("cascade", nodes).unwrap()
+    };
+    let a = EndpointConfig::new(1, spec(7001), b"s").socket_path(1);
+    let b = EndpointConfig::new(1, spec(7002), b"s").socket_path(1);
+    assert_ne!(a, b);
+}
