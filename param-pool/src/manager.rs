@@ -190,6 +190,10 @@ pub struct Manager<S: MetaStore + 'static> {
     degraded: Option<String>,
     /// Other pools' copies the nodes hold, as last listed (reported, never touched).
     foreign: BTreeMap<NodeId, Vec<(String, u64)>>,
+    /// Copies whose bytes this manager checked against their manifest (made, or checked since).
+    verified: BTreeSet<CopyId>,
+    /// Copies the last check found missing or different.
+    bad: BTreeSet<CopyId>,
     /// What happened to each node, latest last (at most [`HISTORY`] entries each).
     history: BTreeMap<NodeId, VecDeque<(f64, String)>>,
     /// Time zero of the history.
@@ -247,6 +251,8 @@ impl<S: MetaStore + 'static> Manager<S> {
             foreign: BTreeMap::new(),
             history: BTreeMap::new(),
             since: Instant::now(),
+            verified: BTreeSet::new(),
+            bad: BTreeSet::new(),
             status: Arc::default(),
         };
         m.publish();
@@ -295,6 +301,20 @@ impl<S: MetaStore + 'static> Manager<S> {
         if let Some(why) = &self.degraded {
             s.degraded = Some(why.clone());
             s.healthy = false;
+        }
+        let known: BTreeSet<CopyId> = s.copies.iter().map(|c| c.id).collect();
+        self.verified.retain(|c| known.contains(c));
+        self.bad.retain(|c| known.contains(c));
+        for c in &mut s.copies {
+            c.verified = self.verified.contains(&c.id);
+            c.bad = self.bad.contains(&c.id);
+        }
+        if !self.bad.is_empty() {
+            s.healthy = false;
+            s.violations.push(format!(
+                "{} copies failed their last check: missing on their node or different from the manifest",
+                self.bad.len()
+            ));
         }
         s.foreign = self
             .foreign
@@ -448,6 +468,7 @@ impl<S: MetaStore + 'static> Manager<S> {
         for c in r.check {
             if sums.get(&c.id).copied().unwrap_or(false) {
                 kept += 1;
+                self.verified.insert(c.id);
                 self.notice(Notice::Ready { copy: c.id, node: c.node, bytes: self.model_bytes(c.model) });
                 actions.extend(self.apply(Event::CopyReady(c.id)).await?);
             } else {
@@ -644,6 +665,9 @@ impl<S: MetaStore + 'static> Manager<S> {
                             continue;
                         }
                         if ok {
+                            // Loads check every chunk's crc32, multicast targets are verified
+                            // before they are adopted.
+                            self.verified.insert(copy);
                             work.extend(self.apply(Event::CopyReady(copy)).await?);
                         } else {
                             let next = self.failed(copy, out.model, &mut retries).await?;
@@ -800,8 +824,14 @@ impl<S: MetaStore + 'static> Manager<S> {
                     c.id, c.model, c.node
                 ));
                 bad.push(c.id);
+                self.verified.remove(&c.id);
+                self.bad.insert(c.id);
+            } else {
+                self.verified.insert(c.id);
+                self.bad.remove(&c.id);
             }
         }
+        self.publish();
         Ok(CheckReport {
             healthy: problems.is_empty(),
             copies_checked: ready.len(),

@@ -172,6 +172,11 @@ impl Pool {
         self.nodes.iter().filter(|(_, a)| **a).map(|(n, _)| *n)
     }
 
+    /// Whether `model` is registered.
+    pub fn has_model(&self, model: ModelId) -> bool {
+        self.models.contains_key(&model)
+    }
+
     /// Every member node, with whether it is live.
     pub fn members(&self) -> impl Iterator<Item = (NodeId, bool)> + '_ {
         self.nodes.iter().map(|(n, a)| (*n, *a))

@@ -36,6 +36,13 @@ pub struct CopyStatus {
     pub kind: String,
     /// `loading`, `ready` or `evicting`.
     pub state: String,
+    /// Its bytes were checked against the manifest's crcs by this manager (when it was made,
+    /// or by a check since it started); a copy recovered from the log is unverified until then.
+    #[serde(default)]
+    pub verified: bool,
+    /// The last check found it missing on its node or different from its manifest.
+    #[serde(default)]
+    pub bad: bool,
 }
 
 /// One node in [`Status`].
@@ -145,7 +152,15 @@ impl Status {
             .collect();
         let copies: Vec<CopyStatus> = pool
             .copies()
-            .map(|c| CopyStatus { id: c.id, model: c.model, node: c.node, kind: kind(c.kind), state: state(c.state) })
+            .map(|c| CopyStatus {
+                id: c.id,
+                model: c.model,
+                node: c.node,
+                kind: kind(c.kind),
+                state: state(c.state),
+                verified: false,
+                bad: false,
+            })
             .collect();
         let bytes = pool.bytes_per_node();
         let nodes = bytes
@@ -158,7 +173,12 @@ impl Status {
                 copies: copies.iter().filter(|c| c.node == *n).count(),
             })
             .collect();
-        let violations: Vec<String> = pool.check().iter().map(describe).collect();
+        let mut violations: Vec<String> = pool.check().iter().map(describe).collect();
+        for (id, e) in catalog {
+            if !pool.has_model(*id) && !lost.contains_key(id) {
+                violations.push(format!("model {id} ({:?}) is described but was never placed", e.manifest.name));
+            }
+        }
         let healthy = violations.is_empty()
             && lost.is_empty()
             && suspects.is_empty()
@@ -173,13 +193,26 @@ impl fmt::Display for Status {
         if let Some(why) = &self.degraded {
             writeln!(f, "DEGRADED (metadata store refuses writes; retrying): {why}")?;
         }
-        writeln!(f, "{:>5}  {:<28} {:>14}  {:>5}  copies (node:kind:state)", "model", "name", "bytes", "ready")?;
+        writeln!(
+            f,
+            "{:>5}  {:<28} {:>14}  {:>5}  copies (node:kind:state; ? = not checked since the manager started)",
+            "model", "name", "bytes", "ready"
+        )?;
         for m in &self.models {
             let cs: Vec<String> = self
                 .copies
                 .iter()
                 .filter(|c| c.model == m.id)
-                .map(|c| format!("{}:{}:{}", c.node, c.kind, c.state))
+                .map(|c| {
+                    let mark = if c.bad {
+                        "!BAD"
+                    } else if !c.verified && c.state != "loading" {
+                        "?"
+                    } else {
+                        ""
+                    };
+                    format!("{}:{}:{}{mark}", c.node, c.kind, c.state)
+                })
                 .collect();
             let name = m.name.escape_debug().to_string();
             writeln!(f, "{:>5}  {:<28} {:>14}  {:>5}  {}", m.id, name, m.bytes, m.ready, cs.join(" "))?;

@@ -154,6 +154,12 @@ async fn check_finds_corrupt_and_unknown_copies_and_repair_fixes_them() {
     let rep = m.check().await.unwrap();
     assert!(!rep.healthy);
     assert_eq!(rep.bad_copies, vec![c.id], "{:?}", rep.problems);
+    {
+        // Status says so too (it used to say healthy while a copy was bad).
+        let s = m.status_handle().lock().unwrap().clone();
+        assert!(!s.healthy, "{s}");
+        assert!(s.copies.iter().any(|x| x.id == c.id && x.bad && !x.verified), "{s}");
+    }
     assert!(rep.problems.iter().any(|p| p.contains("copy 999")), "{:?}", rep.problems);
     let after = m.repair().await.unwrap();
     assert!(after.healthy, "{:?}", after.problems);
@@ -162,7 +168,9 @@ async fn check_finds_corrupt_and_unknown_copies_and_repair_fixes_them() {
         assert!(t.elapsed() < Duration::from_secs(5), "the unknown copy was dropped");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    assert_eq!(m.status_handle().lock().unwrap().copies.len(), 2);
+    let s = m.status_handle().lock().unwrap().clone();
+    assert_eq!(s.copies.len(), 2);
+    assert!(s.healthy && s.copies.iter().all(|x| x.verified && !x.bad), "{s}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -426,3 +426,19 @@ async fn a_node_declared_dead_that_comes_back_is_readmitted() {
     live_again(&status, 2).await;
     assert_eq!(status.lock().unwrap().copies.len(), models * k);
 }
+
+/// Copies a restarted manager recovered from its log are shown unverified until a check.
+#[tokio::test(start_paused = true)]
+async fn recovered_copies_are_unverified_until_checked() {
+    let c = MemCluster::new(3, 2, "verified");
+    let (m, _) = c.registered(2).await;
+    assert!(m.status_handle().lock().unwrap().copies.iter().all(|x| x.verified), "made copies are verified");
+    drop(m);
+    let mut m = c.manager(2);
+    m.start().await.unwrap();
+    let s = m.status_handle().lock().unwrap().clone();
+    assert!(s.copies.iter().all(|x| !x.verified), "{s}");
+    assert!(s.to_string().contains("ready?"), "{s}");
+    assert!(m.check().await.unwrap().healthy);
+    assert!(m.status_handle().lock().unwrap().copies.iter().all(|x| x.verified));
+}
