@@ -455,6 +455,12 @@ impl<S: MetaStore + 'static> Manager<S> {
             );
         }
         self.foreign = listing.foreign;
+        for (n, cap) in listing.capacity {
+            if self.pool().capacity(n) != cap {
+                info!(node = n, capacity = ?cap, "the node's capacity for the pool");
+                self.apply(Event::Capacity { node: n, bytes: cap }).await?;
+            }
+        }
         self.publish();
         let held = listing.ours;
         let r = plan::reconcile(self.pool(), &held);
@@ -538,6 +544,8 @@ impl<S: MetaStore + 'static> Manager<S> {
         }
         let model = self.catalog().keys().next_back().map_or(1, |m| m + 1);
         let bytes = manifest.bytes;
+        // Refused before anything is written: a refused register leaves no trace.
+        self.pool().can_place(bytes).map_err(|e| ManagerError::Refused(e.to_string()))?;
         let entry = ModelEntry { path: path.display().to_string(), manifest };
         self.apply(Event::Describe { model, entry: Box::new(entry) }).await?;
         let actions = self.apply(Event::Register { model, bytes, file_reachable: true }).await?;

@@ -341,6 +341,13 @@ pub enum Event {
         /// Whether repairs may load it from its file.
         reachable: bool,
     },
+    /// [`Pool::set_capacity`]: what a node advertised it may hold for the pool.
+    Capacity {
+        /// Node.
+        node: NodeId,
+        /// Bytes (`None`: no limit).
+        bytes: Option<u64>,
+    },
     /// What a model is (written before its `Register`): the catalog entry daemons load it from.
     Describe {
         /// Model.
@@ -387,6 +394,10 @@ fn apply(state: &mut State, e: &Event) -> Result<Vec<Action>, PoolError> {
         Event::CopyFailed(c) => pool.copy_failed(c),
         Event::Reclaim(c) => pool.reclaim(c),
         Event::NodeDown(n) => Ok(pool.node_down(n)),
+        Event::Capacity { node, bytes } => {
+            pool.set_capacity(node, bytes);
+            Ok(Vec::new())
+        }
         Event::NodeUp(n) => Ok(pool.node_up(n)),
         Event::FileReachable { model, reachable } => pool.set_file_reachable(model, reachable).map(|_| Vec::new()),
     }

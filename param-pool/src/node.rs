@@ -6,7 +6,7 @@
 //! manager -> node   Load{pool, copy, path, manifest}   ->  Loaded{result, file_missing}   (io_uring, crc-verified)
 //! manager -> node   Drop{pool, copy}                   ->  Dropped
 //! manager -> node   Check{pool, copy, bytes, chunk}    ->  Checked{crcs}    (None: no such copy)
-//! manager -> node   List{pool}                         ->  Listed{copies, foreign}
+//! manager -> node   List{pool}                         ->  Listed{copies, foreign, capacity}
 //! manager -> node   Lend{pool, copy, run, loc, bytes}  ->  Done      the copy becomes the source of a multicast run
 //! manager -> node   Adopt{pool, copy, run, loc}        ->  Done      a verified target of a run becomes held copy `copy`
 //! (any of them)                                        ->  Failed{message}
@@ -92,6 +92,8 @@ pub enum PoolMsg {
         copies: Vec<u64>,
         /// Copies of other pools, by pool id and copy id: not the asker's to touch.
         foreign: Vec<(String, u64)>,
+        /// The bytes this node may give to regions (its configured limit), if limited.
+        capacity: Option<u64>,
     },
     /// Lend held copy `copy` to multicast run `run` as its source at `loc`.
     Lend {
@@ -228,9 +230,11 @@ impl PoolNode {
                 let crcs = blocking(move || unsafe { chunk_crcs(&r, bytes.min(r.len()), chunk) }).await.ok();
                 Ok(PoolMsg::Checked { crcs })
             }
-            PoolMsg::List { pool } => {
-                Ok(PoolMsg::Listed { copies: self.held.ids(&pool), foreign: self.held.foreign(&pool) })
-            }
+            PoolMsg::List { pool } => Ok(PoolMsg::Listed {
+                copies: self.held.ids(&pool),
+                foreign: self.held.foreign(&pool),
+                capacity: self.mesh.memory_limit(),
+            }),
             PoolMsg::Lend { pool, copy, run, loc, bytes } => {
                 let region =
                     self.held.get(&pool, copy).ok_or_else(|| refused(format!("this node holds no copy {copy}")))?;

@@ -101,6 +101,16 @@ pub enum PoolError {
     /// The model is registered already.
     #[error("model {0} is registered already")]
     Duplicate(ModelId),
+    /// Fewer nodes with room for the model than the invariant needs.
+    #[error("a model of {bytes} bytes fits on {have} live nodes; {k} copies are needed")]
+    NoRoom {
+        /// The model's bytes.
+        bytes: u64,
+        /// Nodes with room.
+        have: usize,
+        /// Copies needed.
+        k: usize,
+    },
     /// Fewer live nodes than the invariant needs.
     #[error("{have} live nodes cannot hold {k} copies on distinct nodes")]
     TooFewNodes {
@@ -143,6 +153,10 @@ pub struct Pool {
     models: BTreeMap<ModelId, Model>,
     copies: BTreeMap<CopyId, ModelCopy>,
     next_copy: CopyId,
+    /// Bytes each node may hold for the pool (a node not listed: no limit). Set by events, so a
+    /// replay places copies exactly as the first run did.
+    #[serde(default)]
+    capacity: BTreeMap<NodeId, u64>,
 }
 
 impl Pool {
@@ -154,6 +168,29 @@ impl Pool {
             models: BTreeMap::new(),
             copies: BTreeMap::new(),
             next_copy: 1,
+            capacity: BTreeMap::new(),
+        }
+    }
+
+    /// Sets the bytes `node` may hold for the pool (`None`: no limit). Copies already placed
+    /// stay; new ones go only where they fit.
+    pub fn set_capacity(&mut self, node: NodeId, bytes: Option<u64>) {
+        match bytes {
+            Some(b) => self.capacity.insert(node, b),
+            None => self.capacity.remove(&node),
+        };
+    }
+
+    /// The bytes `node` may hold for the pool, if limited.
+    pub fn capacity(&self, node: NodeId) -> Option<u64> {
+        self.capacity.get(&node).copied()
+    }
+
+    /// Whether `bytes` more fit on `node`, given what it holds (`loads`).
+    fn fits(&self, loads: &BTreeMap<NodeId, u64>, node: NodeId, bytes: u64) -> bool {
+        match self.capacity.get(&node) {
+            Some(cap) => loads.get(&node).copied().unwrap_or(0).saturating_add(bytes) <= *cap,
+            None => true,
         }
     }
 
@@ -277,11 +314,11 @@ impl Pool {
                 .collect();
             let Some(node) = loads
                 .iter()
-                .filter(|(n, _)| !used.contains(n) && !evicting.contains(n))
+                .filter(|(n, _)| !used.contains(n) && !evicting.contains(n) && self.fits(&loads, **n, m.bytes))
                 .min_by_key(|(n, b)| (**b, **n))
                 .map(|(n, _)| *n)
             else {
-                break; // fewer live nodes than k: nothing more can be placed
+                break; // fewer live nodes with room than k: nothing more can be placed
             };
             let copy = self.new_copy(model, node, CopyKind::HostCache);
             used.insert(node);
@@ -290,16 +327,27 @@ impl Pool {
         out
     }
 
+    /// Whether a new model of `bytes` could get its `k` copies: enough live nodes, with room.
+    pub fn can_place(&self, bytes: u64) -> Result<(), PoolError> {
+        let live = self.live_nodes().count();
+        if live < self.k {
+            return Err(PoolError::TooFewNodes { have: live, k: self.k });
+        }
+        let loads = self.bytes_per_node();
+        let room = self.live_nodes().filter(|n| self.fits(&loads, *n, bytes)).count();
+        if room < self.k {
+            return Err(PoolError::NoRoom { bytes, have: room, k: self.k });
+        }
+        Ok(())
+    }
+
     /// Registers a model of `bytes` and places its first `k` copies, loaded from its file;
     /// `file_reachable` says whether repairs may later fall back to that file.
     pub fn register(&mut self, model: ModelId, bytes: u64, file_reachable: bool) -> Result<Vec<Action>, PoolError> {
         if self.models.contains_key(&model) {
             return Err(PoolError::Duplicate(model));
         }
-        let live = self.live_nodes().count();
-        if live < self.k {
-            return Err(PoolError::TooFewNodes { have: live, k: self.k });
-        }
+        self.can_place(bytes)?;
         self.models.insert(model, Model { bytes, file_reachable, lost: false });
         Ok(self.top_up_from(model, true))
     }
@@ -317,6 +365,10 @@ impl Pool {
         }
         if !self.alive(node) {
             return Err(PoolError::NoSuchNode(node));
+        }
+        let bytes = self.models.get(&model).map_or(0, |m| m.bytes);
+        if !self.fits(&self.bytes_per_node(), node, bytes) {
+            return Err(PoolError::NoRoom { bytes, have: 0, k: 1 });
         }
         let from = self.sources(model);
         let copy = self.new_copy(model, node, CopyKind::Gpu(gpu));
@@ -352,7 +404,9 @@ impl Pool {
             .filter(|o| o.id != id && o.model == model && o.state != CopyState::Evicting && self.alive(o.node))
             .map(|o| o.node)
             .collect();
-        let free = self.live_nodes().filter(|n| *n != node && !used.contains(n)).count();
+        let (loads, bytes) = (self.bytes_per_node(), self.models.get(&model).map_or(0, |m| m.bytes));
+        let free =
+            self.live_nodes().filter(|n| *n != node && !used.contains(n) && self.fits(&loads, *n, bytes)).count();
         if used.len() + free < self.k {
             return Err(PoolError::TooFewNodes { have: used.len() + free, k: self.k });
         }

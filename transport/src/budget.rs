@@ -39,6 +39,11 @@ impl MemoryBudget {
         MemoryBudget { limit, used: Arc::default() }
     }
 
+    /// The configured limit, if any.
+    pub fn limit(&self) -> Option<u64> {
+        self.limit
+    }
+
     /// Bytes of live regions allocated against this budget.
     pub fn used(&self) -> u64 {
         self.used.load(Ordering::SeqCst)

@@ -45,6 +45,8 @@ pub trait Mesh: Send + Sync + 'static {
     fn connected_to(&self, peer: NodeId) -> bool {
         self.link(peer).is_ok_and(|l| l.is_alive())
     }
+    /// The node's configured memory limit for regions, if any (what it advertises to a pool).
+    fn memory_limit(&self) -> Option<u64>;
 }
 
 impl Mesh for crate::Endpoint {
@@ -62,6 +64,9 @@ impl Mesh for crate::Endpoint {
     }
     fn alloc(&self, len: u64) -> Result<Region> {
         crate::Endpoint::alloc(self, len)
+    }
+    fn memory_limit(&self) -> Option<u64> {
+        self.budget().limit()
     }
     fn register(&self, region: &Region) -> Result<()> {
         crate::Endpoint::register(self, region)
@@ -86,6 +91,9 @@ impl Mesh for crate::mem::MemNode {
     }
     fn alloc(&self, len: u64) -> Result<Region> {
         Region::alloc_within(len, false, crate::mem::MemNode::budget(self))
+    }
+    fn memory_limit(&self) -> Option<u64> {
+        crate::mem::MemNode::budget(self).limit()
     }
     fn register(&self, region: &Region) -> Result<()> {
         self.regions().register(region);

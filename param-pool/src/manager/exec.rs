@@ -57,6 +57,8 @@ pub struct Listing {
     pub ours: BTreeMap<NodeId, Vec<CopyId>>,
     /// Other pools' copies (pool id, copy id), per node.
     pub foreign: BTreeMap<NodeId, Vec<(String, u64)>>,
+    /// What each node may hold (its configured memory limit; `None`: no limit).
+    pub capacity: BTreeMap<NodeId, Option<u64>>,
 }
 
 impl Io {
@@ -115,8 +117,9 @@ impl Io {
             self.ask_all(nodes.iter().map(|n| (*n, PoolMsg::List { pool: self.pool.clone() })).collect()).await;
         let mut out = Listing::default();
         for (n, r) in nodes.into_iter().zip(answers) {
-            if let Ok(PoolMsg::Listed { copies, foreign }) = r {
+            if let Ok(PoolMsg::Listed { copies, foreign, capacity }) = r {
                 out.ours.insert(n, copies);
+                out.capacity.insert(n, capacity);
                 if !foreign.is_empty() {
                     out.foreign.insert(n, foreign);
                 }

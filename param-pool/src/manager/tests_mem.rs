@@ -27,6 +27,11 @@ struct MemCluster {
 impl MemCluster {
     /// Node 0 is the manager's, nodes 1..=n serve the pool; `models` model files of 1–3 MiB.
     fn new(n: u32, models: usize, tag: &str) -> MemCluster {
+        Self::with_limits(n, models, tag, &[])
+    }
+
+    /// As `new`, with memory limits for some nodes.
+    fn with_limits(n: u32, models: usize, tag: &str, limits: &[(NodeId, u64)]) -> MemCluster {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../target/mem-manager-tests")
             .join(format!("{tag}-{}", std::process::id()));
@@ -41,7 +46,8 @@ impl MemCluster {
             .collect();
         let fabric = MemFabric::new();
         for i in 1..=n {
-            start_services(Arc::new(fabric.add_node(i)), Duration::from_secs(10)).unwrap();
+            let limit = limits.iter().find(|(x, _)| *x == i).map(|(_, b)| *b);
+            start_services(Arc::new(fabric.add_node_with_limit(i, limit)), Duration::from_secs(10)).unwrap();
         }
         MemCluster { fabric, nodes: n, dir, models: paths }
     }
@@ -441,4 +447,23 @@ async fn recovered_copies_are_unverified_until_checked() {
     assert!(s.to_string().contains("ready?"), "{s}");
     assert!(m.check().await.unwrap().healthy);
     assert!(m.status_handle().lock().unwrap().copies.iter().all(|x| x.verified));
+}
+
+/// Nodes advertise their memory limit; the pool places copies only where they fit and refuses a
+/// register with too few nodes that have room before writing anything.
+#[tokio::test(start_paused = true)]
+async fn copies_are_placed_only_on_nodes_with_room() {
+    // Node 3 may hold 1.5 MiB: the 2 MiB model (m1) cannot go there.
+    let c = MemCluster::with_limits(3, 3, "capacity", &[(3, 3 << 19)]);
+    let mut m = c.manager(2);
+    m.start().await.unwrap();
+    m.register("m1", &c.models[1]).await.unwrap();
+    let s = m.status_handle().lock().unwrap().clone();
+    assert!(s.copies.iter().all(|x| x.node != 3), "{s}");
+    assert!(s.healthy, "{s}");
+    drop(m);
+    let mut m = c.manager(3);
+    m.start().await.unwrap();
+    let err = m.register("m2", &c.models[2]).await.unwrap_err().to_string();
+    assert!(err.contains("fits on 2 live nodes"), "{err}");
 }

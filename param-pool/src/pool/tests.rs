@@ -196,3 +196,25 @@ fn reclaim_with_no_other_node_to_take_the_place_is_refused_and_changes_nothing()
     }
     assert!(p.check().is_empty(), "{:?}", p.check());
 }
+
+#[test]
+fn copies_go_only_where_they_fit_and_a_register_without_room_is_refused() {
+    let mut p = Pool::new(2, 0..3);
+    p.set_capacity(0, Some(100));
+    p.set_capacity(1, Some(1000));
+    // Node 0 cannot take a 500-byte model: its copies go to 1 and 2.
+    let acts = p.register(1, 500, true).unwrap();
+    let nodes: BTreeSet<NodeId> = p.copies().map(|c| c.node).collect();
+    assert_eq!(nodes, BTreeSet::from([1, 2]));
+    settle(&mut p, acts);
+    // Node 1 has 500 left: a 600-byte model fits only on node 2, so k = 2 is refused up front.
+    let before = p.clone();
+    assert_eq!(p.register(2, 600, true), Err(PoolError::NoRoom { bytes: 600, have: 1, k: 2 }));
+    assert_eq!(p, before, "a refused register changes nothing");
+    assert!(matches!(p.deploy(1, 0, 0), Err(PoolError::NoRoom { .. })), "no instance where it does not fit");
+    // Node 2 dies: the repair has nowhere to go (node 0 is too small, node 1 holds one already),
+    // so the model stays below k and check says so, instead of overfilling node 0.
+    let acts = p.node_down(2);
+    assert!(acts.iter().all(|a| !matches!(a, Action::Create { .. })), "{acts:?}");
+    assert!(!p.check().is_empty());
+}
