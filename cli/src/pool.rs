@@ -24,6 +24,9 @@ pub(crate) enum PoolCmd {
     Check(Admin),
     /// Every pool node: live, suspect, dead or returning, with what happened to it.
     Nodes(Admin),
+    /// Drop the copies the nodes hold for other pools (listed as foreign by `status`). The
+    /// manager never does this on its own.
+    DropForeign(Admin),
     /// Repair what a check finds (unreachable nodes, bad, unknown or unfinished copies), then check.
     Repair(Admin),
     /// Register a safetensors model file; its first k copies are loaded from the file.
@@ -283,6 +286,14 @@ pub(crate) async fn run(cmd: PoolCmd) -> anyhow::Result<()> {
                 let s: Status = serde_json::from_value(v)?;
                 print!("{s}");
             }
+            Ok(())
+        }
+        PoolCmd::DropForeign(a) => {
+            let v = a.call(AdminRequest::DropForeign).await?;
+            println!(
+                "{}",
+                if a.json { v.to_string() } else { format!("dropped {} copies of other pools", v["dropped"]) }
+            );
             Ok(())
         }
         PoolCmd::Nodes(a) => {

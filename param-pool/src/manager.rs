@@ -383,6 +383,29 @@ impl<S: MetaStore + 'static> Manager<S> {
         Ok(actions)
     }
 
+    /// Drops every copy the live nodes hold for other pools — only when the operator asks
+    /// (`cascade pool drop-foreign`). Returns how many were dropped.
+    pub async fn drop_foreign(&mut self) -> usize {
+        let listing = self.io.list(self.pool().live_nodes().collect()).await;
+        let asks: Vec<(NodeId, crate::node::PoolMsg)> = listing
+            .foreign
+            .iter()
+            .flat_map(|(n, v)| {
+                v.iter().map(|(pool, copy)| (*n, crate::node::PoolMsg::Drop { pool: pool.clone(), copy: *copy }))
+            })
+            .collect();
+        let n = asks.len();
+        for r in self.io.ask_all(asks).await {
+            if let Err(e) = r {
+                warn!(error = %e, "dropping another pool's copy failed");
+            }
+        }
+        warn!(copies = n, "dropped other pools' copies, as asked");
+        self.foreign.clear();
+        self.publish();
+        n
+    }
+
     /// Every member node: state, bytes, copies and history (`cascade pool nodes`).
     pub fn nodes_report(&self) -> Vec<report::NodeReport> {
         let bytes = self.pool().bytes_per_node();
@@ -469,8 +492,13 @@ impl<S: MetaStore + 'static> Manager<S> {
         }
         let dropped = r.unknown.len();
         self.io.drop_all(r.unknown).await;
+        let mut actions = Vec::new();
+        for c in &r.missing {
+            warn!(copy = c.id, node = c.node, model = c.model, "a copy the pool counts on is gone from its node");
+            actions.extend(self.apply(Event::CopyFailed(c.id)).await?);
+        }
         let sums = self.io.check(self.with_crcs(&r.check)).await;
-        let (mut kept, mut actions, mut reissue) = (0, Vec::new(), r.reissue);
+        let (mut kept, mut reissue) = (0, r.reissue);
         for c in r.check {
             if sums.get(&c.id).copied().unwrap_or(false) {
                 kept += 1;
@@ -951,6 +979,7 @@ impl<S: MetaStore + 'static> Manager<S> {
             AdminRequest::Status => Ok(to_json(&*self.status.lock().unwrap_or_else(|e| e.into_inner()))),
             AdminRequest::Check => Ok(to_json(&self.check().await?)),
             AdminRequest::Nodes => Ok(to_json(&self.nodes_report())),
+            AdminRequest::DropForeign => Ok(serde_json::json!({ "dropped": self.drop_foreign().await })),
             AdminRequest::Repair => Ok(to_json(&self.repair().await?)),
             AdminRequest::Register { name, path } => {
                 let id = self.register_as(&name, Path::new(&path), caller).await?;

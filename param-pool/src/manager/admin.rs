@@ -41,6 +41,8 @@ pub enum AdminRequest {
     Check,
     /// Every member node: state and history.
     Nodes,
+    /// Drop the copies the nodes hold for other pools (an explicit decision of the operator).
+    DropForeign,
     /// Repair what a check finds, then check again.
     Repair,
     /// Register a model file.

@@ -150,6 +150,9 @@ pub struct Reconcile {
     pub check: Vec<ModelCopy>,
     /// Copies still loading in the pool that their node does not hold: made again.
     pub reissue: Vec<ModelCopy>,
+    /// Complete copies in the pool that their (answering) node does not hold any more: failed,
+    /// so the pool makes them again.
+    pub missing: Vec<ModelCopy>,
 }
 
 /// Compares the pool with `held` (what each answering node lists).
@@ -162,11 +165,13 @@ pub fn reconcile(pool: &Pool, held: &BTreeMap<NodeId, Vec<CopyId>>) -> Reconcile
             }
         }
     }
-    for c in pool.copies().filter(|c| c.state == CopyState::Loading) {
-        if held.get(&c.node).is_some_and(|ids| ids.contains(&c.id)) {
-            r.check.push(c.clone());
-        } else {
-            r.reissue.push(c.clone());
+    for c in pool.copies() {
+        let here = held.get(&c.node).map(|ids| ids.contains(&c.id));
+        match (c.state, here) {
+            (CopyState::Loading, Some(true)) => r.check.push(c.clone()),
+            (CopyState::Loading, _) => r.reissue.push(c.clone()),
+            (_, Some(false)) => r.missing.push(c.clone()),
+            _ => {}
         }
     }
     r

@@ -353,8 +353,36 @@ async fn a_new_pool_leaves_another_pools_copies_alone() {
     assert_eq!(s.foreign.len(), before, "the first pool's copies are reported:\n{s}");
     assert!(s.foreign.iter().all(|f| f.pool == first));
     other.register("m0", &c.models[0]).await.unwrap();
+    // Asked explicitly, it drops them (and only them: its own copy stays).
+    let own = other.status_handle().lock().unwrap().copies.len();
+    assert_eq!(other.drop_foreign().await, before);
+    assert!(other.status_handle().lock().unwrap().foreign.is_empty());
+    assert!(other.check().await.unwrap().healthy);
+    assert_eq!(other.status_handle().lock().unwrap().copies.len(), own);
     drop(other);
-    // The first pool finds every copy it had, intact: nothing is made again.
+    // The first pool, restarted, had its copies dropped by that explicit request: it makes them
+    // again from the files.
+    let mut m = c.manager(2);
+    m.start().await.unwrap();
+    assert_whole(&mut m, 2, 2, &[]).await;
+}
+
+/// Without an explicit request, a second pool on the same nodes leaves the first one's copies
+/// alone: the first pool, restarted, finds every copy intact and makes none again.
+#[tokio::test(start_paused = true)]
+async fn another_pools_copies_survive_a_second_pool() {
+    let c = MemCluster::new(3, 2, "twopools2");
+    let (m, _) = c.registered(2).await;
+    drop(m);
+    let mut cfg = ManagerConfig::new((1..=c.nodes).collect());
+    cfg.k = 2;
+    cfg.init = true;
+    let store = EmbeddedStore::open(&c.dir.join("meta-other")).unwrap();
+    let mut other = Manager::open(Arc::new(c.fabric.add_node(0)), store, cfg).unwrap();
+    other.start().await.unwrap();
+    other.register("m0", &c.models[0]).await.unwrap();
+    assert!(other.repair().await.unwrap().healthy);
+    drop(other);
     let mut m = c.manager(2);
     let (tx, mut notices) = mpsc::unbounded_channel();
     m.notify(tx, std::time::Instant::now());

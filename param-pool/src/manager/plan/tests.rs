@@ -115,3 +115,16 @@ fn reconcile_drops_unknown_checks_present_and_reissues_missing() {
     let again = reissue(&p, r.reissue);
     assert!(matches!(&again[..], [Action::Create { copy, .. }] if copy.id == loading[1].id));
 }
+
+#[test]
+fn a_complete_copy_its_node_no_longer_lists_is_missing_but_a_silent_node_proves_nothing() {
+    let mut p = Pool::new(1, 1..=2);
+    let acts = p.register(1, 10, true).unwrap();
+    let Action::Create { copy, .. } = &acts[0] else { panic!("{acts:?}") };
+    p.copy_ready(copy.id).unwrap();
+    let node = copy.node;
+    let held = BTreeMap::from([(node, vec![])]);
+    assert_eq!(reconcile(&p, &held).missing.len(), 1);
+    // The node did not answer: nothing is concluded about its copies.
+    assert!(reconcile(&p, &BTreeMap::new()).missing.is_empty());
+}
