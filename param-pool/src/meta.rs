@@ -5,7 +5,10 @@
 //! [`EmbeddedStore`] keeps a data directory: `wal.log` — records framed as
 //! `magic "CSWL" | len u32 | crc32(magic, len) u32 | crc32(body) u32 | body`, fsynced on
 //! append — and `snapshot.bin` (same framing, replaced atomically by write-to-temp, fsync,
-//! rename, fsync of the directory).
+//! rename, fsync of the directory). A snapshot records the length and crc32 of the log it
+//! covers, and the log restarts after it with a random epoch record; so a crash between
+//! installing a snapshot and truncating the log is recognised at recovery (the log still starts
+//! with the covered bytes) and those records are not applied a second time.
 //!
 //! Recovery never silently loses an acknowledged record. A record is acknowledged only after its
 //! fsync, and the next append starts only after that, so a crash can leave at most one
@@ -118,7 +121,17 @@ pub struct EmbeddedStore {
     poisoned: bool,
     #[cfg(test)]
     pub(crate) fail_append: Option<usize>,
+    /// Test hook: a crash after installing a snapshot, before the log is truncated.
+    #[cfg(test)]
+    pub(crate) crash_before_truncate: bool,
 }
+
+/// The body of the record that starts a log restarted after a snapshot: this tag and 16 random
+/// bytes. It makes the new log's first bytes differ from every earlier log's, so recovery can
+/// tell a log the snapshot covers (its truncation was interrupted) from a new one.
+const EPOCH_TAG: &[u8] = b"CSWAL-EPOCH:";
+/// The start of a snapshot's body: this magic, the length and crc32 of the log it covers, the state.
+const SNAPSHOT_MAGIC: &[u8; 4] = b"CSS1";
 
 /// Magic number at the start of every framed record ("CSWL").
 const MAGIC: [u8; 4] = *b"CSWL";
@@ -173,7 +186,9 @@ pub(crate) fn scan(buf: &[u8]) -> Scan {
         if crc32fast::hash(body) != u32_at(at + 12) {
             break Some((false, "record body crc32 mismatch".into()));
         }
-        records.push(body.to_vec());
+        if !body.starts_with(EPOCH_TAG) {
+            records.push(body.to_vec());
+        }
         at += HEADER + len;
     };
     Scan { records, end: at, stop }
@@ -198,6 +213,8 @@ impl EmbeddedStore {
             poisoned: false,
             #[cfg(test)]
             fail_append: None,
+            #[cfg(test)]
+            crash_before_truncate: false,
         })
     }
 
@@ -207,6 +224,19 @@ impl EmbeddedStore {
 
     fn wal_path(&self) -> String {
         self.dir.join("wal.log").display().to_string()
+    }
+
+    /// Empties the log (a snapshot covers it) and starts it with a fresh epoch record.
+    fn restart_log(&mut self) -> Result<(), MetaError> {
+        self.wal.set_len(0).and_then(|_| self.wal.sync_all()).map_err(io("truncating the WAL"))?;
+        self.len = 0;
+        self.poisoned = false;
+        let mut epoch = EPOCH_TAG.to_vec();
+        let mut random = [0u8; 16];
+        getrandom::fill(&mut random)
+            .map_err(|e| io("drawing the WAL's epoch")(std::io::Error::other(e.to_string())))?;
+        epoch.extend(random);
+        self.append(&epoch)
     }
 
     /// Cuts the log back to its acknowledged records.
@@ -246,16 +276,29 @@ impl MetaStore for EmbeddedStore {
     }
 
     fn snapshot(&mut self, state: &[u8]) -> Result<(), MetaError> {
+        // The snapshot names the log it covers (its acknowledged bytes and their crc32): if the
+        // log's truncation below never happens (a crash), recovery skips those records instead
+        // of applying them a second time on top of the snapshot.
+        let mut covered = vec![0u8; self.len as usize];
+        self.wal
+            .seek(SeekFrom::Start(0))
+            .and_then(|_| self.wal.read_exact(&mut covered))
+            .map_err(io("reading the WAL"))?;
+        let mut body = Vec::with_capacity(state.len() + 16);
+        body.extend(SNAPSHOT_MAGIC);
+        body.extend(self.len.to_le_bytes());
+        body.extend(crc32fast::hash(&covered).to_le_bytes());
+        body.extend(state);
         let tmp = self.dir.join("snapshot.tmp");
         let mut f = File::create(&tmp).map_err(io(format!("writing {}", tmp.display())))?;
-        f.write_all(&frame(state)).and_then(|_| f.sync_all()).map_err(io("writing the snapshot"))?;
+        f.write_all(&frame(&body)).and_then(|_| f.sync_all()).map_err(io("writing the snapshot"))?;
         std::fs::rename(&tmp, self.dir.join("snapshot.bin")).map_err(io("installing the snapshot"))?;
         self.sync_dir()?;
-        // The snapshot covers every record: start an empty log.
-        self.wal.set_len(0).and_then(|_| self.wal.sync_all()).map_err(io("truncating the WAL"))?;
-        self.len = 0;
-        self.poisoned = false;
-        Ok(())
+        #[cfg(test)]
+        if self.crash_before_truncate {
+            return Ok(());
+        }
+        self.restart_log()
     }
 
     fn describe(&self) -> String {
@@ -263,24 +306,34 @@ impl MetaStore for EmbeddedStore {
     }
 
     fn recover(&mut self) -> Result<Recovered, MetaError> {
-        let snapshot = match std::fs::read(self.dir.join("snapshot.bin")) {
+        let damaged = || MetaError::Corrupt(format!("{}: damaged snapshot", self.dir.join("snapshot.bin").display()));
+        let (snapshot, covered) = match std::fs::read(self.dir.join("snapshot.bin")) {
             Ok(b) => {
                 let Scan { mut records, stop, .. } = scan(&b);
-                if records.len() != 1 || stop.is_some() {
-                    return Err(MetaError::Corrupt(format!(
-                        "{}: damaged snapshot",
-                        self.dir.join("snapshot.bin").display()
-                    )));
+                let body = records.pop().filter(|_| records.is_empty() && stop.is_none()).ok_or_else(damaged)?;
+                if body.len() < 16 || &body[..4] != SNAPSHOT_MAGIC {
+                    return Err(damaged());
                 }
-                records.pop()
+                let len = u64::from_le_bytes(body[4..12].try_into().map_err(|_| damaged())?);
+                let crc = u32::from_le_bytes(body[12..16].try_into().map_err(|_| damaged())?);
+                (Some(body[16..].to_vec()), Some((len, crc)))
             }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => (None, None),
             Err(e) => return Err(io("reading the snapshot")(e)),
         };
         let mut buf = Vec::new();
         self.wal.seek(SeekFrom::Start(0)).map_err(io("reading the WAL"))?;
         self.wal.read_to_end(&mut buf).map_err(io("reading the WAL"))?;
-        let Scan { records, end, stop } = scan(&buf);
+        // A log that starts with exactly the bytes the snapshot covers was never truncated (a
+        // crash between the two): those records are in the snapshot already.
+        let base = match covered {
+            Some((len, crc)) if len > 0 && buf.len() as u64 >= len && crc32fast::hash(&buf[..len as usize]) == crc => {
+                len as usize
+            }
+            _ => 0,
+        };
+        let Scan { records, end, stop } = scan(&buf[base..]);
+        let end = base + end;
         if let Some((false, reason)) = stop {
             return Err(MetaError::WalCorrupt {
                 path: self.wal_path(),
@@ -291,7 +344,10 @@ impl MetaStore for EmbeddedStore {
         }
         let dropped = (buf.len() - end) as u64;
         self.len = end as u64;
-        if dropped > 0 {
+        if base > 0 && records.is_empty() {
+            // Finish the interrupted truncation.
+            self.restart_log()?;
+        } else if dropped > 0 {
             self.cut_back().map_err(io("cutting the WAL's torn tail"))?;
         }
         Ok(Recovered { snapshot, records, dropped_tail_bytes: dropped })

@@ -495,3 +495,14 @@ async fn copies_are_placed_only_on_nodes_with_room() {
     let err = m.register("m2", &c.models[2]).await.unwrap_err().to_string();
     assert!(err.contains("fits on 2 live nodes"), "{err}");
 }
+
+/// A deploy whose instance cannot be made (a GPU the node does not have) is an error, not
+/// "serving" (it used to return success while the multicast had failed).
+#[tokio::test(start_paused = true)]
+async fn a_deploy_that_cannot_be_made_is_an_error() {
+    let c = MemCluster::new(3, 1, "deploy");
+    let (mut m, _) = c.registered(1).await;
+    let err = m.deploy(1, 2, 7).await.unwrap_err().to_string();
+    assert!(err.contains("could not be made"), "{err}");
+    m.deploy(1, 2, 0).await.unwrap();
+}
