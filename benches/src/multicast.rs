@@ -44,12 +44,21 @@ pub struct RoleArgs {
     /// Bytes (controller).
     #[arg(long, hide = true)]
     pub mc_bytes: Option<u64>,
+    /// Use shared memory between the (same-host) nodes.
+    #[arg(long, hide = true)]
+    pub mc_shm: bool,
+    /// Per-chunk overhead the planner assumes, seconds (controller).
+    #[arg(long, hide = true)]
+    pub mc_overhead_s: Option<f64>,
+    /// Force this chunk size (controller; calibration).
+    #[arg(long, hide = true)]
+    pub mc_chunk: Option<u64>,
 }
 
 /// Joins the cluster; a node starts its multicast service before any peer can reach it.
-async fn join(cluster: &std::path::Path, node: u32, serve: bool) -> anyhow::Result<Arc<Endpoint>> {
+async fn join(cluster: &std::path::Path, node: u32, serve: bool, shm: bool) -> anyhow::Result<Arc<Endpoint>> {
     let mut cfg = EndpointConfig::new(node, ClusterSpec::load(cluster)?, SECRET.as_bytes());
-    cfg.shm = false;
+    cfg.shm = shm;
     let ep = Arc::new(Endpoint::bind(cfg).await?);
     if serve {
         MulticastNode::start(ep.clone(), Duration::from_secs(60))?;
@@ -65,7 +74,7 @@ pub fn run_role(r: &RoleArgs) -> anyhow::Result<bool> {
     let (Some(cluster), Some(node)) = (&r.mc_cluster, r.mc_node) else { bail!("role needs a cluster and a node") };
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     rt.block_on(async {
-        let ep = join(cluster, node, role == "node").await?;
+        let ep = join(cluster, node, role == "node", r.mc_shm).await?;
         match role {
             // Serves until the benchmark kills this process.
             "node" => std::future::pending::<()>().await,
@@ -76,6 +85,12 @@ pub fn run_role(r: &RoleArgs) -> anyhow::Result<bool> {
                 let mut spec =
                     RunSpec::synthetic(Topology::from_toml(&text)?, bytes, vec![Loc::gpu(1, 0)], targets, 0x5eed);
                 spec.planner = r.mc_planner.context("planner")?;
+                if let Some(o) = r.mc_overhead_s {
+                    spec.cost.chunk_overhead_s = o;
+                }
+                if let Some(c) = r.mc_chunk {
+                    (spec.cost.min_chunk, spec.cost.max_chunk) = (c, c);
+                }
                 spec.layers = (0..8u64).map(|i| i * bytes / 8..(i + 1) * bytes / 8).filter(|l| !l.is_empty()).collect();
                 spec.deadline = Duration::from_secs(300);
                 let out = Controller::new(ep.clone())?.run(&spec).await?;
@@ -101,6 +116,13 @@ pub fn run_role(r: &RoleArgs) -> anyhow::Result<bool> {
 /// serve every run started on it.
 pub struct Bed {
     net: Option<Netns>,
+    shm: bool,
+    hosts: usize,
+    /// The link rate the planner is told, Gbit/s: the shaped rate, or memcpy's measured one on
+    /// shared memory (loopback tcp: the nominal `link_mbit`).
+    pub link_gbps: f64,
+    /// The per-chunk overhead the planner is told, seconds (from [`Bed::calibrate`]).
+    pub chunk_overhead_s: Option<f64>,
     exe: PathBuf,
     dir: PathBuf,
     children: Vec<Child>,
@@ -109,8 +131,17 @@ pub struct Bed {
 }
 
 impl Bed {
-    /// Starts the nodes: in namespaces shaped to `link_mbit` with `netns`, else on loopback.
+    /// Starts the nodes: in namespaces shaped to `link_mbit` with `netns`, else on loopback
+    /// (tcp, or shared memory with `shm`).
     pub fn start(netns: bool, max_targets: usize, link_mbit: u64) -> anyhow::Result<Bed> {
+        Self::start_with(netns, false, max_targets, link_mbit)
+    }
+
+    /// As [`Bed::start`]; `shm` links the (loopback) nodes by shared memory.
+    pub fn start_with(netns: bool, shm: bool, max_targets: usize, link_mbit: u64) -> anyhow::Result<Bed> {
+        if netns && shm {
+            bail!("namespaced hosts do not share memory: --shm is for one host");
+        }
         let hosts = max_targets + 2; // 0: controller, 1: source, 2..: targets
         let exe = std::env::current_exe()?;
         let dir = std::env::temp_dir().join(format!("cascade-mcbench-{}", std::process::id()));
@@ -126,15 +157,24 @@ impl Bed {
                 (0..hosts).map(|_| std::net::TcpListener::bind("127.0.0.1:0")).collect::<Result<_, _>>()?;
             (None, ls.iter().map(|l| l.local_addr().map(|a| a.to_string())).collect::<Result<_, _>>()?)
         };
+        let link_gbps = if shm { memcpy_gbps() } else { link_mbit as f64 / 1000.0 };
         let mut cluster = format!("name = \"mcbench{}\"\n", std::process::id());
-        let mut topo = String::new();
         for (i, a) in addrs.iter().enumerate() {
             cluster += &format!("[[nodes]]\nid = {i}\naddr = \"{a}\"\n");
-            topo += &format!("[[nodes]]\nid = {i}\ngpus = 1\nnic_gbps = {}\n", link_mbit as f64 / 1000.0);
         }
         std::fs::write(dir.join("cluster.toml"), cluster)?;
-        std::fs::write(dir.join("topo.toml"), topo)?;
-        let mut bed = Bed { net, exe, dir, children: Vec::new(), link_mbit: netns.then_some(link_mbit) };
+        let mut bed = Bed {
+            net,
+            shm,
+            hosts,
+            link_gbps,
+            chunk_overhead_s: None,
+            exe,
+            dir,
+            children: Vec::new(),
+            link_mbit: netns.then_some(link_mbit),
+        };
+        bed.set_link_gbps(link_gbps)?;
         for i in 1..hosts {
             let mut c = bed.command(i);
             c.args(["--mc-role", "node", "--mc-node", &i.to_string()]).stdout(Stdio::null());
@@ -149,6 +189,9 @@ impl Bed {
             None => Command::new(&self.exe),
         };
         c.arg("--mc-cluster").arg(self.dir.join("cluster.toml"));
+        if self.shm {
+            c.arg("--mc-shm");
+        }
         c.env("XDG_RUNTIME_DIR", &self.dir);
         if std::env::var_os("RUST_LOG").is_none() {
             c.env("RUST_LOG", "error");
@@ -161,25 +204,77 @@ impl Bed {
         Ok(())
     }
 
-    /// One run: `targets` targets, `bytes` bytes, through `planner`.
-    pub fn run(&self, planner: PlannerKind, targets: usize, bytes: u64) -> anyhow::Result<Value> {
+    /// Measures the executor on this bed: one target, 64 MiB, moved in 256 KiB and in 8 MiB
+    /// chunks (best of two each). The per-chunk overhead is the difference in time over the
+    /// difference in chunk count; on shared memory, where no wire sets the rate, the hop's rate
+    /// is what the 8 MiB run achieved (copy, crc32 and control together). Later runs tell the
+    /// planner these figures instead of the defaults.
+    pub fn calibrate(&mut self) -> anyhow::Result<f64> {
+        let bytes: u64 = 64 << 20;
+        let time = |chunk: u64| -> anyhow::Result<f64> {
+            let mut best = f64::INFINITY;
+            for _ in 0..2 {
+                let v = self.controller(PlannerKind::Chain, 1, bytes, Some(chunk))?;
+                best = best.min(v["seconds"].as_f64().unwrap_or(f64::INFINITY));
+            }
+            Ok(best)
+        };
+        let (small, large) = (256u64 << 10, 8u64 << 20);
+        let (ts, tl) = (time(small)?, time(large)?);
+        let o = ((ts - tl) / ((bytes / small) as f64 - (bytes / large) as f64)).clamp(1e-6, 1e-3);
+        self.chunk_overhead_s = Some(o);
+        if self.shm {
+            let hop_gbps = bytes as f64 * 8.0 / (tl - o * (bytes / large) as f64).max(1e-6) / 1e9;
+            self.set_link_gbps(hop_gbps)?;
+        }
+        Ok(o)
+    }
+
+    /// The rate the planner assumes for every node's link (the topology file the controller reads).
+    fn set_link_gbps(&mut self, gbps: f64) -> anyhow::Result<()> {
+        self.link_gbps = gbps;
+        let topo: String =
+            (0..self.hosts).map(|i| format!("[[nodes]]\nid = {i}\ngpus = 1\nnic_gbps = {gbps}\n")).collect();
+        std::fs::write(self.dir.join("topo.toml"), topo)?;
+        Ok(())
+    }
+
+    fn controller(
+        &self,
+        planner: PlannerKind,
+        targets: usize,
+        bytes: u64,
+        chunk: Option<u64>,
+    ) -> anyhow::Result<Value> {
         let mut c = self.command(0);
         c.args(["--mc-role", "controller", "--mc-node", "0", "--mc-planner", &planner.to_string()]);
         c.args(["--mc-targets", &targets.to_string(), "--mc-bytes", &bytes.to_string(), "--mc-topology"]);
         c.arg(self.dir.join("topo.toml"));
+        if let Some(o) = self.chunk_overhead_s {
+            c.args(["--mc-overhead-s", &o.to_string()]);
+        }
+        if let Some(ch) = chunk {
+            c.args(["--mc-chunk", &ch.to_string()]);
+        }
         let out = c.output().context("running the controller")?;
         if !out.status.success() {
             bail!("controller failed: {}", String::from_utf8_lossy(&out.stderr).trim());
         }
-        let v: Value = serde_json::from_slice(&out.stdout).context("controller output")?;
+        serde_json::from_slice(&out.stdout).context("controller output")
+    }
+
+    /// One run: `targets` targets, `bytes` bytes, through `planner`.
+    pub fn run(&self, planner: PlannerKind, targets: usize, bytes: u64) -> anyhow::Result<Value> {
+        let v = self.controller(planner, targets, bytes, None)?;
         if v["completed"] != json!(targets) || v["verified"] != json!(targets) {
             bail!("not every target completed with the source's bytes: {v}");
         }
         let bound = self.link_mbit.map(|b| bytes as f64 * 8.0 / (b as f64 * 1e6));
         Ok(json!({
             "planner": planner, "targets": targets, "bytes": bytes, "link_mbit": self.link_mbit,
-            "seconds": v["seconds"], "bound_seconds": bound, "netns": self.net.is_some(),
+            "seconds": v["seconds"], "bound_seconds": bound, "netns": self.net.is_some(), "shm": self.shm,
             "predicted_seconds": v["predicted_seconds"], "chunk_bytes": v["chunk_bytes"], "verified": v["verified"],
+            "link_gbps": self.link_gbps, "chunk_overhead_s": self.chunk_overhead_s,
         }))
     }
 }
@@ -193,4 +288,20 @@ impl Drop for Bed {
         self.net = None; // deletes the namespaces
         let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+/// memcpy's rate on this machine, Gbit/s: the best of three 256 MiB copies between buffers that
+/// were touched first (what a shm hop does, without the control around it).
+pub fn memcpy_gbps() -> f64 {
+    let n = 256usize << 20;
+    let src = vec![1u8; n];
+    let mut dst = vec![2u8; n];
+    let mut best = f64::INFINITY;
+    for _ in 0..3 {
+        let t = std::time::Instant::now();
+        dst.copy_from_slice(&src);
+        best = best.min(t.elapsed().as_secs_f64());
+        std::hint::black_box(&dst);
+    }
+    n as f64 * 8.0 / best / 1e9
 }

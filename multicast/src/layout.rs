@@ -98,16 +98,6 @@ impl Layout {
         Ok(Layout { bytes, chunk, crcs, layers })
     }
 
-    /// The crc32 of all `bytes`, combined from the chunks' crcs.
-    pub fn whole_crc(&self) -> u32 {
-        let mut h = crc32fast::Hasher::new();
-        for (i, crc) in self.crcs.iter().enumerate() {
-            let r = self.chunk_range(i as u32);
-            h.combine(&crc32fast::Hasher::new_with_initial_len(*crc, r.end - r.start));
-        }
-        h.finalize()
-    }
-
     /// Number of chunks.
     pub fn chunks(&self) -> u32 {
         self.crcs.len() as u32

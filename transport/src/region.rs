@@ -401,6 +401,10 @@ pub mod test_access {
 }
 
 /// Maps `len` bytes of `fd` shared (read-write).
+///
+/// The owner's mapping (`resize`) is pre-faulted, which allocates the pages before the region is
+/// used; a peer's mapping is not (it runs on the link's reader, and the pages exist already:
+/// the copies that touch them fault them in on the copying thread).
 pub(crate) fn map_fd(fd: &OwnedFd, len: u64, resize: bool) -> Result<MmapRaw> {
     let file = File::from(fd.try_clone().map_err(|e| TransportError::io("dup of memfd", e))?);
     if resize {
@@ -413,11 +417,12 @@ pub(crate) fn map_fd(fd: &OwnedFd, len: u64, resize: bool) -> Result<MmapRaw> {
             detail: format!("shared region is {actual} bytes, {len} announced"),
         });
     }
-    MmapOptions::new()
-        .len(len as usize)
-        .populate()
-        .map_raw(file.as_raw_fd())
-        .map_err(|e| TransportError::io(format!("mmap of a {len}-byte shared region"), e))
+    let mut opts = MmapOptions::new();
+    opts.len(len as usize);
+    if resize {
+        opts.populate();
+    }
+    opts.map_raw(file.as_raw_fd()).map_err(|e| TransportError::io(format!("mmap of a {len}-byte shared region"), e))
 }
 
 /// The node's table of regions that peers may access, checked on every remote operation.

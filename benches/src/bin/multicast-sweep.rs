@@ -28,6 +28,14 @@ struct Cli {
     /// Namespaced hosts with shaped links (needs root).
     #[arg(long)]
     netns: bool,
+    /// Link the nodes (one host) by shared memory instead of loopback tcp.
+    #[arg(long)]
+    shm: bool,
+    /// Measure the executor's per-chunk overhead (and on shm the hop rate) first and plan with
+    /// them instead of the defaults (experimental: on this 2-core machine the larger chunks it
+    /// picks for shm are slower, see README).
+    #[arg(long)]
+    calibrate: bool,
     /// Write the plot here.
     #[arg(long)]
     png: Option<PathBuf>,
@@ -49,7 +57,12 @@ fn main() -> anyhow::Result<()> {
     if run_role(&c.role)? {
         return Ok(());
     }
-    let bed = Bed::start(c.netns, c.max_targets, c.link_mbit)?;
+    let mut bed = Bed::start_with(c.netns, c.shm, c.max_targets, c.link_mbit)?;
+    if c.calibrate {
+        // The planner is told this bed's measured per-chunk overhead (and, on shm, hop rate).
+        let o = bed.calibrate()?;
+        eprintln!("calibrated: link {:.1} Gbit/s, chunk overhead {:.0} µs", bed.link_gbps, o * 1e6);
+    }
     let mut results: Vec<Value> = Vec::new();
     for p in PLANNERS {
         for n in 1..=c.max_targets {

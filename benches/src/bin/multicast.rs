@@ -24,6 +24,14 @@ struct Cli {
     /// Run each node in its own network namespace with shaped links (needs root).
     #[arg(long)]
     netns: bool,
+    /// Link the nodes (one host) by shared memory instead of loopback tcp.
+    #[arg(long)]
+    shm: bool,
+    /// Measure the executor's per-chunk overhead (and on shm the hop rate) first and plan with
+    /// them instead of the defaults (experimental: on this 2-core machine the larger chunks it
+    /// picks for shm are slower, see README).
+    #[arg(long)]
+    calibrate: bool,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
@@ -40,7 +48,12 @@ fn main() -> anyhow::Result<()> {
     if c.targets == 0 || c.bytes == 0 || c.link_mbit == 0 {
         anyhow::bail!("--targets, --bytes and --link-mbit must be positive");
     }
-    let bed = Bed::start(c.netns, c.targets, c.link_mbit)?;
+    let mut bed = Bed::start_with(c.netns, c.shm, c.targets, c.link_mbit)?;
+    if c.calibrate {
+        // The planner is told this bed's measured per-chunk overhead (and, on shm, hop rate).
+        let o = bed.calibrate()?;
+        eprintln!("calibrated: link {:.1} Gbit/s, chunk overhead {:.0} µs", bed.link_gbps, o * 1e6);
+    }
     let v = bed.run(c.planner, c.targets, c.bytes)?;
     if c.json {
         println!("{v}");

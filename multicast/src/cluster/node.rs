@@ -282,7 +282,8 @@ impl MulticastNode {
                 return Ok(Control::Prepared { region: region.id().0, key: region.key().0, crcs: Some(crcs) });
             }
             Fill::Synthetic { seed } => {
-                let region = self.mesh.register_new(bytes)?;
+                let mesh = self.mesh.clone();
+                let region = blocking(move || mesh.register_new(bytes)).await?;
                 let r2 = region.clone();
                 let done = blocking(move || {
                     // SAFETY: the region is new: no peer knows its key before the reply below.
@@ -299,7 +300,12 @@ impl MulticastNode {
                     }
                 }
             }
-            Fill::Target => (self.mesh.register_new(bytes)?, None),
+            Fill::Target => {
+                // Allocating (and pre-faulting) a large region takes long: not on the node's
+                // async workers, whose links would miss their keepalives meanwhile.
+                let mesh = self.mesh.clone();
+                (blocking(move || mesh.register_new(bytes)).await?, None)
+            }
         };
         let reply = Control::Prepared { region: region.id().0, key: region.key().0, crcs };
         let mut st = self.state();

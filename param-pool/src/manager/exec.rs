@@ -245,6 +245,7 @@ impl Io {
             hold: true,
             layout: Some(entry.manifest.layout()),
             progress: Some(tx),
+            cost: cascade_multicast::CostModel::default(),
         };
         let layers = entry.manifest.layout().layers;
         let running = self.ctl.run(&spec);
