@@ -405,6 +405,11 @@ pub mod test_access {
 /// The owner's mapping (`resize`) is pre-faulted, which allocates the pages before the region is
 /// used; a peer's mapping is not (it runs on the link's reader, and the pages exist already:
 /// the copies that touch them fault them in on the copying thread).
+///
+/// Pre-faulting goes slice by slice (`MADV_POPULATE_WRITE`, 32 MiB at a time) rather than with
+/// `MAP_POPULATE`: one populate of a whole GiB holds the process's memory-map lock for its
+/// whole duration, and every thread that maps memory meanwhile (an allocation, a message
+/// buffer) waits — on a loaded host long enough for the node's links to miss their keepalives.
 pub(crate) fn map_fd(fd: &OwnedFd, len: u64, resize: bool) -> Result<MmapRaw> {
     let file = File::from(fd.try_clone().map_err(|e| TransportError::io("dup of memfd", e))?);
     if resize {
@@ -417,12 +422,26 @@ pub(crate) fn map_fd(fd: &OwnedFd, len: u64, resize: bool) -> Result<MmapRaw> {
             detail: format!("shared region is {actual} bytes, {len} announced"),
         });
     }
-    let mut opts = MmapOptions::new();
-    opts.len(len as usize);
+    let map = MmapOptions::new()
+        .len(len as usize)
+        .map_raw(file.as_raw_fd())
+        .map_err(|e| TransportError::io(format!("mmap of a {len}-byte shared region"), e))?;
     if resize {
-        opts.populate();
+        const SLICE: usize = 32 << 20;
+        let mut at = 0usize;
+        while at < len as usize {
+            let n = SLICE.min(len as usize - at);
+            // SAFETY: the range lies inside the mapping just made; populating only faults its
+            // pages in (zero-filled, as they would be on first touch) and changes no contents.
+            // A kernel without MADV_POPULATE_WRITE refuses it: the pages then fault on first use.
+            let r = unsafe { libc::madvise(map.as_mut_ptr().add(at).cast(), n, libc::MADV_POPULATE_WRITE) };
+            if r != 0 {
+                break;
+            }
+            at += n;
+        }
     }
-    opts.map_raw(file.as_raw_fd()).map_err(|e| TransportError::io(format!("mmap of a {len}-byte shared region"), e))
+    Ok(map)
 }
 
 /// The node's table of regions that peers may access, checked on every remote operation.
