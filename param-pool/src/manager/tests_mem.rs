@@ -64,6 +64,15 @@ impl MemCluster {
         (m, notices)
     }
 
+    /// A manager of a second pool (its own new store) on a fresh node 0, over the same nodes.
+    fn other_pool(&self, k: usize) -> Manager<EmbeddedStore> {
+        let mut cfg = ManagerConfig::new((1..=self.nodes).collect());
+        cfg.k = k;
+        cfg.init = true;
+        let store = EmbeddedStore::open(&self.dir.join("meta-other")).unwrap();
+        Manager::open(Arc::new(self.fabric.add_node(0)), store, cfg).unwrap()
+    }
+
     /// A manager on a fresh node 0 (a restarted manager process), on the cluster's store.
     fn manager(&self, k: usize) -> Manager<EmbeddedStore> {
         let mesh: Arc<MemNode> = Arc::new(self.fabric.add_node(0));
@@ -342,11 +351,7 @@ async fn a_new_pool_leaves_another_pools_copies_alone() {
     let before = m.status_handle().lock().unwrap().copies.len();
     drop(m);
     // A second pool: its own store, the same nodes.
-    let mut cfg = ManagerConfig::new((1..=c.nodes).collect());
-    cfg.k = 2;
-    cfg.init = true;
-    let store = EmbeddedStore::open(&c.dir.join("meta-other")).unwrap();
-    let mut other = Manager::open(Arc::new(c.fabric.add_node(0)), store, cfg).unwrap();
+    let mut other = c.other_pool(2);
     other.start().await.unwrap();
     assert_ne!(other.pool_id(), first);
     let s = other.status_handle().lock().unwrap().clone();
@@ -374,11 +379,7 @@ async fn another_pools_copies_survive_a_second_pool() {
     let c = MemCluster::new(3, 2, "twopools2");
     let (m, _) = c.registered(2).await;
     drop(m);
-    let mut cfg = ManagerConfig::new((1..=c.nodes).collect());
-    cfg.k = 2;
-    cfg.init = true;
-    let store = EmbeddedStore::open(&c.dir.join("meta-other")).unwrap();
-    let mut other = Manager::open(Arc::new(c.fabric.add_node(0)), store, cfg).unwrap();
+    let mut other = c.other_pool(2);
     other.start().await.unwrap();
     other.register("m0", &c.models[0]).await.unwrap();
     assert!(other.repair().await.unwrap().healthy);
