@@ -138,7 +138,7 @@ pub(crate) struct ServeArgs {
     /// the cluster secret.
     #[arg(long)]
     admin: Option<AdminAddr>,
-    /// Copies required per model.
+    /// Copies required per model, for a new pool (--init); an existing pool keeps its own k.
     #[arg(long, default_value_t = 1)]
     k: usize,
     /// Seconds a node's link may stay down before the node is declared dead.

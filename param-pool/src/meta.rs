@@ -361,6 +361,9 @@ pub enum Event {
     Init {
         /// The pool id.
         pool: String,
+        /// Copies required per model, fixed when the pool is made.
+        #[serde(default)]
+        k: Option<usize>,
     },
     /// [`Pool::register`].
     Register {
@@ -436,8 +439,11 @@ struct State {
 fn apply(state: &mut State, e: &Event) -> Result<Vec<Action>, PoolError> {
     let pool = &mut state.pool;
     match *e {
-        Event::Init { ref pool } => {
+        Event::Init { ref pool, k } => {
             state.id = Some(pool.clone());
+            if let Some(k) = k {
+                state.pool.set_k(k);
+            }
             Ok(Vec::new())
         }
         Event::Describe { model, ref entry } => {
@@ -493,7 +499,8 @@ impl<S: MetaStore> DurablePool<S> {
             source: std::io::Error::other(e.to_string()),
         })?;
         let id: String = b.iter().map(|x| format!("{x:02x}")).collect();
-        pool.apply(Event::Init { pool: id })?;
+        let k = pool.state.pool.k();
+        pool.apply(Event::Init { pool: id, k: Some(k) })?;
         Ok(pool)
     }
 

@@ -209,6 +209,12 @@ impl Pool {
         self.nodes.iter().filter(|(_, a)| **a).map(|(n, _)| *n)
     }
 
+    /// Sets the copies required per model (at least 1). Only a new pool's first event does this:
+    /// k is part of the pool, not of a manager's configuration.
+    pub fn set_k(&mut self, k: usize) {
+        self.k = k.max(1);
+    }
+
     /// Whether `model` is registered.
     pub fn has_model(&self, model: ModelId) -> bool {
         self.models.contains_key(&model)

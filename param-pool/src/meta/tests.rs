@@ -337,3 +337,13 @@ fn a_crash_between_a_snapshot_and_the_log_truncation_applies_nothing_twice() {
     let rec = EmbeddedStore::open(&d).unwrap().recover().unwrap();
     assert_eq!(rec.records, vec![b"a".to_vec(), b"b".to_vec()]);
 }
+
+#[test]
+fn k_belongs_to_the_pool_from_its_first_record() {
+    let d = dir("k");
+    let p = DurablePool::init(EmbeddedStore::open(&d).unwrap(), Pool::new(3, 0..4), 1000).unwrap();
+    drop(p);
+    // Reopened (no snapshot yet) by a manager configured with another k: the pool keeps its own.
+    let (p, _) = DurablePool::open(EmbeddedStore::open(&d).unwrap(), Pool::new(1, 0..4), 1000).unwrap();
+    assert_eq!(p.pool().k(), 3);
+}
