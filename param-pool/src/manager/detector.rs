@@ -53,14 +53,7 @@ impl Detector {
     /// Returning nodes due at `now` whose link is still up: the driver re-admits them. A due
     /// node whose link is down again is dropped from the returning set.
     pub fn poll_returned(&mut self, now: Instant, connected: impl Fn(NodeId) -> bool) -> Vec<NodeId> {
-        let due: Vec<NodeId> =
-            self.returning.iter().filter(|(_, t)| now >= **t + self.dead_after).map(|(n, _)| *n).collect();
-        due.into_iter()
-            .filter(|n| {
-                self.returning.remove(n);
-                connected(*n)
-            })
-            .collect()
+        take_due(&mut self.returning, now, self.dead_after).into_iter().filter(|n| connected(*n)).collect()
     }
 
     /// Returning nodes, with when their link came back.
@@ -76,14 +69,7 @@ impl Detector {
     /// Suspects due at `now`, which the driver declares dead; a suspect whose link is up again
     /// (`connected`) is cleared instead. Due nodes stop being suspects.
     pub fn poll_dead(&mut self, now: Instant, connected: impl Fn(NodeId) -> bool) -> Vec<NodeId> {
-        let due: Vec<NodeId> =
-            self.suspects.iter().filter(|(_, t)| now >= **t + self.dead_after).map(|(n, _)| *n).collect();
-        due.into_iter()
-            .filter(|n| {
-                self.suspects.remove(n);
-                !connected(*n)
-            })
-            .collect()
+        take_due(&mut self.suspects, now, self.dead_after).into_iter().filter(|n| !connected(*n)).collect()
     }
 
     /// The current suspects (unreachable, not yet declared dead), with when their link went down.
@@ -95,6 +81,15 @@ impl Detector {
     pub fn forget(&mut self, node: NodeId) {
         self.suspects.remove(&node);
     }
+}
+
+/// Removes and returns the nodes whose clock in `since` started at least `after` before `now`.
+fn take_due(since: &mut BTreeMap<NodeId, Instant>, now: Instant, after: Duration) -> Vec<NodeId> {
+    let due: Vec<NodeId> = since.iter().filter(|(_, t)| now >= **t + after).map(|(n, _)| *n).collect();
+    for n in &due {
+        since.remove(n);
+    }
+    due
 }
 
 #[cfg(test)]
