@@ -387,19 +387,10 @@ impl<S: MetaStore + 'static> Manager<S> {
     /// (`cascade pool drop-foreign`). Returns how many were dropped.
     pub async fn drop_foreign(&mut self) -> usize {
         let listing = self.io.list(self.pool().live_nodes().collect()).await;
-        let asks: Vec<(NodeId, crate::node::PoolMsg)> = listing
-            .foreign
-            .iter()
-            .flat_map(|(n, v)| {
-                v.iter().map(|(pool, copy)| (*n, crate::node::PoolMsg::Drop { pool: pool.clone(), copy: *copy }))
-            })
-            .collect();
-        let n = asks.len();
-        for r in self.io.ask_all(asks).await {
-            if let Err(e) = r {
-                warn!(error = %e, "dropping another pool's copy failed");
-            }
-        }
+        let drops: Vec<(NodeId, String, CopyId)> =
+            listing.foreign.into_iter().flat_map(|(n, v)| v.into_iter().map(move |(p, c)| (n, p, c))).collect();
+        let n = drops.len();
+        self.io.drop_of(drops).await;
         warn!(copies = n, "dropped other pools' copies, as asked");
         self.foreign.clear();
         self.publish();

@@ -278,7 +278,8 @@ impl Manifest {
     }
 }
 
-fn hex(b: &[u8]) -> String {
+/// Lower-case hex of `b`.
+pub(crate) fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 

@@ -498,7 +498,7 @@ impl<S: MetaStore> DurablePool<S> {
             context: "drawing a pool id".into(),
             source: std::io::Error::other(e.to_string()),
         })?;
-        let id: String = b.iter().map(|x| format!("{x:02x}")).collect();
+        let id = crate::manifest::hex(&b);
         let k = pool.state.pool.k();
         pool.apply(Event::Init { pool: id, k: Some(k) })?;
         Ok(pool)

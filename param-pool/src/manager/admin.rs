@@ -29,6 +29,7 @@ use tokio::sync::{mpsc, oneshot, Semaphore};
 use tracing::{debug, warn};
 
 use super::Status;
+use crate::manifest::hex;
 use crate::pool::{CopyId, ModelId, NodeId};
 
 /// A request to the manager.
@@ -297,10 +298,6 @@ fn mac(secret: &[u8], nonce: &[u8]) -> Hmac<Sha256> {
     m.update(CHALLENGE_CONTEXT);
     m.update(nonce);
     m
-}
-
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
 fn unhex(s: &str) -> Option<Vec<u8>> {

@@ -102,10 +102,15 @@ impl Io {
 
     /// Drops copies on their nodes and waits for the answers (a later request never sees them).
     pub async fn drop_all(&self, drops: Vec<(NodeId, CopyId)>) {
-        let asks = drops.iter().map(|(n, c)| (*n, PoolMsg::Drop { pool: self.pool.clone(), copy: *c })).collect();
-        for ((node, copy), r) in drops.iter().zip(self.ask_all(asks).await) {
+        self.drop_of(drops.into_iter().map(|(n, c)| (n, self.pool.clone(), c)).collect()).await;
+    }
+
+    /// Drops copies of any pool (node, pool id, copy id) and waits for the answers.
+    pub async fn drop_of(&self, drops: Vec<(NodeId, String, CopyId)>) {
+        let asks = drops.iter().map(|(n, pool, c)| (*n, PoolMsg::Drop { pool: pool.clone(), copy: *c })).collect();
+        for ((node, pool, copy), r) in drops.iter().zip(self.ask_all(asks).await) {
             if let Err(e) = r {
-                warn!(node, copy, error = %e, "dropping a copy failed");
+                warn!(node, pool, copy, error = %e, "dropping a copy failed");
             }
         }
     }
