@@ -157,7 +157,9 @@ impl Bed {
                 (0..hosts).map(|_| std::net::TcpListener::bind("127.0.0.1:0")).collect::<Result<_, _>>()?;
             (None, ls.iter().map(|l| l.local_addr().map(|a| a.to_string())).collect::<Result<_, _>>()?)
         };
-        let link_gbps = if shm { memcpy_gbps() } else { link_mbit as f64 / 1000.0 };
+        // On shared memory no wire sets the rate: memcpy's (256 MiB, what a shm hop does without
+        // the control around it) is the first guess, `calibrate` measures the hop itself.
+        let link_gbps = if shm { crate::p2p::memcpy_gbit(256 << 20)? } else { link_mbit as f64 / 1000.0 };
         let mut cluster = format!("name = \"mcbench{}\"\n", std::process::id());
         for (i, a) in addrs.iter().enumerate() {
             cluster += &format!("[[nodes]]\nid = {i}\naddr = \"{a}\"\n");
@@ -288,20 +290,4 @@ impl Drop for Bed {
         self.net = None; // deletes the namespaces
         let _ = std::fs::remove_dir_all(&self.dir);
     }
-}
-
-/// memcpy's rate on this machine, Gbit/s: the best of three 256 MiB copies between buffers that
-/// were touched first (what a shm hop does, without the control around it).
-pub fn memcpy_gbps() -> f64 {
-    let n = 256usize << 20;
-    let src = vec![1u8; n];
-    let mut dst = vec![2u8; n];
-    let mut best = f64::INFINITY;
-    for _ in 0..3 {
-        let t = std::time::Instant::now();
-        dst.copy_from_slice(&src);
-        best = best.min(t.elapsed().as_secs_f64());
-        std::hint::black_box(&dst);
-    }
-    n as f64 * 8.0 / best / 1e9
 }

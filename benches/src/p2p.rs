@@ -103,7 +103,7 @@ pub async fn run(a: P2pArgs, quiet: bool) -> anyhow::Result<Value> {
 }
 
 /// Single-core memcpy bandwidth between two pre-faulted buffers of `bytes` (median of 5).
-fn memcpy_gbit(bytes: u64) -> anyhow::Result<f64> {
+pub fn memcpy_gbit(bytes: u64) -> anyhow::Result<f64> {
     let a = Region::alloc(bytes, Default::default())?;
     let b = Region::alloc(bytes, Default::default())?;
     // SAFETY: `a` and `b` are private to this function, never registered (so for the blocks below).
