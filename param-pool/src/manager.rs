@@ -539,14 +539,9 @@ impl<S: MetaStore + 'static> Manager<S> {
                 name.escape_debug().to_string()
             )));
         }
-        // Refused before anything is written: a refused register leaves no trace.
-        let live = self.pool().live_nodes().count();
-        if live < self.pool().k() {
-            return Err(ManagerError::Refused(format!(
-                "{live} live nodes cannot hold k = {} copies on distinct nodes",
-                self.pool().k()
-            )));
-        }
+        // Refused before anything is written (or the file read): a refused register leaves no
+        // trace. Room for the model's bytes is checked once they are known, below.
+        self.pool().can_place(0).map_err(|e| ManagerError::Refused(e.to_string()))?;
         if self.catalog().values().any(|e| e.manifest.name == name) {
             return Err(ManagerError::Refused(format!("a model named {name:?} is registered already")));
         }
