@@ -179,7 +179,7 @@ pub(crate) fn config(a: &ServeArgs, cluster_nodes: impl Iterator<Item = u32>) ->
 async fn serve(a: ServeArgs) -> anyhow::Result<()> {
     if let (false, "embedded", Some(dir)) = (a.init, a.meta.as_str(), a.data_dir.as_ref()) {
         // Before joining or creating anything: a mistyped path is an error, never an empty pool.
-        if !dir.join("wal.log").is_file() && !dir.join("snapshot.bin").is_file() {
+        if !EmbeddedStore::exists(dir) {
             bail!("{} holds no pool: start with --init to create one (is the path right?)", dir.display());
         }
     }

@@ -218,6 +218,13 @@ impl EmbeddedStore {
         })
     }
 
+    /// Whether `dir` has a store's files at all (a log or a snapshot). Whether they hold a pool
+    /// is [`DurablePool::open`]'s to decide; this only tells a new directory from a used one
+    /// without creating anything.
+    pub fn exists(dir: &Path) -> bool {
+        dir.join("wal.log").is_file() || dir.join("snapshot.bin").is_file()
+    }
+
     fn sync_dir(&self) -> Result<(), MetaError> {
         File::open(&self.dir).and_then(|d| d.sync_all()).map_err(io(format!("syncing {}", self.dir.display())))
     }

@@ -37,6 +37,6 @@ pub(crate) fn open_manager(
     meta: &Path,
     mut cfg: crate::manager::ManagerConfig,
 ) -> Result<crate::manager::Manager<crate::EmbeddedStore>, crate::manager::ManagerError> {
-    cfg.init = !meta.join("wal.log").exists() && !meta.join("snapshot.bin").exists();
+    cfg.init = !crate::EmbeddedStore::exists(meta);
     crate::manager::Manager::open(mesh, crate::EmbeddedStore::open(meta)?, cfg)
 }

@@ -456,6 +456,16 @@ mod tests {
         tokio::spawn(serve_admin(l, tx, status));
     }
 
+    /// A served unix-socket admin interface in a scratch directory, and the socket's path.
+    async fn unix(tag: &str) -> (Scratch, AdminAddr, std::path::PathBuf) {
+        let d = Scratch::new(tag);
+        std::fs::create_dir_all(&*d).unwrap();
+        let p = d.join("pool.sock");
+        let addr = AdminAddr::Unix(p.clone());
+        serve(&addr, b"").await;
+        (d, addr, p)
+    }
+
     fn tcp() -> AdminAddr {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         AdminAddr::Tcp(l.local_addr().unwrap())
@@ -463,12 +473,8 @@ mod tests {
 
     #[tokio::test]
     async fn the_unix_socket_is_the_owners_alone() {
-        let d = Scratch::new("admin-unix");
-        std::fs::create_dir_all(&*d).unwrap();
-        let addr = AdminAddr::Unix(d.join("pool.sock"));
-        serve(&addr, b"").await;
-        let AdminAddr::Unix(p) = &addr else { unreachable!() };
-        assert_eq!(std::fs::metadata(p).unwrap().mode() & 0o777, 0o600);
+        let (_d, addr, p) = unix("admin-unix").await;
+        assert_eq!(std::fs::metadata(&p).unwrap().mode() & 0o777, 0o600);
         let v = admin_call(&addr, b"", &AdminRequest::Check).await.unwrap();
         assert!(v.as_str().unwrap().starts_with("Local"), "{v}");
         // A second manager does not take the socket of a live one.
@@ -489,14 +495,10 @@ mod tests {
 
     #[tokio::test]
     async fn an_endless_line_is_cut_off_and_connections_are_bounded() {
-        let d = Scratch::new("admin-limits");
-        std::fs::create_dir_all(&*d).unwrap();
-        let addr = AdminAddr::Unix(d.join("pool.sock"));
-        serve(&addr, b"").await;
-        let AdminAddr::Unix(p) = &addr else { unreachable!() };
+        let (_d, addr, p) = unix("admin-limits").await;
         // A line with no end: the manager answers with an error and closes, holding at most
         // MAX_LINE bytes of it.
-        let mut s = UnixStream::connect(p).await.unwrap();
+        let mut s = UnixStream::connect(&p).await.unwrap();
         let junk = vec![b'x'; MAX_LINE * 4];
         let _ = s.write_all(&junk).await;
         let mut answer = String::new();
@@ -505,7 +507,7 @@ mod tests {
         // MAX_CONNECTIONS idle connections; the next one is refused with a message.
         let mut idle = Vec::new();
         for _ in 0..MAX_CONNECTIONS {
-            idle.push(UnixStream::connect(p).await.unwrap());
+            idle.push(UnixStream::connect(&p).await.unwrap());
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
         let err = admin_call(&addr, b"", &AdminRequest::Check).await.unwrap_err().to_string();
