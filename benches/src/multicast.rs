@@ -97,7 +97,7 @@ pub fn run_role(r: &RoleArgs) -> anyhow::Result<bool> {
                 println!(
                     "{}",
                     json!({
-                        "seconds": out.transfer_seconds, "completed": out.report.completed.len(),
+                        "seconds": out.transfer_seconds, "setup_seconds": out.setup_seconds, "completed": out.report.completed.len(),
                         "verified": out.verified.len(), "failed": out.report.failed.len(),
                         "failures": out.report.failed.iter().map(|(l, why)| format!("{l}: {why}")).collect::<Vec<_>>(),
                         "predicted_seconds": out.plan.makespan(), "chunk_bytes": out.plan.chunk_bytes,
@@ -274,7 +274,7 @@ impl Bed {
         let bound = self.link_mbit.map(|b| bytes as f64 * 8.0 / (b as f64 * 1e6));
         Ok(json!({
             "planner": planner, "targets": targets, "bytes": bytes, "link_mbit": self.link_mbit,
-            "seconds": v["seconds"], "bound_seconds": bound, "netns": self.net.is_some(), "shm": self.shm,
+            "seconds": v["seconds"], "setup_seconds": v["setup_seconds"], "bound_seconds": bound, "netns": self.net.is_some(), "shm": self.shm,
             "predicted_seconds": v["predicted_seconds"], "chunk_bytes": v["chunk_bytes"], "verified": v["verified"],
             "link_gbps": self.link_gbps, "chunk_overhead_s": self.chunk_overhead_s,
         }))

@@ -56,6 +56,9 @@ pub enum Op {
         len: u64,
         /// Verify the data's crc32 at the destination.
         verify: bool,
+        /// Report the crc32 of the bytes as placed at the destination in the completion, where
+        /// the link computes it as part of the transfer (see [`Completion::crc`]).
+        placed_crc: bool,
     },
     /// One-sided READ of `len` bytes from `remote[remote_offset..]` into `local[local_offset..]`.
     Read {
@@ -82,7 +85,7 @@ pub enum Op {
 impl Op {
     /// A WRITE of `len` bytes between the given offsets.
     pub fn write(local: &Region, local_offset: u64, remote: RemoteRegion, remote_offset: u64, len: u64) -> Op {
-        Op::Write { local: local.clone(), local_offset, remote, remote_offset, len, verify: false }
+        Op::Write { local: local.clone(), local_offset, remote, remote_offset, len, verify: false, placed_crc: false }
     }
 
     /// A READ of `len` bytes between the given offsets.
@@ -94,6 +97,15 @@ impl Op {
     pub fn verified(mut self) -> Op {
         if let Op::Write { verify, .. } | Op::Read { verify, .. } = &mut self {
             *verify = true;
+        }
+        self
+    }
+
+    /// The same WRITE, asking for the crc32 of the bytes as placed (see [`Completion::crc`]);
+    /// other operations are returned as they are.
+    pub fn with_placed_crc(mut self) -> Op {
+        if let Op::Write { placed_crc, .. } = &mut self {
+            *placed_crc = true;
         }
         self
     }
@@ -126,6 +138,20 @@ impl Op {
 pub struct Completion {
     /// Payload bytes moved.
     pub bytes: u64,
+    /// For a WRITE posted [`Op::with_placed_crc`]: the crc32 of the bytes as they were placed in
+    /// the peer's region, computed by the link as part of the transfer — on shared memory read
+    /// back from the destination block by block right after each block's copy, while it is in
+    /// cache. `None` where the link does not compute it (tcp, where the receiver reads the
+    /// bytes off the socket; RDMA, where no CPU touches them); the caller then checks the bytes
+    /// itself.
+    pub crc: Option<u32>,
+}
+
+impl Completion {
+    /// `bytes` moved, no crc reported.
+    pub fn moved(bytes: u64) -> Completion {
+        Completion { bytes, crc: None }
+    }
 }
 
 pub(crate) type Done = oneshot::Sender<Result<Completion>>;
@@ -187,6 +213,14 @@ pub trait Link: Send + Sync + 'static {
     fn kind(&self) -> BackendKind;
     /// Posts operations; each handle resolves when its operation completes or fails.
     fn post(&self, ops: Vec<Op>) -> Vec<OpHandle>;
+    /// Readies the link to move bytes to and from `remote` before the first operation needs it:
+    /// a one-sided link looks the region up and, on shared memory, maps its pages, which
+    /// otherwise fall on the first WRITEs. The handle resolves (with zero bytes) when that is
+    /// done; a link with nothing to ready resolves it at once. Operations work without it.
+    fn prepare(&self, remote: RemoteRegion) -> OpHandle {
+        let _ = remote;
+        OpHandle::ready(self.peer(), Ok(Completion::moved(0)))
+    }
     /// Per-link counters.
     fn stats(&self) -> StatsSnapshot;
     /// False once the link has failed or been closed.

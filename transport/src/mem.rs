@@ -288,25 +288,29 @@ impl MemLink {
         op.check_local()?;
         let refused = |status| TransportError::Refused { peer: self.to, op: "mem", status };
         match op {
-            Op::Write { local, local_offset, remote, remote_offset, len, verify } => {
+            Op::Write { local, local_offset, remote, remote_offset, len, verify, placed_crc } => {
                 let dst = regions.access(remote.id, remote.key, remote_offset, len).map_err(refused)?;
                 copy_between(&local, local_offset, &dst, remote_offset, len, corrupt);
                 self.stats.tx(len);
                 check_crc(self.to, "write", verify, (&local, local_offset), (&dst, remote_offset), len)?;
-                Ok(Completion { bytes: len })
+                // The double reports the placed bytes' crc as shm does (read after the copy, so
+                // an injected corruption shows in it).
+                // SAFETY: the initiator owns the destination range for this operation.
+                let crc = if placed_crc { unsafe { dst.crc32(remote_offset, len) }.ok() } else { None };
+                Ok(Completion { bytes: len, crc })
             }
             Op::Read { local, local_offset, remote, remote_offset, len, verify } => {
                 let src = regions.access(remote.id, remote.key, remote_offset, len).map_err(refused)?;
                 copy_between(&src, remote_offset, &local, local_offset, len, corrupt);
                 self.stats.rx(len);
                 check_crc(self.to, "read", verify, (&src, remote_offset), (&local, local_offset), len)?;
-                Ok(Completion { bytes: len })
+                Ok(Completion::moved(len))
             }
             Op::Send { payload } => {
                 let n = payload.len() as u64;
                 inbox.send(Incoming { from: self.from, payload }).map_err(|_| self.down("receiver gone"))?;
                 self.stats.tx(n);
-                Ok(Completion { bytes: n })
+                Ok(Completion::moved(n))
             }
         }
     }

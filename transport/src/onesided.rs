@@ -43,8 +43,15 @@ pub(crate) trait OneSidedEngine: Send + Sync + 'static {
     /// Decodes the owner's (successful) answer to a lookup; `fd` is a descriptor that came with
     /// it, if any. An error closes the link (the peer broke the protocol).
     fn decode_answer(&self, peer: NodeId, h: &Header, fd: Option<OwnedFd>) -> Result<PeerAccess>;
-    /// Moves the bytes of `m` between the local region and the peer region `access` reaches.
-    fn transfer<'a>(&'a self, access: &'a PeerAccess, m: Move<'a>) -> BoxFuture<'a, Result<()>>;
+    /// Moves the bytes of `m` between the local region and the peer region `access` reaches;
+    /// with `m.crc`, also the crc32 of the bytes as placed, if the engine computes it while it
+    /// moves them (`None` otherwise).
+    fn transfer<'a>(&'a self, access: &'a PeerAccess, m: Move<'a>) -> BoxFuture<'a, Result<Option<u32>>>;
+    /// Readies `access` for transfers, so that the first ones do not pay for it (a mapping's
+    /// page tables, say). Nothing by default.
+    fn prepare<'a>(&'a self, _access: &'a PeerAccess) -> BoxFuture<'a, Result<()>> {
+        Box::pin(async { Ok(()) })
+    }
 }
 
 /// One transfer of an engine: `len` bytes between `local[local_offset..]` and the peer region at
@@ -64,6 +71,8 @@ pub(crate) struct Move<'a> {
     pub(crate) remote_offset: u64,
     /// Bytes.
     pub(crate) len: u64,
+    /// Compute the crc32 of the bytes as placed, if the engine can as part of the move.
+    pub(crate) crc: bool,
 }
 
 /// The owner's side of a one-sided engine: answers a peer's lookup of a local region whose id
@@ -145,8 +154,8 @@ mod tests {
         fn decode_answer(&self, _: NodeId, _: &Header, _: Option<OwnedFd>) -> Result<PeerAccess> {
             Ok(Arc::new(()))
         }
-        fn transfer<'a>(&'a self, _: &'a PeerAccess, _: Move<'a>) -> BoxFuture<'a, Result<()>> {
-            Box::pin(async { Ok(()) })
+        fn transfer<'a>(&'a self, _: &'a PeerAccess, _: Move<'a>) -> BoxFuture<'a, Result<Option<u32>>> {
+            Box::pin(async { Ok(None) })
         }
     }
 

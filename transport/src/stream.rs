@@ -25,7 +25,7 @@ use crate::error::{Result, TransportError};
 pub(crate) use crate::frame::{FrameSink, FrameSource, Out, Payload};
 use crate::link::{BackendKind, Completion, Done, Link, Op, OpHandle};
 use crate::onesided::{LookupServer, OneSided, OneSidedEngine, PeerAccess};
-use crate::region::{Region, RegionId, RegionTable, RemoteKey};
+use crate::region::{Region, RegionId, RegionTable, RemoteKey, RemoteRegion};
 use crate::service::Services;
 use crate::stats::{LinkStats, StatsSnapshot};
 use crate::wire::{EngineTag, Header, Opcode, FLAG_CRC, HEADER_LEN};
@@ -52,7 +52,7 @@ pub(crate) type OnClose = Box<dyn FnOnce(String) + Send>;
 
 /// One of our operations, waiting for the peer's answer.
 enum Pending {
-    Write { done: Done, len: u64, crc: Option<u32> },
+    Write { done: Done, len: u64, crc: Option<u32>, placed: Option<u32> },
     Read { done: Done, dest: Region, offset: u64, len: u64, verify: bool },
     Lookup { done: tokio::sync::oneshot::Sender<Result<Option<PeerAccess>>>, engine: Arc<dyn OneSidedEngine> },
 }
@@ -86,7 +86,7 @@ impl Shared {
             return handle;
         }
         let (header, payload, pending) = match op {
-            Op::Write { local, local_offset, remote, remote_offset, len, verify } => {
+            Op::Write { local, local_offset, remote, remote_offset, len, verify, .. } => {
                 // SAFETY: the initiator's source range is its own for the operation (region contract).
                 let crc = if verify { unsafe { local.crc32(local_offset, len) }.ok() } else { None };
                 let h = Header {
@@ -97,7 +97,11 @@ impl Shared {
                     ..Header::new(Opcode::Write)
                 }
                 .with_crc(crc);
-                (h, Payload::Region { region: local, offset: local_offset, len }, Pending::Write { done, len, crc })
+                (
+                    h,
+                    Payload::Region { region: local, offset: local_offset, len },
+                    Pending::Write { done, len, crc, placed: None },
+                )
             }
             Op::Read { local, local_offset, remote, remote_offset, len, verify } => {
                 let mut h = Header {
@@ -156,18 +160,17 @@ impl Shared {
     pub(crate) fn post_written(
         &self,
         done: Done,
-        region: RegionId,
-        key: RemoteKey,
+        remote: RemoteRegion,
         offset: u64,
         len: u64,
         crc: Option<u32>,
+        placed: Option<u32>,
     ) {
         let s = self;
-        match s.insert(Pending::Write { done, len, crc }) {
+        match s.insert(Pending::Write { done, len, crc, placed }) {
             Ok(id) => {
-                let h =
-                    Header { req_id: id, region: region.0, key: key.0, offset, len, ..Header::new(Opcode::Written) }
-                        .with_crc(crc);
+                let (region, key) = (remote.id.0, remote.key.0);
+                let h = Header { req_id: id, region, key, offset, len, ..Header::new(Opcode::Written) }.with_crc(crc);
                 s.send(Out::Frame { header: h, payload: Payload::None, done: None });
             }
             Err(Pending::Write { done, .. }) => s.finish_op(done, Err(s.down("link closed"))),
@@ -389,6 +392,12 @@ impl Link for StreamLink {
             None => ops.into_iter().map(|op| self.shared.post_framed(op)).collect(),
         }
     }
+    fn prepare(&self, remote: RemoteRegion) -> OpHandle {
+        match &self.one_sided {
+            Some(os) => one_sided::prepare(&self.shared, os, remote),
+            None => OpHandle::ready(self.shared.peer, Ok(Completion::moved(0))),
+        }
+    }
     fn stats(&self) -> StatsSnapshot {
         self.shared.stats.snapshot()
     }
@@ -455,7 +464,7 @@ async fn write_one<W: FrameSink>(s: &Shared, w: &mut BufWriter<W>, out: Out) -> 
             }
             s.stats.tx(header.payload_len());
             if let Some((done, len)) = done {
-                s.finish_op(done, Ok(Completion { bytes: len }));
+                s.finish_op(done, Ok(Completion::moved(len)));
             }
         }
         Out::WithFd { header, fd } => {

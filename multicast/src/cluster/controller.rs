@@ -97,6 +97,10 @@ pub struct RunOutcome {
     pub report: RunReport,
     /// Seconds from the start of the transfer until the last target completed.
     pub transfer_seconds: f64,
+    /// Seconds of set-up before the transfer started: planning, the members' regions
+    /// (allocated and pre-faulted; a synthetic source filled and checksummed), and each sender's
+    /// links readied for its children (looked up and mapped).
+    pub setup_seconds: f64,
     /// Targets whose whole region's crc32 equals the source's.
     pub verified: Vec<Loc>,
     /// Completed targets whose crc32 did not match (must be empty).
@@ -258,6 +262,7 @@ impl Controller {
         run: u32,
         mut reports: mpsc::UnboundedReceiver<ToCoord>,
     ) -> Result<RunOutcome, ControlError> {
+        let begun = Instant::now();
         let req = Request { bytes: spec.bytes, sources: spec.sources.clone(), targets: spec.targets.clone() };
         let plan = crate::plan_with(&spec.topology, &req, spec.planner, &spec.cost)?;
         let chunk = spec.layout.as_ref().map_or(plan.chunk_bytes, |l| l.chunk);
@@ -300,6 +305,7 @@ impl Controller {
             }
         }
         let started = Instant::now();
+        let setup_seconds = (started - begun).as_secs_f64();
         tracing::debug!(run, edges = ?plan.edges.iter().map(|e| (e.from, e.to)).collect::<Vec<_>>(), "plan");
         info!(run, planner = %spec.planner, targets = spec.targets.len(), bytes = spec.bytes, chunk, "multicast started");
         // 3. Coordinate.
@@ -374,7 +380,7 @@ impl Controller {
         // made again at the end (it cost a full read of every target).
         let verified = report.completed.clone();
         let mismatched = Vec::new();
-        Ok(RunOutcome { run, plan, report, transfer_seconds: last_done, verified, mismatched, events })
+        Ok(RunOutcome { run, plan, report, transfer_seconds: last_done, setup_seconds, verified, mismatched, events })
     }
 }
 

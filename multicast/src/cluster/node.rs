@@ -12,7 +12,8 @@ use tracing::{debug, info, warn};
 
 use super::proto::{Control, Fill, Report};
 use super::{chunk_crcs, fill_synthetic};
-use crate::executor::{run_member, CoordSink, MemberCmd, MemberCtx, Notice, Router, ToCoord};
+use crate::executor::{run_member, ChildSpec, CoordSink, MemberCmd, MemberCtx, Notice, Router, ToCoord};
+use crate::layout::Layout;
 use crate::topology::{Loc, NodeId};
 
 /// Run ids released recently: a request for one of them is refused rather than re-creating it.
@@ -198,24 +199,10 @@ impl MulticastNode {
         match c {
             Control::Prepare { run, loc, bytes, chunk, fill } => self.prepare(from, run, loc, bytes, chunk, fill).await,
             Control::Start { run, loc, layout, source, children } => {
-                let mut st = self.state();
-                let r = st.runs.get_mut(&run).ok_or_else(|| unknown(run))?;
-                let region = r.regions.get(&loc).cloned().ok_or_else(|| unknown(run))?;
-                let inbox = r.router.add(loc);
-                let (tx, rx) = mpsc::unbounded_channel();
-                r.cmds.insert(loc, tx);
-                let ctx = MemberCtx {
-                    run,
-                    me: loc,
-                    is_source: source,
-                    layout: Arc::new(layout),
-                    mesh: self.mesh.clone(),
-                    region,
-                    router: r.router.clone(),
-                    coord: Arc::new(ToController { mesh: self.mesh.clone(), controller: r.controller, run }),
-                    op_timeout: self.op_timeout,
-                    resent: r.resent.clone(),
-                };
+                let bytes = layout.bytes;
+                let ctx = self.member(run, loc, layout, source)?;
+                self.ready_children(&children, bytes).await;
+                let (ctx, inbox, rx) = ctx;
                 tokio::spawn(run_member(ctx, children, inbox, rx));
                 Ok(Control::Ack)
             }
@@ -250,6 +237,54 @@ impl MulticastNode {
                 Ok(Control::Ack)
             }
             other => Err(protocol(format!("a node does not serve {other:?}"))),
+        }
+    }
+
+    /// The context of member `loc` of `run`, registered with the run's router.
+    fn member(
+        &self,
+        run: u32,
+        loc: Loc,
+        layout: Layout,
+        source: bool,
+    ) -> Result<(MemberCtx, mpsc::UnboundedReceiver<Notice>, mpsc::UnboundedReceiver<MemberCmd>), TransportError> {
+        let mut st = self.state();
+        let r = st.runs.get_mut(&run).ok_or_else(|| unknown(run))?;
+        let region = r.regions.get(&loc).cloned().ok_or_else(|| unknown(run))?;
+        let inbox = r.router.add(loc);
+        let (tx, rx) = mpsc::unbounded_channel();
+        r.cmds.insert(loc, tx);
+        let ctx = MemberCtx {
+            run,
+            me: loc,
+            is_source: source,
+            layout: Arc::new(layout),
+            mesh: self.mesh.clone(),
+            region,
+            router: r.router.clone(),
+            coord: Arc::new(ToController { mesh: self.mesh.clone(), controller: r.controller, run }),
+            op_timeout: self.op_timeout,
+            resent: r.resent.clone(),
+        };
+        Ok((ctx, inbox, rx))
+    }
+
+    /// Readies the links to a member's children on other nodes for its first chunk: each
+    /// child's region is looked up and, on shared memory, mapped (see `Link::prepare`), so that
+    /// none of it falls in the transfer. It runs before the member is started and its start
+    /// acknowledged; a child whose link cannot be readied is left to the first WRITE, which
+    /// reports what is wrong.
+    async fn ready_children(&self, children: &[ChildSpec], bytes: u64) {
+        let me = self.mesh.node();
+        let handles: Vec<_> = children
+            .iter()
+            .filter(|c| c.loc.node != me)
+            .filter_map(|c| Some((c.loc, self.mesh.link(c.loc.node).ok()?.prepare(c.remote(bytes)))))
+            .collect();
+        for (child, h) in handles {
+            if let Err(e) = h.wait("ready a child", self.op_timeout).await {
+                debug!(%child, error = %e, "child's region not readied; the first write will");
+            }
         }
     }
 

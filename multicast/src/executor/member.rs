@@ -30,7 +30,7 @@ pub struct ChildSpec {
 }
 
 impl ChildSpec {
-    fn remote(&self, len: u64) -> RemoteRegion {
+    pub(crate) fn remote(&self, len: u64) -> RemoteRegion {
         RemoteRegion {
             node: self.loc.node,
             id: cascade_transport::RegionId(self.region),
@@ -181,7 +181,7 @@ impl MemberCtx {
     /// Moves chunk `i` of this member's region to `to` and tells it.
     async fn send_chunk(&self, to: Loc, dest: &Dest, i: u32) -> Result<(), TransportError> {
         let r = self.layout.chunk_range(i);
-        let notice = Notice { run: self.run, kind: Kind::Chunk, index: i, from: self.me, to };
+        let notice = Notice { run: self.run, kind: Kind::Chunk, index: i, from: self.me, to, crc: None };
         match dest {
             Dest::Local { region } => {
                 // Same node: a local copy (stand-in for an NVLink/PCIe copy).
@@ -195,10 +195,10 @@ impl MemberCtx {
             Dest::Remote { node, region } => {
                 let link = self.link_to(*node).await?;
                 // The notice is posted only once the WRITE has completed, so data precedes it.
-                let write = Op::write(&self.region, r.start, *region, r.start, r.end - r.start);
+                let write = Op::write(&self.region, r.start, *region, r.start, r.end - r.start).with_placed_crc();
                 let h = link.post(vec![write]).pop().ok_or_else(|| closed(to))?;
-                h.wait("chunk write", self.op_timeout).await?;
-                self.notify(notice).await
+                let done = h.wait("chunk write", self.op_timeout).await?;
+                self.notify(Notice { crc: done.crc, ..notice }).await
             }
         }
     }
@@ -209,7 +209,7 @@ impl MemberCtx {
     }
 
     async fn send_nack(&self, to: Loc, i: u32) {
-        let n = Notice { run: self.run, kind: Kind::Nack, index: i, from: self.me, to };
+        let n = Notice { run: self.run, kind: Kind::Nack, index: i, from: self.me, to, crc: None };
         if to.node == self.mesh.node() {
             self.router.deliver(n);
         } else {
@@ -310,9 +310,12 @@ pub(crate) async fn run_member(
                             continue;
                         }
                         let r = ctx.layout.chunk_range(nt.index);
+                        // The crc of the chunk as placed here: the sender's, when its link read
+                        // it back from this region as it copied (a fellow member, authenticated
+                        // by the mesh), else this member's own read of the chunk.
                         // SAFETY: the sender posts the notice after its WRITE of this chunk completed,
                         // and writes the chunk again only when asked (NACK).
-                        let got = unsafe { ctx.region.crc32(r.start, r.end - r.start) }.ok();
+                        let got = nt.crc.or_else(|| unsafe { ctx.region.crc32(r.start, r.end - r.start) }.ok());
                         if got != Some(ctx.layout.crcs[nt.index as usize]) {
                             // Never counted, never forwarded: ask the sender for it again.
                             ctx.send_nack(nt.from, nt.index).await;

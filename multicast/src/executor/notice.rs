@@ -28,6 +28,11 @@ pub struct Notice {
     pub from: Loc,
     /// The receiver.
     pub to: Loc,
+    /// With a chunk: the crc32 of the chunk as it was placed in the receiver's region, when
+    /// the sender's link computed it during the WRITE (shared memory: read back from the
+    /// receiver's memory right after the copy). The receiver then checks it against the layout
+    /// instead of reading the chunk again; without it, the receiver reads the chunk itself.
+    pub crc: Option<u32>,
 }
 
-cascade_transport::binary_message!(Notice, ServiceId::MULTICAST_NOTICE, 1);
+cascade_transport::binary_message!(Notice, ServiceId::MULTICAST_NOTICE, 2);

@@ -185,12 +185,12 @@ fn notices_round_trip_and_reject_junk() {
     use cascade_transport::Message;
 
     use super::notice::{Kind, Notice};
-    let n = Notice { run: 9, kind: Kind::Nack, index: 77, from: Loc::host(3), to: Loc::gpu(4, 1) };
-    assert_eq!(Notice::decode_body(1, &n.encode_body()).unwrap(), n);
-    // Golden bytes: run 9, Nack (1), index 77, (3, None), (4, Some(1)) in postcard varints.
-    assert_eq!(n.encode_body(), vec![9, 1, 77, 3, 0, 4, 1, 1]);
-    assert!(Notice::decode_body(1, &[9, 7, 77, 3, 0, 4, 1, 1]).is_err(), "unknown kind");
-    assert!(Notice::decode_body(1, &n.encode_body()[..7]).is_err(), "truncated");
+    let n = Notice { run: 9, kind: Kind::Nack, index: 77, from: Loc::host(3), to: Loc::gpu(4, 1), crc: Some(7) };
+    assert_eq!(Notice::decode_body(2, &n.encode_body()).unwrap(), n);
+    // Golden bytes: run 9, Nack (1), index 77, (3, None), (4, Some(1)), Some(7) in postcard varints.
+    assert_eq!(n.encode_body(), vec![9, 1, 77, 3, 0, 4, 1, 1, 1, 7]);
+    assert!(Notice::decode_body(2, &[9, 7, 77, 3, 0, 4, 1, 1, 0]).is_err(), "unknown kind");
+    assert!(Notice::decode_body(2, &n.encode_body()[..9]).is_err(), "truncated");
 }
 
 #[test]

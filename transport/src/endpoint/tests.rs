@@ -55,6 +55,24 @@ async fn one_sided(shm: bool) {
     assert_eq!(r[0].as_ref().unwrap().bytes, 1 << 20);
     assert_eq!(ta::crc32(&dst, 0, 1 << 20).unwrap(), ta::crc32(&src, 0, 1 << 20).unwrap());
 
+    // Readying the link for the region, then a WRITE that reports the crc of what it placed:
+    // shm computes it during the copy, tcp leaves it to the receiver.
+    let link = eps[0].link(1).unwrap();
+    assert_eq!(link.prepare(dst.remote(1)).await.unwrap().bytes, 0);
+    let odd = 3 * 65536 + 123; // not a whole number of the copy's blocks
+    let r = eps[0].run(1, vec![Op::write(&src, 5, dst.remote(1), 7, odd).with_placed_crc()]).await.unwrap();
+    let placed = r[0].as_ref().unwrap().crc;
+    assert_eq!(placed, shm.then(|| ta::crc32(&dst, 7, odd).unwrap()));
+    assert_eq!(ta::view(&dst, 7, odd).unwrap(), ta::view(&src, 5, odd).unwrap());
+    // A region that does not exist cannot be readied.
+    let mut gone = dst.remote(1);
+    gone.id = crate::RegionId(u32::MAX - 1);
+    if shm {
+        assert!(link.prepare(gone).await.is_err());
+    }
+    let r = eps[0].run(1, vec![Op::write(&src, 0, dst.remote(1), 0, 1 << 20)]).await.unwrap();
+    assert_eq!(r[0].as_ref().unwrap().crc, None, "no crc unless asked");
+
     // READ back a slice, with and without verification.
     let back = eps[0].register_new(8192).unwrap();
     let r = eps[0]

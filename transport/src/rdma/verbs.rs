@@ -304,7 +304,7 @@ fn poll_loop(peer: NodeId, cq: Arc<BasicCompletionQueue>, pending: Arc<Mutex<Pen
                     let entry = pending.lock().unwrap_or_else(|e| e.into_inner()).remove(&wc.wr_id());
                     if let Some((done, len, _region)) = entry {
                         let r = match wc.status() {
-                            0 => Ok(Completion { bytes: len }),
+                            0 => Ok(Completion::moved(len)),
                             s => Err(TransportError::PeerDown {
                                 peer,
                                 reason: format!("RDMA work completion status {s}"),

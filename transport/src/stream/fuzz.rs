@@ -113,7 +113,7 @@ impl Harness {
         let (pending, posted) = match kind {
             0 => {
                 let crc = input.flag().then(|| input.u32());
-                (Pending::Write { done: self.done(), len: input.small(), crc }, Posted::Write)
+                (Pending::Write { done: self.done(), len: input.small(), crc, placed: None }, Posted::Write)
             }
             1 => {
                 let dest = usize::from(input.byte().unwrap_or(0)) % self.local.len();
@@ -302,8 +302,8 @@ impl OneSidedEngine for Engine {
             len => Ok(Arc::new(len)),
         }
     }
-    fn transfer<'a>(&'a self, _access: &'a PeerAccess, _m: Move<'a>) -> BoxFuture<'a, Result<()>> {
-        Box::pin(async { Ok(()) })
+    fn transfer<'a>(&'a self, _access: &'a PeerAccess, _m: Move<'a>) -> BoxFuture<'a, Result<Option<u32>>> {
+        Box::pin(async { Ok(None) })
     }
 }
 

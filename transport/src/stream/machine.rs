@@ -140,9 +140,9 @@ pub(crate) fn on_header(t: &impl LinkTables, h: Header) -> Step {
             Err(st) => ack(reply(&h, Opcode::LookupResp, st)),
         }),
         Opcode::WriteAck => match t.take(h.req_id) {
-            Some(Pending::Write { done, len, crc }) => {
+            Some(Pending::Write { done, len, crc, placed }) => {
                 let result = match h.status {
-                    Status::Ok => Ok(Completion { bytes: len }),
+                    Status::Ok => Ok(Completion { bytes: len, crc: placed }),
                     Status::CrcMismatch => Err(TransportError::CrcMismatch {
                         peer,
                         op: "write",
@@ -199,7 +199,7 @@ pub(crate) fn on_landed(t: &impl LinkTables, then: Landed, got: Option<u32>) -> 
                 (Some(expected), Some(actual)) if expected != actual => {
                     Err(TransportError::CrcMismatch { peer: t.peer(), op: "read", expected, actual })
                 }
-                _ => Ok(Completion { bytes: len }),
+                _ => Ok(Completion::moved(len)),
             };
             Step::Complete { done, result }
         }

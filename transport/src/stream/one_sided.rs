@@ -5,6 +5,7 @@ use std::sync::Arc;
 use super::Shared;
 use crate::link::{Completion, Done, Op, OpHandle};
 use crate::onesided::{Move, OneSided, PeerAccess};
+use crate::region::RemoteRegion;
 
 /// Posts one operation: one-sided when the peer region allows it, framed otherwise.
 pub(crate) fn post(s: &Arc<Shared>, os: &Arc<OneSided>, op: Op) -> OpHandle {
@@ -44,30 +45,61 @@ pub(crate) fn post(s: &Arc<Shared>, os: &Arc<OneSided>, op: Op) -> OpHandle {
     handle
 }
 
+/// Looks `remote` up (unless cached) and has the engine ready its access; a region the owner
+/// does not expose one-sidedly has nothing to ready.
+pub(crate) fn prepare(s: &Arc<Shared>, os: &Arc<OneSided>, remote: RemoteRegion) -> OpHandle {
+    let (done, handle) = OpHandle::new(s.peer);
+    let (s, os) = (s.clone(), os.clone());
+    tokio::spawn(async move {
+        let k = (remote.id, remote.key);
+        let access = match os.cached(k) {
+            Some(a) => a,
+            None => match s.request_access(remote.id, remote.key, os.engine.clone()).await {
+                Ok(a) => {
+                    os.remember(k, a.clone());
+                    a
+                }
+                Err(e) => {
+                    let _ = done.send(Err(e));
+                    return;
+                }
+            },
+        };
+        let r = match access {
+            Some(a) => os.engine.prepare(&a).await,
+            None => Ok(()),
+        };
+        let _ = done.send(r.map(|()| Completion::moved(0)));
+    });
+    handle
+}
+
 /// The transfer itself, then (for a WRITE) the `Written` notice whose ack completes it.
 async fn transfer(s: Arc<Shared>, os: Arc<OneSided>, op: Op, access: PeerAccess, done: Done) {
-    let (write, local, local_offset, remote, remote_offset, len, verify) = match op {
-        Op::Write { local, local_offset, remote, remote_offset, len, verify } => {
-            (true, local, local_offset, remote, remote_offset, len, verify)
+    let (write, local, local_offset, remote, remote_offset, len, verify, placed_crc) = match op {
+        Op::Write { local, local_offset, remote, remote_offset, len, verify, placed_crc } => {
+            (true, local, local_offset, remote, remote_offset, len, verify, placed_crc)
         }
         Op::Read { local, local_offset, remote, remote_offset, len, verify } => {
-            (false, local, local_offset, remote, remote_offset, len, verify)
+            (false, local, local_offset, remote, remote_offset, len, verify, false)
         }
         Op::Send { .. } => return,
     };
-    let m = Move { peer: s.peer, write, local: &local, local_offset, remote_offset, len };
-    let moved = os.engine.transfer(&access, m).await;
-    if let Err(e) = moved {
-        s.finish_op(done, Err(e));
-        return;
-    }
+    let m = Move { peer: s.peer, write, local: &local, local_offset, remote_offset, len, crc: placed_crc };
+    let placed = match os.engine.transfer(&access, m).await {
+        Ok(placed) => placed,
+        Err(e) => {
+            s.finish_op(done, Err(e));
+            return;
+        }
+    };
     if write {
         s.stats.tx(len);
         // SAFETY: the initiator's source range is its own for the operation (region contract).
         let crc = if verify { unsafe { local.crc32(local_offset, len) }.ok() } else { None };
-        s.post_written(done, remote.id, remote.key, remote_offset, len, crc);
+        s.post_written(done, remote, remote_offset, len, crc, placed);
     } else {
         s.stats.rx(len);
-        s.finish_op(done, Ok(Completion { bytes: len }));
+        s.finish_op(done, Ok(Completion::moved(len)));
     }
 }

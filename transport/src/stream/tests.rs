@@ -59,7 +59,7 @@ impl OneSidedEngine for RkeyProbe {
         &'a self,
         _access: &'a PeerAccess,
         m: crate::onesided::Move<'a>,
-    ) -> crate::mesh::BoxFuture<'a, Result<()>> {
+    ) -> crate::mesh::BoxFuture<'a, Result<Option<u32>>> {
         Box::pin(async move { Err(TransportError::NotConnected { peer: m.peer }) })
     }
 }
@@ -114,7 +114,7 @@ async fn written_notice_verifies_the_crc_at_the_owner() {
     let good = ta::crc32(&region, 0, 4096).unwrap();
     for (crc, ok) in [(good, true), (good ^ 1, false)] {
         let (done, h) = OpHandle::new(0);
-        a.shared.post_written(done, region.id(), region.key(), 0, 4096, Some(crc));
+        a.shared.post_written(done, region.remote(1), 0, 4096, Some(crc), None);
         match (h.await, ok) {
             (Ok(c), true) => assert_eq!(c.bytes, 4096),
             (Err(TransportError::CrcMismatch { expected, actual, .. }), false) => {
