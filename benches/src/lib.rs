@@ -109,6 +109,7 @@ impl Drop for BenchCluster {
 }
 
 pub mod incast;
+pub mod mpi;
 pub mod multicast;
 pub mod p2p;
 

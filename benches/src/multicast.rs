@@ -265,6 +265,16 @@ impl Bed {
         serde_json::from_slice(&out.stdout).context("controller output")
     }
 
+    /// The namespaced hosts, if the bed has them.
+    pub fn net(&self) -> Option<&Netns> {
+        self.net.as_ref()
+    }
+
+    /// The bed's scratch directory (removed with the bed).
+    pub fn dir(&self) -> &std::path::Path {
+        &self.dir
+    }
+
     /// One run: `targets` targets, `bytes` bytes, through `planner`.
     pub fn run(&self, planner: PlannerKind, targets: usize, bytes: u64) -> anyhow::Result<Value> {
         let v = self.controller(planner, targets, bytes, None)?;

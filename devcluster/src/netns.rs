@@ -111,6 +111,11 @@ impl Netns {
         self.hosts.is_empty()
     }
 
+    /// The name of host `i`'s namespace (for `ip netns exec`).
+    pub fn name(&self, i: usize) -> &str {
+        &self.hosts[i]
+    }
+
     /// A command that runs `program` inside host `i`.
     pub fn command(&self, i: usize, program: &str) -> Command {
         let mut c = Command::new("ip");

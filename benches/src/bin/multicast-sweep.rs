@@ -2,10 +2,15 @@
 //! table, writes the results as JSON and a PNG plot of seconds versus N.
 //!
 //! `multicast-sweep --netns --link-mbit 1000 --bytes 67108864 --png docs/multicast.png --json results.json`
+//!
+//! With `--compare-mpi`, Cascade's blitz plan and OpenMPI's `MPI_Bcast` (N+1 ranks, the
+//! program in `benches/mpi/`) run alternately on the same hosts and bytes, `--reps` times each
+//! per N; the table gives both medians and their ratio.
 
 use std::path::PathBuf;
 
 use anyhow::Context;
+use cascade_benches::mpi::MpiBcast;
 use cascade_benches::multicast::{run_role, Bed, RoleArgs};
 use cascade_multicast::PlannerKind;
 use clap::Parser;
@@ -36,6 +41,13 @@ struct Cli {
     /// picks for shm are slower, see README).
     #[arg(long)]
     calibrate: bool,
+    /// Compare with OpenMPI's MPI_Bcast on the same hosts and bytes (needs openmpi-bin and
+    /// libopenmpi-dev): blitz only, alternating runs, medians.
+    #[arg(long)]
+    compare_mpi: bool,
+    /// Runs of each side per N with --compare-mpi.
+    #[arg(long, default_value_t = 3)]
+    reps: usize,
     /// Write the plot here.
     #[arg(long)]
     png: Option<PathBuf>,
@@ -62,6 +74,9 @@ fn main() -> anyhow::Result<()> {
         // The planner is told this bed's measured per-chunk overhead (and, on shm, hop rate).
         let o = bed.calibrate()?;
         eprintln!("calibrated: link {:.1} Gbit/s, chunk overhead {:.0} µs", bed.link_gbps, o * 1e6);
+    }
+    if c.compare_mpi {
+        return compare_mpi(&c, bed);
     }
     let mut results: Vec<Value> = Vec::new();
     for p in PLANNERS {
@@ -108,26 +123,107 @@ fn main() -> anyhow::Result<()> {
         std::fs::write(path, serde_json::to_string_pretty(&results)?)?;
     }
     if let Some(path) = &c.png {
-        plot(path, &c, &secs, bound)?;
+        // blitz is drawn wide underneath: with one source its plan equals chain's, and both stay visible.
+        let styles = [(RED, 8), (BLUE, 3), (GREEN, 3), (MAGENTA, 3)];
+        let series: Vec<Series> = PLANNERS
+            .iter()
+            .zip(styles)
+            .map(|(p, (color, width))| {
+                (p.to_string(), color, width, (1..=c.max_targets).map(|n| secs(*p, n)).collect())
+            })
+            .collect();
+        plot(path, &c, &series, bound, "")?;
         eprintln!("plot written to {}", path.display());
     }
     Ok(())
 }
 
-fn plot(path: &PathBuf, c: &Cli, secs: &dyn Fn(PlannerKind, usize) -> f64, bound: Option<f64>) -> anyhow::Result<()> {
+/// Cascade (blitz) and MPI_Bcast alternately, `reps` times each per N; medians and ratios.
+fn compare_mpi(c: &Cli, bed: Bed) -> anyhow::Result<()> {
+    let mpi = MpiBcast::build(bed.dir())?;
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let mut rows = Vec::new();
+    for n in 1..=c.max_targets {
+        let (mut ours, mut theirs) = (Vec::new(), Vec::new());
+        for rep in 1..=c.reps.max(1) {
+            eprintln!("N={n}, run {rep}: cascade, then MPI_Bcast with {} ranks ...", n + 1);
+            let v = bed.run(PlannerKind::Blitz, n, c.bytes)?;
+            ours.push(v["seconds"].as_f64().context("cascade printed no seconds")?);
+            theirs.push(mpi.run(bed.net(), 1, n, c.bytes)?);
+        }
+        let (a, b) = (median(&mut ours.clone()), median(&mut theirs.clone()));
+        rows.push(serde_json::json!({
+            "targets": n, "bytes": c.bytes, "netns": c.netns, "shm": c.shm, "link_mbit": bed.link_mbit,
+            "cascade_seconds": ours, "mpi_seconds": theirs, "cascade_median": a, "mpi_median": b, "ratio": a / b,
+        }));
+    }
+    let bound = bed.link_mbit.map(|b| c.bytes as f64 * 8.0 / (b as f64 * 1e6));
+    let links = match (c.netns, c.shm) {
+        (true, _) => format!(
+            "netns hosts, {} Mbit/s tbf; MPI: one rank per host, TCP, pipelined bcast (1 MiB segments)",
+            c.link_mbit
+        ),
+        (false, true) => {
+            "one host, shm links; MPI: every rank on this host (OpenMPI's shared-memory transport, default bcast)"
+                .into()
+        }
+        (false, false) => "one host, loopback tcp; MPI: every rank on this host (OpenMPI picks shared memory)".into(),
+    };
+    println!("{} MiB, {links}: median of {} alternating runs\n", c.bytes >> 20, c.reps.max(1));
+    println!(
+        "| N | Cascade blitz (s) | MPI_Bcast, N+1 ranks (s) | Cascade / MPI |{}",
+        if bound.is_some() { " Cascade / bound |" } else { "" }
+    );
+    println!("| --- | --- | --- | --- |{}", if bound.is_some() { " --- |" } else { "" });
+    for r in &rows {
+        let a = r["cascade_median"].as_f64().unwrap_or(f64::NAN);
+        print!(
+            "| {} | {a:.3} | {:.3} | {:.2} |",
+            r["targets"],
+            r["mpi_median"].as_f64().unwrap_or(f64::NAN),
+            r["ratio"].as_f64().unwrap_or(f64::NAN)
+        );
+        match bound {
+            Some(b) => println!(" {:.3} |", a / b),
+            None => println!(),
+        }
+    }
+    if let Some(path) = &c.json {
+        std::fs::write(path, serde_json::to_string_pretty(&rows)?)?;
+    }
+    if let Some(path) = &c.png {
+        let col = |k: &str| rows.iter().map(|r| r[k].as_f64().unwrap_or(f64::NAN)).collect::<Vec<_>>();
+        let series: Vec<Series> = vec![
+            ("Cascade (blitz)".into(), RED, 4, col("cascade_median")),
+            ("OpenMPI MPI_Bcast".into(), BLUE, 3, col("mpi_median")),
+        ];
+        plot(path, c, &series, bound, " vs OpenMPI")?;
+        eprintln!("plot written to {}", path.display());
+    }
+    drop(bed);
+    Ok(())
+}
+
+/// A line of the plot: its label, colour, width and seconds for N = 1, 2, ...
+type Series = (String, RGBColor, u32, Vec<f64>);
+
+fn plot(path: &PathBuf, c: &Cli, series: &[Series], bound: Option<f64>, what: &str) -> anyhow::Result<()> {
     let font = std::fs::read(&c.font)
         .with_context(|| format!("reading font {} (apt-get install fonts-dejavu-core)", c.font.display()))?;
     plotters::style::register_font("sans-serif", FontStyle::Normal, Box::leak(font.into_boxed_slice()))
         .map_err(|_| anyhow::anyhow!("{} is not a usable font", c.font.display()))?;
-    let ymax = PLANNERS.iter().flat_map(|p| (1..=c.max_targets).map(|n| secs(*p, n))).fold(0.0f64, f64::max) * 1.1;
+    let ymax = series.iter().flat_map(|s| s.3.iter().copied()).chain(bound).fold(0.0f64, f64::max) * 1.1;
     let root = BitMapBackend::new(path, (960, 600)).into_drawing_area();
     root.fill(&WHITE)?;
-    let title = format!(
-        "Multicast of {} MiB over {} Mbit/s links{}",
-        c.bytes >> 20,
-        c.link_mbit,
-        if c.netns { "" } else { " (loopback, unshaped)" }
-    );
+    let links = match (c.netns, c.shm) {
+        (true, _) => format!("{} Mbit/s links", c.link_mbit),
+        (false, true) => "shared memory (one host)".into(),
+        (false, false) => "loopback (unshaped)".into(),
+    };
+    let title = format!("Multicast of {} MiB over {links}{what}", c.bytes >> 20);
     let mut chart = ChartBuilder::on(&root)
         .caption(title, ("sans-serif", 24))
         .margin(16)
@@ -142,13 +238,12 @@ fn plot(path: &PathBuf, c: &Cli, secs: &dyn Fn(PlannerKind, usize) -> f64, bound
         .x_label_formatter(&|x| format!("{}", x.round() as i64))
         .label_style(("sans-serif", 16))
         .draw()?;
-    // blitz is drawn wide underneath: with one source its plan equals chain's, and both stay visible.
-    let styles = [(RED, 8), (BLUE, 3), (GREEN, 3), (MAGENTA, 3)];
-    for (p, (color, width)) in PLANNERS.iter().zip(styles) {
-        let pts: Vec<(f64, f64)> = (1..=c.max_targets).map(|n| (n as f64, secs(*p, n))).collect();
+    for (label, color, width, secs) in series {
+        let (color, width) = (*color, *width);
+        let pts: Vec<(f64, f64)> = secs.iter().enumerate().map(|(i, s)| ((i + 1) as f64, *s)).collect();
         chart
             .draw_series(LineSeries::new(pts.clone(), color.stroke_width(width)))?
-            .label(p.to_string())
+            .label(label.clone())
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(width)));
         chart.draw_series(pts.iter().map(|&xy| Circle::new(xy, 4, color.filled())))?;
     }
