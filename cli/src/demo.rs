@@ -300,6 +300,22 @@ async fn driver(a: DemoArgs, cluster_file: PathBuf, pids: Vec<u32>) -> anyhow::R
         mb(manifest.bytes),
         targets.len()
     ));
+    // When the multicast began moving bytes, from the manager's notice (its follower may still
+    // be catching up: wait for it briefly).
+    let mut began = None;
+    for _ in 0..200 {
+        began = {
+            let tl = tl.lock().unwrap_or_else(|e| e.into_inner());
+            tl.marks.iter().find(|m| m.t >= t0 && m.what.starts_with("multicast moving bytes")).map(|m| m.t - t0)
+        };
+        if began.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    if let Some(b) = began {
+        say(format!("   the transfer began {:.0} ms after the scale-out was asked for", b * 1e3));
+    }
 
     // 3. Kill the node holding the most bytes; the manager's loop declares it dead and repairs.
     let (victim, lost_bytes) = s.nodes.iter().map(|n| (n.id, n.bytes)).max_by_key(|x| x.1).context("no nodes")?;
@@ -362,7 +378,8 @@ async fn driver(a: DemoArgs, cluster_file: PathBuf, pids: Vec<u32>) -> anyhow::R
                    "content_hash": manifest.content_hash },
         "tenants": tenants.len(),
         "register": { "seconds": register_s, "copies_from_file": holders.len() },
-        "scale_out": { "targets": targets.len(), "seconds": scale_s, "delivered_gbit_per_s": agg_gbps, "ready_copies": serving },
+        "scale_out": { "targets": targets.len(), "seconds": scale_s, "delivered_gbit_per_s": agg_gbps, "ready_copies": serving,
+                       "transfer_began_after_s": began },
         "failure": { "node": victim, "lost_bytes": lost_bytes, "lost_copies": victim_copies, "restore_seconds": restore_s,
                      "bound_seconds": bound_s, "within_bound": restore_s <= bound_s },
         "check": check,

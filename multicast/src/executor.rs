@@ -46,6 +46,12 @@ pub use notice::{Kind as NoticeKind, Notice};
 /// Progress reported while a multicast runs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Event {
+    /// The transfer began: every member is set up and started (always the first event, at
+    /// t = 0). `setup_ms` is the set-up before it (see `RunOutcome::setup_seconds`).
+    Started {
+        /// Milliseconds from the request to the transfer's start.
+        setup_ms: u64,
+    },
     /// Every chunk of layers `0..=layer` is verified at `target` (announced in layer order).
     LayerReady {
         /// The target.

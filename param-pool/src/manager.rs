@@ -166,6 +166,16 @@ pub enum Notice {
         /// Its bytes.
         bytes: u64,
     },
+    /// A multicast of a model began moving bytes, `setup_seconds` after it was asked for
+    /// (planning, the targets' regions, the senders' links readied).
+    Transferring {
+        /// The model.
+        model: ModelId,
+        /// Its targets' nodes.
+        nodes: Vec<NodeId>,
+        /// Seconds of set-up before the first byte.
+        setup_seconds: f64,
+    },
     /// A model has no copy and no reachable file.
     Lost {
         /// The model.

@@ -60,6 +60,6 @@ pub use link::{run_batch, BackendKind, Completion, Link, Op, OpHandle};
 pub use mesh::{BoxFuture, Mesh};
 #[cfg(any(test, feature = "test-access"))]
 pub use region::test_access;
-pub use region::{Region, RegionId, RegionOptions, RegionTable, RemoteKey, RemoteRegion, PAGE};
+pub use region::{Prefault, Region, RegionId, RegionOptions, RegionTable, RemoteKey, RemoteRegion, PAGE};
 pub use service::{Inbox, Message, Received, ReplyTo, ServiceExt, ServiceId, Services};
 pub use stats::StatsSnapshot;

@@ -31,6 +31,12 @@ pub trait Mesh: Send + Sync + 'static {
     /// Allocates a region of `len` bytes that peers could reach once registered (shared memory
     /// where the node's peers can map it); private to the caller until [`register`](Self::register).
     fn alloc(&self, len: u64) -> Result<Region>;
+    /// As [`alloc`](Self::alloc), choosing when a shared region's pages are allocated (a node
+    /// without shared regions allocates them at once).
+    fn alloc_prefault(&self, len: u64, prefault: crate::Prefault) -> Result<Region> {
+        let _ = prefault;
+        self.alloc(len)
+    }
     /// Registers a region: peers may address it from now on.
     fn register(&self, region: &Region) -> Result<()>;
     /// Allocates a region and registers it.
@@ -64,6 +70,9 @@ impl Mesh for crate::Endpoint {
     }
     fn alloc(&self, len: u64) -> Result<Region> {
         crate::Endpoint::alloc(self, len)
+    }
+    fn alloc_prefault(&self, len: u64, prefault: crate::Prefault) -> Result<Region> {
+        Region::alloc_within_prefault(len, self.config().shm, self.budget(), prefault)
     }
     fn memory_limit(&self) -> Option<u64> {
         self.budget().limit()

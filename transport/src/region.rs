@@ -159,17 +159,42 @@ impl Region {
     /// Allocates a zeroed region (memfd-shared when `shared`) against `budget`: refused before
     /// anything is allocated when it does not fit.
     pub fn alloc_within(len: u64, shared: bool, budget: &crate::budget::MemoryBudget) -> Result<Region> {
+        Self::alloc_within_prefault(len, shared, budget, Prefault::Now)
+    }
+
+    /// As [`Region::alloc_within`], with a choice of when a shared region's pages are allocated
+    /// (a host region's are allocated at once either way).
+    pub fn alloc_within_prefault(
+        len: u64,
+        shared: bool,
+        budget: &crate::budget::MemoryBudget,
+        prefault: Prefault,
+    ) -> Result<Region> {
         let reservation = budget.reserve(len)?;
-        let mut r = if shared { Region::shared(len)? } else { Region::alloc(len, RegionOptions::default())? };
+        let mut r = if shared { Region::shared_unfaulted(len)? } else { Region::alloc(len, RegionOptions::default())? };
         match Arc::get_mut(&mut r.0) {
             Some(inner) => inner._reserved = Some(reservation),
             None => unreachable!("a region just made has one owner"),
         }
+        r.prefault(prefault)?;
         Ok(r)
     }
 
-    /// Allocates a zeroed region backed by a `memfd`, mappable by same-host peers.
+    /// Allocates a zeroed region backed by a `memfd`, mappable by same-host peers; its pages are
+    /// allocated (pre-faulted) before it is returned.
     pub fn shared(len: u64) -> Result<Region> {
+        Self::shared_prefault(len, Prefault::Now)
+    }
+
+    /// As [`Region::shared`], with a choice of when the pages are allocated.
+    pub fn shared_prefault(len: u64, prefault: Prefault) -> Result<Region> {
+        let r = Self::shared_unfaulted(len)?;
+        r.prefault(prefault)?;
+        Ok(r)
+    }
+
+    /// A shared region whose pages are not allocated yet.
+    fn shared_unfaulted(len: u64) -> Result<Region> {
         if len == 0 {
             return Err(TransportError::Config("a region must not be empty".into()));
         }
@@ -183,6 +208,43 @@ impl Region {
         let fd = unsafe { OwnedFd::from_raw_fd(fd) };
         let map = map_fd(&fd, len, true)?;
         Self::wrap(len, Backing::Shared { map, fd })
+    }
+
+    /// Allocates the pages of a shared region as `prefault` says (nothing to do for host memory).
+    fn prefault(&self, prefault: Prefault) -> Result<()> {
+        if !matches!(self.0.backing, Backing::Shared { .. }) {
+            return Ok(());
+        }
+        match prefault {
+            Prefault::Now => self.prefault_range(0, self.0.len),
+            Prefault::Background => {
+                let (weak, len) = (Arc::downgrade(&self.0), self.0.len);
+                std::thread::Builder::new()
+                    .name("cascade-prefault".into())
+                    .spawn(move || prefault_backwards(&weak, len))
+                    .map_err(|e| TransportError::io("starting a pre-fault thread", e))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Faults the pages of `[offset, offset + len)` in (see [`map_fd`] for why by slices).
+    fn prefault_range(&self, offset: u64, len: u64) {
+        let Backing::Shared { map, .. } = &self.0.backing else { return };
+        let mut at = offset as usize;
+        let end = (offset + len) as usize;
+        while at < end {
+            let n = PREFAULT_SLICE.min(end - at);
+            // SAFETY: the range lies inside the mapping (`offset + len ≤ self.len`, callers'
+            // contract); populating only faults its pages in — zero-filled if new, untouched if
+            // present — and changes no contents, so it may run while peers write the region.
+            // A kernel without MADV_POPULATE_WRITE refuses it: the pages then fault on first use.
+            let r = unsafe { libc::madvise(map.as_mut_ptr().add(at).cast(), n, libc::MADV_POPULATE_WRITE) };
+            if r != 0 {
+                break;
+            }
+            at += n;
+        }
     }
 
     fn wrap(len: u64, backing: Backing) -> Result<Region> {
@@ -400,11 +462,37 @@ pub mod test_access {
     }
 }
 
+/// When a shared region's pages are allocated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Prefault {
+    /// Before the region is returned: nothing faults when it is first written.
+    #[default]
+    Now,
+    /// On a background thread, from the last page to the first, while the region is already in
+    /// use: a transfer filling it from the front starts at once and meets the pre-faulting in
+    /// the middle (the pages it reaches first it faults in itself). The thread stops early when
+    /// the region is freed.
+    Background,
+}
+
+/// The slice a pre-fault populates at a time.
+const PREFAULT_SLICE: usize = 32 << 20;
+
+/// [`Prefault::Background`]'s thread: slices from the end, while the region lives.
+fn prefault_backwards(region: &std::sync::Weak<Inner>, len: u64) {
+    let mut end = len;
+    while end > 0 {
+        let Some(inner) = region.upgrade() else { return };
+        let start = end.saturating_sub(PREFAULT_SLICE as u64);
+        Region(inner).prefault_range(start, end - start);
+        end = start;
+    }
+}
+
 /// Maps `len` bytes of `fd` shared (read-write).
 ///
-/// The owner's mapping (`resize`) is pre-faulted, which allocates the pages before the region is
-/// used; a peer's mapping is not (it runs on the link's reader, and the pages exist already:
-/// the copies that touch them fault them in on the copying thread).
+/// The mapping is not populated here: the owner's region pre-faults it (see [`Prefault`]) and a
+/// peer's mapping populates what it writes (`shm::PeerMap`).
 ///
 /// Pre-faulting goes slice by slice (`MADV_POPULATE_WRITE`, 32 MiB at a time) rather than with
 /// `MAP_POPULATE`: one populate of a whole GiB holds the process's memory-map lock for its
@@ -426,21 +514,6 @@ pub(crate) fn map_fd(fd: &OwnedFd, len: u64, resize: bool) -> Result<MmapRaw> {
         .len(len as usize)
         .map_raw(file.as_raw_fd())
         .map_err(|e| TransportError::io(format!("mmap of a {len}-byte shared region"), e))?;
-    if resize {
-        const SLICE: usize = 32 << 20;
-        let mut at = 0usize;
-        while at < len as usize {
-            let n = SLICE.min(len as usize - at);
-            // SAFETY: the range lies inside the mapping just made; populating only faults its
-            // pages in (zero-filled, as they would be on first touch) and changes no contents.
-            // A kernel without MADV_POPULATE_WRITE refuses it: the pages then fault on first use.
-            let r = unsafe { libc::madvise(map.as_mut_ptr().add(at).cast(), n, libc::MADV_POPULATE_WRITE) };
-            if r != 0 {
-                break;
-            }
-            at += n;
-        }
-    }
     Ok(map)
 }
 

@@ -129,6 +129,9 @@ impl Timeline {
                 self.mark(t, format!("node {node} dead"));
             }
             Notice::Lost { model, reason } => self.mark(t, format!("model {model} lost: {reason}")),
+            Notice::Transferring { setup_seconds, .. } => {
+                self.mark(t, format!("multicast moving bytes (set-up {:.0} ms)", setup_seconds * 1e3));
+            }
         }
     }
 

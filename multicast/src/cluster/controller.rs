@@ -58,6 +58,12 @@ pub struct RunSpec {
     /// The planner's cost model (chunk overhead, hop latency, chunk bounds): measured values
     /// where the caller has them, the defaults otherwise.
     pub cost: crate::CostModel,
+    /// Start moving bytes at once: the targets' pages are allocated in the background while
+    /// the transfer fills them, and senders look their children up on the first WRITE. The
+    /// default (false) prepares everything first, so the transfer's time is the transfer's
+    /// alone (what a benchmark against pre-allocated buffers compares); at once, the first
+    /// layers arrive sooner and the set-up overlaps the transfer.
+    pub start_at_once: bool,
 }
 
 impl RunSpec {
@@ -78,6 +84,7 @@ impl RunSpec {
             layout: None,
             progress: None,
             cost: crate::CostModel::default(),
+            start_at_once: false,
         }
     }
 
@@ -224,6 +231,7 @@ impl Controller {
             let fill = match (spec.sources.contains(&loc), spec.lent.contains(&loc)) {
                 (true, true) => Fill::Lent,
                 (true, false) => Fill::Synthetic { seed: spec.seed },
+                (false, _) if spec.start_at_once => Fill::TargetInBackground,
                 (false, _) => Fill::Target,
             };
             let msg = Control::Prepare { run, loc, bytes: spec.bytes, chunk, fill };
@@ -294,7 +302,8 @@ impl Controller {
             for &loc in group {
                 let source = spec.sources.contains(&loc);
                 let kids = children.remove(&loc).unwrap_or_default();
-                let msg = Control::Start { run, loc, layout: layout.clone(), source, children: kids };
+                let ready_first = !spec.start_at_once;
+                let msg = Control::Start { run, loc, layout: layout.clone(), source, children: kids, ready_first };
                 let mesh = self.mesh.clone();
                 set.spawn(async move { (loc, ask(&mesh, "start", loc.node, msg).await) });
             }
@@ -306,10 +315,14 @@ impl Controller {
         }
         let started = Instant::now();
         let setup_seconds = (started - begun).as_secs_f64();
+        let first = Event::Started { setup_ms: (setup_seconds * 1e3).round() as u64 };
+        if let Some(p) = &spec.progress {
+            let _ = p.send((0.0, first.clone()));
+        }
         tracing::debug!(run, edges = ?plan.edges.iter().map(|e| (e.from, e.to)).collect::<Vec<_>>(), "plan");
         info!(run, planner = %spec.planner, targets = spec.targets.len(), bytes = spec.bytes, chunk, "multicast started");
         // 3. Coordinate.
-        let mut events = Vec::new();
+        let mut events = vec![(0.0, first)];
         let mut last_done = 0.0;
         let deadline = tokio::time::Instant::now() + spec.deadline;
         let mut inbox_open = true;

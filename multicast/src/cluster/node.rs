@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use cascade_transport::service::DEFAULT_INBOX;
-use cascade_transport::{Inbox, Mesh, PeerEvent, Received, Region, ServiceExt, TransportError};
+use cascade_transport::{Inbox, Mesh, PeerEvent, Prefault, Received, Region, ServiceExt, TransportError};
 use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 
@@ -198,10 +198,14 @@ impl MulticastNode {
     async fn serve_request(&self, from: NodeId, c: Control) -> Result<Control, TransportError> {
         match c {
             Control::Prepare { run, loc, bytes, chunk, fill } => self.prepare(from, run, loc, bytes, chunk, fill).await,
-            Control::Start { run, loc, layout, source, children } => {
+            Control::Start { run, loc, layout, source, children, ready_first } => {
                 let bytes = layout.bytes;
                 let ctx = self.member(run, loc, layout, source)?;
-                self.ready_children(&children, bytes).await;
+                // Otherwise the first WRITE to each child looks its region up, and each copy maps
+                // the pages it writes (allocated by then, or by the copy itself).
+                if ready_first {
+                    ready_children(self.mesh.clone(), self.op_timeout, &children, bytes).await;
+                }
                 let (ctx, inbox, rx) = ctx;
                 tokio::spawn(run_member(ctx, children, inbox, rx));
                 Ok(Control::Ack)
@@ -269,25 +273,6 @@ impl MulticastNode {
         Ok((ctx, inbox, rx))
     }
 
-    /// Readies the links to a member's children on other nodes for its first chunk: each
-    /// child's region is looked up and, on shared memory, mapped (see `Link::prepare`), so that
-    /// none of it falls in the transfer. It runs before the member is started and its start
-    /// acknowledged; a child whose link cannot be readied is left to the first WRITE, which
-    /// reports what is wrong.
-    async fn ready_children(&self, children: &[ChildSpec], bytes: u64) {
-        let me = self.mesh.node();
-        let handles: Vec<_> = children
-            .iter()
-            .filter(|c| c.loc.node != me)
-            .filter_map(|c| Some((c.loc, self.mesh.link(c.loc.node).ok()?.prepare(c.remote(bytes)))))
-            .collect();
-        for (child, h) in handles {
-            if let Err(e) = h.wait("ready a child", self.op_timeout).await {
-                debug!(%child, error = %e, "child's region not readied; the first write will");
-            }
-        }
-    }
-
     async fn prepare(
         &self,
         from: NodeId,
@@ -341,6 +326,11 @@ impl MulticastNode {
                 let mesh = self.mesh.clone();
                 (blocking(move || mesh.register_new(bytes)).await?, None)
             }
+            Fill::TargetInBackground => {
+                let region = self.mesh.alloc_prefault(bytes, Prefault::Background)?;
+                self.mesh.register(&region)?;
+                (region, None)
+            }
         };
         let reply = Control::Prepared { region: region.id().0, key: region.key().0, crcs };
         let mut st = self.state();
@@ -356,6 +346,25 @@ impl MulticastNode {
             }
         }
         Ok(reply)
+    }
+}
+
+/// Readies the links to a member's children on other nodes for its first chunk: each
+/// child's region is looked up and, on shared memory, mapped (see `Link::prepare`), so that
+/// none of it falls in the transfer. It runs before the member is started and its start
+/// acknowledged, when the run asks for it; a child whose link cannot be readied is left to the first WRITE, which
+/// reports what is wrong.
+async fn ready_children(mesh: Arc<dyn Mesh>, op_timeout: Duration, children: &[ChildSpec], bytes: u64) {
+    let me = mesh.node();
+    let handles: Vec<_> = children
+        .iter()
+        .filter(|c| c.loc.node != me)
+        .filter_map(|c| Some((c.loc, mesh.link(c.loc.node).ok()?.prepare(c.remote(bytes)))))
+        .collect();
+    for (child, h) in handles {
+        if let Err(e) = h.wait("ready a child", op_timeout).await {
+            debug!(%child, error = %e, "child's region not readied; the first write will");
+        }
     }
 }
 

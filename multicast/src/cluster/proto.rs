@@ -4,7 +4,8 @@
 //! ```text
 //! service            request (controller -> node)              reply
 //! multicast          Prepare{run, loc, bytes, chunk, source}    Prepared{region, key, crcs}
-//!                    Start{run, loc, layout, source, children}  Ack
+//!                    Start{run, loc, layout, source, children,  Ack
+//!                          ready_first}
 //!                    AddChild{run, loc, child}                  Ack
 //!                    Verify{run, loc}                           Verified{crc}
 //!                    Release{run}                               Ack
@@ -25,7 +26,7 @@ use crate::topology::Loc;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[non_exhaustive]
 pub enum Fill {
-    /// Nothing: a target, written by the run.
+    /// Nothing: a target, written by the run; its pages allocated before it is prepared.
     Target,
     /// A source filled with the deterministic synthetic model of this seed.
     Synthetic {
@@ -35,6 +36,10 @@ pub enum Fill {
     /// A source whose region its node lent to the run beforehand
     /// ([`MulticastNode::lend`](super::MulticastNode::lend)): a copy the node holds.
     Lent,
+    /// A target whose pages are allocated in the background, last first, while the run already
+    /// fills it from the front ([`Prefault::Background`](cascade_transport::Prefault)): the
+    /// transfer starts without waiting for the allocation.
+    TargetInBackground,
 }
 
 /// Requests of the multicast control service, and their replies.
@@ -76,6 +81,9 @@ pub enum Control {
         source: bool,
         /// Where it sends.
         children: Vec<ChildSpec>,
+        /// Ready the links to the children (look their regions up, map them) before answering;
+        /// otherwise that runs beside the transfer.
+        ready_first: bool,
     },
     /// A new child after a re-plan.
     AddChild {
@@ -112,7 +120,7 @@ pub enum Control {
     },
 }
 
-cascade_transport::binary_message!(Control, ServiceId::MULTICAST, 1);
+cascade_transport::binary_message!(Control, ServiceId::MULTICAST, 2);
 
 /// A member's report to its run's controller.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

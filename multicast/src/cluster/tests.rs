@@ -96,7 +96,7 @@ fn control_messages_match_their_golden_bytes() {
     ];
     for (name, m) in cases {
         assert_eq!(hex(&m.encode_body()), golden[name], "{name}");
-        assert_eq!(Control::decode_body(1, &m.encode_body()).unwrap(), m, "{name}");
+        assert_eq!(Control::decode_body(2, &m.encode_body()).unwrap(), m, "{name}");
     }
     assert!(Control::decode_body(1, b"{not binary").is_err());
     let r = Report { run: 5, msg: crate::executor::ToCoord::LayerReady { loc: Loc::host(1), layer: 2 } };
@@ -194,6 +194,7 @@ async fn a_refused_request_fails_its_call_only() {
         layout: Layout::new(1, 1, vec![0], vec![]).unwrap(),
         source: false,
         children: vec![],
+        ready_first: true,
     };
     let r = eps[0].call(2, &bad, Duration::from_secs(5)).await.unwrap();
     assert!(matches!(&r, Control::Failed { message } if message.contains("unknown multicast run 1234")), "{r:?}");
@@ -283,7 +284,7 @@ fn mapped_shared_bytes() -> u64 {
         .sum()
 }
 
-/// Twenty multicasts of 256 MiB over shm: every mapping of a peer's region is dropped when its
+/// Twenty multicasts of 256 MiB over shm, half of them started at once: every mapping of a peer's region is dropped when its
 /// owner releases it, so the mapped shared memory does not grow from run to run (each run used to
 /// leave its regions mapped by the peers that wrote into them).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -294,9 +295,17 @@ async fn shm_mappings_are_released_with_their_regions() {
     let ctl = Controller::new(eps[0].clone()).unwrap();
     let before = mapped_shared_bytes();
     for i in 0..20 {
-        let spec = RunSpec::synthetic(topo(4), 256 << 20, vec![Loc::host(1)], vec![Loc::host(2), Loc::host(3)], i);
+        let mut spec = RunSpec::synthetic(topo(4), 256 << 20, vec![Loc::host(1)], vec![Loc::host(2), Loc::host(3)], i);
+        // Every other run starts at once: targets pre-fault in the background (and are freed
+        // while that may still run), senders map their children on the first WRITE.
+        spec.start_at_once = i % 2 == 1;
         let out = ctl.run(&spec).await.unwrap();
         assert_eq!(out.verified.len(), 2, "run {i}");
+        assert!(
+            matches!(out.events.first(), Some((t, crate::Event::Started { .. })) if *t == 0.0),
+            "{:?}",
+            out.events.first()
+        );
         let t = std::time::Instant::now();
         while mapped_shared_bytes() > before && t.elapsed() < Duration::from_secs(5) {
             tokio::time::sleep(Duration::from_millis(10)).await;

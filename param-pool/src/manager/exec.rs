@@ -251,6 +251,9 @@ impl Io {
             layout: Some(entry.manifest.layout()),
             progress: Some(tx),
             cost: cascade_multicast::CostModel::default(),
+            // A new copy is wanted as soon as possible, layer by layer: set-up overlaps the
+            // transfer instead of preceding it.
+            start_at_once: true,
         };
         let layers = entry.manifest.layout().layers;
         let running = self.ctl.run(&spec);
@@ -258,12 +261,17 @@ impl Io {
         let res = loop {
             tokio::select! {
                 r = &mut running => break r,
-                Some((_, ev)) = rx.recv() => {
-                    if let McEvent::LayerReady { target, layer } = ev {
+                Some((_, ev)) = rx.recv() => match ev {
+                    McEvent::LayerReady { target, layer } => {
                         if let (Some(c), Some(r)) = (targets.get(&target), layers.get(layer)) {
                             self.notice(Notice::Progress { copy: c.id, node: c.node, bytes: r.end, total: bytes });
                         }
                     }
+                    McEvent::Started { setup_ms } => {
+                        let nodes = targets.values().map(|c| c.node).collect();
+                        self.notice(Notice::Transferring { model, nodes, setup_seconds: setup_ms as f64 / 1e3 });
+                    }
+                    _ => {}
                 }
             }
         };

@@ -76,3 +76,23 @@ fn mlock_either_locks_or_says_why() {
         Err(e) => assert!(e.to_string().contains("mlock"), "{e}"),
     }
 }
+
+#[test]
+fn a_region_prefaulted_in_the_background_is_usable_at_once_and_zeroed() {
+    let len = 96u64 << 20; // three pre-fault slices
+    let r = Region::shared_prefault(len, Prefault::Background).unwrap();
+    // Written from the front while the thread faults pages in from the back: both meet, and
+    // no byte is changed by the pre-faulting.
+    ta::fill(&r, 0, 1 << 20, 7).unwrap();
+    ta::fill(&r, len - 4096, 4096, 9).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    assert!(ta::view(&r, 0, 1 << 20).unwrap().iter().all(|&b| b == 7));
+    assert!(ta::view(&r, len - 4096, 4096).unwrap().iter().all(|&b| b == 9));
+    assert!(ta::view(&r, 1 << 20, 1 << 20).unwrap().iter().all(|&b| b == 0));
+    // Budgeted allocation takes the same path; freeing the region ends the thread's work.
+    let budget = crate::MemoryBudget::new(Some(len));
+    let b = Region::alloc_within_prefault(len, true, &budget, Prefault::Background).unwrap();
+    assert!(Region::alloc_within_prefault(4096, true, &budget, Prefault::Background).is_err());
+    drop(b);
+    assert!(Region::alloc_within_prefault(len, true, &budget, Prefault::Now).is_ok());
+}
