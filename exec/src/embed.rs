@@ -1,0 +1,95 @@
+//! Sentence embeddings end to end: a model directory (`model.safetensors`, `tokenizer.json`,
+//! `config.json` as sentence-transformers ships them) → tokens → every BERT stage → mean pooling
+//! and L2 normalisation.
+
+use std::path::{Path, PathBuf};
+
+use cascade_param_pool::manifest::Manifest;
+use tokenizers::Tokenizer;
+
+use crate::bert::{mean_pool_normalized, Bert, BertConfig};
+use crate::weights::Weights;
+use crate::{Activation, ExecError, LayerExec};
+
+/// A loaded sentence-embedding model.
+pub struct Embedder {
+    tokenizer: Tokenizer,
+    model: Bert,
+    manifest: Manifest,
+}
+
+/// The files of a model directory.
+fn file(dir: &Path, name: &str) -> Result<PathBuf, ExecError> {
+    let p = dir.join(name);
+    if p.is_file() {
+        Ok(p)
+    } else {
+        Err(ExecError::Model(format!("{} is missing", p.display())))
+    }
+}
+
+impl Embedder {
+    /// Loads `dir`: `model.safetensors` and `tokenizer.json`; `config.json` if present (else
+    /// all-MiniLM-L6-v2's).
+    pub fn from_dir(dir: &Path) -> Result<Embedder, ExecError> {
+        let weights_path = file(dir, "model.safetensors")?;
+        let tokenizer = Self::tokenizer(&file(dir, "tokenizer.json")?)?;
+        let cfg = match std::fs::read_to_string(dir.join("config.json")) {
+            Ok(text) => BertConfig::from_json(&text)?,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => BertConfig::minilm_l6(),
+            Err(e) => return Err(ExecError::Model(format!("config.json: {e}"))),
+        };
+        let bytes = std::fs::read(&weights_path)
+            .map_err(|e| ExecError::Model(format!("reading {}: {e}", weights_path.display())))?;
+        let name = dir.file_name().map_or("model".into(), |n| n.to_string_lossy().into_owned());
+        let manifest = Manifest::from_bytes(&bytes, &name, 1 << 20, &weights_path.to_string_lossy())
+            .map_err(|e| ExecError::Model(format!("{}: {e}", weights_path.display())))?;
+        let model = Bert::load(cfg, &Weights::file(&manifest, &bytes)?)?;
+        Ok(Embedder { tokenizer, model, manifest })
+    }
+
+    /// The tokenizer of `path`, padding turned off (batches are padded to their longest input).
+    pub fn tokenizer(path: &Path) -> Result<Tokenizer, ExecError> {
+        let mut t = Tokenizer::from_file(path).map_err(|e| ExecError::Model(format!("{}: {e}", path.display())))?;
+        t.with_padding(None);
+        Ok(t)
+    }
+
+    /// The model.
+    pub fn model(&self) -> &Bert {
+        &self.model
+    }
+
+    /// The model's manifest (built from the file).
+    pub fn manifest(&self) -> &Manifest {
+        &self.manifest
+    }
+
+    /// `texts` as a batch before its first layer (padded to the longest, mask 0 on padding).
+    pub fn batch(&self, texts: &[&str]) -> Result<Activation, ExecError> {
+        tokenize(&self.tokenizer, texts)
+    }
+
+    /// One unit-length embedding per text.
+    pub fn embed(&self, texts: &[&str]) -> Result<Vec<Vec<f32>>, ExecError> {
+        let act = self.model.run(0..self.model.layers(), self.batch(texts)?)?;
+        mean_pool_normalized(&act)
+    }
+}
+
+/// `texts` tokenised into a batch (see [`Embedder::batch`]).
+pub fn tokenize(tokenizer: &Tokenizer, texts: &[&str]) -> Result<Activation, ExecError> {
+    if texts.is_empty() {
+        return Err(ExecError::Input("no text to embed".into()));
+    }
+    let enc = tokenizer.encode_batch(texts.to_vec(), true).map_err(|e| ExecError::Input(format!("tokenising: {e}")))?;
+    let longest = enc.iter().map(|e| e.get_ids().len()).max().unwrap_or(0);
+    let pad = |v: &[u32]| {
+        let mut v = v.to_vec();
+        v.resize(longest, 0);
+        v
+    };
+    let ids = enc.iter().map(|e| pad(e.get_ids())).collect();
+    let mask = enc.iter().map(|e| pad(e.get_attention_mask())).collect();
+    Activation::new(ids, mask)
+}

@@ -1,0 +1,71 @@
+//! A model's tensors, found through its manifest in one of the two images that hold them: the
+//! safetensors file itself, or the pool's packed, layer-major image (what a node's region holds
+//! after a load or a multicast). Tensors are built by copying their bytes out of the image.
+
+use std::collections::HashMap;
+
+use candle_core::{DType, Tensor};
+use cascade_param_pool::manifest::{Manifest, TensorEntry};
+
+use crate::ExecError;
+
+/// Where the image's bytes come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Image {
+    /// The safetensors file: tensors at their `file_range`.
+    File,
+    /// The packed image: tensors at their `offset`.
+    Packed,
+}
+
+/// Tensors by name over an image.
+pub struct Weights<'a> {
+    bytes: &'a [u8],
+    image: Image,
+    index: HashMap<&'a str, &'a TensorEntry>,
+}
+
+impl<'a> Weights<'a> {
+    /// Tensors of the safetensors file `bytes` that `manifest` describes.
+    pub fn file(manifest: &'a Manifest, bytes: &'a [u8]) -> Result<Weights<'a>, ExecError> {
+        if bytes.len() as u64 != manifest.file_bytes {
+            return Err(ExecError::Model(format!(
+                "the file has {} bytes, its manifest {}",
+                bytes.len(),
+                manifest.file_bytes
+            )));
+        }
+        Ok(Self::index(manifest, bytes, Image::File))
+    }
+
+    /// Tensors of the packed image `bytes` (a region's contents) that `manifest` describes.
+    pub fn packed(manifest: &'a Manifest, bytes: &'a [u8]) -> Result<Weights<'a>, ExecError> {
+        if (bytes.len() as u64) < manifest.bytes {
+            return Err(ExecError::Model(format!("the image has {} bytes, the model {}", bytes.len(), manifest.bytes)));
+        }
+        Ok(Self::index(manifest, bytes, Image::Packed))
+    }
+
+    fn index(manifest: &'a Manifest, bytes: &'a [u8], image: Image) -> Weights<'a> {
+        let index = manifest.layers.iter().flat_map(|l| &l.tensors).map(|t| (t.name.as_str(), t)).collect();
+        Weights { bytes, image, index }
+    }
+
+    /// Tensor `name` (F32 only) as a CPU tensor.
+    pub fn tensor(&self, name: &str) -> Result<Tensor, ExecError> {
+        let t = self.index.get(name).ok_or_else(|| ExecError::Model(format!("no tensor {name:?}")))?;
+        if t.dtype != "F32" {
+            return Err(ExecError::Model(format!("tensor {name:?} is {}, only F32 is supported", t.dtype)));
+        }
+        let len = t.file_range.end - t.file_range.start;
+        let start = match self.image {
+            Image::File => t.file_range.start,
+            Image::Packed => t.offset,
+        };
+        let bytes = self
+            .bytes
+            .get(start as usize..(start + len) as usize)
+            .ok_or_else(|| ExecError::Model(format!("tensor {name:?} lies outside the image")))?;
+        Ok(Tensor::from_raw_buffer(bytes, DType::F32, &t.shape, &crate::bert::cpu())?)
+    }
+}

