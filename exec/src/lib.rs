@@ -5,15 +5,19 @@
 //! **Status:** built — the [`LayerExec`] trait over a batch's [`Activation`]; a real BERT
 //! encoder on the CPU ([`bert`], all-MiniLM-L6-v2 with `candle`), its weights read from the
 //! pool's packed image or the safetensors file through the model's manifest ([`weights`]);
-//! sentence embeddings end to end ([`embed`]); the zigzag planner ([`zigzag`]). Not built yet:
-//! the emulated executor, serving instances on the transport and the live-scaling protocol.
+//! sentence embeddings end to end ([`embed`]); the zigzag planner ([`zigzag`]); cooperative
+//! execution of a planned split on two executors in real time ([`coop`]) and the emulated
+//! executor, a test double ([`emulated`]). Not built yet: serving instances on the transport and
+//! the live-scaling protocol between nodes.
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
 use std::ops::Range;
 
 pub mod activation;
 pub mod bert;
+pub mod coop;
 pub mod embed;
+pub mod emulated;
 pub mod weights;
 pub mod zigzag;
 

@@ -1,0 +1,50 @@
+use std::time::Duration;
+
+use super::*;
+use crate::emulated::Emulated;
+use crate::zigzag::{best_effort, zigzag, Instance};
+
+fn one_token() -> Activation {
+    Activation::new(vec![vec![1]], vec![vec![1]]).unwrap()
+}
+
+/// Runs `x` for real with emulated layers of `unit` and compares each batch's latency, in units,
+/// with the planner's prediction: within 5%.
+fn check(inst: &Instance, x: &[u32], predicted: &[u64], unit: Duration) {
+    let l = inst.layers as usize;
+    let (new, old) = (Emulated::uniform(l, unit), Emulated::uniform(l, unit));
+    let batches = (0..x.len()).map(|_| one_token()).collect();
+    let out = run_cooperative(&new, &old, batches, x, unit * inst.load_ratio).unwrap();
+    let mut worst = 0.0f64;
+    for (i, ((t, act), want)) in out.iter().zip(predicted).enumerate() {
+        assert_eq!(act.next_layer, l, "batch {i} ran every layer");
+        let got = t.as_secs_f64() / unit.as_secs_f64();
+        let err = (got - *want as f64).abs() / *want as f64;
+        worst = worst.max(err);
+        assert!(err <= 0.05, "batch {i}: measured {got:.2} units, planned {want} ({:.1}% off) for x {x:?}", err * 100.0);
+    }
+    eprintln!("L = {}, T = {}, x = {x:?}: worst batch {:.2}% off the plan", inst.layers, inst.load_ratio, worst * 100.0);
+}
+
+#[test]
+fn figure_12_runs_as_planned() {
+    let inst = Instance::uniform(7, 6, 6);
+    let z = zigzag(&inst).unwrap();
+    check(&inst, &z.x, &z.latencies, Duration::from_millis(40));
+    let b = best_effort(&inst).unwrap();
+    check(&inst, &b.x, &b.latencies, Duration::from_millis(40));
+}
+
+#[test]
+fn a_32_layer_model_runs_as_planned() {
+    let inst = Instance::uniform(32, 4, 12);
+    let z = zigzag(&inst).unwrap();
+    check(&inst, &z.x, &z.latencies, Duration::from_millis(8));
+}
+
+#[test]
+fn splits_that_leave_nothing_for_old_are_refused() {
+    let e = Emulated::uniform(3, Duration::ZERO);
+    assert!(run_cooperative(&e, &e, vec![one_token()], &[3], Duration::ZERO).is_err());
+    assert!(run_cooperative(&e, &e, vec![one_token()], &[1, 1], Duration::ZERO).is_err());
+}
