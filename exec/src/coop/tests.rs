@@ -21,9 +21,18 @@ fn check(inst: &Instance, x: &[u32], predicted: &[u64], unit: Duration) {
         let got = t.as_secs_f64() / unit.as_secs_f64();
         let err = (got - *want as f64).abs() / *want as f64;
         worst = worst.max(err);
-        assert!(err <= 0.05, "batch {i}: measured {got:.2} units, planned {want} ({:.1}% off) for x {x:?}", err * 100.0);
+        assert!(
+            err <= 0.05,
+            "batch {i}: measured {got:.2} units, planned {want} ({:.1}% off) for x {x:?}",
+            err * 100.0
+        );
     }
-    eprintln!("L = {}, T = {}, x = {x:?}: worst batch {:.2}% off the plan", inst.layers, inst.load_ratio, worst * 100.0);
+    eprintln!(
+        "L = {}, T = {}, x = {x:?}: worst batch {:.2}% off the plan",
+        inst.layers,
+        inst.load_ratio,
+        worst * 100.0
+    );
 }
 
 #[test]
