@@ -11,15 +11,32 @@ use std::time::{Duration, Instant};
 
 use crate::{Activation, ExecError, LayerExec};
 
-/// Runs `batches` (queued at the start) cooperatively with splits `x`; layer `k` (0-based)
-/// becomes resident on new `k · load_every` after the start. Returns each batch's latency from
-/// the start and its final activation.
+/// When each of new's layers becomes resident.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Residency {
+    /// Layer `k` (0-based) lands `k ·` this after the start: the model is loading.
+    LoadingEvery(Duration),
+    /// The first `k` layers are resident from the start and no others arrive.
+    First(usize),
+}
+
+impl Residency {
+    fn at(&self, layer: usize) -> Option<Duration> {
+        match *self {
+            Residency::LoadingEvery(d) => Some(d * layer as u32),
+            Residency::First(k) => (layer < k).then_some(Duration::ZERO),
+        }
+    }
+}
+
+/// Runs `batches` (queued at the start) cooperatively with splits `x`, new's layers arriving as
+/// `residency` says. Returns each batch's latency from the start and its final activation.
 pub fn run_cooperative(
     new: &dyn LayerExec,
     old: &dyn LayerExec,
     batches: Vec<Activation>,
     x: &[u32],
-    load_every: Duration,
+    residency: Residency,
 ) -> Result<Vec<(Duration, Activation)>, ExecError> {
     let layers = old.layers();
     if x.len() != batches.len() {
@@ -27,6 +44,9 @@ pub fn run_cooperative(
     }
     if let Some(bad) = x.iter().find(|&&v| v as usize >= layers) {
         return Err(ExecError::Input(format!("a split of {bad} layers: every batch ends on old ({layers} layers)")));
+    }
+    if let Some(bad) = x.iter().find(|&&v| v > 0 && residency.at(v as usize - 1).is_none()) {
+        return Err(ExecError::Input(format!("a split of {bad} layers: new never holds them ({residency:?})")));
     }
     let (senders, receivers): (Vec<_>, Vec<_>) = x.iter().map(|_| mpsc::channel::<Activation>()).unzip();
     let start = Instant::now();
@@ -41,7 +61,8 @@ pub fn run_cooperative(
             }
         }
         let newer = s.spawn(move || -> Result<(), ExecError> {
-            let resident_at = |k: usize| load_every * k as u32;
+            // Every layer a pending batch still needs is resident at some point (checked above).
+            let resident_at = |k: usize| residency.at(k).unwrap_or(Duration::MAX);
             while !pending.is_empty() {
                 let now = start.elapsed();
                 match pending.iter().position(|(_, a)| resident_at(a.next_layer) <= now) {

@@ -137,3 +137,33 @@ fn activation_bytes_reject_garbage() {
     assert!(Activation::new(vec![], vec![]).is_err());
     assert!(Activation::new(vec![vec![1, 2]], vec![vec![1]]).is_err());
 }
+
+/// Layers `[0, k)` on one endpoint, `[k, L)` on another: the activation's bytes travel as a WRITE
+/// into the second node's registered region over a real TCP link. Bit-identical to one run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_split_across_the_transport_is_bit_identical() {
+    use cascade_transport::{test_access as ta, Op};
+    let Some(dir) = model_dir() else { return };
+    let e = std::sync::Arc::new(Embedder::from_dir(&dir).unwrap());
+    let eps = cascade_tests::loopback::endpoints(2, "split", |_| {}).await.unwrap();
+    let texts = ["The quick brown fox jumps over the lazy dog.", "Hello, world!"];
+    let m = e.model();
+    let whole = mean_pool_normalized(&m.run(0..m.layers(), e.batch(&texts).unwrap()).unwrap()).unwrap();
+    let k = 3;
+    let first = m.run(0..k, e.batch(&texts).unwrap()).unwrap().to_bytes().unwrap();
+    // Node 0 stages the bytes in a region of its own and WRITEs them into node 1's.
+    let len = first.len() as u64;
+    let src = eps[0].register_new(len).unwrap();
+    ta::write_local(&src, 0, &first).unwrap();
+    let dst = eps[1].register_new(len).unwrap();
+    let r = eps[0].run(1, vec![Op::write(&src, 0, dst.remote(1), 0, len).verified()]).await.unwrap();
+    assert_eq!(r[0].as_ref().unwrap().bytes, len);
+    // Node 1 runs the rest from what landed.
+    let landed = Activation::from_bytes(&ta::view(&dst, 0, len).unwrap()).unwrap();
+    let rest = mean_pool_normalized(&m.run(k..m.layers(), landed).unwrap()).unwrap();
+    let bits = |v: &Vec<Vec<f32>>| v.iter().flatten().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&rest), bits(&whole));
+    for ep in &eps {
+        ep.shutdown();
+    }
+}

@@ -14,7 +14,7 @@ fn check(inst: &Instance, x: &[u32], predicted: &[u64], unit: Duration) {
     let l = inst.layers as usize;
     let (new, old) = (Emulated::uniform(l, unit), Emulated::uniform(l, unit));
     let batches = (0..x.len()).map(|_| one_token()).collect();
-    let out = run_cooperative(&new, &old, batches, x, unit * inst.load_ratio).unwrap();
+    let out = run_cooperative(&new, &old, batches, x, Residency::LoadingEvery(unit * inst.load_ratio)).unwrap();
     let mut worst = 0.0f64;
     for (i, ((t, act), want)) in out.iter().zip(predicted).enumerate() {
         assert_eq!(act.next_layer, l, "batch {i} ran every layer");
@@ -54,6 +54,27 @@ fn a_32_layer_model_runs_as_planned() {
 #[test]
 fn splits_that_leave_nothing_for_old_are_refused() {
     let e = Emulated::uniform(3, Duration::ZERO);
-    assert!(run_cooperative(&e, &e, vec![one_token()], &[3], Duration::ZERO).is_err());
-    assert!(run_cooperative(&e, &e, vec![one_token()], &[1, 1], Duration::ZERO).is_err());
+    let r = Residency::LoadingEvery(Duration::ZERO);
+    assert!(run_cooperative(&e, &e, vec![one_token()], &[3], r).is_err());
+    assert!(run_cooperative(&e, &e, vec![one_token()], &[1, 1], r).is_err());
+    // A split into layers new never holds.
+    assert!(run_cooperative(&e, &e, vec![one_token()], &[2], Residency::First(1)).is_err());
+}
+
+/// BlitzScale Figure 7(d): with k of L layers resident on new, cooperative execution serves
+/// about L / (L − min(k, L/2)) times one instance's throughput (within 10%).
+#[test]
+fn cooperative_throughput_rises_with_the_resident_layers() {
+    let (l, n, unit) = (8usize, 40usize, Duration::from_millis(5));
+    let e = Emulated::uniform(l, unit);
+    let single = (n * l) as f64 * unit.as_secs_f64();
+    for k in [1, 2, 4, 6, 8] {
+        let split = k.min(l / 2) as u32;
+        let batches = (0..n).map(|_| one_token()).collect();
+        let out = run_cooperative(&e, &e, batches, &vec![split; n], Residency::First(k)).unwrap();
+        let took = out.last().unwrap().0.as_secs_f64();
+        let (got, want) = (single / took, l as f64 / (l - split as usize) as f64);
+        eprintln!("k = {k} of {l}: {got:.3}x one instance (model {want:.3}x)");
+        assert!((got / want - 1.0).abs() <= 0.10, "k = {k}: {got:.3}x, model {want:.3}x");
+    }
 }
