@@ -66,32 +66,38 @@ fn main() -> anyhow::Result<()> {
     let batch = || -> anyhow::Result<Activation> { Ok(first.clone()) };
     let l = exec.layers();
     let n = c.batches;
-    // One instance alone: every layer of every batch on one thread.
-    let t = Instant::now();
-    for _ in 0..n {
-        exec.run(0..l, batch()?)?;
-    }
-    let single = t.elapsed().as_secs_f64();
+    // Warm-up (allocator, caches); then for each k, one instance alone (every layer of every
+    // batch on one thread) and the cooperative run, alternately, so that drift in the machine's
+    // speed falls on both.
+    exec.run(0..l, batch()?)?;
     let mut rows = Vec::new();
+    let mut singles = Vec::new();
     for k in 0..=l {
+        let t = Instant::now();
+        for _ in 0..n {
+            exec.run(0..l, batch()?)?;
+        }
+        let single = t.elapsed().as_secs_f64();
+        singles.push(single);
         let split = k.min(l / 2) as u32;
         let batches = (0..n).map(|_| batch()).collect::<anyhow::Result<Vec<_>>>()?;
         let t = Instant::now();
         run_cooperative(exec, exec, batches, &vec![split; n], Residency::First(k))?;
         let took = t.elapsed().as_secs_f64();
         let (got, model) = (single / took, l as f64 / (l - split as usize) as f64);
-        rows.push(serde_json::json!({"resident": k, "layers": l, "speedup": got, "model": model, "seconds": took}));
+        rows.push(serde_json::json!({"resident": k, "layers": l, "speedup": got, "model": model, "seconds": took, "single_seconds": single}));
         if !c.json {
             println!("k = {k} of {l} resident: {got:.2}x one instance (model {model:.2}x)");
         }
     }
+    let single = singles.iter().sum::<f64>() / singles.len() as f64;
     if c.json {
         println!(
             "{}",
             serde_json::json!({"executor": c.executor, "batches": n, "single_seconds": single, "rows": rows})
         );
     } else {
-        println!("(one instance alone: {n} batches in {single:.2} s)");
+        println!("(one instance alone: {n} batches in {single:.2} s on average)");
     }
     Ok(())
 }
