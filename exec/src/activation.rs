@@ -38,6 +38,12 @@ impl Activation {
         Ok(Activation { ids, mask, hidden: None, next_layer: 0 })
     }
 
+    /// Bytes of [`Activation::to_bytes`] for `batch` sequences of `tokens` with hidden states of
+    /// `width`: what a slot must hold.
+    pub fn wire_len(batch: usize, tokens: usize, width: usize) -> usize {
+        36 + batch * tokens * (8 + 4 * width)
+    }
+
     /// The activation as bytes for the wire.
     pub fn to_bytes(&self) -> Result<Vec<u8>, ExecError> {
         let (b, s) = self.ids.dims2()?;

@@ -32,18 +32,7 @@ impl Embedder {
     /// Loads `dir`: `model.safetensors` and `tokenizer.json`; `config.json` if present (else
     /// all-MiniLM-L6-v2's).
     pub fn from_dir(dir: &Path) -> Result<Embedder, ExecError> {
-        let weights_path = file(dir, "model.safetensors")?;
-        let tokenizer = Self::tokenizer(&file(dir, "tokenizer.json")?)?;
-        let cfg = match std::fs::read_to_string(dir.join("config.json")) {
-            Ok(text) => BertConfig::from_json(&text)?,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => BertConfig::minilm_l6(),
-            Err(e) => return Err(ExecError::Model(format!("config.json: {e}"))),
-        };
-        let bytes = std::fs::read(&weights_path)
-            .map_err(|e| ExecError::Model(format!("reading {}: {e}", weights_path.display())))?;
-        let name = dir.file_name().map_or("model".into(), |n| n.to_string_lossy().into_owned());
-        let manifest = Manifest::from_bytes(&bytes, &name, 1 << 20, &weights_path.to_string_lossy())
-            .map_err(|e| ExecError::Model(format!("{}: {e}", weights_path.display())))?;
+        let (cfg, tokenizer, manifest, bytes) = read_dir(dir)?;
         let model = Bert::load(cfg, &Weights::file(&manifest, &bytes)?)?;
         Ok(Embedder { tokenizer, model, manifest })
     }
@@ -75,6 +64,23 @@ impl Embedder {
         let act = self.model.run(0..self.model.layers(), self.batch(texts)?)?;
         mean_pool_normalized(&act)
     }
+}
+
+/// A model directory's configuration, tokenizer, manifest (1 MiB chunks) and safetensors bytes.
+pub(crate) fn read_dir(dir: &Path) -> Result<(BertConfig, Tokenizer, Manifest, Vec<u8>), ExecError> {
+    let weights_path = file(dir, "model.safetensors")?;
+    let tokenizer = Embedder::tokenizer(&file(dir, "tokenizer.json")?)?;
+    let cfg = match std::fs::read_to_string(dir.join("config.json")) {
+        Ok(text) => BertConfig::from_json(&text)?,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => BertConfig::minilm_l6(),
+        Err(e) => return Err(ExecError::Model(format!("config.json: {e}"))),
+    };
+    let bytes = std::fs::read(&weights_path)
+        .map_err(|e| ExecError::Model(format!("reading {}: {e}", weights_path.display())))?;
+    let name = dir.file_name().map_or("model".into(), |n| n.to_string_lossy().into_owned());
+    let manifest = Manifest::from_bytes(&bytes, &name, 1 << 20, &weights_path.to_string_lossy())
+        .map_err(|e| ExecError::Model(format!("{}: {e}", weights_path.display())))?;
+    Ok((cfg, tokenizer, manifest, bytes))
 }
 
 /// `texts` tokenised into a batch (see [`Embedder::batch`]).

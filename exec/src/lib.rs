@@ -18,6 +18,7 @@ pub mod bert;
 pub mod coop;
 pub mod embed;
 pub mod emulated;
+pub mod serve;
 pub mod weights;
 pub mod zigzag;
 

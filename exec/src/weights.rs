@@ -22,7 +22,7 @@ enum Image {
 pub struct Weights<'a> {
     bytes: &'a [u8],
     image: Image,
-    index: HashMap<&'a str, &'a TensorEntry>,
+    index: HashMap<&'a str, (usize, &'a TensorEntry)>,
 }
 
 impl<'a> Weights<'a> {
@@ -46,14 +46,33 @@ impl<'a> Weights<'a> {
         Ok(Self::index(manifest, bytes, Image::Packed))
     }
 
+    /// Tensors of a packed image that is still arriving: `verified` holds its first bytes, every
+    /// chunk of them crc-verified on this node (what a multicast's `LayerReady` reports). A
+    /// tensor past them is [`ExecError::NotResident`], never read.
+    pub fn verified_prefix(manifest: &'a Manifest, verified: &'a [u8]) -> Result<Weights<'a>, ExecError> {
+        if verified.len() as u64 > manifest.bytes {
+            return Err(ExecError::Model(format!(
+                "{} verified bytes, the model has {}",
+                verified.len(),
+                manifest.bytes
+            )));
+        }
+        Ok(Self::index(manifest, verified, Image::Packed))
+    }
+
     fn index(manifest: &'a Manifest, bytes: &'a [u8], image: Image) -> Weights<'a> {
-        let index = manifest.layers.iter().flat_map(|l| &l.tensors).map(|t| (t.name.as_str(), t)).collect();
+        let index = manifest
+            .layers
+            .iter()
+            .enumerate()
+            .flat_map(|(i, l)| l.tensors.iter().map(move |t| (t.name.as_str(), (i, t))))
+            .collect();
         Weights { bytes, image, index }
     }
 
     /// Tensor `name` (F32 only) as a CPU tensor.
     pub fn tensor(&self, name: &str) -> Result<Tensor, ExecError> {
-        let t = self.index.get(name).ok_or_else(|| ExecError::Model(format!("no tensor {name:?}")))?;
+        let &(layer, t) = self.index.get(name).ok_or_else(|| ExecError::Model(format!("no tensor {name:?}")))?;
         if t.dtype != "F32" {
             return Err(ExecError::Model(format!("tensor {name:?} is {}, only F32 is supported", t.dtype)));
         }
@@ -62,9 +81,15 @@ impl<'a> Weights<'a> {
             Image::File => t.file_range.start,
             Image::Packed => t.offset,
         };
+        let end = start + len;
+        if self.image == Image::Packed && end > self.bytes.len() as u64 {
+            // Past the verified prefix of an arriving image: the manifest layer holding it is not
+            // here yet (a full image is never shorter than the model).
+            return Err(ExecError::NotResident { layer });
+        }
         let bytes = self
             .bytes
-            .get(start as usize..(start + len) as usize)
+            .get(start as usize..end as usize)
             .ok_or_else(|| ExecError::Model(format!("tensor {name:?} lies outside the image")))?;
         Ok(Tensor::from_raw_buffer(bytes, DType::F32, &t.shape, &crate::bert::cpu())?)
     }

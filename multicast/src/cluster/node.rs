@@ -143,6 +143,16 @@ impl MulticastNode {
         Ok(())
     }
 
+    /// A handle on the region of `loc` in run `run` while the run is on, for a higher layer on
+    /// this node that serves from a target as it fills (layer-wise serving). The run keeps
+    /// writing the region: read only the layers its `LayerReady` events reported — those chunks
+    /// are crc-verified here and the run never writes them again.
+    pub fn region(&self, run: u32, loc: Loc) -> Result<Region, TransportError> {
+        let st = self.state();
+        let r = st.runs.get(&run).ok_or_else(|| unknown(run))?;
+        r.regions.get(&loc).cloned().ok_or_else(|| protocol(format!("run {run} has no region at {loc}")))
+    }
+
     /// Takes the region of target `loc` out of run `run`: releasing the run no longer drops it.
     /// The caller takes over its registration (it stays registered).
     pub fn detach(&self, run: u32, loc: Loc) -> Result<Region, TransportError> {

@@ -1,0 +1,112 @@
+//! Serving on the transport: instances that embed requests with the layers resident on their
+//! node, and a router that splits batches between an overloaded instance and one still loading
+//! (BlitzScale §5.2, live autoscaling).
+//!
+//! * [`Instance`] — the exec service of a node ([`proto`]): requests and replies are typed
+//!   control messages; a split batch's activation travels as a one-sided WRITE into a slot of the
+//!   paired instance's registered activation region (sized from the model and the instance's
+//!   limits, allocated once, reused); the instance builds each stage only from bytes the
+//!   multicast verified on its node ([`Source::Arriving`], fed by `LayerReady`).
+//! * [`dispatch`] — the router's decisions, sans IO: the three-step protocol and the policies.
+//! * [`router`] — the router's loop over the transport: batching, dispatch, re-queueing.
+//!
+//! **Reading a copy as it fills.** A multicast target's region is written by the run until its
+//! last chunk is verified. An instance reads only layers its `LayerReady` events reported:
+//! every chunk of them is crc-verified on the node. The one case where the run writes such a
+//! chunk again is a re-plan after a member failed: the new parent re-sends every chunk, with the
+//! same verified bytes. Stages are built (copied out into tensors) once, when their layer is
+//! reported, so a later re-send never changes what an instance computes with.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use cascade_param_pool::manifest::Manifest;
+use cascade_transport::{Mesh, Region, TransportError};
+use tokenizers::Tokenizer;
+
+use crate::bert::BertConfig;
+use crate::ExecError;
+
+mod compute;
+pub mod dispatch;
+mod instance;
+pub mod proto;
+pub mod router;
+mod scale;
+
+pub use dispatch::{DispatchConfig, Dispatcher, LivePolicy};
+pub use instance::{Instance, InstanceConfig, Source};
+pub use proto::{ExecMsg, Split};
+pub use scale::{scale_out, ScaleOutcome};
+
+/// What an instance serves: the model's configuration, manifest and tokenizer (its weights come
+/// from a [`Source`]).
+#[derive(Clone)]
+pub struct ServedModel {
+    /// The encoder's configuration.
+    pub config: BertConfig,
+    /// Where each tensor lies in the packed image.
+    pub manifest: Arc<Manifest>,
+    /// The tokenizer.
+    pub tokenizer: Arc<Tokenizer>,
+}
+
+impl ServedModel {
+    /// Reads a model directory (`model.safetensors`, `tokenizer.json`, `config.json` as
+    /// sentence-transformers ships them); returns the model and the file's bytes.
+    pub fn from_dir(dir: &Path) -> Result<(ServedModel, Vec<u8>), ExecError> {
+        let (config, tokenizer, manifest, bytes) = crate::embed::read_dir(dir)?;
+        Ok((ServedModel { config, manifest: Arc::new(manifest), tokenizer: Arc::new(tokenizer) }, bytes))
+    }
+
+    /// Packs `file` (the safetensors bytes) into a new region registered on `mesh`: a held copy
+    /// for [`Source::Held`], and the source of a multicast.
+    pub fn load(&self, mesh: &dyn Mesh, file: &[u8]) -> Result<Region, ServeError> {
+        if file.len() as u64 != self.manifest.file_bytes {
+            return Err(ServeError::Config(format!(
+                "the file has {} bytes, the manifest {}",
+                file.len(),
+                self.manifest.file_bytes
+            )));
+        }
+        let mut image = vec![0u8; self.manifest.bytes as usize];
+        self.manifest.pack(file, &mut image);
+        let region = mesh.alloc(self.manifest.bytes)?;
+        // SAFETY: the region is new and not registered yet: no peer can reach it.
+        unsafe { region.write_local(0, &image) }?;
+        mesh.register(&region)?;
+        Ok(region)
+    }
+}
+
+/// Why serving failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ServeError {
+    /// A bad limit or set-up.
+    #[error("configuration: {0}")]
+    Config(String),
+    /// The request's input is refused (retrying elsewhere cannot help).
+    #[error("input: {0}")]
+    Input(String),
+    /// A peer broke the exec protocol.
+    #[error("protocol: {0}")]
+    Protocol(String),
+    /// The paired instance failed the request.
+    #[error("peer: {0}")]
+    Peer(String),
+    /// Computing failed.
+    #[error(transparent)]
+    Exec(#[from] ExecError),
+    /// The transport failed.
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+}
+
+impl ServeError {
+    /// The answer that reports this error.
+    pub fn to_failed(&self) -> ExecMsg {
+        let retry = !matches!(self, ServeError::Input(_) | ServeError::Exec(ExecError::Input(_)));
+        ExecMsg::Failed { message: self.to_string(), retry }
+    }
+}

@@ -1,0 +1,156 @@
+//! An instance's compute thread — the stand-in for its GPU: it owns the model, builds each stage
+//! once its bytes are verified, and runs one layer at a time for the earliest job whose next
+//! layer is resident, so a layer that lands preempts later batches (BlitzScale §5.2's schedule
+//! on the new instance; on a fully loaded instance this is plain FIFO).
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{mpsc, Arc};
+
+use bytes::Bytes;
+use cascade_param_pool::manifest::Manifest;
+use tracing::{debug, warn};
+
+use crate::bert::Bert;
+use crate::weights::Weights;
+use crate::{Activation, ExecError, LayerExec};
+
+/// Work for the compute thread.
+pub(super) enum Cmd<T> {
+    /// Run `act` up to (not including) layer `stop`.
+    Job { act: Activation, stop: usize, tag: T },
+    /// The model's packed image up to here is verified on this node: build what it completes.
+    Verified(Bytes),
+}
+
+/// A finished (or failed) job, with its tag.
+pub(super) struct Finished<T> {
+    pub(super) tag: T,
+    pub(super) result: Result<Activation, ExecError>,
+}
+
+/// The handle the async side keeps.
+pub(super) struct Compute<T> {
+    tx: mpsc::Sender<Cmd<T>>,
+    resident: Arc<AtomicU32>,
+    layers: usize,
+}
+
+impl<T: Send + 'static> Compute<T> {
+    /// Starts the thread on `model` (stages already built count as resident); finished jobs go
+    /// to `done`. The thread ends when the handle is dropped and its jobs are done.
+    pub(super) fn start(
+        model: Bert,
+        manifest: Arc<Manifest>,
+        done: tokio::sync::mpsc::UnboundedSender<Finished<T>>,
+        name: String,
+    ) -> std::io::Result<Compute<T>> {
+        let (tx, rx) = mpsc::channel();
+        let layers = model.layers();
+        let resident = Arc::new(AtomicU32::new(0));
+        let r2 = resident.clone();
+        std::thread::Builder::new().name(name).spawn(move || run(model, &manifest, &rx, &done, &r2))?;
+        Ok(Compute { tx, resident, layers })
+    }
+
+    /// Queues work; false once the thread is gone.
+    pub(super) fn send(&self, cmd: Cmd<T>) -> bool {
+        self.tx.send(cmd).is_ok()
+    }
+
+    /// Stages resident now (a prefix of the model).
+    pub(super) fn resident(&self) -> usize {
+        self.resident.load(Ordering::Acquire) as usize
+    }
+
+    /// The model's stages.
+    pub(super) fn layers(&self) -> usize {
+        self.layers
+    }
+}
+
+struct Pending<T> {
+    act: Activation,
+    stop: usize,
+    tag: T,
+}
+
+fn run<T>(
+    mut model: Bert,
+    manifest: &Manifest,
+    rx: &mpsc::Receiver<Cmd<T>>,
+    done: &tokio::sync::mpsc::UnboundedSender<Finished<T>>,
+    resident: &AtomicU32,
+) {
+    let mut jobs: Vec<Pending<T>> = Vec::new();
+    let publish = |m: &Bert| {
+        let n = (0..m.layers()).take_while(|&s| m.is_loaded(s)).count();
+        resident.store(n as u32, Ordering::Release);
+    };
+    publish(&model);
+    loop {
+        // Take what is queued; wait only when nothing can run.
+        let runnable = |jobs: &[Pending<T>], m: &Bert| jobs.iter().position(|j| m.is_loaded(j.act.next_layer));
+        let cmd = if runnable(&jobs, &model).is_some() {
+            match rx.try_recv() {
+                Ok(c) => Some(c),
+                Err(mpsc::TryRecvError::Empty) => None,
+                Err(mpsc::TryRecvError::Disconnected) => None,
+            }
+        } else {
+            match rx.recv() {
+                Ok(c) => Some(c),
+                Err(_) => return, // the instance is gone; waiting jobs could never run
+            }
+        };
+        match cmd {
+            Some(Cmd::Job { act, stop, tag }) => {
+                if act.next_layer >= stop || stop > model.layers() {
+                    let e = ExecError::Input(format!("layers {}..{stop} of {}", act.next_layer, model.layers()));
+                    let _ = done.send(Finished { tag, result: Err(e) });
+                } else {
+                    jobs.push(Pending { act, stop, tag });
+                }
+                continue;
+            }
+            Some(Cmd::Verified(bytes)) => {
+                load_verified(&mut model, manifest, &bytes);
+                publish(&model);
+                continue;
+            }
+            None => {}
+        }
+        let Some(p) = runnable(&jobs, &model) else { continue };
+        let mut j = jobs.remove(p);
+        let layer = j.act.next_layer;
+        match model.run(layer..layer + 1, j.act) {
+            Ok(act) if act.next_layer == j.stop => {
+                let _ = done.send(Finished { tag: j.tag, result: Ok(act) });
+            }
+            Ok(act) => {
+                j.act = act;
+                jobs.insert(p, j);
+            }
+            Err(e) => {
+                let _ = done.send(Finished { tag: j.tag, result: Err(e) });
+            }
+        }
+    }
+}
+
+/// Builds every stage after the resident prefix that the verified bytes complete.
+fn load_verified(model: &mut Bert, manifest: &Manifest, bytes: &[u8]) {
+    let w = match Weights::verified_prefix(manifest, bytes) {
+        Ok(w) => w,
+        Err(e) => return warn!(error = %e, "verified bytes do not fit the model"),
+    };
+    for s in 0..model.layers() {
+        if model.is_loaded(s) {
+            continue;
+        }
+        match model.load_stage(s, &w) {
+            Ok(()) => debug!(stage = s, "stage resident"),
+            Err(ExecError::NotResident { .. }) => return,
+            Err(e) => return warn!(stage = s, error = %e, "cannot build the stage"),
+        }
+    }
+}

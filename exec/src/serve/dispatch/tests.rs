@@ -1,0 +1,100 @@
+use super::*;
+
+fn cfg(policy: LivePolicy) -> DispatchConfig {
+    DispatchConfig { policy, layers: 7, old: 1, per_instance: 2, max_coop: 64, load_ratio: 6 }
+}
+
+fn drain(d: &mut Dispatcher) -> Vec<Dispatch> {
+    std::iter::from_fn(|| d.next_dispatch()).collect()
+}
+
+#[test]
+fn before_scaling_only_old_serves_with_bounded_outstanding() {
+    let mut d = Dispatcher::new(cfg(LivePolicy::Zigzag));
+    (0..5).for_each(|b| d.arrive(b));
+    let out = drain(&mut d);
+    assert_eq!(out.len(), 2);
+    assert!(out.iter().all(|x| x.to == 1 && x.split.is_none()));
+    d.done(0);
+    assert_eq!(d.next_dispatch().map(|x| x.batch), Some(2));
+    assert_eq!(d.queued(), 2);
+}
+
+#[test]
+fn zigzag_plans_the_queue_when_the_first_layer_lands() {
+    let mut d = Dispatcher::new(cfg(LivePolicy::Zigzag));
+    (0..6).for_each(|b| d.arrive(b));
+    d.scaling(2);
+    assert!(drain(&mut d).len() == 2, "new holds nothing yet: old only");
+    d.resident(1);
+    let out = drain(&mut d);
+    // Figure 12's case (L = 7, T = 6, N = 4 still queued): the optimum's splits, x = 0 to old.
+    let xs: Vec<u32> = out.iter().map(|x| x.split.map_or(0, |s| s.layers)).collect();
+    let want = zigzag::zigzag(&Plan::uniform(7, 6, 4)).unwrap().x;
+    assert_eq!(xs, want);
+    for x in &out {
+        match x.split {
+            Some(s) => assert_eq!((x.to, s.then), (2, 1)),
+            None => assert_eq!(x.to, 1),
+        }
+    }
+}
+
+#[test]
+fn best_effort_splits_by_what_is_resident_at_dispatch() {
+    let mut d = Dispatcher::new(cfg(LivePolicy::BestEffort));
+    d.scaling(2);
+    d.resident(1);
+    (0..3).for_each(|b| d.arrive(b));
+    assert!(drain(&mut d).iter().all(|x| x.split == Some(Split { layers: 1, then: 1 })));
+    d.resident(6);
+    d.arrive(3);
+    assert_eq!(d.next_dispatch().unwrap().split, Some(Split { layers: 3, then: 1 }), "at most half");
+}
+
+#[test]
+fn stop_the_world_waits_for_the_whole_model_then_splits_evenly() {
+    let mut d = Dispatcher::new(cfg(LivePolicy::StopTheWorld));
+    d.scaling(2);
+    d.resident(6);
+    (0..6).for_each(|b| d.arrive(b));
+    assert!(drain(&mut d).iter().all(|x| x.to == 1 && x.split.is_none()));
+    d.resident(7);
+    let out = drain(&mut d);
+    assert_eq!(out.iter().filter(|x| x.to == 2).count(), 2);
+    assert!(out.iter().all(|x| x.split.is_none()));
+}
+
+#[test]
+fn a_failed_batch_is_requeued_once_and_goes_elsewhere() {
+    let mut d = Dispatcher::new(cfg(LivePolicy::BestEffort));
+    d.scaling(2);
+    d.resident(7);
+    (0..2).for_each(|b| d.arrive(b));
+    let out = drain(&mut d);
+    let on_new = out.iter().find(|x| x.to == 2).unwrap().batch;
+    d.down(2);
+    d.failed(on_new);
+    d.failed(on_new); // a second failure report of the same batch changes nothing
+    assert_eq!(d.queued(), 1);
+    let again = d.next_dispatch().unwrap();
+    assert_eq!((again.batch, again.to), (on_new, 1));
+    assert!(d.next_dispatch().is_none());
+}
+
+#[test]
+fn the_cooperative_cap_holds_and_a_dead_old_leaves_batches_waiting_for_new() {
+    let mut c = cfg(LivePolicy::BestEffort);
+    c.max_coop = 3;
+    let mut d = Dispatcher::new(c);
+    d.scaling(2);
+    d.resident(2);
+    (0..10).for_each(|b| d.arrive(b));
+    assert_eq!(drain(&mut d).len(), 3);
+    d.down(1);
+    (0..3).rev().for_each(|b| d.failed(b));
+    assert!(d.next_dispatch().is_none(), "old is gone and new cannot run every layer yet");
+    d.resident(7);
+    let out = drain(&mut d);
+    assert_eq!(out.iter().map(|x| (x.batch, x.to, x.split)).collect::<Vec<_>>(), [(0, 2, None), (1, 2, None)]);
+}

@@ -1,0 +1,424 @@
+//! A serving instance on a node: the exec service. It embeds batches with the layers resident
+//! here, hands a split batch's activation to its paired instance with a one-sided WRITE into the
+//! slot that instance granted, and runs the rest of batches handed to it the same way.
+
+use std::collections::{BTreeSet, HashMap};
+use std::ops::Range;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use cascade_multicast::cluster::MulticastNode;
+use cascade_multicast::Loc;
+use cascade_transport::service::DEFAULT_INBOX;
+use cascade_transport::{Mesh, Op, Region, RemoteKey, RemoteRegion, ReplyTo, ServiceExt};
+use tokio::sync::{mpsc, Semaphore};
+use tracing::{debug, warn};
+
+use super::compute::{Cmd, Compute, Finished};
+use super::proto::{ExecMsg, Split};
+use super::{ServeError, ServedModel};
+use crate::bert::{mean_pool_normalized, Bert};
+use crate::{Activation, ExecError};
+
+/// Where an instance's parameters come from.
+pub enum Source {
+    /// The whole packed image, in a region this node holds (a pool copy, or one it loaded).
+    Held(Region),
+    /// A copy a multicast is filling on this node: stages are built from the verified layers
+    /// its `LayerReady` events report ([`ExecMsg::LayerReady`]); [`ExecMsg::Adopt`] makes it
+    /// held once the run verified it.
+    Arriving,
+}
+
+/// An instance's limits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InstanceConfig {
+    /// Texts per batch at most.
+    pub max_batch: usize,
+    /// Tokens per text at most (with the special tokens); sizes the activation slots.
+    pub max_tokens: usize,
+    /// Activation slots this instance grants its peers (and asks of its peer when it splits):
+    /// the cap on pending cooperative batches per pair.
+    pub slots: u32,
+    /// Limit on each activation WRITE and each call to the paired instance.
+    pub op_timeout: Duration,
+}
+
+impl Default for InstanceConfig {
+    fn default() -> Self {
+        InstanceConfig { max_batch: 8, max_tokens: 128, slots: 16, op_timeout: Duration::from_secs(30) }
+    }
+}
+
+/// Slots this instance holds in a peer's activation region.
+struct PeerSlots {
+    remote: RemoteRegion,
+    /// The local region the activations are written from, one slot per granted slot.
+    staging: Region,
+    first: u32,
+    slot_bytes: u64,
+    free: Mutex<Vec<u32>>,
+    permits: Semaphore,
+}
+
+/// Where a finished job's result goes.
+enum Tag {
+    /// Answer the router (after the split's hand-over when there is one).
+    Run { reply: ReplyTo, batch: u64, split: Option<Split> },
+    /// Answer the peer that handed the batch over, then free its slot.
+    Finish { reply: ReplyTo, batch: u64, slot: u32, on_first: u32 },
+}
+
+struct Shared {
+    mesh: Arc<dyn Mesh>,
+    model: ServedModel,
+    cfg: InstanceConfig,
+    compute: Compute<Tag>,
+    /// This node's activation region: `cfg.slots` slots for every peer it paired with.
+    act_region: Mutex<Option<Region>>,
+    granted: Mutex<HashMap<u32, Range<u32>>>,
+    busy: Mutex<BTreeSet<u32>>,
+    /// Slots held in each peer's region.
+    peers: tokio::sync::Mutex<HashMap<u32, Arc<PeerSlots>>>,
+    /// The complete copy this node holds, once it has one.
+    held: Mutex<Option<Region>>,
+    multicast: Arc<MulticastNode>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A running instance.
+pub struct Instance {
+    shared: Arc<Shared>,
+}
+
+impl Instance {
+    /// Starts the exec service on `mesh` for `model`, its parameters from `source`; `multicast`
+    /// is the node's multicast service (copies arrive and leave through it). A held copy is
+    /// built at once; an arriving one stage by stage as its layers are verified.
+    pub fn start(
+        mesh: Arc<dyn Mesh>,
+        model: ServedModel,
+        source: Source,
+        multicast: Arc<MulticastNode>,
+        cfg: InstanceConfig,
+    ) -> Result<Instance, ServeError> {
+        if cfg.max_batch == 0 || cfg.max_tokens == 0 || cfg.slots == 0 {
+            return Err(ServeError::Config("max_batch, max_tokens and slots must be positive".into()));
+        }
+        if cfg.max_tokens > model.config.max_position_embeddings {
+            return Err(ServeError::Config(format!(
+                "max_tokens {} exceeds the model's {} positions",
+                cfg.max_tokens, model.config.max_position_embeddings
+            )));
+        }
+        let inbox = mesh.subscribe::<ExecMsg>(DEFAULT_INBOX)?;
+        let (done_tx, done_rx) = mpsc::unbounded_channel();
+        let name = format!("exec-{}", mesh.node());
+        let compute = Compute::start(Bert::new(model.config.clone()), model.manifest.clone(), done_tx, name)
+            .map_err(|e| ServeError::Config(format!("cannot start the compute thread: {e}")))?;
+        let held = match source {
+            Source::Held(region) => Some(region),
+            Source::Arriving => None,
+        };
+        if let Some(region) = &held {
+            let bytes = model.manifest.bytes;
+            // SAFETY: a held copy is complete and only read while it serves: the pool and the
+            // multicast (as a lent source) never write a copy they hold.
+            let image = unsafe { region.view(0, bytes) }?;
+            compute.send(Cmd::Verified(image));
+        }
+        let shared = Arc::new(Shared {
+            mesh,
+            model,
+            cfg,
+            compute,
+            act_region: Mutex::new(None),
+            granted: Mutex::default(),
+            busy: Mutex::default(),
+            peers: tokio::sync::Mutex::default(),
+            held: Mutex::new(held),
+            multicast,
+        });
+        tokio::spawn(serve(shared.clone(), inbox));
+        tokio::spawn(finish(shared.clone(), done_rx));
+        Ok(Instance { shared })
+    }
+
+    /// Stages resident now.
+    pub fn resident(&self) -> usize {
+        self.shared.compute.resident()
+    }
+
+    /// The model's stages.
+    pub fn layers(&self) -> usize {
+        self.shared.compute.layers()
+    }
+}
+
+fn slot_bytes(model: &ServedModel, cfg: &InstanceConfig) -> u64 {
+    Activation::wire_len(cfg.max_batch, cfg.max_tokens, model.config.hidden_size) as u64
+}
+
+async fn serve(sh: Arc<Shared>, mut inbox: cascade_transport::Inbox<ExecMsg>) {
+    while let Some(m) = inbox.recv().await {
+        let from = m.from;
+        let answer = match (m.msg, m.reply_to) {
+            (ExecMsg::LayerReady { run, layer }, None) => {
+                layer_ready(&sh, run, layer);
+                None
+            }
+            (msg, Some(reply)) => match handle(&sh, from, msg, reply) {
+                Ok(Some(a)) => Some((reply, a)),
+                Ok(None) => None,
+                Err(e) => Some((reply, e.to_failed())),
+            },
+            (msg, None) => {
+                debug!(from, ?msg, "one-way exec message ignored");
+                None
+            }
+        };
+        if let Some((reply, a)) = answer {
+            if let Err(e) = sh.mesh.reply(&reply, &a) {
+                debug!(error = %e, "cannot answer");
+            }
+        }
+    }
+}
+
+/// Handles a request: `Some` answers now, `None` answers when its job finishes.
+fn handle(sh: &Arc<Shared>, from: u32, msg: ExecMsg, reply: ReplyTo) -> Result<Option<ExecMsg>, ServeError> {
+    match msg {
+        ExecMsg::Run { batch, texts, split } => {
+            if texts.is_empty() || texts.len() > sh.cfg.max_batch {
+                return Err(ServeError::Input(format!("{} texts: 1 to {} per batch", texts.len(), sh.cfg.max_batch)));
+            }
+            let layers = sh.compute.layers();
+            let stop = match split {
+                Some(s) if s.layers == 0 || s.layers as usize >= layers => {
+                    return Err(ServeError::Input(format!("a split after {} of {layers} layers", s.layers)))
+                }
+                Some(s) => s.layers as usize,
+                None => layers,
+            };
+            let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
+            let act = crate::embed::tokenize(&sh.model.tokenizer, &refs)?;
+            let tokens = act.ids.dims2().map_err(ExecError::from)?.1;
+            if tokens > sh.cfg.max_tokens {
+                return Err(ServeError::Input(format!("{tokens} tokens: at most {}", sh.cfg.max_tokens)));
+            }
+            sh.compute.send(Cmd::Job { act, stop, tag: Tag::Run { reply, batch, split } });
+            Ok(None)
+        }
+        ExecMsg::Finish { batch, slot, len } => {
+            let owned = lock(&sh.granted).get(&from).is_some_and(|r| r.contains(&slot));
+            let sb = slot_bytes(&sh.model, &sh.cfg);
+            if !owned || len > sb {
+                return Err(ServeError::Protocol(format!("slot {slot} ({len} bytes) is not node {from}'s")));
+            }
+            if !lock(&sh.busy).insert(slot) {
+                return Err(ServeError::Protocol(format!("slot {slot} is already being served")));
+            }
+            let region = lock(&sh.act_region).clone();
+            let read = region.ok_or_else(|| ServeError::Protocol("no activation region".into())).and_then(|r| {
+                // SAFETY: slot `slot` belongs to `from` alone, which WRITEs it only between our
+                // answer to its previous Finish on it and its next Finish; it sent this Finish
+                // after its WRITE completed, and we answer only after the bytes are copied out.
+                let bytes = unsafe { r.view(u64::from(slot) * sb, len) }?;
+                Ok(Activation::from_bytes(&bytes)?)
+            });
+            match read {
+                Ok(act) => {
+                    let on_first = act.next_layer as u32;
+                    let stop = sh.compute.layers();
+                    sh.compute.send(Cmd::Job { act, stop, tag: Tag::Finish { reply, batch, slot, on_first } });
+                    Ok(None)
+                }
+                Err(e) => {
+                    lock(&sh.busy).remove(&slot);
+                    Err(e)
+                }
+            }
+        }
+        ExecMsg::Pair { slots } => pair(sh, from, slots).map(Some),
+        ExecMsg::Lend { run } => {
+            let region =
+                lock(&sh.held).clone().ok_or_else(|| ServeError::Protocol("no complete copy to lend".into()))?;
+            sh.multicast.lend(run, Loc::host(sh.mesh.node()), region, from)?;
+            Ok(Some(ExecMsg::Ack))
+        }
+        ExecMsg::Adopt { run } => {
+            // Every LayerReady of the run came before this request on the same link: the stages
+            // already hold views of the region, which stay valid after it leaves the run.
+            let region = sh.multicast.detach(run, Loc::host(sh.mesh.node()))?;
+            *lock(&sh.held) = Some(region);
+            Ok(Some(ExecMsg::Ack))
+        }
+        ExecMsg::Status => {
+            Ok(Some(ExecMsg::State { resident: sh.compute.resident() as u32, layers: sh.compute.layers() as u32 }))
+        }
+        other => Err(ServeError::Protocol(format!("unexpected request {other:?}"))),
+    }
+}
+
+/// Grants `from` slots in this node's activation region (allocated and registered on the first
+/// pairing, `cfg.slots` per peer, up to 8 peers).
+fn pair(sh: &Arc<Shared>, from: u32, want: u32) -> Result<ExecMsg, ServeError> {
+    const PEERS: u32 = 8;
+    let sb = slot_bytes(&sh.model, &sh.cfg);
+    let mut region = lock(&sh.act_region);
+    if region.is_none() {
+        *region = Some(sh.mesh.register_new(sb * u64::from(sh.cfg.slots * PEERS))?);
+    }
+    let r = region.as_ref().ok_or_else(|| ServeError::Protocol("no activation region".into()))?;
+    let mut granted = lock(&sh.granted);
+    let range = match granted.get(&from) {
+        Some(r) => r.clone(),
+        None => {
+            let used = granted.len() as u32;
+            if used == PEERS {
+                return Err(ServeError::Protocol(format!("{PEERS} peers are paired already")));
+            }
+            let first = used * sh.cfg.slots;
+            let range = first..first + want.clamp(1, sh.cfg.slots);
+            granted.insert(from, range.clone());
+            range
+        }
+    };
+    Ok(ExecMsg::Paired {
+        region: r.id().0,
+        key: r.key().0,
+        len: r.len(),
+        first: range.start,
+        slots: range.end - range.start,
+        slot_bytes: sb,
+    })
+}
+
+fn layer_ready(sh: &Arc<Shared>, run: u32, layer: u32) {
+    if lock(&sh.held).is_some() {
+        return debug!(run, layer, "LayerReady for an instance whose copy is held");
+    }
+    let Some(l) = sh.model.manifest.layers.get(layer as usize) else {
+        return warn!(run, layer, "LayerReady for a layer the model does not have");
+    };
+    let loc = Loc::host(sh.mesh.node());
+    let image = sh.multicast.region(run, loc).and_then(|r| {
+        // SAFETY: LayerReady{layer} means every chunk of layers 0..=layer is crc-verified on
+        // this node, and the run writes a verified chunk again only to re-send the same bytes
+        // after a re-plan (see the module docs of `serve`).
+        unsafe { r.view(0, l.range.end) }
+    });
+    match image {
+        Ok(b) => {
+            sh.compute.send(Cmd::Verified(b));
+        }
+        Err(e) => warn!(run, layer, error = %e, "cannot read the arriving copy"),
+    }
+}
+
+/// Routes finished jobs: answers, or hands a split batch over to its paired instance.
+async fn finish(sh: Arc<Shared>, mut done: mpsc::UnboundedReceiver<Finished<Tag>>) {
+    while let Some(f) = done.recv().await {
+        match f.tag {
+            Tag::Run { reply, batch, split: None } => {
+                let answer = done_msg(batch, f.result, 0);
+                let _ = sh.mesh.reply(&reply, &answer);
+            }
+            Tag::Run { reply, batch, split: Some(s) } => match f.result {
+                Ok(act) => {
+                    let sh = sh.clone();
+                    tokio::spawn(async move {
+                        let answer = match hand_over(&sh, batch, s, act).await {
+                            Ok(m) => m,
+                            Err(e) => ServeError::Peer(format!("hand-over to node {}: {e}", s.then)).to_failed(),
+                        };
+                        let _ = sh.mesh.reply(&reply, &answer);
+                    });
+                }
+                Err(e) => {
+                    let _ = sh.mesh.reply(&reply, &ServeError::from(e).to_failed());
+                }
+            },
+            Tag::Finish { reply, batch, slot, on_first } => {
+                let answer = done_msg(batch, f.result, on_first);
+                lock(&sh.busy).remove(&slot);
+                let _ = sh.mesh.reply(&reply, &answer);
+            }
+        }
+    }
+}
+
+fn done_msg(batch: u64, r: Result<Activation, ExecError>, on_first: u32) -> ExecMsg {
+    match r.and_then(|a| mean_pool_normalized(&a)) {
+        Ok(embeddings) => ExecMsg::Done { batch, embeddings, on_first },
+        Err(e) => ServeError::from(e).to_failed(),
+    }
+}
+
+/// Pairs with `then` once (asking for slots in its activation region), then WRITEs the
+/// activation into a free slot and asks `then` to finish the batch.
+async fn hand_over(sh: &Arc<Shared>, batch: u64, s: Split, act: Activation) -> Result<ExecMsg, ServeError> {
+    let peer = paired(sh, s.then).await?;
+    let bytes = act.to_bytes()?;
+    if bytes.len() as u64 > peer.slot_bytes {
+        return Err(ServeError::Input(format!("an activation of {} bytes exceeds a slot", bytes.len())));
+    }
+    let _permit = peer.permits.acquire().await.map_err(|_| ServeError::Protocol("pair closed".into()))?;
+    let slot = lock(&peer.free).pop().ok_or_else(|| ServeError::Protocol("no free slot".into()))?;
+    let r = write_and_finish(sh, &peer, slot, batch, s, &bytes).await;
+    lock(&peer.free).push(slot);
+    let on_first = s.layers;
+    match r? {
+        ExecMsg::Done { batch, embeddings, .. } => Ok(ExecMsg::Done { batch, embeddings, on_first }),
+        ExecMsg::Failed { message, .. } => Err(ServeError::Peer(message)),
+        other => Err(ServeError::Protocol(format!("unexpected answer {other:?}"))),
+    }
+}
+
+async fn write_and_finish(
+    sh: &Arc<Shared>,
+    peer: &PeerSlots,
+    slot: u32,
+    batch: u64,
+    s: Split,
+    bytes: &[u8],
+) -> Result<ExecMsg, ServeError> {
+    let idx = u64::from(slot - peer.first);
+    let local_off = idx * peer.slot_bytes;
+    // SAFETY: staging slot `idx` is this task's (it took the slot from the free list), and the
+    // WRITE that last read it completed before the slot went back on the list.
+    unsafe { peer.staging.write_local(local_off, bytes) }?;
+    let len = bytes.len() as u64;
+    let op = Op::write(&peer.staging, local_off, peer.remote, u64::from(slot) * peer.slot_bytes, len);
+    let link = sh.mesh.link(s.then)?;
+    let handle = link.post(vec![op]).pop().ok_or_else(|| ServeError::Protocol("the link took no op".into()))?;
+    handle.wait("activation write", sh.cfg.op_timeout).await?;
+    Ok(sh.mesh.call(s.then, &ExecMsg::Finish { batch, slot, len }, sh.cfg.op_timeout).await?)
+}
+
+async fn paired(sh: &Arc<Shared>, then: u32) -> Result<Arc<PeerSlots>, ServeError> {
+    let mut peers = sh.peers.lock().await;
+    if let Some(p) = peers.get(&then) {
+        return Ok(p.clone());
+    }
+    let answer = sh.mesh.call(then, &ExecMsg::Pair { slots: sh.cfg.slots }, sh.cfg.op_timeout).await?;
+    let ExecMsg::Paired { region, key, len, first, slots, slot_bytes } = answer else {
+        return Err(ServeError::Protocol(format!("pairing with node {then}: {answer:?}")));
+    };
+    let slots = slots.min(sh.cfg.slots);
+    let staging = sh.mesh.register_new(slot_bytes * u64::from(slots))?;
+    let remote = RemoteRegion { node: then, id: cascade_transport::RegionId(region), key: RemoteKey(key), len };
+    let p = Arc::new(PeerSlots {
+        remote,
+        staging,
+        first,
+        slot_bytes,
+        free: Mutex::new((first..first + slots).rev().collect()),
+        permits: Semaphore::new(slots as usize),
+    });
+    peers.insert(then, p.clone());
+    Ok(p)
+}

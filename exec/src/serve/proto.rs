@@ -1,0 +1,120 @@
+//! The exec service's messages (service [`ServiceId::EXEC`], version 1), binary-encoded on the
+//! typed control plane.
+//!
+//! ```text
+//! router -> instance  Run{batch, texts, split}      ->  Done{batch, embeddings, on_first} | Failed
+//! new    -> old       Pair{slots}                   ->  Paired{region, key, len, slots, slot_bytes}
+//! new    -> old       Finish{batch, slot, len}      ->  Done | Failed   (after a WRITE into the slot)
+//! ctrl   -> instance  LayerReady{run, layer}            (one-way: the multicast's event, forwarded)
+//! ctrl   -> instance  Lend{run} | Adopt{run}        ->  Ack | Failed
+//! router -> instance  Status                        ->  State{resident, layers}
+//! ```
+
+use cascade_transport::{binary_message, NodeId, ServiceId};
+use serde::{Deserialize, Serialize};
+
+/// Where a batch's remaining layers run after its first `layers` ran here.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Split {
+    /// Layers to run here, from the first.
+    pub layers: u32,
+    /// The instance that runs the rest (it was [`ExecMsg::Pair`]ed with this one).
+    pub then: NodeId,
+}
+
+/// Requests and replies of the exec service.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum ExecMsg {
+    /// Embed `texts`: every layer here, or the first `split.layers` here and the rest on
+    /// `split.then`.
+    Run {
+        /// The router's batch id.
+        batch: u64,
+        /// The batch's texts.
+        texts: Vec<String>,
+        /// `None`: the whole model here.
+        split: Option<Split>,
+    },
+    /// The batch's unit-length embeddings, one per text.
+    Done {
+        /// The batch.
+        batch: u64,
+        /// The embeddings.
+        embeddings: Vec<Vec<f32>>,
+        /// Layers that ran on the instance the batch was sent to.
+        on_first: u32,
+    },
+    /// Reserve activation slots in the answering instance's registered activation region for
+    /// the asking one, which then owns them: it alone WRITEs them, each between the answer to its
+    /// previous [`ExecMsg::Finish`] on that slot and its next.
+    Pair {
+        /// Slots wanted (the cap on this pair's pending cooperative batches).
+        slots: u32,
+    },
+    /// The slots granted.
+    Paired {
+        /// The activation region's id on the answering node.
+        region: u32,
+        /// Its key.
+        key: u64,
+        /// Its length.
+        len: u64,
+        /// The first slot granted.
+        first: u32,
+        /// Slots granted (maybe fewer than asked).
+        slots: u32,
+        /// Bytes per slot.
+        slot_bytes: u64,
+    },
+    /// The activation of `batch` lies in `slot` (its `len` bytes were WRITTEN and the WRITE
+    /// completed): run its remaining layers and answer with [`ExecMsg::Done`].
+    Finish {
+        /// The batch.
+        batch: u64,
+        /// The slot (of those granted).
+        slot: u32,
+        /// Bytes of the activation.
+        len: u64,
+    },
+    /// The multicast run `run` verified layers `0..=layer` of this node's new copy (the
+    /// multicast's `LayerReady`, forwarded by its controller).
+    LayerReady {
+        /// The multicast run filling this instance's copy.
+        run: u32,
+        /// The last layer verified (layers arrive in order).
+        layer: u32,
+    },
+    /// Lend the instance's held copy to multicast run `run` as its source (the asker is the
+    /// run's controller).
+    Lend {
+        /// The run.
+        run: u32,
+    },
+    /// Take the copy multicast run `run` filled on this node out of the run, and hold it (it can
+    /// be lent to the next run).
+    Adopt {
+        /// The run.
+        run: u32,
+    },
+    /// Done.
+    Ack,
+    /// Ask for the instance's state.
+    Status,
+    /// The instance's state.
+    State {
+        /// Model stages resident (built from verified bytes).
+        resident: u32,
+        /// The model's stages.
+        layers: u32,
+    },
+    /// The request failed at the instance; nothing of it was answered.
+    Failed {
+        /// Why.
+        message: String,
+        /// Whether it may succeed elsewhere or later (false: the input itself is refused).
+        retry: bool,
+    },
+}
+
+binary_message!(ExecMsg, ServiceId::EXEC, 1);

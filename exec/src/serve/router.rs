@@ -1,0 +1,239 @@
+//! The router's loop over the transport: it batches requests as they arrive (a batch closes when
+//! full, or at once when nothing is queued), dispatches batches as [`Dispatcher`] decides, calls
+//! the instances with typed requests, follows the new instance's resident layers, and answers
+//! every request exactly once — with its embedding, or with the error that refused it.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cascade_transport::{Mesh, PeerEvent, ServiceExt, TransportError};
+use tokio::sync::mpsc;
+use tokio::task::JoinSet;
+use tracing::{debug, info};
+
+use super::dispatch::{DispatchConfig, Dispatcher};
+use super::proto::{ExecMsg, Split};
+
+/// A request to embed one text.
+#[derive(Debug, Clone)]
+pub struct Request {
+    /// The caller's id.
+    pub id: u64,
+    /// The text.
+    pub text: String,
+    /// When it arrived.
+    pub arrived: Instant,
+}
+
+/// The answer to a request.
+#[derive(Debug, Clone)]
+pub struct Answer {
+    /// The request's id.
+    pub id: u64,
+    /// Its unit-length embedding, or why it was refused.
+    pub result: Result<Vec<f32>, String>,
+    /// When it arrived.
+    pub arrived: Instant,
+    /// When it was answered.
+    pub answered: Instant,
+    /// The instance its batch was sent to.
+    pub to: u32,
+    /// Layers run on that instance when the batch was split (then the rest ran on `then`).
+    pub split: Option<Split>,
+}
+
+/// Commands to a running router.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RouterCmd {
+    /// `node` starts loading the model (an arriving [`super::Source`]): pair it with the old
+    /// instance and follow its resident layers.
+    Scale {
+        /// The new instance's node.
+        node: u32,
+    },
+}
+
+/// The router's parameters.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RouterConfig {
+    /// The dispatcher's.
+    pub dispatch: DispatchConfig,
+    /// Texts per batch at most (the instances' limit).
+    pub max_batch: usize,
+    /// Limit on each call to an instance.
+    pub call_timeout: Duration,
+    /// How often a loading instance is asked for its resident layers.
+    pub poll_every: Duration,
+    /// Attempts per batch before its requests are answered with the last error.
+    pub max_attempts: u32,
+}
+
+/// What the router saw.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RouterStats {
+    /// Requests answered with an embedding.
+    pub served: u64,
+    /// Requests answered with an error.
+    pub refused: u64,
+    /// Batches sent again after their instance failed them.
+    pub requeued: u64,
+    /// `(seconds since the router started, resident layers)` each time the new instance's
+    /// resident layers changed.
+    pub residency: Vec<(f64, u32)>,
+}
+
+struct Batch {
+    requests: Vec<Request>,
+    attempts: u32,
+}
+
+type CallResult = (u64, u32, Option<Split>, Result<ExecMsg, TransportError>);
+
+/// Routes `requests` until the channel closes and every request is answered on `answers`.
+pub async fn run(
+    mesh: Arc<dyn Mesh>,
+    cfg: RouterConfig,
+    mut requests: mpsc::Receiver<Request>,
+    mut cmds: mpsc::UnboundedReceiver<RouterCmd>,
+    answers: mpsc::UnboundedSender<Answer>,
+) -> RouterStats {
+    let start = Instant::now();
+    let mut disp = Dispatcher::new(cfg.dispatch);
+    let mut stats = RouterStats::default();
+    let mut open: Vec<Request> = Vec::new();
+    let mut batches: HashMap<u64, Batch> = HashMap::new();
+    let mut next_batch = 0u64;
+    let mut calls: JoinSet<CallResult> = JoinSet::new();
+    let mut events = mesh.peer_events();
+    let (res_tx, mut res_rx) = mpsc::unbounded_channel::<u32>();
+    let mut closed = false;
+    loop {
+        if !open.is_empty() && (open.len() >= cfg.max_batch || disp.queued() == 0) {
+            let b = next_batch;
+            next_batch += 1;
+            batches.insert(b, Batch { requests: std::mem::take(&mut open), attempts: 0 });
+            disp.arrive(b);
+        }
+        while let Some(d) = disp.next_dispatch() {
+            let Some(batch) = batches.get_mut(&d.batch) else { continue };
+            batch.attempts += 1;
+            let texts = batch.requests.iter().map(|r| r.text.clone()).collect();
+            let msg = ExecMsg::Run { batch: d.batch, texts, split: d.split };
+            let m = mesh.clone();
+            let limit = cfg.call_timeout;
+            calls.spawn(async move { (d.batch, d.to, d.split, m.call(d.to, &msg, limit).await) });
+        }
+        if closed && open.is_empty() && batches.is_empty() {
+            return stats;
+        }
+        tokio::select! {
+            r = requests.recv(), if !closed => match r {
+                Some(req) => open.push(req),
+                None => closed = true,
+            },
+            Some(RouterCmd::Scale { node }) = cmds.recv() => {
+                info!(node, "scaling: pairing the new instance");
+                disp.scaling(node);
+                tokio::spawn(follow(mesh.clone(), node, cfg.dispatch.layers, cfg.poll_every, cfg.call_timeout, res_tx.clone()));
+            }
+            Some(r) = res_rx.recv() => {
+                disp.resident(r);
+                stats.residency.push((start.elapsed().as_secs_f64(), r));
+            }
+            Some(j) = calls.join_next() => {
+                let Ok((b, to, split, r)) = j else { continue };
+                answer(&mesh, &mut disp, &mut batches, &mut stats, &answers, cfg.max_attempts, (b, to, split, r));
+            }
+            ev = events.recv() => match ev {
+                Ok(PeerEvent::Down { peer, .. }) => disp.down(peer),
+                Err(tokio::sync::broadcast::error::RecvError::Closed) => return stats,
+                _ => {}
+            },
+        }
+    }
+}
+
+/// Asks `node` for its resident layers until it holds them all; reports each change.
+async fn follow(
+    mesh: Arc<dyn Mesh>,
+    node: u32,
+    layers: u32,
+    every: Duration,
+    limit: Duration,
+    tx: mpsc::UnboundedSender<u32>,
+) {
+    let mut last = None;
+    loop {
+        match mesh.call(node, &ExecMsg::Status, limit).await {
+            Ok(ExecMsg::State { resident, .. }) => {
+                if last != Some(resident) {
+                    last = Some(resident);
+                    if tx.send(resident).is_err() || resident >= layers {
+                        return;
+                    }
+                }
+            }
+            Ok(other) => debug!(node, ?other, "unexpected status answer"),
+            Err(e) if !mesh.connected_to(node) => return debug!(node, error = %e, "the new instance is gone"),
+            Err(e) => debug!(node, error = %e, "status"),
+        }
+        tokio::time::sleep(every).await;
+    }
+}
+
+fn answer(
+    mesh: &Arc<dyn Mesh>,
+    disp: &mut Dispatcher,
+    batches: &mut HashMap<u64, Batch>,
+    stats: &mut RouterStats,
+    answers: &mpsc::UnboundedSender<Answer>,
+    max_attempts: u32,
+    (b, to, split, r): CallResult,
+) {
+    let give_back =
+        |result: Result<Vec<Vec<f32>>, String>, batches: &mut HashMap<u64, Batch>, stats: &mut RouterStats| {
+            let Some(batch) = batches.remove(&b) else { return };
+            let now = Instant::now();
+            for (i, req) in batch.requests.into_iter().enumerate() {
+                let result = match &result {
+                    Ok(e) => e.get(i).cloned().ok_or_else(|| "the instance answered fewer embeddings".to_string()),
+                    Err(e) => Err(e.clone()),
+                };
+                if result.is_ok() {
+                    stats.served += 1;
+                } else {
+                    stats.refused += 1;
+                }
+                let _ = answers.send(Answer { id: req.id, result, arrived: req.arrived, answered: now, to, split });
+            }
+        };
+    let retry = match r {
+        Ok(ExecMsg::Done { embeddings, .. }) => {
+            disp.done(b);
+            return give_back(Ok(embeddings), batches, stats);
+        }
+        Ok(ExecMsg::Failed { message, retry: false }) => {
+            disp.done(b);
+            return give_back(Err(message), batches, stats);
+        }
+        Ok(ExecMsg::Failed { message, .. }) => message,
+        Ok(other) => format!("unexpected answer {other:?}"),
+        Err(e) => e.to_string(),
+    };
+    // The instances involved that are gone take no more batches.
+    for n in std::iter::once(to).chain(split.map(|s| s.then)) {
+        if !mesh.connected_to(n) {
+            disp.down(n);
+        }
+    }
+    let attempts = batches.get(&b).map_or(0, |x| x.attempts);
+    if attempts >= max_attempts {
+        disp.done(b);
+        give_back(Err(format!("{attempts} attempts; the last: {retry}")), batches, stats);
+    } else {
+        debug!(batch = b, to, error = %retry, "batch failed; queued again");
+        stats.requeued += 1;
+        disp.failed(b);
+    }
+}

@@ -1,0 +1,226 @@
+//! Instances serving the real all-MiniLM-L6-v2 over loopback TCP endpoints while a new instance's
+//! copy arrives by multicast: every request is answered once, with the right embedding, under
+//! each policy; a failure of either instance re-queues its batches. Skips, saying so, without the
+//! model (see `common`).
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cascade_exec::embed::Embedder;
+use cascade_exec::serve::router::{self, Answer, Request, RouterCmd, RouterConfig};
+use cascade_exec::serve::{scale_out, DispatchConfig, Instance, InstanceConfig, LivePolicy, ServedModel, Source};
+use cascade_multicast::cluster::{Controller, MulticastNode};
+use cascade_multicast::Topology;
+use cascade_transport::{Endpoint, Mesh};
+use common::{cosine, model_dir, reference};
+use tokio::sync::mpsc;
+
+struct Cluster {
+    eps: Vec<Arc<Endpoint>>,
+    model: ServedModel,
+    _instances: Vec<Instance>,
+}
+
+/// Node 0 routes and controls multicasts; node 1 serves a held copy; nodes 2.. start empty.
+async fn cluster(n: u32, tag: &str) -> Option<Cluster> {
+    let dir = model_dir()?;
+    let (model, file) = ServedModel::from_dir(&dir).unwrap();
+    let eps = cascade_tests::loopback::endpoints(n, tag, |_| {}).await.unwrap();
+    let cfg = InstanceConfig { max_batch: 4, max_tokens: 64, slots: 8, op_timeout: Duration::from_secs(30) };
+    let mut instances = Vec::new();
+    for (i, ep) in eps.iter().enumerate().skip(1) {
+        let mesh: Arc<dyn Mesh> = ep.clone();
+        let mc = MulticastNode::start(mesh.clone(), Duration::from_secs(10)).unwrap();
+        let source = if i == 1 { Source::Held(model.load(&*mesh, &file).unwrap()) } else { Source::Arriving };
+        instances.push(Instance::start(mesh, model.clone(), source, mc, cfg).unwrap());
+    }
+    Some(Cluster { eps, model, _instances: instances })
+}
+
+fn router_cfg(policy: LivePolicy) -> RouterConfig {
+    RouterConfig {
+        dispatch: DispatchConfig { policy, layers: 7, old: 1, per_instance: 2, max_coop: 8, load_ratio: 2 },
+        max_batch: 4,
+        call_timeout: Duration::from_secs(60),
+        poll_every: Duration::from_millis(5),
+        max_attempts: 8,
+    }
+}
+
+fn topology(n: u32) -> Topology {
+    let mut t = Topology::new();
+    for i in 0..n {
+        t.add_node(i, 0, 10.0).unwrap();
+    }
+    t
+}
+
+/// Checks that every request got exactly one answer, equal to the reference embedding of its
+/// text (the independent implementation's, cosine ≥ 0.9999).
+fn check(answers: &[Answer], texts: &[String], want: &HashMap<String, Vec<f32>>) {
+    let mut seen = HashMap::new();
+    for a in answers {
+        assert!(seen.insert(a.id, ()).is_none(), "request {} answered twice", a.id);
+        let emb = a.result.as_ref().unwrap_or_else(|e| panic!("request {} refused: {e}", a.id));
+        let text = &texts[a.id as usize];
+        let c = cosine(emb, &want[text]);
+        assert!(c >= 0.9999, "request {} ({text:?}): cosine {c}", a.id);
+    }
+    assert_eq!(seen.len(), texts.len(), "every request is answered");
+}
+
+fn workload(n: usize) -> (Vec<String>, HashMap<String, Vec<f32>>) {
+    let refs = reference();
+    let texts = (0..n).map(|i| refs[i % refs.len()].text.clone()).collect();
+    (texts, refs.into_iter().map(|r| (r.text, r.embedding)).collect())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_instance_serves_while_its_copy_arrives_under_each_policy() {
+    for policy in [LivePolicy::StopTheWorld, LivePolicy::BestEffort, LivePolicy::Zigzag] {
+        let Some(c) = cluster(3, "serve").await else { return };
+        let mesh: Arc<dyn Mesh> = c.eps[0].clone();
+        let (texts, want) = workload(48);
+        let (req_tx, req_rx) = mpsc::channel(1024);
+        let (cmd_tx, cmd_rx) = mpsc::unbounded_channel();
+        let (ans_tx, mut ans_rx) = mpsc::unbounded_channel();
+        let routing = tokio::spawn(router::run(mesh.clone(), router_cfg(policy), req_rx, cmd_rx, ans_tx));
+        // A burst queues at the router, then the model is multicast to node 2.
+        for (i, t) in texts.iter().enumerate().take(32) {
+            req_tx.send(Request { id: i as u64, text: t.clone(), arrived: Instant::now() }).await.unwrap();
+        }
+        cmd_tx.send(RouterCmd::Scale { node: 2 }).unwrap();
+        let ctl = Controller::new(mesh.clone()).unwrap();
+        let out = scale_out(&mesh, &ctl, &c.model, topology(3), 1, &[2], None).await.unwrap();
+        assert_eq!(out.adopted, vec![2], "{policy:?}: the new instance holds its verified copy");
+        for (i, t) in texts.iter().enumerate().skip(32) {
+            req_tx.send(Request { id: i as u64, text: t.clone(), arrived: Instant::now() }).await.unwrap();
+        }
+        drop(req_tx);
+        let stats = routing.await.unwrap();
+        let answers: Vec<Answer> = std::iter::from_fn(|| ans_rx.try_recv().ok()).collect();
+        check(&answers, &texts, &want);
+        assert_eq!((stats.served, stats.refused), (48, 0), "{policy:?}");
+        assert_eq!(stats.residency.last().map(|r| r.1), Some(7), "{policy:?}: the router saw every layer land");
+        let on_new = answers.iter().filter(|a| a.to == 2).count();
+        assert!(on_new > 0, "{policy:?}: the new instance served some requests");
+        let split = answers.iter().filter(|a| a.split.is_some()).count();
+        if policy == LivePolicy::StopTheWorld {
+            assert_eq!(split, 0, "stop-the-world never splits");
+        }
+        eprintln!("{policy:?}: {on_new} of 48 via node 2, {split} split, residency {:?}", stats.residency);
+        for e in &c.eps {
+            e.shutdown();
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_split_across_instances_equals_one_instance() {
+    let Some(c) = cluster(3, "split-eq").await else { return };
+    let dir = model_dir().unwrap();
+    let local = Embedder::from_dir(&dir).unwrap();
+    let mesh: Arc<dyn Mesh> = c.eps[0].clone();
+    let ctl = Controller::new(mesh.clone()).unwrap();
+    scale_out(&mesh, &ctl, &c.model, topology(3), 1, &[2], None).await.unwrap();
+    use cascade_exec::serve::{ExecMsg, Split};
+    use cascade_transport::ServiceExt;
+    let texts = vec!["The quick brown fox jumps over the lazy dog.".to_string(), "Hello, world!".to_string()];
+    let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
+    let whole = local.embed(&refs).unwrap();
+    for k in 1..7 {
+        let msg = ExecMsg::Run { batch: k, texts: texts.clone(), split: Some(Split { layers: k as u32, then: 1 }) };
+        match mesh.call(2, &msg, Duration::from_secs(30)).await.unwrap() {
+            ExecMsg::Done { embeddings, on_first, .. } => {
+                assert_eq!(on_first, k as u32);
+                assert_eq!(embeddings, whole, "split after {k} layers: bit-identical to one process");
+            }
+            other => panic!("split after {k}: {other:?}"),
+        }
+    }
+    // Bad input is refused, not retried: too many texts, a split past the model.
+    let many = ExecMsg::Run { batch: 9, texts: vec!["x".into(); 5], split: None };
+    assert!(matches!(mesh.call(2, &many, Duration::from_secs(5)).await.unwrap(), ExecMsg::Failed { retry: false, .. }));
+    let past = ExecMsg::Run { batch: 10, texts, split: Some(Split { layers: 7, then: 1 }) };
+    assert!(matches!(mesh.call(2, &past, Duration::from_secs(5)).await.unwrap(), ExecMsg::Failed { retry: false, .. }));
+}
+
+/// Runs `n` requests through a router (policy best-effort) while `during` acts on the cluster;
+/// returns the answers and the router's statistics.
+async fn serve_during<F, Fut>(c: &Cluster, n: usize, during: F) -> (Vec<Answer>, router::RouterStats, Vec<String>)
+where
+    F: FnOnce(mpsc::UnboundedSender<RouterCmd>) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    let mesh: Arc<dyn Mesh> = c.eps[0].clone();
+    let (texts, want) = workload(n);
+    let (req_tx, req_rx) = mpsc::channel(1024);
+    let (cmd_tx, cmd_rx) = mpsc::unbounded_channel();
+    let (ans_tx, mut ans_rx) = mpsc::unbounded_channel();
+    let routing = tokio::spawn(router::run(mesh, router_cfg(LivePolicy::BestEffort), req_rx, cmd_rx, ans_tx));
+    for (i, t) in texts.iter().enumerate() {
+        req_tx.send(Request { id: i as u64, text: t.clone(), arrived: Instant::now() }).await.unwrap();
+    }
+    drop(req_tx);
+    during(cmd_tx).await;
+    let stats = routing.await.unwrap();
+    let answers: Vec<Answer> = std::iter::from_fn(|| ans_rx.try_recv().ok()).collect();
+    check(&answers, &texts, &want);
+    (answers, stats, texts)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_new_instance_failing_while_it_loads_loses_nothing() {
+    let Some(c) = cluster(3, "new-dies").await else { return };
+    let mesh: Arc<dyn Mesh> = c.eps[0].clone();
+    let cr = &c;
+    let m = &mesh;
+    let (answers, stats, _) = serve_during(&c, 40, |cmds| async move {
+        cmds.send(RouterCmd::Scale { node: 2 }).unwrap();
+        let ctl = Controller::new(m.clone()).unwrap();
+        let scaling = scale_out(m, &ctl, &cr.model, topology(3), 1, &[2], None);
+        tokio::pin!(scaling);
+        // Node 2 dies once it serves its first layer: its split batches must go back to node 1.
+        let died = async {
+            while cr._instances[1].resident() == 0 {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            cr.eps[2].shutdown();
+        };
+        let (r, ()) = tokio::join!(&mut scaling, died);
+        // The multicast may have finished before the shutdown; either way nothing is lost.
+        let _ = r;
+    })
+    .await;
+    assert_eq!((stats.served, stats.refused), (40, 0));
+    eprintln!(
+        "new died: requeued {}, {} answered via node 2",
+        stats.requeued,
+        answers.iter().filter(|a| a.to == 2).count()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_old_instance_failing_mid_batch_loses_nothing() {
+    let Some(c) = cluster(3, "old-dies").await else { return };
+    let mesh: Arc<dyn Mesh> = c.eps[0].clone();
+    let ctl = Controller::new(mesh.clone()).unwrap();
+    scale_out(&mesh, &ctl, &c.model, topology(3), 1, &[2], None).await.unwrap();
+    let cr = &c;
+    let (answers, stats, _) = serve_during(&c, 40, |cmds| async move {
+        cmds.send(RouterCmd::Scale { node: 2 }).unwrap();
+        // Both serve; node 1 dies with batches outstanding.
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        cr.eps[1].shutdown();
+    })
+    .await;
+    assert_eq!((stats.served, stats.refused), (40, 0));
+    let late_on_new = answers.iter().filter(|a| a.to == 2).count();
+    assert!(stats.requeued > 0, "a batch was outstanding on node 1 when it died");
+    eprintln!("old died: requeued {}, {late_on_new} answered via node 2", stats.requeued);
+}
