@@ -10,7 +10,8 @@
 //! # Concurrency contract
 //! As with RDMA-registered memory, the bytes of a region change underneath the process when peers
 //! write into it. The transport guarantees that a range is fully written when the operation that
-//! fills it completes (the initiator's completion, or a message the writer sends afterwards).
+//! fills it completes (the initiator's completion, or a message the writer sends after that
+//! completion; a message posted before it may overtake the data).
 //! Reading a range while a peer is still writing it gives unspecified bytes, and coordinating that
 //! is the application's job — exactly the rule of one-sided RDMA.
 

@@ -73,7 +73,33 @@ pub(crate) struct Shared {
     on_close: Mutex<Option<OnClose>>,
     /// Answer the peer's one-sided lookups of local regions, one per engine this node serves.
     servers: Vec<Arc<dyn LookupServer>>,
-    pub(crate) tx: mpsc::UnboundedSender<Out>,
+    /// Frames for the writer: control (headers, messages, acks) and bulk (region data).
+    tx: Lanes,
+}
+
+/// The writer's two queues. Control frames go out before bulk frames still queued, so that a
+/// message or an ack never waits behind megabytes of a transfer: a WRITE's data and a message
+/// posted after it may reach the peer in either order — only the WRITE's completion says that
+/// its bytes landed (the region concurrency contract).
+pub(crate) struct Lanes {
+    control: mpsc::UnboundedSender<Out>,
+    bulk: mpsc::UnboundedSender<Out>,
+}
+
+/// Region payloads above this go in the bulk lane.
+const BULK: u64 = 64 << 10;
+
+impl Lanes {
+    fn new() -> (Lanes, mpsc::UnboundedReceiver<Out>, mpsc::UnboundedReceiver<Out>) {
+        let (control, crx) = mpsc::unbounded_channel();
+        let (bulk, brx) = mpsc::unbounded_channel();
+        (Lanes { control, bulk }, crx, brx)
+    }
+
+    fn send(&self, out: Out) -> bool {
+        let bulk = matches!(&out, Out::Frame { payload: Payload::Region { len, .. }, .. } if *len > BULK);
+        if bulk { self.bulk.send(out) } else { self.control.send(out) }.is_ok()
+    }
 }
 
 impl Shared {
@@ -208,7 +234,7 @@ impl Shared {
     }
 
     pub(crate) fn send(&self, out: Out) -> bool {
-        self.tx.send(out).is_ok()
+        self.tx.send(out)
     }
 
     /// Closes the link once: fails every pending operation and tells the owner.
@@ -294,7 +320,7 @@ impl StreamLink {
         let LinkCtx { one_sided, servers, peer, kind, regions, services, timing, on_close } = ctx;
         let one_sided = one_sided.map(Arc::new);
         let mut withdrawn = regions.withdrawn();
-        let (tx, rx) = mpsc::unbounded_channel();
+        let (tx, control_rx, bulk_rx) = Lanes::new();
         let (shutdown, _) = watch::channel(false);
         let shared = Arc::new(Shared {
             peer,
@@ -316,7 +342,7 @@ impl StreamLink {
         tokio::spawn(async move {
             let mut stop = s.shutdown.subscribe();
             let r = tokio::select! {
-                r = write_loop(&s, writer, rx, timing) => r,
+                r = write_loop(&s, writer, (control_rx, bulk_rx), timing) => r,
                 _ = crate::stream::stopped(&mut stop) => Ok(()),
             };
             if let Err(e) = r {
@@ -418,7 +444,7 @@ impl Drop for StreamLink {
 async fn write_loop<W: FrameSink>(
     s: &Shared,
     w: W,
-    mut rx: mpsc::UnboundedReceiver<Out>,
+    (mut control, mut bulk): (mpsc::UnboundedReceiver<Out>, mpsc::UnboundedReceiver<Out>),
     timing: Timing,
 ) -> io::Result<()> {
     let mut w = BufWriter::with_capacity(64 << 10, w);
@@ -426,7 +452,8 @@ async fn write_loop<W: FrameSink>(
     loop {
         let out = tokio::select! {
             biased;
-            out = rx.recv() => match out { Some(o) => o, None => return Ok(()) },
+            out = control.recv() => match out { Some(o) => o, None => return Ok(()) },
+            out = bulk.recv() => match out { Some(o) => o, None => return Ok(()) },
             _ = tick.tick() => {
                 let idle = s.now_ms().saturating_sub(s.last_tx_ms.load(Ordering::Relaxed));
                 if idle >= timing.keepalive.as_millis() as u64 {
@@ -438,8 +465,8 @@ async fn write_loop<W: FrameSink>(
             }
         };
         write_one(s, &mut w, out).await?;
-        // Coalesce whatever else is queued, then flush once.
-        while let Ok(out) = rx.try_recv() {
+        // Coalesce whatever else is queued, control first after every frame, then flush once.
+        while let Ok(out) = control.try_recv().or_else(|_| bulk.try_recv()) {
             write_one(s, &mut w, out).await?;
         }
         w.flush().await?;
