@@ -141,7 +141,7 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
     Ok(tokio::runtime::Builder::new_multi_thread().enable_all().build()?)
 }
 
-fn write_cluster(dir: &Path, addrs: &[std::net::SocketAddr]) -> anyhow::Result<PathBuf> {
+pub(crate) fn write_cluster(dir: &Path, addrs: &[std::net::SocketAddr]) -> anyhow::Result<PathBuf> {
     let mut toml = format!("name = \"demo{}\"\n", std::process::id());
     for (i, a) in addrs.iter().enumerate() {
         toml += &format!("[[nodes]]\nid = {i}\naddr = \"{a}\"\n");

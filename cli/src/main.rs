@@ -12,6 +12,7 @@ use cascade_transport::{ClusterSpec, Endpoint, EndpointConfig};
 use clap::{Args, Parser, Subcommand};
 
 mod demo;
+mod live;
 mod pool;
 
 #[derive(Parser)]
@@ -35,6 +36,12 @@ enum Cmd {
     /// Cascade's main job on one machine: a local cluster and pool manager; register a model,
     /// scale it to every node by chained multicast, kill a node, repair, check; report + timeline.
     Demo(demo::DemoArgs),
+    /// Live autoscaling of the real all-MiniLM-L6-v2 under a burst: the model is multicast to a
+    /// second instance that serves layer by layer while it loads, under each policy
+    /// (stop-the-world, best-effort, zigzag); report + plot.
+    Live(live::LiveArgs),
+    /// Serve a model on this node: an instance of the exec service (requests from a router).
+    Instance(live::InstanceArgs),
     /// Sentence embeddings with a real BERT model on the CPU (all-MiniLM-L6-v2's directory:
     /// model.safetensors, tokenizer.json, config.json).
     Embed(EmbedArgs),
@@ -51,7 +58,7 @@ impl Cmd {
         match self {
             Cmd::CheckCluster { .. } | Cmd::Embed(_) => true,
             Cmd::Pool { cmd } => cmd.prints_and_exits(),
-            Cmd::Node(_) | Cmd::Multicast(_) | Cmd::Demo(_) => false,
+            Cmd::Node(_) | Cmd::Multicast(_) | Cmd::Demo(_) | Cmd::Live(_) | Cmd::Instance(_) => false,
         }
     }
 }
@@ -351,7 +358,7 @@ fn main() -> anyhow::Result<()> {
         unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     }
     // The demo's own output is the point; its daemons log to files.
-    logging(if matches!(cli.cmd, Cmd::Demo(_)) { "error" } else { "info" });
+    logging(if matches!(cli.cmd, Cmd::Demo(_) | Cmd::Live(_)) { "error" } else { "info" });
     match cli.cmd {
         Cmd::CheckCluster { file } => {
             let c = ClusterSpec::load(&file).with_context(|| format!("checking {}", file.display()))?;
@@ -365,6 +372,8 @@ fn main() -> anyhow::Result<()> {
         Cmd::Multicast(a) => tokio::runtime::Runtime::new()?.block_on(multicast(a)),
         Cmd::Demo(a) => demo::run(a),
         Cmd::Embed(a) => embed(a),
+        Cmd::Live(a) => live::run(a),
+        Cmd::Instance(a) => tokio::runtime::Runtime::new()?.block_on(live::instance(a)),
         Cmd::Pool { cmd } => tokio::runtime::Runtime::new()?.block_on(pool::run(cmd)),
     }
 }

@@ -99,3 +99,21 @@ pub fn tokenize(tokenizer: &Tokenizer, texts: &[&str]) -> Result<Activation, Exe
     let mask = enc.iter().map(|e| pad(e.get_attention_mask())).collect();
     Activation::new(ids, mask)
 }
+
+/// The sentences of `testdata/minilm_reference.json` with their reference embeddings, computed
+/// by an independent implementation (numpy, float64; see `testdata/minilm_reference.py`): what a
+/// demonstration checks served embeddings against.
+pub fn reference_sentences() -> Result<Vec<(String, Vec<f32>)>, ExecError> {
+    #[derive(serde::Deserialize)]
+    struct Sentence {
+        text: String,
+        embedding: Vec<f32>,
+    }
+    #[derive(serde::Deserialize)]
+    struct File {
+        sentences: Vec<Sentence>,
+    }
+    let f: File = serde_json::from_str(include_str!("../testdata/minilm_reference.json"))
+        .map_err(|e| ExecError::Model(format!("reference sentences: {e}")))?;
+    Ok(f.sentences.into_iter().map(|s| (s.text, s.embedding)).collect())
+}

@@ -30,7 +30,8 @@ async fn cluster(n: u32, tag: &str) -> Option<Cluster> {
     let dir = model_dir()?;
     let (model, file) = ServedModel::from_dir(&dir).unwrap();
     let eps = cascade_tests::loopback::endpoints(n, tag, |_| {}).await.unwrap();
-    let cfg = InstanceConfig { max_batch: 4, max_tokens: 64, slots: 8, op_timeout: Duration::from_secs(30) };
+    let cfg =
+        InstanceConfig { max_batch: 4, max_tokens: 64, slots: 8, op_timeout: Duration::from_secs(30), core: None };
     let mut instances = Vec::new();
     for (i, ep) in eps.iter().enumerate().skip(1) {
         let mesh: Arc<dyn Mesh> = ep.clone();

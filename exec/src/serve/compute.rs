@@ -43,12 +43,18 @@ impl<T: Send + 'static> Compute<T> {
         manifest: Arc<Manifest>,
         done: tokio::sync::mpsc::UnboundedSender<Finished<T>>,
         name: String,
+        core: Option<usize>,
     ) -> std::io::Result<Compute<T>> {
         let (tx, rx) = mpsc::channel();
         let layers = model.layers();
         let resident = Arc::new(AtomicU32::new(0));
         let r2 = resident.clone();
-        std::thread::Builder::new().name(name).spawn(move || run(model, &manifest, &rx, &done, &r2))?;
+        std::thread::Builder::new().name(name).spawn(move || {
+            if let Some(c) = core {
+                pin(c);
+            }
+            run(model, &manifest, &rx, &done, &r2)
+        })?;
         Ok(Compute { tx, resident, layers })
     }
 
@@ -134,6 +140,21 @@ fn run<T>(
                 let _ = done.send(Finished { tag: j.tag, result: Err(e) });
             }
         }
+    }
+}
+
+/// Pins the calling thread to CPU `core` (logged and ignored when the system refuses).
+fn pin(core: usize) {
+    // SAFETY: `set` is a plain bit set on the stack, fully initialised by CPU_ZERO before use;
+    // sched_setaffinity(0, …) only reads it and affects the calling thread alone.
+    let r = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_ZERO(&mut set);
+        libc::CPU_SET(core, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set)
+    };
+    if r != 0 {
+        warn!(core, error = %std::io::Error::last_os_error(), "cannot pin the compute thread");
     }
 }
 

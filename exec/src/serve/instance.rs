@@ -42,11 +42,13 @@ pub struct InstanceConfig {
     pub slots: u32,
     /// Limit on each activation WRITE and each call to the paired instance.
     pub op_timeout: Duration,
+    /// Pin the compute thread to this CPU core (an instance standing for one GPU).
+    pub core: Option<usize>,
 }
 
 impl Default for InstanceConfig {
     fn default() -> Self {
-        InstanceConfig { max_batch: 8, max_tokens: 128, slots: 16, op_timeout: Duration::from_secs(30) }
+        InstanceConfig { max_batch: 8, max_tokens: 128, slots: 16, op_timeout: Duration::from_secs(30), core: None }
     }
 }
 
@@ -59,6 +61,9 @@ struct PeerSlots {
     slot_bytes: u64,
     free: Mutex<Vec<u32>>,
     permits: Semaphore,
+    /// Activations go out one at a time, in the order their batches finished here: on a slow
+    /// link, concurrent WRITEs would share it and delay the first batch behind all the others.
+    wire: tokio::sync::Mutex<()>,
 }
 
 /// Where a finished job's result goes.
@@ -117,7 +122,7 @@ impl Instance {
         let inbox = mesh.subscribe::<ExecMsg>(DEFAULT_INBOX)?;
         let (done_tx, done_rx) = mpsc::unbounded_channel();
         let name = format!("exec-{}", mesh.node());
-        let compute = Compute::start(Bert::new(model.config.clone()), model.manifest.clone(), done_tx, name)
+        let compute = Compute::start(Bert::new(model.config.clone()), model.manifest.clone(), done_tx, name, cfg.core)
             .map_err(|e| ServeError::Config(format!("cannot start the compute thread: {e}")))?;
         let held = match source {
             Source::Held(region) => Some(region),
@@ -158,6 +163,9 @@ impl Instance {
     }
 }
 
+/// Peers an instance grants activation slots to (scaling instances paired with it at once).
+const PEERS: u32 = 2;
+
 fn slot_bytes(model: &ServedModel, cfg: &InstanceConfig) -> u64 {
     Activation::wire_len(cfg.max_batch, cfg.max_tokens, model.config.hidden_size) as u64
 }
@@ -191,6 +199,17 @@ async fn serve(sh: Arc<Shared>, mut inbox: cascade_transport::Inbox<ExecMsg>) {
 /// Handles a request: `Some` answers now, `None` answers when its job finishes.
 fn handle(sh: &Arc<Shared>, from: u32, msg: ExecMsg, reply: ReplyTo) -> Result<Option<ExecMsg>, ServeError> {
     match msg {
+        ExecMsg::PairWith { peer } => {
+            let sh = sh.clone();
+            tokio::spawn(async move {
+                let answer = match paired(&sh, peer).await {
+                    Ok(_) => ExecMsg::Ack,
+                    Err(e) => e.to_failed(),
+                };
+                let _ = sh.mesh.reply(&reply, &answer);
+            });
+            Ok(None)
+        }
         ExecMsg::Run { batch, texts, split } => {
             if texts.is_empty() || texts.len() > sh.cfg.max_batch {
                 return Err(ServeError::Input(format!("{} texts: 1 to {} per batch", texts.len(), sh.cfg.max_batch)));
@@ -264,9 +283,8 @@ fn handle(sh: &Arc<Shared>, from: u32, msg: ExecMsg, reply: ReplyTo) -> Result<O
 }
 
 /// Grants `from` slots in this node's activation region (allocated and registered on the first
-/// pairing, `cfg.slots` per peer, up to 8 peers).
+/// pairing: `cfg.slots` slots for each of up to [`PEERS`] peers).
 fn pair(sh: &Arc<Shared>, from: u32, want: u32) -> Result<ExecMsg, ServeError> {
-    const PEERS: u32 = 8;
     let sb = slot_bytes(&sh.model, &sh.cfg);
     let mut region = lock(&sh.act_region);
     if region.is_none() {
@@ -388,6 +406,7 @@ async fn write_and_finish(
 ) -> Result<ExecMsg, ServeError> {
     let idx = u64::from(slot - peer.first);
     let local_off = idx * peer.slot_bytes;
+    let wire = peer.wire.lock().await;
     // SAFETY: staging slot `idx` is this task's (it took the slot from the free list), and the
     // WRITE that last read it completed before the slot went back on the list.
     unsafe { peer.staging.write_local(local_off, bytes) }?;
@@ -396,6 +415,7 @@ async fn write_and_finish(
     let link = sh.mesh.link(s.then)?;
     let handle = link.post(vec![op]).pop().ok_or_else(|| ServeError::Protocol("the link took no op".into()))?;
     handle.wait("activation write", sh.cfg.op_timeout).await?;
+    drop(wire);
     Ok(sh.mesh.call(s.then, &ExecMsg::Finish { batch, slot, len }, sh.cfg.op_timeout).await?)
 }
 
@@ -418,6 +438,7 @@ async fn paired(sh: &Arc<Shared>, then: u32) -> Result<Arc<PeerSlots>, ServeErro
         slot_bytes,
         free: Mutex::new((first..first + slots).rev().collect()),
         permits: Semaphore::new(slots as usize),
+        wire: tokio::sync::Mutex::new(()),
     });
     peers.insert(then, p.clone());
     Ok(p)

@@ -3,6 +3,7 @@
 //!
 //! ```text
 //! router -> instance  Run{batch, texts, split}      ->  Done{batch, embeddings, on_first} | Failed
+//! router -> new       PairWith{old}                 ->  Ack | Failed
 //! new    -> old       Pair{slots}                   ->  Paired{region, key, len, slots, slot_bytes}
 //! new    -> old       Finish{batch, slot, len}      ->  Done | Failed   (after a WRITE into the slot)
 //! ctrl   -> instance  LayerReady{run, layer}            (one-way: the multicast's event, forwarded)
@@ -51,6 +52,12 @@ pub enum ExecMsg {
     Pair {
         /// Slots wanted (the cap on this pair's pending cooperative batches).
         slots: u32,
+    },
+    /// Pair with `peer` now (ask it for slots), before the first split batch needs them: the
+    /// router's step (1) when a scale-out begins.
+    PairWith {
+        /// The instance to hand batches over to.
+        peer: NodeId,
     },
     /// The slots granted.
     Paired {

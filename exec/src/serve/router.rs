@@ -135,7 +135,7 @@ pub async fn run(
             Some(RouterCmd::Scale { node }) = cmds.recv() => {
                 info!(node, "scaling: pairing the new instance");
                 disp.scaling(node);
-                tokio::spawn(follow(mesh.clone(), node, cfg.dispatch.layers, cfg.poll_every, cfg.call_timeout, res_tx.clone()));
+                tokio::spawn(follow(mesh.clone(), (node, cfg.dispatch.old), cfg.dispatch.layers, cfg.poll_every, cfg.call_timeout, res_tx.clone()));
             }
             Some(r) = res_rx.recv() => {
                 disp.resident(r);
@@ -154,15 +154,21 @@ pub async fn run(
     }
 }
 
-/// Asks `node` for its resident layers until it holds them all; reports each change.
+/// Pairs `node` with `old` (step 1: its activation slots are ready before the first layer
+/// lands), then asks it for its resident layers until it holds them all; reports each change.
 async fn follow(
     mesh: Arc<dyn Mesh>,
-    node: u32,
+    (node, old): (u32, u32),
     layers: u32,
     every: Duration,
     limit: Duration,
     tx: mpsc::UnboundedSender<u32>,
 ) {
+    match mesh.call(node, &ExecMsg::PairWith { peer: old }, limit).await {
+        Ok(ExecMsg::Ack) => {}
+        // Pairing again at the first split batch is the instance's own fallback.
+        other => debug!(node, old, answer = ?other, "pairing ahead failed"),
+    }
     let mut last = None;
     loop {
         match mesh.call(node, &ExecMsg::Status, limit).await {

