@@ -100,6 +100,7 @@ pub(super) fn write(a: &LiveArgs, rounds: &[Vec<PolicyRun>]) -> anyhow::Result<(
                         "throughput_during_load_rps": s.load_rps,
                         "latency_p50_s": s.p50,
                         "latency_p99_s": s.p99,
+                        "requests_split": r.requests.iter().filter(|q| q.3 > 0).count(),
                         "requests_lost": r.lost,
                         "embeddings_off_reference": r.mismatched,
                         "batches_requeued": r.requeued,
