@@ -125,3 +125,44 @@ pub enum ExecMsg {
 }
 
 binary_message!(ExecMsg, ServiceId::EXEC, 1);
+
+#[cfg(test)]
+mod tests {
+    use cascade_transport::Message;
+
+    use super::*;
+
+    fn all() -> Vec<ExecMsg> {
+        let split = Some(Split { layers: 3, then: 1 });
+        vec![
+            ExecMsg::Run { batch: 7, texts: vec!["Hello, world!".into(), String::new()], split },
+            ExecMsg::Run { batch: 8, texts: vec!["x".into()], split: None },
+            ExecMsg::Done { batch: 7, embeddings: vec![vec![0.5, -0.25], vec![]], on_first: 3 },
+            ExecMsg::Pair { slots: 8 },
+            ExecMsg::PairWith { peer: 1 },
+            ExecMsg::Paired { region: 4, key: u64::MAX, len: 1 << 30, first: 8, slots: 8, slot_bytes: 1_581_092 },
+            ExecMsg::Finish { batch: 9, slot: 3, len: 172_964 },
+            ExecMsg::LayerReady { run: 0xdead_beef, layer: 6 },
+            ExecMsg::Lend { run: 1 },
+            ExecMsg::Adopt { run: 2 },
+            ExecMsg::Ack,
+            ExecMsg::Status,
+            ExecMsg::State { resident: 2, layers: 7 },
+            ExecMsg::Failed { message: "no".into(), retry: false },
+        ]
+    }
+
+    #[test]
+    fn every_message_round_trips_and_truncations_are_refused() {
+        for m in all() {
+            let b = m.encode_body();
+            assert_eq!(ExecMsg::decode_body(ExecMsg::VERSION, &b).unwrap(), m);
+            for cut in 0..b.len() {
+                assert!(ExecMsg::decode_body(ExecMsg::VERSION, &b[..cut]).is_err(), "{m:?} cut at {cut}");
+            }
+            let mut long = b.clone();
+            long.push(0);
+            assert!(ExecMsg::decode_body(ExecMsg::VERSION, &long).is_err(), "{m:?} with a trailing byte");
+        }
+    }
+}
