@@ -210,13 +210,12 @@ impl MulticastNode {
             Control::Prepare { run, loc, bytes, chunk, fill } => self.prepare(from, run, loc, bytes, chunk, fill).await,
             Control::Start { run, loc, layout, source, children, ready_first } => {
                 let bytes = layout.bytes;
-                let ctx = self.member(run, loc, layout, source)?;
+                let (ctx, inbox, rx) = self.member(run, loc, layout, source)?;
                 // Otherwise the first WRITE to each child looks its region up, and each copy maps
                 // the pages it writes (allocated by then, or by the copy itself).
                 if ready_first {
                     ready_children(self.mesh.clone(), self.op_timeout, &children, bytes).await;
                 }
-                let (ctx, inbox, rx) = ctx;
                 tokio::spawn(run_member(ctx, children, inbox, rx));
                 Ok(Control::Ack)
             }

@@ -26,16 +26,11 @@ pub(crate) fn post(s: &Arc<Shared>, os: &Arc<OneSided>, op: Op) -> OpHandle {
         None => {
             let (s, os) = (s.clone(), os.clone());
             tokio::spawn(async move {
-                match s.request_access(remote.id, remote.key, os.engine.clone()).await {
-                    Ok(a) => {
-                        os.remember(k, a.clone());
-                        match a {
-                            Some(access) => transfer(s, os, op, access, done).await,
-                            None => {
-                                let r = s.post_framed(op).await;
-                                let _ = done.send(r);
-                            }
-                        }
+                match access(&s, &os, remote).await {
+                    Ok(Some(access)) => transfer(s, os, op, access, done).await,
+                    Ok(None) => {
+                        let r = s.post_framed(op).await;
+                        let _ = done.send(r);
                     }
                     Err(e) => s.finish_op(done, Err(e)),
                 }
@@ -51,27 +46,26 @@ pub(crate) fn prepare(s: &Arc<Shared>, os: &Arc<OneSided>, remote: RemoteRegion)
     let (done, handle) = OpHandle::new(s.peer);
     let (s, os) = (s.clone(), os.clone());
     tokio::spawn(async move {
-        let k = (remote.id, remote.key);
-        let access = match os.cached(k) {
-            Some(a) => a,
-            None => match s.request_access(remote.id, remote.key, os.engine.clone()).await {
-                Ok(a) => {
-                    os.remember(k, a.clone());
-                    a
-                }
-                Err(e) => {
-                    let _ = done.send(Err(e));
-                    return;
-                }
-            },
-        };
-        let r = match access {
-            Some(a) => os.engine.prepare(&a).await,
-            None => Ok(()),
+        let r = match access(&s, &os, remote).await {
+            Ok(Some(a)) => os.engine.prepare(&a).await,
+            Ok(None) => Ok(()),
+            Err(e) => Err(e),
         };
         let _ = done.send(r.map(|()| Completion::moved(0)));
     });
     handle
+}
+
+/// The engine's access to `remote`: cached, or looked up from the peer and remembered
+/// (`None`: the owner does not expose it one-sidedly).
+async fn access(s: &Shared, os: &OneSided, remote: RemoteRegion) -> crate::error::Result<Option<PeerAccess>> {
+    let k = (remote.id, remote.key);
+    if let Some(a) = os.cached(k) {
+        return Ok(a);
+    }
+    let a = s.request_access(remote.id, remote.key, os.engine.clone()).await?;
+    os.remember(k, a.clone());
+    Ok(a)
 }
 
 /// The transfer itself, then (for a WRITE) the `Written` notice whose ack completes it.
