@@ -235,7 +235,7 @@ impl Region {
         let mut at = offset as usize;
         let end = (offset + len) as usize;
         while at < end {
-            let n = PREFAULT_SLICE.min(end - at);
+            let n = POPULATE_SLICE.min(end - at);
             // SAFETY: the range lies inside the mapping (`offset + len ≤ self.len`, callers'
             // contract); populating only faults its pages in — zero-filled if new, untouched if
             // present — and changes no contents, so it may run while peers write the region.
@@ -476,15 +476,16 @@ pub enum Prefault {
     Background,
 }
 
-/// The slice a pre-fault populates at a time.
-const PREFAULT_SLICE: usize = 32 << 20;
+/// The slice a populate (`madvise(MADV_POPULATE_*)`) covers at a time, here and on a peer's
+/// shm mapping: short enough that the process's memory-map lock is never held for long.
+pub(crate) const POPULATE_SLICE: usize = 32 << 20;
 
 /// [`Prefault::Background`]'s thread: slices from the end, while the region lives.
 fn prefault_backwards(region: &std::sync::Weak<Inner>, len: u64) {
     let mut end = len;
     while end > 0 {
         let Some(inner) = region.upgrade() else { return };
-        let start = end.saturating_sub(PREFAULT_SLICE as u64);
+        let start = end.saturating_sub(POPULATE_SLICE as u64);
         Region(inner).prefault_range(start, end - start);
         end = start;
     }

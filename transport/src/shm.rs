@@ -31,7 +31,7 @@ use crate::NodeId;
 const CRC_BLOCK: usize = 64 << 10;
 
 /// How much of a peer mapping [`ShmEngine::prepare`] populates at a time.
-const PREPARE_SLICE: u64 = 32 << 20;
+const PREPARE_SLICE: u64 = crate::region::POPULATE_SLICE as u64;
 
 /// Copies at least this large run on the blocking pool, off the async workers.
 const BLOCKING_COPY: u64 = 256 << 10;
