@@ -306,7 +306,7 @@ async fn driver(a: DemoArgs, cluster_file: PathBuf, pids: Vec<u32>) -> anyhow::R
     for _ in 0..200 {
         began = {
             let tl = tl.lock().unwrap_or_else(|e| e.into_inner());
-            tl.marks.iter().find(|m| m.t >= t0 && m.what.starts_with("multicast moving bytes")).map(|m| m.t - t0)
+            tl.transfers.iter().find(|&&t| t >= t0).map(|t| t - t0)
         };
         if began.is_some() {
             break;

@@ -34,6 +34,8 @@ pub(crate) struct Timeline {
     names: BTreeMap<u32, String>,
     pub(crate) samples: Vec<Sample>,
     pub(crate) marks: Vec<Mark>,
+    /// When each multicast began moving bytes (the manager's `Transferring` notices).
+    pub(crate) transfers: Vec<f64>,
     /// Keep finished bars on screen (otherwise they are cleared).
     pub(crate) keep_bars: bool,
 }
@@ -47,6 +49,7 @@ impl Timeline {
             names: BTreeMap::new(),
             samples: nodes.map(|node| Sample { t: 0.0, node, bytes: 0 }).collect(),
             marks: Vec::new(),
+            transfers: Vec::new(),
             keep_bars: true,
         }
     }
@@ -130,6 +133,7 @@ impl Timeline {
             }
             Notice::Lost { model, reason } => self.mark(t, format!("model {model} lost: {reason}")),
             Notice::Transferring { setup_seconds, .. } => {
+                self.transfers.push(t);
                 self.mark(t, format!("multicast moving bytes (set-up {:.0} ms)", setup_seconds * 1e3));
             }
         }
