@@ -4,6 +4,14 @@ use super::*;
 use crate::emulated::Emulated;
 use crate::zigzag::{best_effort, zigzag, Instance};
 
+/// The real-time tests run one at a time: run side by side on this 2-core machine, their
+/// threads delay each other's wake-ups, which is not what they measure.
+static TIMING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn timing() -> std::sync::MutexGuard<'static, ()> {
+    TIMING.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn one_token() -> Activation {
     Activation::new(vec![vec![1]], vec![vec![1]]).unwrap()
 }
@@ -37,6 +45,7 @@ fn check(inst: &Instance, x: &[u32], predicted: &[u64], unit: Duration) {
 
 #[test]
 fn figure_12_runs_as_planned() {
+    let _t = timing();
     let inst = Instance::uniform(7, 6, 6);
     let z = zigzag(&inst).unwrap();
     check(&inst, &z.x, &z.latencies, Duration::from_millis(40));
@@ -46,9 +55,11 @@ fn figure_12_runs_as_planned() {
 
 #[test]
 fn a_32_layer_model_runs_as_planned() {
+    let _t = timing();
     let inst = Instance::uniform(32, 4, 12);
     let z = zigzag(&inst).unwrap();
-    check(&inst, &z.x, &z.latencies, Duration::from_millis(8));
+    // 12 ms units: a thread's wake-up delay under load is a smaller share of each layer.
+    check(&inst, &z.x, &z.latencies, Duration::from_millis(12));
 }
 
 #[test]
@@ -65,6 +76,7 @@ fn splits_that_leave_nothing_for_old_are_refused() {
 /// about L / (L − min(k, L/2)) times one instance's throughput (within 10%).
 #[test]
 fn cooperative_throughput_rises_with_the_resident_layers() {
+    let _t = timing();
     let (l, n, unit) = (8usize, 40usize, Duration::from_millis(5));
     let e = Emulated::uniform(l, unit);
     let single = (n * l) as f64 * unit.as_secs_f64();
