@@ -69,27 +69,12 @@ pub async fn scale_out(
     let result = loop {
         tokio::select! {
             r = &mut running => break r,
-            Some((t, ev)) = rx.recv() => {
-                if let Event::LayerReady { target, layer } = &ev {
-                    let msg = ExecMsg::LayerReady { run, layer: *layer as u32 };
-                    if let Err(e) = mesh.post_oneway(target.node, &msg) {
-                        debug!(node = target.node, error = %e, "cannot forward LayerReady");
-                    }
-                }
-                if let Some(p) = &progress {
-                    let _ = p.send((t, ev));
-                }
-            }
+            Some((t, ev)) = rx.recv() => forward(mesh, run, progress.as_ref(), t, ev),
         }
     };
     // Events still queued when the run ended.
     while let Ok((t, ev)) = rx.try_recv() {
-        if let Event::LayerReady { target, layer } = &ev {
-            let _ = mesh.post_oneway(target.node, &ExecMsg::LayerReady { run, layer: *layer as u32 });
-        }
-        if let Some(p) = &progress {
-            let _ = p.send((t, ev));
-        }
+        forward(mesh, run, progress.as_ref(), t, ev);
     }
     let members: Vec<Loc> = std::iter::once(source).chain(targets.iter().copied()).collect();
     let out = match result {
@@ -109,4 +94,17 @@ pub async fn scale_out(
     }
     ctl.release(run, &members).await;
     Ok(ScaleOutcome { run: out, adopted })
+}
+
+/// Forwards a `LayerReady` to its target's instance, and every event to `progress`.
+fn forward(mesh: &Arc<dyn Mesh>, run: u32, progress: Option<&mpsc::UnboundedSender<(f64, Event)>>, t: f64, ev: Event) {
+    if let Event::LayerReady { target, layer } = &ev {
+        let msg = ExecMsg::LayerReady { run, layer: *layer as u32 };
+        if let Err(e) = mesh.post_oneway(target.node, &msg) {
+            debug!(node = target.node, error = %e, "cannot forward LayerReady");
+        }
+    }
+    if let Some(p) = progress {
+        let _ = p.send((t, ev));
+    }
 }
