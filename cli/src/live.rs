@@ -204,14 +204,14 @@ fn run_policy(a: &LiveArgs, policy: LivePolicy, round: usize) -> anyhow::Result<
             net.spawn(c)?;
         }
         let mut c = net.command(0, &exe);
-        c.arg("live").arg("--driver").arg(&cluster).arg("--policies").arg(policy_name(policy));
+        c.arg("live").arg("--driver").arg(&cluster).arg("--policies").arg(policy.name());
         c.args(["--round", &round.to_string()]);
         driver_args(&mut c, a);
         c.env("CASCADE_SECRET", SECRET);
         let status = c.status().context("running the driver in its namespace")?;
         drop(net);
         if !status.success() {
-            bail!("{} failed (logs in {})", policy_name(policy), dir.display());
+            bail!("{} failed (logs in {})", policy.name(), dir.display());
         }
     } else {
         let addrs = cascade_devcluster::free_addrs(3);
@@ -235,14 +235,6 @@ fn run_policy(a: &LiveArgs, policy: LivePolicy, round: usize) -> anyhow::Result<
     }
     let text = std::fs::read_to_string(&record).with_context(|| format!("reading {}", record.display()))?;
     Ok(serde_json::from_str(&text)?)
-}
-
-pub(crate) fn policy_name(p: LivePolicy) -> &'static str {
-    match p {
-        LivePolicy::StopTheWorld => "stop-the-world",
-        LivePolicy::BestEffort => "best-effort",
-        LivePolicy::Zigzag => "zigzag",
-    }
 }
 
 fn instance_args(c: &mut Command, a: &LiveArgs, cluster: &Path, i: usize, dir: &Path) -> anyhow::Result<()> {

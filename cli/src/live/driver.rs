@@ -16,7 +16,7 @@ use cascade_transport::{Mesh, ServiceExt};
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 
-use super::{policy_name, LiveArgs};
+use super::LiveArgs;
 use crate::Member;
 
 const OLD: u32 = 1;
@@ -91,7 +91,7 @@ async fn batch_seconds(mesh: &Arc<dyn Mesh>, texts: &[String]) -> anyhow::Result
 
 /// Where one round's run of `policy` keeps its record and logs.
 pub(crate) fn run_dir(out: &Path, round: usize, policy: LivePolicy) -> std::path::PathBuf {
-    out.join(format!("round-{}", round + 1)).join(policy_name(policy))
+    out.join(format!("round-{}", round + 1)).join(policy.name())
 }
 
 pub(crate) async fn drive(a: &LiveArgs, cluster: &Path, policy: LivePolicy, round: usize) -> anyhow::Result<()> {
@@ -120,7 +120,7 @@ pub(crate) async fn drive(a: &LiveArgs, cluster: &Path, policy: LivePolicy, roun
     eprintln!(
         "{}: one instance {per_batch:.3} s per batch of {} → {capacity:.1} req/s; burst {rate:.1} req/s for {} s \
          ({} requests); T = {load_ratio}",
-        policy_name(policy),
+        policy.name(),
         a.max_batch,
         a.burst_s,
         times.len()
@@ -195,7 +195,7 @@ pub(crate) async fn drive(a: &LiveArgs, cluster: &Path, policy: LivePolicy, roun
     }
     requests.sort_by(|x, y| x.0.total_cmp(&y.0));
     let run = PolicyRun {
-        policy: policy_name(policy).into(),
+        policy: policy.name().into(),
         capacity_rps: capacity,
         load_ratio,
         rate_rps: rate,

@@ -38,15 +38,33 @@ pub enum LivePolicy {
     Zigzag,
 }
 
+impl LivePolicy {
+    /// Every policy, in the order a comparison runs them.
+    pub const ALL: [LivePolicy; 3] = [LivePolicy::StopTheWorld, LivePolicy::BestEffort, LivePolicy::Zigzag];
+
+    /// The policy's name (what [`std::str::FromStr`] reads).
+    pub fn name(self) -> &'static str {
+        match self {
+            LivePolicy::StopTheWorld => "stop-the-world",
+            LivePolicy::BestEffort => "best-effort",
+            LivePolicy::Zigzag => "zigzag",
+        }
+    }
+}
+
+impl std::fmt::Display for LivePolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 impl std::str::FromStr for LivePolicy {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "stop-the-world" => Ok(LivePolicy::StopTheWorld),
-            "best-effort" => Ok(LivePolicy::BestEffort),
-            "zigzag" => Ok(LivePolicy::Zigzag),
-            _ => Err(format!("unknown policy {s:?} (stop-the-world, best-effort, zigzag)")),
-        }
+        LivePolicy::ALL
+            .into_iter()
+            .find(|p| p.name() == s)
+            .ok_or_else(|| format!("unknown policy {s:?} (stop-the-world, best-effort, zigzag)"))
     }
 }
 

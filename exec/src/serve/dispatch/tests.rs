@@ -98,3 +98,12 @@ fn the_cooperative_cap_holds_and_a_dead_old_leaves_batches_waiting_for_new() {
     let out = drain(&mut d);
     assert_eq!(out.iter().map(|x| (x.batch, x.to, x.split)).collect::<Vec<_>>(), [(0, 2, None), (1, 2, None)]);
 }
+
+#[test]
+fn policies_parse_their_own_names() {
+    for p in LivePolicy::ALL {
+        assert_eq!(p.name().parse::<LivePolicy>(), Ok(p));
+        assert_eq!(p.to_string(), p.name());
+    }
+    assert!("fastest".parse::<LivePolicy>().is_err());
+}
