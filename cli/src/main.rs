@@ -13,6 +13,7 @@ use clap::{Args, Parser, Subcommand};
 
 mod demo;
 mod live;
+mod llm;
 mod pool;
 
 #[derive(Parser)]
@@ -45,6 +46,14 @@ enum Cmd {
     /// Sentence embeddings with a real BERT model on the CPU (all-MiniLM-L6-v2's directory:
     /// model.safetensors, tokenizer.json, config.json).
     Embed(EmbedArgs),
+    /// Greedy text generation with a real llama-architecture LLM on the CPU (a directory that
+    /// `cascade model import --gguf` wrote).
+    Generate(llm::GenerateArgs),
+    /// Model files: import a GGUF file as a model directory.
+    Model {
+        #[command(subcommand)]
+        cmd: llm::ModelCmd,
+    },
     /// The global parameter pool: run its manager, inspect, check and repair it.
     Pool {
         #[command(subcommand)]
@@ -56,7 +65,7 @@ impl Cmd {
     /// A short-lived command that prints its result (not a daemon, not the demo).
     fn prints_and_exits(&self) -> bool {
         match self {
-            Cmd::CheckCluster { .. } | Cmd::Embed(_) => true,
+            Cmd::CheckCluster { .. } | Cmd::Embed(_) | Cmd::Generate(_) | Cmd::Model { .. } => true,
             Cmd::Pool { cmd } => cmd.prints_and_exits(),
             Cmd::Node(_) | Cmd::Multicast(_) | Cmd::Demo(_) | Cmd::Live(_) | Cmd::Instance(_) => false,
         }
@@ -372,6 +381,8 @@ fn main() -> anyhow::Result<()> {
         Cmd::Multicast(a) => tokio::runtime::Runtime::new()?.block_on(multicast(a)),
         Cmd::Demo(a) => demo::run(a),
         Cmd::Embed(a) => embed(a),
+        Cmd::Generate(a) => llm::generate(a),
+        Cmd::Model { cmd } => llm::model(cmd),
         Cmd::Live(a) => live::run(a),
         Cmd::Instance(a) => tokio::runtime::Runtime::new()?.block_on(live::instance(a)),
         Cmd::Pool { cmd } => tokio::runtime::Runtime::new()?.block_on(pool::run(cmd)),

@@ -66,13 +66,22 @@ impl Embedder {
     }
 }
 
-/// A model directory's configuration, tokenizer, manifest (1 MiB chunks) and safetensors bytes.
-pub(crate) fn read_dir(dir: &Path) -> Result<(BertConfig, Tokenizer, Manifest, Vec<u8>), ExecError> {
+/// A model directory's files: its `config.json` text (if any), tokenizer, manifest (1 MiB
+/// chunks) and safetensors bytes.
+pub(crate) struct ModelFiles {
+    pub(crate) config: Option<String>,
+    pub(crate) tokenizer: Tokenizer,
+    pub(crate) manifest: Manifest,
+    pub(crate) bytes: Vec<u8>,
+}
+
+/// Reads `dir`'s `model.safetensors`, `tokenizer.json` and `config.json` (optional).
+pub(crate) fn read_files(dir: &Path) -> Result<ModelFiles, ExecError> {
     let weights_path = file(dir, "model.safetensors")?;
     let tokenizer = Embedder::tokenizer(&file(dir, "tokenizer.json")?)?;
-    let cfg = match std::fs::read_to_string(dir.join("config.json")) {
-        Ok(text) => BertConfig::from_json(&text)?,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => BertConfig::minilm_l6(),
+    let config = match std::fs::read_to_string(dir.join("config.json")) {
+        Ok(text) => Some(text),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
         Err(e) => return Err(ExecError::Model(format!("config.json: {e}"))),
     };
     let bytes = std::fs::read(&weights_path)
@@ -80,7 +89,18 @@ pub(crate) fn read_dir(dir: &Path) -> Result<(BertConfig, Tokenizer, Manifest, V
     let name = dir.file_name().map_or("model".into(), |n| n.to_string_lossy().into_owned());
     let manifest = Manifest::from_bytes(&bytes, &name, 1 << 20, &weights_path.to_string_lossy())
         .map_err(|e| ExecError::Model(format!("{}: {e}", weights_path.display())))?;
-    Ok((cfg, tokenizer, manifest, bytes))
+    Ok(ModelFiles { config, tokenizer, manifest, bytes })
+}
+
+/// A BERT model directory's configuration (all-MiniLM-L6-v2's without `config.json`),
+/// tokenizer, manifest and safetensors bytes.
+pub(crate) fn read_dir(dir: &Path) -> Result<(BertConfig, Tokenizer, Manifest, Vec<u8>), ExecError> {
+    let f = read_files(dir)?;
+    let cfg = match &f.config {
+        Some(text) => BertConfig::from_json(text)?,
+        None => BertConfig::minilm_l6(),
+    };
+    Ok((cfg, f.tokenizer, f.manifest, f.bytes))
 }
 
 /// `texts` tokenised into a batch (see [`Embedder::batch`]).

@@ -19,6 +19,8 @@ pub mod bert;
 pub mod coop;
 pub mod embed;
 pub mod emulated;
+pub mod gguf;
+pub mod llama;
 pub mod serve;
 pub mod weights;
 pub mod zigzag;

@@ -70,12 +70,22 @@ impl<'a> Weights<'a> {
         Weights { bytes, image, index }
     }
 
-    /// Tensor `name` (F32 only) as a CPU tensor.
+    /// Whether the model has a tensor `name` (resident or not).
+    pub fn has(&self, name: &str) -> bool {
+        self.index.contains_key(name)
+    }
+
+    /// Tensor `name` as an f32 CPU tensor (F16 and BF16 are widened).
     pub fn tensor(&self, name: &str) -> Result<Tensor, ExecError> {
         let &(layer, t) = self.index.get(name).ok_or_else(|| ExecError::Model(format!("no tensor {name:?}")))?;
-        if t.dtype != "F32" {
-            return Err(ExecError::Model(format!("tensor {name:?} is {}, only F32 is supported", t.dtype)));
-        }
+        let dtype = match t.dtype.as_str() {
+            "F32" => DType::F32,
+            "F16" => DType::F16,
+            "BF16" => DType::BF16,
+            other => {
+                return Err(ExecError::Model(format!("tensor {name:?} is {other}; F32, F16 and BF16 are supported")))
+            }
+        };
         let len = t.file_range.end - t.file_range.start;
         let start = match self.image {
             Image::File => t.file_range.start,
@@ -91,6 +101,6 @@ impl<'a> Weights<'a> {
             .bytes
             .get(start as usize..end as usize)
             .ok_or_else(|| ExecError::Model(format!("tensor {name:?} lies outside the image")))?;
-        Ok(Tensor::from_raw_buffer(bytes, DType::F32, &t.shape, &crate::bert::cpu())?)
+        Ok(Tensor::from_raw_buffer(bytes, dtype, &t.shape, &crate::bert::cpu())?.to_dtype(DType::F32)?)
     }
 }

@@ -164,7 +164,7 @@ impl Instance {
 const PEERS: u32 = 2;
 
 fn slot_bytes(model: &ServedModel, cfg: &InstanceConfig) -> u64 {
-    Activation::wire_len(cfg.max_batch, cfg.max_tokens, model.config.hidden_size) as u64
+    Activation::wire_len(cfg.max_batch, cfg.max_tokens, model.config.hidden_size, 0) as u64
 }
 
 async fn serve(sh: Arc<Shared>, mut inbox: cascade_transport::Inbox<ExecMsg>) {

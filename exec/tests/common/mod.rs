@@ -40,3 +40,57 @@ pub fn cosine(a: &[f32], b: &[f32]) -> f64 {
     let n = |v: &[f32]| v.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt();
     dot / (n(a) * n(b))
 }
+
+/// The real SmolLM2-135M-Instruct as a model directory, imported from its GGUF file on first use
+/// (`scripts/fetch-smollm2.sh` puts the GGUF in `target/models/smollm2-135m/`); `None`, saying
+/// so, when the GGUF is not there.
+pub fn smollm2_dir() -> Option<PathBuf> {
+    static IMPORT: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = IMPORT.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/models/smollm2-135m");
+    let dir = root.join("f32");
+    if ["model.safetensors", "tokenizer.json", "config.json"].iter().all(|f| dir.join(f).is_file()) {
+        return Some(dir);
+    }
+    let gguf = root.join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    if !gguf.is_file() {
+        eprintln!("SKIPPED: SmolLM2-135M-Instruct not at {} (run scripts/fetch-smollm2.sh)", gguf.display());
+        return None;
+    }
+    // Import beside it, then rename: another test binary never sees a half-written directory.
+    let tmp = root.join(format!("import-{}", std::process::id()));
+    cascade_exec::gguf::import(&gguf, &tmp, candle_core::DType::F32, |_, _, _| {}).unwrap();
+    if std::fs::rename(&tmp, &dir).is_err() {
+        let _ = std::fs::remove_dir_all(&tmp);
+    }
+    Some(dir)
+}
+
+/// One prompt of `testdata/smollm2_reference.json` (numpy + the `gguf` package's dequantization,
+/// its own BPE; see `testdata/smollm2_reference.py`).
+pub struct LlmReference {
+    pub prompt: String,
+    pub prompt_tokens: Vec<u32>,
+    pub tokens: Vec<u32>,
+    pub seconds: Vec<u32>,
+    pub margins: Vec<f32>,
+}
+
+pub fn llm_reference() -> Vec<LlmReference> {
+    let v: serde_json::Value = serde_json::from_str(include_str!("../../testdata/smollm2_reference.json")).unwrap();
+    let u32s = |x: &serde_json::Value| -> Vec<u32> {
+        x.as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect()
+    };
+    v["prompts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| LlmReference {
+            prompt: p["prompt"].as_str().unwrap().to_string(),
+            prompt_tokens: u32s(&p["prompt_tokens"]),
+            tokens: u32s(&p["tokens"]),
+            seconds: u32s(&p["seconds"]),
+            margins: p["margins"].as_array().unwrap().iter().map(|m| m.as_f64().unwrap() as f32).collect(),
+        })
+        .collect()
+}

@@ -1,0 +1,311 @@
+//! Importing a llama-architecture GGUF file (llama.cpp's format) as an ordinary model directory:
+//! `model.safetensors` with Hugging Face's tensor names (dequantized by `candle` to f32 or f16),
+//! `config.json` and `tokenizer.json`, so the parameter pool, manifests, multicast and loaders
+//! treat it like any other model.
+//!
+//! - **Q/K rows.** llama.cpp's converter permutes the rows of `q_proj` and `k_proj` so that its
+//!   RoPE can rotate adjacent pairs; this module undoes that permutation, so [`crate::llama`]
+//!   rotates halves as Hugging Face's layout wants.
+//! - **Tokenizer.** It is rebuilt from the GGUF metadata: byte-level BPE (`tokenizer.ggml.model =
+//!   gpt2`) with the vocabulary, the merges and the control tokens as special tokens. The
+//!   pre-tokenizer follows `tokenizer.ggml.pre`: `smollm` (and the other llama.cpp types that
+//!   split digits one by one: `starcoder`, `refact`, `codeshell`) gets each digit alone, then
+//!   GPT-2's regex; `gpt2` and `default` get GPT-2's regex. Other pre-tokenizers are refused,
+//!   rather than tokenised subtly wrong.
+//! - **Chat template.** It is kept in `config.json` as `chat_template`, for reference; nothing
+//!   here renders it.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::BufReader;
+use std::path::Path;
+
+use candle_core::quantized::gguf_file::{Content, Value};
+use candle_core::{DType, Device, Tensor};
+use serde_json::json;
+
+use crate::llama::LlamaConfig;
+use crate::ExecError;
+
+/// What [`import`] wrote.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Imported {
+    /// The model's configuration (also in `config.json`).
+    pub config: LlamaConfig,
+    /// Tensors written.
+    pub tensors: usize,
+    /// Bytes of `model.safetensors`.
+    pub bytes: u64,
+    /// Tokens in the vocabulary.
+    pub vocabulary: usize,
+}
+
+fn bad(why: impl std::fmt::Display) -> ExecError {
+    ExecError::Model(format!("gguf: {why}"))
+}
+
+fn meta<'a>(c: &'a Content, key: &str) -> Result<&'a Value, ExecError> {
+    c.metadata.get(key).ok_or_else(|| bad(format!("no {key} in the metadata")))
+}
+
+fn meta_u32(c: &Content, key: &str) -> Result<u32, ExecError> {
+    let v = meta(c, key)?;
+    v.to_u32()
+        .or_else(|_| v.to_u64().map(|x| x as u32))
+        .or_else(|_| v.to_i32().map(|x| x as u32))
+        .map_err(|e| bad(format!("{key}: {e}")))
+}
+
+fn meta_strings(c: &Content, key: &str) -> Result<Vec<String>, ExecError> {
+    meta(c, key)?
+        .to_vec()
+        .map_err(|e| bad(format!("{key}: {e}")))?
+        .iter()
+        .map(|v| v.to_string().cloned().map_err(|e| bad(format!("{key}: {e}"))))
+        .collect()
+}
+
+/// The Hugging Face name of a GGUF tensor, and whether its rows are permuted for RoPE (and with
+/// how many heads).
+fn hf_name(name: &str, cfg: &LlamaConfig) -> Result<(String, Option<usize>), ExecError> {
+    let simple = match name {
+        "token_embd.weight" => Some("model.embed_tokens.weight"),
+        "output_norm.weight" => Some("model.norm.weight"),
+        "output.weight" => Some("lm_head.weight"),
+        _ => None,
+    };
+    if let Some(s) = simple {
+        return Ok((s.to_string(), None));
+    }
+    let rest = name.strip_prefix("blk.").ok_or_else(|| bad(format!("unknown tensor {name:?}")))?;
+    let (n, tail) = rest.split_once('.').ok_or_else(|| bad(format!("unknown tensor {name:?}")))?;
+    let n: usize = n.parse().map_err(|_| bad(format!("unknown tensor {name:?}")))?;
+    let (hf, heads) = match tail {
+        "attn_norm.weight" => ("input_layernorm.weight", None),
+        "attn_q.weight" => ("self_attn.q_proj.weight", Some(cfg.num_attention_heads)),
+        "attn_k.weight" => ("self_attn.k_proj.weight", Some(cfg.num_key_value_heads)),
+        "attn_v.weight" => ("self_attn.v_proj.weight", None),
+        "attn_output.weight" => ("self_attn.o_proj.weight", None),
+        "ffn_norm.weight" => ("post_attention_layernorm.weight", None),
+        "ffn_gate.weight" => ("mlp.gate_proj.weight", None),
+        "ffn_up.weight" => ("mlp.up_proj.weight", None),
+        "ffn_down.weight" => ("mlp.down_proj.weight", None),
+        _ => return Err(bad(format!("unknown tensor {name:?}"))),
+    };
+    Ok((format!("model.layers.{n}.{hf}"), heads))
+}
+
+/// Undoes llama.cpp's row permutation of a Q or K projection `[heads·d, in]`: GGUF's rows are
+/// Hugging Face's viewed as `[heads, 2, d/2]` with the last two axes swapped.
+pub fn unpermute(w: &Tensor, heads: usize) -> Result<Tensor, ExecError> {
+    let (out, inn) = w.dims2()?;
+    if heads == 0 || !out.is_multiple_of(2 * heads) {
+        return Err(bad(format!("{out} rows do not split into {heads} heads of pairs")));
+    }
+    Ok(w.reshape((heads, out / heads / 2, 2, inn))?.transpose(1, 2)?.contiguous()?.reshape((out, inn))?)
+}
+
+/// The model's configuration from the GGUF metadata.
+fn config(c: &Content) -> Result<LlamaConfig, ExecError> {
+    let arch = meta(c, "general.architecture")?.to_string().map_err(bad)?;
+    if arch != "llama" {
+        return Err(bad(format!("architecture {arch:?}: only llama is supported")));
+    }
+    let f = |key: &str| -> Result<f64, ExecError> {
+        let v = meta(c, key)?;
+        v.to_f32().map(f64::from).or_else(|_| v.to_f64()).map_err(|e| bad(format!("{key}: {e}")))
+    };
+    let heads = meta_u32(c, "llama.attention.head_count")? as usize;
+    let tokens = meta(c, "tokenizer.ggml.tokens")?.to_vec().map_err(bad)?.len();
+    let cfg = LlamaConfig {
+        model_type: "llama".into(),
+        hidden_size: meta_u32(c, "llama.embedding_length")? as usize,
+        intermediate_size: meta_u32(c, "llama.feed_forward_length")? as usize,
+        num_hidden_layers: meta_u32(c, "llama.block_count")? as usize,
+        num_attention_heads: heads,
+        num_key_value_heads: meta_u32(c, "llama.attention.head_count_kv").map_or(heads, |v| v as usize),
+        rms_norm_eps: f("llama.attention.layer_norm_rms_epsilon")?,
+        rope_theta: f("llama.rope.freq_base").unwrap_or(10_000.0),
+        vocab_size: meta_u32(c, "llama.vocab_size").map_or(tokens, |v| v as usize),
+        max_position_embeddings: meta_u32(c, "llama.context_length")? as usize,
+        tie_word_embeddings: !c.tensor_infos.contains_key("output.weight"),
+        bos_token_id: meta_u32(c, "tokenizer.ggml.bos_token_id")?,
+        eos_token_id: meta_u32(c, "tokenizer.ggml.eos_token_id")?,
+    };
+    cfg.check()?;
+    Ok(cfg)
+}
+
+/// `tokenizer.json` (the `tokenizers` crate's format) from the GGUF metadata.
+fn tokenizer_json(c: &Content) -> Result<serde_json::Value, ExecError> {
+    let model = meta(c, "tokenizer.ggml.model")?.to_string().map_err(bad)?;
+    if model != "gpt2" {
+        return Err(bad(format!("tokenizer model {model:?}: only gpt2 (byte-level BPE) is supported")));
+    }
+    let pre = c.metadata.get("tokenizer.ggml.pre").and_then(|v| v.to_string().ok()).map_or("default", String::as_str);
+    let byte_level = json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true});
+    let pre_tokenizer = match pre {
+        "smollm" | "starcoder" | "refact" | "codeshell" => {
+            json!({"type": "Sequence", "pretokenizers": [{"type": "Digits", "individual_digits": true}, byte_level]})
+        }
+        "gpt2" | "default" => byte_level.clone(),
+        other => return Err(bad(format!("pre-tokenizer {other:?} is not supported"))),
+    };
+    let tokens = meta_strings(c, "tokenizer.ggml.tokens")?;
+    let merges = meta_strings(c, "tokenizer.ggml.merges")?;
+    let types: Vec<i64> = match c.metadata.get("tokenizer.ggml.token_type") {
+        Some(v) => v.to_vec().map_err(bad)?.iter().map(|t| t.to_i32().map(i64::from).unwrap_or(1)).collect(),
+        None => vec![1; tokens.len()],
+    };
+    let vocab: serde_json::Map<String, serde_json::Value> =
+        tokens.iter().enumerate().map(|(i, t)| (t.clone(), json!(i))).collect();
+    // Token type 3 is a control token (`<|im_start|>`, `<|endoftext|>`, …): matched whole, never split.
+    let added: Vec<serde_json::Value> = tokens
+        .iter()
+        .zip(&types)
+        .enumerate()
+        .filter(|(_, (_, &ty))| ty == 3)
+        .map(|(i, (t, _))| {
+            json!({"id": i, "content": t, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true})
+        })
+        .collect();
+    Ok(json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": added,
+        "normalizer": null,
+        "pre_tokenizer": pre_tokenizer,
+        "post_processor": null,
+        "decoder": byte_level,
+        "model": {
+            "type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+            "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+            "vocab": vocab, "merges": merges,
+        },
+    }))
+}
+
+/// Imports the GGUF file `gguf` into the directory `out` (created), its tensors stored as
+/// `dtype` (F32 or F16). `progress` is told each tensor's name as it is converted.
+pub fn import(
+    gguf: &Path,
+    out: &Path,
+    dtype: DType,
+    mut progress: impl FnMut(usize, usize, &str),
+) -> Result<Imported, ExecError> {
+    if !matches!(dtype, DType::F32 | DType::F16) {
+        return Err(bad(format!("{dtype:?}: only f32 and f16 are written")));
+    }
+    let mut r = BufReader::new(File::open(gguf).map_err(|e| bad(format!("{}: {e}", gguf.display())))?);
+    let c = Content::read(&mut r).map_err(|e| bad(format!("{}: {e}", gguf.display())))?;
+    let cfg = config(&c)?;
+    let tok = tokenizer_json(&c)?;
+    // Parse it back before writing anything: the file we write must load.
+    let text = serde_json::to_string(&tok).map_err(bad)?;
+    tokenizers::Tokenizer::from_bytes(text.as_bytes())
+        .map_err(|e| bad(format!("the tokenizer built from the metadata: {e}")))?;
+
+    let mut names: Vec<&String> = c.tensor_infos.keys().collect();
+    names.sort();
+    let mut tensors: HashMap<String, Tensor> = HashMap::with_capacity(names.len());
+    for (i, name) in names.iter().enumerate() {
+        progress(i, names.len(), name);
+        let (hf, heads) = hf_name(name, &cfg)?;
+        let q = c.tensor(&mut r, name, &Device::Cpu).map_err(|e| bad(format!("{name}: {e}")))?;
+        let mut t = q.dequantize(&Device::Cpu).map_err(|e| bad(format!("{name}: {e}")))?;
+        if let Some(h) = heads {
+            t = unpermute(&t, h)?;
+        }
+        tensors.insert(hf, t.to_dtype(dtype)?);
+    }
+    check_shapes(&cfg, &tensors)?;
+
+    std::fs::create_dir_all(out).map_err(|e| bad(format!("{}: {e}", out.display())))?;
+    let model_path = out.join("model.safetensors");
+    candle_core::safetensors::save(&tensors, &model_path).map_err(|e| bad(format!("{}: {e}", model_path.display())))?;
+    let mut config_json = serde_json::to_value(&cfg).map_err(bad)?;
+    config_json["architectures"] = json!(["LlamaForCausalLM"]);
+    config_json["torch_dtype"] = json!(if dtype == DType::F16 { "float16" } else { "float32" });
+    if let Some(t) = c.metadata.get("tokenizer.chat_template").and_then(|v| v.to_string().ok()) {
+        config_json["chat_template"] = json!(t);
+    }
+    let write = |name: &str, text: String| {
+        std::fs::write(out.join(name), text).map_err(|e| bad(format!("{}: {e}", out.join(name).display())))
+    };
+    write("config.json", serde_json::to_string_pretty(&config_json).map_err(bad)?)?;
+    write("tokenizer.json", text)?;
+    let bytes = std::fs::metadata(&model_path).map_err(bad)?.len();
+    let vocabulary = meta(&c, "tokenizer.ggml.tokens")?.to_vec().map_err(bad)?.len();
+    Ok(Imported { config: cfg, tensors: tensors.len(), bytes, vocabulary })
+}
+
+/// Refuses a file whose tensors do not have the shapes its metadata implies.
+fn check_shapes(cfg: &LlamaConfig, tensors: &HashMap<String, Tensor>) -> Result<(), ExecError> {
+    let (h, f, kv) = (cfg.hidden_size, cfg.intermediate_size, cfg.num_key_value_heads * cfg.head_dim());
+    for (name, t) in tensors {
+        let shape = t.dims();
+        let want: Vec<usize> = match name.rsplit('.').nth(1).unwrap_or("") {
+            "embed_tokens" | "lm_head" => vec![cfg.vocab_size, h],
+            "q_proj" | "o_proj" => vec![h, h],
+            "k_proj" | "v_proj" => vec![kv, h],
+            "gate_proj" | "up_proj" => vec![f, h],
+            "down_proj" => vec![h, f],
+            _ => vec![h],
+        };
+        if shape != want {
+            return Err(bad(format!("{name} is {shape:?}, the configuration implies {want:?}")));
+        }
+    }
+    let blocks = tensors.keys().filter(|n| n.ends_with("mlp.down_proj.weight")).count();
+    if blocks != cfg.num_hidden_layers {
+        return Err(bad(format!("{blocks} blocks, the configuration says {}", cfg.num_hidden_layers)));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// llama.cpp's converter's permutation (`convert_hf_to_gguf.py`'s `permute`), written here
+    /// from its definition: rows viewed as `[heads, 2, d/2]`, the last two axes swapped.
+    fn permute(w: &[f32], rows: usize, cols: usize, heads: usize) -> Vec<f32> {
+        let half = rows / heads / 2;
+        let mut out = vec![0.0; w.len()];
+        for h in 0..heads {
+            for two in 0..2 {
+                for i in 0..half {
+                    let src = h * 2 * half + two * half + i;
+                    let dst = h * 2 * half + i * 2 + two;
+                    out[dst * cols..(dst + 1) * cols].copy_from_slice(&w[src * cols..(src + 1) * cols]);
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn unpermute_undoes_the_converters_permutation() {
+        let (rows, cols, heads) = (24, 3, 3);
+        let hf: Vec<f32> = (0..rows * cols).map(|x| x as f32).collect();
+        let gguf = Tensor::from_vec(permute(&hf, rows, cols, heads), (rows, cols), &Device::Cpu).unwrap();
+        let back = unpermute(&gguf, heads).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(back, hf);
+        assert!(unpermute(&gguf, 5).is_err());
+    }
+
+    #[test]
+    fn a_missing_or_foreign_file_is_a_clear_error() {
+        let e = import(Path::new("/nonexistent.gguf"), Path::new("/tmp/x"), DType::F32, |_, _, _| {}).unwrap_err();
+        assert!(e.to_string().contains("/nonexistent.gguf"), "{e}");
+        let dir = std::env::temp_dir().join(format!("cascade-gguf-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = dir.join("not.gguf");
+        std::fs::write(&f, b"GGUF\x03\0\0\0garbage").unwrap();
+        assert!(import(&f, &dir.join("out"), DType::F32, |_, _, _| {}).is_err());
+        assert!(import(&f, &dir.join("out"), DType::U8, |_, _, _| {}).unwrap_err().to_string().contains("f32 and f16"));
+        assert!(!dir.join("out").exists(), "nothing is written for a refused file");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,354 @@
+//! A llama-architecture decoder (SmolLM2 and its kin) on the CPU, written on `candle`'s building
+//! blocks: RMSNorm, rotary position embeddings (halves rotated, as Hugging Face's layout wants),
+//! grouped-query attention over a per-sequence KV cache ([`kv`]), a SwiGLU MLP, and a tied or
+//! separate LM head.
+//!
+//! Stages follow the pool's layers: stage 0 is the token embeddings, stage `1 + n` is block `n`,
+//! and the last stage is the final norm with the LM head. As with [`crate::bert`], a stage is
+//! built from its tensors only when [`Llama::load_stage`] is called, and [`LayerExec::run`]
+//! refuses one that is not loaded, so a partially loaded instance runs its first layers only.
+//!
+//! Batches are *packed* (see [`crate::activation`]): the new tokens of several sequences one after
+//! another, a [`Segment`] each. The projections and the MLP run on all the batch's tokens at once;
+//! attention runs per segment against that sequence's cache, causally masked. A prefill is a
+//! segment of the whole prompt at position 0; a decode step is a segment of one token. The head
+//! returns the logits of each segment's last token, `[1, segments, vocabulary]`.
+
+use std::ops::Range;
+use std::sync::Mutex;
+
+use candle_core::{DType, Device, Module, Tensor};
+use candle_nn::{Embedding, Linear, RmsNorm};
+use serde::{Deserialize, Serialize};
+
+use crate::activation::Segment;
+use crate::weights::Weights;
+use crate::{Activation, ExecError, LayerExec};
+
+pub mod generate;
+pub mod kv;
+
+pub use kv::KvCache;
+
+/// The hyper-parameters of a llama model (`config.json`, Hugging Face's names).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LlamaConfig {
+    /// Always `llama`.
+    pub model_type: String,
+    /// Width of the hidden states.
+    pub hidden_size: usize,
+    /// Width of the MLP.
+    pub intermediate_size: usize,
+    /// Blocks.
+    pub num_hidden_layers: usize,
+    /// Query heads.
+    pub num_attention_heads: usize,
+    /// Key/value heads (grouped-query attention).
+    pub num_key_value_heads: usize,
+    /// RMSNorm epsilon.
+    pub rms_norm_eps: f64,
+    /// RoPE base.
+    pub rope_theta: f64,
+    /// Vocabulary.
+    pub vocab_size: usize,
+    /// Longest sequence.
+    pub max_position_embeddings: usize,
+    /// Whether the LM head is the token embedding matrix.
+    pub tie_word_embeddings: bool,
+    /// Beginning-of-sequence token.
+    pub bos_token_id: u32,
+    /// End-of-sequence token (generation stops there).
+    pub eos_token_id: u32,
+}
+
+impl LlamaConfig {
+    /// Reads `config.json`, checking that the shapes are consistent.
+    pub fn from_json(text: &str) -> Result<LlamaConfig, ExecError> {
+        let c: LlamaConfig = serde_json::from_str(text).map_err(|e| ExecError::Model(format!("config.json: {e}")))?;
+        c.check()?;
+        Ok(c)
+    }
+
+    /// Refuses an inconsistent configuration.
+    pub fn check(&self) -> Result<(), ExecError> {
+        let bad = |why: String| Err(ExecError::Model(format!("config: {why}")));
+        if self.model_type != "llama" {
+            return bad(format!("model type {:?} is not llama", self.model_type));
+        }
+        let (h, q, kv) = (self.hidden_size, self.num_attention_heads, self.num_key_value_heads);
+        if q == 0 || kv == 0 || !h.is_multiple_of(q) || !q.is_multiple_of(kv) || !(h / q).is_multiple_of(2) {
+            return bad(format!("hidden {h} with {q} query and {kv} key/value heads"));
+        }
+        Ok(())
+    }
+
+    /// Width of one head.
+    pub fn head_dim(&self) -> usize {
+        self.hidden_size / self.num_attention_heads
+    }
+
+    /// The model's stages: embeddings, the blocks, the head.
+    pub fn stages(&self) -> usize {
+        self.num_hidden_layers + 2
+    }
+}
+
+/// One block.
+struct Block {
+    attn_norm: RmsNorm,
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    mlp_norm: RmsNorm,
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+/// The final norm and the LM head.
+struct Head {
+    norm: RmsNorm,
+    lm_head: Linear,
+}
+
+enum Stage {
+    Embed(Embedding),
+    Block(Box<Block>),
+    Head(Head),
+}
+
+/// A llama decoder whose stages are loaded one by one (see the module docs).
+pub struct Llama {
+    cfg: LlamaConfig,
+    stages: Vec<Option<Stage>>,
+    /// RoPE cos and sin, `[max_position_embeddings, head_dim / 2]`.
+    cos: Tensor,
+    sin: Tensor,
+    kv: Mutex<KvCache>,
+}
+
+impl Llama {
+    /// A model with no stage loaded yet.
+    pub fn new(cfg: LlamaConfig) -> Result<Llama, ExecError> {
+        cfg.check()?;
+        let d = cfg.head_dim();
+        let inv: Vec<f64> = (0..d / 2).map(|i| cfg.rope_theta.powf(-((2 * i) as f64) / d as f64)).collect();
+        let n = cfg.max_position_embeddings;
+        let angles = |f: fn(f64) -> f64| -> Vec<f32> {
+            (0..n).flat_map(|p| inv.iter().map(move |w| f(p as f64 * w) as f32)).collect()
+        };
+        let dev = Device::Cpu;
+        let cos = Tensor::from_vec(angles(f64::cos), (n, d / 2), &dev)?;
+        let sin = Tensor::from_vec(angles(f64::sin), (n, d / 2), &dev)?;
+        let stages = (0..cfg.stages()).map(|_| None).collect();
+        Ok(Llama { cfg, stages, cos, sin, kv: Mutex::default() })
+    }
+
+    /// Every stage in `stages` loaded from `w`.
+    pub fn load(cfg: LlamaConfig, w: &Weights<'_>, stages: Range<usize>) -> Result<Llama, ExecError> {
+        let mut m = Llama::new(cfg)?;
+        for s in stages {
+            m.load_stage(s, w)?;
+        }
+        Ok(m)
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &LlamaConfig {
+        &self.cfg
+    }
+
+    /// Whether stage `s` is loaded.
+    pub fn is_loaded(&self, s: usize) -> bool {
+        self.stages.get(s).is_some_and(Option::is_some)
+    }
+
+    /// Builds stage `s` from its tensors in `w`. A tied head shares the embedding stage's matrix
+    /// when that stage is loaded here.
+    pub fn load_stage(&mut self, s: usize, w: &Weights<'_>) -> Result<(), ExecError> {
+        let eps = self.cfg.rms_norm_eps;
+        let norm = |name: &str| -> Result<RmsNorm, ExecError> { Ok(RmsNorm::new(w.tensor(name)?, eps)) };
+        let linear = |name: &str| -> Result<Linear, ExecError> { Ok(Linear::new(w.tensor(name)?, None)) };
+        let last = self.cfg.num_hidden_layers + 1;
+        let stage = match s {
+            0 => Stage::Embed(Embedding::new(w.tensor("model.embed_tokens.weight")?, self.cfg.hidden_size)),
+            s if s < last => {
+                let p = format!("model.layers.{}", s - 1);
+                Stage::Block(Box::new(Block {
+                    attn_norm: norm(&format!("{p}.input_layernorm.weight"))?,
+                    q: linear(&format!("{p}.self_attn.q_proj.weight"))?,
+                    k: linear(&format!("{p}.self_attn.k_proj.weight"))?,
+                    v: linear(&format!("{p}.self_attn.v_proj.weight"))?,
+                    o: linear(&format!("{p}.self_attn.o_proj.weight"))?,
+                    mlp_norm: norm(&format!("{p}.post_attention_layernorm.weight"))?,
+                    gate: linear(&format!("{p}.mlp.gate_proj.weight"))?,
+                    up: linear(&format!("{p}.mlp.up_proj.weight"))?,
+                    down: linear(&format!("{p}.mlp.down_proj.weight"))?,
+                }))
+            }
+            s if s == last => {
+                let lm_head = if w.has("lm_head.weight") {
+                    w.tensor("lm_head.weight")?
+                } else if let Some(Stage::Embed(e)) = &self.stages[0] {
+                    e.embeddings().clone()
+                } else {
+                    w.tensor("model.embed_tokens.weight")?
+                };
+                Stage::Head(Head { norm: norm("model.norm.weight")?, lm_head: Linear::new(lm_head, None) })
+            }
+            _ => return Err(ExecError::NoSuchLayer { layer: s, layers: self.stages.len() }),
+        };
+        self.stages[s] = Some(stage);
+        Ok(())
+    }
+
+    /// Drops `seq`'s KV cache (a finished or moved request); whether it had one.
+    pub fn free(&self, seq: u64) -> bool {
+        self.cache().free(seq)
+    }
+
+    /// The KV cache (for moving a sequence's cache between instances).
+    pub fn cache(&self) -> std::sync::MutexGuard<'_, KvCache> {
+        self.kv.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Checks a batch's segments against the cache of `block` before anything is appended, so a
+    /// refused batch leaves every cache as it was.
+    fn check_segments(&self, act: &Activation, block: Option<usize>) -> Result<(), ExecError> {
+        let tokens = act.ids.dims2()?.1;
+        let total: usize = act.segments.iter().map(|g| g.len as usize).sum();
+        if act.segments.is_empty() || total != tokens {
+            return Err(ExecError::Input(format!("segments cover {total} of the batch's {tokens} tokens")));
+        }
+        let cache = self.cache();
+        for g in &act.segments {
+            let end = g.pos as usize + g.len as usize;
+            if end > self.cfg.max_position_embeddings {
+                return Err(ExecError::Input(format!(
+                    "sequence {}: {end} tokens, the model takes at most {}",
+                    g.seq, self.cfg.max_position_embeddings
+                )));
+            }
+            if let Some(b) = block.filter(|&b| cache.len(g.seq, b) != g.pos as usize) {
+                return Err(ExecError::Input(format!(
+                    "sequence {}: block {b} holds {} tokens, the batch continues at {}",
+                    g.seq,
+                    cache.len(g.seq, b),
+                    g.pos
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    fn block(&self, b: &Block, block: usize, x: &Tensor, segments: &[Segment]) -> Result<Tensor, ExecError> {
+        let (_, t, _) = x.dims3()?;
+        let (heads, kv_heads, d) = (self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim());
+        let h = b.attn_norm.forward(x)?;
+        let q = b.q.forward(&h)?.reshape((t, heads, d))?;
+        let k = b.k.forward(&h)?.reshape((t, kv_heads, d))?;
+        let v = b.v.forward(&h)?.reshape((t, kv_heads, d))?;
+        let mut outs = Vec::with_capacity(segments.len());
+        let mut off = 0;
+        for g in segments {
+            let (pos, n) = (g.pos as usize, g.len as usize);
+            let part = |x: &Tensor| -> candle_core::Result<Tensor> {
+                x.narrow(0, off, n)?.transpose(0, 1)?.unsqueeze(0)?.contiguous()
+            };
+            let (cos, sin) = (self.cos.narrow(0, pos, n)?, self.sin.narrow(0, pos, n)?);
+            let qs = candle_nn::rotary_emb::rope(&part(&q)?, &cos, &sin)?;
+            let ks = candle_nn::rotary_emb::rope(&part(&k)?, &cos, &sin)?;
+            let (kall, vall) = self.cache().append(g.seq, block, pos, ks, part(&v)?)?;
+            outs.push(self.attend(&qs, &kall, &vall, pos)?);
+            off += n;
+        }
+        let att = Tensor::cat(&outs, 0)?.unsqueeze(0)?;
+        let x = (x + b.o.forward(&att)?)?;
+        let h = b.mlp_norm.forward(&x)?;
+        let mlp = b.down.forward(&(b.gate.forward(&h)?.silu()? * b.up.forward(&h)?)?)?;
+        Ok((x + mlp)?)
+    }
+
+    /// Attention of one sequence's new queries `[1, heads, n, d]` (at positions `pos..pos+n`)
+    /// over its cached keys and values `[1, kv_heads, S, d]`; returns `[n, heads·d]`.
+    fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, pos: usize) -> candle_core::Result<Tensor> {
+        let (_, heads, n, d) = q.dims4()?;
+        let (_, kv_heads, s, _) = k.dims4()?;
+        let rep = heads / kv_heads;
+        // Query head h reads key/value head h / rep.
+        let widen = |x: &Tensor| x.unsqueeze(2)?.expand((1, kv_heads, rep, s, d))?.reshape((1, heads, s, d));
+        let (k, v) = (widen(k)?, widen(v)?);
+        let mut scores = (q.matmul(&k.t()?)? / (d as f64).sqrt())?;
+        if n > 1 {
+            let mask: Vec<f32> =
+                (0..n).flat_map(|i| (0..s).map(move |j| if j > pos + i { f32::NEG_INFINITY } else { 0.0 })).collect();
+            scores = scores.broadcast_add(&Tensor::from_vec(mask, (n, s), q.device())?)?;
+        }
+        let probs = candle_nn::ops::softmax_last_dim(&scores)?;
+        probs.matmul(&v)?.transpose(1, 2)?.reshape((n, heads * d))
+    }
+
+    fn head(&self, h: &Head, x: &Tensor, segments: &[Segment]) -> candle_core::Result<Tensor> {
+        let mut at = 0u32;
+        let last: Vec<u32> = segments
+            .iter()
+            .map(|g| {
+                at += g.len;
+                at - 1
+            })
+            .collect();
+        let n = last.len();
+        let x = x.index_select(&Tensor::from_vec(last, n, x.device())?, 1)?;
+        h.lm_head.forward(&h.norm.forward(&x)?)
+    }
+}
+
+impl LayerExec for Llama {
+    fn layers(&self) -> usize {
+        self.stages.len()
+    }
+
+    fn run(&self, layers: Range<usize>, mut act: Activation) -> Result<Activation, ExecError> {
+        if layers.end > self.stages.len() || layers.start > layers.end {
+            return Err(ExecError::NoSuchLayer { layer: layers.end, layers: self.stages.len() });
+        }
+        if act.next_layer != layers.start {
+            return Err(ExecError::OutOfOrder { have: act.next_layer, want: layers.start });
+        }
+        for s in layers {
+            let stage = self.stages[s].as_ref().ok_or(ExecError::NotResident { layer: s })?;
+            let hidden = match stage {
+                Stage::Embed(e) => {
+                    self.check_segments(&act, None)?;
+                    if act
+                        .ids
+                        .max_keepdim(1)?
+                        .flatten_all()?
+                        .to_vec1::<u32>()?
+                        .iter()
+                        .any(|&t| t as usize >= self.cfg.vocab_size)
+                    {
+                        return Err(ExecError::Input(format!(
+                            "a token id past the vocabulary of {}",
+                            self.cfg.vocab_size
+                        )));
+                    }
+                    e.forward(&act.ids)?
+                }
+                Stage::Block(b) => {
+                    let x = act.hidden.as_ref().ok_or(ExecError::OutOfOrder { have: s, want: 0 })?;
+                    self.check_segments(&act, Some(s - 1))?;
+                    self.block(b, s - 1, x, &act.segments)?
+                }
+                Stage::Head(h) => {
+                    let x = act.hidden.as_ref().ok_or(ExecError::OutOfOrder { have: s, want: 0 })?;
+                    self.head(h, x, &act.segments)?
+                }
+            };
+            act.hidden = Some(hidden.to_dtype(DType::F32)?);
+            act.next_layer = s + 1;
+        }
+        Ok(act)
+    }
+}
