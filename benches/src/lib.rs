@@ -191,3 +191,11 @@ pub fn init_logging() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into());
     let _ = tracing_subscriber::fmt().with_writer(std::io::stderr).with_env_filter(filter).try_init();
 }
+
+/// Registers the font at `path` as plotters' "sans-serif" (the plots' text).
+pub fn register_font(path: &std::path::Path) -> anyhow::Result<()> {
+    let font = std::fs::read(path)
+        .with_context(|| format!("reading font {} (apt-get install fonts-dejavu-core)", path.display()))?;
+    plotters::style::register_font("sans-serif", plotters::style::FontStyle::Normal, Box::leak(font.into_boxed_slice()))
+        .map_err(|_| anyhow::anyhow!("{} is not a usable font", path.display()))
+}

@@ -21,6 +21,7 @@ pub mod embed;
 pub mod emulated;
 pub mod gguf;
 pub mod llama;
+pub mod llmsim;
 pub mod serve;
 pub mod weights;
 pub mod zigzag;

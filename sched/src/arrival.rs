@@ -169,7 +169,8 @@ fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
     era * 146_097 + doe - 719_468
 }
 
-fn timestamp_s(field: &str) -> Option<f64> {
+/// Seconds of a trace timestamp: a number, or `YYYY-MM-DD hh:mm:ss[.frac]` (UTC, `T` allowed).
+pub fn timestamp_s(field: &str) -> Option<f64> {
     if let Ok(s) = field.parse::<f64>() {
         return Some(s);
     }

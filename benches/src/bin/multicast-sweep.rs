@@ -211,10 +211,7 @@ fn compare_mpi(c: &Cli, bed: Bed) -> anyhow::Result<()> {
 type Series = (String, RGBColor, u32, Vec<f64>);
 
 fn plot(path: &PathBuf, c: &Cli, series: &[Series], bound: Option<f64>, what: &str) -> anyhow::Result<()> {
-    let font = std::fs::read(&c.font)
-        .with_context(|| format!("reading font {} (apt-get install fonts-dejavu-core)", c.font.display()))?;
-    plotters::style::register_font("sans-serif", FontStyle::Normal, Box::leak(font.into_boxed_slice()))
-        .map_err(|_| anyhow::anyhow!("{} is not a usable font", c.font.display()))?;
+    cascade_benches::register_font(&c.font)?;
     let ymax = series.iter().flat_map(|s| s.3.iter().copied()).chain(bound).fold(0.0f64, f64::max) * 1.1;
     let root = BitMapBackend::new(path, (960, 600)).into_drawing_area();
     root.fill(&WHITE)?;

@@ -1,0 +1,237 @@
+//! `serve-sim`: BlitzScale's end-to-end comparison at cluster scale (seed `004_…`, §6) on the
+//! simulator in `cascade_exec::llmsim`: emulated LLM instances (a test double for GPUs, costs from
+//! a profile) serving a real trace with prefill/decode disaggregation and an autoscaler, the
+//! parameters loaded as each system loads them.
+//!
+//! `serve-sim --trace sched/data/AzureLLMInferenceTrace_code.csv --system blitz --json`
+//!
+//! `--system all` runs the four systems on the same trace and prints a table; `--png` writes the
+//! TTFT and TBT CDFs, `--timeline-png` a 1→16-instance scale-out (Figure 18's shape).
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context};
+use cascade_exec::llmsim::{parse_trace, simulate, Profile, SimConfig, SimOutcome, System, TraceRequest};
+use clap::Parser;
+use plotters::prelude::*;
+
+#[derive(Parser)]
+#[command(about = "LLM serving at cluster scale: blitz vs ServerlessLLM-like vs AllCache vs stop-the-world")]
+struct Cli {
+    /// The trace: TIMESTAMP,ContextTokens,GeneratedTokens (the Azure LLM inference 2023 format).
+    #[arg(long, default_value = "sched/data/AzureLLMInferenceTrace_code.csv")]
+    trace: PathBuf,
+    /// blitz, sllm, allcache, stop, or all.
+    #[arg(long, default_value = "all")]
+    system: String,
+    /// llama2-7b or llama2-70b.
+    #[arg(long, default_value = "llama2-7b")]
+    model: String,
+    /// Multiply the trace's request rate (its arrivals compressed in time).
+    #[arg(long, default_value_t = 1.0)]
+    rate_scale: f64,
+    /// Keep only the first this many seconds of the (rescaled) trace.
+    #[arg(long)]
+    duration_s: Option<f64>,
+    /// Hosts of the simulated cluster (8 GPUs each).
+    #[arg(long, default_value_t = 4)]
+    hosts: usize,
+    /// Print one JSON object per system.
+    #[arg(long)]
+    json: bool,
+    /// Write the TTFT and TBT CDFs of the systems run here.
+    #[arg(long)]
+    png: Option<PathBuf>,
+    /// Simulate a step burst that scales prefill from 1 to 16 instances, blitz against sllm,
+    /// and plot prefill throughput over time here.
+    #[arg(long)]
+    timeline_png: Option<PathBuf>,
+    /// Font for the plots' text.
+    #[arg(long, default_value = "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf")]
+    font: PathBuf,
+}
+
+fn config(c: &Cli, system: System) -> anyhow::Result<SimConfig> {
+    let mut cfg = SimConfig::new(system, Profile::by_name(&c.model).map_err(anyhow::Error::msg)?);
+    if c.hosts == 0 {
+        bail!("--hosts must be at least 1");
+    }
+    cfg.hardware.hosts = c.hosts;
+    Ok(cfg)
+}
+
+fn main() -> anyhow::Result<()> {
+    let c = Cli::parse();
+    let systems: Vec<System> =
+        if c.system == "all" { System::ALL.to_vec() } else { vec![c.system.parse().map_err(anyhow::Error::msg)?] };
+    let text = std::fs::read_to_string(&c.trace).with_context(|| format!("reading {}", c.trace.display()))?;
+    let mut trace =
+        parse_trace(&text, c.rate_scale).map_err(anyhow::Error::msg).with_context(|| c.trace.display().to_string())?;
+    if let Some(d) = c.duration_s {
+        trace.retain(|r| r.at_ms <= d * 1e3);
+    }
+    let mut outs: Vec<SimOutcome> = Vec::new();
+    for &s in &systems {
+        let out = simulate(&config(&c, s)?, &trace).map_err(anyhow::Error::msg)?;
+        if c.json {
+            println!("{}", serde_json::to_string(&out.report)?);
+        }
+        outs.push(out);
+    }
+    if !c.json {
+        table(&c, &trace, &outs);
+    }
+    if let Some(p) = &c.png {
+        cascade_benches::register_font(&c.font)?;
+        cdf_plot(p, &c, &mut outs)?;
+    }
+    if let Some(p) = &c.timeline_png {
+        cascade_benches::register_font(&c.font)?;
+        timeline(p, &c)?;
+    }
+    Ok(())
+}
+
+fn table(c: &Cli, trace: &[TraceRequest], outs: &[SimOutcome]) {
+    let span = trace.last().map_or(0.0, |r| r.at_ms / 1e3);
+    println!(
+        "{} requests over {span:.0} s ({} ×{}), {}, {} hosts × 8 GPUs",
+        trace.len(),
+        c.trace.file_name().map_or(String::new(), |n| n.to_string_lossy().into_owned()),
+        c.rate_scale,
+        c.model,
+        c.hosts
+    );
+    println!("| system | TTFT p50 | TTFT p99 | TTFT mean | TBT p50 | TBT p99 | SLO met | GPU·s | host cache (copies) | scale events (mutations) | load mean |");
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+    for o in outs {
+        let r = &o.report;
+        println!(
+            "| {} | {:.0} ms | {:.0} ms | {:.0} ms | {:.1} ms | {:.1} ms | {:.1}% | {:.0} | {:.1} GB ({:.2}) | {} ({}) | {:.2} s |",
+            r.system.name(),
+            r.ttft_p50_ms,
+            r.ttft_p99_ms,
+            r.ttft_mean_ms,
+            r.tbt_p50_ms,
+            r.tbt_p99_ms,
+            100.0 * r.slo_attainment,
+            r.gpu_seconds,
+            r.host_cache_gb_avg,
+            r.host_cache_copies_avg,
+            r.scale_events,
+            r.mutations,
+            r.load_s_mean
+        );
+    }
+}
+
+const COLORS: [RGBColor; 4] =
+    [RGBColor(200, 40, 40), RGBColor(40, 90, 200), RGBColor(40, 150, 60), RGBColor(150, 100, 30)];
+
+fn cdf_plot(path: &PathBuf, c: &Cli, outs: &mut [SimOutcome]) -> anyhow::Result<()> {
+    let root = BitMapBackend::new(path, (1200, 500)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let (left, right) = root.split_horizontally(600);
+    for (area, what) in [(left, "TTFT"), (right, "TBT")] {
+        let curves: Vec<(String, Vec<(f64, f64)>)> = outs
+            .iter_mut()
+            .map(|o| {
+                let name = o.report.system.name().to_string();
+                let h = if what == "TTFT" { &mut o.ttft } else { &mut o.tbt };
+                let s = h.samples();
+                let n = s.len().max(1) as f64;
+                let step = (s.len() / 2000).max(1);
+                let pts = s
+                    .iter()
+                    .enumerate()
+                    .step_by(step)
+                    .map(|(i, &v)| ((v / 1e3).max(1e-3), (i + 1) as f64 / n))
+                    .collect();
+                (name, pts)
+            })
+            .collect();
+        let xmax = curves.iter().flat_map(|(_, p)| p.iter().map(|x| x.0)).fold(0.01f64, f64::max);
+        let mut chart = ChartBuilder::on(&area)
+            .caption(format!("{what} CDF — {} ×{} rate, {}", c.model, c.rate_scale, "code trace"), ("sans-serif", 20))
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(50)
+            .build_cartesian_2d((1e-3..xmax * 1.2).log_scale(), 0.0..1.0)?;
+        chart.configure_mesh().x_desc(format!("{what} (s, log)")).y_desc("fraction of samples").draw()?;
+        for (i, (name, pts)) in curves.into_iter().enumerate() {
+            let col = COLORS[i % COLORS.len()];
+            chart
+                .draw_series(LineSeries::new(pts, col.stroke_width(2)))?
+                .label(name)
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], col.stroke_width(2)));
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::LowerRight)
+            .background_style(WHITE)
+            .border_style(BLACK)
+            .draw()?;
+    }
+    root.present()?;
+    eprintln!("wrote {}", path.display());
+    Ok(())
+}
+
+/// A step burst: 60 s at a rate one prefill instance handles, then 60 s at 16 instances' worth
+/// (prompts of 2,048 tokens, 28 generated, evenly spaced), on 4 hosts.
+fn timeline(path: &PathBuf, c: &Cli) -> anyhow::Result<()> {
+    let p = Profile::by_name(&c.model).map_err(anyhow::Error::msg)?;
+    let cap = p.prefill_capacity() / 2048.0 * 0.8;
+    let mut trace = Vec::new();
+    let mut t = 0.0;
+    while t < 120_000.0 {
+        let rate = if t < 60_000.0 { 0.8 * cap } else { 16.0 * cap };
+        trace.push(TraceRequest { at_ms: t, prompt_tokens: 2048, output_tokens: 28 });
+        t += 1e3 / rate;
+    }
+    let mut series = Vec::new();
+    for s in [System::Blitz, System::Stop, System::Sllm, System::Allcache] {
+        let mut cfg = config(c, s)?;
+        cfg.timeline_bin_ms = 250.0;
+        let out = simulate(&cfg, &trace).map_err(anyhow::Error::msg)?;
+        let pts: Vec<(f64, f64)> = out
+            .timeline
+            .iter()
+            .filter(|x| (55.0..=80.0).contains(&x.t_s))
+            .map(|x| (x.t_s - 60.0, x.prefill_tokens_per_s / 1e3))
+            .collect();
+        eprintln!(
+            "timeline {}: TTFT p99 {:.0} ms over the burst, {} scale events",
+            s.name(),
+            out.report.ttft_p99_ms,
+            out.report.scale_events
+        );
+        series.push((s.name(), pts));
+    }
+    let ymax = series.iter().flat_map(|(_, p)| p.iter().map(|x| x.1)).fold(1.0f64, f64::max) * 1.1;
+    let root = BitMapBackend::new(path, (960, 520)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(format!("Prefill throughput, 1 → 16 instances at t = 0 ({})", c.model), ("sans-serif", 22))
+        .margin(14)
+        .x_label_area_size(40)
+        .y_label_area_size(60)
+        .build_cartesian_2d(-5.0..20.0, 0.0..ymax)?;
+    chart.configure_mesh().x_desc("seconds after the burst began").y_desc("prompt tokens/s (thousands)").draw()?;
+    for (i, (name, pts)) in series.into_iter().enumerate() {
+        let col = COLORS[i % COLORS.len()];
+        chart
+            .draw_series(LineSeries::new(pts, col.stroke_width(2)))?
+            .label(name)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], col.stroke_width(2)));
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::LowerRight)
+        .background_style(WHITE)
+        .border_style(BLACK)
+        .draw()?;
+    root.present()?;
+    eprintln!("wrote {}", path.display());
+    Ok(())
+}
