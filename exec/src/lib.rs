@@ -22,6 +22,7 @@ pub mod emulated;
 pub mod gguf;
 pub mod llama;
 pub mod llmsim;
+pub mod pd;
 pub mod serve;
 pub mod weights;
 pub mod zigzag;
@@ -35,6 +36,33 @@ pub trait LayerExec: Send + Sync {
     /// Runs layers `layers` on `act`, whose next layer must be `layers.start`; refuses a layer
     /// that is not resident.
     fn run(&self, layers: Range<usize>, act: Activation) -> Result<Activation, ExecError>;
+}
+
+/// A model whose stages are built one by one from verified bytes (what a serving instance's
+/// compute thread drives).
+pub trait Staged: LayerExec + Send + 'static {
+    /// Whether stage `s` is built.
+    fn is_loaded(&self, s: usize) -> bool;
+    /// Builds stage `s` from its tensors in `w` ([`ExecError::NotResident`] while they are not).
+    fn load_stage(&mut self, s: usize, w: &weights::Weights<'_>) -> Result<(), ExecError>;
+}
+
+impl Staged for bert::Bert {
+    fn is_loaded(&self, s: usize) -> bool {
+        bert::Bert::is_loaded(self, s)
+    }
+    fn load_stage(&mut self, s: usize, w: &weights::Weights<'_>) -> Result<(), ExecError> {
+        bert::Bert::load_stage(self, s, w)
+    }
+}
+
+impl Staged for llama::Llama {
+    fn is_loaded(&self, s: usize) -> bool {
+        llama::Llama::is_loaded(self, s)
+    }
+    fn load_stage(&mut self, s: usize, w: &weights::Weights<'_>) -> Result<(), ExecError> {
+        llama::Llama::load_stage(self, s, w)
+    }
 }
 
 /// Why a layer could not run.

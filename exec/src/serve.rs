@@ -27,7 +27,8 @@ use tokenizers::Tokenizer;
 use crate::bert::BertConfig;
 use crate::ExecError;
 
-mod compute;
+pub(crate) mod compute;
+pub(crate) mod copy;
 pub mod dispatch;
 mod instance;
 pub mod proto;
@@ -62,21 +63,27 @@ impl ServedModel {
     /// Packs `file` (the safetensors bytes) into a new region registered on `mesh`: a held copy
     /// for [`Source::Held`], and the source of a multicast.
     pub fn load(&self, mesh: &dyn Mesh, file: &[u8]) -> Result<Region, ServeError> {
-        if file.len() as u64 != self.manifest.file_bytes {
-            return Err(ServeError::Config(format!(
-                "the file has {} bytes, the manifest {}",
-                file.len(),
-                self.manifest.file_bytes
-            )));
-        }
-        let mut image = vec![0u8; self.manifest.bytes as usize];
-        self.manifest.pack(file, &mut image);
-        let region = mesh.alloc(self.manifest.bytes)?;
-        // SAFETY: the region is new and not registered yet: no peer can reach it.
-        unsafe { region.write_local(0, &image) }?;
-        mesh.register(&region)?;
-        Ok(region)
+        load_packed(mesh, &self.manifest, file)
     }
+}
+
+/// Packs `file` (a model's safetensors bytes, as `manifest` describes them) into a new region
+/// registered on `mesh`: a held copy, and the source of a multicast.
+pub fn load_packed(mesh: &dyn Mesh, manifest: &Manifest, file: &[u8]) -> Result<Region, ServeError> {
+    if file.len() as u64 != manifest.file_bytes {
+        return Err(ServeError::Config(format!(
+            "the file has {} bytes, the manifest {}",
+            file.len(),
+            manifest.file_bytes
+        )));
+    }
+    let mut image = vec![0u8; manifest.bytes as usize];
+    manifest.pack(file, &mut image);
+    let region = mesh.alloc(manifest.bytes)?;
+    // SAFETY: the region is new and not registered yet: no peer can reach it.
+    unsafe { region.write_local(0, &image) }?;
+    mesh.register(&region)?;
+    Ok(region)
 }
 
 /// Why serving failed.

@@ -96,7 +96,7 @@ async fn a_new_instance_serves_while_its_copy_arrives_under_each_policy() {
         }
         cmd_tx.send(RouterCmd::Scale { node: 2 }).unwrap();
         let ctl = Controller::new(mesh.clone()).unwrap();
-        let out = scale_out(&mesh, &ctl, &c.model, topology(3), 1, &[2], None).await.unwrap();
+        let out = scale_out(&mesh, &ctl, &c.model.manifest, topology(3), 1, &[2], None).await.unwrap();
         assert_eq!(out.adopted, vec![2], "{policy:?}: the new instance holds its verified copy");
         for (i, t) in texts.iter().enumerate().skip(32) {
             req_tx.send(Request { id: i as u64, text: t.clone(), arrived: Instant::now() }).await.unwrap();
@@ -127,7 +127,7 @@ async fn a_request_split_across_instances_equals_one_instance() {
     let local = Embedder::from_dir(&dir).unwrap();
     let mesh: Arc<dyn Mesh> = c.eps[0].clone();
     let ctl = Controller::new(mesh.clone()).unwrap();
-    scale_out(&mesh, &ctl, &c.model, topology(3), 1, &[2], None).await.unwrap();
+    scale_out(&mesh, &ctl, &c.model.manifest, topology(3), 1, &[2], None).await.unwrap();
     use cascade_exec::serve::{ExecMsg, Split};
     use cascade_transport::ServiceExt;
     let texts = vec!["The quick brown fox jumps over the lazy dog.".to_string(), "Hello, world!".to_string()];
@@ -183,7 +183,7 @@ async fn the_new_instance_failing_while_it_loads_loses_nothing() {
     let (answers, stats, _) = serve_during(&c, 40, |cmds| async move {
         cmds.send(RouterCmd::Scale { node: 2 }).unwrap();
         let ctl = Controller::new(m.clone()).unwrap();
-        let scaling = scale_out(m, &ctl, &cr.model, topology(3), 1, &[2], None);
+        let scaling = scale_out(m, &ctl, &cr.model.manifest, topology(3), 1, &[2], None);
         tokio::pin!(scaling);
         // Node 2 dies once it serves its first layer: its split batches must go back to node 1.
         let died = async {
@@ -211,7 +211,7 @@ async fn the_old_instance_failing_mid_batch_loses_nothing() {
     let Some(c) = cluster(3, "old-dies").await else { return };
     let mesh: Arc<dyn Mesh> = c.eps[0].clone();
     let ctl = Controller::new(mesh.clone()).unwrap();
-    scale_out(&mesh, &ctl, &c.model, topology(3), 1, &[2], None).await.unwrap();
+    scale_out(&mesh, &ctl, &c.model.manifest, topology(3), 1, &[2], None).await.unwrap();
     let cr = &c;
     let (answers, stats, _) = serve_during(&c, 40, |cmds| async move {
         cmds.send(RouterCmd::Scale { node: 2 }).unwrap();

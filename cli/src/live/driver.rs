@@ -175,7 +175,7 @@ pub(crate) async fn drive(a: &LiveArgs, cluster: &Path, policy: LivePolicy, roun
         }
         (first_layer, loaded)
     });
-    let scaled = scale_out(&mesh, &ctl, &model, topology, OLD, &[NEW], Some(ptx)).await?;
+    let scaled = scale_out(&mesh, &ctl, &model.manifest, topology, OLD, &[NEW], Some(ptx)).await?;
     let (first_layer, loaded) = events.await.unwrap_or((None, None));
     sending.await.ok();
     let stats = routing.await.context("the router failed")?;

@@ -10,41 +10,45 @@ use bytes::Bytes;
 use cascade_param_pool::manifest::Manifest;
 use tracing::{debug, warn};
 
-use crate::bert::Bert;
 use crate::weights::Weights;
-use crate::{Activation, ExecError, LayerExec};
+use crate::{Activation, ExecError, Staged};
+
+/// Something to do with the model itself, on the compute thread (between layers).
+pub(crate) type WithModel<M> = Box<dyn FnOnce(&mut M) + Send>;
 
 /// Work for the compute thread.
-pub(super) enum Cmd<T> {
+pub(crate) enum Cmd<T, M> {
     /// Run `act` up to (not including) layer `stop`.
     Job { act: Activation, stop: usize, tag: T },
     /// The model's packed image up to here is verified on this node: build what it completes.
     Verified(Bytes),
+    /// Run this with the model (a decoder's KV cache moves in and out this way).
+    With(WithModel<M>),
 }
 
 /// A finished (or failed) job, with its tag.
-pub(super) struct Finished<T> {
-    pub(super) tag: T,
-    pub(super) result: Result<Activation, ExecError>,
+pub(crate) struct Finished<T> {
+    pub(crate) tag: T,
+    pub(crate) result: Result<Activation, ExecError>,
 }
 
 /// The handle the async side keeps.
-pub(super) struct Compute<T> {
-    tx: mpsc::Sender<Cmd<T>>,
+pub(crate) struct Compute<T, M> {
+    tx: mpsc::Sender<Cmd<T, M>>,
     resident: Arc<AtomicU32>,
     layers: usize,
 }
 
-impl<T: Send + 'static> Compute<T> {
+impl<T: Send + 'static, M: Staged> Compute<T, M> {
     /// Starts the thread on `model` (stages already built count as resident); finished jobs go
     /// to `done`. The thread ends when the handle is dropped and its jobs are done.
-    pub(super) fn start(
-        model: Bert,
+    pub(crate) fn start(
+        model: M,
         manifest: Arc<Manifest>,
         done: tokio::sync::mpsc::UnboundedSender<Finished<T>>,
         name: String,
         core: Option<usize>,
-    ) -> std::io::Result<Compute<T>> {
+    ) -> std::io::Result<Compute<T, M>> {
         let (tx, rx) = mpsc::channel();
         let layers = model.layers();
         let resident = Arc::new(AtomicU32::new(0));
@@ -59,17 +63,17 @@ impl<T: Send + 'static> Compute<T> {
     }
 
     /// Queues work; false once the thread is gone.
-    pub(super) fn send(&self, cmd: Cmd<T>) -> bool {
+    pub(crate) fn send(&self, cmd: Cmd<T, M>) -> bool {
         self.tx.send(cmd).is_ok()
     }
 
     /// Stages resident now (a prefix of the model).
-    pub(super) fn resident(&self) -> usize {
+    pub(crate) fn resident(&self) -> usize {
         self.resident.load(Ordering::Acquire) as usize
     }
 
     /// The model's stages.
-    pub(super) fn layers(&self) -> usize {
+    pub(crate) fn layers(&self) -> usize {
         self.layers
     }
 }
@@ -80,22 +84,22 @@ struct Pending<T> {
     tag: T,
 }
 
-fn run<T>(
-    mut model: Bert,
+fn run<T, M: Staged>(
+    mut model: M,
     manifest: &Manifest,
-    rx: &mpsc::Receiver<Cmd<T>>,
+    rx: &mpsc::Receiver<Cmd<T, M>>,
     done: &tokio::sync::mpsc::UnboundedSender<Finished<T>>,
     resident: &AtomicU32,
 ) {
     let mut jobs: Vec<Pending<T>> = Vec::new();
-    let publish = |m: &Bert| {
+    let publish = |m: &M| {
         let n = (0..m.layers()).take_while(|&s| m.is_loaded(s)).count();
         resident.store(n as u32, Ordering::Release);
     };
     publish(&model);
     loop {
         // Take what is queued; wait only when nothing can run.
-        let runnable = |jobs: &[Pending<T>], m: &Bert| jobs.iter().position(|j| m.is_loaded(j.act.next_layer));
+        let runnable = |jobs: &[Pending<T>], m: &M| jobs.iter().position(|j| m.is_loaded(j.act.next_layer));
         let cmd = if runnable(&jobs, &model).is_some() {
             match rx.try_recv() {
                 Ok(c) => Some(c),
@@ -121,6 +125,10 @@ fn run<T>(
             Some(Cmd::Verified(bytes)) => {
                 load_verified(&mut model, manifest, &bytes);
                 publish(&model);
+                continue;
+            }
+            Some(Cmd::With(f)) => {
+                f(&mut model);
                 continue;
             }
             None => {}
@@ -159,7 +167,7 @@ fn pin(core: usize) {
 }
 
 /// Builds every stage after the resident prefix that the verified bytes complete.
-fn load_verified(model: &mut Bert, manifest: &Manifest, bytes: &[u8]) {
+fn load_verified<M: Staged>(model: &mut M, manifest: &Manifest, bytes: &[u8]) {
     let w = match Weights::verified_prefix(manifest, bytes) {
         Ok(w) => w,
         Err(e) => return warn!(error = %e, "verified bytes do not fit the model"),

@@ -111,6 +111,7 @@ pub struct Dispatcher {
     new: Option<u32>,
     resident: u32,
     planned: HashMap<u64, u32>,
+    weights: HashMap<u64, f64>,
     cooperating: bool,
     load: HashMap<u32, Load>,
     outstanding: HashMap<u64, (u32, bool)>,
@@ -127,6 +128,7 @@ impl Dispatcher {
             new: None,
             resident: 0,
             planned: HashMap::new(),
+            weights: HashMap::new(),
             cooperating: false,
             load,
             outstanding: HashMap::new(),
@@ -136,6 +138,19 @@ impl Dispatcher {
     /// A batch arrived.
     pub fn arrive(&mut self, batch: u64) {
         self.queue.push_back(batch);
+    }
+
+    /// A batch of weight `weight` arrived: zigzag minimises the weighted sum of latencies (an LLM
+    /// prefill batch weighs its prompt tokens, BlitzScale §5.2 "Coping with LLM"). Unweighted
+    /// batches weigh 1.
+    pub fn arrive_weighted(&mut self, batch: u64, weight: f64) {
+        self.weights.insert(batch, weight);
+        self.queue.push_back(batch);
+    }
+
+    /// `node` holds the model too and serves whole batches (another old instance).
+    pub fn serving(&mut self, node: u32) {
+        self.load.insert(node, Load { alive: true, ..Load::default() });
     }
 
     /// `node` starts loading the model: it is paired with the old instance.
@@ -182,6 +197,7 @@ impl Dispatcher {
 
     fn release(&mut self, batch: u64) -> bool {
         let Some((to, coop)) = self.outstanding.remove(&batch) else { return false };
+        self.weights.remove(&batch);
         if let Some(l) = self.load.get_mut(&to) {
             if coop {
                 l.coop -= 1;
@@ -203,7 +219,7 @@ impl Dispatcher {
         let old = self.cfg.old;
         let new = self.new.filter(|&n| self.alive(n));
         let d = match new {
-            Some(n) if self.resident >= l => self.whole(batch, &[old, n])?,
+            Some(_) if self.resident >= l => self.whole(batch, &self.plain())?,
             Some(n) if self.resident >= 1 && self.alive(old) && self.cfg.policy != LivePolicy::StopTheWorld => {
                 if !self.cooperating {
                     self.cooperating = true;
@@ -221,7 +237,7 @@ impl Dispatcher {
                     Dispatch { batch, to: n, split: Some(Split { layers: x, then: old }) }
                 }
             }
-            _ => self.whole(batch, &[old])?,
+            _ => self.whole(batch, &self.plain())?,
         };
         self.queue.pop_front();
         let coop = self.cooperating && self.resident < l && self.new.is_some_and(|n| self.alive(n));
@@ -234,6 +250,15 @@ impl Dispatcher {
             }
         }
         Some(d)
+    }
+
+    /// The instances that take whole batches: every live one but a new one still loading.
+    fn plain(&self) -> Vec<u32> {
+        let loading = self.new.filter(|_| self.resident < self.cfg.layers);
+        let mut v: Vec<u32> =
+            self.load.iter().filter(|(n, l)| l.alive && Some(**n) != loading).map(|(n, _)| *n).collect();
+        v.sort_unstable();
+        v
     }
 
     /// A whole batch to the least loaded live instance among `to`, if one has room.
@@ -250,7 +275,8 @@ impl Dispatcher {
         if self.cfg.policy != LivePolicy::Zigzag || self.queue.is_empty() || self.cfg.layers < 2 {
             return;
         }
-        let inst = Plan::uniform(self.cfg.layers, self.cfg.load_ratio.max(1), self.queue.len());
+        let weights = self.queue.iter().map(|b| self.weights.get(b).copied().unwrap_or(1.0)).collect();
+        let inst = Plan { layers: self.cfg.layers, load_ratio: self.cfg.load_ratio.max(1), weights };
         match zigzag::zigzag(&inst) {
             Ok(s) => self.planned = self.queue.iter().copied().zip(s.x).collect(),
             Err(e) => tracing::warn!(error = %e, "zigzag plan failed; splitting best-effort"),

@@ -8,13 +8,13 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use cascade_multicast::cluster::MulticastNode;
-use cascade_multicast::Loc;
 use cascade_transport::service::DEFAULT_INBOX;
 use cascade_transport::{Mesh, Op, Region, RemoteKey, RemoteRegion, ReplyTo, ServiceExt};
 use tokio::sync::{mpsc, Semaphore};
 use tracing::{debug, warn};
 
 use super::compute::{Cmd, Compute, Finished};
+use super::copy::Copy;
 use super::proto::{ExecMsg, Split};
 use super::{ServeError, ServedModel};
 use crate::bert::{mean_pool_normalized, Bert};
@@ -75,16 +75,15 @@ struct Shared {
     mesh: Arc<dyn Mesh>,
     model: ServedModel,
     cfg: InstanceConfig,
-    compute: Compute<Tag>,
+    compute: Compute<Tag, Bert>,
     /// This node's activation region: `cfg.slots` slots for every peer it paired with.
     act_region: Mutex<Option<Region>>,
     granted: Mutex<HashMap<u32, Range<u32>>>,
     busy: Mutex<BTreeSet<u32>>,
     /// Slots held in each peer's region.
     peers: tokio::sync::Mutex<HashMap<u32, Arc<PeerSlots>>>,
-    /// The complete copy this node holds, once it has one.
-    held: Mutex<Option<Region>>,
-    multicast: Arc<MulticastNode>,
+    /// The node's copy of the parameters.
+    copy: Copy,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -125,11 +124,8 @@ impl Instance {
             Source::Held(region) => Some(region),
             Source::Arriving => None,
         };
-        if let Some(region) = &held {
-            let bytes = model.manifest.bytes;
-            // SAFETY: a held copy is complete and only read while it serves: the pool and the
-            // multicast (as a lent source) never write a copy they hold.
-            let image = unsafe { region.view(0, bytes) }?;
+        let copy = Copy::new(held, multicast, mesh.node());
+        if let Some(image) = copy.held_image(model.manifest.bytes)? {
             compute.send(Cmd::Verified(image));
         }
         let shared = Arc::new(Shared {
@@ -141,8 +137,7 @@ impl Instance {
             granted: Mutex::default(),
             busy: Mutex::default(),
             peers: tokio::sync::Mutex::default(),
-            held: Mutex::new(held),
-            multicast,
+            copy,
         });
         tokio::spawn(serve(shared.clone(), inbox));
         tokio::spawn(finish(shared.clone(), done_rx));
@@ -260,16 +255,11 @@ fn handle(sh: &Arc<Shared>, from: u32, msg: ExecMsg, reply: ReplyTo) -> Result<O
         }
         ExecMsg::Pair { slots } => pair(sh, from, slots).map(Some),
         ExecMsg::Lend { run } => {
-            let region =
-                lock(&sh.held).clone().ok_or_else(|| ServeError::Protocol("no complete copy to lend".into()))?;
-            sh.multicast.lend(run, Loc::host(sh.mesh.node()), region, from)?;
+            sh.copy.lend(run, from)?;
             Ok(Some(ExecMsg::Ack))
         }
         ExecMsg::Adopt { run } => {
-            // Every LayerReady of the run came before this request on the same link: the stages
-            // already hold views of the region, which stay valid after it leaves the run.
-            let region = sh.multicast.detach(run, Loc::host(sh.mesh.node()))?;
-            *lock(&sh.held) = Some(region);
+            sh.copy.adopt(run)?;
             Ok(Some(ExecMsg::Ack))
         }
         ExecMsg::Status => {
@@ -313,24 +303,8 @@ fn pair(sh: &Arc<Shared>, from: u32, want: u32) -> Result<ExecMsg, ServeError> {
 }
 
 fn layer_ready(sh: &Arc<Shared>, run: u32, layer: u32) {
-    if lock(&sh.held).is_some() {
-        return debug!(run, layer, "LayerReady for an instance whose copy is held");
-    }
-    let Some(l) = sh.model.manifest.layers.get(layer as usize) else {
-        return warn!(run, layer, "LayerReady for a layer the model does not have");
-    };
-    let loc = Loc::host(sh.mesh.node());
-    let image = sh.multicast.region(run, loc).and_then(|r| {
-        // SAFETY: LayerReady{layer} means every chunk of layers 0..=layer is crc-verified on
-        // this node, and the run writes a verified chunk again only to re-send the same bytes
-        // after a re-plan (see the module docs of `serve`).
-        unsafe { r.view(0, l.range.end) }
-    });
-    match image {
-        Ok(b) => {
-            sh.compute.send(Cmd::Verified(b));
-        }
-        Err(e) => warn!(run, layer, error = %e, "cannot read the arriving copy"),
+    if let Some(b) = sh.copy.arrived(&sh.model.manifest, run, layer) {
+        sh.compute.send(Cmd::Verified(b));
     }
 }
 

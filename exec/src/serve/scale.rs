@@ -14,7 +14,8 @@ use tokio::sync::mpsc;
 use tracing::{debug, warn};
 
 use super::proto::ExecMsg;
-use super::{ServeError, ServedModel};
+use super::ServeError;
+use cascade_param_pool::manifest::Manifest;
 
 /// What a scale-out did.
 #[derive(Debug, Clone)]
@@ -25,13 +26,13 @@ pub struct ScaleOutcome {
     pub adopted: Vec<u32>,
 }
 
-/// Multicasts `model` from the held copy of the instance on `from` to the instances on `to`
+/// Multicasts the model `manifest` describes from the held copy of the instance on `from` to the instances on `to`
 /// (started with an arriving source), through the controller `ctl` on `mesh`; `progress`
 /// receives every multicast event. `topology` describes the nodes and their links.
 pub async fn scale_out(
     mesh: &Arc<dyn Mesh>,
     ctl: &Controller,
-    model: &ServedModel,
+    manifest: &Manifest,
     topology: Topology,
     from: u32,
     to: &[u32],
@@ -45,7 +46,7 @@ pub async fn scale_out(
     }
     let source = Loc::host(from);
     let targets: Vec<Loc> = to.iter().map(|&n| Loc::host(n)).collect();
-    let bytes = model.manifest.bytes;
+    let bytes = manifest.bytes;
     let (tx, mut rx) = mpsc::unbounded_channel();
     let spec = RunSpec {
         topology,
@@ -59,7 +60,7 @@ pub async fn scale_out(
         lent: BTreeSet::from([source]),
         run: Some(run),
         hold: true,
-        layout: Some(model.manifest.layout()),
+        layout: Some(manifest.layout()),
         progress: Some(tx),
         cost: CostModel::default(),
         start_at_once: true,

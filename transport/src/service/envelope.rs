@@ -35,6 +35,8 @@ impl ServiceId {
     pub const POOL: ServiceId = ServiceId(4);
     /// Reserved for layer execution (exec).
     pub const EXEC: ServiceId = ServiceId(5);
+    /// LLM serving with prefill/decode disaggregation (exec's `pd`).
+    pub const LLM: ServiceId = ServiceId(6);
 }
 
 impl std::fmt::Display for ServiceId {
@@ -46,6 +48,7 @@ impl std::fmt::Display for ServiceId {
             ServiceId::MULTICAST_NOTICE => "multicast-notice",
             ServiceId::POOL => "pool",
             ServiceId::EXEC => "exec",
+            ServiceId::LLM => "llm",
             ServiceId(n) => return write!(f, "service {n}"),
         };
         f.write_str(name)

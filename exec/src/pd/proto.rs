@@ -1,0 +1,213 @@
+//! The LLM service's messages (service [`ServiceId::LLM`], version 1), binary-encoded on the
+//! typed control plane.
+//!
+//! ```text
+//! router  -> decode   Reserve{req, tokens}                         -> Reserved{grant} | Failed
+//! router  -> decode   Release{req}                                 -> Ack
+//! router  -> prefill  Prefill{req, prompt, max_tokens, kv, split}  -> Prefilled{req, first, ..} | Failed
+//! new     -> old      Continue{req, act, max_tokens, kv}           -> Prefilled | Failed  (a split prefill)
+//! prefill -> decode   Start{req, prompt_len, first, max_tokens}    -> Ack | Failed  (after its KV WRITEs)
+//! decode  -> router   Token{req, index, token, done}                  (one-way, per generated token)
+//! decode  -> router   Abort{req, message}                             (one-way: decoding failed)
+//! router  -> prefill  Mutate                                       -> Ack  (it becomes a decode instance)
+//! router  -> any      Status                                       -> State{role, resident, ..}
+//! ```
+//!
+//! The KV of a prefilled request moves from the prefill instance(s) to the decode instance by
+//! one-sided WRITEs, block (layer) by block, into the pages the decode instance granted in its
+//! registered KV region ([`KvGrant`]); `Start` follows the WRITEs' completion.
+
+use cascade_transport::{binary_message, NodeId, ServiceId};
+use serde::{Deserialize, Serialize};
+
+pub use crate::serve::Split;
+
+/// Pages of a decode instance's registered KV region granted to one request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvGrant {
+    /// The decode instance.
+    pub node: NodeId,
+    /// Its KV region's id.
+    pub region: u32,
+    /// The region's key.
+    pub key: u64,
+    /// The region's length.
+    pub len: u64,
+    /// The pages, in token order.
+    pub pages: Vec<u32>,
+}
+
+/// What an instance does now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Role {
+    /// Prefills prompts and moves their KV to decode instances.
+    Prefill,
+    /// Decodes requests whose KV it received.
+    Decode,
+}
+
+/// Requests and replies of the LLM service.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum LlmMsg {
+    /// Reserve KV pages for `tokens` tokens (prompt and generation) of request `req`.
+    Reserve {
+        /// The request.
+        req: u64,
+        /// Tokens to hold.
+        tokens: u32,
+    },
+    /// The pages reserved.
+    Reserved {
+        /// Where the request's KV goes.
+        grant: KvGrant,
+    },
+    /// Free request `req`'s pages (a reservation its prefill never used).
+    Release {
+        /// The request.
+        req: u64,
+    },
+    /// Prefill `prompt`: every stage here, or the first `split.layers` here and the rest on
+    /// `split.then`; then move the KV to `kv` and start decoding there.
+    Prefill {
+        /// The request (also its sequence id in every KV cache).
+        req: u64,
+        /// The prompt's tokens.
+        prompt: Vec<u32>,
+        /// Tokens to generate at most (the first included).
+        max_tokens: u32,
+        /// The decode instance's pages.
+        kv: KvGrant,
+        /// `None`: every stage here.
+        split: Option<Split>,
+        /// Where the decode instance streams the tokens.
+        router: NodeId,
+    },
+    /// The rest of a split prefill: `act` is the activation after the asker's stages, whose KV
+    /// it already wrote to `kv`.
+    Continue {
+        /// The request.
+        req: u64,
+        /// The activation's bytes ([`crate::Activation::to_bytes`]).
+        act: Vec<u8>,
+        /// Tokens to generate at most.
+        max_tokens: u32,
+        /// The decode instance's pages.
+        kv: KvGrant,
+        /// Where the decode instance streams the tokens.
+        router: NodeId,
+    },
+    /// The prefill is done: its first token, and whether a decode instance now generates the
+    /// rest (false when the first token ended it).
+    Prefilled {
+        /// The request.
+        req: u64,
+        /// The first generated token.
+        first: u32,
+        /// Stages run on the instance the prefill was sent to when it was split (0 = whole).
+        on_first: u32,
+        /// Whether decoding started.
+        decoding: bool,
+    },
+    /// Every block of `req`'s prompt KV is in its pages: decode from `first`.
+    Start {
+        /// The request.
+        req: u64,
+        /// Prompt tokens (the KV's length).
+        prompt_len: u32,
+        /// The first generated token (decoding feeds it next).
+        first: u32,
+        /// Tokens to generate at most (the first included).
+        max_tokens: u32,
+        /// Where to stream the tokens.
+        router: NodeId,
+    },
+    /// A generated token: `index` 1 is the second token of the answer (index 0 is `first`).
+    Token {
+        /// The request.
+        req: u64,
+        /// Its index in the answer.
+        index: u32,
+        /// The token.
+        token: u32,
+        /// The request is complete with it.
+        done: bool,
+    },
+    /// Decoding `req` failed: nothing more comes for it.
+    Abort {
+        /// The request.
+        req: u64,
+        /// Why.
+        message: String,
+    },
+    /// Become a decode instance (keeping the parameters): prefills still running finish.
+    Mutate,
+    /// Ask for the instance's state.
+    Status,
+    /// The instance's state.
+    State {
+        /// What it does.
+        role: Role,
+        /// Stages resident.
+        resident: u32,
+        /// The model's stages.
+        layers: u32,
+        /// Requests decoding.
+        running: u32,
+        /// Free KV pages (0 before the region exists).
+        free_pages: u32,
+    },
+    /// Done.
+    Ack,
+    /// The request failed here; nothing of it was answered.
+    Failed {
+        /// Why.
+        message: String,
+        /// Whether it may succeed elsewhere or later.
+        retry: bool,
+    },
+}
+
+binary_message!(LlmMsg, ServiceId::LLM, 1);
+
+#[cfg(test)]
+mod tests {
+    use cascade_transport::Message;
+
+    use super::*;
+
+    #[test]
+    fn every_message_round_trips_and_truncations_are_refused() {
+        let kv = KvGrant { node: 3, region: 2, key: u64::MAX, len: 1 << 28, pages: vec![4, 9, 1] };
+        let all = vec![
+            LlmMsg::Reserve { req: 1, tokens: 80 },
+            LlmMsg::Reserved { grant: kv.clone() },
+            LlmMsg::Release { req: 1 },
+            LlmMsg::Prefill {
+                req: 1,
+                prompt: vec![504, 3575],
+                max_tokens: 32,
+                kv: kv.clone(),
+                split: Some(Split { layers: 5, then: 1 }),
+                router: 0,
+            },
+            LlmMsg::Continue { req: 1, act: vec![1, 2, 3], max_tokens: 32, kv, router: 0 },
+            LlmMsg::Prefilled { req: 1, first: 7042, on_first: 5, decoding: true },
+            LlmMsg::Start { req: 1, prompt_len: 5, first: 7042, max_tokens: 32, router: 0 },
+            LlmMsg::Token { req: 1, index: 3, token: 198, done: false },
+            LlmMsg::Abort { req: 1, message: "gone".into() },
+            LlmMsg::Mutate,
+            LlmMsg::Status,
+            LlmMsg::State { role: Role::Decode, resident: 32, layers: 32, running: 2, free_pages: 100 },
+            LlmMsg::Ack,
+            LlmMsg::Failed { message: "full".into(), retry: true },
+        ];
+        for m in all {
+            let b = m.encode_body();
+            assert_eq!(LlmMsg::decode_body(LlmMsg::VERSION, &b).unwrap(), m);
+            for cut in 0..b.len() {
+                assert!(LlmMsg::decode_body(LlmMsg::VERSION, &b[..cut]).is_err(), "{m:?} cut at {cut}");
+            }
+        }
+    }
+}

@@ -1,0 +1,345 @@
+//! The LLM router: requests in, answers out. For each request it reserves KV pages on a decode
+//! instance, sends the prefill where the [`Dispatcher`] says (whole, or split while a new prefill
+//! instance loads — zigzag weighted by prompt tokens), and collects the tokens the decode
+//! instance streams. It measures each request's time to first token and the gaps between its
+//! tokens. A request whose prefill or decoding fails is re-queued and redone from its prompt
+//! (greedy decoding gives the same tokens); it is answered once, when its last token arrives.
+//!
+//! Commands: [`PdCmd::Mutate`] turns a prefill instance into a decode one (nothing more is sent
+//! to it for prefill; prefills racing the switch are refused there and re-queued);
+//! [`PdCmd::Scaling`] pairs an arriving prefill instance with the old one.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cascade_transport::service::DEFAULT_INBOX;
+use cascade_transport::{Mesh, ServiceExt};
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinSet;
+use tracing::{debug, warn};
+
+use super::proto::{KvGrant, LlmMsg, Split};
+use crate::serve::{DispatchConfig, Dispatcher, ServeError};
+
+/// A generation request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GenRequest {
+    /// Its id (unique).
+    pub id: u64,
+    /// The prompt's tokens.
+    pub prompt: Vec<u32>,
+    /// Tokens to generate at most.
+    pub max_tokens: u32,
+}
+
+/// A request's answer.
+#[derive(Debug, Clone)]
+pub struct GenAnswer {
+    /// The request.
+    pub id: u64,
+    /// The generated tokens, or why there are none.
+    pub result: Result<Vec<u32>, String>,
+    /// From the request's arrival at the router to its first token.
+    pub ttft: Duration,
+    /// Between consecutive tokens.
+    pub gaps: Vec<Duration>,
+    /// The instance its (last) prefill went to, and the stages that ran there when split.
+    pub prefill: (u32, u32),
+    /// The decode instance.
+    pub decode: u32,
+    /// Prefill attempts.
+    pub attempts: u32,
+}
+
+/// What the router is told while it runs.
+#[derive(Debug)]
+pub enum PdCmd {
+    /// Turn prefill instance `node` into a decode instance; `done` is told when it switched.
+    Mutate {
+        /// The instance.
+        node: u32,
+        /// Told the outcome.
+        done: oneshot::Sender<Result<(), String>>,
+    },
+    /// `node` starts loading the model (by multicast): pair it with the old prefill instance
+    /// and poll its resident stages.
+    Scaling {
+        /// The arriving instance.
+        node: u32,
+    },
+}
+
+/// The router's set-up.
+#[derive(Debug, Clone)]
+pub struct PdRouterConfig {
+    /// Prefill dispatch (`old` is the instance a new one pairs with; `layers` the stages).
+    pub dispatch: DispatchConfig,
+    /// Other prefill instances serving from the start.
+    pub more_prefill: Vec<u32>,
+    /// Decode instances.
+    pub decode: Vec<u32>,
+    /// Limit on each call (a prefill includes its KV move).
+    pub call_timeout: Duration,
+    /// How often an arriving instance's resident stages are polled.
+    pub poll_every: Duration,
+    /// Attempts per request before it is answered with an error.
+    pub max_attempts: u32,
+    /// Wait before a failed request is dispatched again.
+    pub retry_after: Duration,
+}
+
+/// What the router counted.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RouterStats {
+    /// Requests answered with tokens.
+    pub answered: u64,
+    /// Requests answered with an error.
+    pub failed: u64,
+    /// Prefills re-queued after a failure (or a decode abort).
+    pub requeued: u64,
+}
+
+struct Pending {
+    req: GenRequest,
+    arrived: Instant,
+    attempts: u32,
+    first: Option<(u32, Instant)>,
+    tokens: BTreeMap<u32, (u32, Instant)>,
+    done_at: Option<u32>,
+    prefill: (u32, u32),
+    decode: u32,
+}
+
+/// A prefill's outcome: (first token, decoding, stages on the first instance when split, decode
+/// node); `Busy` when no decode instance had room (back-pressure: retried, not counted).
+enum Outcome {
+    Done(u32, bool, u32, u32),
+    Busy(String),
+    Failed(ServeError),
+}
+
+type Prefilled = (u64, Outcome);
+
+/// Runs the router until `requests` closes and every request is answered.
+pub async fn run(
+    mesh: Arc<dyn Mesh>,
+    cfg: PdRouterConfig,
+    mut requests: mpsc::UnboundedReceiver<GenRequest>,
+    mut cmds: mpsc::UnboundedReceiver<PdCmd>,
+    answers: mpsc::UnboundedSender<GenAnswer>,
+) -> Result<RouterStats, ServeError> {
+    let mut inbox = mesh.subscribe::<LlmMsg>(DEFAULT_INBOX)?;
+    let mut d = Dispatcher::new(cfg.dispatch);
+    for &n in &cfg.more_prefill {
+        d.serving(n);
+    }
+    let mut decode = cfg.decode.clone();
+    let mut next_decode = 0usize;
+    let mut pending: HashMap<u64, Pending> = HashMap::new();
+    let mut tasks: JoinSet<Prefilled> = JoinSet::new();
+    let mut delayed: Vec<(Instant, u64)> = Vec::new();
+    let mut scaling: Option<u32> = None;
+    let mut stats = RouterStats::default();
+    let mut open = true;
+    let mut tick = tokio::time::interval(cfg.poll_every.min(Duration::from_millis(20)));
+    let mut polled = Instant::now();
+    loop {
+        // Dispatch what can go now.
+        while let Some(x) = d.next_dispatch() {
+            let Some(p) = pending.get_mut(&x.batch) else { continue };
+            p.attempts += 1;
+            p.prefill = (x.to, x.split.map_or(0, |s| s.layers));
+            let order: Vec<u32> = (0..decode.len()).map(|i| decode[(next_decode + i) % decode.len()]).collect();
+            next_decode = next_decode.wrapping_add(1);
+            let (mesh, req, timeout) = (mesh.clone(), p.req.clone(), cfg.call_timeout);
+            tasks.spawn(async move { (req.id, prefill(&mesh, &req, x.to, x.split, &order, timeout).await) });
+        }
+        if !open && pending.is_empty() {
+            return Ok(stats);
+        }
+        tokio::select! {
+            r = requests.recv(), if open => match r {
+                Some(req) => {
+                    d.arrive_weighted(req.id, req.prompt.len() as f64);
+                    pending.insert(req.id, Pending {
+                        req, arrived: Instant::now(), attempts: 0, first: None, tokens: BTreeMap::new(),
+                        done_at: None, prefill: (0, 0), decode: 0,
+                    });
+                }
+                None => open = false,
+            },
+            Some(c) = cmds.recv() => match c {
+                PdCmd::Mutate { node, done } => {
+                    d.down(node);
+                    let r = match mesh.call(node, &LlmMsg::Mutate, cfg.call_timeout).await {
+                        Ok(LlmMsg::Ack) => {
+                            decode.push(node);
+                            Ok(())
+                        }
+                        other => Err(format!("{other:?}")),
+                    };
+                    let _ = done.send(r);
+                }
+                PdCmd::Scaling { node } => {
+                    d.scaling(node);
+                    scaling = Some(node);
+                }
+            },
+            Some(m) = inbox.recv() => match m.msg {
+                LlmMsg::Token { req, index, token, done } => {
+                    if let Some(p) = pending.get_mut(&req) {
+                        p.decode = m.from;
+                        p.tokens.insert(index, (token, Instant::now()));
+                        if done {
+                            p.done_at = Some(index);
+                        }
+                    }
+                }
+                LlmMsg::Abort { req, message } => {
+                    warn!(req, %message, "decoding aborted: the request is redone");
+                    if let Some(p) = pending.get_mut(&req) {
+                        p.first = None;
+                        p.tokens.clear();
+                        p.done_at = None;
+                        stats.requeued += 1;
+                        d.arrive_weighted(req, p.req.prompt.len() as f64);
+                    }
+                }
+                other => debug!(?other, "unexpected llm message at the router"),
+            },
+            Some(done) = tasks.join_next() => {
+                let Ok((id, r)) = done else { continue };
+                match r {
+                    Outcome::Busy(why) => {
+                        debug!(req = id, %why, "no KV room: the request waits");
+                        if let Some(p) = pending.get_mut(&id) {
+                            p.attempts -= 1;
+                        }
+                        delayed.push((Instant::now() + cfg.retry_after, id));
+                    }
+                    Outcome::Done(first, decoding, on_first, dnode) => {
+                        d.done(id);
+                        if let Some(p) = pending.get_mut(&id) {
+                            p.first = Some((first, Instant::now()));
+                            p.prefill.1 = on_first;
+                            p.decode = dnode;
+                            if !decoding {
+                                p.done_at = Some(0);
+                            }
+                        }
+                    }
+                    Outcome::Failed(e) => {
+                        let attempts = pending.get(&id).map_or(0, |p| p.attempts);
+                        debug!(req = id, attempts, error = %e, "prefill failed");
+                        if attempts >= cfg.max_attempts || matches!(e, ServeError::Input(_)) {
+                            d.done(id);
+                            if let Some(p) = pending.remove(&id) {
+                                stats.failed += 1;
+                                let _ = answers.send(answer(p, Err(e.to_string())));
+                            }
+                        } else {
+                            stats.requeued += 1;
+                            delayed.push((Instant::now() + cfg.retry_after, id));
+                        }
+                    }
+                }
+            },
+            _ = tick.tick() => {}
+        }
+        let now = Instant::now();
+        delayed.retain(|&(at, id)| {
+            if at <= now {
+                d.failed(id);
+            }
+            at > now
+        });
+        if let Some(n) = scaling.filter(|_| now - polled >= cfg.poll_every) {
+            polled = now;
+            if let Ok(LlmMsg::State { resident, layers, .. }) = mesh.call(n, &LlmMsg::Status, cfg.call_timeout).await {
+                d.resident(resident);
+                if resident >= layers {
+                    scaling = None;
+                }
+            }
+        }
+        // Answer the requests whose every token arrived.
+        let complete: Vec<u64> = pending
+            .iter()
+            .filter(|(_, p)| {
+                p.first.is_some() && p.done_at.is_some_and(|last| (1..=last).all(|i| p.tokens.contains_key(&i)))
+            })
+            .map(|(&id, _)| id)
+            .collect();
+        for id in complete {
+            if let Some(p) = pending.remove(&id) {
+                stats.answered += 1;
+                let mut tokens = vec![p.first.map_or(0, |f| f.0)];
+                tokens.extend(p.tokens.values().map(|t| t.0));
+                let _ = answers.send(answer(p, Ok(tokens)));
+            }
+        }
+    }
+}
+
+fn answer(p: Pending, result: Result<Vec<u32>, String>) -> GenAnswer {
+    let first = p.first.map(|f| f.1);
+    let ttft = first.map_or(Duration::ZERO, |f| f - p.arrived);
+    let mut gaps = Vec::new();
+    let mut last = first;
+    for (_, at) in p.tokens.values() {
+        if let Some(l) = last {
+            gaps.push(at.saturating_duration_since(l));
+        }
+        last = Some(*at);
+    }
+    GenAnswer { id: p.req.id, result, ttft, gaps, prefill: p.prefill, decode: p.decode, attempts: p.attempts }
+}
+
+/// Reserves KV on the first decode instance of `order` with room, then prefills on `to`:
+/// (first token, decoding, stages on `to` when split, decode node).
+async fn prefill(
+    mesh: &Arc<dyn Mesh>,
+    req: &GenRequest,
+    to: u32,
+    split: Option<Split>,
+    order: &[u32],
+    timeout: Duration,
+) -> Outcome {
+    let tokens = req.prompt.len() as u32 + req.max_tokens;
+    let mut grant: Option<KvGrant> = None;
+    let mut why = String::from("no decode instance");
+    for &n in order {
+        match mesh.call(n, &LlmMsg::Reserve { req: req.id, tokens }, timeout).await {
+            Ok(LlmMsg::Reserved { grant: g }) => {
+                grant = Some(g);
+                break;
+            }
+            Ok(LlmMsg::Failed { message, retry: false }) => return Outcome::Failed(ServeError::Input(message)),
+            other => why = format!("node {n}: {other:?}"),
+        }
+    }
+    let Some(kv) = grant else { return Outcome::Busy(why) };
+    let node = kv.node;
+    let msg = LlmMsg::Prefill {
+        req: req.id,
+        prompt: req.prompt.clone(),
+        max_tokens: req.max_tokens,
+        kv,
+        split,
+        router: mesh.node(),
+    };
+    let r = match mesh.call(to, &msg, timeout).await {
+        Ok(LlmMsg::Prefilled { first, decoding, on_first, .. }) => Outcome::Done(first, decoding, on_first, node),
+        Ok(LlmMsg::Failed { message, retry }) => {
+            Outcome::Failed(if retry { ServeError::Peer(message) } else { ServeError::Input(message) })
+        }
+        Ok(other) => Outcome::Failed(ServeError::Protocol(format!("unexpected answer {other:?}"))),
+        Err(e) => Outcome::Failed(e.into()),
+    };
+    // A reservation its prefill did not use (or that decoding will not free) goes back.
+    if !matches!(r, Outcome::Done(_, true, _, _)) {
+        let _ = mesh.call(node, &LlmMsg::Release { req: req.id }, timeout).await;
+    }
+    r
+}
