@@ -178,7 +178,7 @@ fn cdf_plot(path: &PathBuf, c: &Cli, outs: &mut [SimOutcome]) -> anyhow::Result<
 }
 
 /// A step burst: 60 s at a rate one prefill instance handles, then 60 s at 16 instances' worth
-/// (prompts of 2,048 tokens, 28 generated, evenly spaced), on 4 hosts.
+/// (prompts of 2,048 tokens, 28 generated, evenly spaced), on `--hosts` hosts; 1 s bins.
 fn timeline(path: &PathBuf, c: &Cli) -> anyhow::Result<()> {
     let p = Profile::by_name(&c.model).map_err(anyhow::Error::msg)?;
     let cap = p.prefill_capacity() / 2048.0 * 0.8;
@@ -192,12 +192,12 @@ fn timeline(path: &PathBuf, c: &Cli) -> anyhow::Result<()> {
     let mut series = Vec::new();
     for s in [System::Blitz, System::Stop, System::Sllm, System::Allcache] {
         let mut cfg = config(c, s)?;
-        cfg.timeline_bin_ms = 250.0;
+        cfg.timeline_bin_ms = 1000.0;
         let out = simulate(&cfg, &trace).map_err(anyhow::Error::msg)?;
         let pts: Vec<(f64, f64)> = out
             .timeline
             .iter()
-            .filter(|x| (55.0..=80.0).contains(&x.t_s))
+            .filter(|x| (55.0..=105.0).contains(&x.t_s))
             .map(|x| (x.t_s - 60.0, x.prefill_tokens_per_s / 1e3))
             .collect();
         eprintln!(
@@ -216,7 +216,7 @@ fn timeline(path: &PathBuf, c: &Cli) -> anyhow::Result<()> {
         .margin(14)
         .x_label_area_size(40)
         .y_label_area_size(60)
-        .build_cartesian_2d(-5.0..20.0, 0.0..ymax)?;
+        .build_cartesian_2d(-5.0..45.0, 0.0..ymax)?;
     chart.configure_mesh().x_desc("seconds after the burst began").y_desc("prompt tokens/s (thousands)").draw()?;
     for (i, (name, pts)) in series.into_iter().enumerate() {
         let col = COLORS[i % COLORS.len()];
