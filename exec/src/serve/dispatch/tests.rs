@@ -107,3 +107,31 @@ fn policies_parse_their_own_names() {
     }
     assert!("fastest".parse::<LivePolicy>().is_err());
 }
+
+#[test]
+fn zigzag_plans_weighted_batches_with_their_weights() {
+    // Prefill batches weigh their prompt tokens (BlitzScale §5.2 "Coping with LLM").
+    let weights = [10.0, 10.0, 10.0, 900.0];
+    let mut d = Dispatcher::new(cfg(LivePolicy::Zigzag));
+    for (b, w) in weights.iter().enumerate() {
+        d.arrive_weighted(b as u64, *w);
+    }
+    d.scaling(2);
+    d.resident(1);
+    let xs: Vec<u32> = drain(&mut d).iter().map(|x| x.split.map_or(0, |s| s.layers)).collect();
+    let inst = Plan { layers: 7, load_ratio: 6, weights: weights.to_vec() };
+    assert_eq!(xs, zigzag::zigzag(&inst).unwrap().x);
+}
+
+#[test]
+fn other_old_instances_take_whole_batches_until_they_are_down() {
+    let mut d = Dispatcher::new(cfg(LivePolicy::Zigzag));
+    d.serving(3);
+    (0..6).for_each(|b| d.arrive(b));
+    let out = drain(&mut d);
+    assert_eq!(out.len(), 4, "two per instance");
+    assert_eq!(out.iter().filter(|x| x.to == 3).count(), 2);
+    d.down(3);
+    (0..4).for_each(|b| d.done(b));
+    assert!(drain(&mut d).iter().all(|x| x.to == 1), "nothing more goes to a node that is down");
+}
