@@ -98,3 +98,32 @@ fn sched_throughput_prints_the_contract_fields() {
     }
     assert_eq!(v["lost"], 0);
 }
+
+#[test]
+fn serve_sim_prints_the_contract_fields() {
+    let trace = concat!(env!("CARGO_MANIFEST_DIR"), "/../sched/data/AzureLLMInferenceTrace_code.csv");
+    for system in ["blitz", "sllm", "allcache", "stop"] {
+        let v = run(
+            env!("CARGO_BIN_EXE_serve-sim"),
+            &["--trace", trace, "--system", system, "--duration-s", "120", "--json"],
+        );
+        for k in [
+            "requests",
+            "ttft_p50_ms",
+            "ttft_p99_ms",
+            "tbt_p50_ms",
+            "tbt_p99_ms",
+            "slo_attainment",
+            "gpu_seconds",
+            "host_cache_gb_avg",
+            "scale_events",
+        ] {
+            assert!(v[k].as_f64().is_some(), "{system}: missing {k} in {v}");
+        }
+        assert_eq!(v["system"], system);
+        assert_eq!(v["requests"], 63, "the trace's first two minutes");
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_serve-sim")).args(["--system", "vllm", "--json"]).output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown system"));
+}

@@ -144,3 +144,25 @@ fn bad_batches_are_refused_and_leave_the_cache_alone() {
     assert_eq!(m.cache().len(seq, 29), 3);
     assert!(m.free(seq) && !m.free(seq));
 }
+
+/// An f16 import loads and, rounded as it is, agrees with the reference up to the first near-tie.
+#[test]
+fn an_f16_import_agrees_with_the_reference_until_the_first_near_tie() {
+    let Some(dir) = smollm2_dir() else { return };
+    let gguf = dir.parent().unwrap().join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    if !gguf.is_file() {
+        eprintln!("SKIPPED: no GGUF beside {}", dir.display());
+        return;
+    }
+    let out = std::env::temp_dir().join(format!("cascade-f16-{}", std::process::id()));
+    let imported = cascade_exec::gguf::import(&gguf, &out, candle_core::DType::F16, |_, _, _| {}).unwrap();
+    let f32_bytes = std::fs::metadata(dir.join("model.safetensors")).unwrap().len();
+    assert!(imported.bytes < f32_bytes / 2 + (1 << 20), "{} vs {f32_bytes}", imported.bytes);
+    let g = Generator::from_dir(&out).unwrap();
+    for r in llm_reference() {
+        let tie = r.margins.iter().position(|&m| m < NEAR_TIE).unwrap_or(r.tokens.len());
+        let got = g.generate(std::slice::from_ref(&r.prompt_tokens), tie.max(1)).unwrap().remove(0).tokens;
+        assert_eq!(got[..tie], r.tokens[..tie], "{:?}", r.prompt);
+    }
+    std::fs::remove_dir_all(&out).unwrap();
+}
