@@ -127,3 +127,31 @@ fn serve_sim_prints_the_contract_fields() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("unknown system"));
 }
+
+#[test]
+fn lora_cost_prints_its_fields() {
+    let root = std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../target/models/smollm2-135m"));
+    let model = root.join("f32");
+    let gguf = root.join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    if !model.join("model.safetensors").is_file() {
+        if !gguf.is_file() {
+            eprintln!("SKIPPED: SmolLM2 not at {} (run scripts/fetch-smollm2.sh)", gguf.display());
+            return;
+        }
+        // Imported beside it, then renamed, as the exec tests do.
+        let tmp = root.join(format!("import-{}", std::process::id()));
+        cascade_exec::gguf::import(&gguf, &tmp, candle_core::DType::F32, |_, _, _| {}).unwrap();
+        if std::fs::rename(&tmp, &model).is_err() {
+            let _ = std::fs::remove_dir_all(&tmp);
+        }
+    }
+    let model = model.to_str().unwrap();
+    let v = run(env!("CARGO_BIN_EXE_lora-cost"), &["--model", model, "--batches", "2", "--iters", "1", "--json"]);
+    for k in ["merge_ms", "unmerge_ms", "load_from_host_ms", "adapter_bytes"] {
+        assert!(v[k].as_f64().is_some_and(|x| x > 0.0), "missing {k} in {v}");
+    }
+    let it = &v["iterations"][0];
+    for k in ["base_ms", "merged_ms", "unmerged_ms", "unmerged_4_adapters_ms"] {
+        assert!(it[k].as_f64().is_some_and(|x| x > 0.0), "missing {k} in {it}");
+    }
+}

@@ -21,6 +21,8 @@ pub struct Segment {
     pub pos: u32,
     /// Its tokens in this batch.
     pub len: u32,
+    /// The LoRA adapter its request is served with (0: the base model).
+    pub adapter: u32,
 }
 
 /// A batch in flight through a model's layers.
@@ -41,6 +43,7 @@ pub struct Activation {
 
 const MAGIC: &[u8; 4] = b"CAC2";
 const HEADER: usize = 4 + 8 * 7;
+const SEGMENT: usize = 20;
 
 impl Activation {
     /// A batch before its first layer.
@@ -67,7 +70,10 @@ impl Activation {
         let ids: Vec<u32> = seqs.iter().flat_map(|(_, _, t)| t.iter().copied()).collect();
         let n = ids.len();
         let dev = crate::bert::cpu();
-        let segments = seqs.iter().map(|(seq, pos, t)| Segment { seq: *seq, pos: *pos, len: t.len() as u32 }).collect();
+        let segments = seqs
+            .iter()
+            .map(|(seq, pos, t)| Segment { seq: *seq, pos: *pos, len: t.len() as u32, adapter: 0 })
+            .collect();
         Ok(Activation {
             ids: Tensor::from_vec(ids, (1, n), &dev)?,
             mask: Tensor::ones((1, n), DType::U32, &dev)?,
@@ -77,10 +83,21 @@ impl Activation {
         })
     }
 
+    /// Sets each segment's LoRA adapter, in order (0: the base model).
+    pub fn with_adapters(mut self, adapters: &[u32]) -> Result<Activation, ExecError> {
+        if adapters.len() != self.segments.len() {
+            return Err(ExecError::Input(format!("{} adapters for {} segments", adapters.len(), self.segments.len())));
+        }
+        for (g, &a) in self.segments.iter_mut().zip(adapters) {
+            g.adapter = a;
+        }
+        Ok(self)
+    }
+
     /// Bytes of [`Activation::to_bytes`] for `batch` sequences of `tokens` with hidden states of
     /// `width` and `segments` segments: what a slot must hold.
     pub fn wire_len(batch: usize, tokens: usize, width: usize, segments: usize) -> usize {
-        HEADER + batch * tokens * (8 + 4 * width) + 16 * segments
+        HEADER + batch * tokens * (8 + 4 * width) + SEGMENT * segments
     }
 
     /// The activation as bytes for the wire.
@@ -90,7 +107,7 @@ impl Activation {
             Some(h) => (h.dims3()?, h.flatten_all()?.to_vec1::<f32>()?),
             None => ((0, 0, 0), Vec::new()),
         };
-        let mut out = Vec::with_capacity(HEADER + 8 * b * s + 4 * hidden.len() + 16 * self.segments.len());
+        let mut out = Vec::with_capacity(HEADER + 8 * b * s + 4 * hidden.len() + SEGMENT * self.segments.len());
         out.extend_from_slice(MAGIC);
         for v in [b, s, dims.0, dims.1, dims.2, self.next_layer, self.segments.len()] {
             out.extend_from_slice(&(v as u64).to_le_bytes());
@@ -107,6 +124,7 @@ impl Activation {
             out.extend_from_slice(&g.seq.to_le_bytes());
             out.extend_from_slice(&g.pos.to_le_bytes());
             out.extend_from_slice(&g.len.to_le_bytes());
+            out.extend_from_slice(&g.adapter.to_le_bytes());
         }
         Ok(out)
     }
@@ -122,7 +140,7 @@ impl Activation {
         let overflow = || bad("size overflows");
         let n = b.checked_mul(s).ok_or_else(overflow)?;
         let h = hx.checked_mul(hy).and_then(|x| x.checked_mul(width)).ok_or_else(overflow)?;
-        let want = [n.checked_mul(8), h.checked_mul(4), segs.checked_mul(16)]
+        let want = [n.checked_mul(8), h.checked_mul(4), segs.checked_mul(SEGMENT)]
             .into_iter()
             .try_fold(HEADER, |acc, x| acc.checked_add(x?))
             .ok_or_else(overflow)?;
@@ -144,17 +162,17 @@ impl Activation {
             Some(Tensor::from_vec(f, (hx, hy, width), &dev)?)
         };
         let segments = buf[at + 4 * h..]
-            .chunks_exact(16)
+            .chunks_exact(SEGMENT)
             .map(|c| {
                 let w = u32s_at(c);
-                Segment { seq: u64::from(w[0]) | (u64::from(w[1]) << 32), pos: w[2], len: w[3] }
+                Segment { seq: u64::from(w[0]) | (u64::from(w[1]) << 32), pos: w[2], len: w[3], adapter: w[4] }
             })
             .collect();
         Ok(Activation { ids, mask, hidden, next_layer: next, segments })
     }
 }
 
-fn u32s_at(c: &[u8]) -> [u32; 4] {
+fn u32s_at(c: &[u8]) -> [u32; 5] {
     std::array::from_fn(|i| u32::from_le_bytes([c[4 * i], c[4 * i + 1], c[4 * i + 2], c[4 * i + 3]]))
 }
 
@@ -164,12 +182,16 @@ mod tests {
 
     #[test]
     fn a_packed_batch_round_trips_through_bytes() {
-        let mut a = Activation::packed(&[(7, 0, vec![1, 2, 3]), (u64::MAX - 1, 41, vec![9])]).unwrap();
+        let mut a = Activation::packed(&[(7, 0, vec![1, 2, 3]), (u64::MAX - 1, 41, vec![9])])
+            .unwrap()
+            .with_adapters(&[0, 5])
+            .unwrap();
         assert_eq!(a.ids.dims2().unwrap(), (1, 4));
         a.hidden = Some(Tensor::arange(0f32, 24.0, &crate::bert::cpu()).unwrap().reshape((1, 2, 12)).unwrap());
         a.next_layer = 31;
         let bytes = a.to_bytes().unwrap();
-        assert_eq!(bytes.len(), HEADER + 8 * 4 + 4 * 24 + 16 * 2);
+        assert_eq!(bytes.len(), HEADER + 8 * 4 + 4 * 24 + SEGMENT * 2);
+        assert!(Activation::packed(&[(1, 0, vec![1])]).unwrap().with_adapters(&[1, 2]).is_err());
         let b = Activation::from_bytes(&bytes).unwrap();
         assert_eq!(b.segments, a.segments);
         assert_eq!(b.next_layer, 31);

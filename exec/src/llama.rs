@@ -14,8 +14,9 @@
 //! segment of the whole prompt at position 0; a decode step is a segment of one token. The head
 //! returns the logits of each segment's last token, `[1, segments, vocabulary]`.
 
+use std::collections::HashMap;
 use std::ops::Range;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Embedding, Linear, RmsNorm};
@@ -27,8 +28,10 @@ use crate::{Activation, ExecError, LayerExec};
 
 pub mod generate;
 pub mod kv;
+pub mod lora;
 
 pub use kv::KvCache;
+pub use lora::{LoraAdapter, Proj};
 
 /// The hyper-parameters of a llama model (`config.json`, Hugging Face's names).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -126,6 +129,10 @@ pub struct Llama {
     cos: Tensor,
     sin: Tensor,
     kv: Mutex<KvCache>,
+    /// LoRA adapters by id (never 0, the base model).
+    adapters: HashMap<u32, Arc<LoraAdapter>>,
+    /// The adapter folded into the base weights, if any.
+    merged: Option<u32>,
 }
 
 impl Llama {
@@ -142,7 +149,7 @@ impl Llama {
         let cos = Tensor::from_vec(angles(f64::cos), (n, d / 2), &dev)?;
         let sin = Tensor::from_vec(angles(f64::sin), (n, d / 2), &dev)?;
         let stages = (0..cfg.stages()).map(|_| None).collect();
-        Ok(Llama { cfg, stages, cos, sin, kv: Mutex::default() })
+        Ok(Llama { cfg, stages, cos, sin, kv: Mutex::default(), adapters: HashMap::new(), merged: None })
     }
 
     /// Every stage in `stages` loaded from `w`.
@@ -200,6 +207,147 @@ impl Llama {
             _ => return Err(ExecError::NoSuchLayer { layer: s, layers: self.stages.len() }),
         };
         self.stages[s] = Some(stage);
+        // A block that arrives while an adapter is merged gets it too.
+        if let Some(a) = self.merged.and_then(|m| self.adapters.get(&m).cloned()) {
+            if (1..last).contains(&s) {
+                self.fold_block(&a, s - 1, 1.0)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Serves LoRA adapter `id` (unmerged until [`Llama::merge`]); replaces one of the same id
+    /// unless that one is merged.
+    pub fn add_adapter(&mut self, id: u32, adapter: LoraAdapter) -> Result<(), ExecError> {
+        if id == 0 || self.merged == Some(id) {
+            return Err(ExecError::Input(format!("adapter id {id}: 0 is the base model, a merged one stays")));
+        }
+        self.adapters.insert(id, Arc::new(adapter));
+        Ok(())
+    }
+
+    /// Stops serving adapter `id` (not while merged); whether it was there.
+    pub fn remove_adapter(&mut self, id: u32) -> Result<bool, ExecError> {
+        if self.merged == Some(id) {
+            return Err(ExecError::Input(format!("adapter {id} is merged: un-merge it first")));
+        }
+        Ok(self.adapters.remove(&id).is_some())
+    }
+
+    /// Block `block`'s projection `p` as it is now (with a merged adapter folded in), if loaded.
+    pub fn projection(&self, block: usize, p: Proj) -> Option<Tensor> {
+        let Some(Some(Stage::Block(b))) = self.stages.get(block + 1) else { return None };
+        Some(match p {
+            Proj::Q => b.q.weight().clone(),
+            Proj::K => b.k.weight().clone(),
+            Proj::V => b.v.weight().clone(),
+            Proj::O => b.o.weight().clone(),
+        })
+    }
+
+    /// The adapter merged into the base weights.
+    pub fn merged(&self) -> Option<u32> {
+        self.merged
+    }
+
+    /// Folds adapter `id` into the loaded blocks' weights: `W' = W + (α/r)·B·A`. From now on a
+    /// batch serves only that adapter's requests, at the base model's cost.
+    pub fn merge(&mut self, id: u32) -> Result<(), ExecError> {
+        if let Some(m) = self.merged {
+            return Err(ExecError::Input(format!("adapter {m} is merged: un-merge it first")));
+        }
+        let a = self.adapters.get(&id).cloned().ok_or_else(|| ExecError::Input(format!("no adapter {id}")))?;
+        self.fold(&a, 1.0)?;
+        self.merged = Some(id);
+        Ok(())
+    }
+
+    /// Takes the merged adapter out of the weights again, in place (`W = W' − (α/r)·B·A`,
+    /// exact up to f32 rounding); which one it was.
+    pub fn unmerge(&mut self) -> Result<Option<u32>, ExecError> {
+        let Some(id) = self.merged else { return Ok(None) };
+        let a = self.adapters.get(&id).cloned().ok_or_else(|| ExecError::Input(format!("no adapter {id}")))?;
+        self.fold(&a, -1.0)?;
+        self.merged = None;
+        Ok(Some(id))
+    }
+
+    fn fold(&mut self, a: &LoraAdapter, sign: f64) -> Result<(), ExecError> {
+        for block in 0..self.cfg.num_hidden_layers {
+            self.fold_block(a, block, sign)?;
+        }
+        Ok(())
+    }
+
+    /// Adds `sign · (α/r)·B·A` to block `block`'s targeted projections, if the block is loaded.
+    fn fold_block(&mut self, a: &LoraAdapter, block: usize, sign: f64) -> Result<(), ExecError> {
+        for p in Proj::ALL {
+            let Some(Some(Stage::Block(b))) = self.stages.get_mut(block + 1) else { return Ok(()) };
+            let lin = match p {
+                Proj::Q => &mut b.q,
+                Proj::K => &mut b.k,
+                Proj::V => &mut b.v,
+                Proj::O => &mut b.o,
+            };
+            let Some(d) = a.delta(block, p)? else { continue };
+            let w = (lin.weight() + (d * sign)?)?;
+            *lin = Linear::new(w, None);
+        }
+        Ok(())
+    }
+
+    /// The adapter a segment is served with in unmerged form (none for the base model and for
+    /// the merged adapter, which is in the weights).
+    fn unmerged_adapter(&self, g: &Segment) -> Option<&LoraAdapter> {
+        (g.adapter != 0 && self.merged != Some(g.adapter))
+            .then(|| self.adapters.get(&g.adapter).map(|a| &**a))
+            .flatten()
+    }
+
+    /// `lin` on every token, plus each segment's own adapter delta where it has one.
+    fn project(
+        &self,
+        lin: &Linear,
+        block: usize,
+        p: Proj,
+        x: &Tensor,
+        segments: &[Segment],
+    ) -> Result<Tensor, ExecError> {
+        let y = lin.forward(x)?;
+        if segments.iter().all(|g| self.unmerged_adapter(g).is_none()) {
+            return Ok(y);
+        }
+        let mut parts = Vec::with_capacity(segments.len());
+        let mut off = 0;
+        for g in segments {
+            let n = g.len as usize;
+            let ys = y.narrow(1, off, n)?;
+            let d = match self.unmerged_adapter(g) {
+                Some(a) => a.apply(block, p, &x.narrow(1, off, n)?)?,
+                None => None,
+            };
+            parts.push(match d {
+                Some(d) => (ys + d)?,
+                None => ys,
+            });
+            off += n;
+        }
+        Ok(Tensor::cat(&parts, 1)?)
+    }
+
+    /// Refuses a batch naming an adapter not served here, or, while one is merged, any other.
+    fn check_adapters(&self, segments: &[Segment]) -> Result<(), ExecError> {
+        for g in segments {
+            if g.adapter != 0 && !self.adapters.contains_key(&g.adapter) {
+                return Err(ExecError::Input(format!("sequence {}: no adapter {}", g.seq, g.adapter)));
+            }
+            if let Some(m) = self.merged.filter(|&m| m != g.adapter) {
+                return Err(ExecError::Input(format!(
+                    "sequence {} wants adapter {} but {m} is merged: a merged batch serves its adapter only",
+                    g.seq, g.adapter
+                )));
+            }
+        }
         Ok(())
     }
 
@@ -246,9 +394,9 @@ impl Llama {
         let (_, t, _) = x.dims3()?;
         let (heads, kv_heads, d) = (self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim());
         let h = b.attn_norm.forward(x)?;
-        let q = b.q.forward(&h)?.reshape((t, heads, d))?;
-        let k = b.k.forward(&h)?.reshape((t, kv_heads, d))?;
-        let v = b.v.forward(&h)?.reshape((t, kv_heads, d))?;
+        let q = self.project(&b.q, block, Proj::Q, &h, segments)?.reshape((t, heads, d))?;
+        let k = self.project(&b.k, block, Proj::K, &h, segments)?.reshape((t, kv_heads, d))?;
+        let v = self.project(&b.v, block, Proj::V, &h, segments)?.reshape((t, kv_heads, d))?;
         let mut outs = Vec::with_capacity(segments.len());
         let mut off = 0;
         for g in segments {
@@ -264,7 +412,7 @@ impl Llama {
             off += n;
         }
         let att = Tensor::cat(&outs, 0)?.unsqueeze(0)?;
-        let x = (x + b.o.forward(&att)?)?;
+        let x = (x + self.project(&b.o, block, Proj::O, &att, segments)?)?;
         let h = b.mlp_norm.forward(&x)?;
         let mlp = b.down.forward(&(b.gate.forward(&h)?.silu()? * b.up.forward(&h)?)?)?;
         Ok((x + mlp)?)
@@ -321,6 +469,7 @@ impl LayerExec for Llama {
             let hidden = match stage {
                 Stage::Embed(e) => {
                     self.check_segments(&act, None)?;
+                    self.check_adapters(&act.segments)?;
                     if act
                         .ids
                         .max_keepdim(1)?
@@ -339,6 +488,7 @@ impl LayerExec for Llama {
                 Stage::Block(b) => {
                     let x = act.hidden.as_ref().ok_or(ExecError::OutOfOrder { have: s, want: 0 })?;
                     self.check_segments(&act, Some(s - 1))?;
+                    self.check_adapters(&act.segments)?;
                     self.block(b, s - 1, x, &act.segments)?
                 }
                 Stage::Head(h) => {

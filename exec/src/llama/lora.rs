@@ -1,0 +1,217 @@
+//! LoRA adapters on the attention projections of a [`super::Llama`] (dLoRA, seed `002_…`): an
+//! adapter of rank `r` adds `(α/r)·B·A` to a projection `W` (`A` is `[r, in]`, `B` is `[out, r]`).
+//! Two ways to serve it:
+//!
+//! - **merged** — `W' = W + (α/r)·B·A` folded into the base weights ([`super::Llama::merge`]),
+//!   later un-merged in place ([`super::Llama::unmerge`]): fastest, but a merged batch serves that
+//!   adapter's requests only;
+//! - **unmerged** — each request's segment adds `(α/r)·B_k·A_k·x` for its own adapter `k`, so any
+//!   adapters batch together, each iteration slower.
+//!
+//! Files are PEFT's layout: `adapter_model.safetensors` with
+//! `base_model.model.model.layers.{i}.self_attn.{q,k,v,o}_proj.lora_{A,B}.weight` and
+//! `adapter_config.json` (`r`, `lora_alpha`, `target_modules`). [`LoraAdapter::seeded`] makes the
+//! test adapters: seeded random tensors, a test double named as such.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+
+use candle_core::{Device, Tensor};
+use serde::{Deserialize, Serialize};
+
+use super::LlamaConfig;
+use crate::ExecError;
+
+/// An attention projection an adapter can target.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Proj {
+    /// `q_proj`.
+    Q,
+    /// `k_proj`.
+    K,
+    /// `v_proj`.
+    V,
+    /// `o_proj`.
+    O,
+}
+
+impl Proj {
+    /// Every projection.
+    pub const ALL: [Proj; 4] = [Proj::Q, Proj::K, Proj::V, Proj::O];
+
+    /// PEFT's module name.
+    pub fn module(self) -> &'static str {
+        match self {
+            Proj::Q => "q_proj",
+            Proj::K => "k_proj",
+            Proj::V => "v_proj",
+            Proj::O => "o_proj",
+        }
+    }
+
+    fn from_module(m: &str) -> Option<Proj> {
+        Proj::ALL.into_iter().find(|p| p.module() == m)
+    }
+
+    /// (out, in) of this projection in `cfg`.
+    pub fn shape(self, cfg: &LlamaConfig) -> (usize, usize) {
+        let (h, kv) = (cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim());
+        match self {
+            Proj::Q | Proj::O => (h, h),
+            Proj::K | Proj::V => (kv, h),
+        }
+    }
+}
+
+/// `adapter_config.json`, the fields used.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LoraConfig {
+    /// Rank.
+    pub r: usize,
+    /// Scaling numerator (the delta is `lora_alpha / r · B·A`).
+    pub lora_alpha: f64,
+    /// The projections it targets.
+    pub target_modules: Vec<String>,
+}
+
+/// One adapter's tensors.
+#[derive(Debug, Clone)]
+pub struct LoraAdapter {
+    /// Its configuration.
+    pub config: LoraConfig,
+    /// `(A, B)` by (block, projection).
+    pub weights: BTreeMap<(usize, Proj), (Tensor, Tensor)>,
+}
+
+fn key(block: usize, p: Proj, ab: char) -> String {
+    format!("base_model.model.model.layers.{block}.self_attn.{}.lora_{ab}.weight", p.module())
+}
+
+impl LoraAdapter {
+    /// `α / r`.
+    pub fn scale(&self) -> f64 {
+        self.config.lora_alpha / self.config.r as f64
+    }
+
+    /// A test double: an adapter of rank `r` on `targets` of every block of `cfg`, its tensors
+    /// seeded random (`A` uniform in ±1/√in, `B` uniform in ±`b_scale`; PEFT initialises `B` to
+    /// zero, which would make every adapter the base model).
+    pub fn seeded(
+        cfg: &LlamaConfig,
+        r: usize,
+        alpha: f64,
+        targets: &[Proj],
+        seed: u64,
+        b_scale: f32,
+    ) -> Result<LoraAdapter, ExecError> {
+        let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        let mut uniform = move |n: usize, bound: f32| -> Vec<f32> {
+            (0..n)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    ((x >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * bound
+                })
+                .collect()
+        };
+        let mut weights = BTreeMap::new();
+        for b in 0..cfg.num_hidden_layers {
+            for &p in targets {
+                let (out, inn) = p.shape(cfg);
+                let a = Tensor::from_vec(uniform(r * inn, 1.0 / (inn as f32).sqrt()), (r, inn), &Device::Cpu)?;
+                let bm = Tensor::from_vec(uniform(out * r, b_scale), (out, r), &Device::Cpu)?;
+                weights.insert((b, p), (a, bm));
+            }
+        }
+        let target_modules = targets.iter().map(|p| p.module().to_string()).collect();
+        Ok(LoraAdapter { config: LoraConfig { r, lora_alpha: alpha, target_modules }, weights })
+    }
+
+    /// Reads PEFT's `adapter_config.json` and `adapter_model.safetensors` from `dir`, checking
+    /// every tensor's shape against `cfg`.
+    pub fn load(dir: &Path, cfg: &LlamaConfig) -> Result<LoraAdapter, ExecError> {
+        let bad = |why: String| ExecError::Model(format!("{}: {why}", dir.display()));
+        let text = std::fs::read_to_string(dir.join("adapter_config.json"))
+            .map_err(|e| bad(format!("adapter_config.json: {e}")))?;
+        let config: LoraConfig = serde_json::from_str(&text).map_err(|e| bad(format!("adapter_config.json: {e}")))?;
+        let bytes = std::fs::read(dir.join("adapter_model.safetensors"))
+            .map_err(|e| bad(format!("adapter_model.safetensors: {e}")))?;
+        Self::from_tensors(config, candle_core::safetensors::load_buffer(&bytes, &Device::Cpu)?, cfg)
+            .map_err(|e| bad(e.to_string()))
+    }
+
+    /// An adapter from its configuration and named tensors (PEFT names), checked against `cfg`.
+    pub fn from_tensors(
+        config: LoraConfig,
+        tensors: HashMap<String, Tensor>,
+        cfg: &LlamaConfig,
+    ) -> Result<LoraAdapter, ExecError> {
+        if config.r == 0 || !config.lora_alpha.is_finite() {
+            return Err(ExecError::Model(format!("rank {} and alpha {}", config.r, config.lora_alpha)));
+        }
+        let mut weights = BTreeMap::new();
+        for (name, a) in &tensors {
+            let Some(rest) = name.strip_prefix("base_model.model.model.layers.") else { continue };
+            let parts: Vec<&str> = rest.split('.').collect();
+            let [blk, "self_attn", module, "lora_A", "weight"] = parts.as_slice() else { continue };
+            let Ok(block) = blk.parse::<usize>() else { continue };
+            let p = Proj::from_module(module)
+                .ok_or_else(|| ExecError::Model(format!("{name}: not an attention projection")))?;
+            let b = tensors
+                .get(&key(block, p, 'B'))
+                .ok_or_else(|| ExecError::Model(format!("{name} without its lora_B")))?;
+            let (out, inn) = p.shape(cfg);
+            if block >= cfg.num_hidden_layers || a.dims() != [config.r, inn] || b.dims() != [out, config.r] {
+                return Err(ExecError::Model(format!(
+                    "{name}: A {:?} and B {:?} do not fit block {block} of the model at rank {}",
+                    a.dims(),
+                    b.dims(),
+                    config.r
+                )));
+            }
+            weights.insert((block, p), (a.to_dtype(candle_core::DType::F32)?, b.to_dtype(candle_core::DType::F32)?));
+        }
+        if weights.is_empty() {
+            return Err(ExecError::Model("no lora_A/lora_B pair on an attention projection".into()));
+        }
+        Ok(LoraAdapter { config, weights })
+    }
+
+    /// Writes PEFT's two files into `dir` (created).
+    pub fn save(&self, dir: &Path) -> Result<(), ExecError> {
+        let bad = |e: &dyn std::fmt::Display| ExecError::Model(format!("{}: {e}", dir.display()));
+        std::fs::create_dir_all(dir).map_err(|e| bad(&e))?;
+        let mut tensors = HashMap::new();
+        for (&(block, p), (a, b)) in &self.weights {
+            tensors.insert(key(block, p, 'A'), a.clone());
+            tensors.insert(key(block, p, 'B'), b.clone());
+        }
+        candle_core::safetensors::save(&tensors, dir.join("adapter_model.safetensors"))?;
+        let mut cfg = serde_json::to_value(&self.config).map_err(|e| bad(&e))?;
+        cfg["peft_type"] = "LORA".into();
+        std::fs::write(dir.join("adapter_config.json"), cfg.to_string()).map_err(|e| bad(&e))
+    }
+
+    /// Bytes of its tensors.
+    pub fn bytes(&self) -> usize {
+        self.weights.values().map(|(a, b)| 4 * (a.elem_count() + b.elem_count())).sum()
+    }
+
+    /// The delta `(α/r)·B·A` of one projection, `[out, in]`.
+    pub fn delta(&self, block: usize, p: Proj) -> Result<Option<Tensor>, ExecError> {
+        match self.weights.get(&(block, p)) {
+            Some((a, b)) => Ok(Some((b.matmul(a)? * self.scale())?)),
+            None => Ok(None),
+        }
+    }
+
+    /// `(α/r)·B·A·x` for `x` `[1, n, in]`, when it targets (block, p).
+    pub fn apply(&self, block: usize, p: Proj, x: &Tensor) -> Result<Option<Tensor>, ExecError> {
+        match self.weights.get(&(block, p)) {
+            Some((a, b)) => Ok(Some((x.broadcast_matmul(&a.t()?)?.broadcast_matmul(&b.t()?)? * self.scale())?)),
+            None => Ok(None),
+        }
+    }
+}
