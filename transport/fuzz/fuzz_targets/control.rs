@@ -1,10 +1,13 @@
 //! Fuzzes the control plane's decoders, which see bytes from the network before anything is
 //! trusted: the envelope, then the body of every service's message (transport faults, multicast
-//! control, reports and notices, the pool's requests). None may panic, and whatever decodes must
-//! re-encode canonically: encoding it, decoding that and encoding again gives the same bytes
-//! (bytes, not values: a NaN in a float field is a valid message that is not equal to itself).
+//! control, reports and notices, the pool's requests, exec's and the LLM service's messages).
+//! None may panic, and whatever decodes must re-encode canonically: encoding it, decoding that
+//! and encoding again gives the same bytes (bytes, not values: a NaN in a float field is a valid
+//! message that is not equal to itself).
 #![no_main]
 
+use cascade_exec::pd::LlmMsg;
+use cascade_exec::serve::ExecMsg;
 use cascade_multicast::cluster::proto::{Control, Notice, Report};
 use cascade_param_pool::node::PoolMsg;
 use cascade_transport::service::{Envelope, Message, ServiceFault};
@@ -27,4 +30,6 @@ fuzz_target!(|data: &[u8]| {
     round_trip::<Report>(env.version, body);
     round_trip::<Notice>(env.version, body);
     round_trip::<PoolMsg>(env.version, body);
+    round_trip::<ExecMsg>(env.version, body);
+    round_trip::<LlmMsg>(env.version, body);
 });
