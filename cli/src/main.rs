@@ -201,6 +201,20 @@ fn logging(default: &str) {
 }
 
 /// Joins the cluster as `m`; with `wait_all`, waits until every member is connected.
+impl Member {
+    /// Node 0 of `cluster`, as a demonstration's driver joins it (secret from the environment).
+    pub(crate) fn driver(cluster: &std::path::Path) -> Member {
+        Member {
+            cluster: cluster.to_path_buf(),
+            node: 0,
+            secret_file: None,
+            no_shm: false,
+            memory_limit_mib: None,
+            ready_timeout_s: 120.0,
+        }
+    }
+}
+
 pub(crate) async fn join(m: &Member, wait_all: bool) -> anyhow::Result<Arc<Endpoint>> {
     join_with(m, wait_all, |_| Ok(())).await
 }

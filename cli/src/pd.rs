@@ -155,6 +155,12 @@ pub(crate) fn run(a: PdArgs) -> anyhow::Result<()> {
     let g = Generator::from_dir(&model_dir)?;
     let prompts: Vec<Vec<u32>> = PROMPTS.iter().map(|p| g.encode(p)).collect::<Result<_, _>>()?;
     let expected: Vec<Vec<u32>> = g.generate(&prompts, a.max_tokens as usize)?.into_iter().map(|o| o.tokens).collect();
+    // What the router needs of the model, taken from the reference's load (not read again).
+    let model = PdModel {
+        config: g.model().config().clone(),
+        manifest: Arc::new(g.manifest().clone()),
+        tokenizer: Arc::new(g.tokenizer().clone()),
+    };
     drop(g);
 
     let addrs = cascade_devcluster::free_addrs(5);
@@ -186,7 +192,7 @@ pub(crate) fn run(a: PdArgs) -> anyhow::Result<()> {
     }
     std::env::set_var("CASCADE_SECRET", SECRET);
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    let res = rt.block_on(drive(&a, &cluster, &model_dir, &prompts, &expected, &out));
+    let res = rt.block_on(drive(&a, &cluster, &model, &prompts, &expected, &out));
     for mut c in children {
         let _ = c.kill();
         let _ = c.wait();
@@ -202,22 +208,13 @@ fn pct(v: &mut [f64], q: f64) -> f64 {
 async fn drive(
     a: &PdArgs,
     cluster: &Path,
-    model_dir: &Path,
+    model: &PdModel,
     prompts: &[Vec<u32>],
     expected: &[Vec<u32>],
     out: &Path,
 ) -> anyhow::Result<()> {
-    let member = Member {
-        cluster: cluster.to_path_buf(),
-        node: 0,
-        secret_file: None,
-        no_shm: false,
-        memory_limit_mib: None,
-        ready_timeout_s: 120.0,
-    };
-    let ep = crate::join(&member, true).await?;
+    let ep = crate::join(&Member::driver(cluster), true).await?;
     let mesh: Arc<dyn Mesh> = ep.clone();
-    let (model, _) = PdModel::from_dir(model_dir)?;
     let layers = model.config.stages() as u32;
     let cfg = PdRouterConfig {
         dispatch: DispatchConfig {

@@ -41,6 +41,18 @@ pub trait LayerExec: Send + Sync {
     fn run(&self, layers: Range<usize>, act: Activation) -> Result<Activation, ExecError>;
 }
 
+/// Refuses a call of [`LayerExec::run`] for `layers` of a model with `stages` stages on an
+/// activation whose next layer is not `layers.start`.
+pub(crate) fn check_run(stages: usize, layers: &Range<usize>, act: &Activation) -> Result<(), ExecError> {
+    if layers.end > stages || layers.start > layers.end {
+        return Err(ExecError::NoSuchLayer { layer: layers.end, layers: stages });
+    }
+    if act.next_layer != layers.start {
+        return Err(ExecError::OutOfOrder { have: act.next_layer, want: layers.start });
+    }
+    Ok(())
+}
+
 /// A model whose stages are built one by one from verified bytes (what a serving instance's
 /// compute thread drives).
 pub trait Staged: LayerExec + Send + 'static {

@@ -458,12 +458,7 @@ impl LayerExec for Llama {
     }
 
     fn run(&self, layers: Range<usize>, mut act: Activation) -> Result<Activation, ExecError> {
-        if layers.end > self.stages.len() || layers.start > layers.end {
-            return Err(ExecError::NoSuchLayer { layer: layers.end, layers: self.stages.len() });
-        }
-        if act.next_layer != layers.start {
-            return Err(ExecError::OutOfOrder { have: act.next_layer, want: layers.start });
-        }
+        crate::check_run(self.stages.len(), &layers, &act)?;
         for s in layers {
             let stage = self.stages[s].as_ref().ok_or(ExecError::NotResident { layer: s })?;
             let hidden = match stage {

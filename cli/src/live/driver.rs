@@ -95,15 +95,7 @@ pub(crate) fn run_dir(out: &Path, round: usize, policy: LivePolicy) -> std::path
 }
 
 pub(crate) async fn drive(a: &LiveArgs, cluster: &Path, policy: LivePolicy, round: usize) -> anyhow::Result<()> {
-    let member = Member {
-        cluster: cluster.to_path_buf(),
-        node: 0,
-        secret_file: None,
-        no_shm: false,
-        memory_limit_mib: None,
-        ready_timeout_s: 120.0,
-    };
-    let ep = crate::join(&member, true).await?;
+    let ep = crate::join(&Member::driver(cluster), true).await?;
     let mesh: Arc<dyn Mesh> = ep.clone();
     let (model, _) = ServedModel::from_dir(&a.model).context("reading the model")?;
     let refs = reference_sentences()?;

@@ -113,14 +113,8 @@ impl LlmInstance {
         let llama = Llama::new(model.config.clone())?;
         let compute = Compute::start(llama, model.manifest.clone(), done_tx, format!("llm-{}", mesh.node()), cfg.core)
             .map_err(|e| ServeError::Config(format!("cannot start the compute thread: {e}")))?;
-        let held = match source {
-            Source::Held(r) => Some(r),
-            Source::Arriving => None,
-        };
-        let copy = Copy::new(held, multicast, mesh.node());
-        if let Some(image) = copy.held_image(model.manifest.bytes)? {
-            compute.send(Cmd::Verified(image));
-        }
+        let copy = Copy::new(source, multicast, mesh.node());
+        copy.build_held(model.manifest.bytes, &compute)?;
         let layout = KvLayout::new(&model.config, cfg.page_tokens as usize);
         let shared = Arc::new(Shared {
             mesh,

@@ -11,7 +11,9 @@ use cascade_param_pool::manifest::Manifest;
 use cascade_transport::Region;
 use tracing::{debug, warn};
 
-use super::ServeError;
+use super::compute::{Cmd, Compute};
+use super::{ServeError, Source};
+use crate::Staged;
 
 /// The copy and the node's multicast service.
 pub(crate) struct Copy {
@@ -21,9 +23,26 @@ pub(crate) struct Copy {
 }
 
 impl Copy {
-    /// A copy on `node`, complete in `held` or arriving (`None`).
-    pub(crate) fn new(held: Option<Region>, multicast: Arc<MulticastNode>, node: u32) -> Copy {
+    /// The copy on `node` that `source` gives.
+    pub(crate) fn new(source: Source, multicast: Arc<MulticastNode>, node: u32) -> Copy {
+        let held = match source {
+            Source::Held(region) => Some(region),
+            Source::Arriving => None,
+        };
         Copy { held: Mutex::new(held), multicast, node }
+    }
+
+    /// Has `compute` build every stage at once from a held copy of `bytes` (an arriving copy's
+    /// stages come with its `LayerReady` events instead).
+    pub(crate) fn build_held<T: Send + 'static, M: Staged>(
+        &self,
+        bytes: u64,
+        compute: &Compute<T, M>,
+    ) -> Result<(), ServeError> {
+        if let Some(image) = self.held_image(bytes)? {
+            compute.send(Cmd::Verified(image));
+        }
+        Ok(())
     }
 
     fn held_lock(&self) -> std::sync::MutexGuard<'_, Option<Region>> {
@@ -31,7 +50,7 @@ impl Copy {
     }
 
     /// The complete copy's first `bytes` (`None` while it arrives).
-    pub(crate) fn held_image(&self, bytes: u64) -> Result<Option<Bytes>, ServeError> {
+    fn held_image(&self, bytes: u64) -> Result<Option<Bytes>, ServeError> {
         match &*self.held_lock() {
             // SAFETY: a held copy is complete and only read while it serves: the pool and the
             // multicast (as a lent source) never write a copy they hold.

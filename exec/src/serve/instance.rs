@@ -120,14 +120,8 @@ impl Instance {
         let name = format!("exec-{}", mesh.node());
         let compute = Compute::start(Bert::new(model.config.clone()), model.manifest.clone(), done_tx, name, cfg.core)
             .map_err(|e| ServeError::Config(format!("cannot start the compute thread: {e}")))?;
-        let held = match source {
-            Source::Held(region) => Some(region),
-            Source::Arriving => None,
-        };
-        let copy = Copy::new(held, multicast, mesh.node());
-        if let Some(image) = copy.held_image(model.manifest.bytes)? {
-            compute.send(Cmd::Verified(image));
-        }
+        let copy = Copy::new(source, multicast, mesh.node());
+        copy.build_held(model.manifest.bytes, &compute)?;
         let shared = Arc::new(Shared {
             mesh,
             model,
