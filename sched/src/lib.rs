@@ -18,13 +18,16 @@
 //! * [`realtime`] — Symphony on real threads against the wall clock (§4.5): ModelThreads, a
 //!   RankThread and emulated GPU workers, fed by an in-process load generator.
 //!
-//! **Status:** dLoRA's scheduler is not implemented yet.
+//! * [`lora`] — dLoRA (seed 002): dynamic merged/unmerged batching with adaptive thresholds and
+//!   credits, burst-tolerance placement and routing, request–adapter co-migration (an ILP on
+//!   `good_lp`/`microlp`), and the `lora-sim` simulator.
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
 pub mod arrival;
 pub mod autoscale;
 pub mod clockwork;
 pub mod flex;
+pub mod lora;
 pub mod metrics;
 pub mod nexus;
 pub mod profile;

@@ -1,0 +1,107 @@
+//! `lora-sim`: dLoRA's batching and load balancing (seed `002_…`) on emulated replicas — a test
+//! double for GPUs, costs from a profile (`cascade_sched::lora`).
+//!
+//! `lora-sim --scenario sched/scenarios/lora_1gpu.toml --policy dlora --json`
+//!
+//! `--policy all` runs the four policies on the same requests; `--skewness`, `--rate`,
+//! `--dispatch` and `--scale` override the scenario, so that Figures 10, 11 and 14 are sweeps of
+//! one file (README).
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use cascade_sched::lora::dispatch::Dispatch;
+use cascade_sched::lora::sim::{simulate, LoraReport};
+use cascade_sched::lora::workload::LoraScenario;
+use cascade_sched::lora::Policy;
+use clap::Parser;
+
+#[derive(Parser)]
+#[command(about = "dLoRA: merged/unmerged LoRA batching and co-migration on emulated replicas")]
+struct Cli {
+    /// The scenario (TOML; README's "dLoRA" section documents it).
+    #[arg(long)]
+    scenario: PathBuf,
+    /// dlora, merged-only, unmerged-only, slora, or all.
+    #[arg(long, default_value = "dlora")]
+    policy: String,
+    /// Override the scenario's dispatch (rr, proactive, dlora).
+    #[arg(long)]
+    dispatch: Option<Dispatch>,
+    /// Override the scenario's skewness.
+    #[arg(long)]
+    skewness: Option<u32>,
+    /// Override the scenario's Zipf exponent of function popularity.
+    #[arg(long)]
+    zipf: Option<f64>,
+    /// Override the scenario's request rate, requests per second.
+    #[arg(long)]
+    rate: Option<f64>,
+    /// Override the length scale (Figure 11(b)'s ratio).
+    #[arg(long)]
+    scale: Option<f64>,
+    /// Print one JSON object per policy.
+    #[arg(long)]
+    json: bool,
+}
+
+fn main() -> anyhow::Result<()> {
+    let c = Cli::parse();
+    let mut s = LoraScenario::load(&c.scenario).map_err(anyhow::Error::msg)?;
+    if let Some(d) = c.dispatch {
+        s.cluster.dispatch = d;
+    }
+    if let Some(k) = c.skewness {
+        s.skewness = k;
+    }
+    if let Some(z) = c.zipf {
+        s.zipf_s = z;
+    }
+    if let Some(r) = c.rate {
+        s.rate_rps = r;
+    }
+    if let Some(x) = c.scale {
+        s.lengths.scale = x;
+    }
+    s.validate().map_err(anyhow::Error::msg).context("the scenario with the overrides")?;
+    let policies: Vec<Policy> =
+        if c.policy == "all" { Policy::ALL.to_vec() } else { vec![c.policy.parse().map_err(anyhow::Error::msg)?] };
+    let mut reports: Vec<LoraReport> = Vec::new();
+    for p in policies {
+        let r = simulate(&s, p).map_err(anyhow::Error::msg)?;
+        if c.json {
+            println!("{}", serde_json::to_string(&r)?);
+        }
+        reports.push(r);
+    }
+    if !c.json {
+        println!(
+            "{} requests, {} adapters, skewness {} (top adapter {:.0}%), {} replica(s), dispatch {}",
+            reports[0].requests,
+            s.adapters,
+            s.skewness,
+            reports[0].top_adapter_share * 100.0,
+            s.replicas,
+            s.cluster.dispatch.name()
+        );
+        println!(
+            "{:<14} {:>10} {:>10} {:>9} {:>9} {:>9} {:>8} {:>9} {:>10}",
+            "policy", "avg s/tok", "p90 s/tok", "e2e s", "queue s", "req/s", "switches", "migrated", "max wait"
+        );
+        for r in &reports {
+            println!(
+                "{:<14} {:>10.4} {:>10.4} {:>9.2} {:>9.2} {:>9.2} {:>8} {:>9} {:>10}",
+                r.policy.name(),
+                r.avg_latency_s,
+                r.p90_latency_s,
+                r.avg_e2e_s,
+                r.avg_queue_s,
+                r.throughput_rps,
+                r.mode_switches,
+                r.migrations,
+                r.max_wait_iterations
+            );
+        }
+    }
+    Ok(())
+}

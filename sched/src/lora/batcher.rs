@@ -1,0 +1,547 @@
+//! One replica's batching decision, made once per iteration (dLoRA §4.2 and Appendix A.1).
+//!
+//! The driver hands [`Batcher::decide`] the requests that can run this iteration in FCFS
+//! (arrival) order; the batcher returns which of them to run and in which [`Mode`]. The FCFS
+//! batch `B_fcfs` is the first `max_batch` of them (the *window*).
+//!
+//! **`dlora`** follows the paper:
+//! 1. *Starvation (Algorithm 3, lines 6–15).* An adapter whose credit exceeds `t_starve` is
+//!    starving until its credit falls below `t_normal`; while any adapter starves, its requests
+//!    (FCFS, up to `max_batch`) are served first — and, in an unmerged batch, the slots left take
+//!    the other requests in FCFS order (the pseudo-code serves the starving ones alone; filling
+//!    the batch costs little and keeps a starvation iteration from serving two requests).
+//! 2. *Eligibility (line 18).* An adapter may be merged only if its credit covers what serving it
+//!    instead of `B_fcfs` costs: one credit per request of `B_fcfs` it displaces.
+//! 3. *Algorithm 1.* Unmerged: the eligible adapter with most runnable requests `R_merge` is
+//!    merged when `|R_merge| / |B_fcfs| > α`, else `B_fcfs` runs unmerged. Merged with adapter
+//!    `l`: stay while `|R_l| / |B_fcfs| ≥ β` and `l` is eligible, else un-merge and run `B_fcfs`.
+//! 4. *Credits (lines 14 and 21).* A batch other than `B_fcfs` transfers one credit to the
+//!    adapter of every request of `B_fcfs` it displaces, paid evenly by the requests it serves
+//!    from beyond the window (those that jumped the queue), or by all it serves if none did.
+//! 5. *Algorithm 2.* At break points — a mode switch, a change of `R_merge`'s adapter, or every
+//!    `break_iters` iterations — the period since the last one is judged by the throughput
+//!    (tokens processed per ms, from the cost model) of what merged and unmerged batches achieved
+//!    or would have achieved, the switch overhead `t_M` charged to the mode the replica was not in: after
+//!    an unmerged period, `α −= γ_dec` if merging would have been faster, else `α ×= γ_mul`;
+//!    after a merged period, `β ×= γ_mul` if un-merging would have been faster, else
+//!    `β −= γ_dec`.
+//!
+//! **Where this departs from the paper, stated.** The paper gives no bounds for α and β beyond
+//! "β stays below α": here `0.01 ≤ α ≤ alpha_max` and `0.01 ≤ β ≤ α − 0.01`. Credits start at
+//! `credit0` each and are conserved (the paper: "the same credit to each adapter"; the amount of a
+//! transfer is not given, one credit per displaced request is this choice). Conserved transfers
+//! alone lock up: in FCFS batches no credit moves, so an adapter that spent its credit on merges
+//! could never merge again. Each iteration every credit therefore moves a fraction λ
+//! (`credit_reversion`) of the way back to `credit0` — which keeps the sum — and an adapter that
+//! paid recovers. Starvation batches run unmerged unless they hold only the merged adapter's
+//! requests. Algorithm 1 runs over the eligible adapters (Algorithm 3, line 19), so `R_merge` and
+//! Algorithm 2's would-be merged batch are the eligible argmax's; iterations with no eligible
+//! adapter are not recorded for tuning (α decided nothing there: recording them let α fall to its
+//! floor while the dominant adapter could not pay, and then merge an adapter with one request).
+//! Algorithm 2 counts a batch's size `|B_i|` in tokens processed — a prompt's tokens for a
+//! request it prefills, one for a decode step — since with continuous batching a batch mixes both
+//! and a prefill's work is done whichever mode does it; counting requests made a would-be merged
+//! batch full of prefills look slower than the FCFS batch of decode steps and kept α rising.
+//!
+//! **The starvation bound** ([`Batcher::starvation_bound`]): a request in the window that is not
+//! served is displaced, so its adapter gains at least one credit and pays nothing that iteration,
+//! while reversion takes at most `λ·(t_starve − credit0)` from a credit not above `t_starve`: a
+//! net gain of at least `g = 1 − λ·(t_starve − credit0) > 0`. An adapter's credit never falls
+//! below `F = min(0, credit0, min(t_normal, credit0) − max_batch)` (a merge is paid for only from
+//! credit that covers it; a starving adapter has at least `t_normal`, reversion keeps it at least
+//! `min(t_normal, credit0)`, and it pays at most `max_batch`; reversion lifts a credit below
+//! `credit0`). The order within an iteration: starvation check, reversion, transfers. After `⌊(t_starve − F) / g⌋ + 1` consecutive iterations
+//! displaced, its adapter starves, and a starving adapter's request in the window is within the first `max_batch` of
+//! the starving requests, so it runs. No request spends more consecutive iterations in the window
+//! without running than that bound; the tests check it on random workloads.
+//!
+//! The baselines: **`merged-only`** merges the adapter of the oldest request and runs its
+//! requests (PEFT-style batching by type; a switch whenever the head's adapter changes);
+//! **`unmerged-only`** runs `B_fcfs` unmerged; **`slora`** (S-LoRA-like) runs unmerged with
+//! S-LoRA's adapter clustering: FCFS, a request admitted only if its adapter is already in the
+//! batch or the batch has fewer than `slora_max_adapters` adapters (the oldest request always
+//! runs). S-LoRA's custom kernels are not modelled: its iterations cost what unmerged ones do.
+
+use serde::{Deserialize, Serialize};
+
+use super::{AdapterId, CostModel, Mode};
+
+/// A batching policy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Policy {
+    /// dLoRA: dynamic merged/unmerged batching with adaptive thresholds and credits.
+    Dlora,
+    /// Always merged: one adapter at a time, the oldest request's.
+    MergedOnly,
+    /// Always unmerged, FCFS.
+    UnmergedOnly,
+    /// S-LoRA-like: always unmerged, FCFS with adapter clustering.
+    Slora,
+}
+
+impl Policy {
+    /// Every policy.
+    pub const ALL: [Policy; 4] = [Policy::Dlora, Policy::MergedOnly, Policy::UnmergedOnly, Policy::Slora];
+
+    /// Its name on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Policy::Dlora => "dlora",
+            Policy::MergedOnly => "merged-only",
+            Policy::UnmergedOnly => "unmerged-only",
+            Policy::Slora => "slora",
+        }
+    }
+}
+
+impl std::str::FromStr for Policy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Policy, String> {
+        Policy::ALL
+            .into_iter()
+            .find(|p| p.name() == s)
+            .ok_or_else(|| format!("unknown policy {s:?} (dlora, merged-only, unmerged-only, slora)"))
+    }
+}
+
+/// The batcher's parameters (the artifact's constants by default).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct BatchConfig {
+    /// Largest batch, sequences.
+    pub max_batch: usize,
+    /// α₀.
+    pub alpha0: f64,
+    /// β₀; `None`: merged ÷ unmerged iteration time from the cost model.
+    pub beta0: Option<f64>,
+    /// γ_dec.
+    pub gamma_dec: f64,
+    /// γ_mul.
+    pub gamma_mul: f64,
+    /// Upper bound of α.
+    pub alpha_max: f64,
+    /// Iterations between break points when nothing else marks one.
+    pub break_iters: u32,
+    /// Every adapter's credit at the start.
+    pub credit0: f64,
+    /// An adapter with more credit than this starves.
+    pub t_starve: f64,
+    /// A starving adapter with less credit than this is served normally again.
+    pub t_normal: f64,
+    /// Each iteration every credit moves this fraction of the way back to `credit0` (λ; see
+    /// the module docs).
+    pub credit_reversion: f64,
+    /// `slora`: most distinct adapters in a batch.
+    pub slora_max_adapters: usize,
+}
+
+impl Default for BatchConfig {
+    fn default() -> BatchConfig {
+        BatchConfig {
+            max_batch: 32,
+            alpha0: 1.0,
+            beta0: None,
+            gamma_dec: 0.05,
+            gamma_mul: 1.1,
+            alpha_max: 4.0,
+            break_iters: 16,
+            credit0: 128.0,
+            t_starve: 160.0,
+            t_normal: 128.0,
+            credit_reversion: 1.0 / 64.0,
+            slora_max_adapters: 4,
+        }
+    }
+}
+
+impl BatchConfig {
+    /// Checks the parameters' ranges.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.max_batch == 0 {
+            return Err("max_batch must be ≥ 1".into());
+        }
+        if !(self.gamma_dec > 0.0 && self.gamma_dec < 1.0 && self.gamma_mul > 1.0 && self.gamma_mul.is_finite()) {
+            return Err("need 0 < gamma_dec < 1 and gamma_mul > 1".into());
+        }
+        if !(self.alpha0 > 0.0 && self.alpha0 <= self.alpha_max) {
+            return Err("need 0 < alpha0 ≤ alpha_max".into());
+        }
+        if self.t_normal.is_nan()
+            || self.t_normal > self.t_starve
+            || !self.t_starve.is_finite()
+            || !self.credit0.is_finite()
+        {
+            return Err("need finite credits with t_normal ≤ t_starve".into());
+        }
+        if !(0.0..1.0).contains(&self.credit_reversion)
+            || self.credit_reversion * (self.t_starve - self.credit0).max(0.0) >= 1.0
+        {
+            return Err("need 0 ≤ credit_reversion < 1 and credit_reversion·(t_starve − credit0) < 1".into());
+        }
+        if self.break_iters == 0 || self.slora_max_adapters == 0 {
+            return Err("break_iters and slora_max_adapters must be ≥ 1".into());
+        }
+        Ok(())
+    }
+}
+
+/// A request that can run this iteration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Runnable {
+    /// Its adapter.
+    pub adapter: AdapterId,
+    /// Prompt tokens this iteration prefills (0 for a decode step).
+    pub prompt_tokens: u64,
+}
+
+/// What to run this iteration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Choice {
+    /// Indices into the runnable requests, ascending (FCFS order).
+    pub batch: Vec<usize>,
+    /// The mode the iteration runs in.
+    pub mode: Mode,
+    /// Merges and un-merges to do before it (each costs `switch_ms`).
+    pub switch_ops: u32,
+    /// Whether starving adapters were served first.
+    pub starvation: bool,
+}
+
+/// Counters of one batcher.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct BatcherStats {
+    /// Iterations that began with a mode switch.
+    pub mode_switches: u64,
+    /// Merge and un-merge operations.
+    pub switch_ops: u64,
+    /// Iterations decided by starvation prevention.
+    pub starvation_batches: u64,
+    /// Iterations run merged.
+    pub merged_iterations: u64,
+    /// Iterations run unmerged.
+    pub unmerged_iterations: u64,
+    /// Break points at which the thresholds were tuned.
+    pub tunings: u64,
+}
+
+/// Algorithm 2's record of the period since the last break point.
+#[derive(Debug, Clone, Default)]
+struct Period {
+    merged: bool,
+    adapter: Option<AdapterId>,
+    iters: u32,
+    merged_tokens: f64,
+    merged_ms: f64,
+    unmerged_tokens: f64,
+    unmerged_ms: f64,
+}
+
+/// One replica's batching state.
+#[derive(Debug, Clone)]
+pub struct Batcher {
+    policy: Policy,
+    cfg: BatchConfig,
+    cost: CostModel,
+    mode: Mode,
+    alpha: f64,
+    beta: f64,
+    credit: Vec<f64>,
+    starving: Vec<bool>,
+    period: Period,
+    stats: BatcherStats,
+}
+
+impl Batcher {
+    /// A batcher in unmerged mode with every credit at `credit0`.
+    pub fn new(policy: Policy, cfg: BatchConfig, cost: CostModel) -> Batcher {
+        let beta = cfg.beta0.unwrap_or_else(|| cost.beta0()).min(cfg.alpha0 - 0.01).max(0.01);
+        Batcher {
+            policy,
+            alpha: cfg.alpha0,
+            beta,
+            cfg,
+            cost,
+            mode: Mode::Unmerged,
+            credit: Vec::new(),
+            starving: Vec::new(),
+            period: Period::default(),
+            stats: BatcherStats::default(),
+        }
+    }
+
+    /// The policy.
+    pub fn policy(&self) -> Policy {
+        self.policy
+    }
+
+    /// The current mode (that of the last iteration decided).
+    pub fn mode(&self) -> Mode {
+        self.mode
+    }
+
+    /// α and β now.
+    pub fn thresholds(&self) -> (f64, f64) {
+        (self.alpha, self.beta)
+    }
+
+    /// An adapter's credit.
+    pub fn credit(&self, a: AdapterId) -> f64 {
+        self.credit.get(a as usize).copied().unwrap_or(self.cfg.credit0)
+    }
+
+    /// The counters.
+    pub fn stats(&self) -> &BatcherStats {
+        &self.stats
+    }
+
+    /// The most consecutive iterations a request can spend in the FCFS window without running,
+    /// under `dlora` (see the module docs); `None` for the baselines, which promise none
+    /// (`merged-only` can starve an adapter; the unmerged ones never pass a window request over).
+    pub fn starvation_bound(&self) -> Option<u64> {
+        match self.policy {
+            Policy::Dlora => {
+                let c = &self.cfg;
+                let floor = 0f64.min(c.credit0).min(c.t_normal.min(c.credit0) - c.max_batch as f64);
+                let gain = 1.0 - c.credit_reversion * (c.t_starve - c.credit0).max(0.0);
+                Some(((c.t_starve - floor) / gain).floor() as u64 + 1)
+            }
+            Policy::UnmergedOnly => Some(0),
+            Policy::MergedOnly | Policy::Slora => None,
+        }
+    }
+
+    /// Forces unmerged mode (the replica's weights were reset, e.g. after a restart).
+    pub fn reset_mode(&mut self) {
+        self.mode = Mode::Unmerged;
+    }
+
+    fn ensure(&mut self, a: AdapterId) {
+        let n = a as usize + 1;
+        if self.credit.len() < n {
+            self.credit.resize(n, self.cfg.credit0);
+            self.starving.resize(n, false);
+        }
+    }
+
+    /// Decides this iteration's batch among `runnable` (FCFS order). An empty `runnable` gives
+    /// an empty batch in the current mode.
+    pub fn decide(&mut self, runnable: &[Runnable]) -> Choice {
+        for r in runnable {
+            self.ensure(r.adapter);
+        }
+        let window = runnable.len().min(self.cfg.max_batch);
+        let fcfs: Vec<usize> = (0..window).collect();
+        let (batch, mode, starvation) = match self.policy {
+            _ if runnable.is_empty() => (Vec::new(), self.mode, false),
+            Policy::UnmergedOnly => (fcfs, Mode::Unmerged, false),
+            Policy::MergedOnly => {
+                let a = runnable[0].adapter;
+                (self.of_adapter(runnable, a), Mode::Merged(a), false)
+            }
+            Policy::Slora => (self.clustered(runnable), Mode::Unmerged, false),
+            Policy::Dlora => self.dlora(runnable, &fcfs),
+        };
+        let switch_ops = self.mode.switch_ops(mode);
+        if switch_ops > 0 {
+            self.stats.mode_switches += 1;
+            self.stats.switch_ops += switch_ops as u64;
+        }
+        if !batch.is_empty() {
+            match mode {
+                Mode::Merged(_) => self.stats.merged_iterations += 1,
+                Mode::Unmerged => self.stats.unmerged_iterations += 1,
+            }
+        }
+        self.mode = mode;
+        Choice { batch, mode, switch_ops, starvation }
+    }
+
+    /// The first `max_batch` runnable requests of adapter `a`.
+    fn of_adapter(&self, runnable: &[Runnable], a: AdapterId) -> Vec<usize> {
+        (0..runnable.len()).filter(|&i| runnable[i].adapter == a).take(self.cfg.max_batch).collect()
+    }
+
+    fn clustered(&self, runnable: &[Runnable]) -> Vec<usize> {
+        let mut adapters: Vec<AdapterId> = Vec::new();
+        let mut batch = Vec::new();
+        for (i, r) in runnable.iter().enumerate() {
+            if batch.len() == self.cfg.max_batch {
+                break;
+            }
+            if adapters.contains(&r.adapter) {
+                batch.push(i);
+            } else if adapters.len() < self.cfg.slora_max_adapters {
+                adapters.push(r.adapter);
+                batch.push(i);
+            }
+        }
+        batch
+    }
+
+    fn dlora(&mut self, runnable: &[Runnable], fcfs: &[usize]) -> (Vec<usize>, Mode, bool) {
+        // Algorithm 3, lines 6–10.
+        for a in 0..self.credit.len() {
+            if self.starving[a] && self.credit[a] < self.cfg.t_normal {
+                self.starving[a] = false;
+            } else if self.credit[a] > self.cfg.t_starve {
+                self.starving[a] = true;
+            }
+        }
+        // Reversion after the check and before this iteration's transfers: an adapter that is not
+        // starving (credit ≤ t_starve) loses at most λ·(t_starve − credit0) to it.
+        let (c0, lambda) = (self.cfg.credit0, self.cfg.credit_reversion);
+        for c in &mut self.credit {
+            *c += lambda * (c0 - *c);
+        }
+        // Lines 11–15.
+        let starve: Vec<usize> = (0..runnable.len())
+            .filter(|&i| self.starving[runnable[i].adapter as usize])
+            .take(self.cfg.max_batch)
+            .collect();
+        if !starve.is_empty() {
+            let first = runnable[starve[0]].adapter;
+            let mut starve = starve;
+            let mode = match self.mode {
+                Mode::Merged(l) if l == first && starve.iter().all(|&i| runnable[i].adapter == l) => self.mode,
+                _ => {
+                    // Unmerged anyway: the free slots take the other requests in FCFS order.
+                    let room = self.cfg.max_batch - starve.len();
+                    let rest: Vec<usize> = (0..runnable.len())
+                        .filter(|&i| !self.starving[runnable[i].adapter as usize])
+                        .take(room)
+                        .collect();
+                    starve.extend(rest);
+                    starve.sort_unstable();
+                    Mode::Unmerged
+                }
+            };
+            self.transfer(runnable, &starve, fcfs);
+            self.stats.starvation_batches += 1;
+            return (starve, mode, true);
+        }
+        // Line 17: what each adapter would pay to be served instead of B_fcfs.
+        let mut count = vec![0usize; self.credit.len()];
+        let mut in_window = vec![0usize; self.credit.len()];
+        let mut first = vec![usize::MAX; self.credit.len()];
+        for (i, r) in runnable.iter().enumerate() {
+            let a = r.adapter as usize;
+            count[a] += 1;
+            first[a] = first[a].min(i);
+            if i < fcfs.len() {
+                in_window[a] += 1;
+            }
+        }
+        let eligible = |a: usize, credit: &[f64]| credit[a] >= (fcfs.len() - in_window[a]) as f64;
+        // The adapter with most requests (ties: the one asked for first).
+        let argmax = |only_eligible: bool, credit: &[f64]| {
+            (0..count.len())
+                .filter(|&a| count[a] > 0 && (!only_eligible || eligible(a, credit)))
+                .max_by(|&a, &b| count[a].cmp(&count[b]).then(first[b].cmp(&first[a])))
+                .map(|a| a as AdapterId)
+        };
+        let ratio = |a: AdapterId| count[a as usize] as f64 / fcfs.len() as f64;
+        // Algorithm 1.
+        let (batch, mode, r_merge) = match self.mode {
+            Mode::Unmerged => match argmax(true, &self.credit) {
+                Some(a) if ratio(a) > self.alpha => (self.of_adapter(runnable, a), Mode::Merged(a), Some(a)),
+                a => (fcfs.to_vec(), Mode::Unmerged, a),
+            },
+            Mode::Merged(l) => {
+                if ratio(l) < self.beta || !eligible(l as usize, &self.credit) {
+                    (fcfs.to_vec(), Mode::Unmerged, Some(l))
+                } else {
+                    (self.of_adapter(runnable, l), Mode::Merged(l), Some(l))
+                }
+            }
+        };
+        // Algorithm 1 ran over the eligible adapters: with none, α decided nothing to learn from.
+        if r_merge.is_some() {
+            self.record(runnable, fcfs, &batch, mode, r_merge);
+        }
+        if batch != fcfs {
+            self.transfer(runnable, &batch, fcfs);
+        }
+        (batch, mode, false)
+    }
+
+    /// Lines 14 and 21: one credit to the adapter of every request of `fcfs` not in `served`,
+    /// paid evenly by the served requests that jumped the window (or, when none did, by every
+    /// served request).
+    fn transfer(&mut self, runnable: &[Runnable], served: &[usize], fcfs: &[usize]) {
+        let displaced: Vec<usize> = fcfs.iter().copied().filter(|i| served.binary_search(i).is_err()).collect();
+        if displaced.is_empty() || served.is_empty() {
+            return;
+        }
+        let jumpers: Vec<usize> = served.iter().copied().filter(|&i| i >= fcfs.len()).collect();
+        let payers = if jumpers.is_empty() { served } else { &jumpers[..] };
+        let share = displaced.len() as f64 / payers.len() as f64;
+        for &i in &displaced {
+            self.credit[runnable[i].adapter as usize] += 1.0;
+        }
+        for &i in payers {
+            self.credit[runnable[i].adapter as usize] -= share;
+        }
+    }
+
+    fn batch_ms(&self, runnable: &[Runnable], batch: &[usize], mode: Mode) -> f64 {
+        let tokens: u64 = batch.iter().map(|&i| runnable[i].prompt_tokens).sum();
+        let mut adapters: Vec<AdapterId> = batch.iter().map(|&i| runnable[i].adapter).collect();
+        adapters.sort_unstable();
+        adapters.dedup();
+        self.cost.iteration_ms(mode, batch.len(), tokens, adapters.len())
+    }
+
+    /// Algorithm 2's bookkeeping: a break point first if one is due, then this iteration's
+    /// actual and would-be throughputs.
+    fn record(
+        &mut self,
+        runnable: &[Runnable],
+        fcfs: &[usize],
+        batch: &[usize],
+        mode: Mode,
+        r_merge: Option<AdapterId>,
+    ) {
+        let merged = matches!(mode, Mode::Merged(_));
+        let p = &self.period;
+        if p.iters > 0 && (p.merged != merged || p.adapter != r_merge || p.iters >= self.cfg.break_iters) {
+            self.tune();
+        }
+        let merged_batch = match (mode, r_merge) {
+            (Mode::Merged(_), _) => batch.to_vec(),
+            (Mode::Unmerged, Some(a)) => self.of_adapter(runnable, a),
+            (Mode::Unmerged, None) => Vec::new(),
+        };
+        let m_ms = self.batch_ms(runnable, &merged_batch, Mode::Merged(r_merge.unwrap_or(0)));
+        let u_ms = self.batch_ms(runnable, fcfs, Mode::Unmerged);
+        let work = |b: &[usize]| b.iter().map(|&i| runnable[i].prompt_tokens.max(1)).sum::<u64>() as f64;
+        let (m_work, u_work) = (work(&merged_batch), work(fcfs));
+        let p = &mut self.period;
+        p.merged = merged;
+        p.adapter = r_merge;
+        p.iters += 1;
+        p.merged_tokens += m_work;
+        p.merged_ms += m_ms;
+        p.unmerged_tokens += u_work;
+        p.unmerged_ms += u_ms;
+    }
+
+    /// Algorithm 2 (and its mirror for β) over the period that just ended.
+    fn tune(&mut self) {
+        let p = std::mem::take(&mut self.period);
+        let t_m = self.cost.switch_ms;
+        let g = (self.cfg.gamma_dec, self.cfg.gamma_mul);
+        if p.merged {
+            let t_merge = p.merged_tokens / p.merged_ms.max(1e-9);
+            let t_unmerge = p.unmerged_tokens / (p.unmerged_ms + t_m);
+            self.beta = if t_unmerge > t_merge { self.beta * g.1 } else { self.beta - g.0 };
+        } else {
+            let t_merge = p.merged_tokens / (p.merged_ms + t_m);
+            let t_unmerge = p.unmerged_tokens / p.unmerged_ms.max(1e-9);
+            self.alpha = if t_merge > t_unmerge { self.alpha - g.0 } else { self.alpha * g.1 };
+        }
+        self.alpha = self.alpha.clamp(0.02, self.cfg.alpha_max);
+        self.beta = self.beta.clamp(0.01, self.alpha - 0.01);
+        self.stats.tunings += 1;
+    }
+}

@@ -1,0 +1,242 @@
+//! dLoRA's proactive mechanism (§5.1) and the cluster's knobs: where adapters are preloaded,
+//! where each request goes, and each replica's bounded set of resident adapters.
+//!
+//! * **Placement** ([`place`]): every adapter on one replica first (the most popular first, each
+//!   on the replica with fewest adapters), then replicas of the adapter with the lowest *burst
+//!   tolerance* — peak capacity ÷ average load, the peak capacity being the requests the free
+//!   KV memory of the replicas holding it can serve — are added greedily, each on the replica
+//!   without it that has most free memory, until the minimum burst tolerance would decrease or no
+//!   replica has room.
+//! * **Routing** ([`route`]): to the replica with the shortest estimated pending time — its
+//!   queued work plus the adapter's load time where it is not resident (`proactive`, `dlora`);
+//!   or round-robin over the replicas the placement preloaded with the adapter (`rr`).
+//! * **Swapping** ([`AdapterSet`]): at most `max_adapters_per_replica` adapters on a replica
+//!   (16 in the artifact); loading one evicts the least recently used adapter no queued request
+//!   needs.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use super::{AdapterId, CostModel};
+
+/// How requests are routed across replicas.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Dispatch {
+    /// Round-robin over the replicas preloaded with the adapter.
+    Rr,
+    /// Shortest estimated pending time, loading adapters where needed; no migration.
+    Proactive,
+    /// `proactive` plus reactive request–adapter co-migration (§5.2).
+    Dlora,
+}
+
+impl Dispatch {
+    /// Every dispatch.
+    pub const ALL: [Dispatch; 3] = [Dispatch::Rr, Dispatch::Proactive, Dispatch::Dlora];
+
+    /// Its name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Dispatch::Rr => "rr",
+            Dispatch::Proactive => "proactive",
+            Dispatch::Dlora => "dlora",
+        }
+    }
+}
+
+impl std::str::FromStr for Dispatch {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Dispatch, String> {
+        Dispatch::ALL
+            .into_iter()
+            .find(|d| d.name() == s)
+            .ok_or_else(|| format!("unknown dispatch {s:?} (rr, proactive, dlora)"))
+    }
+}
+
+/// Dispatch and migration parameters.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ClusterConfig {
+    /// How requests are routed.
+    pub dispatch: Dispatch,
+    /// Most adapters resident on one replica.
+    pub max_adapters_per_replica: usize,
+    /// The monitor's period, ms.
+    pub monitor_ms: f64,
+    /// Migration trigger: the fullest replica's KV use at least this while another's is below.
+    pub kv_trigger: f64,
+    /// Migration trigger: a replica with this many requests more than the average.
+    pub queue_trigger: usize,
+    /// Replicas considered on each side (top-K overloaded × top-K underloaded).
+    pub top_k: usize,
+    /// The affinity penalty η per adapter a replica gains, ms; `None`: the adapter load time.
+    pub eta_ms: Option<f64>,
+    /// Host-swap bandwidth B for KV beyond a replica's memory, bytes per ms (PCIe 4.0: 25 GB/s).
+    pub swap_bytes_per_ms: f64,
+    /// Relax request variables to [0, 1] and round each to its largest entry (the paper's
+    /// relaxation); `false` solves the exact ILP.
+    pub relax: bool,
+    /// The solver's time budget, ms; the greedy plan is used when it runs out.
+    pub solve_budget_ms: u64,
+}
+
+impl Default for ClusterConfig {
+    fn default() -> ClusterConfig {
+        ClusterConfig {
+            dispatch: Dispatch::Dlora,
+            max_adapters_per_replica: 16,
+            monitor_ms: 200.0,
+            kv_trigger: 0.9,
+            queue_trigger: 16,
+            top_k: 2,
+            eta_ms: None,
+            swap_bytes_per_ms: 25e6,
+            relax: true,
+            solve_budget_ms: 200,
+        }
+    }
+}
+
+impl ClusterConfig {
+    /// Checks the ranges.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.max_adapters_per_replica == 0 || self.top_k == 0 {
+            return Err("cluster: max_adapters_per_replica and top_k must be ≥ 1".into());
+        }
+        if !(self.monitor_ms > 0.0 && self.swap_bytes_per_ms > 0.0 && (0.0..=1.0).contains(&self.kv_trigger)) {
+            return Err("cluster: need monitor_ms > 0, swap_bytes_per_ms > 0, 0 ≤ kv_trigger ≤ 1".into());
+        }
+        Ok(())
+    }
+}
+
+/// Burst-tolerance placement: which adapters each of `replicas` preloads. `shares` is each
+/// adapter's share of the load; `mean_tokens` a request's mean KV tokens.
+pub fn place(
+    shares: &[f64],
+    replicas: usize,
+    cap: usize,
+    cost: &CostModel,
+    mean_tokens: f64,
+) -> Result<Vec<Vec<AdapterId>>, String> {
+    if shares.len() > replicas * cap {
+        return Err(format!("{} adapters do not fit {replicas} replicas of {cap} adapters", shares.len()));
+    }
+    let mut on: Vec<Vec<AdapterId>> = vec![Vec::new(); replicas];
+    let mut order: Vec<usize> = (0..shares.len()).collect();
+    order.sort_by(|&a, &b| shares[b].total_cmp(&shares[a]).then(a.cmp(&b)));
+    for a in order {
+        let j = (0..replicas).min_by_key(|&j| (on[j].len(), j)).unwrap_or(0);
+        on[j].push(a as AdapterId);
+    }
+    let adapter_tokens = cost.adapter_bytes as f64 / cost.kv_bytes_per_token as f64;
+    let free = |on: &[Vec<AdapterId>], j: usize| {
+        (cost.kv_capacity_tokens as f64 - on[j].len() as f64 * adapter_tokens).max(0.0)
+    };
+    let tolerance = |on: &[Vec<AdapterId>], a: usize| {
+        if shares[a] <= 0.0 {
+            return f64::INFINITY;
+        }
+        let cap: f64 = (0..replicas).filter(|&j| on[j].contains(&(a as AdapterId))).map(|j| free(on, j)).sum();
+        cap / mean_tokens.max(1.0) / shares[a]
+    };
+    let min_tolerance =
+        |on: &[Vec<AdapterId>]| (0..shares.len()).map(|a| tolerance(on, a)).fold(f64::INFINITY, f64::min);
+    loop {
+        let current = min_tolerance(&on);
+        let Some(a) = (0..shares.len()).min_by(|&x, &y| tolerance(&on, x).total_cmp(&tolerance(&on, y))) else {
+            break;
+        };
+        let target = (0..replicas)
+            .filter(|&j| on[j].len() < cap && !on[j].contains(&(a as AdapterId)))
+            .max_by(|&x, &y| free(&on, x).total_cmp(&free(&on, y)).then(y.cmp(&x)));
+        let Some(j) = target else { break };
+        on[j].push(a as AdapterId);
+        if min_tolerance(&on) < current {
+            on[j].pop();
+            break;
+        }
+    }
+    Ok(on)
+}
+
+/// The replica with the shortest estimated pending time for a request of an adapter:
+/// `pending_ms[j]`, plus `load_ms` where the adapter is not resident. Only replicas where it is
+/// resident or can be loaded (`loadable`) are candidates; `None` when there is none.
+pub fn route(pending_ms: &[f64], resident: &[bool], loadable: &[bool], load_ms: f64) -> Option<usize> {
+    (0..pending_ms.len()).filter(|&j| resident[j] || loadable[j]).min_by(|&a, &b| {
+        let t = |j: usize| pending_ms[j] + if resident[j] { 0.0 } else { load_ms };
+        t(a).total_cmp(&t(b)).then(a.cmp(&b))
+    })
+}
+
+/// A replica's resident adapters, bounded, least recently used evicted first.
+#[derive(Debug, Clone, Default)]
+pub struct AdapterSet {
+    cap: usize,
+    /// Adapter → (last use, ready at), ms.
+    on: BTreeMap<AdapterId, (f64, f64)>,
+}
+
+impl AdapterSet {
+    /// A set of at most `cap` adapters holding `preloaded` (ready at time 0).
+    pub fn new(cap: usize, preloaded: &[AdapterId]) -> AdapterSet {
+        AdapterSet { cap, on: preloaded.iter().map(|&a| (a, (0.0, 0.0))).collect() }
+    }
+
+    /// Whether `a` is resident (possibly still loading).
+    pub fn contains(&self, a: AdapterId) -> bool {
+        self.on.contains_key(&a)
+    }
+
+    /// When `a` is ready, if resident.
+    pub fn ready_at(&self, a: AdapterId) -> Option<f64> {
+        self.on.get(&a).map(|v| v.1)
+    }
+
+    /// Resident adapters.
+    pub fn adapters(&self) -> Vec<AdapterId> {
+        self.on.keys().copied().collect()
+    }
+
+    /// Records a use of `a` at `now`.
+    pub fn touch(&mut self, a: AdapterId, now: f64) {
+        if let Some(v) = self.on.get_mut(&a) {
+            v.0 = v.0.max(now);
+        }
+    }
+
+    /// Whether `a` could be loaded now: room, or an adapter `needed` says no request needs.
+    pub fn can_load(&self, needed: impl Fn(AdapterId) -> bool) -> bool {
+        self.on.len() < self.cap || self.on.keys().any(|&a| !needed(a))
+    }
+
+    /// Loads `a` (ready at `ready`), evicting the least recently used adapter no request needs
+    /// when full; returns the evicted one. Beyond the bound only if every resident adapter is
+    /// needed (the caller checked [`AdapterSet::can_load`] where that matters).
+    pub fn load(
+        &mut self,
+        a: AdapterId,
+        now: f64,
+        ready: f64,
+        needed: impl Fn(AdapterId) -> bool,
+    ) -> Option<AdapterId> {
+        let mut evicted = None;
+        if self.on.len() >= self.cap {
+            evicted = self
+                .on
+                .iter()
+                .filter(|(&k, _)| !needed(k))
+                .min_by(|x, y| x.1 .0.total_cmp(&y.1 .0).then(x.0.cmp(y.0)))
+                .map(|(&k, _)| k);
+            if let Some(k) = evicted {
+                self.on.remove(&k);
+            }
+        }
+        self.on.insert(a, (now, ready));
+        evicted
+    }
+}

@@ -1,0 +1,510 @@
+//! The simulator behind `lora-sim`: emulated replicas (a test double for GPUs: every iteration
+//! costs what [`CostModel`] says) serving a [`LoraScenario`]'s requests with continuous batching,
+//! one [`Batcher`] per replica, routed by [`super::dispatch`] and, under `dispatch = "dlora"`,
+//! rebalanced by [`super::migrate`].
+//!
+//! Each iteration a replica asks its batcher which runnable requests to run: those whose adapter
+//! is loaded, that are not being moved, and — for a request not started yet — whose prompt fits
+//! the free KV cache (admission in FCFS order; a started request's KV grows by a token per step
+//! and is not preempted: KV use can exceed the capacity by those tokens, which the migration
+//! trigger sees). A request's first iteration prefills its prompt and yields its first token;
+//! each later one yields a token. Deterministic: no clock, no randomness beyond the scenario's.
+//!
+//! Metrics. `avg_latency_s` is the paper's (§7.1): the sum of end-to-end latencies over the sum
+//! of output tokens, s per token; `p90_latency_s` the 90th percentile of each request's latency per
+//! output token; the queueing delay of a request is its latency minus the time of the iterations
+//! it ran in. `max_wait_iterations` is the most consecutive iterations any request spent in its
+//! replica's FCFS window without running (the starvation bound's quantity). Requests unfinished
+//! when the simulation stops (20× the arrival span, plus ten minutes) count with the latency they
+//! had then — a lower bound — and are reported as `unfinished`.
+
+use std::time::Duration;
+
+use serde::Serialize;
+
+use super::batcher::{Batcher, Policy, Runnable};
+use super::dispatch::{place, route, AdapterSet, Dispatch};
+use super::migrate::{MigProblem, MigReplica, MigRequest, PlanSource};
+use super::workload::{LoraRequest, LoraScenario};
+use super::{AdapterId, CostModel, Mode};
+
+/// What a run measured.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct LoraReport {
+    /// The batching policy.
+    pub policy: Policy,
+    /// The dispatch across replicas.
+    pub dispatch: Dispatch,
+    /// Replicas.
+    pub replicas: usize,
+    /// Requests generated.
+    pub requests: usize,
+    /// Requests that finished.
+    pub finished: usize,
+    /// Requests still unfinished when the simulation stopped.
+    pub unfinished: usize,
+    /// Σ latency ÷ Σ output tokens, s per token (the paper's average latency).
+    pub avg_latency_s: f64,
+    /// 90th percentile of latency per output token, s.
+    pub p90_latency_s: f64,
+    /// Mean end-to-end latency, s.
+    pub avg_e2e_s: f64,
+    /// 90th percentile of end-to-end latency, s.
+    pub p90_e2e_s: f64,
+    /// Mean queueing delay (latency minus the iterations the request ran in), s.
+    pub avg_queue_s: f64,
+    /// Finished requests per second of simulated time.
+    pub throughput_rps: f64,
+    /// Iterations that began with a merge or un-merge, all replicas.
+    pub mode_switches: u64,
+    /// Merge and un-merge operations, all replicas.
+    pub switch_ops: u64,
+    /// Iterations run merged, all replicas.
+    pub merged_iterations: u64,
+    /// Iterations run unmerged, all replicas.
+    pub unmerged_iterations: u64,
+    /// Iterations decided by starvation prevention.
+    pub starvation_batches: u64,
+    /// Most consecutive iterations a request spent in the FCFS window without running.
+    pub max_wait_iterations: u64,
+    /// The policy's bound on that, if it promises one.
+    pub starvation_bound: Option<u64>,
+    /// Requests migrated.
+    pub migrations: u64,
+    /// Migration plans made (monitor triggers).
+    pub migration_plans: u64,
+    /// Of those, the plans the solver produced (the rest: greedy).
+    pub ilp_plans: u64,
+    /// Longest solve, ms.
+    pub max_solve_ms: f64,
+    /// Adapter loads onto replicas after the start.
+    pub adapter_loads: u64,
+    /// Share of requests of the most popular adapter (the scenario's skew).
+    pub top_adapter_share: f64,
+    /// α and β of replica 0 at the end.
+    pub final_thresholds: (f64, f64),
+}
+
+#[derive(Debug, Clone)]
+struct Live {
+    req: LoraRequest,
+    generated: u32,
+    started: bool,
+    kv: u64,
+    service_ms: f64,
+    streak: u64,
+    ready_ms: f64,
+}
+
+#[derive(Debug)]
+struct Rep {
+    batcher: Batcher,
+    queue: Vec<Live>,
+    busy_until: Option<f64>,
+    running: Vec<u64>,
+    iter_ms: f64,
+    adapters: AdapterSet,
+    kv_used: u64,
+    wake: Option<f64>,
+}
+
+impl Rep {
+    fn needed(&self) -> Vec<AdapterId> {
+        let mut v: Vec<AdapterId> = self.queue.iter().map(|l| l.req.adapter).collect();
+        v.sort_unstable();
+        v.dedup();
+        v
+    }
+}
+
+struct Sim<'a> {
+    s: &'a LoraScenario,
+    cost: CostModel,
+    reps: Vec<Rep>,
+    now: f64,
+    placement: Vec<Vec<AdapterId>>,
+    rr_next: Vec<usize>,
+    token_ms: f64,
+    out_mean: f64,
+    done: Vec<(f64, u32, f64)>,
+    max_wait: u64,
+    migrations: u64,
+    plans: u64,
+    ilp_plans: u64,
+    max_solve_ms: f64,
+    adapter_loads: u64,
+}
+
+/// Runs `s` under `policy` on every replica.
+pub fn simulate(s: &LoraScenario, policy: Policy) -> Result<LoraReport, String> {
+    s.validate()?;
+    let cost = s.cost_model()?;
+    let shares = s.adapter_shares();
+    let out_mean = s.lengths.output_mean * s.lengths.scale;
+    let mean_tokens = s.lengths.input_mean * s.lengths.scale + out_mean;
+    let placement = if s.replicas == 1 {
+        if s.adapters as usize > s.cluster.max_adapters_per_replica {
+            return Err(format!("{} adapters exceed one replica's {}", s.adapters, s.cluster.max_adapters_per_replica));
+        }
+        vec![(0..s.adapters).collect()]
+    } else {
+        place(&shares, s.replicas, s.cluster.max_adapters_per_replica, &cost, mean_tokens)?
+    };
+    let reps = placement
+        .iter()
+        .map(|on| Rep {
+            batcher: Batcher::new(policy, s.batch.clone(), cost.clone()),
+            queue: Vec::new(),
+            busy_until: None,
+            running: Vec::new(),
+            iter_ms: 0.0,
+            adapters: AdapterSet::new(s.cluster.max_adapters_per_replica, on),
+            kv_used: 0,
+            wake: None,
+        })
+        .collect();
+    let mb = s.batch.max_batch;
+    let mut sim = Sim {
+        s,
+        token_ms: cost.iteration_ms(Mode::Unmerged, mb, 0, 1) / mb as f64,
+        cost,
+        reps,
+        now: 0.0,
+        placement,
+        rr_next: vec![0; s.adapters as usize],
+        out_mean,
+        done: Vec::new(),
+        max_wait: 0,
+        migrations: 0,
+        plans: 0,
+        ilp_plans: 0,
+        max_solve_ms: 0.0,
+        adapter_loads: 0,
+    };
+    let reqs = s.requests();
+    let horizon = s.duration_s * 1000.0 * 20.0 + 600_000.0;
+    let migrating = s.replicas > 1 && s.cluster.dispatch == Dispatch::Dlora;
+    let mut next = 0;
+    let mut next_monitor = s.cluster.monitor_ms;
+    loop {
+        let ta = reqs.get(next).map_or(f64::INFINITY, |r| r.arrival_ms);
+        let (tj, j) = sim.first(|r| r.busy_until);
+        let (tw, w) = sim.first(|r| r.wake);
+        let work = next < reqs.len() || sim.reps.iter().any(|r| !r.queue.is_empty());
+        let tm = if migrating && work { next_monitor } else { f64::INFINITY };
+        let t = ta.min(tj).min(tw).min(tm);
+        if !t.is_finite() || t > horizon {
+            break;
+        }
+        sim.now = t;
+        if tj == t {
+            sim.end_iteration(j);
+        } else if ta == t {
+            sim.arrive(reqs[next].clone());
+            next += 1;
+        } else if tw == t {
+            sim.reps[w].wake = None;
+        } else {
+            sim.monitor();
+            next_monitor += s.cluster.monitor_ms;
+        }
+        for j in 0..sim.reps.len() {
+            sim.start_iteration(j);
+        }
+    }
+    Ok(sim.report(policy, reqs.len(), &shares))
+}
+
+impl Sim<'_> {
+    fn first(&self, f: impl Fn(&Rep) -> Option<f64>) -> (f64, usize) {
+        self.reps
+            .iter()
+            .enumerate()
+            .filter_map(|(j, r)| f(r).map(|t| (t, j)))
+            .min_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)))
+            .unwrap_or((f64::INFINITY, 0))
+    }
+
+    /// Estimated remaining execution time of a request, ms.
+    fn remaining_ms(&self, l: &Live) -> f64 {
+        let prefill = if l.started { 0.0 } else { l.req.input as f64 * self.cost.per_prefill_token_ms };
+        prefill + (self.out_mean - l.generated as f64).max(1.0) * self.token_ms
+    }
+
+    /// Estimated time until replica `j` has done its queued work, ms.
+    fn pending_ms(&self, j: usize) -> f64 {
+        let r = &self.reps[j];
+        let current = r.busy_until.map_or(0.0, |t| t - self.now);
+        current + r.queue.iter().map(|l| self.remaining_ms(l)).sum::<f64>()
+    }
+
+    fn load_adapter(&mut self, j: usize, a: AdapterId) {
+        let rep = &mut self.reps[j];
+        if rep.adapters.contains(a) {
+            return;
+        }
+        let needed = rep.needed();
+        rep.adapters.load(a, self.now, self.now + self.cost.adapter_load_ms, |k| needed.binary_search(&k).is_ok());
+        self.adapter_loads += 1;
+    }
+
+    fn arrive(&mut self, req: LoraRequest) {
+        let a = req.adapter;
+        let j = if self.reps.len() == 1 {
+            0
+        } else {
+            match self.s.cluster.dispatch {
+                Dispatch::Rr => {
+                    let holders: Vec<usize> =
+                        (0..self.reps.len()).filter(|&j| self.placement[j].contains(&a)).collect();
+                    let k = self.rr_next[a as usize];
+                    self.rr_next[a as usize] += 1;
+                    holders[k % holders.len()]
+                }
+                Dispatch::Proactive | Dispatch::Dlora => {
+                    let pending: Vec<f64> = (0..self.reps.len()).map(|j| self.pending_ms(j)).collect();
+                    let resident: Vec<bool> = self.reps.iter().map(|r| r.adapters.contains(a)).collect();
+                    let loadable: Vec<bool> = self
+                        .reps
+                        .iter()
+                        .map(|r| {
+                            let needed = r.needed();
+                            r.adapters.can_load(|k| needed.binary_search(&k).is_ok())
+                        })
+                        .collect();
+                    route(&pending, &resident, &loadable, self.cost.adapter_load_ms).unwrap_or_else(|| {
+                        (0..pending.len()).min_by(|&x, &y| pending[x].total_cmp(&pending[y])).unwrap_or(0)
+                    })
+                }
+            }
+        };
+        self.load_adapter(j, a);
+        self.reps[j].queue.push(Live {
+            req,
+            generated: 0,
+            started: false,
+            kv: 0,
+            service_ms: 0.0,
+            streak: 0,
+            ready_ms: self.now,
+        });
+    }
+
+    fn start_iteration(&mut self, j: usize) {
+        let now = self.now;
+        let cap = self.cost.kv_capacity_tokens;
+        let max_batch = self.s.batch.max_batch;
+        let rep = &mut self.reps[j];
+        if rep.busy_until.is_some() {
+            return;
+        }
+        let mut idx = Vec::new();
+        let mut runnable = Vec::new();
+        let mut used = rep.kv_used;
+        let mut wake = f64::INFINITY;
+        for (qi, l) in rep.queue.iter().enumerate() {
+            let ready = l.ready_ms.max(rep.adapters.ready_at(l.req.adapter).unwrap_or(f64::INFINITY));
+            if ready > now {
+                wake = wake.min(ready);
+                continue;
+            }
+            let mut prompt = 0;
+            if !l.started {
+                let need = l.req.input as u64;
+                let alone = rep.kv_used == 0 && runnable.is_empty();
+                if used + need > cap && !alone {
+                    continue;
+                }
+                used += need;
+                prompt = need;
+            }
+            idx.push(qi);
+            runnable.push(Runnable { adapter: l.req.adapter, prompt_tokens: prompt });
+        }
+        if runnable.is_empty() {
+            rep.wake = wake.is_finite().then_some(wake);
+            return;
+        }
+        let choice = rep.batcher.decide(&runnable);
+        let window = runnable.len().min(max_batch);
+        for (k, &qi) in idx.iter().enumerate() {
+            let served = choice.batch.binary_search(&k).is_ok();
+            let l = &mut rep.queue[qi];
+            if served || k >= window {
+                l.streak = 0;
+            } else {
+                l.streak += 1;
+                self.max_wait = self.max_wait.max(l.streak);
+            }
+        }
+        let mut adapters: Vec<AdapterId> = choice.batch.iter().map(|&k| runnable[k].adapter).collect();
+        adapters.sort_unstable();
+        adapters.dedup();
+        let prompt: u64 = choice.batch.iter().map(|&k| runnable[k].prompt_tokens).sum();
+        let dur = choice.switch_ops as f64 * self.cost.switch_ms
+            + self.cost.iteration_ms(choice.mode, choice.batch.len(), prompt, adapters.len());
+        for &a in &adapters {
+            rep.adapters.touch(a, now);
+        }
+        rep.running = choice.batch.iter().map(|&k| rep.queue[idx[k]].req.id).collect();
+        rep.iter_ms = dur;
+        rep.busy_until = Some(now + dur);
+    }
+
+    fn end_iteration(&mut self, j: usize) {
+        let now = self.now;
+        let rep = &mut self.reps[j];
+        rep.busy_until = None;
+        for id in std::mem::take(&mut rep.running) {
+            let Some(qi) = rep.queue.iter().position(|l| l.req.id == id) else { continue };
+            let l = &mut rep.queue[qi];
+            l.service_ms += rep.iter_ms;
+            let grow = if l.started { 1 } else { l.req.input as u64 };
+            l.started = true;
+            l.kv += grow;
+            rep.kv_used += grow;
+            l.generated += 1;
+            if l.generated >= l.req.output {
+                let l = rep.queue.remove(qi);
+                rep.kv_used -= l.kv;
+                self.done.push((now - l.req.arrival_ms, l.req.output, l.service_ms));
+            }
+        }
+    }
+
+    /// The monitor (§5.2): on a trigger, a co-migration plan between the top-K overloaded and
+    /// top-K underloaded replicas, applied at once (moved requests become runnable on their new
+    /// replica after their KV cache and, if needed, their adapter arrive).
+    fn monitor(&mut self) {
+        let c = &self.s.cluster;
+        let n = self.reps.len();
+        let cap = self.cost.kv_capacity_tokens as f64;
+        let kvf: Vec<f64> = self.reps.iter().map(|r| r.kv_used as f64 / cap).collect();
+        let qlen: Vec<f64> = self.reps.iter().map(|r| r.queue.len() as f64).collect();
+        let mean_q = qlen.iter().sum::<f64>() / n as f64;
+        let kv_max = kvf.iter().copied().fold(0.0, f64::max);
+        let kv_min = kvf.iter().copied().fold(f64::INFINITY, f64::min);
+        let q_max = qlen.iter().copied().fold(0.0, f64::max);
+        if !((kv_max >= c.kv_trigger && kv_min < c.kv_trigger) || q_max - mean_q >= c.queue_trigger as f64) {
+            return;
+        }
+        let pend: Vec<f64> = (0..n).map(|j| self.pending_ms(j)).collect();
+        let mut order: Vec<usize> = (0..n).collect();
+        order.sort_by(|&a, &b| pend[b].total_cmp(&pend[a]).then(a.cmp(&b)));
+        let k = c.top_k.min(n / 2).max(1);
+        let over: Vec<usize> = order[..k].to_vec();
+        let under: Vec<usize> = order[n - k..].to_vec();
+        let members: Vec<usize> = over.iter().chain(&under).copied().collect();
+        let kvb = self.cost.kv_bytes_per_token as f64;
+        let mut requests = Vec::new();
+        let mut ids = Vec::new();
+        let mut replicas = Vec::new();
+        for (pi, &j) in members.iter().enumerate() {
+            let rep = &self.reps[j];
+            let mut base_ms = rep.busy_until.map_or(0.0, |t| t - self.now);
+            let mut base_mem = 0.0;
+            // Movable: not running now, on an overloaded replica; the most recent 64 of each.
+            let movable: Vec<usize> = if over.contains(&j) {
+                let v: Vec<usize> =
+                    (0..rep.queue.len()).filter(|&q| !rep.running.contains(&rep.queue[q].req.id)).collect();
+                v[v.len().saturating_sub(64)..].to_vec()
+            } else {
+                Vec::new()
+            };
+            for (q, l) in rep.queue.iter().enumerate() {
+                let mem = l.kv.max(l.req.input as u64) as f64 * kvb;
+                if movable.contains(&q) {
+                    requests.push(MigRequest {
+                        adapter: l.req.adapter,
+                        from: pi,
+                        exec_ms: self.remaining_ms(l),
+                        mem_bytes: mem,
+                        move_ms: self.cost.migrate_ms(l.kv),
+                    });
+                    ids.push((j, l.req.id));
+                } else {
+                    base_ms += self.remaining_ms(l);
+                    base_mem += mem;
+                }
+            }
+            replicas.push(MigReplica { base_ms, base_mem, capacity: cap * kvb, resident: rep.adapters.adapters() });
+        }
+        let problem = MigProblem {
+            requests,
+            replicas,
+            adapter_bytes: self.cost.adapter_bytes as f64,
+            eta_ms: c.eta_ms.unwrap_or(self.cost.adapter_load_ms),
+            swap_bytes_per_ms: c.swap_bytes_per_ms,
+        };
+        let plan = problem.solve(c.relax, Duration::from_millis(c.solve_budget_ms));
+        self.plans += 1;
+        self.ilp_plans += (plan.source == PlanSource::Ilp) as u64;
+        self.max_solve_ms = self.max_solve_ms.max(plan.solve_ms);
+        for (i, &to) in plan.to.iter().enumerate() {
+            let (src, id) = ids[i];
+            let dst = members[to];
+            if dst == src {
+                continue;
+            }
+            let Some(q) = self.reps[src].queue.iter().position(|l| l.req.id == id) else { continue };
+            let mut l = self.reps[src].queue.remove(q);
+            self.reps[src].kv_used -= l.kv;
+            l.ready_ms = self.now + self.cost.migrate_ms(l.kv);
+            l.streak = 0;
+            self.load_adapter(dst, l.req.adapter);
+            let d = &mut self.reps[dst];
+            d.kv_used += l.kv;
+            let at = d.queue.partition_point(|x| (x.req.arrival_ms, x.req.id) < (l.req.arrival_ms, l.req.id));
+            d.queue.insert(at, l);
+            self.migrations += 1;
+        }
+    }
+
+    fn report(&self, policy: Policy, requests: usize, shares: &[f64]) -> LoraReport {
+        // Unfinished requests count with the latency they had (a lower bound).
+        let mut all: Vec<(f64, u32, f64)> = self.done.clone();
+        for r in &self.reps {
+            for l in &r.queue {
+                all.push((self.now - l.req.arrival_ms, l.req.output, l.service_ms));
+            }
+        }
+        let mut per_token: Vec<f64> = all.iter().map(|d| d.0 / 1e3 / d.1 as f64).collect();
+        let mut e2e: Vec<f64> = all.iter().map(|d| d.0 / 1e3).collect();
+        let p90 = |v: &mut Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v.get(((v.len() as f64 * 0.9).ceil() as usize).saturating_sub(1)).copied().unwrap_or(0.0)
+        };
+        let n = all.len().max(1) as f64;
+        let tokens: f64 = all.iter().map(|d| d.1 as f64).sum();
+        let stats: Vec<_> = self.reps.iter().map(|r| r.batcher.stats().clone()).collect();
+        let sum = |f: fn(&super::batcher::BatcherStats) -> u64| stats.iter().map(f).sum::<u64>();
+        LoraReport {
+            policy,
+            dispatch: self.s.cluster.dispatch,
+            replicas: self.reps.len(),
+            requests,
+            finished: self.done.len(),
+            unfinished: all.len() - self.done.len(),
+            avg_latency_s: all.iter().map(|d| d.0 / 1e3).sum::<f64>() / tokens.max(1.0),
+            p90_latency_s: p90(&mut per_token),
+            avg_e2e_s: e2e.iter().sum::<f64>() / n,
+            p90_e2e_s: p90(&mut e2e),
+            avg_queue_s: all.iter().map(|d| (d.0 - d.2) / 1e3).sum::<f64>() / n,
+            throughput_rps: self.done.len() as f64 / (self.now / 1e3).max(1e-9),
+            mode_switches: sum(|s| s.mode_switches),
+            switch_ops: sum(|s| s.switch_ops),
+            merged_iterations: sum(|s| s.merged_iterations),
+            unmerged_iterations: sum(|s| s.unmerged_iterations),
+            starvation_batches: sum(|s| s.starvation_batches),
+            max_wait_iterations: self.max_wait,
+            starvation_bound: self.reps[0].batcher.starvation_bound(),
+            migrations: self.migrations,
+            migration_plans: self.plans,
+            ilp_plans: self.ilp_plans,
+            max_solve_ms: self.max_solve_ms,
+            adapter_loads: self.adapter_loads,
+            top_adapter_share: shares.iter().copied().fold(0.0, f64::max),
+            final_thresholds: self.reps[0].batcher.thresholds(),
+        }
+    }
+}

@@ -1,0 +1,357 @@
+use std::time::Duration;
+
+use proptest::prelude::*;
+
+use super::batcher::{BatchConfig, Batcher, Policy, Runnable};
+use super::dispatch::{place, route, AdapterSet, Dispatch};
+use super::migrate::{MigProblem, MigReplica, MigRequest, PlanSource};
+use super::sim::simulate;
+use super::workload::LoraScenario;
+use super::{CostModel, Mode};
+
+fn reqs(adapters: &[u32]) -> Vec<Runnable> {
+    adapters.iter().map(|&a| Runnable { adapter: a, prompt_tokens: 0 }).collect()
+}
+
+fn cfg(max_batch: usize) -> BatchConfig {
+    BatchConfig { max_batch, ..BatchConfig::default() }
+}
+
+#[test]
+fn algorithm_1_merges_above_alpha_and_unmerges_below_beta() {
+    let c = BatchConfig { alpha0: 0.5, beta0: Some(0.3), ..cfg(8) };
+    let mut b = Batcher::new(Policy::Dlora, c, CostModel::paper_7b());
+    // 3 of 8 from adapter 1: 0.375 ≤ α, unmerged FCFS.
+    let ch = b.decide(&reqs(&[0, 1, 2, 1, 3, 1, 4, 5]));
+    assert_eq!((ch.mode, ch.batch.len(), ch.switch_ops), (Mode::Unmerged, 8, 0));
+    // 6 of 8 from adapter 1: merge it and run its requests only.
+    let ch = b.decide(&reqs(&[0, 1, 1, 1, 1, 1, 1, 2]));
+    assert_eq!(ch.mode, Mode::Merged(1));
+    assert_eq!(ch.batch, vec![1, 2, 3, 4, 5, 6]);
+    assert_eq!(ch.switch_ops, 1);
+    // 3 of 8: 0.375 ≥ β, stays merged.
+    let ch = b.decide(&reqs(&[0, 1, 2, 1, 3, 1, 4, 5]));
+    assert_eq!(ch.mode, Mode::Merged(1));
+    assert_eq!(ch.batch, vec![1, 3, 5]);
+    // 1 of 8 < β: un-merge, FCFS.
+    let ch = b.decide(&reqs(&[0, 1, 2, 3, 4, 5, 6, 7]));
+    assert_eq!((ch.mode, ch.batch.len(), ch.switch_ops), (Mode::Unmerged, 8, 1));
+    assert_eq!(b.stats().mode_switches, 2);
+}
+
+#[test]
+fn credits_are_conserved_and_an_adapter_that_cannot_pay_does_not_merge() {
+    let c = BatchConfig {
+        alpha0: 0.5,
+        beta0: Some(0.3),
+        credit0: 2.0,
+        t_starve: 1e9,
+        t_normal: 0.0,
+        credit_reversion: 0.0,
+        ..cfg(8)
+    };
+    let mut b = Batcher::new(Policy::Dlora, c, CostModel::paper_7b());
+    let window = reqs(&[0, 1, 1, 1, 1, 1, 2, 3]);
+    // Merging 1 displaces 3 requests: it has 2 credits, so it is not eligible.
+    let ch = b.decide(&window);
+    assert_eq!(ch.mode, Mode::Unmerged);
+    let window = reqs(&[0, 1, 1, 1, 1, 1, 1, 2]);
+    // Now it displaces 2 and can pay: merged, adapters 0 and 2 gain one credit each.
+    let ch = b.decide(&window);
+    assert_eq!(ch.mode, Mode::Merged(1));
+    let near = |a: f64, b: f64| (a - b).abs() < 1e-9;
+    assert!(near(b.credit(0), 3.0) && near(b.credit(1), 0.0) && near(b.credit(2), 3.0) && near(b.credit(3), 2.0));
+    let total: f64 = (0..4).map(|a| b.credit(a)).sum();
+    assert!(near(total, 8.0));
+    // It cannot pay again: not eligible, so it un-merges.
+    let ch = b.decide(&window);
+    assert_eq!(ch.mode, Mode::Unmerged);
+}
+
+#[test]
+fn a_starving_adapter_is_served_first() {
+    let c = BatchConfig {
+        alpha0: 0.3,
+        beta0: Some(0.2),
+        credit0: 100.0,
+        t_starve: 102.5,
+        t_normal: 100.0,
+        credit_reversion: 0.0,
+        ..cfg(4)
+    };
+    let mut b = Batcher::new(Policy::Dlora, c, CostModel::paper_7b());
+    let window = reqs(&[0, 1, 1, 1, 1, 1]);
+    let mut served0 = None;
+    for it in 0..10 {
+        let ch = b.decide(&window);
+        if ch.batch.contains(&0) {
+            served0 = Some((it, ch.starvation));
+            break;
+        }
+    }
+    // Adapter 0 gains one credit per iteration passed over: > 102.5 after 3, served at the 4th.
+    assert_eq!(served0, Some((3, true)));
+}
+
+#[test]
+fn algorithm_2_lowers_alpha_when_merging_would_have_paid_and_raises_it_when_not() {
+    let cost = CostModel::paper_7b();
+    // One adapter only: merged throughput beats unmerged, α falls until it merges.
+    let mut b = Batcher::new(Policy::Dlora, BatchConfig { break_iters: 2, ..cfg(16) }, cost.clone());
+    let one = reqs(&[3; 12]);
+    let mut merged_at = None;
+    for it in 0..200 {
+        if b.decide(&one).mode == Mode::Merged(3) {
+            merged_at = Some(it);
+            break;
+        }
+    }
+    assert!(merged_at.is_some(), "never merged: α = {:?}", b.thresholds());
+    assert!(b.stats().tunings > 0);
+    // Sixteen adapters, one request each: merging one serves 1 of 16, α only grows.
+    let mut b = Batcher::new(Policy::Dlora, BatchConfig { break_iters: 2, alpha0: 0.5, ..cfg(16) }, cost);
+    let spread = reqs(&(0..16).collect::<Vec<_>>());
+    for _ in 0..100 {
+        assert_eq!(b.decide(&spread).mode, Mode::Unmerged);
+    }
+    assert!(b.thresholds().0 > 0.5, "α = {:?}", b.thresholds());
+    let (alpha, beta) = b.thresholds();
+    assert!(beta < alpha);
+}
+
+#[test]
+fn the_baselines_batch_as_named() {
+    let cost = CostModel::paper_7b();
+    let w = reqs(&[2, 0, 2, 1, 3, 4, 5, 2]);
+    let ch = Batcher::new(Policy::MergedOnly, cfg(8), cost.clone()).decide(&w);
+    assert_eq!((ch.mode, ch.batch), (Mode::Merged(2), vec![0, 2, 7]));
+    let ch = Batcher::new(Policy::UnmergedOnly, cfg(8), cost.clone()).decide(&w);
+    assert_eq!((ch.mode, ch.batch.len()), (Mode::Unmerged, 8));
+    let c = BatchConfig { slora_max_adapters: 3, ..cfg(8) };
+    let ch = Batcher::new(Policy::Slora, c, cost).decide(&w);
+    assert_eq!((ch.mode, ch.batch), (Mode::Unmerged, vec![0, 1, 2, 3, 7]));
+}
+
+/// Drives a batcher over a random stream: requests arrive, each needs `len` iterations of
+/// service; returns the most consecutive iterations a request sat in the window unserved.
+fn max_streak(policy: Policy, c: BatchConfig, stream: &[(u32, u32)], per_iter: usize) -> u64 {
+    let max_batch = c.max_batch;
+    let mut b = Batcher::new(policy, c, CostModel::paper_7b());
+    let mut live: Vec<(u32, u32, u64)> = Vec::new();
+    let mut next = 0;
+    let mut worst = 0;
+    for _ in 0..4000 {
+        for _ in 0..per_iter {
+            if let Some(&(a, len)) = stream.get(next) {
+                live.push((a, len, 0));
+                next += 1;
+            }
+        }
+        if live.is_empty() && next >= stream.len() {
+            break;
+        }
+        let run: Vec<Runnable> = live.iter().map(|l| Runnable { adapter: l.0, prompt_tokens: 0 }).collect();
+        let ch = b.decide(&run);
+        for (k, l) in live.iter_mut().enumerate() {
+            if ch.batch.binary_search(&k).is_ok() {
+                l.1 -= 1;
+                l.2 = 0;
+            } else if k < max_batch {
+                l.2 += 1;
+                worst = worst.max(l.2);
+            } else {
+                l.2 = 0;
+            }
+        }
+        live.retain(|l| l.1 > 0);
+    }
+    worst
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    /// The starvation bound of the module docs holds on random streams and thresholds.
+    #[test]
+    fn no_request_waits_longer_than_the_bound(
+        stream in prop::collection::vec((0u32..6, 1u32..30), 50..400),
+        skew in 0u32..6,
+        max_batch in 2usize..12,
+        credit0 in 0.0f64..20.0,
+        t_normal in 0.0f64..20.0,
+        gap in 0.0f64..20.0,
+        alpha0 in 0.05f64..1.0,
+        per_iter in 1usize..4,
+        reversion in 0.0f64..0.9,
+    ) {
+        // Skew the stream towards adapter 0.
+        let stream: Vec<(u32, u32)> = stream.iter().map(|&(a, l)| (if a < skew { 0 } else { a }, l)).collect();
+        let c = BatchConfig {
+            max_batch, credit0, t_normal, t_starve: t_normal + gap, alpha0, break_iters: 4,
+            // λ·(t_starve − credit0) < 1, as validate() demands.
+            credit_reversion: reversion / (t_normal + gap - credit0).max(1.0),
+            ..BatchConfig::default()
+        };
+        prop_assert!(c.validate().is_ok(), "{:?}", c.validate());
+        let bound = Batcher::new(Policy::Dlora, c.clone(), CostModel::paper_7b()).starvation_bound().unwrap();
+        let worst = max_streak(Policy::Dlora, c, &stream, per_iter);
+        prop_assert!(worst <= bound, "waited {worst} > bound {bound}");
+    }
+}
+
+#[test]
+fn merged_only_has_no_such_bound_and_starves_a_minority() {
+    // The oldest request's adapter keeps arriving: a request of another adapter in the window waits
+    // as long as adapter 0 has a request ahead of it.
+    let mut stream = vec![(0u32, 200u32)];
+    stream.push((1, 1));
+    stream.extend(std::iter::repeat_n((0, 5), 300));
+    let worst = max_streak(Policy::MergedOnly, cfg(8), &stream, 1);
+    assert!(worst >= 150, "merged-only passed the request over only {worst} times");
+    let dlora = max_streak(Policy::Dlora, cfg(8), &stream, 1);
+    let bound = Batcher::new(Policy::Dlora, cfg(8), CostModel::paper_7b()).starvation_bound().unwrap();
+    assert!(dlora <= bound, "{dlora} > {bound}");
+}
+
+fn tiny_problem(reqs: &[(u32, usize, f64, f64, f64)], reps: &[(f64, f64, f64, Vec<u32>)]) -> MigProblem {
+    MigProblem {
+        requests: reqs
+            .iter()
+            .map(|&(adapter, from, exec_ms, mem_bytes, move_ms)| MigRequest {
+                adapter,
+                from,
+                exec_ms,
+                mem_bytes,
+                move_ms,
+            })
+            .collect(),
+        replicas: reps
+            .iter()
+            .map(|(b, m, cap, res)| MigReplica { base_ms: *b, base_mem: *m, capacity: *cap, resident: res.clone() })
+            .collect(),
+        adapter_bytes: 50e6,
+        eta_ms: 3.0,
+        swap_bytes_per_ms: 25e6,
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 40, ..ProptestConfig::default() })]
+
+    /// On tiny instances the exact ILP finds the brute-force optimum; the relaxed and rounded one
+    /// and the greedy plan are valid and never worse than moving nothing.
+    #[test]
+    fn the_ilp_equals_brute_force_on_tiny_instances(
+        reqs in prop::collection::vec((0u32..3, 0usize..3, 1.0f64..100.0, 0.0f64..2e9, 0.0f64..20.0), 1..6),
+        reps in prop::collection::vec((0.0f64..200.0, 0.0f64..2e9, 1e9f64..4e9, prop::collection::vec(0u32..3, 0..3)), 3),
+    ) {
+        let p = tiny_problem(&reqs, &reps);
+        let (_, best) = p.brute_force();
+        let exact = p.solve(false, Duration::from_secs(10));
+        prop_assert!(p.check(&exact.to).is_ok());
+        prop_assert!((exact.objective - best).abs() <= 1e-6 * best.max(1.0), "ilp {} vs brute force {best} ({:?})", exact.objective, exact.solver_note);
+        let relaxed = p.solve(true, Duration::from_secs(10));
+        prop_assert!(p.check(&relaxed.to).is_ok());
+        prop_assert!(relaxed.objective <= relaxed.greedy_objective + 1e-9);
+        prop_assert!(relaxed.greedy_objective <= relaxed.stay_objective + 1e-9);
+        prop_assert!(relaxed.objective >= best - 1e-6);
+    }
+}
+
+#[test]
+fn a_lopsided_pair_of_replicas_is_rebalanced_by_the_solver() {
+    // Replica 0 holds eight long requests of adapters 0 and 1; replica 1 is idle and holds adapter 0.
+    let reqs: Vec<_> = (0..8).map(|i| (i % 2, 0usize, 100.0, 1e8, 2.0)).collect();
+    let p = tiny_problem(&reqs, &[(0.0, 0.0, 8e9, vec![0, 1]), (0.0, 0.0, 8e9, vec![0])]);
+    let plan = p.solve(true, Duration::from_secs(5));
+    assert_eq!(plan.stay_objective, 800.0);
+    // Four requests move (2 ms each); adapter 1 is loaded on replica 1 if any of its requests go
+    // there (η = 3 ms): the best is 404 + ... ≤ 412.
+    assert!(plan.objective <= 412.0 + 1e-6, "{plan:?}");
+    assert_eq!(plan.source, PlanSource::Ilp, "{:?}", plan.solver_note);
+    let moved = plan.to.iter().filter(|&&j| j == 1).count();
+    assert_eq!(moved, 4);
+}
+
+#[test]
+fn placement_covers_every_adapter_within_the_bound_and_replicates_the_popular_one() {
+    let cost = CostModel::paper_7b();
+    let shares = [0.5, 0.2, 0.1, 0.1, 0.05, 0.05];
+    let on = place(&shares, 4, 3, &cost, 500.0).unwrap();
+    for a in 0..6u32 {
+        assert!(on.iter().any(|r| r.contains(&a)), "adapter {a} not placed: {on:?}");
+    }
+    assert!(on.iter().all(|r| r.len() <= 3));
+    let copies = |a: u32| on.iter().filter(|r| r.contains(&a)).count();
+    assert!(copies(0) >= copies(5), "{on:?}");
+    assert!(copies(0) >= 2, "{on:?}");
+    assert!(place(&[0.5; 7], 2, 3, &cost, 500.0).is_err());
+}
+
+#[test]
+fn routing_prefers_the_least_pending_counting_the_load() {
+    assert_eq!(route(&[10.0, 5.0], &[true, false], &[true, true], 3.0), Some(1));
+    assert_eq!(route(&[10.0, 8.0], &[true, false], &[true, true], 3.0), Some(0));
+    assert_eq!(route(&[10.0, 1.0], &[true, false], &[true, false], 3.0), Some(0));
+    let mut s = AdapterSet::new(2, &[0, 1]);
+    s.touch(0, 5.0);
+    // Full: loading 2 evicts the least recently used adapter nobody needs (1).
+    assert_eq!(s.load(2, 6.0, 8.0, |_| false), Some(1));
+    assert_eq!(s.ready_at(2), Some(8.0));
+    // Every resident adapter needed: no room.
+    assert!(!s.can_load(|_| true));
+}
+
+fn scenario(text: &str) -> LoraScenario {
+    let s: LoraScenario = toml::from_str(text).unwrap();
+    s.validate().unwrap();
+    s
+}
+
+#[test]
+fn scenarios_are_checked_and_skewness_concentrates_the_load() {
+    let base = "duration_s = 10\nrate_rps = 5\nadapters = 8\n";
+    let low = scenario(&format!("{base}skewness = 1\n")).adapter_shares();
+    let high = scenario(&format!("{base}skewness = 32\n")).adapter_shares();
+    let top = |v: &[f64]| v.iter().copied().fold(0.0, f64::max);
+    assert!((low.iter().sum::<f64>() - 1.0).abs() < 1e-9);
+    assert!(top(&high) > top(&low) + 0.2, "{low:?} {high:?}");
+    let bad: Result<LoraScenario, _> = toml::from_str(&format!("{base}skewness = 4\nbogus = 1\n"));
+    assert!(bad.is_err());
+    let zero = scenario(&format!("{base}skewness = 4\n"));
+    let mut z = zero.clone();
+    z.batch.max_batch = 0;
+    assert!(z.validate().is_err());
+    let reqs = zero.requests();
+    assert!(reqs.windows(2).all(|w| w[0].arrival_ms <= w[1].arrival_ms));
+    assert!((reqs.len() as f64 - 50.0).abs() < 25.0, "{}", reqs.len());
+    assert_eq!(reqs, zero.requests(), "not deterministic");
+}
+
+#[test]
+fn one_replica_serves_every_request_under_every_policy() {
+    let s = scenario("duration_s = 20\nrate_rps = 4\nadapters = 8\nskewness = 8\n");
+    for p in Policy::ALL {
+        let r = simulate(&s, p).unwrap();
+        assert_eq!(r.finished, r.requests, "{p:?}");
+        assert_eq!(r.unfinished, 0);
+        assert!(r.avg_latency_s > 0.0 && r.p90_latency_s >= 0.0);
+        if let Some(b) = r.starvation_bound {
+            assert!(r.max_wait_iterations <= b, "{p:?}: {} > {b}", r.max_wait_iterations);
+        }
+    }
+}
+
+#[test]
+fn the_cluster_migrates_only_under_dlora_dispatch() {
+    let text = "duration_s = 20\nrate_rps = 40\nadapters = 32\nskewness = 8\nreplicas = 4\n[lengths]\nsigma = 1.5\n";
+    let mut s = scenario(text);
+    for d in Dispatch::ALL {
+        s.cluster.dispatch = d;
+        let r = simulate(&s, Policy::Dlora).unwrap();
+        assert_eq!(r.finished, r.requests, "{d:?}");
+        if d != Dispatch::Dlora {
+            assert_eq!(r.migrations, 0);
+        }
+    }
+}
