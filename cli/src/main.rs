@@ -14,6 +14,7 @@ use clap::{Args, Parser, Subcommand};
 mod demo;
 mod live;
 mod llm;
+mod lora;
 mod pd;
 mod pool;
 
@@ -54,6 +55,10 @@ enum Cmd {
     /// processes, a burst, a prefill→decode mutation and a live scale-out in its middle; every
     /// answer checked against single-process greedy; TTFT/TBT per request.
     Pd(pd::PdArgs),
+    /// dLoRA on the real SmolLM2: several LoRA adapters (seeded test doubles), a skewed stream,
+    /// merged/unmerged batching chosen per iteration; every response checked against the same
+    /// request served alone.
+    LoraServe(lora::LoraServeArgs),
     /// Serve an LLM on this node: a prefill or decode instance (requests from `cascade pd`'s router).
     LlmInstance(pd::LlmInstanceArgs),
     /// Model files: import a GGUF file as a model directory.
@@ -80,6 +85,7 @@ impl Cmd {
             | Cmd::Live(_)
             | Cmd::Instance(_)
             | Cmd::Pd(_)
+            | Cmd::LoraServe(_)
             | Cmd::LlmInstance(_) => false,
         }
     }
@@ -394,7 +400,11 @@ fn main() -> anyhow::Result<()> {
         unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     }
     // The demo's own output is the point; its daemons log to files.
-    logging(if matches!(cli.cmd, Cmd::Demo(_) | Cmd::Live(_) | Cmd::Pd(_)) { "error" } else { "info" });
+    logging(if matches!(cli.cmd, Cmd::Demo(_) | Cmd::Live(_) | Cmd::Pd(_) | Cmd::LoraServe(_)) {
+        "error"
+    } else {
+        "info"
+    });
     match cli.cmd {
         Cmd::CheckCluster { file } => {
             let c = ClusterSpec::load(&file).with_context(|| format!("checking {}", file.display()))?;
@@ -410,6 +420,7 @@ fn main() -> anyhow::Result<()> {
         Cmd::Embed(a) => embed(a),
         Cmd::Generate(a) => llm::generate(a),
         Cmd::Pd(a) => pd::run(a),
+        Cmd::LoraServe(a) => lora::run(a),
         Cmd::LlmInstance(a) => tokio::runtime::Runtime::new()?.block_on(pd::instance(a)),
         Cmd::Model { cmd } => llm::model(cmd),
         Cmd::Live(a) => live::run(a),

@@ -119,7 +119,7 @@ const PROMPTS: [&str; 6] = [
     "import numpy as np\n\n# Compute the mean of",
 ];
 
-fn ensure_model(dir: &Path) -> anyhow::Result<()> {
+pub(crate) fn ensure_model(dir: &Path) -> anyhow::Result<()> {
     if dir.join("model.safetensors").is_file() && dir.join("config.json").is_file() {
         return Ok(());
     }

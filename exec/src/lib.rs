@@ -10,9 +10,10 @@
 //! executor, a test double ([`emulated`]); serving instances on the transport, the router with
 //! BlitzScale's three-step live-scaling protocol and its policies, and scale-out by multicast
 //! ([`serve`]). LLMs: GGUF import ([`gguf`]), a llama decoder with a per-sequence KV cache and
-//! packed batches ([`llama`], SmolLM2-135M), greedy generation, prefill/decode disaggregation on
-//! the transport with KV moved by one-sided WRITEs, mutation and live scale-out ([`pd`]), and the
-//! cluster-scale LLM serving simulator ([`llmsim`]).
+//! packed batches ([`llama`], SmolLM2-135M), greedy generation, LoRA adapters served merged or
+//! unmerged with dLoRA's batcher choosing per iteration ([`llama::multi_lora`]), prefill/decode
+//! disaggregation on the transport with KV moved by one-sided WRITEs, mutation and live scale-out
+//! ([`pd`]), and the cluster-scale LLM serving simulator ([`llmsim`]).
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
 use std::ops::Range;

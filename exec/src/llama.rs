@@ -29,6 +29,7 @@ use crate::{Activation, ExecError, LayerExec};
 pub mod generate;
 pub mod kv;
 pub mod lora;
+pub mod multi_lora;
 
 pub use kv::KvCache;
 pub use lora::{LoraAdapter, Proj};

@@ -149,3 +149,48 @@ fn peft_files_round_trip_and_a_block_loaded_after_a_merge_gets_it() {
         assert_eq!(flat(&early.projection(block, Proj::V).unwrap()), flat(&full.projection(block, Proj::V).unwrap()));
     }
 }
+
+/// dLoRA's batcher driving the real model: a skewed stream over four adapters switches between
+/// merged and unmerged iterations, and every response equals the same request served alone
+/// (unmerged) — or differs only after a near-tie, which merged arithmetic may break differently.
+#[test]
+fn dlora_batching_on_the_real_model_switches_modes_and_answers_as_alone() {
+    use cascade_exec::llama::multi_lora::{first_difference, serve, serve_alone, LoraJob};
+    use cascade_sched::lora::{BatchConfig, Batcher, CostModel, Policy};
+    let Some((mut m, cfg)) = model() else { return };
+    for k in 1..=4 {
+        m.add_adapter(k, adapter(&cfg, k as u64)).unwrap();
+    }
+    let prompts: Vec<Vec<u32>> = llm_reference().into_iter().map(|r| r.prompt_tokens).collect();
+    // Adapter 0 dominates; the others arrive among its requests.
+    let adapters = [0, 0, 1, 0, 0, 2, 0, 3, 0, 0];
+    let jobs: Vec<LoraJob> = adapters
+        .iter()
+        .enumerate()
+        .map(|(i, &a)| LoraJob {
+            arrival: i as u64 / 2,
+            adapter: a,
+            prompt: prompts[i % prompts.len()].clone(),
+            max_tokens: 5,
+        })
+        .collect();
+    let bc = BatchConfig { max_batch: 6, alpha0: 0.6, break_iters: 4, ..BatchConfig::default() };
+    let mut b = Batcher::new(Policy::Dlora, bc, CostModel::cpu_smollm2());
+    let (served, stats) = serve(&mut m, &mut b, &jobs, 500).unwrap();
+    assert!(stats.merged_iterations > 0 && stats.mode_switches >= 2, "{stats:?}");
+    assert!(stats.max_adapters_in_batch >= 2, "no unmerged batch mixed adapters: {stats:?}");
+    assert_eq!(m.merged(), None, "left merged");
+    for (i, (job, s)) in jobs.iter().zip(&served).enumerate() {
+        assert_eq!(s.tokens.len(), 5);
+        let alone = serve_alone(&mut m, job, 900 + i as u64).unwrap();
+        if let Some((step, margin)) = first_difference(s, &alone) {
+            assert!(
+                margin < 0.01,
+                "request {i} differs at step {step} with margin {margin}: {:?} vs {:?}",
+                s.tokens,
+                alone.tokens
+            );
+        }
+    }
+    assert_eq!(m.cache().sequences(), 0, "KV cache not freed");
+}

@@ -90,6 +90,11 @@ impl Generator {
         &self.model
     }
 
+    /// The model, to change (adapters, merging).
+    pub fn model_mut(&mut self) -> &mut Llama {
+        &mut self.model
+    }
+
     /// The model's manifest.
     pub fn manifest(&self) -> &Manifest {
         &self.manifest

@@ -1,0 +1,180 @@
+//! `cascade lora-serve`: dLoRA on the real SmolLM2-135M on this machine's CPU — several LoRA
+//! adapters (seeded random tensors: test doubles, named as such), a skewed stream of requests,
+//! each iteration's batch and merged/unmerged mode chosen by dLoRA's batcher; then every request
+//! served again alone, unmerged, and its tokens compared.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context};
+use cascade_exec::llama::generate::Generator;
+use cascade_exec::llama::multi_lora::{first_difference, serve, serve_alone, LoraJob};
+use cascade_exec::llama::{LoraAdapter, Proj};
+use cascade_sched::arrival::Rng;
+use cascade_sched::lora::{BatchConfig, Batcher, CostModel, Policy};
+use clap::Args;
+
+/// The prompts the stream cycles through.
+const PROMPTS: [&str; 6] = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Water boils at a temperature of",
+    "The three primary colors are",
+    "In 1969, the first person to walk on the moon was",
+    "A haiku about autumn:",
+];
+
+#[derive(Args)]
+pub(crate) struct LoraServeArgs {
+    /// The model directory (imported from PyPI's GGUF on first use).
+    #[arg(long, default_value = "target/models/smollm2-135m/f32")]
+    model: PathBuf,
+    /// Adapters (rank-`--rank` test doubles on q/k/v/o, seeds 1…).
+    #[arg(long, default_value_t = 4)]
+    adapters: u32,
+    /// LoRA rank.
+    #[arg(long, default_value_t = 8)]
+    rank: usize,
+    /// Requests in the stream.
+    #[arg(long, default_value_t = 24)]
+    requests: usize,
+    /// Tokens each request generates.
+    #[arg(long, default_value_t = 8)]
+    max_tokens: usize,
+    /// Skew: adapter k's share ∝ 1/(k+1)^zipf.
+    #[arg(long, default_value_t = 2.0)]
+    zipf: f64,
+    /// Mean arrivals per iteration (Poisson).
+    #[arg(long, default_value_t = 1.0)]
+    per_iteration: f64,
+    /// dlora, merged-only, unmerged-only or slora.
+    #[arg(long, default_value = "dlora")]
+    policy: Policy,
+    /// α₀. The artifact's is 1.0; a run of a few dozen iterations has too few break points for α
+    /// to walk down from there by 0.05 steps, so this run starts lower.
+    #[arg(long, default_value_t = 0.6)]
+    alpha0: f64,
+    /// Iterations between break points.
+    #[arg(long, default_value_t = 4)]
+    break_iters: u32,
+    /// Largest batch.
+    #[arg(long, default_value_t = 8)]
+    max_batch: usize,
+    /// Seed of the stream.
+    #[arg(long, default_value_t = 7)]
+    seed: u64,
+    /// Print one JSON object.
+    #[arg(long)]
+    json: bool,
+}
+
+/// A margin below this is a near-tie: merged and unmerged arithmetic may break it differently
+/// (their logits differ by up to ~2e-3 on this model).
+const NEAR_TIE: f32 = 0.01;
+
+pub(crate) fn run(a: LoraServeArgs) -> anyhow::Result<()> {
+    if a.adapters == 0 || a.requests == 0 || a.max_tokens == 0 || a.max_batch == 0 {
+        bail!("--adapters, --requests, --max-tokens and --max-batch must be at least 1");
+    }
+    if !(a.zipf >= 0.0 && a.per_iteration > 0.0 && a.zipf.is_finite() && a.per_iteration.is_finite()) {
+        bail!("--zipf must be ≥ 0 and --per-iteration > 0");
+    }
+    crate::pd::ensure_model(&a.model)?;
+    let mut g = Generator::from_dir(&a.model).with_context(|| format!("loading {}", a.model.display()))?;
+    let cfg = g.model().config().clone();
+    for k in 0..a.adapters {
+        let ad = LoraAdapter::seeded(&cfg, a.rank, 2.0 * a.rank as f64, &Proj::ALL, k as u64 + 1, 0.05)?;
+        g.model_mut().add_adapter(k + 1, ad)?;
+    }
+    // The stream: Poisson arrivals per iteration, Zipf adapters, prompts in turn.
+    let mut rng = Rng::new(a.seed);
+    let w: Vec<f64> = (0..a.adapters).map(|k| 1.0 / ((k + 1) as f64).powf(a.zipf)).collect();
+    let total: f64 = w.iter().sum();
+    let mut jobs = Vec::with_capacity(a.requests);
+    let mut t = 0.0;
+    for i in 0..a.requests {
+        t += rng.exp(1.0 / a.per_iteration);
+        let mut u = rng.unit() * total;
+        let adapter = w.iter().position(|&x| {
+            u -= x;
+            u <= 0.0
+        });
+        let prompt = g.encode(PROMPTS[i % PROMPTS.len()])?;
+        jobs.push(LoraJob {
+            arrival: t as u64,
+            adapter: adapter.unwrap_or(0) as u32,
+            prompt,
+            max_tokens: a.max_tokens,
+        });
+    }
+    let bc =
+        BatchConfig { max_batch: a.max_batch, alpha0: a.alpha0, break_iters: a.break_iters, ..BatchConfig::default() };
+    bc.validate().map_err(anyhow::Error::msg)?;
+    let mut batcher = Batcher::new(a.policy, bc, CostModel::cpu_smollm2());
+    let (served, stats) = serve(g.model_mut(), &mut batcher, &jobs, 1_000)?;
+    let t = std::time::Instant::now();
+    let mut equal = 0;
+    let mut near_ties = Vec::new();
+    let mut differ = Vec::new();
+    for (i, (job, s)) in jobs.iter().zip(&served).enumerate() {
+        let alone = serve_alone(g.model_mut(), job, 100_000 + i as u64)?;
+        match first_difference(s, &alone) {
+            None => equal += 1,
+            Some((step, m)) if m < NEAR_TIE => near_ties.push((i, step, m)),
+            Some((step, m)) => differ.push((i, step, m)),
+        }
+    }
+    let alone_s = t.elapsed().as_secs_f64();
+    let mut per_adapter = vec![0usize; a.adapters as usize];
+    for j in &jobs {
+        per_adapter[j.adapter as usize] += 1;
+    }
+    let report = serde_json::json!({
+        "policy": a.policy.name(),
+        "requests": jobs.len(),
+        "requests_per_adapter": per_adapter,
+        "tokens_per_request": a.max_tokens,
+        "stats": stats,
+        "thresholds_end": batcher.thresholds(),
+        "equal_to_alone": equal,
+        "near_tie_differences": near_ties,
+        "differences": differ,
+        "alone_seconds": alone_s,
+    });
+    if a.json {
+        println!("{report}");
+    } else {
+        println!(
+            "{} requests over {} adapters {:?}, {} tokens each, policy {}",
+            jobs.len(),
+            a.adapters,
+            per_adapter,
+            a.max_tokens,
+            a.policy.name()
+        );
+        println!(
+            "{} iterations in {:.1} s: {} merged, {} mode switches ({:.2} s merging/un-merging), {} starvation batches, \
+             batches up to {} requests and {} adapters unmerged",
+            stats.iterations,
+            stats.seconds,
+            stats.merged_iterations,
+            stats.mode_switches,
+            stats.switch_seconds,
+            stats.starvation_batches,
+            stats.max_batch,
+            stats.max_adapters_in_batch
+        );
+        for (i, (job, s)) in jobs.iter().zip(&served).enumerate().take(6) {
+            println!("  #{i:<2} adapter {} → {:?}", job.adapter, g.decode(&s.tokens)?);
+        }
+        println!(
+            "served alone (unmerged) in {alone_s:.1} s: {equal}/{} equal, {} differ only at a near-tie (< {NEAR_TIE}), {} differ",
+            jobs.len(),
+            near_ties.len(),
+            differ.len()
+        );
+    }
+    if !differ.is_empty() {
+        bail!("{} responses differ from the same request served alone: {differ:?}", differ.len());
+    }
+    Ok(())
+}

@@ -1,0 +1,204 @@
+//! Serving many LoRA adapters of one real model on the CPU with dLoRA's batcher
+//! (`cascade_sched::lora::Batcher`): continuous batching, each iteration's batch and mode chosen
+//! by the batcher, the model merged with an adapter or un-merged as it says, unmerged batches
+//! mixing adapters. What `cascade lora-serve` runs.
+//!
+//! Requests arrive at given iterations (a stream), each with an adapter, a prompt and a number of
+//! tokens to generate (greedy, not stopped at end-of-sequence, so runs compare token for token).
+//! [`serve`] returns every request's tokens and the top-2 logit margin at each step, so that a
+//! comparison with the same request served alone ([`serve_alone`]) can tell a real difference
+//! from a near-tie broken differently by merged (`(W + BA)·x`) and unmerged (`W·x + B·A·x`)
+//! arithmetic.
+
+use cascade_sched::lora::{Batcher, Mode, Runnable};
+
+use super::Llama;
+use crate::{Activation, ExecError, LayerExec};
+
+/// A request of the stream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoraJob {
+    /// The iteration it arrives at (0 first).
+    pub arrival: u64,
+    /// Its adapter, numbered from 0 (the model's adapter `adapter + 1`; 0 there is the base).
+    pub adapter: u32,
+    /// Prompt tokens.
+    pub prompt: Vec<u32>,
+    /// Tokens to generate.
+    pub max_tokens: usize,
+}
+
+/// One request's result.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct LoraServed {
+    /// Greedy tokens.
+    pub tokens: Vec<u32>,
+    /// Top-1 minus top-2 logit at each step.
+    pub margins: Vec<f32>,
+    /// The iteration it finished in.
+    pub finished: u64,
+}
+
+/// What one serving run did.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct LoraRunStats {
+    /// Iterations.
+    pub iterations: u64,
+    /// Iterations run merged.
+    pub merged_iterations: u64,
+    /// Iterations that began with a merge or un-merge.
+    pub mode_switches: u64,
+    /// Iterations decided by starvation prevention.
+    pub starvation_batches: u64,
+    /// Largest batch.
+    pub max_batch: usize,
+    /// Largest number of distinct adapters in an unmerged batch.
+    pub max_adapters_in_batch: usize,
+    /// Wall time, s.
+    pub seconds: f64,
+    /// Time merging and un-merging, s.
+    pub switch_seconds: f64,
+}
+
+fn set_mode(model: &mut Llama, mode: Mode) -> Result<(), ExecError> {
+    let want = match mode {
+        Mode::Merged(a) => Some(a + 1),
+        Mode::Unmerged => None,
+    };
+    if model.merged() != want {
+        model.unmerge()?;
+        if let Some(id) = want {
+            model.merge(id)?;
+        }
+    }
+    Ok(())
+}
+
+/// Serves `jobs` (sorted by arrival) on `model`, whose adapters `1..` are the jobs' `0..`, with
+/// `batcher` deciding every iteration. Sequence ids `seq_base + i` are used for the KV cache and
+/// freed at the end. The model is left un-merged.
+pub fn serve(
+    model: &mut Llama,
+    batcher: &mut Batcher,
+    jobs: &[LoraJob],
+    seq_base: u64,
+) -> Result<(Vec<LoraServed>, LoraRunStats), ExecError> {
+    let t0 = std::time::Instant::now();
+    let mut out: Vec<LoraServed> =
+        jobs.iter().map(|_| LoraServed { tokens: Vec::new(), margins: Vec::new(), finished: 0 }).collect();
+    let mut stats = LoraRunStats::default();
+    // Live requests in FCFS order: (job index, next position, tokens to feed).
+    let mut live: Vec<(usize, u32, Vec<u32>)> = Vec::new();
+    let mut next = 0;
+    let mut it = 0u64;
+    let result = (|| {
+        while next < jobs.len() || !live.is_empty() {
+            while next < jobs.len() && jobs[next].arrival <= it {
+                if jobs[next].max_tokens == 0 || jobs[next].prompt.is_empty() {
+                    return Err(ExecError::Input(format!("request {next}: empty prompt or no tokens to generate")));
+                }
+                live.push((next, 0, jobs[next].prompt.clone()));
+                next += 1;
+            }
+            if live.is_empty() {
+                it += 1;
+                continue;
+            }
+            let runnable: Vec<Runnable> = live
+                .iter()
+                .map(|(j, pos, feed)| Runnable {
+                    adapter: jobs[*j].adapter,
+                    prompt_tokens: if *pos == 0 { feed.len() as u64 } else { 0 },
+                })
+                .collect();
+            let choice = batcher.decide(&runnable);
+            let ts = std::time::Instant::now();
+            set_mode(model, choice.mode)?;
+            if choice.switch_ops > 0 {
+                stats.mode_switches += 1;
+                stats.switch_seconds += ts.elapsed().as_secs_f64();
+            }
+            if matches!(choice.mode, Mode::Merged(_)) {
+                stats.merged_iterations += 1;
+            } else {
+                let mut a: Vec<u32> = choice.batch.iter().map(|&k| runnable[k].adapter).collect();
+                a.sort_unstable();
+                a.dedup();
+                stats.max_adapters_in_batch = stats.max_adapters_in_batch.max(a.len());
+            }
+            stats.starvation_batches += choice.starvation as u64;
+            stats.max_batch = stats.max_batch.max(choice.batch.len());
+            let seqs: Vec<(u64, u32, Vec<u32>)> =
+                choice.batch.iter().map(|&k| (seq_base + live[k].0 as u64, live[k].1, live[k].2.clone())).collect();
+            let adapters: Vec<u32> = choice.batch.iter().map(|&k| jobs[live[k].0].adapter + 1).collect();
+            let act = Activation::packed(&seqs)?.with_adapters(&adapters)?;
+            let logits =
+                model.run(0..model.layers(), act)?.hidden.ok_or_else(|| ExecError::Input("no logits".into()))?;
+            let rows = logits.squeeze(0)?.to_vec2::<f32>()?;
+            for (&k, row) in choice.batch.iter().zip(&rows) {
+                let (tok, margin) = top2(row);
+                let (j, pos, feed) = &mut live[k];
+                out[*j].tokens.push(tok);
+                out[*j].margins.push(margin);
+                *pos += feed.len() as u32;
+                *feed = vec![tok];
+            }
+            let mut still = Vec::with_capacity(live.len());
+            for l in live.drain(..) {
+                if out[l.0].tokens.len() >= jobs[l.0].max_tokens {
+                    out[l.0].finished = it;
+                    model.free(seq_base + l.0 as u64);
+                } else {
+                    still.push(l);
+                }
+            }
+            live = still;
+            it += 1;
+            stats.iterations += 1;
+        }
+        Ok(())
+    })();
+    for (j, _, _) in &live {
+        model.free(seq_base + *j as u64);
+    }
+    let restored = model.unmerge();
+    result?;
+    restored?;
+    stats.seconds = t0.elapsed().as_secs_f64();
+    Ok((out, stats))
+}
+
+/// `job` served alone, unmerged, from its first iteration: the reference a batched response is
+/// compared with.
+pub fn serve_alone(model: &mut Llama, job: &LoraJob, seq: u64) -> Result<LoraServed, ExecError> {
+    let mut b = Batcher::new(
+        cascade_sched::lora::Policy::UnmergedOnly,
+        cascade_sched::lora::BatchConfig::default(),
+        cascade_sched::lora::CostModel::cpu_smollm2(),
+    );
+    let alone = LoraJob { arrival: 0, ..job.clone() };
+    let (mut out, _) = serve(model, &mut b, std::slice::from_ref(&alone), seq)?;
+    Ok(out.remove(0))
+}
+
+/// The first largest logit and its margin over the next largest.
+fn top2(row: &[f32]) -> (u32, f32) {
+    let mut best = (0usize, f32::NEG_INFINITY);
+    let mut second = f32::NEG_INFINITY;
+    for (i, &x) in row.iter().enumerate() {
+        if x > best.1 {
+            second = best.1;
+            best = (i, x);
+        } else if x > second {
+            second = x;
+        }
+    }
+    (best.0 as u32, best.1 - second)
+}
+
+/// Where a batched response first differs from the same request served alone, if it does:
+/// `(step, smaller of the two runs' top-2 margins at that step)`.
+pub fn first_difference(batched: &LoraServed, alone: &LoraServed) -> Option<(usize, f32)> {
+    let step = batched.tokens.iter().zip(&alone.tokens).position(|(a, b)| a != b)?;
+    Some((step, batched.margins[step].min(alone.margins[step])))
+}
