@@ -194,3 +194,28 @@ fn dlora_batching_on_the_real_model_switches_modes_and_answers_as_alone() {
     }
     assert_eq!(m.cache().sequences(), 0, "KV cache not freed");
 }
+
+/// An adapter is an ordinary model to the parameter pool: its PEFT file has a manifest with the
+/// model's 30 blocks, packs layer-major like any model (what the loader and the multicast move),
+/// and the adapter read back from the packed image is the one written.
+#[test]
+fn an_adapter_is_an_ordinary_pool_model() {
+    use cascade_param_pool::manifest::Manifest;
+    let Some((_, cfg)) = model() else { return };
+    let a = adapter(&cfg, 11);
+    let dir = std::env::temp_dir().join(format!("cascade-lora-pool-{}", std::process::id()));
+    a.save(&dir).unwrap();
+    let file = dir.join("adapter_model.safetensors");
+    let m = Manifest::from_file(&file, "adapter-11", cascade_param_pool::DEFAULT_CHUNK).unwrap();
+    assert_eq!(m.blocks(), cfg.num_hidden_layers, "an adapter's layers are the model's blocks");
+    assert_eq!(m.bytes as usize, a.bytes());
+    let bytes = std::fs::read(&file).unwrap();
+    let mut image = vec![0u8; m.bytes as usize];
+    m.pack(&bytes, &mut image);
+    let back = LoraAdapter::from_pool(a.config().clone(), &m, &Weights::packed(&m, &image).unwrap(), &cfg).unwrap();
+    for (block, p) in [(0, Proj::Q), (17, Proj::V), (29, Proj::O)] {
+        let (x, y) = (a.delta(block, p).unwrap().unwrap(), back.delta(block, p).unwrap().unwrap());
+        assert_eq!(flat(&x), flat(&y), "block {block} {p:?}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}

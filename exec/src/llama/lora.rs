@@ -19,7 +19,10 @@ use std::path::Path;
 use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
 
+use cascade_param_pool::manifest::Manifest;
+
 use super::LlamaConfig;
+use crate::weights::Weights;
 use crate::ExecError;
 
 /// An attention projection an adapter can target.
@@ -177,6 +180,27 @@ impl LoraAdapter {
             return Err(ExecError::Model("no lora_A/lora_B pair on an attention projection".into()));
         }
         Ok(LoraAdapter { config, weights })
+    }
+
+    /// An adapter from the tensors of a model the parameter pool holds — an adapter is an
+    /// ordinary model there (registered, replicated, multicast and loaded like any other): its
+    /// manifest names the tensors and `w` reads them from the file or the packed image.
+    pub fn from_pool(
+        config: LoraConfig,
+        manifest: &Manifest,
+        w: &Weights<'_>,
+        cfg: &LlamaConfig,
+    ) -> Result<LoraAdapter, ExecError> {
+        let mut tensors = HashMap::new();
+        for t in manifest.layers.iter().flat_map(|l| &l.tensors) {
+            tensors.insert(t.name.clone(), w.tensor(&t.name)?);
+        }
+        Self::from_tensors(config, tensors, cfg)
+    }
+
+    /// Its configuration.
+    pub fn config(&self) -> &LoraConfig {
+        &self.config
     }
 
     /// Writes PEFT's two files into `dir` (created).
