@@ -24,6 +24,15 @@ fn adapter(cfg: &LlamaConfig, seed: u64) -> LoraAdapter {
     LoraAdapter::seeded(cfg, 8, 16.0, &Proj::ALL, seed, 0.05).unwrap()
 }
 
+/// The model serving test adapters `1..=n` (adapter `k` seeded with `k`).
+fn model_with_adapters(n: u32) -> Option<(Llama, LlamaConfig)> {
+    let (mut m, cfg) = model()?;
+    for k in 1..=n {
+        m.add_adapter(k, adapter(&cfg, k as u64)).unwrap();
+    }
+    Some((m, cfg))
+}
+
 /// Logits of the next token after `prompt`, each sequence with its adapter, in one batch.
 fn logits(m: &Llama, prompts: &[(u64, Vec<u32>, u32)]) -> Vec<Vec<f32>> {
     let seqs: Vec<(u64, u32, Vec<u32>)> = prompts.iter().map(|(s, p, _)| (*s, 0, p.clone())).collect();
@@ -85,10 +94,7 @@ fn flat(t: &Tensor) -> Vec<f32> {
 
 #[test]
 fn an_unmerged_batch_mixing_adapters_equals_each_request_alone() {
-    let Some((mut m, cfg)) = model() else { return };
-    for id in 1..=3 {
-        m.add_adapter(id, adapter(&cfg, id as u64)).unwrap();
-    }
+    let Some((m, _)) = model_with_adapters(3) else { return };
     let prompts: Vec<Vec<u32>> = llm_reference().into_iter().map(|r| r.prompt_tokens).collect();
     let batch: Vec<(u64, Vec<u32>, u32)> =
         prompts.iter().enumerate().map(|(i, p)| (i as u64 + 10, p.clone(), i as u32)).collect();
@@ -157,10 +163,7 @@ fn peft_files_round_trip_and_a_block_loaded_after_a_merge_gets_it() {
 fn dlora_batching_on_the_real_model_switches_modes_and_answers_as_alone() {
     use cascade_exec::llama::multi_lora::{first_difference, serve, serve_alone, LoraJob};
     use cascade_sched::lora::{BatchConfig, Batcher, CostModel, Policy};
-    let Some((mut m, cfg)) = model() else { return };
-    for k in 1..=4 {
-        m.add_adapter(k, adapter(&cfg, k as u64)).unwrap();
-    }
+    let Some((mut m, _)) = model_with_adapters(4) else { return };
     let prompts: Vec<Vec<u32>> = llm_reference().into_iter().map(|r| r.prompt_tokens).collect();
     // Adapter 0 dominates; the others arrive among its requests.
     let adapters = [0, 0, 1, 0, 0, 2, 0, 3, 0, 0];

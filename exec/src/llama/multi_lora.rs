@@ -10,6 +10,7 @@
 //! from a near-tie broken differently by merged (`(W + BA)·x`) and unmerged (`W·x + B·A·x`)
 //! arithmetic.
 
+use cascade_sched::lora::batcher::adapters_of;
 use cascade_sched::lora::{Batcher, Mode, Runnable};
 
 use super::Llama;
@@ -121,10 +122,8 @@ pub fn serve(
             if matches!(choice.mode, Mode::Merged(_)) {
                 stats.merged_iterations += 1;
             } else {
-                let mut a: Vec<u32> = choice.batch.iter().map(|&k| runnable[k].adapter).collect();
-                a.sort_unstable();
-                a.dedup();
-                stats.max_adapters_in_batch = stats.max_adapters_in_batch.max(a.len());
+                let distinct = adapters_of(&runnable, &choice.batch).len();
+                stats.max_adapters_in_batch = stats.max_adapters_in_batch.max(distinct);
             }
             stats.starvation_batches += choice.starvation as u64;
             stats.max_batch = stats.max_batch.max(choice.batch.len());

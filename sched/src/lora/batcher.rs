@@ -195,6 +195,14 @@ pub struct Runnable {
     pub prompt_tokens: u64,
 }
 
+/// The distinct adapters of `batch` (indices into `runnable`), ascending.
+pub fn adapters_of(runnable: &[Runnable], batch: &[usize]) -> Vec<AdapterId> {
+    let mut adapters: Vec<AdapterId> = batch.iter().map(|&i| runnable[i].adapter).collect();
+    adapters.sort_unstable();
+    adapters.dedup();
+    adapters
+}
+
 /// What to run this iteration.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Choice {
@@ -309,11 +317,6 @@ impl Batcher {
             Policy::UnmergedOnly => Some(0),
             Policy::MergedOnly | Policy::Slora => None,
         }
-    }
-
-    /// Forces unmerged mode (the replica's weights were reset, e.g. after a restart).
-    pub fn reset_mode(&mut self) {
-        self.mode = Mode::Unmerged;
     }
 
     fn ensure(&mut self, a: AdapterId) {
@@ -484,14 +487,6 @@ impl Batcher {
         }
     }
 
-    fn batch_ms(&self, runnable: &[Runnable], batch: &[usize], mode: Mode) -> f64 {
-        let tokens: u64 = batch.iter().map(|&i| runnable[i].prompt_tokens).sum();
-        let mut adapters: Vec<AdapterId> = batch.iter().map(|&i| runnable[i].adapter).collect();
-        adapters.sort_unstable();
-        adapters.dedup();
-        self.cost.iteration_ms(mode, batch.len(), tokens, adapters.len())
-    }
-
     /// Algorithm 2's bookkeeping: a break point first if one is due, then this iteration's
     /// actual and would-be throughputs.
     fn record(
@@ -512,8 +507,8 @@ impl Batcher {
             (Mode::Unmerged, Some(a)) => self.of_adapter(runnable, a),
             (Mode::Unmerged, None) => Vec::new(),
         };
-        let m_ms = self.batch_ms(runnable, &merged_batch, Mode::Merged(r_merge.unwrap_or(0)));
-        let u_ms = self.batch_ms(runnable, fcfs, Mode::Unmerged);
+        let m_ms = self.cost.batch_ms(Mode::Merged(r_merge.unwrap_or(0)), runnable, &merged_batch);
+        let u_ms = self.cost.batch_ms(Mode::Unmerged, runnable, fcfs);
         let work = |b: &[usize]| b.iter().map(|&i| runnable[i].prompt_tokens.max(1)).sum::<u64>() as f64;
         let (m_work, u_work) = (work(&merged_batch), work(fcfs));
         let p = &mut self.period;

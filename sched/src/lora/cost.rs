@@ -7,6 +7,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use super::batcher::{adapters_of, Runnable};
 use super::Mode;
 
 /// A replica's costs, ms unless named otherwise.
@@ -130,6 +131,12 @@ impl CostModel {
             Mode::Merged(_) => merged,
             Mode::Unmerged => merged * self.unmerged_factor + self.per_adapter_ms * adapters as f64,
         }
+    }
+
+    /// One iteration of `batch` (indices into `runnable`) in `mode`.
+    pub fn batch_ms(&self, mode: Mode, runnable: &[Runnable], batch: &[usize]) -> f64 {
+        let prompt: u64 = batch.iter().map(|&i| runnable[i].prompt_tokens).sum();
+        self.iteration_ms(mode, batch.len(), prompt, adapters_of(runnable, batch).len())
     }
 
     /// β₀ of Algorithm 1 in the artifact: merged ÷ unmerged iteration time (one sequence).

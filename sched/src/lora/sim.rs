@@ -22,7 +22,7 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use super::batcher::{Batcher, Policy, Runnable};
+use super::batcher::{adapters_of, Batcher, Policy, Runnable};
 use super::dispatch::{place, route, AdapterSet, Dispatch};
 use super::migrate::{MigProblem, MigReplica, MigRequest, PlanSource};
 use super::workload::{LoraRequest, LoraScenario};
@@ -337,13 +337,9 @@ impl Sim<'_> {
                 self.max_wait = self.max_wait.max(l.streak);
             }
         }
-        let mut adapters: Vec<AdapterId> = choice.batch.iter().map(|&k| runnable[k].adapter).collect();
-        adapters.sort_unstable();
-        adapters.dedup();
-        let prompt: u64 = choice.batch.iter().map(|&k| runnable[k].prompt_tokens).sum();
-        let dur = choice.switch_ops as f64 * self.cost.switch_ms
-            + self.cost.iteration_ms(choice.mode, choice.batch.len(), prompt, adapters.len());
-        for &a in &adapters {
+        let dur =
+            choice.switch_ops as f64 * self.cost.switch_ms + self.cost.batch_ms(choice.mode, &runnable, &choice.batch);
+        for a in adapters_of(&runnable, &choice.batch) {
             rep.adapters.touch(a, now);
         }
         rep.running = choice.batch.iter().map(|&k| rep.queue[idx[k]].req.id).collect();
