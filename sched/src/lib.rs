@@ -21,6 +21,8 @@
 //! * [`lora`] — dLoRA (seed 002): dynamic merged/unmerged batching with adaptive thresholds and
 //!   credits, burst-tolerance placement and routing, request–adapter co-migration (an ILP on
 //!   `good_lp`/`microlp`), and the `lora-sim` simulator.
+//! * [`plan`] — epoch-scale planning: Symphony's sub-cluster partitioning MILP (§4.7, Appendix A)
+//!   and Shepherd's HERD groups (§4), each with a greedy fallback and a checked solver answer.
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
 pub mod arrival;
@@ -30,6 +32,7 @@ pub mod flex;
 pub mod lora;
 pub mod metrics;
 pub mod nexus;
+pub mod plan;
 pub mod profile;
 pub mod realtime;
 pub mod scenario;
