@@ -21,6 +21,8 @@
 //! * [`lora`] — dLoRA (seed 002): dynamic merged/unmerged batching with adaptive thresholds and
 //!   credits, burst-tolerance placement and routing, request–adapter co-migration (an ILP on
 //!   `good_lp`/`microlp`), and the `lora-sim` simulator.
+//! * [`partition`] — a cluster split by an epoch plan, one scheduler per part (`symphony/L`,
+//!   `flex/herd:G:GMAX`), itself a [`Scheduler`](scheduler::Scheduler);
 //! * [`plan`] — epoch-scale planning: Symphony's sub-cluster partitioning MILP (§4.7, Appendix A)
 //!   and Shepherd's HERD groups (§4), each with a greedy fallback and a checked solver answer.
 #![cfg_attr(test, allow(clippy::unwrap_used))]
@@ -32,6 +34,7 @@ pub mod flex;
 pub mod lora;
 pub mod metrics;
 pub mod nexus;
+pub mod partition;
 pub mod plan;
 pub mod profile;
 pub mod realtime;

@@ -123,7 +123,7 @@ pub enum ScenarioError {
     #[error("{0}")]
     Invalid(String),
     /// Unknown scheduler.
-    #[error("unknown scheduler {0:?} (have {list})", list = crate::scheduler::SCHEDULERS.join(", "))]
+    #[error("unknown scheduler {0:?} (have {list}, or partitioned: symphony/L, flex/herd:G:GMAX)", list = crate::scheduler::SCHEDULERS.join(", "))]
     UnknownScheduler(String),
     /// The simulator refused a scheduler's decision.
     #[error("simulation: {0}")]
@@ -227,10 +227,57 @@ impl Scenario {
         }
     }
 
-    /// A fresh scheduler `name` for this scenario at `rates`.
+    /// A fresh scheduler `name` for this scenario at `rates`: one of
+    /// [`SCHEDULERS`](crate::SCHEDULERS), or a partitioned cluster (`symphony/L`,
+    /// `flex/herd:G:GMAX`; see [`crate::partition`]).
     pub fn scheduler(&self, name: &str, rates: &[f64]) -> Result<Box<dyn Scheduler>, ScenarioError> {
         let p = self.profiles()?;
-        let (g, d) = (self.gpus, self.delay());
+        if let Some(split) = self.partition(name, &p, rates)? {
+            let (base, (assign, gpus)) = split;
+            let parted = crate::partition::Partitioned::new(&p, &assign, &gpus, |ps, g, ids| {
+                let sub_rates: Vec<f64> = ids.iter().map(|&m| rates[m]).collect();
+                self.one_scheduler(base, ps, g, &sub_rates).map_err(|e| e.to_string())
+            })
+            .map_err(ScenarioError::Invalid)?;
+            return Ok(Box::new(parted));
+        }
+        self.one_scheduler(name, &p, self.gpus, rates)
+    }
+
+    /// `name`'s partition of `p` at `rates` when it names one: (the parts' scheduler, (part per
+    /// model, GPUs per part)).
+    #[allow(clippy::type_complexity)]
+    pub fn partition(
+        &self,
+        name: &str,
+        p: &[Profile],
+        rates: &[f64],
+    ) -> Result<Option<(&'static str, (Vec<usize>, Vec<usize>))>, ScenarioError> {
+        let bad = |why: &str| ScenarioError::Invalid(format!("scheduler {name:?}: {why}"));
+        if let Some(l) = name.strip_prefix("symphony/") {
+            let l: usize = l.parse().map_err(|_| bad("symphony/L wants a number of sub-clusters"))?;
+            let split = crate::partition::symphony_split(p, rates, self.gpus, l).map_err(|e| bad(&e))?;
+            return Ok(Some(("symphony", split)));
+        }
+        if let Some(spec) = name.strip_prefix("flex/herd:") {
+            let (g, gmax) = spec.split_once(':').ok_or_else(|| bad("flex/herd:G:GMAX"))?;
+            let g: usize = g.parse().map_err(|_| bad("G is not a number"))?;
+            let gmax: u32 = gmax.parse().map_err(|_| bad("GMAX is not a number"))?;
+            let split = crate::partition::herd_split(p, rates, self.gpus, g, gmax).map_err(|e| bad(&e))?;
+            return Ok(Some(("flex", split)));
+        }
+        Ok(None)
+    }
+
+    fn one_scheduler(
+        &self,
+        name: &str,
+        p: &[Profile],
+        g: usize,
+        rates: &[f64],
+    ) -> Result<Box<dyn Scheduler>, ScenarioError> {
+        let d = self.delay();
+        let p = p.to_vec();
         Ok(match name {
             "symphony" => Box::new(crate::symphony::Symphony::new(&p, g, d, false)),
             "symphony-wc" => Box::new(crate::symphony::Symphony::new(&p, g, d, true)),

@@ -53,6 +53,11 @@ fn main() -> anyhow::Result<()> {
     let wall = t.elapsed().as_secs_f64();
     let advice = autoscale::advise(s.gpus, rep.bad_rate, rep.gpu_idle_fraction, c.bad_threshold);
     let goodput = if c.max_goodput { rate.unwrap_or(0.0) } else { rep.goodput_rps };
+    // A partitioned cluster (`symphony/L`, `flex/herd:G:GMAX`): which part each model is on and
+    // each part's GPUs, as planned at the file's rates.
+    let partition = s
+        .partition(&c.scheduler, &s.profiles()?, &s.rates(None))?
+        .map(|(_, (parts, gpus))| json!({"part_of_model": parts, "gpus_per_part": gpus}));
     if c.json {
         println!(
             "{}",
@@ -61,6 +66,7 @@ fn main() -> anyhow::Result<()> {
                 "bad_rate": rep.bad_rate, "gpu_idle_fraction": rep.gpu_idle_fraction, "mean_batch": rep.mean_batch,
                 "per_model": rep.per_model, "batch_histogram": rep.batch_histogram, "preemptions": rep.preemptions,
                 "lost": rep.lost, "autoscale": advice, "max_goodput_search": c.max_goodput, "wall_seconds": wall,
+                "partition": partition,
             })
         );
     } else {
@@ -78,6 +84,9 @@ fn main() -> anyhow::Result<()> {
             );
         }
         println!("  autoscale: add {:.2} GPUs, release {:.2}", advice.add_gpus, advice.release_gpus);
+        if let Some(p) = &partition {
+            println!("  partition: {p}");
+        }
     }
     if rep.lost != 0 {
         bail!("{} requests unaccounted for", rep.lost);

@@ -231,8 +231,7 @@ impl PlanFile {
 /// largest b with 2·ℓ(b) ≤ SLO (a request may wait for one whole batch before its own starts).
 pub fn single_gpu_goodput(m: &PlanModel) -> Result<f64, String> {
     let p = Profile::new(&m.name, m.alpha_ms, m.beta_ms, m.slo_ms, usize::MAX).map_err(|e| e.to_string())?;
-    let b = p.max_batch_within(m.slo_ms / 2.0).max(1);
-    Ok(b as f64 / p.latency(b) * 1e3)
+    Ok(1e3 / crate::partition::gpu_ms_per_request(&p))
 }
 
 fn generate(g: &Generate, seed: u64) -> Result<Vec<PlanModel>, String> {
