@@ -432,9 +432,91 @@ pub fn run(cfg: &EngineConfig) -> EngineReport {
     }
 }
 
+/// Symphony's sub-clusters on real threads (§4.7): each part — its models and its GPUs — is a
+/// whole engine of its own (ModelThreads, its own RankThread as the part's dispatcher, its GPU
+/// worker and its share of the load generator: the models' equal shares of `cfg.rate_rps`),
+/// all running at once; the report sums them (`seconds` is the longest part's). `parts` come
+/// from an epoch plan ([`crate::partition::symphony_split`]): every model in exactly one part,
+/// at most `cfg.gpus` GPUs in all.
+pub fn run_sub_clusters(cfg: &EngineConfig, parts: &[(Vec<ModelId>, usize)]) -> Result<EngineReport, String> {
+    let n = cfg.profiles.len();
+    let mut seen = vec![false; n];
+    for (models, _) in parts {
+        for &m in models {
+            match seen.get_mut(m) {
+                Some(s) if !*s => *s = true,
+                Some(_) => return Err(format!("model {m} is in two parts")),
+                None => return Err(format!("no model {m} ({n} models)")),
+            }
+        }
+    }
+    if let Some(m) = seen.iter().position(|s| !s) {
+        return Err(format!("model {m} is in no part"));
+    }
+    let gpus: usize = parts.iter().map(|p| p.1).sum();
+    if gpus > cfg.gpus {
+        return Err(format!("the parts hold {gpus} GPUs of {}", cfg.gpus));
+    }
+    if let Some((models, _)) = parts.iter().find(|(m, g)| !m.is_empty() && *g == 0) {
+        return Err(format!("a part of {} models has no GPU", models.len()));
+    }
+    let reports: Vec<EngineReport> = std::thread::scope(|s| {
+        let handles: Vec<_> = parts
+            .iter()
+            .filter(|(m, _)| !m.is_empty())
+            .map(|(models, g)| {
+                let sub = EngineConfig {
+                    profiles: models.iter().map(|&m| cfg.profiles[m].clone()).collect(),
+                    gpus: *g,
+                    shards: cfg.shards,
+                    rate_rps: cfg.rate_rps * models.len() as f64 / n.max(1) as f64,
+                    duration: cfg.duration,
+                    delay: cfg.delay,
+                };
+                s.spawn(move || run(&sub))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_default()).collect()
+    });
+    let mut out = EngineReport::default();
+    for r in &reports {
+        out.requests += r.requests;
+        out.seconds = out.seconds.max(r.seconds);
+        out.executed += r.executed;
+        out.within_slo += r.within_slo;
+        out.dropped += r.dropped;
+        out.lost += r.lost;
+        out.batches += r.batches;
+        out.grants += r.grants;
+    }
+    out.requests_per_s = if out.seconds > 0.0 { out.executed as f64 / out.seconds } else { 0.0 };
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sub_clusters_each_run_their_own_engine_and_resolve_every_request() {
+        let profiles: Vec<Profile> =
+            (0..6).map(|i| Profile::new(&format!("m{i}"), 0.1, 2.0, 30.0, 64).unwrap()).collect();
+        let cfg = EngineConfig {
+            profiles,
+            gpus: 12,
+            shards: 1,
+            rate_rps: 30_000.0,
+            duration: Duration::from_millis(300),
+            delay: Delay::default(),
+        };
+        let r = run_sub_clusters(&cfg, &[(vec![0, 2, 4], 6), (vec![1, 3, 5], 6)]).unwrap();
+        assert_eq!(r.lost, 0, "{r:?}");
+        assert!(r.requests > 5_000, "{r:?}");
+        assert!(r.executed as f64 > 0.9 * r.requests as f64, "{r:?}");
+        assert!(run_sub_clusters(&cfg, &[(vec![0, 1, 2], 6), (vec![2, 3, 4, 5], 6)]).is_err(), "model 2 twice");
+        assert!(run_sub_clusters(&cfg, &[(vec![0, 1, 2], 6), (vec![3, 4], 6)]).is_err(), "model 5 nowhere");
+        assert!(run_sub_clusters(&cfg, &[(vec![0, 1, 2], 8), (vec![3, 4, 5], 8)]).is_err(), "16 GPUs of 12");
+    }
 
     #[test]
     fn the_engine_resolves_every_request_on_real_threads() {

@@ -7,8 +7,9 @@
 use std::time::Duration;
 
 use anyhow::bail;
+use cascade_sched::partition::symphony_split;
 use cascade_sched::profile::{parse_table, Profile, TABLES};
-use cascade_sched::realtime::{run, EngineConfig};
+use cascade_sched::realtime::{run, run_sub_clusters, EngineConfig};
 use cascade_sched::time::Delay;
 use clap::Parser;
 use serde_json::json;
@@ -31,6 +32,10 @@ struct Cli {
     /// ModelThreads.
     #[arg(long, default_value_t = 1)]
     shards: usize,
+    /// Symphony's sub-clusters (§4.7): the models partitioned by the epoch planner, each part
+    /// with its own engine and RankThread (1: one dispatcher for the whole cluster).
+    #[arg(long, default_value_t = 1)]
+    sub_clusters: usize,
     /// Print JSON.
     #[arg(long)]
     json: bool,
@@ -58,7 +63,15 @@ fn main() -> anyhow::Result<()> {
         duration: Duration::from_secs_f64(c.seconds),
         delay: Delay::default(),
     };
-    let r = run(&cfg);
+    let r = if c.sub_clusters > 1 {
+        let rates = vec![c.rate / c.models as f64; c.models];
+        let (part, gpus) = symphony_split(&cfg.profiles, &rates, c.gpus, c.sub_clusters).map_err(anyhow::Error::msg)?;
+        let parts: Vec<(Vec<usize>, usize)> =
+            gpus.iter().enumerate().map(|(j, &g)| ((0..c.models).filter(|&m| part[m] == j).collect(), g)).collect();
+        run_sub_clusters(&cfg, &parts).map_err(anyhow::Error::msg)?
+    } else {
+        run(&cfg)
+    };
     if c.json {
         println!(
             "{}",
@@ -66,6 +79,7 @@ fn main() -> anyhow::Result<()> {
                 "requests": r.requests, "seconds": r.seconds, "requests_per_s": r.requests_per_s, "lost": r.lost,
                 "executed": r.executed, "within_slo": r.within_slo, "dropped": r.dropped, "batches": r.batches,
                 "grants": r.grants, "models": c.models, "gpus": c.gpus, "offered_rps": c.rate, "shards": c.shards,
+                "sub_clusters": c.sub_clusters,
             })
         );
     } else {
