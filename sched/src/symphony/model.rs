@@ -17,6 +17,19 @@ pub struct Candidate {
     pub exec_at: Ms,
     /// Latest start at which the batch still meets its earliest deadline.
     pub invalid_after: Ms,
+    /// ℓ(bs): how long the batch holds a GPU.
+    pub exec_ms: Ms,
+}
+
+impl Candidate {
+    /// Requests served per GPU millisecond: bs / ℓ(bs).
+    pub fn efficiency(&self) -> f64 {
+        if self.exec_ms > 0.0 {
+            self.bs as f64 / self.exec_ms
+        } else {
+            f64::INFINITY
+        }
+    }
 }
 
 /// Online estimate of a model's arrival rate: an exponentially weighted mean of the gaps between
@@ -143,7 +156,7 @@ impl ModelState {
             let enough = self.beta_lambda().min(p.max_batch as f64);
             let exec_at =
                 if self.work_conserving || bs as f64 >= enough { earliest } else { earliest.max(frontrun_at) };
-            self.cand = Some(Candidate { bs, exec_at, invalid_after: dl - p.latency(bs) });
+            self.cand = Some(Candidate { bs, exec_at, invalid_after: dl - p.latency(bs), exec_ms: p.latency(bs) });
             return;
         }
     }

@@ -142,7 +142,7 @@ impl Rank {
     fn on_gpu_timer(&mut self, gpu: GpuId) -> Option<Grant> {
         let free_at = self.gpu_free_at[gpu];
         self.waiting.retain(|_, c| free_at <= c.invalid_after);
-        let pick = self.waiting.iter().min_by(|a, b| a.1.exec_at.total_cmp(&b.1.exec_at)).map(|(m, _)| *m);
+        let pick = pick(&self.waiting, free_at);
         let grant = pick.map(|m| {
             self.waiting.remove(&m);
             self.set_free(gpu, f64::INFINITY);
@@ -150,5 +150,48 @@ impl Rank {
         });
         self.set_gpu_timer();
         grant
+    }
+}
+
+/// Which waiting candidate a GPU free at `free_at` goes to.
+///
+/// The paper's RankThread takes the earliest `exec_at` (Appendix C, `get_by_earliest_exec_at`).
+/// Under overload every waiting candidate is already due — its `exec_at` has passed — and the
+/// earliest is merely the one that has waited longest, however few requests it serves per GPU
+/// millisecond: in the overloaded 64-GPU mixed scenario that put batches of one of models with
+/// β = 10 ms ahead of full batches of cheap ones. Departure: among the candidates already due
+/// at `free_at`, the one serving the most requests per GPU millisecond (bs / ℓ(bs)) wins, ties
+/// to the earliest `exec_at`; when none is due yet, the earliest `exec_at`, as the paper does.
+/// Below capacity at most one candidate is usually waiting and the rule changes nothing.
+fn pick(waiting: &BTreeMap<ModelId, Candidate>, free_at: Ms) -> Option<ModelId> {
+    let due = waiting
+        .iter()
+        .filter(|(_, c)| c.exec_at <= free_at)
+        .max_by(|a, b| a.1.efficiency().total_cmp(&b.1.efficiency()).then(b.1.exec_at.total_cmp(&a.1.exec_at)));
+    due.or_else(|| waiting.iter().min_by(|a, b| a.1.exec_at.total_cmp(&b.1.exec_at))).map(|(m, _)| *m)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cand(bs: usize, exec_at: Ms, exec_ms: Ms) -> Candidate {
+        Candidate { bs, exec_at, invalid_after: exec_at + 100.0, exec_ms }
+    }
+
+    #[test]
+    fn a_free_gpu_goes_to_the_most_efficient_due_candidate() {
+        // Model 0 has waited longest with a batch of one at 10.6 ms; model 1 is due with 30
+        // requests at 12 ms.
+        let mut w = BTreeMap::new();
+        w.insert(0, cand(1, 1.0, 10.6));
+        w.insert(1, cand(30, 4.0, 12.0));
+        assert_eq!(pick(&w, 5.0), Some(1));
+        // Before model 1 is due, the earliest exec_at, as the paper does.
+        assert_eq!(pick(&w, 2.0), Some(0));
+        // Equally efficient: the earliest exec_at.
+        w.insert(1, cand(2, 4.0, 21.2));
+        assert_eq!(pick(&w, 5.0), Some(0));
+        assert_eq!(pick(&BTreeMap::new(), 5.0), None);
     }
 }
