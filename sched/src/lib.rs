@@ -9,7 +9,8 @@
 //!   decisions;
 //! * [`symphony`] — Symphony's non-work-conserving scheduler (§4.3, Appendix C) and its
 //!   work-conserving variant, split into the model and rank sides of §4.5;
-//! * [`clockwork`], [`nexus`] — the baselines as the papers describe them;
+//! * [`clockwork`], [`nexus`] — the baselines as the papers describe them; [`clockwork_real`]
+//!   adds the real Clockwork's schedule-ahead window and fixed batch sizes;
 //! * [`flex`] — Shepherd's FLEX (Algorithm 1) and its non-preemptive variant;
 //! * [`profile`] — ℓ(b) = α·b + β profiles and the papers' tables (`data/`);
 //! * [`arrival`] — Poisson, Gamma, MMPP and trace-replay arrivals;
@@ -30,6 +31,7 @@
 pub mod arrival;
 pub mod autoscale;
 pub mod clockwork;
+pub mod clockwork_real;
 pub mod flex;
 pub mod lora;
 pub mod metrics;

@@ -282,6 +282,9 @@ impl Scenario {
             "symphony" => Box::new(crate::symphony::Symphony::new(&p, g, d, false)),
             "symphony-wc" => Box::new(crate::symphony::Symphony::new(&p, g, d, true)),
             "clockwork" => Box::new(crate::clockwork::Clockwork::new(&p, g, d)),
+            "clockwork-real" => {
+                Box::new(crate::clockwork_real::ClockworkReal::new(&p, g, d, crate::clockwork_real::DEFAULT_AHEAD_MS))
+            }
             "nexus" => {
                 Box::new(crate::nexus::Nexus::new(&p, g, d, rates, self.nexus_frontends, self.nexus_epoch_s * 1000.0))
             }

@@ -66,7 +66,8 @@ pub trait Scheduler {
 }
 
 /// The names [`by_name`](crate::by_name) knows.
-pub const SCHEDULERS: [&str; 6] = ["symphony", "symphony-wc", "clockwork", "nexus", "flex", "flex-np"];
+pub const SCHEDULERS: [&str; 7] =
+    ["symphony", "symphony-wc", "clockwork", "clockwork-real", "nexus", "flex", "flex-np"];
 
 /// Drops (into `out`) the requests at the head of a deadline-ordered queue that cannot finish by
 /// their deadline even alone, started now.
