@@ -68,6 +68,8 @@ pub enum Source {
     SolverIncumbent,
     /// The greedy plan: the solver found nothing better, failed, or returned an infeasible plan.
     Greedy,
+    /// The greedy plan improved by local search (Symphony), the solver finding nothing better.
+    LocalSearch,
 }
 
 /// A planner's answer.
@@ -80,7 +82,7 @@ pub struct Plan {
     /// The objective of [`Plan::assignment`] (Symphony: ΔR + w·ΔS, lower is better; HERD: the
     /// minimum burst tolerance, higher is better).
     pub objective: f64,
-    /// The greedy plan's objective.
+    /// The greedy (constructive) plan's objective.
     pub greedy_objective: f64,
     /// Where the plan came from.
     pub source: Source,
@@ -193,7 +195,8 @@ pub(crate) fn decode(values: &[f64], items: usize, groups: usize) -> Result<Vec<
 }
 
 /// Picks between the greedy plan and the solver's: the solver's when it is feasible (`check`
-/// returns its objective) and no worse than greedy; `better(a, b)` is "a is strictly better".
+/// returns its objective) and better than greedy, or as good and proved optimal; `better(a, b)`
+/// is "a is strictly better".
 pub(crate) fn choose(
     greedy: (Vec<usize>, Vec<u32>, f64),
     solved: Result<(Vec<usize>, Vec<u32>, SolutionStatus), String>,
@@ -216,6 +219,10 @@ pub(crate) fn choose(
         Ok((a, s, status)) => match check(&a, &s) {
             Err(e) => fallback(format!("the solver's plan is infeasible ({e}); greedy kept")),
             Ok(o) if better(g_obj, o) => fallback(format!("the solver's plan ({o:.6}) is worse than greedy")),
+            // A tie counts for the solver only when it proved the plan optimal.
+            Ok(o) if !better(o, g_obj) && !matches!(status, SolutionStatus::Optimal) => {
+                fallback(format!("the solver found nothing better ({o:.6}) within its budget"))
+            }
             Ok(o) => Plan {
                 assignment: a,
                 group_sizes: s,

@@ -185,12 +185,19 @@ impl SymphonyProblem {
 
     /// The greedy plan: the previous epoch's assignment when there is one, else largest-first
     /// placement on the least-loaded sub-cluster (rate and memory, each relative to its average,
-    /// where it fits); then single-model moves, each the one that lowers the objective most
-    /// within every constraint, until none does. `None` when largest-first finds no room.
+    /// where it fits); then a local search of moves and swaps (the private `descend`).
+    /// `None` when largest-first finds no room.
     pub fn greedy(&self) -> Option<Vec<usize>> {
+        let mut assign = self.construct()?;
+        self.descend(&mut assign, None);
+        Some(assign)
+    }
+
+    /// The constructive step alone: the previous epoch's assignment, or largest-first.
+    pub fn construct(&self) -> Option<Vec<usize>> {
         let (l, (rbar, sbar)) = (self.sub_clusters, self.averages());
         let norm = |m: &SymModel| m.rate_rps / rbar.max(1e-12) + m.static_mb / sbar.max(1e-12);
-        let mut assign = match &self.previous {
+        let assign = match &self.previous {
             Some(p) => p.clone(),
             None => {
                 let mut order: Vec<usize> = (0..self.models.len()).collect();
@@ -213,57 +220,123 @@ impl SymphonyProblem {
                 assign
             }
         };
-        self.descend(&mut assign);
         Some(assign)
     }
 
-    /// Single-model moves while one lowers the objective and keeps every constraint. Loads are
-    /// updated incrementally, so one sweep over all moves costs O(m·l²).
-    fn descend(&self, assign: &mut [usize]) {
-        let Ok(mut best) = self.check(assign) else { return };
-        let mut loads = self.loads(assign);
-        let mut disruption = self.disruption(assign);
+    /// Local search from `assign`: moves of one model and swaps of two, each keeping every
+    /// constraint, taking the best improvement until none is left (or `deadline`). The objective
+    /// is a maximum, so only moves touching an extreme sub-cluster (one with the largest
+    /// deviation in rate or in memory, above or below the mean) can lower it; they are the only
+    /// ones tried. Ties on the objective are broken by the sum of squared deviations, so the
+    /// search crosses plateaus where several sub-clusters share the maximum.
+    fn descend(&self, assign: &mut [usize], deadline: Option<Instant>) {
+        if self.check(assign).is_err() {
+            return;
+        }
+        let (l, m) = (self.sub_clusters, self.models.len());
+        let (rbar, sbar) = self.averages();
+        let score = |r: &[f64], st: &[f64]| {
+            let sq: f64 = r.iter().map(|x| (x - rbar).powi(2)).sum::<f64>()
+                + self.w * self.w * st.iter().map(|x| (x - sbar).powi(2)).sum::<f64>();
+            (self.objective_of(r, st), sq)
+        };
+        let better =
+            |a: (f64, f64), b: (f64, f64)| a.0 < b.0 - 1e-9 || (a.0 <= b.0 + 1e-9 && a.1 < b.1 * (1.0 - 1e-12) - 1e-9);
         let fits = |x: f64, cap: f64| x <= cap * (1.0 + 1e-9) + 1e-9;
-        // Moving a model off a sub-cluster only lowers its load: only the destination is checked.
-        for _ in 0..4 * self.models.len().max(1) {
-            let mut found: Option<(usize, usize, f64)> = None;
-            for (i, m) in self.models.iter().enumerate() {
-                let from = assign[i];
-                for j in (0..self.sub_clusters).filter(|&j| j != from) {
-                    let (rj, sj, dj) = (
-                        loads.rate_rps[j] + m.rate_rps,
-                        loads.static_mb[j] + m.static_mb,
-                        loads.dynamic_mb[j].max(m.dynamic_mb),
-                    );
-                    if !fits(rj, self.r_max_rps) || !fits(sj + dj, self.s_max_mb) {
-                        continue;
+        let home = |i: usize| self.previous.as_ref().map(|p| p[i]);
+        // Disruption change when model i goes from a to b.
+        let moved = |i: usize, a: usize, b: usize| match home(i) {
+            Some(h) if h == a => 2.0 * self.models[i].move_cost,
+            Some(h) if h == b => -2.0 * self.models[i].move_cost,
+            _ => 0.0,
+        };
+        for _ in 0..20 * m.max(1) {
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                return;
+            }
+            let loads = self.loads(assign);
+            let disruption = self.disruption(assign);
+            let current = score(&loads.rate_rps, &loads.static_mb);
+            // The two largest dynamic memories per sub-cluster, to know a group's after a removal.
+            let mut top2 = vec![(0.0f64, 0.0f64); l];
+            for (i, &j) in assign.iter().enumerate() {
+                let d = self.models[i].dynamic_mb;
+                let t = &mut top2[j];
+                if d > t.0 {
+                    *t = (d, t.0);
+                } else if d > t.1 {
+                    t.1 = d;
+                }
+            }
+            let dyn_without = |j: usize, d: f64| if d < top2[j].0 { top2[j].0 } else { top2[j].1 };
+            let extreme = |v: &[f64], avg: f64| {
+                let hi = (0..l).max_by(|&a, &b| v[a].total_cmp(&v[b])).unwrap_or(0);
+                let lo = (0..l).min_by(|&a, &b| v[a].total_cmp(&v[b])).unwrap_or(0);
+                if (v[hi] - avg).abs() >= (v[lo] - avg).abs() {
+                    [hi, lo]
+                } else {
+                    [lo, hi]
+                }
+            };
+            let mut focus: Vec<usize> =
+                extreme(&loads.rate_rps, rbar).into_iter().chain(extreme(&loads.static_mb, sbar)).collect();
+            focus.sort_unstable();
+            focus.dedup();
+            // (new score, model, its new group, optional swap partner)
+            let mut best: Option<Step> = None;
+            let (mut r, mut st) = (loads.rate_rps.clone(), loads.static_mb.clone());
+            for i in (0..m).filter(|&i| focus.contains(&assign[i])) {
+                let (a, mi) = (assign[i], &self.models[i]);
+                for b in (0..l).filter(|&b| b != a) {
+                    // Move i to b.
+                    let (rb, sb, db) = (r[b] + mi.rate_rps, st[b] + mi.static_mb, top2[b].0.max(mi.dynamic_mb));
+                    if fits(rb, self.r_max_rps)
+                        && fits(sb + db, self.s_max_mb)
+                        && fits(disruption + moved(i, a, b), self.c_max)
+                    {
+                        let (ra, sa) = (r[a], st[a]);
+                        r[a] -= mi.rate_rps;
+                        st[a] -= mi.static_mb;
+                        let (rb0, sb0) = (r[b], st[b]);
+                        r[b] = rb;
+                        st[b] = sb;
+                        let sc = score(&r, &st);
+                        if better(sc, current) && best.as_ref().is_none_or(|x| better(sc, x.0)) {
+                            best = Some(Step(sc, i, b, None));
+                        }
+                        (r[a], st[a], r[b], st[b]) = (ra, sa, rb0, sb0);
                     }
-                    let was_home = self.previous.as_ref().map(|p| p[i]);
-                    let d = disruption
-                        + match was_home {
-                            Some(h) if h == from => 2.0 * m.move_cost,
-                            Some(h) if h == j => -2.0 * m.move_cost,
-                            _ => 0.0,
-                        };
-                    if !fits(d, self.c_max) {
-                        continue;
-                    }
-                    let (mut r, mut s) = (loads.rate_rps.clone(), loads.static_mb.clone());
-                    r[from] -= m.rate_rps;
-                    s[from] -= m.static_mb;
-                    r[j] = rj;
-                    s[j] = sj;
-                    let o = self.objective_of(&r, &s);
-                    if o < best - 1e-9 && found.is_none_or(|f| o < f.2) {
-                        found = Some((i, j, o));
+                    // Swap i with each model k of b.
+                    for k in (0..m).filter(|&k| assign[k] == b) {
+                        let mk = &self.models[k];
+                        let (ra, sa) = (r[a] - mi.rate_rps + mk.rate_rps, st[a] - mi.static_mb + mk.static_mb);
+                        let (rb, sb) = (r[b] - mk.rate_rps + mi.rate_rps, st[b] - mk.static_mb + mi.static_mb);
+                        let da = dyn_without(a, mi.dynamic_mb).max(mk.dynamic_mb);
+                        let db = dyn_without(b, mk.dynamic_mb).max(mi.dynamic_mb);
+                        let d = disruption + moved(i, a, b) + moved(k, b, a);
+                        if !(fits(ra, self.r_max_rps)
+                            && fits(rb, self.r_max_rps)
+                            && fits(sa + da, self.s_max_mb)
+                            && fits(sb + db, self.s_max_mb)
+                            && fits(d, self.c_max))
+                        {
+                            continue;
+                        }
+                        let (ra0, sa0, rb0, sb0) = (r[a], st[a], r[b], st[b]);
+                        (r[a], st[a], r[b], st[b]) = (ra, sa, rb, sb);
+                        let sc = score(&r, &st);
+                        if better(sc, current) && best.as_ref().is_none_or(|x| better(sc, x.0)) {
+                            best = Some(Step(sc, i, b, Some(k)));
+                        }
+                        (r[a], st[a], r[b], st[b]) = (ra0, sa0, rb0, sb0);
                     }
                 }
             }
-            let Some((i, j, o)) = found else { return };
-            assign[i] = j;
-            best = o;
-            loads = self.loads(assign);
-            disruption = self.disruption(assign);
+            let Some(Step(_, i, b, partner)) = best else { return };
+            if let Some(k) = partner {
+                assign[k] = assign[i];
+            }
+            assign[i] = b;
         }
     }
 
@@ -290,15 +363,29 @@ impl SymphonyProblem {
     pub fn solve(&self, solver: SolverKind, budget: Duration) -> Result<Plan, String> {
         self.validate()?;
         let started = Instant::now();
-        let greedy = self.greedy().and_then(|g| self.check(&g).ok().map(|o| (g, o)));
+        // The constructive plan, then the local search within half the budget; the solver,
+        // warm-started from the searched plan, gets the rest.
+        let constructed = self.construct().and_then(|g| self.check(&g).ok().map(|o| (g, o)));
+        let searched = constructed.clone().map(|(mut g, o0)| {
+            self.descend(&mut g, Some(started + budget / 2));
+            let o = self.check(&g).unwrap_or(o0);
+            (g, o)
+        });
         let remaining = budget.saturating_sub(started.elapsed());
-        let solved = self.milp(greedy.as_ref().map(|g| g.0.as_slice())).and_then(|(milp, x)| {
+        let solved = self.milp(searched.as_ref().map(|g| g.0.as_slice())).and_then(|(milp, x)| {
             let s = milp.solve(solver, remaining, &x)?;
             Ok((decode(&s.values, self.models.len(), self.sub_clusters)?, Vec::new(), s.status))
         });
-        match greedy {
-            Some((g, o)) => Ok(choose((g, Vec::new(), o), solved, |a, _| self.check(a), |a, b| a < b - 1e-9, started)),
-            None => {
+        match (constructed, searched) {
+            (Some((_, o0)), Some((g, o))) => {
+                let mut plan = choose((g, Vec::new(), o), solved, |a, _| self.check(a), |a, b| a < b - 1e-9, started);
+                plan.greedy_objective = o0;
+                if plan.source == super::Source::Greedy && o < o0 - 1e-9 {
+                    plan.source = super::Source::LocalSearch;
+                }
+                Ok(plan)
+            }
+            _ => {
                 let (a, _, status) =
                     solved.map_err(|e| format!("greedy found no feasible plan, and the solver: {e}"))?;
                 let o = self
@@ -382,3 +469,7 @@ impl SymphonyProblem {
         Ok((Milp { vars, objective, maximise: false, constraints: cs, warm: warm_values }, x))
     }
 }
+
+/// A local-search step: its (objective, squared deviations), the model moved, its new
+/// sub-cluster, and the model it swaps with, if any.
+struct Step((f64, f64), usize, usize, Option<usize>);
