@@ -44,6 +44,7 @@ use crate::pool::{Action, CopyId, CopyKind, CopyState, ModelCopy, ModelId, NodeI
 
 mod admin;
 mod detector;
+pub mod epoch;
 pub mod exec;
 pub mod plan;
 mod report;

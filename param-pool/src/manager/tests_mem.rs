@@ -503,3 +503,36 @@ async fn a_deploy_that_cannot_be_made_is_an_error() {
     assert!(err.contains("could not be made"), "{err}");
     m.deploy(1, 2, 0).await.unwrap();
 }
+
+/// An epoch plan moves model 1 from sub-cluster 0 (nodes 1, 2) to sub-cluster 1 (nodes 3, 4):
+/// instances appear on 3 and 4 through the pool, those on 1 and 2 go, and the pool stays whole.
+#[tokio::test(start_paused = true)]
+async fn an_epoch_plan_moves_a_model_through_the_pool() {
+    let c = MemCluster::new(4, 2, "epoch");
+    let (mut m, _) = c.registered(2).await;
+    let nodes_of = vec![vec![1, 2], vec![3, 4]];
+    // Epoch 1: both models on sub-cluster 0.
+    let first: Vec<epoch::EpochMove> =
+        [1, 2].into_iter().map(|model| epoch::EpochMove { model, from: vec![], to: nodes_of[0].clone() }).collect();
+    m.apply_epoch(&first).await.unwrap();
+    let gpus = |m: &Manager<EmbeddedStore>, model: ModelId| -> Vec<NodeId> {
+        let mut v: Vec<NodeId> = m
+            .pool()
+            .copies()
+            .filter(|x| x.model == model && x.kind == CopyKind::Gpu(0) && x.state == CopyState::Ready)
+            .map(|x| x.node)
+            .collect();
+        v.sort_unstable();
+        v
+    };
+    assert_eq!(gpus(&m, 1), vec![1, 2]);
+    // Epoch 2: model 1 moves to sub-cluster 1, model 2 stays.
+    let moves = epoch::epoch_moves(&[1, 2], &[0, 0], &[1, 0], &nodes_of).unwrap();
+    assert_eq!(moves, vec![epoch::EpochMove { model: 1, from: vec![1, 2], to: vec![3, 4] }]);
+    m.apply_epoch(&moves).await.unwrap();
+    assert_eq!(gpus(&m, 1), vec![3, 4]);
+    assert_eq!(gpus(&m, 2), vec![1, 2]);
+    let rep = m.check().await.unwrap();
+    assert!(rep.healthy, "{:?}", rep.problems);
+    assert!(epoch::epoch_moves(&[1], &[0], &[2], &nodes_of).is_err(), "no sub-cluster 2");
+}

@@ -1,0 +1,77 @@
+//! Carrying out an epoch plan's moves (Symphony §4.7's sub-clusters, Shepherd's HERD groups): a
+//! model the plan puts on another sub-cluster gets serving instances there through the pool —
+//! one multicast from its copies — and only then leaves its old sub-cluster, so it is served
+//! throughout. The plan itself comes from `cascade_sched::plan` (`epoch-plan`); this side only
+//! knows models, nodes and which sub-cluster holds which nodes.
+
+use super::{Manager, ManagerError};
+use crate::meta::MetaStore;
+use crate::pool::{CopyKind, CopyState, ModelId, NodeId};
+
+/// One model's move between two epochs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EpochMove {
+    /// The model.
+    pub model: ModelId,
+    /// The nodes of its old sub-cluster (its instances there go).
+    pub from: Vec<NodeId>,
+    /// The nodes of its new sub-cluster (each gets an instance on GPU 0).
+    pub to: Vec<NodeId>,
+}
+
+/// The moves between two plans: `previous[i]` and `next[i]` are the sub-clusters of
+/// `models[i]`, `nodes_of[j]` the nodes of sub-cluster j. Models that stay do not move.
+pub fn epoch_moves(
+    models: &[ModelId],
+    previous: &[usize],
+    next: &[usize],
+    nodes_of: &[Vec<NodeId>],
+) -> Result<Vec<EpochMove>, String> {
+    if previous.len() != models.len() || next.len() != models.len() {
+        return Err(format!("{} models, plans of {} and {}", models.len(), previous.len(), next.len()));
+    }
+    let nodes = |j: usize| nodes_of.get(j).cloned().ok_or_else(|| format!("no sub-cluster {j} ({})", nodes_of.len()));
+    models
+        .iter()
+        .zip(previous.iter().zip(next))
+        .filter(|(_, (a, b))| a != b)
+        .map(|(&model, (&a, &b))| Ok(EpochMove { model, from: nodes(a)?, to: nodes(b)? }))
+        .collect()
+}
+
+impl<S: MetaStore + 'static> Manager<S> {
+    /// Carries out `moves` in order: for each, an instance on GPU 0 of every `to` node that has
+    /// none (one multicast), checked ready, and then the GPU instances on the `from` nodes are
+    /// reclaimed (the pool keeps its k copies while doing so). A move that cannot be made stops
+    /// here with the old instances still serving.
+    pub async fn apply_epoch(&mut self, moves: &[EpochMove]) -> Result<(), ManagerError> {
+        for mv in moves {
+            let on = |m: &Self, n: NodeId| {
+                m.pool().copies().any(|c| {
+                    c.model == mv.model && c.node == n && c.kind == CopyKind::Gpu(0) && c.state == CopyState::Ready
+                })
+            };
+            let missing: Vec<NodeId> = mv.to.iter().copied().filter(|&n| !on(self, n)).collect();
+            if !missing.is_empty() {
+                self.scale_out(mv.model, &missing).await?;
+            }
+            if let Some(n) = mv.to.iter().find(|&&n| !on(self, n)) {
+                return Err(ManagerError::Refused(format!(
+                    "model {} could not be started on node {n} of its new sub-cluster; its old instances stay",
+                    mv.model
+                )));
+            }
+            let old: Vec<_> = self
+                .pool()
+                .copies()
+                .filter(|c| c.model == mv.model && mv.from.contains(&c.node) && !mv.to.contains(&c.node))
+                .filter(|c| matches!(c.kind, CopyKind::Gpu(_)))
+                .map(|c| c.id)
+                .collect();
+            for copy in old {
+                self.reclaim(copy).await?;
+            }
+        }
+        Ok(())
+    }
+}
