@@ -34,18 +34,9 @@ impl Clockwork {
     fn dispatch(&mut self, now: Ms, out: &mut Vec<Decision>) {
         loop {
             let Some(gpu) = (0..self.free_at.len()).find(|g| self.free_at[*g] <= now) else { return };
-            // Drop fronts that cannot make it alone; find the earliest deadline.
-            let mut best: Option<(Ms, usize)> = None;
-            for (m, q) in self.queues.iter_mut().enumerate() {
-                let p = &self.profiles[m];
-                drop_expired(p, self.delay, now, q, out);
-                if let Some(r) = q.front() {
-                    if best.is_none_or(|(d, _)| r.deadline < d) {
-                        best = Some((r.deadline, m));
-                    }
-                }
-            }
-            let Some((dl, m)) = best else { return };
+            let Some((dl, m)) = earliest_deadline(&self.profiles, &mut self.queues, self.delay, now, out) else {
+                return;
+            };
             let q = &mut self.queues[m];
             let p = &self.profiles[m];
             let b = largest_batch(p, self.delay, now, now, dl, q.len()).max(1);
@@ -55,6 +46,27 @@ impl Clockwork {
             out.push(Decision::Dispatch { gpu, model: m, requests, start });
         }
     }
+}
+
+/// Drops every queue's fronts that cannot finish even alone, started now, and returns the
+/// earliest deadline left at a queue's front and its model (Clockwork's next model).
+pub(crate) fn earliest_deadline(
+    profiles: &[Profile],
+    queues: &mut [VecDeque<Request>],
+    delay: Delay,
+    now: Ms,
+    out: &mut Vec<Decision>,
+) -> Option<(Ms, usize)> {
+    let mut best: Option<(Ms, usize)> = None;
+    for (m, q) in queues.iter_mut().enumerate() {
+        drop_expired(&profiles[m], delay, now, q, out);
+        if let Some(r) = q.front() {
+            if best.is_none_or(|(d, _)| r.deadline < d) {
+                best = Some((r.deadline, m));
+            }
+        }
+    }
+    best
 }
 
 impl Scheduler for Clockwork {

@@ -19,8 +19,9 @@
 
 use std::collections::VecDeque;
 
+use crate::clockwork::earliest_deadline;
 use crate::profile::{largest_batch, Profile};
-use crate::scheduler::{drop_expired, Decision, GpuId, Ms, Request, Scheduler};
+use crate::scheduler::{Decision, GpuId, Ms, Request, Scheduler};
 use crate::time::Delay;
 
 /// Clockwork's batch sizes.
@@ -61,17 +62,9 @@ impl ClockworkReal {
                 return;
             };
             let gpu_free = self.free_at[gpu].max(now);
-            let mut best: Option<(Ms, usize)> = None;
-            for (m, q) in self.queues.iter_mut().enumerate() {
-                let p = &self.profiles[m];
-                drop_expired(p, self.delay, now, q, out);
-                if let Some(r) = q.front() {
-                    if best.is_none_or(|(d, _)| r.deadline < d) {
-                        best = Some((r.deadline, m));
-                    }
-                }
-            }
-            let Some((dl, m)) = best else { return };
+            let Some((dl, m)) = earliest_deadline(&self.profiles, &mut self.queues, self.delay, now, out) else {
+                return;
+            };
             let (q, p) = (&mut self.queues[m], &self.profiles[m]);
             let fits = largest_batch(p, self.delay, now, gpu_free, dl, q.len().min(16));
             let Some(&b) = BATCH_SIZES.iter().rev().find(|&&b| b <= fits) else {

@@ -196,15 +196,36 @@ pub(crate) fn decode(values: &[f64], items: usize, groups: usize) -> Result<Vec<
 
 /// Picks between the greedy plan and the solver's: the solver's when it is feasible (`check`
 /// returns its objective) and better than greedy, or as good and proved optimal; `better(a, b)`
-/// is "a is strictly better".
+/// is "a is strictly better". Without a greedy plan, the solver's if it is feasible; `Err` when
+/// neither is.
 pub(crate) fn choose(
-    greedy: (Vec<usize>, Vec<u32>, f64),
+    greedy: Option<(Vec<usize>, Vec<u32>, f64)>,
     solved: Result<(Vec<usize>, Vec<u32>, SolutionStatus), String>,
     check: impl Fn(&[usize], &[u32]) -> Result<f64, String>,
     better: impl Fn(f64, f64) -> bool,
     started: Instant,
-) -> Plan {
-    let (g_assign, g_sizes, g_obj) = greedy;
+) -> Result<Plan, String> {
+    let source = |status: &SolutionStatus| {
+        if matches!(status, SolutionStatus::Optimal) {
+            Source::Optimal
+        } else {
+            Source::SolverIncumbent
+        }
+    };
+    let Some((g_assign, g_sizes, g_obj)) = greedy else {
+        let (a, s, status) = solved.map_err(|e| format!("greedy found no feasible plan, and the solver: {e}"))?;
+        let o =
+            check(&a, &s).map_err(|e| format!("greedy found no feasible plan, and the solver's is infeasible: {e}"))?;
+        return Ok(Plan {
+            assignment: a,
+            group_sizes: s,
+            objective: o,
+            greedy_objective: f64::NAN,
+            source: source(&status),
+            note: Some("greedy found no feasible plan".into()),
+            solve_seconds: started.elapsed().as_secs_f64(),
+        });
+    };
     let fallback = |note: String| Plan {
         assignment: g_assign.clone(),
         group_sizes: g_sizes.clone(),
@@ -214,7 +235,7 @@ pub(crate) fn choose(
         note: Some(note),
         solve_seconds: started.elapsed().as_secs_f64(),
     };
-    match solved {
+    Ok(match solved {
         Err(e) => fallback(format!("solver: {e}")),
         Ok((a, s, status)) => match check(&a, &s) {
             Err(e) => fallback(format!("the solver's plan is infeasible ({e}); greedy kept")),
@@ -228,16 +249,12 @@ pub(crate) fn choose(
                 group_sizes: s,
                 objective: o,
                 greedy_objective: g_obj,
-                source: if matches!(status, SolutionStatus::Optimal) {
-                    Source::Optimal
-                } else {
-                    Source::SolverIncumbent
-                },
+                source: source(&status),
                 note: None,
                 solve_seconds: started.elapsed().as_secs_f64(),
             },
         },
-    }
+    })
 }
 
 /// The imbalance factor of Symphony's Figure 15: (max − min) / mean over the groups.

@@ -277,19 +277,18 @@ impl Scenario {
         rates: &[f64],
     ) -> Result<Box<dyn Scheduler>, ScenarioError> {
         let d = self.delay();
-        let p = p.to_vec();
         Ok(match name {
-            "symphony" => Box::new(crate::symphony::Symphony::new(&p, g, d, false)),
-            "symphony-wc" => Box::new(crate::symphony::Symphony::new(&p, g, d, true)),
-            "clockwork" => Box::new(crate::clockwork::Clockwork::new(&p, g, d)),
+            "symphony" => Box::new(crate::symphony::Symphony::new(p, g, d, false)),
+            "symphony-wc" => Box::new(crate::symphony::Symphony::new(p, g, d, true)),
+            "clockwork" => Box::new(crate::clockwork::Clockwork::new(p, g, d)),
             "clockwork-real" => {
-                Box::new(crate::clockwork_real::ClockworkReal::new(&p, g, d, crate::clockwork_real::DEFAULT_AHEAD_MS))
+                Box::new(crate::clockwork_real::ClockworkReal::new(p, g, d, crate::clockwork_real::DEFAULT_AHEAD_MS))
             }
             "nexus" => {
-                Box::new(crate::nexus::Nexus::new(&p, g, d, rates, self.nexus_frontends, self.nexus_epoch_s * 1000.0))
+                Box::new(crate::nexus::Nexus::new(p, g, d, rates, self.nexus_frontends, self.nexus_epoch_s * 1000.0))
             }
-            "flex" => Box::new(crate::flex::Flex::new(&p, g, d, true)),
-            "flex-np" => Box::new(crate::flex::Flex::new(&p, g, d, false)),
+            "flex" => Box::new(crate::flex::Flex::new(p, g, d, true)),
+            "flex-np" => Box::new(crate::flex::Flex::new(p, g, d, false)),
             other => return Err(ScenarioError::UnknownScheduler(other.to_string())),
         })
     }

@@ -76,7 +76,7 @@ fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
-fn common(kind: &str, c: &Cli, models: usize, groups: usize, plan: Result<Plan, String>) -> Value {
+fn common(kind: &str, c: &Cli, models: usize, groups: usize, plan: &Result<Plan, String>) -> Value {
     match plan {
         Ok(p) => json!({
             "kind": kind,
@@ -122,7 +122,7 @@ fn symphony(c: &Cli, file: &PlanFile, budget: Duration) -> anyhow::Result<Value>
     };
     let p = file.symphony(previous).map_err(anyhow::Error::msg)?;
     let plan = p.solve(c.solver, budget);
-    let mut out = common("symphony", c, p.models.len(), p.sub_clusters, plan.clone());
+    let mut out = common("symphony", c, p.models.len(), p.sub_clusters, &plan);
     if let Ok(plan) = &plan {
         let loads = p.loads(&plan.assignment);
         out["rate_imbalance"] = json!(imbalance(&loads.rate_rps));
@@ -147,7 +147,7 @@ fn symphony(c: &Cli, file: &PlanFile, budget: Duration) -> anyhow::Result<Value>
 fn herd(c: &Cli, file: &PlanFile, budget: Duration) -> anyhow::Result<Value> {
     let p = file.herd().map_err(anyhow::Error::msg)?;
     let plan = p.solve(c.solver, budget);
-    let mut out = common("herd", c, p.streams.len(), p.groups, plan.clone());
+    let mut out = common("herd", c, p.streams.len(), p.groups, &plan);
     if let Ok(plan) = &plan {
         out["loads_gpus"] = json!(p.loads(&plan.assignment));
         out["gpus_needed"] = json!(p.streams.iter().map(|s| s.gpus_needed).sum::<f64>());

@@ -77,6 +77,14 @@ impl HerdProblem {
         Ok(())
     }
 
+    /// The affinity sets the streams name, ascending, each once.
+    fn affinity_sets(&self) -> Vec<u32> {
+        let mut sets: Vec<u32> = self.streams.iter().map(|s| s.affinity).collect();
+        sets.sort_unstable();
+        sets.dedup();
+        sets
+    }
+
     /// Σ n_i per group.
     pub fn loads(&self, assign: &[usize]) -> Vec<f64> {
         let mut load = vec![0.0; self.groups];
@@ -217,9 +225,7 @@ impl HerdProblem {
     /// has memory for it, water-filled sizes; then moves of the worst stream to another group
     /// while that raises the minimum. `None` when it finds no room.
     pub fn greedy(&self) -> Option<(Vec<usize>, Vec<u32>)> {
-        let mut sets: Vec<u32> = self.streams.iter().map(|s| s.affinity).collect();
-        sets.sort_unstable();
-        sets.dedup();
+        let sets = self.affinity_sets();
         if sets.len() > self.groups {
             return None;
         }
@@ -309,22 +315,7 @@ impl HerdProblem {
                     .collect::<Result<Vec<u32>, String>>()?;
                 Ok((decode(xs, self.streams.len(), self.groups)?, sizes, s.status))
             });
-        let Some((a, s, o)) = greedy else {
-            let (a, s, _) = solved.map_err(|e| format!("greedy found no feasible plan, and the solver: {e}"))?;
-            let o = self
-                .check(&a, &s)
-                .map_err(|e| format!("greedy found no feasible plan, and the solver's is infeasible: {e}"))?;
-            return Ok(Plan {
-                assignment: a,
-                group_sizes: s,
-                objective: o,
-                greedy_objective: f64::NAN,
-                source: super::Source::SolverIncumbent,
-                note: Some("greedy found no feasible plan".into()),
-                solve_seconds: started.elapsed().as_secs_f64(),
-            });
-        };
-        Ok(choose((a, s, o), solved, |a, s| self.check(a, s), |g, o| g > o + 1e-9, started))
+        choose(greedy, solved, |a, s| self.check(a, s), |g, o| g > o + 1e-9, started)
     }
 
     /// The linearised ILP (module docs), warm-started from `warm`; also the x variables (row by
@@ -345,9 +336,7 @@ impl HerdProblem {
             (0..g).map(|_| vars.add(variable().integer().min(0.0).max(f64::from(self.group_max)))).collect();
         let load: Vec<Variable> = (0..g).map(|_| vars.add(variable().min(0.0))).collect();
         let t = vars.add(variable().min(t_lo).max(t_hi));
-        let mut sets: Vec<u32> = self.streams.iter().map(|s| s.affinity).collect();
-        sets.sort_unstable();
-        sets.dedup();
+        let sets = self.affinity_sets();
         let y: Vec<Vec<Variable>> = if sets.len() > 1 {
             sets.iter().map(|_| (0..g).map(|_| vars.add(variable().binary())).collect()).collect()
         } else {

@@ -134,8 +134,7 @@ impl SymphonyProblem {
     /// ΔR + w·ΔS of per-sub-cluster sums.
     fn objective_of(&self, rates: &[f64], statics: &[f64]) -> f64 {
         let (rbar, sbar) = self.averages();
-        let dev = |v: &[f64], avg: f64| v.iter().map(|x| (x - avg).abs()).fold(0.0, f64::max);
-        dev(rates, rbar) + self.w * dev(statics, sbar)
+        max_deviation(rates, rbar) + self.w * max_deviation(statics, sbar)
     }
 
     /// ΔR + w·ΔS of `assign` (constraints not checked).
@@ -376,37 +375,21 @@ impl SymphonyProblem {
             let s = milp.solve(solver, remaining, &x)?;
             Ok((decode(&s.values, self.models.len(), self.sub_clusters)?, Vec::new(), s.status))
         });
-        match (constructed, searched) {
-            (Some((_, o0)), Some((g, o))) => {
-                let mut plan = choose((g, Vec::new(), o), solved, |a, _| self.check(a), |a, b| a < b - 1e-9, started);
-                plan.greedy_objective = o0;
-                if plan.source == super::Source::Greedy && o < o0 - 1e-9 {
-                    plan.source = super::Source::LocalSearch;
-                }
-                Ok(plan)
+        let o0 = constructed.map(|(_, o)| o);
+        let mut plan = choose(
+            searched.map(|(g, o)| (g, Vec::new(), o)),
+            solved,
+            |a, _| self.check(a),
+            |a, b| a < b - 1e-9,
+            started,
+        )?;
+        if let Some(o0) = o0 {
+            if plan.source == super::Source::Greedy && plan.objective < o0 - 1e-9 {
+                plan.source = super::Source::LocalSearch;
             }
-            _ => {
-                let (a, _, status) =
-                    solved.map_err(|e| format!("greedy found no feasible plan, and the solver: {e}"))?;
-                let o = self
-                    .check(&a)
-                    .map_err(|e| format!("greedy found no feasible plan, and the solver's is infeasible: {e}"))?;
-                let source = if matches!(status, good_lp::solvers::SolutionStatus::Optimal) {
-                    super::Source::Optimal
-                } else {
-                    super::Source::SolverIncumbent
-                };
-                Ok(Plan {
-                    assignment: a,
-                    group_sizes: Vec::new(),
-                    objective: o,
-                    greedy_objective: f64::NAN,
-                    source,
-                    note: Some("greedy found no feasible plan".into()),
-                    solve_seconds: started.elapsed().as_secs_f64(),
-                })
-            }
+            plan.greedy_objective = o0;
         }
+        Ok(plan)
     }
 
     /// The MILP, warm-started from `warm` when given; also the x variables, row by row.
@@ -455,19 +438,23 @@ impl SymphonyProblem {
         let mut warm_values = Vec::new();
         if let Some(a) = warm {
             let loads = self.loads(a);
-            let dev = |v: &[f64], avg: f64| v.iter().map(|x| (x - avg).abs()).fold(0.0, f64::max);
             for i in 0..m {
                 for j in 0..l {
                     warm_values.push((x[i * l + j], if a[i] == j { 1.0 } else { 0.0 }));
                 }
             }
-            warm_values.push((dr, dev(&loads.rate_rps, rbar)));
-            warm_values.push((ds, dev(&loads.static_mb, sbar)));
+            warm_values.push((dr, max_deviation(&loads.rate_rps, rbar)));
+            warm_values.push((ds, max_deviation(&loads.static_mb, sbar)));
             warm_values.extend(dmax.iter().zip(&loads.dynamic_mb).map(|(&v, &d)| (v, d)));
         }
         let objective = dr + self.w * ds;
         Ok((Milp { vars, objective, maximise: false, constraints: cs, warm: warm_values }, x))
     }
+}
+
+/// max_j |v_j − avg|: ΔR or ΔS of per-sub-cluster sums.
+fn max_deviation(v: &[f64], avg: f64) -> f64 {
+    v.iter().map(|x| (x - avg).abs()).fold(0.0, f64::max)
 }
 
 /// A local-search step: its (objective, squared deviations), the model moved, its new

@@ -167,12 +167,13 @@ fn garbage_from_a_solver_is_refused() {
     let g = p.greedy().unwrap();
     let go = p.check(&g).unwrap();
     let plan = choose(
-        (g.clone(), Vec::new(), go),
+        Some((g.clone(), Vec::new(), go)),
         Ok((vec![0, 0], Vec::new(), good_lp::solvers::SolutionStatus::Optimal)),
         |a, _| p.check(a),
         |a, b| a < b,
         Instant::now(),
-    );
+    )
+    .unwrap();
     assert_eq!(plan.assignment, g);
     assert_eq!(plan.source, Source::Greedy);
     assert!(plan.note.unwrap().contains("infeasible"));
