@@ -92,6 +92,7 @@ struct Inner {
     started: Instant,
     rdma: Option<RdmaCtx>,
     budget: crate::MemoryBudget,
+    metrics: Arc<crate::Metrics>,
 }
 
 /// A node's endpoint in the cluster: its regions, its links, and the operations over them.
@@ -173,7 +174,23 @@ impl Endpoint {
             started: Instant::now(),
             rdma,
             budget: crate::MemoryBudget::new(cfg.memory_limit),
+            metrics: Arc::new(crate::Metrics::new()),
             cfg,
+        });
+        let weak = Arc::downgrade(&inner);
+        inner.metrics.on_render(move || {
+            let Some(inner) = weak.upgrade() else { return };
+            let kinds: Vec<BackendKind> = {
+                let links = inner.links.lock().unwrap_or_else(|e| e.into_inner());
+                links.values().filter(|e| e.link.is_alive()).map(|e| e.link.kind()).collect()
+            };
+            let m = &inner.metrics;
+            m.clear_gauge("cascade_mesh_peers_up");
+            for kind in [BackendKind::Tcp, BackendKind::Shm, BackendKind::Rdma] {
+                let n = kinds.iter().filter(|k| **k == kind).count();
+                m.gauge("cascade_mesh_peers_up", "Peers with a live link, by backend", &[("backend", &kind.to_string())])
+                    .set(n as f64);
+            }
         });
         info!(node = inner.cfg.node, addr = %inner.me.addr, caps = inner.caps.0, "endpoint listening");
         Ok(Endpoint { inner, unopened: Mutex::new(Some((tcp, unix))) })
@@ -284,7 +301,9 @@ impl Endpoint {
     pub fn link(&self, peer: NodeId) -> Result<Arc<dyn Link>> {
         let links = self.inner.links.lock().unwrap_or_else(|e| e.into_inner());
         match links.get(&peer) {
-            Some(e) if e.link.is_alive() => Ok(e.link.clone() as Arc<dyn Link>),
+            Some(e) if e.link.is_alive() => {
+                Ok(Arc::new(crate::metrics::Metered::new(e.link.clone(), &self.inner.metrics)) as Arc<dyn Link>)
+            }
             _ => Err(TransportError::NotConnected { peer }),
         }
     }
@@ -299,6 +318,12 @@ impl Endpoint {
     /// [`ServiceExt`](crate::service::ServiceExt).
     pub fn services(&self) -> &Arc<Services> {
         &self.inner.services
+    }
+
+    /// The node's metrics registry: the transport's families, and whatever the node's other
+    /// parts (multicast, pool, exec) record there. [`crate::Metrics::render`] is `/metrics`.
+    pub fn metrics(&self) -> &Arc<crate::Metrics> {
+        &self.inner.metrics
     }
 
     /// Subscribes to peer up/down events.
@@ -486,38 +511,56 @@ fn hs_error(peer: String, e: DriveError) -> TransportError {
 
 /// Dials `peer` once: connection, handshake, link. Returns the link's close notification.
 async fn dial_once(inner: &Arc<Inner>, peer: &NodeSpec) -> Result<oneshot::Receiver<String>> {
-    let hcfg = inner.handshake_cfg();
     let want = select_backend(&inner.me, inner.caps, peer, inner.caps);
-    let (tx, rx) = oneshot::channel();
     let limit = inner.cfg.connect_timeout;
     if want == BackendKind::Shm {
-        let path = inner.cfg.socket_path(peer.id);
-        match tokio::time::timeout(limit, UnixStream::connect(&path)).await {
-            Ok(Ok(mut s)) => {
-                let info = handshake::dial(&mut s, &hcfg, peer.id)
-                    .await
-                    .map_err(|e| hs_error(format!("node {}", peer.id), e))?;
-                check_info(&info, peer.id)?;
-                inner.install_shm(peer.id, s, Some(tx));
-                return Ok(rx);
-            }
-            Ok(Err(e)) => {
-                debug!(peer = peer.id, error = %e, "same-host socket unavailable; using tcp")
-            }
-            Err(_) => debug!(peer = peer.id, "same-host socket timed out; using tcp"),
+        if let Some(rx) = dial_shm(inner, peer).await? {
+            return Ok(rx);
         }
     }
     let mut s = tokio::time::timeout(limit, TcpStream::connect(peer.addr))
         .await
         .map_err(|_| TransportError::Timeout { peer: peer.id, op: "connect", after: limit })?
         .map_err(|e| TransportError::io(format!("connecting to node {} at {}", peer.id, peer.addr), e))?;
+    if want == BackendKind::Shm {
+        // A peer binds its same-host socket before its TCP listener, so a socket that was not
+        // there a moment ago raced the peer's start-up: now that TCP answers, it is there.
+        if let Some(rx) = dial_shm(inner, peer).await? {
+            return Ok(rx);
+        }
+    }
     crate::tcp::tune(&s).map_err(|e| TransportError::io("setting TCP_NODELAY", e))?;
-    let info = handshake::dial(&mut s, &hcfg, peer.id)
+    let info = handshake::dial(&mut s, &inner.handshake_cfg(), peer.id)
         .await
         .map_err(|e| hs_error(format!("node {} at {}", peer.id, peer.addr), e))?;
     check_info(&info, peer.id)?;
+    let (tx, rx) = oneshot::channel();
     inner.install_tcp(s, &info, Some(tx)).await?;
     Ok(rx)
+}
+
+/// Dials `peer`'s same-host socket: `None` when it does not answer (then tcp is used).
+async fn dial_shm(inner: &Arc<Inner>, peer: &NodeSpec) -> Result<Option<oneshot::Receiver<String>>> {
+    let path = inner.cfg.socket_path(peer.id);
+    match tokio::time::timeout(inner.cfg.connect_timeout, UnixStream::connect(&path)).await {
+        Ok(Ok(mut s)) => {
+            let info = handshake::dial(&mut s, &inner.handshake_cfg(), peer.id)
+                .await
+                .map_err(|e| hs_error(format!("node {}", peer.id), e))?;
+            check_info(&info, peer.id)?;
+            let (tx, rx) = oneshot::channel();
+            inner.install_shm(peer.id, s, Some(tx));
+            Ok(Some(rx))
+        }
+        Ok(Err(e)) => {
+            debug!(peer = peer.id, error = %e, "same-host socket unavailable; using tcp");
+            Ok(None)
+        }
+        Err(_) => {
+            debug!(peer = peer.id, "same-host socket timed out; using tcp");
+            Ok(None)
+        }
+    }
 }
 
 fn check_info(info: &PeerInfo, expect: NodeId) -> Result<()> {

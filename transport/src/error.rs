@@ -187,6 +187,28 @@ pub enum TransportError {
 }
 
 impl TransportError {
+    /// The variant's short name, a label value for metrics (`out_of_bounds`, `timeout`, …).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            TransportError::OutOfBounds { .. } => "out_of_bounds",
+            TransportError::Refused { .. } => "refused",
+            TransportError::CrcMismatch { .. } => "crc_mismatch",
+            TransportError::PeerDown { .. } => "peer_down",
+            TransportError::NotConnected { .. } => "not_connected",
+            TransportError::Timeout { .. } => "timeout",
+            TransportError::MeshIncomplete { .. } => "mesh_incomplete",
+            TransportError::MessageTooLarge { .. } => "message_too_large",
+            TransportError::Protocol { .. } => "protocol",
+            TransportError::Frame { .. } => "frame",
+            TransportError::Handshake { .. } => "handshake",
+            TransportError::Service { .. } => "service",
+            TransportError::Config(_) => "config",
+            TransportError::Capacity { .. } => "capacity",
+            TransportError::NoRdmaDevice { .. } => "no_rdma_device",
+            TransportError::Io { .. } => "io",
+        }
+    }
+
     /// Wraps an I/O error with what was being done.
     pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
         TransportError::Io { context: context.into(), source }

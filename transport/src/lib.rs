@@ -31,6 +31,7 @@ pub mod handshake;
 mod link;
 pub mod mem;
 mod mesh;
+pub mod metrics;
 mod onesided;
 pub mod rdma;
 mod region;
@@ -58,6 +59,7 @@ pub use error::{HandshakeError, Result, TransportError};
 pub use handshake::Caps;
 pub use link::{run_batch, BackendKind, Completion, Link, Op, OpHandle};
 pub use mesh::{BoxFuture, Mesh};
+pub use metrics::Metrics;
 #[cfg(any(test, feature = "test-access"))]
 pub use region::test_access;
 pub use region::{Prefault, Region, RegionId, RegionOptions, RegionTable, RemoteKey, RemoteRegion, PAGE};

@@ -156,17 +156,32 @@ impl Completion {
 
 pub(crate) type Done = oneshot::Sender<Result<Completion>>;
 
+/// Called once with an operation's result when its handle resolves (metrics).
+pub(crate) type Observer = Box<dyn FnOnce(&Result<Completion>) + Send>;
+
 /// The pending result of one posted operation. Resolves to `PeerDown` if the link dies first.
-#[derive(Debug)]
 pub struct OpHandle {
     peer: NodeId,
     rx: oneshot::Receiver<Result<Completion>>,
+    observer: Option<Observer>,
+}
+
+impl std::fmt::Debug for OpHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OpHandle").field("peer", &self.peer).finish_non_exhaustive()
+    }
 }
 
 impl OpHandle {
     pub(crate) fn new(peer: NodeId) -> (Done, OpHandle) {
         let (tx, rx) = oneshot::channel();
-        (tx, OpHandle { peer, rx })
+        (tx, OpHandle { peer, rx, observer: None })
+    }
+
+    /// The same handle, calling `f` with the result when it resolves.
+    pub(crate) fn observed(mut self, f: Observer) -> OpHandle {
+        self.observer = Some(f);
+        self
     }
 
     /// A handle that is already resolved.
@@ -187,9 +202,15 @@ impl Future for OpHandle {
     type Output = Result<Completion>;
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let peer = self.peer;
-        Pin::new(&mut self.rx)
+        let r = Pin::new(&mut self.rx)
             .poll(cx)
-            .map(|r| r.unwrap_or_else(|_| Err(TransportError::PeerDown { peer, reason: "link closed".into() })))
+            .map(|r| r.unwrap_or_else(|_| Err(TransportError::PeerDown { peer, reason: "link closed".into() })));
+        if let Poll::Ready(r) = &r {
+            if let Some(f) = self.observer.take() {
+                f(r);
+            }
+        }
+        r
     }
 }
 

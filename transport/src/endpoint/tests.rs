@@ -300,3 +300,23 @@ fn clusters_that_share_a_name_do_not_share_sockets() {
     let b = EndpointConfig::new(1, spec(7002), b"s").socket_path(1);
     assert_ne!(a, b);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_count_transfers_errors_and_peers() {
+    let eps = mesh(2, false, "metrics").await;
+    let dst = eps[1].register_new(8192).unwrap();
+    let src = eps[0].register_new(8192).unwrap();
+    let r = eps[0].run(1, vec![Op::write(&src, 0, dst.remote(1), 0, 8192), Op::read(&src, 0, dst.remote(1), 0, 100)]);
+    assert!(r.await.unwrap().iter().all(|c| c.is_ok()));
+    // Out of the peer's bounds: refused, counted as an error.
+    let r = eps[0].run(1, vec![Op::write(&src, 0, dst.remote(1), 4096, 8192)]).await.unwrap();
+    assert!(r[0].is_err());
+    let text = eps[0].metrics().render();
+    let has = |line: &str| assert!(text.contains(line), "missing {line:?} in\n{text}");
+    has("cascade_transfer_bytes_total{op=\"write\",backend=\"tcp\",peer=\"1\"} 8192");
+    has("cascade_transfer_bytes_total{op=\"read\",backend=\"tcp\",peer=\"1\"} 100");
+    has("cascade_transfer_ops_total{op=\"write\",backend=\"tcp\",peer=\"1\"} 1");
+    has("cascade_transfer_latency_seconds_count{op=\"write\",backend=\"tcp\"} 1");
+    has("cascade_transfer_errors_total{op=\"write\",backend=\"tcp\",kind=\"");
+    has("cascade_mesh_peers_up{backend=\"tcp\"} 1");
+}
