@@ -188,8 +188,12 @@ impl Endpoint {
             m.clear_gauge("cascade_mesh_peers_up");
             for kind in [BackendKind::Tcp, BackendKind::Shm, BackendKind::Rdma] {
                 let n = kinds.iter().filter(|k| **k == kind).count();
-                m.gauge("cascade_mesh_peers_up", "Peers with a live link, by backend", &[("backend", &kind.to_string())])
-                    .set(n as f64);
+                m.gauge(
+                    "cascade_mesh_peers_up",
+                    "Peers with a live link, by backend",
+                    &[("backend", &kind.to_string())],
+                )
+                .set(n as f64);
             }
         });
         info!(node = inner.cfg.node, addr = %inner.me.addr, caps = inner.caps.0, "endpoint listening");

@@ -250,7 +250,13 @@ impl Metered {
                 &[("op", op), ("backend", &backend)],
             ),
         };
-        Metered { write: meters("write"), read: meters("read"), send: meters("send"), metrics: Arc::downgrade(metrics), inner }
+        Metered {
+            write: meters("write"),
+            read: meters("read"),
+            send: meters("send"),
+            metrics: Arc::downgrade(metrics),
+            inner,
+        }
     }
 }
 

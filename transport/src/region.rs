@@ -70,8 +70,20 @@ pub struct RegionOptions {
 static NEXT_REGION: AtomicU32 = AtomicU32::new(1);
 
 enum Backing {
-    Host { ptr: NonNull<u8>, layout: Layout, locked: bool },
-    Shared { map: MmapRaw, fd: OwnedFd },
+    Host {
+        ptr: NonNull<u8>,
+        layout: Layout,
+        locked: bool,
+    },
+    Shared {
+        map: MmapRaw,
+        fd: OwnedFd,
+    },
+    /// Memory the application owns and lent to the region (the C ABI's registration): never
+    /// freed here.
+    Borrowed {
+        ptr: NonNull<u8>,
+    },
 }
 
 struct Inner {
@@ -155,6 +167,28 @@ impl Region {
             locked = true;
         }
         Self::wrap(len, Backing::Host { ptr, layout, locked })
+    }
+
+    /// A region over `len` bytes at `ptr` that the caller owns (a serving stack registering its
+    /// own buffer). The region never frees them; peers reach them through the framed protocol
+    /// (they cannot be mapped by same-host peers).
+    ///
+    /// # Safety
+    /// `ptr` must be valid for reads and writes of `len` bytes, and stay so — not freed, not
+    /// unmapped, not reused for anything else — until every clone of the returned region is
+    /// dropped *and* no operation that names it is still in flight (the DMA-lifetime rule of
+    /// RDMA registration). Its bytes change underneath the caller when peers write them, as
+    /// the region concurrency contract above says.
+    pub unsafe fn from_raw(ptr: *mut u8, len: u64) -> Result<Region> {
+        if len == 0 {
+            return Err(TransportError::Config("a region must not be empty".into()));
+        }
+        let ptr =
+            NonNull::new(ptr).ok_or_else(|| TransportError::Config("a region's memory must not be null".into()))?;
+        if usize::try_from(len).is_err() || (ptr.as_ptr() as usize).checked_add(len as usize).is_none() {
+            return Err(TransportError::Config(format!("{len} bytes at {ptr:p} wrap the address space")));
+        }
+        Self::wrap(len, Backing::Borrowed { ptr })
     }
 
     /// Allocates a zeroed region (memfd-shared when `shared`) against `budget`: refused before
@@ -275,6 +309,12 @@ impl Region {
         self.0.len == 0
     }
 
+    /// True when this handle is the region's only one: no operation in flight, no peer access
+    /// and no view holds it (what must be true before lent memory may be given back).
+    pub fn is_unique(&self) -> bool {
+        Arc::strong_count(&self.0) == 1
+    }
+
     /// True for memfd-backed regions that same-host peers can map.
     pub fn is_shared(&self) -> bool {
         matches!(self.0.backing, Backing::Shared { .. })
@@ -293,7 +333,7 @@ impl Region {
     pub(crate) fn shared_fd(&self) -> Option<&OwnedFd> {
         match &self.0.backing {
             Backing::Shared { fd, .. } => Some(fd),
-            Backing::Host { .. } => None,
+            Backing::Host { .. } | Backing::Borrowed { .. } => None,
         }
     }
 
@@ -306,7 +346,7 @@ impl Region {
 
     fn base(&self) -> *mut u8 {
         match &self.0.backing {
-            Backing::Host { ptr, .. } => ptr.as_ptr(),
+            Backing::Host { ptr, .. } | Backing::Borrowed { ptr } => ptr.as_ptr(),
             Backing::Shared { map, .. } => map.as_mut_ptr(),
         }
     }

@@ -210,6 +210,8 @@ pub struct Services {
     pending: Mutex<HashMap<u64, PendingCall>>,
     next_id: AtomicU64,
     counters: Counters,
+    /// Messages this node sends itself, delivered in order by one task (see [`post`]).
+    loopback: std::sync::OnceLock<mpsc::UnboundedSender<(Bytes, crate::link::Done)>>,
 }
 
 impl std::fmt::Debug for Services {
@@ -227,7 +229,35 @@ impl Services {
             pending: Mutex::default(),
             next_id: AtomicU64::new(1),
             counters: Counters::default(),
+            loopback: std::sync::OnceLock::new(),
         })
+    }
+
+    /// Delivers a message this node sends itself, as a link delivers a peer's: requests and
+    /// one-way messages to the service's inbox, replies to the waiting call, in posting order.
+    /// Must run inside a tokio runtime (the first use starts the delivering task).
+    fn post_local(self: &Arc<Self>, payload: Bytes) -> OpHandle {
+        let tx = self.loopback.get_or_init(|| {
+            let (tx, mut rx) = mpsc::unbounded_channel::<(Bytes, crate::link::Done)>();
+            let weak = Arc::downgrade(self);
+            tokio::spawn(async move {
+                while let Some((payload, done)) = rx.recv().await {
+                    let Some(services) = weak.upgrade() else { return };
+                    let len = payload.len() as u64;
+                    if let Some(back) = services.deliver(services.node, payload).await {
+                        // A fault (unknown service, say) goes back to this node's sender too.
+                        let _ = services.deliver(services.node, back).await;
+                    }
+                    let _ = done.send(Ok(crate::link::Completion::moved(len)));
+                }
+            });
+            tx
+        });
+        let (done, h) = OpHandle::new(self.node);
+        if let Err(mpsc::error::SendError((_, done))) = tx.send((payload, done)) {
+            let _ = done.send(Err(TransportError::PeerDown { peer: self.node, reason: "service table closed".into() }));
+        }
+        h
     }
 
     /// Its counters.
@@ -415,9 +445,24 @@ impl<M: Message> Inbox<M> {
             }
         }
     }
+
+    /// The next message if one is queued, without waiting (for callers that poll).
+    pub fn try_recv(&mut self) -> Option<Received<M>> {
+        loop {
+            let q = self.rx.try_recv().ok()?;
+            if let Ok(msg) = q.msg.downcast::<M>() {
+                return Some(Received { from: q.from, msg: *msg, reply_to: q.reply_to });
+            }
+        }
+    }
 }
 
+/// Sends a control message to `peer`; to this node itself, through its own services (no link
+/// reaches a node from itself), so a node can call the services it runs like any other's.
 fn post(mesh: &(impl Mesh + ?Sized), peer: NodeId, payload: Bytes) -> Result<OpHandle> {
+    if peer == mesh.services().node {
+        return Ok(mesh.services().post_local(payload));
+    }
     let link = mesh.link(peer)?;
     link.post(vec![Op::Send { payload }]).pop().ok_or(TransportError::NotConnected { peer })
 }

@@ -37,6 +37,8 @@ impl ServiceId {
     pub const EXEC: ServiceId = ServiceId(5);
     /// LLM serving with prefill/decode disaggregation (exec's `pd`).
     pub const LLM: ServiceId = ServiceId(6);
+    /// Application messages: the C ABI's SEND/RECV (an opaque tag and bytes).
+    pub const APP: ServiceId = ServiceId(7);
 }
 
 impl std::fmt::Display for ServiceId {

@@ -274,3 +274,26 @@ proptest! {
         let _ = Bytes::new();
     }
 }
+
+#[tokio::test]
+async fn a_node_calls_its_own_services_in_order() {
+    let (_f, a, _b) = two();
+    serve(&a);
+    let limit = Duration::from_secs(5);
+    assert_eq!(a.call(1, &Echo::Ping(3), limit).await.unwrap(), Echo::Pong(3));
+    // One-way messages to itself arrive in the order posted.
+    #[derive(Debug, Serialize, Deserialize)]
+    struct Note(u32);
+    crate::binary_message!(Note, ServiceId(101), 1);
+    let mut inbox = a.subscribe::<Note>(64).unwrap();
+    for i in 0..32 {
+        a.post_oneway(1, &Note(i)).unwrap();
+    }
+    for i in 0..32 {
+        let m = inbox.recv().await.unwrap();
+        assert_eq!((m.from, m.msg.0), (1, i));
+    }
+    // A version the node's service does not read: the call fails with the fault, as from a peer.
+    let r = a.call(1, &EchoV3::Ping(1), limit).await;
+    assert!(matches!(r, Err(TransportError::Service { fault: ServiceFault::UnsupportedVersion { .. }, .. })), "{r:?}");
+}
