@@ -1,6 +1,7 @@
 //! The C ABI from C: `c/transfer_test.c` compiled with the `cc` crate's compiler
 //! (`-std=c11 -Wall -Wextra -Werror`) against the committed header and the cdylib, then run;
 //! and the cdylib exports nothing but `cascade_*`.
+#![allow(clippy::unwrap_used)]
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
@@ -31,12 +32,15 @@ fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
-fn compile(out: &Path) -> PathBuf {
+/// Compiles the C test with `extra` flags; the compiler's complaint when it fails.
+fn compile(out: &Path, name: &str, extra: &[&str]) -> Result<PathBuf, String> {
     let crate_dir = Path::new(env!("CARGO_MANIFEST_DIR"));
     let lib = lib_dir();
-    let exe = out.join("transfer_test");
+    let exe = out.join(name);
     let mut cmd = compiler().to_command();
-    cmd.args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-I"])
+    cmd.args(["-std=c11", "-Wall", "-Wextra", "-Werror"])
+        .args(extra)
+        .arg("-I")
         .arg(crate_dir.join("include"))
         .arg(crate_dir.join("c/transfer_test.c"))
         .arg("-o")
@@ -46,28 +50,53 @@ fn compile(out: &Path) -> PathBuf {
         .arg(format!("-Wl,-rpath,{}", lib.display()))
         .arg("-lcascade_ffi");
     let o = cmd.output().unwrap();
-    assert!(o.status.success(), "compiling the C test failed:\n{}", String::from_utf8_lossy(&o.stderr));
-    exe
+    if !o.status.success() {
+        return Err(String::from_utf8_lossy(&o.stderr).into_owned());
+    }
+    Ok(exe)
 }
 
 #[test]
 fn a_c_program_transfers_verifies_and_reports_errors() {
     let dir = std::env::temp_dir().join(format!("cascade-c-abi-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let exe = compile(&dir);
+    let exe = compile(&dir, "transfer_test", &[]).unwrap_or_else(|e| panic!("compiling the C test failed:\n{e}"));
+    run_c_test(&exe, &dir);
+}
+
+/// The same program under AddressSanitizer and UndefinedBehaviorSanitizer (with leak
+/// detection): every byte the library writes into the caller's buffers is checked against
+/// their bounds by ASan's `memcpy` interceptors, and what the program frees must be all it
+/// allocated. The library itself is not instrumented (that would need a nightly toolchain).
+#[test]
+fn the_c_program_is_clean_under_address_and_undefined_sanitizers() {
+    let dir = std::env::temp_dir().join(format!("cascade-c-abi-asan-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let flags = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer"];
+    match compile(&dir, "transfer_test_asan", &flags) {
+        Ok(exe) => run_c_test(&exe, &dir),
+        Err(e) if e.contains("asan") || e.contains("ubsan") || e.contains("sanitize") => {
+            eprintln!("skipped: the C compiler has no sanitizer runtime here: {e}");
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+        Err(e) => panic!("compiling the C test with sanitizers failed:\n{e}"),
+    }
+}
+
+fn run_c_test(exe: &Path, dir: &Path) {
     let (p0, p1) = (free_port(), free_port());
     // cargo's LD_LIBRARY_PATH for tests also names target/debug, whose uplifted copy of the
     // library only `cargo build` refreshes: load the one this test run built.
-    let o = Command::new(&exe)
+    let o = Command::new(exe)
         .env("LD_LIBRARY_PATH", lib_dir())
         .arg(p0.to_string())
         .arg(p1.to_string())
-        .arg(&dir)
+        .arg(dir)
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&o.stdout);
     let stderr = String::from_utf8_lossy(&o.stderr);
-    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(dir);
     assert!(o.status.success(), "the C test failed:\n{stdout}\n{stderr}");
     for line in
         ["wrote 1048576 bytes in 4 verified WRITEs", "read 1048576 bytes back", "received \"hello from node 0\""]
@@ -106,4 +135,21 @@ fn the_cdylib_exports_only_cascade_symbols() {
     assert!(exported.len() >= 20, "{exported:?}");
     let foreign: Vec<&&str> = exported.iter().filter(|n| !n.starts_with("cascade_")).collect();
     assert!(foreign.is_empty(), "symbols outside cascade_*: {foreign:?}");
+}
+
+#[test]
+fn the_python_example_transfers_between_two_processes() {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/ffi_transfer.py");
+    let lib = lib_dir().join("libcascade_ffi.so");
+    let o = match Command::new("python3").arg(&script).arg("--lib").arg(&lib).output() {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("skipped: python3 is not installed: {e}");
+            return;
+        }
+    };
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&o.stderr));
+    assert!(stdout.contains("wrote 4194304 bytes into node 1"), "{stdout}");
+    assert!(stdout.contains("node 1 says: verified"), "{stdout}");
 }
