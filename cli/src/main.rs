@@ -159,6 +159,18 @@ pub(crate) struct Member {
     /// Seconds to wait for the full mesh.
     #[arg(long, default_value_t = 30.0, value_parser = seconds)]
     pub(crate) ready_timeout_s: f64,
+    /// Serve Prometheus metrics at http://ADDR/metrics: `host:port`, or a port alone for
+    /// loopback (127.0.0.1). Off unless given.
+    #[arg(long, value_parser = metrics_addr)]
+    pub(crate) metrics: Option<std::net::SocketAddr>,
+}
+
+/// `--metrics`: `host:port`, or a port alone on loopback.
+fn metrics_addr(s: &str) -> Result<std::net::SocketAddr, String> {
+    if let Ok(port) = s.parse::<u16>() {
+        return Ok(std::net::SocketAddr::from(([127, 0, 0, 1], port)));
+    }
+    s.parse().map_err(|_| format!("{s:?} is neither host:port nor a port"))
 }
 
 #[derive(Args)]
@@ -217,6 +229,7 @@ impl Member {
             no_shm: false,
             memory_limit_mib: None,
             ready_timeout_s: 120.0,
+            metrics: None,
         }
     }
 }
@@ -247,6 +260,13 @@ pub(crate) async fn join_with(
     cfg.shm = !m.no_shm;
     cfg.memory_limit = m.memory_limit_mib.map(|mib| mib << 20);
     let ep = Arc::new(Endpoint::bind(cfg).await?);
+    if let Some(addr) = m.metrics {
+        let metrics = ep.metrics().clone();
+        let bound = cascade_transport::metrics::spawn_metrics_server(addr, Arc::new(move || metrics.render())).await?;
+        // One line a supervisor (or a test) can read the address from, port 0 included.
+        eprintln!("metrics: http://{bound}/metrics");
+        tracing::info!(%bound, "serving metrics");
+    }
     services(&ep)?;
     ep.open();
     if !wait_all {

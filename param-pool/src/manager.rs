@@ -303,6 +303,46 @@ impl<S: MetaStore + 'static> Manager<S> {
         self.io.notice(n);
     }
 
+    /// The pool's shape in the node's metrics: copies by state and tier, resident bytes by tier.
+    fn publish_metrics(&self, s: &Status) {
+        let m = self.io.mesh.metrics();
+        let tier = |kind: &str| if kind == "host" { "host" } else { "gpu" };
+        let bytes: BTreeMap<ModelId, u64> = s.models.iter().map(|x| (x.id, x.bytes)).collect();
+        m.clear_gauge("cascade_pool_copies");
+        m.clear_gauge("cascade_pool_resident_bytes");
+        let mut copies: BTreeMap<(&str, &str), f64> = BTreeMap::new();
+        let mut resident: BTreeMap<&str, f64> = BTreeMap::from([("host", 0.0), ("gpu", 0.0)]);
+        for c in &s.copies {
+            *copies.entry((c.state.as_str(), tier(&c.kind))).or_default() += 1.0;
+            if c.state == "ready" {
+                *resident.entry(tier(&c.kind)).or_default() += bytes.get(&c.model).copied().unwrap_or(0) as f64;
+            }
+        }
+        for ((state, tier), n) in copies {
+            m.gauge(
+                "cascade_pool_copies",
+                "Copies in the pool, by state and tier",
+                &[("state", state), ("tier", tier)],
+            )
+            .set(n);
+        }
+        for (tier, b) in resident {
+            m.gauge("cascade_pool_resident_bytes", "Bytes of ready copies, by tier", &[("tier", tier)]).set(b);
+        }
+        m.gauge("cascade_pool_models", "Models registered in the pool", &[]).set(s.models.len() as f64);
+        m.gauge("cascade_pool_healthy", "1 when the pool is healthy (see cascade pool status)", &[])
+            .set(if s.healthy { 1.0 } else { 0.0 });
+    }
+
+    /// A repair begins (`trigger`: a node's death or the operator's request).
+    fn count_repair(&self, trigger: &str) {
+        self.io
+            .mesh
+            .metrics()
+            .counter("cascade_pool_repairs", "Repairs of the pool, by trigger", &[("trigger", trigger)])
+            .inc();
+    }
+
     fn publish(&mut self) {
         let Some(p) = self.pool.as_ref() else { return };
         for c in p.pool().copies() {
@@ -332,6 +372,7 @@ impl<S: MetaStore + 'static> Manager<S> {
             .iter()
             .flat_map(|(n, v)| v.iter().map(|(p, c)| report::ForeignCopy { node: *n, pool: p.clone(), copy: *c }))
             .collect();
+        self.publish_metrics(&s);
         *self.status.lock().unwrap_or_else(|e| e.into_inner()) = s;
     }
 
@@ -361,6 +402,7 @@ impl<S: MetaStore + 'static> Manager<S> {
 
     async fn declare_dead(&mut self, n: NodeId) -> Result<Vec<Action>, ManagerError> {
         warn!(node = n, after = ?self.cfg.dead_after, "declaring the node dead; repairing the pool");
+        self.count_repair("node_down");
         self.detector.forget(n);
         self.notice(Notice::NodeDown { node: n });
         let actions = self.apply(Event::NodeDown(n)).await?;
@@ -878,6 +920,7 @@ impl<S: MetaStore + 'static> Manager<S> {
     /// copies are replaced, unknown ones dropped, unfinished ones made again. Returns the check
     /// after the repair.
     pub async fn repair(&mut self) -> Result<CheckReport, ManagerError> {
+        self.count_repair("admin");
         let mut actions = Vec::new();
         for n in self.pool().live_nodes().collect::<Vec<_>>() {
             if !self.connected(n) {

@@ -110,7 +110,15 @@ impl MemFabric {
                 }
             }
         });
-        MemNode { id, fabric: self.clone(), regions, services, events, budget: crate::MemoryBudget::new(limit) }
+        MemNode {
+            id,
+            fabric: self.clone(),
+            regions,
+            services,
+            events,
+            budget: crate::MemoryBudget::new(limit),
+            metrics: Arc::new(crate::Metrics::new()),
+        }
     }
 
     /// Sets (or with `None` clears) the fault on operations from `from` to `to`.
@@ -211,12 +219,19 @@ pub struct MemNode {
     services: Arc<Services>,
     events: broadcast::Sender<PeerEvent>,
     budget: crate::MemoryBudget,
+    metrics: Arc<crate::Metrics>,
 }
 
 impl MemNode {
     /// This node's id.
     pub fn id(&self) -> NodeId {
         self.id
+    }
+
+    /// The node's metrics registry (what its users record; the test double's links are not
+    /// metered).
+    pub fn metrics(&self) -> &Arc<crate::Metrics> {
+        &self.metrics
     }
 
     /// Regions peers may access.

@@ -53,6 +53,8 @@ pub trait Mesh: Send + Sync + 'static {
     }
     /// The node's configured memory limit for regions, if any (what it advertises to a pool).
     fn memory_limit(&self) -> Option<u64>;
+    /// The node's metrics registry, where the services running on it record theirs.
+    fn metrics(&self) -> &Arc<crate::Metrics>;
 }
 
 impl Mesh for crate::Endpoint {
@@ -83,6 +85,9 @@ impl Mesh for crate::Endpoint {
     fn peer_events(&self) -> tokio::sync::broadcast::Receiver<PeerEvent> {
         crate::Endpoint::events(self)
     }
+    fn metrics(&self) -> &Arc<crate::Metrics> {
+        crate::Endpoint::metrics(self)
+    }
 }
 
 impl Mesh for crate::mem::MemNode {
@@ -110,5 +115,8 @@ impl Mesh for crate::mem::MemNode {
     }
     fn peer_events(&self) -> tokio::sync::broadcast::Receiver<PeerEvent> {
         crate::mem::MemNode::events(self)
+    }
+    fn metrics(&self) -> &Arc<crate::Metrics> {
+        crate::mem::MemNode::metrics(self)
     }
 }

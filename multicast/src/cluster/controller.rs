@@ -209,6 +209,7 @@ impl Controller {
     /// A run that fails part way releases what it had set up on the nodes.
     pub async fn run(&self, spec: &RunSpec) -> Result<RunOutcome, ControlError> {
         let run = spec.run.unwrap_or_else(new_run_id);
+        let started = std::time::Instant::now();
         let (tx, rx) = mpsc::unbounded_channel();
         self.runs.lock().unwrap_or_else(|e| e.into_inner()).insert(run, tx);
         let res = self.run_inner(spec, run, rx).await;
@@ -216,7 +217,31 @@ impl Controller {
         if res.is_err() || !spec.hold {
             self.release(run, &spec.members()).await;
         }
+        self.record(spec, &res, started.elapsed());
         res
+    }
+
+    /// The run in the node's metrics: its outcome, its duration, the bytes it delivered.
+    fn record(&self, spec: &RunSpec, res: &Result<RunOutcome, ControlError>, took: Duration) {
+        let m = self.mesh.metrics();
+        let outcome = match res {
+            Ok(o) if o.report.failed.is_empty() && o.mismatched.is_empty() => "ok",
+            Ok(_) => "partial",
+            Err(_) => "error",
+        };
+        m.counter("cascade_multicast_runs", "Multicast runs this node controlled, by outcome", &[("outcome", outcome)])
+            .inc();
+        let planner = format!("{:?}", spec.planner).to_lowercase();
+        m.histogram(
+            "cascade_multicast_duration_seconds",
+            "Multicast runs this node controlled, from the request to the verified end, by planner",
+            &[("planner", &planner)],
+        )
+        .observe(took.as_secs_f64());
+        if let Ok(o) = res {
+            m.counter("cascade_multicast_target_bytes", "Bytes multicast runs delivered to targets, verified", &[])
+                .inc_by(o.verified.len() as u64 * spec.bytes);
+        }
     }
 
     /// Asks every member's node for its region, concurrently; checks the sources' crcs.

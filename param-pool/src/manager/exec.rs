@@ -64,6 +64,20 @@ pub struct Listing {
 impl Io {
     /// Publishes a notice.
     pub fn notice(&self, n: Notice) {
+        let event = match &n {
+            Notice::NodeDown { .. } => "node_down",
+            Notice::Creating { .. } => "creating",
+            Notice::Progress { .. } => "progress",
+            Notice::Ready { .. } => "ready",
+            Notice::Failed { .. } => "failed",
+            Notice::Dropped { .. } => "dropped",
+            Notice::Transferring { .. } => "transferring",
+            Notice::Lost { .. } => "lost",
+        };
+        self.mesh
+            .metrics()
+            .counter("cascade_pool_events", "What the pool manager did, by event", &[("event", event)])
+            .inc();
         if let Some(tx) = &self.notices {
             let _ = tx.send((self.epoch.elapsed().as_secs_f64(), n));
         }

@@ -1,0 +1,135 @@
+//! `/metrics` of running processes: two `cascade node` daemons and a `cascade pool serve`
+//! manager, each with `--metrics 0`, scraped over HTTP before and after a multicast between the
+//! nodes and a model registered in the pool. The transfer counters, the peers up and the pool's
+//! copies must move with what happened.
+#![allow(clippy::unwrap_used)]
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use cascade_param_pool::manager::{admin_call, AdminAddr, AdminRequest};
+
+const CASCADE: &str = env!("CARGO_BIN_EXE_cascade");
+
+struct Daemon {
+    child: Child,
+    metrics: String,
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts `cmd` and waits for the address it serves metrics on (its `metrics: http://…` line).
+fn start(mut cmd: Command) -> Daemon {
+    cmd.stdout(Stdio::null()).stderr(Stdio::piped()).env("RUST_LOG", "warn");
+    let mut child = cmd.spawn().unwrap();
+    let err = child.stderr.take().unwrap();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(err).lines().map_while(Result::ok) {
+            if let Some(url) = line.strip_prefix("metrics: http://") {
+                let _ = tx.send(url.trim_end_matches("/metrics").to_string());
+            }
+        }
+    });
+    let metrics = rx.recv_timeout(Duration::from_secs(30)).expect("the process never said where its metrics are");
+    Daemon { child, metrics }
+}
+
+fn scrape(addr: &str) -> String {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.write_all(b"GET /metrics HTTP/1.1\r\nhost: test\r\n\r\n").unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    assert!(out.starts_with("HTTP/1.1 200 OK"), "{out}");
+    out
+}
+
+/// The sum of every series of `family` whose labels contain all of `labels`.
+fn value(text: &str, family: &str, labels: &[&str]) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(family) && l[family.len()..].starts_with(['{', ' ']))
+        .filter(|l| labels.iter().all(|x| l.contains(x)))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[test]
+fn nodes_and_the_pool_manager_serve_metrics_that_move() {
+    let dir = std::env::temp_dir().join(format!("cascade-metrics-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    // 0: pool manager, 1 and 2: nodes, 3: the multicast's driver; 4: the manager's admin port.
+    let addrs = cascade_tests::free_addrs(5);
+    let mut toml = format!("name = \"metrics{}\"\n", std::process::id());
+    for (i, a) in addrs[..4].iter().enumerate() {
+        toml += &format!("[[nodes]]\nid = {i}\naddr = \"{a}\"\n");
+    }
+    let cluster = dir.join("cluster.toml");
+    std::fs::write(&cluster, toml).unwrap();
+    let cmd = |args: &[&str], node: u32| {
+        let mut c = Command::new(CASCADE);
+        c.args(args).arg("--cluster").arg(&cluster).args(["--node", &node.to_string(), "--no-shm"]);
+        c.env("CASCADE_SECRET", "metrics-secret");
+        c
+    };
+    let mut manager = cmd(&["pool", "serve"], 0);
+    manager.arg("--data-dir").arg(dir.join("meta"));
+    manager.args(["--init", "--k", "1", "--nodes", "1,2", "--admin", &addrs[4].to_string(), "--metrics", "0"]);
+    let manager = start(manager);
+    let nodes: Vec<Daemon> = (1..=2)
+        .map(|n| {
+            let mut c = cmd(&["node"], n);
+            c.args(["--metrics", "0", "--ready-timeout-s", "60"]);
+            start(c)
+        })
+        .collect();
+    let before = scrape(&nodes[0].metrics);
+    assert_eq!(value(&before, "cascade_transfer_bytes_total", &["op=\"write\""]), 0.0, "{before}");
+
+    // 8 MiB from node 1 to node 2, driven by node 3.
+    let mut mc = cmd(&["multicast", "--sources", "1/host", "--targets", "2/host", "--bytes", "8388608", "--json"], 3);
+    let out = mc.args(["--ready-timeout-s", "60"]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+
+    let after = scrape(&nodes[0].metrics);
+    let written = value(&after, "cascade_transfer_bytes_total", &["op=\"write\"", "backend=\"tcp\"", "peer=\"2\""]);
+    assert!(written >= 8388608.0, "node 1 wrote {written} bytes to node 2:\n{after}");
+    assert!(value(&after, "cascade_transfer_latency_seconds_count", &["op=\"write\""]) >= 1.0, "{after}");
+    assert!(value(&after, "cascade_mesh_peers_up", &[]) >= 2.0, "{after}");
+    let received = scrape(&nodes[1].metrics);
+    assert!(value(&received, "cascade_mesh_peers_up", &["backend=\"tcp\""]) >= 2.0, "{received}");
+
+    // A model registered in the pool: its copy shows up in the manager's metrics.
+    let model = dir.join("model.safetensors");
+    cascade_param_pool::synthetic::write_llama2_like(&model, 4 << 20, 7).unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let admin = AdminAddr::Tcp(addrs[4]);
+    let t = Instant::now();
+    let register = AdminRequest::Register { name: "m".into(), path: model.display().to_string() };
+    while rt.block_on(admin_call(&admin, b"metrics-secret", &register)).is_err() {
+        assert!(t.elapsed() < Duration::from_secs(60), "the manager never took the model");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let t = Instant::now();
+    loop {
+        let m = scrape(&manager.metrics);
+        if value(&m, "cascade_pool_copies", &["state=\"ready\"", "tier=\"host\""]) >= 1.0 {
+            // The synthetic model is about the size asked for (its tensors round it down).
+            assert!(value(&m, "cascade_pool_resident_bytes", &["tier=\"host\""]) >= 4e6, "{m}");
+            assert!(value(&m, "cascade_pool_events_total", &["event=\"ready\""]) >= 1.0, "{m}");
+            assert_eq!(value(&m, "cascade_pool_models", &[]), 1.0, "{m}");
+            break;
+        }
+        assert!(t.elapsed() < Duration::from_secs(60), "no ready copy in the manager's metrics:\n{m}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
