@@ -33,7 +33,7 @@ enum Cmd {
         file: PathBuf,
     },
     /// Run a node: join the cluster's mesh and execute the multicast plans a controller sends.
-    Node(Member),
+    Node(NodeArgs),
     /// Plan and run a multicast from this node (the controller) on node daemons, then verify it.
     Multicast(MulticastArgs),
     /// Cascade's main job on one machine: a local cluster and pool manager; register a model,
@@ -135,6 +135,18 @@ fn embed(a: EmbedArgs) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+#[derive(Args)]
+struct NodeArgs {
+    #[command(flatten)]
+    member: Member,
+    /// Device memory of this node's GPUs, in GPU order, comma separated: `cuda:N` (a build with
+    /// the `cuda` feature) or `emulated:N` (a test double in host memory). Targets `NODE/gpuI`
+    /// of multicasts then land in device I. A device that cannot be opened is reported and that
+    /// GPU falls back to host memory.
+    #[arg(long, value_delimiter = ',')]
+    device: Vec<String>,
 }
 
 #[derive(Args)]
@@ -293,11 +305,18 @@ pub(crate) async fn shutdown_signal() {
     }
 }
 
-async fn node(m: Member) -> anyhow::Result<()> {
+async fn node(a: NodeArgs) -> anyhow::Result<()> {
+    let m = a.member;
     // The node's services (multicast, pool) serve on their own tasks until the endpoint closes;
     // they are subscribed before any peer can reach the node.
     let ep = join_with(&m, true, |ep| {
-        start_services(ep.clone(), Duration::from_secs(30)).context("starting the node's services")?;
+        let services = start_services(ep.clone(), Duration::from_secs(30)).context("starting the node's services")?;
+        for (gpu, spec) in a.device.iter().enumerate() {
+            match cascade_transport::device::open(spec) {
+                Ok(dev) => services.multicast.attach_device(gpu as u32, dev),
+                Err(e) => tracing::warn!(gpu, device = %spec, error = %e, "device unavailable: this GPU's targets stay in host memory"),
+            }
+        }
         Ok(())
     })
     .await?;
@@ -434,7 +453,7 @@ fn main() -> anyhow::Result<()> {
             }
             Ok(())
         }
-        Cmd::Node(m) => tokio::runtime::Runtime::new()?.block_on(node(m)),
+        Cmd::Node(a) => tokio::runtime::Runtime::new()?.block_on(node(a)),
         Cmd::Multicast(a) => tokio::runtime::Runtime::new()?.block_on(multicast(a)),
         Cmd::Demo(a) => demo::run(a),
         Cmd::Embed(a) => embed(a),

@@ -40,7 +40,7 @@ mod notice;
 
 pub(crate) use coord::{Action, Coordinator};
 pub(crate) use member::{run_member, CoordSink, MemberCmd, MemberCtx, Router};
-pub use member::{ChildSpec, ToCoord};
+pub use member::{ChildSpec, DeviceTarget, ToCoord};
 pub use notice::{Kind as NoticeKind, Notice};
 
 /// Progress reported while a multicast runs.
@@ -230,6 +230,7 @@ pub async fn execute(
             coord: sink.clone(),
             op_timeout: opts.op_timeout,
             resent: resent.clone(),
+            device: None,
         };
         tasks.spawn(run_member(ctx, children.remove(&loc).unwrap_or_default(), inbox, ctx_rx));
     }

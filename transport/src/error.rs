@@ -175,6 +175,9 @@ pub enum TransportError {
         /// What was tried.
         detail: String,
     },
+    /// Device (GPU) memory: none available, or an operation on it failed.
+    #[error("device memory: {0}")]
+    Device(String),
     /// An operating-system call failed.
     #[error("{context}: {source}")]
     Io {
@@ -205,6 +208,7 @@ impl TransportError {
             TransportError::Config(_) => "config",
             TransportError::Capacity { .. } => "capacity",
             TransportError::NoRdmaDevice { .. } => "no_rdma_device",
+            TransportError::Device(_) => "device",
             TransportError::Io { .. } => "io",
         }
     }

@@ -24,6 +24,7 @@
 
 mod budget;
 mod config;
+pub mod device;
 mod endpoint;
 mod error;
 mod frame;

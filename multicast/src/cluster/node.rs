@@ -12,9 +12,11 @@ use tracing::{debug, info, warn};
 
 use super::proto::{Control, Fill, Report};
 use super::{chunk_crcs, fill_synthetic};
+use crate::executor::DeviceTarget;
 use crate::executor::{run_member, ChildSpec, CoordSink, MemberCmd, MemberCtx, Notice, Router, ToCoord};
 use crate::layout::Layout;
 use crate::topology::{Loc, NodeId};
+use cascade_transport::device::DeviceMemory;
 
 /// Run ids released recently: a request for one of them is refused rather than re-creating it.
 const RELEASED_MEMORY: usize = 4096;
@@ -27,6 +29,8 @@ struct NodeRun {
     lent: BTreeSet<Loc>,
     cmds: BTreeMap<Loc, mpsc::UnboundedSender<MemberCmd>>,
     resent: Arc<AtomicU64>,
+    /// Device copies of GPU targets on this node (freed with the run).
+    devices: BTreeMap<Loc, Arc<DeviceTarget>>,
 }
 
 impl NodeRun {
@@ -38,6 +42,7 @@ impl NodeRun {
             lent: BTreeSet::new(),
             cmds: BTreeMap::new(),
             resent: Arc::default(),
+            devices: BTreeMap::new(),
         }
     }
 }
@@ -69,6 +74,8 @@ pub struct MulticastNode {
     mesh: Arc<dyn Mesh>,
     op_timeout: Duration,
     state: Mutex<State>,
+    /// Device memory of this node's GPUs, by index: targets `NODE/gpuN` land there.
+    devices: Mutex<BTreeMap<u32, Arc<dyn DeviceMemory>>>,
 }
 
 fn protocol(detail: String) -> TransportError {
@@ -87,9 +94,24 @@ impl MulticastNode {
         let control = mesh.subscribe::<Control>(DEFAULT_INBOX)?;
         let notices = mesh.subscribe::<Notice>(DEFAULT_INBOX)?;
         let events = mesh.peer_events();
-        let node = Arc::new(MulticastNode { mesh, op_timeout, state: Mutex::default() });
+        let node = Arc::new(MulticastNode { mesh, op_timeout, state: Mutex::default(), devices: Mutex::default() });
         tokio::spawn(node.clone().serve(control, notices, events));
         Ok(node)
+    }
+
+    /// Makes `dev` this node's GPU `gpu`: from now on a run's target at `NODE/gpu{gpu}` lands in
+    /// a host staging region as before, and each layer, once every chunk of it is verified, is
+    /// copied to a buffer in `dev`; the target is reported done only when the device copy reads
+    /// back with every chunk's crc. Without a device a GPU target is host memory (emulated).
+    pub fn attach_device(&self, gpu: u32, dev: Arc<dyn DeviceMemory>) {
+        tracing::info!(node = self.mesh.node(), gpu, device = %dev.describe(), "GPU targets land in device memory");
+        self.devices.lock().unwrap_or_else(|e| e.into_inner()).insert(gpu, dev);
+    }
+
+    /// The device copy of target `loc` in run `run` (while the run is on), if `loc` is a GPU
+    /// with an attached device.
+    pub fn device_target(&self, run: u32, loc: Loc) -> Option<Arc<DeviceTarget>> {
+        self.state().runs.get(&run)?.devices.get(&loc).cloned()
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
@@ -261,9 +283,22 @@ impl MulticastNode {
         layout: Layout,
         source: bool,
     ) -> Result<(MemberCtx, mpsc::UnboundedReceiver<Notice>, mpsc::UnboundedReceiver<MemberCmd>), TransportError> {
+        let dev = match loc.gpu {
+            Some(i) if !source => self.devices.lock().unwrap_or_else(|e| e.into_inner()).get(&i).cloned(),
+            _ => None,
+        };
         let mut st = self.state();
         let r = st.runs.get_mut(&run).ok_or_else(|| unknown(run))?;
         let region = r.regions.get(&loc).cloned().ok_or_else(|| unknown(run))?;
+        let device = match dev {
+            Some(dev) => {
+                let buf = dev.alloc(region.len())?;
+                let t = Arc::new(DeviceTarget { dev, buf });
+                r.devices.insert(loc, t.clone());
+                Some(t)
+            }
+            None => None,
+        };
         let inbox = r.router.add(loc);
         let (tx, rx) = mpsc::unbounded_channel();
         r.cmds.insert(loc, tx);
@@ -278,6 +313,7 @@ impl MulticastNode {
             coord: Arc::new(ToController { mesh: self.mesh.clone(), controller: r.controller, run }),
             op_timeout: self.op_timeout,
             resent: r.resent.clone(),
+            device,
         };
         Ok((ctx, inbox, rx))
     }

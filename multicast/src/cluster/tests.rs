@@ -314,3 +314,29 @@ async fn shm_mappings_are_released_with_their_regions() {
         assert!(now <= before, "run {i}: {} MiB of shared regions still mapped", (now - before) >> 20);
     }
 }
+
+/// A GPU target with an attached device (the emulated one here; a CUDA GPU where there is one)
+/// holds the model in device memory, read back and checked chunk by chunk, when it reports done;
+/// a GPU target without a device stays in host memory as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gpu_targets_land_in_device_memory_when_the_node_has_one() {
+    use cascade_transport::device;
+    let (eps, nodes) = cluster(4, "device").await;
+    let dev = device::open("emulated:0").unwrap();
+    nodes[1].attach_device(0, dev.clone()); // node 2
+    let ctl = Controller::new(eps[0].clone()).unwrap();
+    let bytes = 5 << 20;
+    let mut spec = RunSpec::synthetic(topo(4), bytes, vec![Loc::host(1)], vec![Loc::gpu(2, 0), Loc::gpu(3, 0)], 9);
+    spec.layers = vec![0..(1 << 20), (1 << 20)..bytes];
+    spec.hold = true;
+    let out = ctl.run(&spec).await.unwrap();
+    assert_eq!(out.verified.len(), 2, "{:?}", out.report);
+    let on_device = nodes[1].device_target(out.run, Loc::gpu(2, 0)).expect("node 2's target is on its device");
+    assert!(nodes[2].device_target(out.run, Loc::gpu(3, 0)).is_none(), "node 3 has no device");
+    let staged = nodes[1].region(out.run, Loc::gpu(2, 0)).unwrap();
+    let mut back = vec![0u8; bytes as usize];
+    on_device.dev.download(&on_device.buf, 0, &mut back).unwrap();
+    assert!(back == ta::view(&staged, 0, bytes).unwrap(), "the device holds what the staging region verified");
+    ctl.release(out.run, &[Loc::host(1), Loc::gpu(2, 0), Loc::gpu(3, 0)]).await;
+    assert!(nodes[1].device_target(out.run, Loc::gpu(2, 0)).is_none(), "released with the run");
+}

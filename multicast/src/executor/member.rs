@@ -134,6 +134,43 @@ pub(crate) struct MemberCtx {
     pub(crate) coord: Arc<dyn CoordSink>,
     pub(crate) op_timeout: Duration,
     pub(crate) resent: Arc<std::sync::atomic::AtomicU64>,
+    /// Where a GPU target's layers go once verified in the staging region.
+    pub(crate) device: Option<Arc<DeviceTarget>>,
+}
+
+/// A GPU target's copy in device memory: its buffer, on its device.
+pub struct DeviceTarget {
+    /// The device.
+    pub dev: Arc<dyn cascade_transport::device::DeviceMemory>,
+    /// The buffer, as long as the staging region.
+    pub buf: cascade_transport::device::DeviceBuffer,
+}
+
+impl DeviceTarget {
+    /// Copies layer `l` (every chunk verified in `region`) to the device.
+    fn upload_layer(&self, layout: &Layout, region: &cascade_transport::Region, l: usize) -> Result<(), String> {
+        let chunks = layout.chunks_of_layer(l);
+        if chunks.is_empty() {
+            return Ok(());
+        }
+        let (start, end) = (layout.chunk_range(chunks.start).start, layout.chunk_range(chunks.end - 1).end);
+        // SAFETY: every chunk of the layer is verified here, and a member writes a verified
+        // chunk's range never again (only a NACKed, unverified one is re-sent).
+        unsafe {
+            cascade_transport::device::upload_region(self.dev.as_ref(), &self.buf, start, region, start, end - start)
+        }
+        .map_err(|e| format!("copying layer {l} to {}: {e}", self.dev.describe()))
+    }
+
+    /// Reads every chunk back from the device and checks its crc.
+    fn verify(&self, layout: &Layout) -> Result<(), String> {
+        let ranges = (0..layout.crcs.len() as u32).map(|i| (layout.chunk_range(i), layout.crcs[i as usize]));
+        match cascade_transport::device::verify_on_device(self.dev.as_ref(), &self.buf, ranges) {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(i)) => Err(format!("chunk {i} differs on {} from what was verified", self.dev.describe())),
+            Err(e) => Err(format!("reading back from {}: {e}", self.dev.describe())),
+        }
+    }
 }
 
 #[derive(Clone)]
@@ -256,6 +293,7 @@ pub(crate) async fn run_member(
     let have = Arc::new(Have { bits: Mutex::new(vec![ctx.is_source; n as usize]), more: Notify::new() });
     let mut count = if ctx.is_source { n } else { 0 };
     let mut next_layer = 0;
+    let mut device_failed = false;
     let mut layer_left: Vec<u32> =
         (0..ctx.layout.layers.len()).map(|l| ctx.layout.chunks_of_layer(l).len() as u32).collect();
     let mut forwarders = JoinSet::new();
@@ -331,12 +369,26 @@ pub(crate) async fn run_member(
                         }
                         // Layers are announced in order: LayerReady{k} means layers 0..=k are all
                         // complete (chunks may land out of order within the sending window).
-                        while next_layer < layer_left.len() && layer_left[next_layer] == 0 {
+                        while next_layer < layer_left.len() && layer_left[next_layer] == 0 && !device_failed {
+                            // A GPU target's layer is ready once it is on the device.
+                            if let Some(d) = &ctx.device {
+                                if let Err(why) = d.upload_layer(&ctx.layout, &ctx.region, next_layer) {
+                                    tracing::error!(run = ctx.run, loc = %ctx.me, %why, "device copy failed; the target will not complete");
+                                    device_failed = true;
+                                    break;
+                                }
+                            }
                             ctx.coord.send(ToCoord::LayerReady { loc: ctx.me, layer: next_layer });
                             next_layer += 1;
                         }
-                        if count == n {
-                            ctx.coord.send(ToCoord::Done(ctx.me));
+                        if count == n && !device_failed {
+                            match ctx.device.as_ref().map(|d| d.verify(&ctx.layout)) {
+                                Some(Err(why)) => {
+                                    tracing::error!(run = ctx.run, loc = %ctx.me, %why, "device copy differs; the target will not complete");
+                                    device_failed = true;
+                                }
+                                _ => ctx.coord.send(ToCoord::Done(ctx.me)),
+                            }
                         }
                     }
                     Kind::Nack => {

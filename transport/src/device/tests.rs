@@ -1,0 +1,81 @@
+use super::*;
+use crate::region::test_access as ta;
+
+fn round_trip(dev: &dyn DeviceMemory) {
+    let len = 3 << 20;
+    let region = Region::alloc(len, Default::default()).unwrap();
+    for i in 0..len / 4096 {
+        ta::fill(&region, i * 4096, 4096, (i % 251) as u8).unwrap();
+    }
+    let buf = dev.alloc(len).unwrap();
+    assert_eq!(buf.len(), len);
+    // Two layers, uploaded separately as they would be verified.
+    // SAFETY: nothing writes the region in this test.
+    unsafe {
+        upload_region(dev, &buf, 0, &region, 0, 1 << 20).unwrap();
+        upload_region(dev, &buf, 1 << 20, &region, 1 << 20, len - (1 << 20)).unwrap();
+    }
+    let crc = |o: u64, n: u64| ta::crc32(&region, o, n).unwrap();
+    let layers = [(0..1 << 20, crc(0, 1 << 20)), (1 << 20..len, crc(1 << 20, len - (1 << 20)))];
+    assert_eq!(verify_on_device(dev, &buf, layers.clone()).unwrap(), Ok(()));
+    // Device to device: a second buffer gets the first's second layer.
+    let other = dev.alloc(len).unwrap();
+    dev.copy(dev, &buf, 1 << 20, &other, 0, len - (1 << 20)).unwrap();
+    let mut back = vec![0u8; (len - (1 << 20)) as usize];
+    dev.download(&other, 0, &mut back).unwrap();
+    assert_eq!(crc32fast::hash(&back), layers[1].1);
+    // A corrupt byte on the device is caught by the read-back check, in the layer it is in.
+    dev.upload(&buf, (1 << 20) + 5, &[0xEE]).unwrap();
+    assert_eq!(verify_on_device(dev, &buf, layers).unwrap(), Err(1));
+    // Out of bounds is refused, never clamped.
+    assert!(dev.upload(&buf, len - 1, &[1, 2]).is_err());
+    assert!(dev.download(&buf, len, &mut [0u8; 1]).is_err());
+    assert!(dev.copy(dev, &buf, 0, &other, 1, len).is_err());
+    // SAFETY: as above.
+    assert!(unsafe { upload_region(dev, &buf, 0, &region, len - 4, 8) }.is_err());
+}
+
+#[test]
+fn the_emulated_device_round_trips_and_checks_bounds() {
+    let dev = open("emulated:1").unwrap();
+    assert!(dev.describe().contains("test double"));
+    round_trip(dev.as_ref());
+}
+
+#[test]
+fn asking_for_cuda_without_it_is_a_clear_error() {
+    assert!(matches!(open("tpu:0"), Err(TransportError::Config(_))));
+    assert!(matches!(open("cuda:x"), Err(TransportError::Config(_))));
+    match open("cuda:0") {
+        Err(TransportError::Device(why)) => {
+            assert!(why.contains("cuda:0"), "{why}");
+            eprintln!("as expected without a GPU: {why}");
+        }
+        Err(e) => panic!("not a device error: {e}"),
+        // A machine with a GPU and a build with the `cuda` feature: nothing to check here.
+        Ok(d) => eprintln!("this machine has {}", d.describe()),
+    }
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "requires a CUDA GPU (cargo test -p cascade-transport --features cuda -- --ignored)"]
+fn a_cuda_gpu_round_trips_and_checks_bounds() {
+    let dev = open("cuda:0").unwrap();
+    eprintln!("testing {}", dev.describe());
+    round_trip(dev.as_ref());
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "requires two CUDA GPUs in one host (peer copy)"]
+fn two_cuda_gpus_copy_peer_to_peer() {
+    let (a, b) = (open("cuda:0").unwrap(), open("cuda:1").unwrap());
+    let src = a.alloc(1 << 20).unwrap();
+    a.upload(&src, 0, &vec![7u8; 1 << 20]).unwrap();
+    let dst = b.alloc(1 << 20).unwrap();
+    b.copy(a.as_ref(), &src, 0, &dst, 0, 1 << 20).unwrap();
+    let mut back = vec![0u8; 1 << 20];
+    b.download(&dst, 0, &mut back).unwrap();
+    assert!(back.iter().all(|&x| x == 7));
+}
