@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use cascade_multicast::MeshRates;
+use cascade_param_pool::manager::epoch::moves_from_plans;
 use cascade_param_pool::manager::{
     admin_call, serve_admin, AdminAddr, AdminListener, AdminRequest, CheckReport, Manager, ManagerConfig, Status,
 };
@@ -53,6 +54,27 @@ pub(crate) enum PoolCmd {
         /// GPU index.
         #[arg(long, default_value_t = 0)]
         gpu: u32,
+    },
+    /// Carry out an epoch plan (`epoch-plan --json` of the sched benches): every model whose
+    /// sub-cluster changed gets instances (GPU 0) on the nodes of its new sub-cluster by one
+    /// multicast through the pool, then its instances on the old one go.
+    ApplyEpoch {
+        #[command(flatten)]
+        admin: Admin,
+        /// The new epoch's plan (its `assignment`: model index → sub-cluster).
+        #[arg(long)]
+        plan: PathBuf,
+        /// The previous epoch's plan: only models that changed sub-cluster move. Without it,
+        /// every model is placed on its sub-cluster (the first epoch).
+        #[arg(long)]
+        previous: Option<PathBuf>,
+        /// The pool's model id of each of the plan's models, in the plan's order.
+        #[arg(long, value_delimiter = ',', required = true)]
+        models: Vec<u32>,
+        /// The nodes of each sub-cluster: `1,2;3,4` is sub-cluster 0 = nodes 1 and 2,
+        /// sub-cluster 1 = nodes 3 and 4.
+        #[arg(long)]
+        sub_clusters: String,
     },
     /// Look at (or, explicitly, salvage) an embedded store's write-ahead log. The manager refuses
     /// to start on a damaged log rather than lose what follows the damage; these are the tools.
@@ -255,6 +277,28 @@ fn wal(cmd: WalCmd) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `1,2;3,4` → [[1, 2], [3, 4]].
+fn parse_sub_clusters(s: &str) -> anyhow::Result<Vec<Vec<u32>>> {
+    let groups: Vec<Vec<u32>> = s
+        .split(';')
+        .map(|g| g.split(',').map(|n| n.trim().parse::<u32>()).collect::<Result<Vec<u32>, _>>())
+        .collect::<Result<_, _>>()
+        .with_context(|| format!("--sub-clusters {s:?}: node ids, ',' within and ';' between sub-clusters"))?;
+    if groups.iter().any(|g| g.is_empty()) {
+        bail!("--sub-clusters {s:?}: a sub-cluster without nodes");
+    }
+    Ok(groups)
+}
+
+/// The `assignment` array of an `epoch-plan --json` output.
+fn read_assignment(path: &std::path::Path) -> anyhow::Result<Vec<usize>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("{} is not JSON", path.display()))?;
+    serde_json::from_value(v["assignment"].clone())
+        .with_context(|| format!("{}: no assignment array (an epoch-plan --json output?)", path.display()))
+}
+
 fn print_check(rep: &CheckReport, json: bool) -> anyhow::Result<()> {
     if json {
         println!("{}", serde_json::to_string(rep)?);
@@ -322,6 +366,23 @@ pub(crate) async fn run(cmd: PoolCmd) -> anyhow::Result<()> {
             Ok(())
         }
         PoolCmd::Wal { what } => wal(what),
+        PoolCmd::ApplyEpoch { admin, plan, previous, models, sub_clusters } => {
+            let nodes_of = parse_sub_clusters(&sub_clusters)?;
+            let next = read_assignment(&plan)?;
+            let previous = previous.as_deref().map(read_assignment).transpose()?;
+            let moves = moves_from_plans(&models, previous.as_deref(), &next, &nodes_of).map_err(anyhow::Error::msg)?;
+            let n = moves.len();
+            let v = admin.call(AdminRequest::ApplyEpoch { moves: moves.clone() }).await?;
+            if admin.json {
+                println!("{}", serde_json::json!({ "moves": moves, "result": v }));
+            } else {
+                for m in &moves {
+                    println!("model {}: nodes {:?} -> {:?}", m.model, m.from, m.to);
+                }
+                println!("{n} model(s) moved");
+            }
+            Ok(())
+        }
         PoolCmd::Deploy { admin, model, node, gpu } => {
             admin.call(AdminRequest::Deploy { model, node, gpu }).await?;
             println!("model {model} serving on node {node} gpu{gpu}");

@@ -61,41 +61,93 @@ fn value(text: &str, family: &str, labels: &[&str]) -> f64 {
         .sum()
 }
 
+/// `cascade ARGS --cluster FILE --node N --no-shm` with the cluster secret.
+fn command(cluster: &std::path::Path, args: &[&str], node: u32) -> Command {
+    let mut c = Command::new(CASCADE);
+    c.args(args).arg("--cluster").arg(cluster).args(["--node", &node.to_string(), "--no-shm"]);
+    c.env("CASCADE_SECRET", "metrics-secret");
+    c
+}
+
+/// A manager (node 0, admin on `addrs[4]`) and two pool nodes (1, 2), all with `--metrics 0`;
+/// node 3 is left for a driver.
+struct Cluster {
+    dir: std::path::PathBuf,
+    cluster: std::path::PathBuf,
+    addrs: Vec<std::net::SocketAddr>,
+    manager: Daemon,
+    nodes: Vec<Daemon>,
+}
+
+impl Cluster {
+    fn start(tag: &str) -> Cluster {
+        let dir = std::env::temp_dir().join(format!("cascade-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        // 0: pool manager, 1 and 2: nodes, 3: a driver; 4: the manager's admin port.
+        let addrs = cascade_tests::free_addrs(5);
+        let mut toml = format!("name = \"{tag}{}\"\n", std::process::id());
+        for (i, a) in addrs[..4].iter().enumerate() {
+            toml += &format!("[[nodes]]\nid = {i}\naddr = \"{a}\"\n");
+        }
+        let cluster = dir.join("cluster.toml");
+        std::fs::write(&cluster, toml).unwrap();
+        let mut manager = command(&cluster, &["pool", "serve"], 0);
+        manager.arg("--data-dir").arg(dir.join("meta"));
+        manager.args(["--init", "--k", "1", "--nodes", "1,2", "--admin", &addrs[4].to_string(), "--metrics", "0"]);
+        let manager = start(manager);
+        let nodes = (1..=2)
+            .map(|n| {
+                let mut cmd = command(&cluster, &["node"], n);
+                cmd.args(["--metrics", "0", "--ready-timeout-s", "60"]);
+                start(cmd)
+            })
+            .collect();
+        Cluster { dir, cluster, addrs, manager, nodes }
+    }
+
+    fn cmd(&self, args: &[&str], node: u32) -> Command {
+        command(&self.cluster, args, node)
+    }
+
+    /// Registers a synthetic model of about `bytes` and returns its id.
+    fn register(&self, bytes: u64) -> u64 {
+        let model = self.dir.join("model.safetensors");
+        cascade_param_pool::synthetic::write_llama2_like(&model, bytes, 7).unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let admin = AdminAddr::Tcp(self.addrs[4]);
+        let register = AdminRequest::Register { name: "m".into(), path: model.display().to_string() };
+        let t = Instant::now();
+        loop {
+            match rt.block_on(admin_call(&admin, b"metrics-secret", &register)) {
+                Ok(v) => return v["model"].as_u64().unwrap(),
+                Err(e) => assert!(t.elapsed() < Duration::from_secs(60), "the manager never took the model: {e}"),
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    fn status(&self) -> serde_json::Value {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(admin_call(&AdminAddr::Tcp(self.addrs[4]), b"metrics-secret", &AdminRequest::Status)).unwrap()
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
 #[test]
 fn nodes_and_the_pool_manager_serve_metrics_that_move() {
-    let dir = std::env::temp_dir().join(format!("cascade-metrics-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    // 0: pool manager, 1 and 2: nodes, 3: the multicast's driver; 4: the manager's admin port.
-    let addrs = cascade_tests::free_addrs(5);
-    let mut toml = format!("name = \"metrics{}\"\n", std::process::id());
-    for (i, a) in addrs[..4].iter().enumerate() {
-        toml += &format!("[[nodes]]\nid = {i}\naddr = \"{a}\"\n");
-    }
-    let cluster = dir.join("cluster.toml");
-    std::fs::write(&cluster, toml).unwrap();
-    let cmd = |args: &[&str], node: u32| {
-        let mut c = Command::new(CASCADE);
-        c.args(args).arg("--cluster").arg(&cluster).args(["--node", &node.to_string(), "--no-shm"]);
-        c.env("CASCADE_SECRET", "metrics-secret");
-        c
-    };
-    let mut manager = cmd(&["pool", "serve"], 0);
-    manager.arg("--data-dir").arg(dir.join("meta"));
-    manager.args(["--init", "--k", "1", "--nodes", "1,2", "--admin", &addrs[4].to_string(), "--metrics", "0"]);
-    let manager = start(manager);
-    let nodes: Vec<Daemon> = (1..=2)
-        .map(|n| {
-            let mut c = cmd(&["node"], n);
-            c.args(["--metrics", "0", "--ready-timeout-s", "60"]);
-            start(c)
-        })
-        .collect();
+    let c = Cluster::start("metrics");
+    let (manager, nodes) = (&c.manager, &c.nodes);
     let before = scrape(&nodes[0].metrics);
     assert_eq!(value(&before, "cascade_transfer_bytes_total", &["op=\"write\""]), 0.0, "{before}");
 
     // 8 MiB from node 1 to node 2, driven by node 3.
-    let mut mc = cmd(&["multicast", "--sources", "1/host", "--targets", "2/host", "--bytes", "8388608", "--json"], 3);
+    let mut mc = c.cmd(&["multicast", "--sources", "1/host", "--targets", "2/host", "--bytes", "8388608", "--json"], 3);
     let out = mc.args(["--ready-timeout-s", "60"]).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 
@@ -108,16 +160,7 @@ fn nodes_and_the_pool_manager_serve_metrics_that_move() {
     assert!(value(&received, "cascade_mesh_peers_up", &["backend=\"tcp\""]) >= 2.0, "{received}");
 
     // A model registered in the pool: its copy shows up in the manager's metrics.
-    let model = dir.join("model.safetensors");
-    cascade_param_pool::synthetic::write_llama2_like(&model, 4 << 20, 7).unwrap();
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    let admin = AdminAddr::Tcp(addrs[4]);
-    let t = Instant::now();
-    let register = AdminRequest::Register { name: "m".into(), path: model.display().to_string() };
-    while rt.block_on(admin_call(&admin, b"metrics-secret", &register)).is_err() {
-        assert!(t.elapsed() < Duration::from_secs(60), "the manager never took the model");
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    c.register(4 << 20);
     let t = Instant::now();
     loop {
         let m = scrape(&manager.metrics);
@@ -131,5 +174,57 @@ fn nodes_and_the_pool_manager_serve_metrics_that_move() {
         assert!(t.elapsed() < Duration::from_secs(60), "no ready copy in the manager's metrics:\n{m}");
         std::thread::sleep(Duration::from_millis(100));
     }
-    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `cascade pool apply-epoch` with two `epoch-plan`-shaped plans: the model's instance appears on
+/// its first sub-cluster, then moves to the other one, and the old instance goes.
+#[test]
+fn an_epoch_plan_moves_a_model_between_sub_clusters_through_the_cli() {
+    let c = Cluster::start("epoch");
+    let model = c.register(2 << 20);
+    let gpu_nodes = |c: &Cluster| -> Vec<u64> {
+        let s = c.status();
+        let mut v: Vec<u64> = s["copies"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|x| x["model"] == model && x["kind"] == "gpu0" && x["state"] == "ready")
+            .map(|x| x["node"].as_u64().unwrap())
+            .collect();
+        v.sort_unstable();
+        v
+    };
+    std::fs::write(c.dir.join("e1.json"), r#"{"assignment": [0]}"#).unwrap();
+    std::fs::write(c.dir.join("e2.json"), r#"{"assignment": [1]}"#).unwrap();
+    let apply = |plan: &str, previous: Option<&str>| {
+        let mut cmd = Command::new(CASCADE);
+        cmd.args(["pool", "apply-epoch", "--admin", &c.addrs[4].to_string(), "--models", &model.to_string()]);
+        cmd.args(["--sub-clusters", "1;2", "--json", "--plan"]).arg(c.dir.join(plan));
+        if let Some(p) = previous {
+            cmd.arg("--previous").arg(c.dir.join(p));
+        }
+        let out = cmd.env("CASCADE_SECRET", "metrics-secret").output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+    };
+    let first = apply("e1.json", None);
+    assert_eq!(first["result"]["moved"], 1, "{first}");
+    assert_eq!(gpu_nodes(&c), vec![1]);
+    let second = apply("e2.json", Some("e1.json"));
+    assert_eq!(second["moves"][0]["from"], serde_json::json!([1]), "{second}");
+    assert_eq!(gpu_nodes(&c), vec![2]);
+    // Nothing changed: nothing moves.
+    let third = apply("e2.json", Some("e2.json"));
+    assert_eq!(third["result"]["moved"], 0, "{third}");
+    // A plan that names a sub-cluster that does not exist is refused before anything is asked.
+    std::fs::write(c.dir.join("bad.json"), r#"{"assignment": [5]}"#).unwrap();
+    let out = Command::new(CASCADE)
+        .args(["pool", "apply-epoch", "--admin", &c.addrs[4].to_string(), "--models", &model.to_string()])
+        .args(["--sub-clusters", "1;2", "--plan"])
+        .arg(c.dir.join("bad.json"))
+        .env("CASCADE_SECRET", "metrics-secret")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no sub-cluster 5"));
 }

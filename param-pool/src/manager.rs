@@ -1033,6 +1033,10 @@ impl<S: MetaStore + 'static> Manager<S> {
                 self.reclaim(copy).await?;
                 Ok(serde_json::json!({}))
             }
+            AdminRequest::ApplyEpoch { moves } => {
+                self.apply_epoch(&moves).await?;
+                Ok(serde_json::json!({ "moved": moves.len() }))
+            }
         }
     }
 }

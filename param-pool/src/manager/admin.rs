@@ -67,6 +67,12 @@ pub enum AdminRequest {
         /// Copy.
         copy: CopyId,
     },
+    /// Carry out an epoch plan's moves (`cascade pool apply-epoch`): each moved model gets
+    /// instances on its new sub-cluster before its old ones go.
+    ApplyEpoch {
+        /// The moves, in order.
+        moves: Vec<super::epoch::EpochMove>,
+    },
 }
 
 /// Longest request line accepted.

@@ -9,7 +9,7 @@ use crate::meta::MetaStore;
 use crate::pool::{CopyKind, CopyState, ModelId, NodeId};
 
 /// One model's move between two epochs.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct EpochMove {
     /// The model.
     pub model: ModelId,
@@ -37,6 +37,34 @@ pub fn epoch_moves(
         .filter(|(_, (a, b))| a != b)
         .map(|(&model, (&a, &b))| Ok(EpochMove { model, from: nodes(a)?, to: nodes(b)? }))
         .collect()
+}
+
+/// The moves an epoch plan asks for (`assignment` arrays of `epoch-plan --json`): against the
+/// previous epoch's plan, only the models whose sub-cluster changed; without one (the first
+/// epoch), every model to its sub-cluster.
+pub fn moves_from_plans(
+    models: &[ModelId],
+    previous: Option<&[usize]>,
+    next: &[usize],
+    nodes_of: &[Vec<NodeId>],
+) -> Result<Vec<EpochMove>, String> {
+    match previous {
+        Some(p) => epoch_moves(models, p, next, nodes_of),
+        None => {
+            if next.len() != models.len() {
+                return Err(format!("{} models, a plan of {}", models.len(), next.len()));
+            }
+            models
+                .iter()
+                .zip(next)
+                .map(|(&model, &j)| {
+                    let to =
+                        nodes_of.get(j).cloned().ok_or_else(|| format!("no sub-cluster {j} ({})", nodes_of.len()))?;
+                    Ok(EpochMove { model, from: Vec::new(), to })
+                })
+                .collect()
+        }
+    }
 }
 
 impl<S: MetaStore + 'static> Manager<S> {

@@ -535,4 +535,12 @@ async fn an_epoch_plan_moves_a_model_through_the_pool() {
     let rep = m.check().await.unwrap();
     assert!(rep.healthy, "{:?}", rep.problems);
     assert!(epoch::epoch_moves(&[1], &[0], &[2], &nodes_of).is_err(), "no sub-cluster 2");
+    // The operator's way in: the admin request, from two plans' assignments.
+    let back = epoch::moves_from_plans(&[1, 2], Some(&[1, 0]), &[0, 0], &nodes_of).unwrap();
+    let r = m.serve(AdminRequest::ApplyEpoch { moves: back }, Caller::Operator).await.unwrap();
+    assert_eq!(r["moved"], 1);
+    assert_eq!(gpus(&m, 1), vec![1, 2]);
+    let first = epoch::moves_from_plans(&[1, 2], None, &[1, 0], &nodes_of).unwrap();
+    assert_eq!(first[0], epoch::EpochMove { model: 1, from: vec![], to: vec![3, 4] });
+    assert!(epoch::moves_from_plans(&[1, 2], None, &[1], &nodes_of).is_err(), "plan shorter than the models");
 }
