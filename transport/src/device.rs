@@ -82,6 +82,38 @@ pub trait DeviceMemory: Send + Sync + 'static {
     ) -> Result<()>;
     /// For downcasting in [`DeviceMemory::copy`].
     fn as_any(&self) -> &dyn Any;
+    /// Page-locks `region` for DMA with this device until the guard drops, so copies from it go
+    /// straight to the device rather than through the driver's bounce buffers. The pages stay
+    /// ordinary cached memory (never write-combined: the CPU reads them for crc checks). `None`
+    /// where the device needs nothing (the emulated one).
+    fn pin(&self, region: &Region) -> Result<Option<PinGuard>> {
+        let _ = region;
+        Ok(None)
+    }
+}
+
+/// Keeps a region pinned for a device; unpins it when dropped.
+pub struct PinGuard(Mutex<Option<Box<dyn FnOnce() + Send>>>);
+
+impl PinGuard {
+    /// A guard that runs `unpin` when dropped.
+    pub fn new(unpin: impl FnOnce() + Send + 'static) -> PinGuard {
+        PinGuard(Mutex::new(Some(Box::new(unpin))))
+    }
+}
+
+impl Drop for PinGuard {
+    fn drop(&mut self) {
+        if let Some(f) = self.0.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            f();
+        }
+    }
+}
+
+impl std::fmt::Debug for PinGuard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PinGuard")
+    }
 }
 
 /// Opens a device by name: `cuda:N` (feature `cuda`) or `emulated:N` (the test double).

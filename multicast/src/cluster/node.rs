@@ -293,7 +293,8 @@ impl MulticastNode {
         let device = match dev {
             Some(dev) => {
                 let buf = dev.alloc(region.len())?;
-                let t = Arc::new(DeviceTarget { dev, buf });
+                let pinned = dev.pin(&region)?;
+                let t = Arc::new(DeviceTarget { dev, buf, pinned });
                 r.devices.insert(loc, t.clone());
                 Some(t)
             }

@@ -144,6 +144,8 @@ pub struct DeviceTarget {
     pub dev: Arc<dyn cascade_transport::device::DeviceMemory>,
     /// The buffer, as long as the staging region.
     pub buf: cascade_transport::device::DeviceBuffer,
+    /// The staging region pinned for the device (where the device pins), while the run is on.
+    pub pinned: Option<cascade_transport::device::PinGuard>,
 }
 
 impl DeviceTarget {

@@ -2,17 +2,19 @@
 //! loaded when a device is first opened, so this builds and starts on machines without one;
 //! [`CudaDevice::open`] then fails with a [`TransportError::Device`] saying why.
 //!
-//! Host→device copies go from pageable host memory (the driver stages them through its own
-//! pinned buffers); the staging region is never allocated write-combined, since the CPU reads
-//! it back for crc checks. Every copy is synchronised before it returns.
+//! A multicast target's staging region is page-locked for the device ([`DeviceMemory::pin`],
+//! `cuMemHostRegister`, portable, cached — never write-combined, since the CPU reads it back for
+//! crc checks), so its layers go to the device by DMA; other host memory is copied pageable (the
+//! driver stages it). Every copy is synchronised before it returns.
 
 use std::any::Any;
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DriverError};
+use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, DriverError};
 
-use super::{DeviceBuffer, DeviceMemory};
+use super::{DeviceBuffer, DeviceMemory, PinGuard};
 use crate::error::{Result, TransportError};
+use crate::region::Region;
 
 /// One GPU of this host.
 pub struct CudaDevice {
@@ -123,5 +125,24 @@ impl DeviceMemory for CudaDevice {
 
     fn as_any(&self) -> &dyn Any {
         self
+    }
+
+    fn pin(&self, region: &Region) -> Result<Option<PinGuard>> {
+        let ctx = self.stream.context().clone();
+        ctx.bind_to_thread().map_err(|e| err("binding the context", e))?;
+        let (ptr, len) = (region.as_mut_ptr(), region.len() as usize);
+        // SAFETY: `ptr` spans the region's `len` bytes, kept alive by the clone the guard holds
+        // until it unregisters them. PORTABLE: pinned for every context; no DEVICEMAP or
+        // write-combining flag, so the pages stay ordinary cached memory.
+        let r = unsafe { sys::cuMemHostRegister_v2(ptr.cast(), len, sys::CU_MEMHOSTREGISTER_PORTABLE) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Err(TransportError::Device(format!("pinning a {len}-byte region: {r:?}")));
+        }
+        let held = region.clone();
+        Ok(Some(PinGuard::new(move || {
+            let _ = ctx.bind_to_thread();
+            // SAFETY: the same pointer registered above, still alive (`held`), unregistered once.
+            let _ = unsafe { sys::cuMemHostUnregister(held.as_mut_ptr().cast()) };
+        })))
     }
 }
