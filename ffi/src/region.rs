@@ -167,7 +167,7 @@ pub unsafe extern "C" fn cascade_region_deregister(
     guard("cascade_region_deregister", || {
         // SAFETY: the caller's contract.
         let (e, r) = unsafe { (buf::handle(ep, "ep")?, self::region(region)?) };
-        e.ep.regions().deregister(r.region.id());
+        drop(e.ep.deregister(r.region.id()));
         let deadline = Instant::now() + Duration::from_millis(timeout_ms.into());
         while !r.region.is_unique() {
             if Instant::now() >= deadline {

@@ -219,7 +219,7 @@ impl PoolNode {
             }
             PoolMsg::Drop { pool, copy } => {
                 if let Some(r) = self.held.remove(&pool, copy) {
-                    self.mesh.regions().deregister(r.id());
+                    self.mesh.deregister(r.id());
                     info!(copy, "dropped a copy");
                 }
                 Ok(PoolMsg::Dropped)
@@ -248,7 +248,7 @@ impl PoolNode {
                 let region = self.multicast.detach(run, loc)?;
                 if let Some(old) = self.held.insert(&pool, copy, region) {
                     // A manager re-issued this copy after a restart: the new bytes replace the old.
-                    self.mesh.regions().deregister(old.id());
+                    self.mesh.deregister(old.id());
                 }
                 Ok(PoolMsg::Done)
             }
@@ -266,7 +266,7 @@ impl PoolNode {
             let rep = rep.map_err(|e| e.to_string())?;
             self.mesh.register(&region).map_err(|e| e.to_string())?;
             if let Some(old) = self.held.insert(pool, copy, region) {
-                self.mesh.regions().deregister(old.id());
+                self.mesh.deregister(old.id());
             }
             info!(pool, copy, path, seconds = rep.seconds, mode = ?rep.mode, "loaded a copy from its file");
             Ok(rep.seconds)

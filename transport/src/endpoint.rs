@@ -253,6 +253,16 @@ impl Endpoint {
         Ok(())
     }
 
+    /// Withdraws region `id` from peers: their new accesses are refused and an RDMA device no
+    /// longer reaches its memory. Returns the table's handle (`None` if it was not registered).
+    /// Operations in flight keep their own handles (see [`Region::is_unique`]).
+    pub fn deregister(&self, id: crate::RegionId) -> Option<Region> {
+        if let Some(rdma) = &self.inner.rdma {
+            rdma.deregister(id);
+        }
+        self.inner.regions.deregister(id)
+    }
+
     /// Allocates a region and registers it.
     pub fn register_new(&self, len: u64) -> Result<Region> {
         let r = self.alloc(len)?;

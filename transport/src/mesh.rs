@@ -39,6 +39,10 @@ pub trait Mesh: Send + Sync + 'static {
     }
     /// Registers a region: peers may address it from now on.
     fn register(&self, region: &Region) -> Result<()>;
+    /// Withdraws a region from peers (and from an RDMA device, where the node has one).
+    fn deregister(&self, id: crate::RegionId) -> Option<Region> {
+        self.regions().deregister(id)
+    }
     /// Allocates a region and registers it.
     fn register_new(&self, len: u64) -> Result<Region> {
         let r = self.alloc(len)?;
@@ -81,6 +85,9 @@ impl Mesh for crate::Endpoint {
     }
     fn register(&self, region: &Region) -> Result<()> {
         crate::Endpoint::register(self, region)
+    }
+    fn deregister(&self, id: crate::RegionId) -> Option<Region> {
+        crate::Endpoint::deregister(self, id)
     }
     fn peer_events(&self) -> tokio::sync::broadcast::Receiver<PeerEvent> {
         crate::Endpoint::events(self)

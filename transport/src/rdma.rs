@@ -305,6 +305,14 @@ impl RdmaCtx {
         match (self.never, region) {}
     }
 
+    /// Withdraws a region's registration: the device may no longer touch its memory.
+    pub(crate) fn deregister(&self, id: crate::RegionId) {
+        #[cfg(feature = "rdma")]
+        self.dev.deregister(id);
+        #[cfg(not(feature = "rdma"))]
+        match (self.never, id) {}
+    }
+
     /// Answers peers' lookups, registering a region on first use.
     pub(crate) fn lookups(&self) -> Arc<dyn LookupServer> {
         #[cfg(feature = "rdma")]

@@ -204,7 +204,7 @@ impl MulticastNode {
     fn release_regions(&self, r: &NodeRun) {
         for (loc, region) in &r.regions {
             if !r.lent.contains(loc) {
-                self.mesh.regions().deregister(region.id());
+                self.mesh.deregister(region.id());
             }
         }
         // Dropping the command senders ends the member tasks.
@@ -361,7 +361,7 @@ impl MulticastNode {
                 match done {
                     Ok(crcs) => (region, Some(crcs)),
                     Err(e) => {
-                        self.mesh.regions().deregister(region.id());
+                        self.mesh.deregister(region.id());
                         return Err(e);
                     }
                 }
@@ -382,13 +382,13 @@ impl MulticastNode {
         let mut st = self.state();
         if st.released.contains(&run) {
             // Released while this request was filling: nothing may stay behind.
-            self.mesh.regions().deregister(region.id());
+            self.mesh.deregister(region.id());
             return Err(protocol(format!("run {run} was released while it was prepared")));
         }
         let r = st.runs.entry(run).or_insert_with(|| NodeRun::new(from));
         if let Some(old) = r.regions.insert(loc, region) {
             if !r.lent.contains(&loc) {
-                self.mesh.regions().deregister(old.id());
+                self.mesh.deregister(old.id());
             }
         }
         Ok(reply)
