@@ -221,6 +221,12 @@ int main(int argc, char **argv) {
     EXPECT(strstr(text, "cascade_transfer_bytes_total{op=\"write\"") != NULL);
     EXPECT(strstr(text, "cascade_transfer_errors_total{op=\"write\"") != NULL);
     free(text);
+    char addr[CASCADE_ADDR_CAP], tiny[8];
+    rc = cascade_metrics_serve(ep0, "127.0.0.1:0", tiny, sizeof tiny, &needed);
+    EXPECT(rc == CASCADE_ERR_BUFFER_TOO_SMALL && needed == CASCADE_ADDR_CAP);
+    CHECK(cascade_metrics_serve(ep0, "127.0.0.1:0", addr, sizeof addr, &needed));
+    EXPECT(strncmp(addr, "127.0.0.1:", 10) == 0);
+    printf("metrics at http://%s/metrics\n", addr);
 
     /* A multicast: planned, then executed from our registered memory as its source. */
     const char *req = "{\"bytes\": 1048576, \"sources\": [\"0/host\"], \"targets\": [\"1/host\"]}";

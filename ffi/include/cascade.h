@@ -16,6 +16,9 @@
 // The version of this ABI: bumped on any incompatible change to a call or a struct.
 #define CASCADE_ABI_VERSION 1
 
+// Bytes that hold any address [`cascade_metrics_serve`] writes (IPv6, port and NUL included).
+#define CASCADE_ADDR_CAP 64
+
 // `flags` of [`cascade_endpoint_config`]: never use shared memory with same-host peers.
 #define CASCADE_CONFIG_NO_SHM 1
 
@@ -238,7 +241,8 @@ int32_t cascade_endpoint_destroy(cascade_endpoint *ep);
 int32_t cascade_metrics_render(const cascade_endpoint *ep, char *buf, size_t cap, size_t *needed);
 
 // Serves the node's metrics at `http://ADDR/metrics` (`addr` as `host:port`; port 0 picks
-// one) for the endpoint's life; the address bound is written to `(buf, cap)`.
+// one) for the endpoint's life; the address bound is written to `(buf, cap)`, which must hold
+// at least [`CASCADE_ADDR_CAP`] bytes (checked before anything is bound).
 //
 // # Safety
 // `ep` is a live endpoint; `addr` is a NUL-terminated string; `buf` is writable for `cap`

@@ -14,6 +14,9 @@ use crate::error::{guard, FfiError, FfiResult, CASCADE_ERR_CONFIG, CASCADE_ERR_I
 use crate::message::AppMessage;
 use crate::ops::cascade_completion;
 
+/// Bytes that hold any address [`cascade_metrics_serve`] writes (IPv6, port and NUL included).
+pub const CASCADE_ADDR_CAP: usize = 64;
+
 /// `flags` of [`cascade_endpoint_config`]: never use shared memory with same-host peers.
 pub const CASCADE_CONFIG_NO_SHM: u32 = 1;
 
@@ -258,7 +261,8 @@ pub unsafe extern "C" fn cascade_metrics_render(
 }
 
 /// Serves the node's metrics at `http://ADDR/metrics` (`addr` as `host:port`; port 0 picks
-/// one) for the endpoint's life; the address bound is written to `(buf, cap)`.
+/// one) for the endpoint's life; the address bound is written to `(buf, cap)`, which must hold
+/// at least [`CASCADE_ADDR_CAP`] bytes (checked before anything is bound).
 ///
 /// # Safety
 /// `ep` is a live endpoint; `addr` is a NUL-terminated string; `buf` is writable for `cap`
@@ -275,6 +279,16 @@ pub unsafe extern "C" fn cascade_metrics_serve(
         // SAFETY: the caller's contract.
         let (e, addr) = unsafe { (buf::handle(ep, "ep")?, buf::text(addr, "addr")?) };
         let addr: std::net::SocketAddr = addr.parse().map_err(|err| FfiError::arg(format!("addr {addr:?}: {err}")))?;
+        if cap < CASCADE_ADDR_CAP || buf.is_null() {
+            if !needed.is_null() {
+                // SAFETY: non-null and writable (the caller's contract).
+                unsafe { needed.write(CASCADE_ADDR_CAP) };
+            }
+            return Err(FfiError::new(
+                crate::error::CASCADE_ERR_BUFFER_TOO_SMALL,
+                format!("the address buffer must hold {CASCADE_ADDR_CAP} bytes"),
+            ));
+        }
         let metrics = e.ep.metrics().clone();
         let bound =
             e.rt.block_on(cascade_transport::metrics::spawn_metrics_server(addr, Arc::new(move || metrics.render())))?;

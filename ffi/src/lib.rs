@@ -41,7 +41,7 @@ mod region;
 pub use endpoint::{
     cascade_endpoint, cascade_endpoint_config, cascade_endpoint_create, cascade_endpoint_destroy,
     cascade_endpoint_join, cascade_endpoint_node, cascade_endpoint_wait_ready, cascade_metrics_render,
-    cascade_metrics_serve, CASCADE_CONFIG_NO_SHM,
+    cascade_metrics_serve, CASCADE_ADDR_CAP, CASCADE_CONFIG_NO_SHM,
 };
 pub use error::*;
 pub use multicast::{cascade_multicast_execute, cascade_multicast_plan};
