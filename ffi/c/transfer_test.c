@@ -234,9 +234,10 @@ int main(int argc, char **argv) {
     CHECK(cascade_multicast_plan(ep0, req, plan, sizeof plan, &needed));
     EXPECT(strstr(plan, "\"edges\"") != NULL);
     printf("plan: %s\n", plan);
-    rc = cascade_multicast_execute(ep0, "{\"targets\": [\"1/host\"], \"layers\": 4}", r_src, 5);
+    rc = cascade_multicast_execute(ep0, "{\"targets\": [\"1/host\"], \"layers\": 4, \"hold\": true}", r_src, 5);
     EXPECT(rc == CASCADE_IN_PROGRESS);
     int layers = 0, finished = 0;
+    unsigned long run = 0;
     for (int i = 0; i < 30000 && !finished; i++) {
         size_t n = 0;
         cascade_completion c;
@@ -254,10 +255,25 @@ int main(int argc, char **argv) {
             CHECK(cascade_completion_detail(ep0, 5, out, sizeof out, &needed));
             printf("multicast done (status %d): %s\n", c.status, out);
             EXPECT(c.status == CASCADE_OK);
+            const char *at = strstr(out, "\"run\":");
+            EXPECT(at != NULL);
+            run = strtoul(at + 6, NULL, 10);
             finished = 1;
         }
     }
     EXPECT(finished && layers == 4);
+    /* The target's node takes its verified copy; the controller then ends the run. */
+    cascade_region *taken = NULL;
+    rc = cascade_multicast_take(ep1, (uint32_t)run, "0/host", &taken);
+    EXPECT(rc == CASCADE_ERR_INVALID_ARGUMENT);
+    CHECK(cascade_multicast_take(ep1, (uint32_t)run, "1/host", &taken));
+    uint8_t *copy = NULL;
+    CHECK(cascade_region_ptr(taken, &copy));
+    EXPECT(memcmp(copy, src, LEN) == 0);
+    CHECK(cascade_multicast_release(ep0, (uint32_t)run));
+    EXPECT(cascade_multicast_release(ep0, (uint32_t)run) == CASCADE_ERR_INVALID_ARGUMENT);
+    printf("node 1 took its copy of run %lu: %d bytes equal to the source\n", run, LEN);
+    CHECK(cascade_region_deregister(ep1, taken, 5000));
 
     /* Teardown: regions first (they wait for nothing in flight), then endpoints. */
     CHECK(cascade_region_deregister(ep0, r_src, 5000));

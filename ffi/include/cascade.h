@@ -292,6 +292,25 @@ int32_t cascade_multicast_execute(const cascade_endpoint *ep,
                                   const cascade_region *source,
                                   uint64_t tag);
 
+// On a target's node: takes the copy run `run` filled at location `loc` (`"NODE/host"`,
+// `"NODE/gpuN"`; NODE is this endpoint's node) out of the run — a run started with
+// `"hold": true` whose `CASCADE_EVENT_MULTICAST_DONE` has arrived (its detail names the run).
+// `*out` is then a library-owned region holding the verified bytes ([`crate::cascade_region_ptr`]),
+// deregistered by the caller like any other.
+//
+// # Safety
+// `ep` is a live endpoint; `loc` is a NUL-terminated string; `out` is writable.
+int32_t cascade_multicast_take(const cascade_endpoint *ep,
+                               uint32_t run,
+                               const char *loc,
+                               cascade_region **out);
+
+// On the controller: ends held run `run` on every member's node (what no target took is freed).
+//
+// # Safety
+// `ep` is a live endpoint.
+int32_t cascade_multicast_release(const cascade_endpoint *ep, uint32_t run);
+
 // Posts `n` one-sided operations at `ops` (an array whose stride is `ops[0].struct_size`).
 // Every operation is checked first (kinds, regions, bounds of the local side): a bad one fails
 // the call and posts nothing. Each then completes asynchronously with one record in the

@@ -53,6 +53,8 @@ pub struct cascade_endpoint {
     pub(crate) ep: Arc<Endpoint>,
     pub(crate) services: NodeServices,
     pub(crate) controller: Arc<Controller>,
+    /// Runs this endpoint controlled with `"hold": true`, and their members, until released.
+    pub(crate) held_runs: Arc<Mutex<std::collections::HashMap<u32, Vec<cascade_multicast::Loc>>>>,
     pub(crate) queue: Arc<Mutex<VecDeque<cascade_completion>>>,
     pub(crate) details: Arc<Mutex<VecDeque<(u64, String)>>>,
     pub(crate) inbox: Mutex<Inbox<AppMessage>>,
@@ -105,6 +107,7 @@ impl cascade_endpoint {
             ep,
             services,
             controller,
+            held_runs: Arc::default(),
             queue: Arc::default(),
             details: Arc::default(),
             inbox: Mutex::new(inbox),

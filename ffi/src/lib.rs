@@ -44,7 +44,9 @@ pub use endpoint::{
     cascade_metrics_serve, CASCADE_ADDR_CAP, CASCADE_CONFIG_NO_SHM,
 };
 pub use error::*;
-pub use multicast::{cascade_multicast_execute, cascade_multicast_plan};
+pub use multicast::{
+    cascade_multicast_execute, cascade_multicast_plan, cascade_multicast_release, cascade_multicast_take,
+};
 pub use ops::{
     cascade_completion, cascade_completion_detail, cascade_op, cascade_poll, cascade_post, cascade_recv, cascade_send,
     CASCADE_EVENT_LAYER_READY, CASCADE_EVENT_MULTICAST_DONE, CASCADE_EVENT_READ, CASCADE_EVENT_SEND,

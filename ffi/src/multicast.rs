@@ -44,6 +44,11 @@ struct McRequest {
     /// Give up after this many seconds (default 600).
     #[serde(default)]
     deadline_s: Option<f64>,
+    /// Keep the run after verification so that each target's node can take its copy
+    /// ([`cascade_multicast_take`]); the controller then ends it with
+    /// [`cascade_multicast_release`]. Default false: targets are released at once.
+    #[serde(default)]
+    hold: bool,
 }
 
 impl McRequest {
@@ -158,6 +163,7 @@ pub unsafe extern "C" fn cascade_multicast_execute(
         spec.planner = r.planner.unwrap_or(PlannerKind::Blitz);
         spec.layers = (0..layers).map(|i| i * bytes / layers..(i + 1) * bytes / layers).collect();
         spec.deadline = Duration::from_secs_f64(r.deadline_s.unwrap_or(600.0));
+        spec.hold = r.hold;
         if let Some(s) = source {
             let run = new_run_id();
             e.services.multicast.lend(run, Loc::host(me), s.region.clone(), me)?;
@@ -180,8 +186,13 @@ pub unsafe extern "C" fn cascade_multicast_execute(
             }
         });
         let controller = e.controller.clone();
+        let held = e.held_runs.clone();
         e.rt.spawn(async move {
             let out = controller.run(&spec).await;
+            if let (Ok(o), true) = (&out, spec.hold) {
+                let members = spec.sources.iter().chain(&spec.targets).copied().collect();
+                crate::endpoint::lock(&held).insert(o.run, members);
+            }
             drop(spec);
             // Every event of the run is queued before its end is.
             let _ = forward.await;
@@ -207,5 +218,56 @@ pub unsafe extern "C" fn cascade_multicast_execute(
             cascade_endpoint::complete(&queue, &details, c, Some(detail));
         });
         Ok(CASCADE_IN_PROGRESS)
+    })
+}
+
+/// On a target's node: takes the copy run `run` filled at location `loc` (`"NODE/host"`,
+/// `"NODE/gpuN"`; NODE is this endpoint's node) out of the run — a run started with
+/// `"hold": true` whose `CASCADE_EVENT_MULTICAST_DONE` has arrived (its detail names the run).
+/// `*out` is then a library-owned region holding the verified bytes ([`crate::cascade_region_ptr`]),
+/// deregistered by the caller like any other.
+///
+/// # Safety
+/// `ep` is a live endpoint; `loc` is a NUL-terminated string; `out` is writable.
+#[no_mangle]
+pub unsafe extern "C" fn cascade_multicast_take(
+    ep: *const cascade_endpoint,
+    run: u32,
+    loc: *const c_char,
+    out: *mut *mut cascade_region,
+) -> i32 {
+    guard("cascade_multicast_take", || {
+        // SAFETY: the caller's contract.
+        let (e, loc) = unsafe { (buf::handle(ep, "ep")?, buf::text(loc, "loc")?) };
+        if out.is_null() {
+            return Err(FfiError::arg("out is null"));
+        }
+        let loc: Loc =
+            loc.parse().map_err(|err: cascade_multicast::topology::BadLoc| FfiError::arg(err.to_string()))?;
+        if loc.node != e.ep.node() {
+            return Err(FfiError::arg(format!("{loc} is not on this endpoint's node {}", e.ep.node())));
+        }
+        let region = e.services.multicast.detach(run, loc)?;
+        let h = Box::new(cascade_region { region, node: e.ep.node() });
+        // SAFETY: non-null and writable (the caller's contract).
+        unsafe { out.write(Box::into_raw(h)) };
+        Ok(CASCADE_OK)
+    })
+}
+
+/// On the controller: ends held run `run` on every member's node (what no target took is freed).
+///
+/// # Safety
+/// `ep` is a live endpoint.
+#[no_mangle]
+pub unsafe extern "C" fn cascade_multicast_release(ep: *const cascade_endpoint, run: u32) -> i32 {
+    guard("cascade_multicast_release", || {
+        // SAFETY: the caller's contract.
+        let e = unsafe { buf::handle(ep, "ep") }?;
+        let members = crate::endpoint::lock(&e.held_runs)
+            .remove(&run)
+            .ok_or_else(|| FfiError::arg(format!("run {run} is not a held run of this endpoint")))?;
+        e.rt.block_on(e.controller.release(run, &members));
+        Ok(CASCADE_OK)
     })
 }

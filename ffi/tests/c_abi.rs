@@ -108,6 +108,7 @@ fn run_c_test(exe: &Path, dir: &Path) {
     assert!(stdout.contains("provoked error -1: cascade_endpoint_create: config is null"), "{stdout}");
     assert!(stdout.contains("refused WRITE (status -5)"), "{stdout}");
     assert!(stdout.contains("multicast done (status 0)"), "{stdout}");
+    assert!(stdout.contains("bytes equal to the source"), "{stdout}");
     assert!(stdout.trim_end().ends_with("ok"), "{stdout}");
 }
 
