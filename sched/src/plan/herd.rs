@@ -156,9 +156,11 @@ impl HerdProblem {
     }
 
     /// An upper bound on the optimum (to state a plan's gap): the largest stream's group holds at
-    /// most Ḡ GPUs and all of that stream's load, so t ≤ Ḡ / n_max; and every group's spare GPUs
-    /// are at least (t − 1)·n of its largest stream, in at least ⌈Σn / Ḡ⌉ and ⌈Σmem / mem⌉
-    /// groups, so N − Σn ≥ (t − 1)·(n_max + (g − 1)·n_min).
+    /// most Ḡ GPUs and all of that stream's load, so t ≤ Ḡ / n_max. And if t ≥ 1, every group's
+    /// spare GPUs are at least (t − 1)·n of its largest stream, in at least ⌈Σn / Ḡ⌉ and
+    /// ⌈Σmem / mem⌉ groups, so N − Σn ≥ (t − 1)·(n_max + (g − 1)·n_min); otherwise t < 1. So
+    /// t ≤ max(1, that pooled bound). (The pooled bound alone is wrong for an overloaded cluster:
+    /// with fewer GPUs than Σn no plan reaches t = 1, and the group count argument fails.)
     pub fn upper_bound(&self) -> f64 {
         let n: Vec<f64> = self.streams.iter().map(|s| s.gpus_needed).collect();
         let (total, n_max, n_min) = (
@@ -175,7 +177,7 @@ impl HerdProblem {
             .max(if self.gpu_mem_mb > 0.0 { (mem / self.gpu_mem_mb).ceil() } else { 1.0 })
             .max(1.0);
         let pooled = 1.0 + (f64::from(self.gpus) - total) / (n_max + (g - 1.0) * n_min);
-        (f64::from(self.group_max) / n_max).min(pooled)
+        (f64::from(self.group_max) / n_max).min(pooled.max(1.0))
     }
 
     /// Gives the cluster's GPUs to the groups that serve streams — one each, then one at a time
