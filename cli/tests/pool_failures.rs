@@ -289,6 +289,12 @@ fn kill_manager_mid_repair(mut c: PoolCluster) {
     assert!(first.contains("declaring the node dead"), "{first}");
     c.start_manager();
     let s = c.wait_restored(victim, Duration::from_secs(60)).unwrap_or_else(|| panic!("{}", c.manager_log()));
+    // The manager logs its reconciliation before it serves requests, but the test reads its
+    // stderr on another thread, which can lag behind a status answer on a busy machine.
+    let t = Instant::now();
+    while !c.manager.as_ref().unwrap().saw("reconciled the nodes") && t.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
     let second = c.manager_log();
     let line = second.lines().find(|l| l.contains("reconciled the nodes")).unwrap_or_default().to_string();
     eprintln!("restarted manager: {line}");
