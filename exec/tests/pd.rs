@@ -139,6 +139,10 @@ async fn a_split_prefill_moves_both_halves_of_the_kv_to_the_decode_instance() {
         }
         other => panic!("{other:?}"),
     }
+    // The node's metrics say the same.
+    let text = c.eps[3].metrics().render();
+    assert!(text.contains("cascade_llm_kv_pages_free{} 64"), "{text}");
+    assert!(text.contains("cascade_llm_kv_requests{} 0"), "{text}");
     // A prefill instance refuses to decode, a decode instance to prefill.
     assert!(matches!(
         mesh.call(1, &LlmMsg::Reserve { req: 1, tokens: 8 }, Duration::from_secs(10)).await.unwrap(),

@@ -129,6 +129,16 @@ impl LlmInstance {
             running: Mutex::default(),
             wake: Notify::new(),
         });
+        // The instance's KV in the node's metrics, read at each scrape.
+        let weak = Arc::downgrade(&shared);
+        shared.mesh.metrics().on_render(move || {
+            let Some(sh) = weak.upgrade() else { return };
+            let (free, requests) = lock(&sh.kv).as_ref().map_or((0, 0), |(_, p)| (p.available(), p.requests()));
+            let m = sh.mesh.metrics();
+            m.gauge("cascade_llm_kv_pages_free", "Free pages of the instance's KV region", &[]).set(free as f64);
+            m.gauge("cascade_llm_kv_requests", "Requests holding pages of the instance's KV region", &[])
+                .set(requests as f64);
+        });
         tokio::spawn(route_finished(done_rx));
         tokio::spawn(serve_llm(shared.clone(), llm_inbox));
         tokio::spawn(serve_exec(shared.clone(), exec_inbox));
