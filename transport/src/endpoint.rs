@@ -75,6 +75,9 @@ pub struct PeerStats {
 
 struct Entry {
     link: Arc<StreamLink>,
+    /// The link as users get it: metered in the node's registry (made once per link, since
+    /// users look links up per operation).
+    metered: Arc<dyn Link>,
     generation: u64,
 }
 
@@ -315,9 +318,7 @@ impl Endpoint {
     pub fn link(&self, peer: NodeId) -> Result<Arc<dyn Link>> {
         let links = self.inner.links.lock().unwrap_or_else(|e| e.into_inner());
         match links.get(&peer) {
-            Some(e) if e.link.is_alive() => {
-                Ok(Arc::new(crate::metrics::Metered::new(e.link.clone(), &self.inner.metrics)) as Arc<dyn Link>)
-            }
+            Some(e) if e.link.is_alive() => Ok(e.metered.clone()),
             _ => Err(TransportError::NotConnected { peer }),
         }
     }
@@ -470,7 +471,9 @@ impl Inner {
             on_close,
         };
         let link = StreamLink::spawn(ctx, r, w);
-        let old = self.links.lock().unwrap_or_else(|e| e.into_inner()).insert(peer, Entry { link, generation });
+        let metered = Arc::new(crate::metrics::Metered::new(link.clone(), &self.metrics));
+        let old =
+            self.links.lock().unwrap_or_else(|e| e.into_inner()).insert(peer, Entry { link, metered, generation });
         drop(old); // closes the replaced link outside the lock
         info!(node = self.cfg.node, peer, backend = %kind, "link up");
         let _ = self.events.send(PeerEvent::Up { peer, backend: kind });
