@@ -41,12 +41,33 @@ pub(crate) unsafe fn handle<'a, T>(p: *const T, what: &str) -> FfiResult<&'a T> 
     unsafe { p.as_ref() }.ok_or_else(|| FfiError::arg(format!("{what} is null")))
 }
 
-/// Writes `data` (plus a terminating NUL when `nul`) to `(buf, cap)`, and its size to `*needed`.
+/// An out-parameter, checked on entry: before any work whose result could then not be handed
+/// back (an endpoint made, a region registered).
+pub(crate) struct Out<T>(std::ptr::NonNull<T>);
+
+/// Checks the out-parameter `p`.
 ///
 /// # Safety
-/// `needed` is null or writable; `buf` is null or writable for `cap` bytes.
-pub(crate) unsafe fn out(data: &[u8], nul: bool, buf: *mut u8, cap: usize, needed: *mut usize) -> FfiResult<i32> {
-    let need = data.len() + usize::from(nul);
+/// `p` is null or writable for one `T` until the call returns.
+pub(crate) unsafe fn out_param<T>(p: *mut T, what: &str) -> FfiResult<Out<T>> {
+    std::ptr::NonNull::new(p).map(Out).ok_or_else(|| FfiError::arg(format!("{what} is null")))
+}
+
+impl<T> Out<T> {
+    /// Writes the result.
+    pub(crate) fn put(self, v: T) {
+        // SAFETY: non-null (checked by `out_param`) and writable for the call (the contract
+        // `out_param` was called under).
+        unsafe { self.0.as_ptr().write(v) }
+    }
+}
+
+/// Tells the caller an output takes `need` bytes (`*needed`), and refuses a `(buf, cap)` that
+/// cannot hold them.
+///
+/// # Safety
+/// `needed` is null or writable.
+pub(crate) unsafe fn fits(need: usize, buf: *const u8, cap: usize, needed: *mut usize) -> FfiResult<()> {
     if !needed.is_null() {
         // SAFETY: non-null and writable (the caller's contract).
         unsafe { needed.write(need) };
@@ -57,6 +78,17 @@ pub(crate) unsafe fn out(data: &[u8], nul: bool, buf: *mut u8, cap: usize, neede
             format!("the output needs {need} bytes; the buffer holds {cap}"),
         ));
     }
+    Ok(())
+}
+
+/// Writes `data` (plus a terminating NUL when `nul`) to `(buf, cap)`, and its size to `*needed`.
+///
+/// # Safety
+/// `needed` is null or writable; `buf` is null or writable for `cap` bytes.
+pub(crate) unsafe fn out(data: &[u8], nul: bool, buf: *mut u8, cap: usize, needed: *mut usize) -> FfiResult<i32> {
+    let need = data.len() + usize::from(nul);
+    // SAFETY: forwarded contract for `needed`.
+    unsafe { fits(need, buf, cap, needed) }?;
     // SAFETY: `buf` is writable for `cap ≥ need` bytes and cannot overlap our own `data`.
     unsafe {
         std::ptr::copy_nonoverlapping(data.as_ptr(), buf, data.len());

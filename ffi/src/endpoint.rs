@@ -129,9 +129,8 @@ pub unsafe extern "C" fn cascade_endpoint_create(
     out: *mut *mut cascade_endpoint,
 ) -> i32 {
     guard("cascade_endpoint_create", || {
-        if out.is_null() {
-            return Err(FfiError::arg("out is null"));
-        }
+        // SAFETY: the caller's contract for `out`.
+        let out = unsafe { buf::out_param(out, "out") }?;
         // SAFETY: the caller's contract for `config`.
         let c = unsafe { buf::sized(config, "config") }?;
         // SAFETY: pointers valid for the call (the caller's contract).
@@ -147,9 +146,7 @@ pub unsafe extern "C" fn cascade_endpoint_create(
         if c.memory_limit > 0 {
             cfg.memory_limit = Some(c.memory_limit);
         }
-        let ep = cascade_endpoint::start(cfg)?;
-        // SAFETY: `out` is non-null and writable.
-        unsafe { out.write(Box::into_raw(ep)) };
+        out.put(Box::into_raw(cascade_endpoint::start(cfg)?));
         Ok(CASCADE_OK)
     })
 }
@@ -168,18 +165,15 @@ pub unsafe extern "C" fn cascade_endpoint_join(
     out: *mut *mut cascade_endpoint,
 ) -> i32 {
     guard("cascade_endpoint_join", || {
-        if out.is_null() {
-            return Err(FfiError::arg("out is null"));
-        }
+        // SAFETY: the caller's contract for `out`.
+        let out = unsafe { buf::out_param(out, "out") }?;
         // SAFETY: NUL-terminated strings (the caller's contract).
         let (cluster_path, secret_path) =
             unsafe { (buf::text(cluster_path, "cluster_path")?, buf::text(secret_path, "secret_path")?) };
         let cluster = ClusterSpec::load(std::path::Path::new(&cluster_path))?;
         let secret = std::fs::read(&secret_path)
             .map_err(|e| FfiError::new(CASCADE_ERR_CONFIG, format!("reading the secret {secret_path}: {e}")))?;
-        let ep = cascade_endpoint::start(EndpointConfig::new(node, cluster, secret.trim_ascii()))?;
-        // SAFETY: `out` is non-null and writable.
-        unsafe { out.write(Box::into_raw(ep)) };
+        out.put(Box::into_raw(cascade_endpoint::start(EndpointConfig::new(node, cluster, secret.trim_ascii()))?));
         Ok(CASCADE_OK)
     })
 }
@@ -210,12 +204,8 @@ pub unsafe extern "C" fn cascade_endpoint_wait_ready(ep: *const cascade_endpoint
 pub unsafe extern "C" fn cascade_endpoint_node(ep: *const cascade_endpoint, node: *mut u32) -> i32 {
     guard("cascade_endpoint_node", || {
         // SAFETY: the caller's contract.
-        let e = unsafe { buf::handle(ep, "ep") }?;
-        if node.is_null() {
-            return Err(FfiError::arg("node is null"));
-        }
-        // SAFETY: non-null and writable (the caller's contract).
-        unsafe { node.write(e.ep.node()) };
+        let (e, node) = unsafe { (buf::handle(ep, "ep")?, buf::out_param(node, "node")?) };
+        node.put(e.ep.node());
         Ok(CASCADE_OK)
     })
 }
@@ -282,16 +272,9 @@ pub unsafe extern "C" fn cascade_metrics_serve(
         // SAFETY: the caller's contract.
         let (e, addr) = unsafe { (buf::handle(ep, "ep")?, buf::text(addr, "addr")?) };
         let addr: std::net::SocketAddr = addr.parse().map_err(|err| FfiError::arg(format!("addr {addr:?}: {err}")))?;
-        if cap < CASCADE_ADDR_CAP || buf.is_null() {
-            if !needed.is_null() {
-                // SAFETY: non-null and writable (the caller's contract).
-                unsafe { needed.write(CASCADE_ADDR_CAP) };
-            }
-            return Err(FfiError::new(
-                crate::error::CASCADE_ERR_BUFFER_TOO_SMALL,
-                format!("the address buffer must hold {CASCADE_ADDR_CAP} bytes"),
-            ));
-        }
+        // Checked before anything is bound, so a short buffer leaves no server behind.
+        // SAFETY: the caller's contract for `needed`.
+        unsafe { buf::fits(CASCADE_ADDR_CAP, buf.cast(), cap, needed) }?;
         let metrics = e.ep.metrics().clone();
         let bound =
             e.rt.block_on(cascade_transport::metrics::spawn_metrics_server(addr, Arc::new(move || metrics.render())))?;

@@ -56,6 +56,12 @@ impl FfiError {
     pub(crate) fn arg(msg: impl Into<String>) -> FfiError {
         FfiError::new(CASCADE_ERR_INVALID_ARGUMENT, msg)
     }
+
+    /// The same error, its message prefixed with what it concerns (`ops[3]`).
+    pub(crate) fn with_prefix(mut self, p: &str) -> FfiError {
+        self.msg = format!("{p}: {}", self.msg);
+        self
+    }
 }
 
 /// The status code of a transport error.

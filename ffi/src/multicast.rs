@@ -238,19 +238,14 @@ pub unsafe extern "C" fn cascade_multicast_take(
 ) -> i32 {
     guard("cascade_multicast_take", || {
         // SAFETY: the caller's contract.
-        let (e, loc) = unsafe { (buf::handle(ep, "ep")?, buf::text(loc, "loc")?) };
-        if out.is_null() {
-            return Err(FfiError::arg("out is null"));
-        }
+        let (e, loc, out) = unsafe { (buf::handle(ep, "ep")?, buf::text(loc, "loc")?, buf::out_param(out, "out")?) };
         let loc: Loc =
             loc.parse().map_err(|err: cascade_multicast::topology::BadLoc| FfiError::arg(err.to_string()))?;
         if loc.node != e.ep.node() {
             return Err(FfiError::arg(format!("{loc} is not on this endpoint's node {}", e.ep.node())));
         }
         let region = e.services.multicast.detach(run, loc)?;
-        let h = Box::new(cascade_region { region, node: e.ep.node() });
-        // SAFETY: non-null and writable (the caller's contract).
-        unsafe { out.write(Box::into_raw(h)) };
+        out.put(Box::into_raw(Box::new(cascade_region { region, node: e.ep.node() })));
         Ok(CASCADE_OK)
     })
 }

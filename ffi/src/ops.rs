@@ -157,13 +157,6 @@ pub unsafe extern "C" fn cascade_post(ep: *const cascade_endpoint, ops: *const c
     })
 }
 
-impl FfiError {
-    fn with_prefix(mut self, p: &str) -> FfiError {
-        self.msg = format!("{p}: {}", self.msg);
-        self
-    }
-}
-
 /// Moves up to `cap` completion records into `out` without waiting; `*n` gets how many.
 /// Returns [`CASCADE_OK`] when it moved at least one, [`CASCADE_IN_PROGRESS`] when none was there.
 ///

@@ -45,11 +45,9 @@ pub(crate) unsafe fn region<'a>(p: *const cascade_region) -> FfiResult<&'a casca
     unsafe { buf::handle(p, "region") }
 }
 
-fn hand_out(ep: &cascade_endpoint, r: Region, out: *mut *mut cascade_region) -> FfiResult<i32> {
+fn hand_out(ep: &cascade_endpoint, r: Region, out: buf::Out<*mut cascade_region>) -> FfiResult<i32> {
     ep.ep.register(&r)?;
-    let h = Box::new(cascade_region { region: r, node: ep.ep.node() });
-    // SAFETY: the callers checked `out` is non-null; it is writable (their caller's contract).
-    unsafe { out.write(Box::into_raw(h)) };
+    out.put(Box::into_raw(Box::new(cascade_region { region: r, node: ep.ep.node() })));
     Ok(CASCADE_OK)
 }
 
@@ -73,10 +71,7 @@ pub unsafe extern "C" fn cascade_region_register(
 ) -> i32 {
     guard("cascade_region_register", || {
         // SAFETY: the caller's contract.
-        let e = unsafe { buf::handle(ep, "ep") }?;
-        if out.is_null() {
-            return Err(FfiError::arg("out is null"));
-        }
+        let (e, out) = unsafe { (buf::handle(ep, "ep")?, buf::out_param(out, "out")?) };
         // SAFETY: the caller lends `len` bytes at `addr` under the DMA-lifetime rule, which
         // deregistration enforces on our side (it waits until no operation or peer holds it).
         let r = unsafe { Region::from_raw(addr, len) }?;
@@ -98,10 +93,7 @@ pub unsafe extern "C" fn cascade_region_alloc(
 ) -> i32 {
     guard("cascade_region_alloc", || {
         // SAFETY: the caller's contract.
-        let e = unsafe { buf::handle(ep, "ep") }?;
-        if out.is_null() {
-            return Err(FfiError::arg("out is null"));
-        }
+        let (e, out) = unsafe { (buf::handle(ep, "ep")?, buf::out_param(out, "out")?) };
         let r = e.ep.alloc(len)?;
         hand_out(e, r, out)
     })
@@ -116,12 +108,8 @@ pub unsafe extern "C" fn cascade_region_alloc(
 pub unsafe extern "C" fn cascade_region_ptr(region: *const cascade_region, addr: *mut *mut u8) -> i32 {
     guard("cascade_region_ptr", || {
         // SAFETY: the caller's contract.
-        let r = unsafe { self::region(region) }?;
-        if addr.is_null() {
-            return Err(FfiError::arg("addr is null"));
-        }
-        // SAFETY: non-null and writable.
-        unsafe { addr.write(r.region.as_mut_ptr()) };
+        let (r, addr) = unsafe { (self::region(region)?, buf::out_param(addr, "addr")?) };
+        addr.put(r.region.as_mut_ptr());
         Ok(CASCADE_OK)
     })
 }
@@ -137,14 +125,9 @@ pub unsafe extern "C" fn cascade_region_descriptor(
 ) -> i32 {
     guard("cascade_region_descriptor", || {
         // SAFETY: the caller's contract.
-        let r = unsafe { self::region(region) }?;
-        if out.is_null() {
-            return Err(FfiError::arg("out is null"));
-        }
+        let (r, out) = unsafe { (self::region(region)?, buf::out_param(out, "out")?) };
         let d = r.region.remote(r.node);
-        let d = cascade_remote_region { node: d.node, id: d.id.0, key: d.key.0, len: d.len };
-        // SAFETY: non-null and writable.
-        unsafe { out.write(d) };
+        out.put(cascade_remote_region { node: d.node, id: d.id.0, key: d.key.0, len: d.len });
         Ok(CASCADE_OK)
     })
 }
