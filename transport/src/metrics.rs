@@ -89,13 +89,29 @@ impl Metrics {
         }
     }
 
-    /// The counter `name` (registered on first use with `help`; a counter's exposed name gets
-    /// `_total` appended, so pass it without) for the series `labels`. The handle is cheap to
-    /// keep and increment.
-    pub fn counter(&self, name: &'static str, help: &str, pairs: &[(&str, &str)]) -> Counter {
-        let mut families = lock(&self.counters);
+    /// The series `pairs` of family `name` in `families`, the family made by `make` and
+    /// registered with `help` on first use.
+    fn series<M, C>(
+        &self,
+        families: &Mutex<HashMap<&'static str, Family<Labels, M, C>>>,
+        name: &'static str,
+        help: &str,
+        pairs: &[(&str, &str)],
+        make: impl FnOnce() -> Family<Labels, M, C>,
+    ) -> M
+    where
+        M: prometheus_client::encoding::EncodeMetric
+            + prometheus_client::metrics::TypedMetric
+            + Clone
+            + Send
+            + Sync
+            + std::fmt::Debug
+            + 'static,
+        C: prometheus_client::metrics::family::MetricConstructor<M> + Clone + Send + Sync + std::fmt::Debug + 'static,
+    {
+        let mut families = lock(families);
         let family = families.entry(name).or_insert_with(|| {
-            let f = Family::<Labels, Counter>::default();
+            let f = make();
             lock(&self.registry).register(name, help, f.clone());
             f
         });
@@ -103,16 +119,16 @@ impl Metrics {
         series
     }
 
+    /// The counter `name` (registered on first use with `help`; a counter's exposed name gets
+    /// `_total` appended, so pass it without) for the series `labels`. The handle is cheap to
+    /// keep and increment.
+    pub fn counter(&self, name: &'static str, help: &str, pairs: &[(&str, &str)]) -> Counter {
+        self.series(&self.counters, name, help, pairs, Family::default)
+    }
+
     /// The gauge `name` for the series `labels` (registered on first use with `help`).
     pub fn gauge(&self, name: &'static str, help: &str, pairs: &[(&str, &str)]) -> FloatGauge {
-        let mut families = lock(&self.gauges);
-        let family = families.entry(name).or_insert_with(|| {
-            let f = Family::<Labels, FloatGauge>::default();
-            lock(&self.registry).register(name, help, f.clone());
-            f
-        });
-        let series = family.get_or_create(&labels(pairs)).clone();
-        series
+        self.series(&self.gauges, name, help, pairs, Family::default)
     }
 
     /// Forgets every series of the gauge `name` (before setting the current ones, so that a
@@ -126,14 +142,9 @@ impl Metrics {
     /// The duration histogram `name` (seconds; registered on first use with `help`) for the
     /// series `labels`.
     pub fn histogram(&self, name: &'static str, help: &str, pairs: &[(&str, &str)]) -> Histogram {
-        let mut families = lock(&self.histograms);
-        let family = families.entry(name).or_insert_with(|| {
-            let f = HistogramFamily::new_with_constructor(duration_histogram as fn() -> Histogram);
-            lock(&self.registry).register(name, help, f.clone());
-            f
-        });
-        let series = family.get_or_create(&labels(pairs)).clone();
-        series
+        self.series(&self.histograms, name, help, pairs, || {
+            HistogramFamily::new_with_constructor(duration_histogram as fn() -> Histogram)
+        })
     }
 
     /// Runs `f` before every render (to set gauges from current state). Hold only weak
