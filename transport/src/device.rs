@@ -66,12 +66,38 @@ pub trait DeviceMemory: Send + Sync + 'static {
     /// A zeroed buffer of `len` bytes.
     fn alloc(&self, len: u64) -> Result<DeviceBuffer>;
     /// Copies `src` to `dst[dst_offset..]` (host → device); returns when the bytes are there.
-    fn upload(&self, dst: &DeviceBuffer, dst_offset: u64, src: &[u8]) -> Result<()>;
-    /// Copies `src[src_offset..][..dst.len()]` into `dst` (device → host).
-    fn download(&self, src: &DeviceBuffer, src_offset: u64, dst: &mut [u8]) -> Result<()>;
+    /// A range outside the buffer is refused, never clamped, for every device.
+    fn upload(&self, dst: &DeviceBuffer, dst_offset: u64, src: &[u8]) -> Result<()> {
+        dst.check(dst_offset, src.len() as u64)?;
+        self.upload_in_range(dst, dst_offset, src)
+    }
+    /// Copies `src[src_offset..][..dst.len()]` into `dst` (device → host); bounds as `upload`.
+    fn download(&self, src: &DeviceBuffer, src_offset: u64, dst: &mut [u8]) -> Result<()> {
+        src.check(src_offset, dst.len() as u64)?;
+        self.download_in_range(src, src_offset, dst)
+    }
     /// Copies `len` bytes between two buffers of this device, or from a buffer of another device
-    /// of the same kind (`src_device`) — peer to peer between GPUs of one host.
+    /// of the same kind (`src_device`) — peer to peer between GPUs of one host; bounds as
+    /// `upload`.
     fn copy(
+        &self,
+        src_device: &dyn DeviceMemory,
+        src: &DeviceBuffer,
+        src_offset: u64,
+        dst: &DeviceBuffer,
+        dst_offset: u64,
+        len: u64,
+    ) -> Result<()> {
+        src.check(src_offset, len)?;
+        dst.check(dst_offset, len)?;
+        self.copy_in_range(src_device, src, src_offset, dst, dst_offset, len)
+    }
+    /// [`DeviceMemory::upload`], its range checked.
+    fn upload_in_range(&self, dst: &DeviceBuffer, dst_offset: u64, src: &[u8]) -> Result<()>;
+    /// [`DeviceMemory::download`], its range checked.
+    fn download_in_range(&self, src: &DeviceBuffer, src_offset: u64, dst: &mut [u8]) -> Result<()>;
+    /// [`DeviceMemory::copy`], its ranges checked.
+    fn copy_in_range(
         &self,
         src_device: &dyn DeviceMemory,
         src: &DeviceBuffer,
@@ -147,8 +173,8 @@ pub unsafe fn upload_region(
     len: u64,
 ) -> Result<()> {
     region.check(offset, len)?;
-    dst.check(dst_offset, len)?;
-    // SAFETY: bounds-checked above; the caller guarantees no concurrent writer.
+    // SAFETY: bounds-checked above (`upload` checks the device side); the caller guarantees no
+    // concurrent writer.
     let bytes = unsafe { region.slice(offset, len) };
     dev.upload(dst, dst_offset, bytes)
 }
@@ -199,19 +225,17 @@ impl DeviceMemory for EmulatedDevice {
         let n = usize::try_from(len).map_err(|_| TransportError::Device(format!("{len} bytes do not fit")))?;
         Ok(DeviceBuffer { len, inner: Box::new(EmuMem::new(vec![0; n])) })
     }
-    fn upload(&self, dst: &DeviceBuffer, dst_offset: u64, src: &[u8]) -> Result<()> {
-        dst.check(dst_offset, src.len() as u64)?;
+    fn upload_in_range(&self, dst: &DeviceBuffer, dst_offset: u64, src: &[u8]) -> Result<()> {
         let o = dst_offset as usize;
         emu(dst)?[o..o + src.len()].copy_from_slice(src);
         Ok(())
     }
-    fn download(&self, src: &DeviceBuffer, src_offset: u64, dst: &mut [u8]) -> Result<()> {
-        src.check(src_offset, dst.len() as u64)?;
+    fn download_in_range(&self, src: &DeviceBuffer, src_offset: u64, dst: &mut [u8]) -> Result<()> {
         let o = src_offset as usize;
         dst.copy_from_slice(&emu(src)?[o..o + dst.len()]);
         Ok(())
     }
-    fn copy(
+    fn copy_in_range(
         &self,
         _src_device: &dyn DeviceMemory,
         src: &DeviceBuffer,
@@ -220,8 +244,6 @@ impl DeviceMemory for EmulatedDevice {
         dst_offset: u64,
         len: u64,
     ) -> Result<()> {
-        src.check(src_offset, len)?;
-        dst.check(dst_offset, len)?;
         let (s, d) = (src_offset as usize, dst_offset as usize);
         let bytes = emu(src)?[s..s + len as usize].to_vec();
         emu(dst)?[d..d + len as usize].copy_from_slice(&bytes);

@@ -76,8 +76,7 @@ impl DeviceMemory for CudaDevice {
         Ok(DeviceBuffer { len, inner: Box::new(Mem::new(s)) })
     }
 
-    fn upload(&self, dst: &DeviceBuffer, dst_offset: u64, src: &[u8]) -> Result<()> {
-        dst.check(dst_offset, src.len() as u64)?;
+    fn upload_in_range(&self, dst: &DeviceBuffer, dst_offset: u64, src: &[u8]) -> Result<()> {
         let o = dst_offset as usize;
         let mut d = mem(dst)?;
         let mut view = d.slice_mut(o..o + src.len());
@@ -85,8 +84,7 @@ impl DeviceMemory for CudaDevice {
         self.sync()
     }
 
-    fn download(&self, src: &DeviceBuffer, src_offset: u64, dst: &mut [u8]) -> Result<()> {
-        src.check(src_offset, dst.len() as u64)?;
+    fn download_in_range(&self, src: &DeviceBuffer, src_offset: u64, dst: &mut [u8]) -> Result<()> {
         let o = src_offset as usize;
         let s = mem(src)?;
         let view = s.slice(o..o + dst.len());
@@ -94,7 +92,7 @@ impl DeviceMemory for CudaDevice {
         self.sync()
     }
 
-    fn copy(
+    fn copy_in_range(
         &self,
         src_device: &dyn DeviceMemory,
         src: &DeviceBuffer,
@@ -103,8 +101,6 @@ impl DeviceMemory for CudaDevice {
         dst_offset: u64,
         len: u64,
     ) -> Result<()> {
-        src.check(src_offset, len)?;
-        dst.check(dst_offset, len)?;
         let from = src_device
             .as_any()
             .downcast_ref::<CudaDevice>()
