@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::Instant;
 
 use prometheus_client::encoding::text::encode;
-use prometheus_client::metrics::counter::Counter;
+pub use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};

@@ -84,8 +84,33 @@ struct Shared {
     peers: tokio::sync::Mutex<HashMap<u32, Arc<PeerSlots>>>,
     /// The node's copy of the parameters.
     copy: Copy,
-    /// Jobs handed to the compute thread and not finished (`cascade_exec_queued_jobs`).
+    /// The instance's series in the node's metrics.
+    meters: Meters,
+}
+
+/// An instance's series, resolved once: jobs queued, jobs computed by kind.
+struct Meters {
     queued: cascade_transport::metrics::FloatGauge,
+    runs: cascade_transport::metrics::Counter,
+    finishes: cascade_transport::metrics::Counter,
+}
+
+impl Meters {
+    fn new(mesh: &Arc<dyn Mesh>) -> Meters {
+        let m = mesh.metrics();
+        let jobs = |kind: &str| {
+            m.counter(
+                "cascade_exec_jobs",
+                "Batch jobs the instance computed, by kind (run, or finish of a split batch)",
+                &[("kind", kind)],
+            )
+        };
+        Meters {
+            queued: m.gauge("cascade_exec_queued_jobs", "Batch jobs waiting for or in the compute thread", &[]),
+            runs: jobs("run"),
+            finishes: jobs("finish"),
+        }
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -118,13 +143,13 @@ impl Instance {
             )));
         }
         let inbox = mesh.subscribe::<ExecMsg>(DEFAULT_INBOX)?;
-        let mesh_for_metrics = mesh.clone();
         let (done_tx, done_rx) = mpsc::unbounded_channel();
         let name = format!("exec-{}", mesh.node());
         let compute = Compute::start(Bert::new(model.config.clone()), model.manifest.clone(), done_tx, name, cfg.core)
             .map_err(|e| ServeError::Config(format!("cannot start the compute thread: {e}")))?;
         let copy = Copy::new(source, multicast, mesh.node());
         copy.build_held(model.manifest.bytes, &compute)?;
+        let meters = Meters::new(&mesh);
         let shared = Arc::new(Shared {
             mesh,
             model,
@@ -135,7 +160,7 @@ impl Instance {
             busy: Mutex::default(),
             peers: tokio::sync::Mutex::default(),
             copy,
-            queued: mesh_metrics_gauge(&mesh_for_metrics),
+            meters,
         });
         tokio::spawn(serve(shared.clone(), inbox));
         tokio::spawn(finish(shared.clone(), done_rx));
@@ -218,7 +243,7 @@ fn handle(sh: &Arc<Shared>, from: u32, msg: ExecMsg, reply: ReplyTo) -> Result<O
             if tokens > sh.cfg.max_tokens {
                 return Err(ServeError::Input(format!("{tokens} tokens: at most {}", sh.cfg.max_tokens)));
             }
-            sh.queued.inc();
+            sh.meters.queued.inc();
             sh.compute.send(Cmd::Job { act, stop, tag: Tag::Run { reply, batch, split } });
             Ok(None)
         }
@@ -243,7 +268,7 @@ fn handle(sh: &Arc<Shared>, from: u32, msg: ExecMsg, reply: ReplyTo) -> Result<O
                 Ok(act) => {
                     let on_first = act.next_layer as u32;
                     let stop = sh.compute.layers();
-                    sh.queued.inc();
+                    sh.meters.queued.inc();
                     sh.compute.send(Cmd::Job { act, stop, tag: Tag::Finish { reply, batch, slot, on_first } });
                     Ok(None)
                 }
@@ -302,11 +327,6 @@ fn pair(sh: &Arc<Shared>, from: u32, want: u32) -> Result<ExecMsg, ServeError> {
     })
 }
 
-/// The instance's queue-length gauge in the node's metrics.
-fn mesh_metrics_gauge(mesh: &Arc<dyn Mesh>) -> cascade_transport::metrics::FloatGauge {
-    mesh.metrics().gauge("cascade_exec_queued_jobs", "Batch jobs waiting for or in the compute thread", &[])
-}
-
 fn layer_ready(sh: &Arc<Shared>, run: u32, layer: u32) {
     if let Some(b) = sh.copy.arrived(&sh.model.manifest, run, layer) {
         sh.compute.send(Cmd::Verified(b));
@@ -316,16 +336,11 @@ fn layer_ready(sh: &Arc<Shared>, run: u32, layer: u32) {
 /// Routes finished jobs: answers, or hands a split batch over to its paired instance.
 async fn finish(sh: Arc<Shared>, mut done: mpsc::UnboundedReceiver<Finished<Tag>>) {
     while let Some(f) = done.recv().await {
-        sh.queued.dec();
-        let kind = if matches!(f.tag, Tag::Finish { .. }) { "finish" } else { "run" };
-        sh.mesh
-            .metrics()
-            .counter(
-                "cascade_exec_jobs",
-                "Batch jobs the instance computed, by kind (run, or finish of a split batch)",
-                &[("kind", kind)],
-            )
-            .inc();
+        sh.meters.queued.dec();
+        match f.tag {
+            Tag::Finish { .. } => sh.meters.finishes.inc(),
+            Tag::Run { .. } => sh.meters.runs.inc(),
+        };
         match f.tag {
             Tag::Run { reply, batch, split: None } => {
                 let answer = done_msg(batch, f.result, 0);
