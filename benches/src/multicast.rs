@@ -123,6 +123,9 @@ pub struct Bed {
     pub link_gbps: f64,
     /// The per-chunk overhead the planner is told, seconds (from [`Bed::calibrate`]).
     pub chunk_overhead_s: Option<f64>,
+    /// On shared memory: what the host's cores move over all hops together, Gbit/s (from
+    /// [`Bed::calibrate`]); the planner splits it among the hops of a run.
+    pub machine_gbps: Option<f64>,
     exe: PathBuf,
     dir: PathBuf,
     children: Vec<Child>,
@@ -171,6 +174,7 @@ impl Bed {
             hosts,
             link_gbps,
             chunk_overhead_s: None,
+            machine_gbps: None,
             exe,
             dir,
             children: Vec::new(),
@@ -206,37 +210,75 @@ impl Bed {
         Ok(())
     }
 
-    /// Measures the executor on this bed: one target, 64 MiB, moved in 256 KiB and in 8 MiB
-    /// chunks (best of two each). The per-chunk overhead is the difference in time over the
+    /// Measures the executor on this bed: one target, 64 MiB (256 MiB on shared memory), moved in 256 KiB and in 8 MiB
+    /// chunks (median of three each). The per-chunk overhead is the difference in time over the
     /// difference in chunk count; on shared memory, where no wire sets the rate, the hop's rate
-    /// is what the 8 MiB run achieved (copy, crc32 and control together). Later runs tell the
-    /// planner these figures instead of the defaults.
+    /// is what the 8 MiB run achieved (copy, crc32 and control together). On shared memory every
+    /// hop's bytes are moved by the same host's cores, so a chain of k = cores + 1 targets (more
+    /// hops than cores: the host is saturated) in 4 MiB chunks measures what the host moves over
+    /// all hops together: inverting the planner's pipeline formula, t = (S + (k − 1)·c)·k / C.
+    /// Later runs tell the planner these figures instead of the defaults.
     pub fn calibrate(&mut self) -> anyhow::Result<f64> {
-        let bytes: u64 = 64 << 20;
-        let time = |chunk: u64| -> anyhow::Result<f64> {
-            let mut best = f64::INFINITY;
-            for _ in 0..2 {
-                let v = self.controller(PlannerKind::Chain, 1, bytes, Some(chunk))?;
-                best = best.min(v["seconds"].as_f64().unwrap_or(f64::INFINITY));
+        // On shared memory 64 MiB would stay partly in the caches and overstate the hop's rate.
+        let bytes: u64 = if self.shm { 256 << 20 } else { 64 << 20 };
+        // Median of three: this kind of machine's run-to-run spread is tens of percent.
+        let time = |bed: &Bed, targets: usize, chunk: u64| -> anyhow::Result<f64> {
+            let mut t = Vec::new();
+            for _ in 0..3 {
+                let v = bed.controller(PlannerKind::Chain, targets, bytes, Some(chunk))?;
+                t.push(v["seconds"].as_f64().unwrap_or(f64::INFINITY));
             }
-            Ok(best)
+            t.sort_by(f64::total_cmp);
+            Ok(t[1])
         };
         let (small, large) = (256u64 << 10, 8u64 << 20);
-        let (ts, tl) = (time(small)?, time(large)?);
+        let (ts, tl) = (time(self, 1, small)?, time(self, 1, large)?);
         let o = ((ts - tl) / ((bytes / small) as f64 - (bytes / large) as f64)).clamp(1e-6, 1e-3);
         self.chunk_overhead_s = Some(o);
         if self.shm {
             let hop_gbps = bytes as f64 * 8.0 / (tl - o * (bytes / large) as f64).max(1e-6) / 1e9;
-            self.set_link_gbps(hop_gbps)?;
+            self.link_gbps = hop_gbps;
+            let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+            let k = (cores + 1).min(self.hosts - 2);
+            if k >= 2 {
+                let chunk = 4u64 << 20;
+                let tk = time(self, k, chunk)?;
+                let moved = (bytes + (k as u64 - 1) * chunk) as f64 * k as f64;
+                self.machine_gbps = Some(moved * 8.0 / tk.max(1e-6) / 1e9);
+            }
+            self.write_topology()?;
         }
         Ok(o)
+    }
+
+    /// What [`Bed::calibrate`] measured, in one line.
+    pub fn calibration(&self) -> String {
+        let mut line = format!("calibrated: link {:.1} Gbit/s", self.link_gbps);
+        if let Some(o) = self.chunk_overhead_s {
+            line += &format!(", chunk overhead {:.0} µs", o * 1e6);
+        }
+        if let Some(m) = self.machine_gbps {
+            line += &format!(", host {m:.1} Gbit/s over all hops");
+        }
+        line
     }
 
     /// The rate the planner assumes for every node's link (the topology file the controller reads).
     fn set_link_gbps(&mut self, gbps: f64) -> anyhow::Result<()> {
         self.link_gbps = gbps;
-        let topo: String =
+        self.write_topology()
+    }
+
+    /// Writes the topology file the controller reads: every node's link at `link_gbps`, and on
+    /// shared memory, once measured, every node on one machine of `machine_gbps`.
+    fn write_topology(&self) -> anyhow::Result<()> {
+        let gbps = self.link_gbps;
+        let mut topo: String =
             (0..self.hosts).map(|i| format!("[[nodes]]\nid = {i}\ngpus = 1\nnic_gbps = {gbps}\n")).collect();
+        if let Some(m) = self.machine_gbps {
+            let nodes: Vec<String> = (0..self.hosts).map(|i| i.to_string()).collect();
+            topo += &format!("[[machines]]\nnodes = [{}]\ncopy_gbps = {m}\n", nodes.join(", "));
+        }
         std::fs::write(self.dir.join("topo.toml"), topo)?;
         Ok(())
     }
@@ -286,7 +328,7 @@ impl Bed {
             "planner": planner, "targets": targets, "bytes": bytes, "link_mbit": self.link_mbit,
             "seconds": v["seconds"], "setup_seconds": v["setup_seconds"], "bound_seconds": bound, "netns": self.net.is_some(), "shm": self.shm,
             "predicted_seconds": v["predicted_seconds"], "chunk_bytes": v["chunk_bytes"], "verified": v["verified"],
-            "link_gbps": self.link_gbps, "chunk_overhead_s": self.chunk_overhead_s,
+            "link_gbps": self.link_gbps, "chunk_overhead_s": self.chunk_overhead_s, "machine_gbps": self.machine_gbps,
         }))
     }
 }

@@ -26,4 +26,4 @@ mod test_util;
 pub use executor::{execute, Event, ExecError, ExecOptions, Member, Report};
 pub use layout::{Layout, LayoutError};
 pub use planner::{plan, plan_with, CostModel, Edge, Forwarding, Plan, PlanError, PlannerKind, Request};
-pub use topology::{Link, LinkKind, Loc, MeshRates, NodeId, Topology, TopologyError};
+pub use topology::{Link, LinkKind, Loc, Machine, MeshRates, NodeId, Topology, TopologyError};

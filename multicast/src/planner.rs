@@ -19,6 +19,12 @@
 //!    position i of a chain completes at S/B_min + (i − 1)·c/B_min + i·latency, where B_min is
 //!    the slowest link from the source to it.
 //!
+//! 5. **Shared machines** (not in the paper, whose nodes are separate servers): where several
+//!    nodes are processes of one machine ([`Topology::machine_of`]), its cores move the bytes of
+//!    every hop that touches it, so a pipelined hop gets at most `copy_gbps / k` of the machine
+//!    when k hops touch it at once — on one host over shared memory a chain of N hops takes about
+//!    N times one hop, which the per-link model alone predicted flat.
+//!
 //! Choices the paper leaves open, made here: ties in step 3 go to the chain with fewer hops (so
 //! equal links spread targets evenly over the sources), then to the smaller location; the NIC
 //! bandwidth-halving the paper mentions for a target GPU that shares a NIC with a busy GPU is not
@@ -265,8 +271,9 @@ pub fn plan_with(topo: &Topology, req: &Request, kind: PlannerKind, cost: &CostM
         PlannerKind::Star => (Forwarding::Pipelined, star(topo, sources[0], &targets)),
         PlannerKind::Tree => (Forwarding::StoreAndForward, tree(topo, sources[0], &targets)),
     };
-    let chunk_bytes = chunk_size(req.bytes, &edges, cost);
-    let predicted = predict(req.bytes, chunk_bytes, forwarding, &edges, cost);
+    let rates = edge_rates(topo, forwarding, &edges);
+    let chunk_bytes = chunk_size(req.bytes, &edges, &rates, cost);
+    let predicted = predict(req.bytes, chunk_bytes, forwarding, &edges, &rates, cost);
     Ok(Plan { planner: kind, bytes: req.bytes, chunk_bytes, forwarding, edges, predicted })
 }
 
@@ -444,10 +451,40 @@ fn tree(topo: &Topology, source: Loc, targets: &[Loc]) -> Vec<Edge> {
     edges
 }
 
-fn chunk_size(bytes: u64, edges: &[Edge], cost: &CostModel) -> u64 {
+/// Each edge's rate in bytes/s: its link's, or less where the edge runs on a shared machine. A
+/// pipelined plan runs all its hops at once, so a machine's `copy_gbps` is split among every edge
+/// that has an end on it (an edge with both ends there counts once); store-and-forward rounds are
+/// not modelled this way (their edges do not all run at once).
+fn edge_rates(topo: &Topology, fw: Forwarding, edges: &[Edge]) -> Vec<f64> {
+    let machines = |e: &Edge| -> Vec<crate::topology::Machine> {
+        let mut ms: Vec<_> = [e.from.node, e.to.node].iter().filter_map(|n| topo.machine_of(*n)).collect();
+        ms.dedup_by_key(|m| m.index);
+        ms
+    };
+    let mut load: BTreeMap<usize, usize> = BTreeMap::new();
+    if fw == Forwarding::Pipelined {
+        for e in edges {
+            for m in machines(e) {
+                *load.entry(m.index).or_default() += 1;
+            }
+        }
+    }
+    edges
+        .iter()
+        .map(|e| {
+            let link = e.gbps * 1e9 / 8.0;
+            machines(e)
+                .iter()
+                .map(|m| m.copy_gbps * 1e9 / 8.0 / load.get(&m.index).copied().unwrap_or(1) as f64)
+                .fold(link, f64::min)
+        })
+        .collect()
+}
+
+fn chunk_size(bytes: u64, edges: &[Edge], rates: &[f64], cost: &CostModel) -> u64 {
     let hops = longest_path(edges).max(1);
-    let slowest = edges.iter().map(|e| e.gbps).fold(f64::INFINITY, f64::min);
-    let b = if slowest.is_finite() { slowest * 1e9 / 8.0 } else { 1e9 };
+    let slowest = rates.iter().copied().fold(f64::INFINITY, f64::min);
+    let b = if slowest.is_finite() { slowest } else { 1e9 };
     let ideal = if hops <= 1 {
         cost.max_chunk as f64
     } else {
@@ -472,7 +509,7 @@ fn longest_path(edges: &[Edge]) -> usize {
     longest
 }
 
-fn predict(bytes: u64, chunk: u64, fw: Forwarding, edges: &[Edge], cost: &CostModel) -> Vec<(Loc, f64)> {
+fn predict(bytes: u64, chunk: u64, fw: Forwarding, edges: &[Edge], rates: &[f64], cost: &CostModel) -> Vec<(Loc, f64)> {
     let s = bytes as f64;
     let c = chunk.min(bytes) as f64;
     // Transfers from one sender over the same kind of link share it (a star shares the NIC);
@@ -486,9 +523,10 @@ fn predict(bytes: u64, chunk: u64, fw: Forwarding, edges: &[Edge], cost: &CostMo
         Forwarding::Pipelined => {
             // (slowest bandwidth so far in bytes/s, hops so far) at each receiver.
             let mut state: BTreeMap<Loc, (f64, usize)> = BTreeMap::new();
-            for e in edges {
+            for (e, rate) in edges.iter().zip(rates) {
                 // A sender feeding k children at once splits its bandwidth k ways (star).
                 let share = (e.gbps * 1e9 / 8.0) / out_degree.get(&(e.from, e.kind)).copied().unwrap_or(1) as f64;
+                let share = share.min(*rate);
                 let (b_prev, hops_prev) = state.get(&e.from).copied().unwrap_or((f64::INFINITY, 0));
                 let b = b_prev.min(share);
                 let hops = hops_prev + 1;
@@ -500,9 +538,9 @@ fn predict(bytes: u64, chunk: u64, fw: Forwarding, edges: &[Edge], cost: &CostMo
         Forwarding::StoreAndForward => {
             // A sender's transfers run one after another, each starting when the previous ends.
             let mut free_at: BTreeMap<Loc, f64> = BTreeMap::new();
-            for e in edges {
+            for (e, rate) in edges.iter().zip(rates) {
                 let start = free_at.get(&e.from).copied().unwrap_or(0.0).max(done.get(&e.from).copied().unwrap_or(0.0));
-                let t = start + s / (e.gbps * 1e9 / 8.0) + cost.hop_latency_s;
+                let t = start + s / rate + cost.hop_latency_s;
                 free_at.insert(e.from, t);
                 done.insert(e.to, t);
             }

@@ -23,7 +23,15 @@
 //! [[flows]]             # serving traffic, e.g. prefill -> decode KV cache
 //! from = "0/gpu0"
 //! to = "1/gpu2"
+//!
+//! [[machines]]          # optional: nodes that are processes of one machine and share its CPUs
+//! nodes = [1, 2, 3]
+//! copy_gbps = 60        # what the machine's cores move per second over all its hops together
 //! ```
+//!
+//! A machine matters where a hop's bytes are moved by the CPU (shared memory, TCP, the crc32 of
+//! every chunk): the planner's prediction divides the machine's `copy_gbps` among the hops that
+//! run on it at once (see [`Topology::machine_of`]).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -163,6 +171,9 @@ pub enum TopologyError {
     /// A bandwidth that is not a positive number.
     #[error("{0}: bandwidth must be positive")]
     BadBandwidth(String),
+    /// A node declared on two machines.
+    #[error("node {0} is on two machines")]
+    TwoMachines(NodeId),
     /// A GPU listed on two NICs, or on none while `nics` is given.
     #[error("node {node}: GPU {gpu} must be on exactly one NIC")]
     BadNics {
@@ -221,12 +232,31 @@ struct FlowFile {
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
+struct MachineFile {
+    nodes: Vec<NodeId>,
+    copy_gbps: f64,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
 struct TopologyFile {
     nodes: Vec<NodeFile>,
     #[serde(default)]
     links: Vec<LinkFile>,
     #[serde(default)]
     flows: Vec<FlowFile>,
+    #[serde(default)]
+    machines: Vec<MachineFile>,
+}
+
+/// Nodes that run on one machine and share its CPUs.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Machine {
+    /// Index of the machine, in the order machines were declared.
+    pub index: usize,
+    /// Bytes per second × 8 / 10⁹ the machine's cores move over all its hops together (copy and
+    /// checksum), Gbit/s.
+    pub copy_gbps: f64,
 }
 
 /// Rates assumed by [`Topology::from_mesh`], in Gbit/s.
@@ -277,6 +307,8 @@ pub struct Topology {
     links: BTreeMap<(NodeId, NodeId), Link>,
     linked: BTreeMap<NodeId, BTreeSet<NodeId>>,
     flows: BTreeSet<Flow>,
+    machines: BTreeMap<NodeId, Machine>,
+    machine_count: usize,
 }
 
 impl Topology {
@@ -290,6 +322,8 @@ impl Topology {
             links: BTreeMap::new(),
             linked: BTreeMap::new(),
             flows: BTreeSet::new(),
+            machines: BTreeMap::new(),
+            machine_count: 0,
         }
     }
 
@@ -315,6 +349,9 @@ impl Topology {
         }
         for fl in f.flows {
             t.add_flow(fl.from, fl.to)?;
+        }
+        for m in f.machines {
+            t.add_machine(&m.nodes, m.copy_gbps)?;
         }
         Ok(t)
     }
@@ -428,6 +465,31 @@ impl Topology {
         self.linked.entry(a).or_default().insert(b);
         self.linked.entry(b).or_default().insert(a);
         Ok(())
+    }
+
+    /// Declares that `nodes` are processes of one machine whose cores move `copy_gbps` over all
+    /// their hops together. A node belongs to at most one machine.
+    pub fn add_machine(&mut self, nodes: &[NodeId], copy_gbps: f64) -> Result<Machine, TopologyError> {
+        if !(copy_gbps > 0.0 && copy_gbps.is_finite()) {
+            return Err(TopologyError::BadBandwidth(format!("machine {}", self.machine_count)));
+        }
+        for &n in nodes {
+            self.node(n).ok_or_else(|| unknown("machine", n))?;
+            if self.machines.contains_key(&n) {
+                return Err(TopologyError::TwoMachines(n));
+            }
+        }
+        let m = Machine { index: self.machine_count, copy_gbps };
+        self.machine_count += 1;
+        for &n in nodes {
+            self.machines.insert(n, m);
+        }
+        Ok(m)
+    }
+
+    /// The machine `node` shares with other nodes, if one was declared.
+    pub fn machine_of(&self, node: NodeId) -> Option<Machine> {
+        self.machines.get(&node).copied()
     }
 
     /// Records a serving flow.

@@ -36,9 +36,8 @@ struct Cli {
     /// Link the nodes (one host) by shared memory instead of loopback tcp.
     #[arg(long)]
     shm: bool,
-    /// Measure the executor's per-chunk overhead (and on shm the hop rate) first and plan with
-    /// them instead of the defaults (experimental: on this 2-core machine the larger chunks it
-    /// picks for shm are slower, see README).
+    /// Measure the executor's per-chunk overhead (and on shm the hop rate and what the host's
+    /// cores move over all hops together) first and plan with them instead of the defaults.
     #[arg(long)]
     calibrate: bool,
     /// Compare with OpenMPI's MPI_Bcast on the same hosts and bytes (needs openmpi-bin and
@@ -71,9 +70,9 @@ fn main() -> anyhow::Result<()> {
     }
     let mut bed = Bed::start_with(c.netns, c.shm, c.max_targets, c.link_mbit)?;
     if c.calibrate {
-        // The planner is told this bed's measured per-chunk overhead (and, on shm, hop rate).
-        let o = bed.calibrate()?;
-        eprintln!("calibrated: link {:.1} Gbit/s, chunk overhead {:.0} µs", bed.link_gbps, o * 1e6);
+        // The planner is told this bed's measured per-chunk overhead (and, on shm, hop and host rates).
+        bed.calibrate()?;
+        eprintln!("{}", bed.calibration());
     }
     if c.compare_mpi {
         return compare_mpi(&c, bed);
@@ -147,17 +146,20 @@ fn compare_mpi(c: &Cli, bed: Bed) -> anyhow::Result<()> {
     };
     let mut rows = Vec::new();
     for n in 1..=c.max_targets {
-        let (mut ours, mut theirs) = (Vec::new(), Vec::new());
+        let (mut ours, mut theirs, mut predicted) = (Vec::new(), Vec::new(), f64::NAN);
         for rep in 1..=c.reps.max(1) {
             eprintln!("N={n}, run {rep}: cascade, then MPI_Bcast with {} ranks ...", n + 1);
             let v = bed.run(PlannerKind::Blitz, n, c.bytes)?;
             ours.push(v["seconds"].as_f64().context("cascade printed no seconds")?);
+            predicted = v["predicted_seconds"].as_f64().unwrap_or(f64::NAN);
             theirs.push(mpi.run(bed.net(), 1, n, c.bytes)?);
         }
         let (a, b) = (median(&mut ours.clone()), median(&mut theirs.clone()));
         rows.push(serde_json::json!({
             "targets": n, "bytes": c.bytes, "netns": c.netns, "shm": c.shm, "link_mbit": bed.link_mbit,
             "cascade_seconds": ours, "mpi_seconds": theirs, "cascade_median": a, "mpi_median": b, "ratio": a / b,
+            "predicted_seconds": predicted, "link_gbps": bed.link_gbps, "machine_gbps": bed.machine_gbps,
+            "chunk_overhead_s": bed.chunk_overhead_s,
         }));
     }
     let bound = bed.link_mbit.map(|b| c.bytes as f64 * 8.0 / (b as f64 * 1e6));
@@ -174,17 +176,19 @@ fn compare_mpi(c: &Cli, bed: Bed) -> anyhow::Result<()> {
     };
     println!("{} MiB, {links}: median of {} alternating runs\n", c.bytes >> 20, c.reps.max(1));
     println!(
-        "| N | Cascade blitz (s) | MPI_Bcast, N+1 ranks (s) | Cascade / MPI |{}",
+        "| N | Cascade blitz (s) | MPI_Bcast, N+1 ranks (s) | Cascade / MPI | predicted (s) | measured / predicted |{}",
         if bound.is_some() { " Cascade / bound |" } else { "" }
     );
-    println!("| --- | --- | --- | --- |{}", if bound.is_some() { " --- |" } else { "" });
+    println!("| --- | --- | --- | --- | --- | --- |{}", if bound.is_some() { " --- |" } else { "" });
     for r in &rows {
         let a = r["cascade_median"].as_f64().unwrap_or(f64::NAN);
+        let p = r["predicted_seconds"].as_f64().unwrap_or(f64::NAN);
         print!(
-            "| {} | {a:.3} | {:.3} | {:.2} |",
+            "| {} | {a:.3} | {:.3} | {:.2} | {p:.3} | {:.2} |",
             r["targets"],
             r["mpi_median"].as_f64().unwrap_or(f64::NAN),
-            r["ratio"].as_f64().unwrap_or(f64::NAN)
+            r["ratio"].as_f64().unwrap_or(f64::NAN),
+            a / p
         );
         match bound {
             Some(b) => println!(" {:.3} |", a / b),

@@ -27,9 +27,8 @@ struct Cli {
     /// Link the nodes (one host) by shared memory instead of loopback tcp.
     #[arg(long)]
     shm: bool,
-    /// Measure the executor's per-chunk overhead (and on shm the hop rate) first and plan with
-    /// them instead of the defaults (experimental: on this 2-core machine the larger chunks it
-    /// picks for shm are slower, see README).
+    /// Measure the executor's per-chunk overhead (and on shm the hop rate and what the host's
+    /// cores move over all hops together) first and plan with them instead of the defaults.
     #[arg(long)]
     calibrate: bool,
     /// Print one JSON object.
@@ -50,9 +49,9 @@ fn main() -> anyhow::Result<()> {
     }
     let mut bed = Bed::start_with(c.netns, c.shm, c.targets, c.link_mbit)?;
     if c.calibrate {
-        // The planner is told this bed's measured per-chunk overhead (and, on shm, hop rate).
-        let o = bed.calibrate()?;
-        eprintln!("calibrated: link {:.1} Gbit/s, chunk overhead {:.0} µs", bed.link_gbps, o * 1e6);
+        // The planner is told this bed's measured per-chunk overhead (and, on shm, hop and host rates).
+        bed.calibrate()?;
+        eprintln!("{}", bed.calibration());
     }
     let v = bed.run(c.planner, c.targets, c.bytes)?;
     if c.json {

@@ -119,6 +119,41 @@ fn chunk_size_is_a_clamped_power_of_two() {
 }
 
 /// Brute force of the greedy step, for checking the indexed version.
+#[test]
+fn hops_on_one_machine_share_its_cores() {
+    // Nine processes of one machine whose cores together move 64 Gbit/s; each link alone could
+    // carry 64 Gbit/s too (one hop saturates the machine, as on a 2-core host over shm).
+    let mut t = flat(9, 64.0);
+    t.add_machine(&(0..9).collect::<Vec<_>>(), 64.0).unwrap();
+    let one = GIB as f64 * 8.0 / 64e9;
+    for n in [1u32, 2, 4, 8] {
+        let p = plan(&t, &req(&gpus(0..1), &gpus(1..n + 1)), PlannerKind::Blitz).unwrap();
+        let ratio = p.makespan() / one;
+        assert!((ratio / f64::from(n) - 1.0).abs() < 0.05, "N={n}: {ratio} hop-times");
+    }
+    // Separate machines (or none declared) keep the chain flat.
+    let flat_chain = plan(&flat(9, 64.0), &req(&gpus(0..1), &gpus(1..9)), PlannerKind::Blitz).unwrap();
+    assert!(flat_chain.makespan() / one < 1.1);
+    // A machine that is faster than its links changes nothing until enough hops share it.
+    let mut fast = flat(9, 64.0);
+    fast.add_machine(&(0..9).collect::<Vec<_>>(), 256.0).unwrap();
+    let two = plan(&fast, &req(&gpus(0..1), &gpus(1..3)), PlannerKind::Blitz).unwrap();
+    let eight = plan(&fast, &req(&gpus(0..1), &gpus(1..9)), PlannerKind::Blitz).unwrap();
+    assert!(two.makespan() / one < 1.1, "{}", two.makespan() / one);
+    assert!((eight.makespan() / one - 2.0).abs() < 0.1, "{}", eight.makespan() / one);
+}
+
+#[test]
+fn machines_are_read_from_toml_and_checked() {
+    let text = "[[nodes]]\nid = 0\nnic_gbps = 10\n[[nodes]]\nid = 1\nnic_gbps = 10\n[[machines]]\nnodes = [0, 1]\ncopy_gbps = 40\n";
+    let t = Topology::from_toml(text).unwrap();
+    assert_eq!(t.machine_of(1).map(|m| m.copy_gbps), Some(40.0));
+    assert!(Topology::from_toml(&text.replace("[0, 1]", "[0, 7]")).is_err());
+    assert!(Topology::from_toml(&text.replace("copy_gbps = 40", "copy_gbps = 0")).is_err());
+    let twice = format!("{text}[[machines]]\nnodes = [1]\ncopy_gbps = 5\n");
+    assert!(Topology::from_toml(&twice).unwrap_err().to_string().contains("two machines"));
+}
+
 fn brute_best(topo: &Topology, tail: Loc, remaining: &BTreeSet<Loc>) -> Option<(Loc, f64)> {
     remaining
         .iter()
