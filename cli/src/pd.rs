@@ -248,7 +248,7 @@ async fn drive(
             for i in 0..n {
                 tokio::time::sleep_until((start + Duration::from_secs_f64(i as f64 / rate)).into()).await;
                 let prompt = prompts[i % prompts.len()].clone();
-                let _ = req_tx.send(GenRequest { id: i as u64, prompt, max_tokens });
+                let _ = req_tx.send(GenRequest { id: i as u64, prompt, max_tokens, adapter: 0 });
             }
         })
     };

@@ -227,6 +227,18 @@ impl Llama {
         Ok(())
     }
 
+    /// Adapter `id`, if served.
+    pub fn adapter(&self, id: u32) -> Option<Arc<LoraAdapter>> {
+        self.adapters.get(&id).cloned()
+    }
+
+    /// The adapters served, by id.
+    pub fn adapter_ids(&self) -> Vec<u32> {
+        let mut ids: Vec<u32> = self.adapters.keys().copied().collect();
+        ids.sort_unstable();
+        ids
+    }
+
     /// Stops serving adapter `id` (not while merged); whether it was there.
     pub fn remove_adapter(&mut self, id: u32) -> Result<bool, ExecError> {
         if self.merged == Some(id) {

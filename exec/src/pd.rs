@@ -10,6 +10,8 @@
 //!   control so [`crate::serve::scale_out`] scales it out like an encoder instance.
 //! * [`router`] — the router: KV reservation on a decode instance, dispatch of prefills (the
 //!   [`crate::serve::Dispatcher`], weighted), the token streams, mutation and live scaling.
+//! * [`migrate`] — dLoRA's request–adapter co-migration between decode instances serving LoRA
+//!   adapters: the monitor's trigger and ILP plan, and the moves (KV and adapter by WRITEs).
 //!
 //! **Departures, stated.** The decode instance copies a request's KV out of its pages into its
 //! model's cache when decoding starts (attention does not read the pages in place); the pages
@@ -29,6 +31,7 @@ use crate::ExecError;
 
 mod instance;
 pub mod kv;
+pub mod migrate;
 pub mod proto;
 pub mod router;
 

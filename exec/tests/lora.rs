@@ -222,3 +222,44 @@ fn an_adapter_is_an_ordinary_pool_model() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A small llama configuration (no weights needed: adapters only take their shapes from it).
+fn small_config() -> LlamaConfig {
+    LlamaConfig {
+        model_type: "llama".into(),
+        hidden_size: 64,
+        intermediate_size: 96,
+        num_hidden_layers: 3,
+        num_attention_heads: 4,
+        num_key_value_heads: 2,
+        rms_norm_eps: 1e-5,
+        rope_theta: 1e4,
+        vocab_size: 100,
+        max_position_embeddings: 128,
+        tie_word_embeddings: true,
+        bos_token_id: 1,
+        eos_token_id: 2,
+    }
+}
+
+#[test]
+fn an_adapter_image_round_trips_exactly_and_a_damaged_one_is_refused() {
+    let cfg = small_config();
+    let a = LoraAdapter::seeded(&cfg, 4, 8.0, &[Proj::Q, Proj::V], 9, 0.05).unwrap();
+    let image = a.to_image().unwrap();
+    let b = LoraAdapter::from_image(&image, &cfg).unwrap();
+    assert_eq!(a.config, b.config);
+    assert_eq!(a.weights.keys().collect::<Vec<_>>(), b.weights.keys().collect::<Vec<_>>());
+    for (k, (xa, xb)) in &a.weights {
+        let (ya, yb) = &b.weights[k];
+        assert_eq!(xa.to_vec2::<f32>().unwrap(), ya.to_vec2::<f32>().unwrap());
+        assert_eq!(xb.to_vec2::<f32>().unwrap(), yb.to_vec2::<f32>().unwrap());
+    }
+    assert!(LoraAdapter::from_image(&image[..image.len() - 4], &cfg).is_err(), "truncated");
+    let mut longer = image.clone();
+    longer.push(0);
+    assert!(LoraAdapter::from_image(&longer, &cfg).unwrap_err().to_string().contains("after the tensors"));
+    assert!(LoraAdapter::from_image(&image[1..], &cfg).unwrap_err().to_string().contains("magic"));
+    let other = LlamaConfig { hidden_size: 32, ..cfg };
+    assert!(LoraAdapter::from_image(&image, &other).is_err(), "shapes checked against the model");
+}

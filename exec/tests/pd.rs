@@ -12,6 +12,11 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use cascade_exec::llama::generate::Generator;
+use cascade_exec::llama::multi_lora::{serve_alone, LoraJob};
+use cascade_exec::llama::{LoraAdapter, Proj};
+use cascade_exec::pd::kv::KvLayout;
+use cascade_exec::pd::migrate::rebalance;
 use cascade_exec::pd::router::{self, GenAnswer, GenRequest, PdCmd, PdRouterConfig};
 use cascade_exec::pd::{LlmConfig, LlmInstance, LlmMsg, PdModel, Role};
 use cascade_exec::serve::{load_packed, scale_out, DispatchConfig, LivePolicy, Source, Split};
@@ -26,7 +31,7 @@ const MAX_TOKENS: u32 = 12;
 struct Cluster {
     eps: Vec<Arc<Endpoint>>,
     model: PdModel,
-    _instances: Vec<LlmInstance>,
+    instances: Vec<LlmInstance>,
 }
 
 /// Node 0 routes; `roles[i]` is node `i + 1`'s role, `None` for one that starts without a copy.
@@ -46,7 +51,7 @@ async fn cluster(roles: &[Option<Role>], tag: &str) -> Option<Cluster> {
         instances
             .push(LlmInstance::start(mesh, model.clone(), source, mc, role.unwrap_or(Role::Prefill), cfg).unwrap());
     }
-    Some(Cluster { eps, model, _instances: instances })
+    Some(Cluster { eps, model, instances })
 }
 
 fn topology(n: u32) -> Topology {
@@ -114,7 +119,7 @@ async fn a_split_prefill_moves_both_halves_of_the_kv_to_the_decode_instance() {
         // Stages [0, k) on node 2, the rest on node 1: KV blocks from both.
         let k = [1, 7, 16, 31][i];
         let split = Some(Split { layers: k, then: 1 });
-        let msg = LlmMsg::Prefill { req, prompt, max_tokens: MAX_TOKENS, kv: grant, split, router: 0 };
+        let msg = LlmMsg::Prefill { req, prompt, max_tokens: MAX_TOKENS, kv: grant, split, router: 0, adapter: 0 };
         let LlmMsg::Prefilled { first, on_first, decoding, .. } =
             mesh.call(2, &msg, Duration::from_secs(120)).await.unwrap()
         else {
@@ -169,7 +174,7 @@ async fn a_burst_survives_a_mutation_and_a_live_scale_out() {
     let n = 24;
     let send = |i: usize| {
         let (prompt, _) = &want[i % want.len()];
-        req_tx.send(GenRequest { id: i as u64, prompt: prompt.clone(), max_tokens: MAX_TOKENS }).unwrap();
+        req_tx.send(GenRequest { id: i as u64, prompt: prompt.clone(), max_tokens: MAX_TOKENS, adapter: 0 }).unwrap();
     };
     for i in 0..12 {
         send(i);
@@ -205,6 +210,128 @@ async fn a_burst_survives_a_mutation_and_a_live_scale_out() {
         answers.iter().filter(|a| a.id >= 12).all(|a| a.prefill.0 != 2),
         "nothing prefilled on node 2 after it mutated"
     );
+    for e in &c.eps {
+        e.shutdown();
+    }
+}
+
+/// dLoRA's co-migration on real instances: node 1 prefills, four requests with two adapters
+/// (seeded test doubles) decode on node 2; node 3 serves no adapter. The monitor's trigger fires, the ILP plan moves
+/// requests to node 3 — their KV by WRITEs into node 3's pages, their adapters' tensors by a
+/// WRITE — and every request's tokens equal what the same adapter gives it served alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_migrate_with_their_adapters_and_answer_as_if_served_alone() {
+    let roles = [Some(Role::Prefill), Some(Role::Decode), Some(Role::Decode)];
+    let Some(c) = cluster(&roles, "pd-comigrate").await else { return };
+    let mesh: Arc<dyn Mesh> = c.eps[0].clone();
+    let mut inbox = mesh.subscribe::<LlmMsg>(1024).unwrap();
+    let cfg = c.model.config.clone();
+    let adapter = |k: u32| LoraAdapter::seeded(&cfg, 8, 16.0, &Proj::ALL, u64::from(k), 0.05).unwrap();
+    for k in [1, 2] {
+        c.instances[0].add_adapter(k, adapter(k)).await.unwrap();
+        c.instances[1].add_adapter(k, adapter(k)).await.unwrap();
+    }
+    assert_eq!(c.instances[2].adapters(), Vec::<u32>::new());
+    const LONG: u32 = 24;
+    let prompts: Vec<Vec<u32>> = expected().into_iter().map(|(p, _)| p).take(4).collect();
+    let mut got: HashMap<u64, Vec<u32>> = HashMap::new();
+    for (i, prompt) in prompts.iter().enumerate() {
+        let req = 200 + i as u64;
+        let tokens = prompt.len() as u32 + LONG;
+        let LlmMsg::Reserved { grant } =
+            mesh.call(2, &LlmMsg::Reserve { req, tokens }, Duration::from_secs(30)).await.unwrap()
+        else {
+            panic!("no reservation")
+        };
+        let adapter = 1 + i as u32 % 2;
+        let msg = LlmMsg::Prefill {
+            req,
+            prompt: prompt.clone(),
+            max_tokens: LONG,
+            kv: grant,
+            split: None,
+            router: 0,
+            adapter,
+        };
+        let answer = mesh.call(1, &msg, Duration::from_secs(120)).await.unwrap();
+        let LlmMsg::Prefilled { first, decoding: true, .. } = answer else { panic!("prefill: {answer:?}") };
+        got.insert(req, vec![first]);
+    }
+    // Four requests on node 2, none on node 3: 2 above the average of 2.
+    let c_cfg = cascade_sched::lora::dispatch::ClusterConfig { queue_trigger: 2, ..Default::default() };
+    let layout = KvLayout::new(&cfg, 16);
+    let cost = cascade_sched::lora::CostModel::cpu_smollm2();
+    let r = rebalance(&mesh, &[2, 3], &c_cfg, &cost, &layout, Duration::from_secs(60)).await.unwrap();
+    let d = r.decision.as_ref().expect("the trigger fires");
+    eprintln!(
+        "trigger: {}; plan {:?} {:.1} ms (stay {:.1} ms; {:?}), solved in {:.2} ms; moves {:?}; round {:.3} s",
+        d.trigger, d.source, d.objective_ms, d.stay_ms, d.solver_note, d.solve_ms, r.outcomes, r.seconds
+    );
+    assert!(!r.outcomes.is_empty(), "the plan moves something");
+    for (m, outcome) in &r.outcomes {
+        assert_eq!((m.from, m.to), (2, 3));
+        let before = outcome.as_ref().unwrap_or_else(|e| panic!("request {} did not move: {e}", m.req));
+        assert!(*before >= 1 && *before < LONG, "moved mid-stream ({before} tokens before)");
+    }
+    // A move of a request that is not decoding there fails, and its pages go back.
+    let LlmMsg::Reserved { grant } =
+        mesh.call(3, &LlmMsg::Reserve { req: 999, tokens: 8 }, Duration::from_secs(30)).await.unwrap()
+    else {
+        panic!("no reservation")
+    };
+    let answer = mesh.call(2, &LlmMsg::Migrate { req: 999, kv: grant }, Duration::from_secs(30)).await.unwrap();
+    assert!(matches!(&answer, LlmMsg::Failed { message, .. } if message.contains("not decoding here")), "{answer:?}");
+    mesh.call(3, &LlmMsg::Release { req: 999 }, Duration::from_secs(30)).await.unwrap();
+    let moved_adapters: std::collections::BTreeSet<u32> = r.outcomes.iter().map(|(m, _)| m.adapter).collect();
+    assert_eq!(c.instances[2].adapters(), moved_adapters.iter().copied().collect::<Vec<_>>(), "adapters came along");
+    // Every token arrives once, in order, from whichever instance decodes the request, until
+    // the request's last (its LONG-th, or the end-of-sequence token).
+    let mut open: std::collections::BTreeSet<u64> = got.keys().copied().collect();
+    while !open.is_empty() {
+        let m = tokio::time::timeout(Duration::from_secs(120), inbox.recv())
+            .await
+            .unwrap_or_else(|_| panic!("no token for 120 s; still open: {open:?}"))
+            .unwrap();
+        match m.msg {
+            LlmMsg::Token { req, index, token, done } => {
+                let t = got.get_mut(&req).unwrap();
+                assert_eq!(index as usize, t.len(), "request {req} from node {}", m.from);
+                t.push(token);
+                if done {
+                    open.remove(&req);
+                }
+            }
+            LlmMsg::Abort { req, message } => panic!("request {req} aborted: {message}"),
+            _ => {}
+        }
+    }
+    let text = c.eps[0].metrics().render();
+    assert!(text.contains("cascade_lora_migrations_total{result=\"moved\"}"), "{text}");
+    assert!(text.contains("cascade_lora_migration_solve_seconds_count"), "{text}");
+    // The same requests served alone, each with its adapter, in one process.
+    let mut g = Generator::from_dir(&smollm2_dir().unwrap()).unwrap();
+    for k in [1, 2] {
+        g.model_mut().add_adapter(k, adapter(k)).unwrap();
+    }
+    let mut exact = 0;
+    for (i, prompt) in prompts.iter().enumerate() {
+        let req = 200 + i as u64;
+        let job = LoraJob { arrival: 0, adapter: i as u32 % 2, prompt: prompt.clone(), max_tokens: LONG as usize };
+        let alone = serve_alone(g.model_mut(), &job, 1000 + i as u64).unwrap();
+        let served = &got[&req];
+        assert!(served.len() == LONG as usize || served.last() == Some(&cfg.eos_token_id));
+        if let Some(step) = served.iter().zip(&alone.tokens).position(|(a, b)| a != b) {
+            // Batched and alone arithmetic may only break a near-tie differently.
+            assert!(
+                alone.margins[step] < 0.01,
+                "request {req} differs at token {step} (margin {})",
+                alone.margins[step]
+            );
+        } else {
+            exact += 1;
+        }
+    }
+    eprintln!("{exact} of {} requests token for token equal to the request served alone", prompts.len());
     for e in &c.eps {
         e.shutdown();
     }

@@ -87,6 +87,14 @@ pub struct LoraAdapter {
     pub weights: BTreeMap<(usize, Proj), (Tensor, Tensor)>,
 }
 
+const IMAGE_MAGIC: &[u8; 4] = b"CLRA";
+
+#[derive(Serialize, Deserialize)]
+struct ImageHeader {
+    config: LoraConfig,
+    pairs: Vec<(usize, Proj)>,
+}
+
 fn key(block: usize, p: Proj, ab: char) -> String {
     format!("base_model.model.model.layers.{block}.self_attn.{}.lora_{ab}.weight", p.module())
 }
@@ -216,6 +224,55 @@ impl LoraAdapter {
         let mut cfg = serde_json::to_value(&self.config).map_err(|e| bad(&e))?;
         cfg["peft_type"] = "LORA".into();
         std::fs::write(dir.join("adapter_config.json"), cfg.to_string()).map_err(|e| bad(&e))
+    }
+
+    /// The adapter as one byte image, for a WRITE to another instance (co-migration):
+    /// `"CLRA"`, the length of a JSON header (little-endian u32), the header (configuration and the
+    /// (block, projection) of every pair in order), then each pair's `A` and `B` as little-endian
+    /// f32, row-major. [`LoraAdapter::from_image`] reads it back.
+    pub fn to_image(&self) -> Result<Vec<u8>, ExecError> {
+        let pairs: Vec<(usize, Proj)> = self.weights.keys().copied().collect();
+        let header = serde_json::to_vec(&ImageHeader { config: self.config.clone(), pairs })
+            .map_err(|e| ExecError::Model(format!("adapter header: {e}")))?;
+        let mut out = Vec::with_capacity(8 + header.len() + self.bytes());
+        out.extend_from_slice(IMAGE_MAGIC);
+        out.extend_from_slice(&(header.len() as u32).to_le_bytes());
+        out.extend_from_slice(&header);
+        for (a, b) in self.weights.values() {
+            for t in [a, b] {
+                for x in t.flatten_all()?.to_vec1::<f32>()? {
+                    out.extend_from_slice(&x.to_le_bytes());
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Reads [`LoraAdapter::to_image`]'s bytes, checking every shape against `cfg` and the
+    /// length exactly.
+    pub fn from_image(image: &[u8], cfg: &LlamaConfig) -> Result<LoraAdapter, ExecError> {
+        let bad = |why: &str| ExecError::Model(format!("adapter image: {why}"));
+        let rest = image.strip_prefix(IMAGE_MAGIC.as_slice()).ok_or_else(|| bad("no CLRA magic"))?;
+        let (len, rest) = rest.split_first_chunk::<4>().ok_or_else(|| bad("truncated header length"))?;
+        let len = u32::from_le_bytes(*len) as usize;
+        let header = rest.get(..len).ok_or_else(|| bad("truncated header"))?;
+        let h: ImageHeader = serde_json::from_slice(header).map_err(|e| bad(&e.to_string()))?;
+        let mut data = &rest[len..];
+        let mut tensors = HashMap::new();
+        for &(block, p) in &h.pairs {
+            let (out, inn) = p.shape(cfg);
+            for (ab, dims) in [('A', (h.config.r, inn)), ('B', (out, h.config.r))] {
+                let n = dims.0 * dims.1;
+                let raw = data.get(..4 * n).ok_or_else(|| bad("truncated tensors"))?;
+                let v: Vec<f32> = raw.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+                tensors.insert(key(block, p, ab), Tensor::from_vec(v, dims, &Device::Cpu)?);
+                data = &data[4 * n..];
+            }
+        }
+        if !data.is_empty() {
+            return Err(bad(&format!("{} bytes after the tensors", data.len())));
+        }
+        Self::from_tensors(h.config, tensors, cfg)
     }
 
     /// Bytes of its tensors.

@@ -8,15 +8,15 @@ use std::time::Duration;
 
 use cascade_multicast::cluster::MulticastNode;
 use cascade_transport::service::DEFAULT_INBOX;
-use cascade_transport::{Inbox, Mesh, Op, Region, RemoteKey, RemoteRegion, ServiceExt};
+use cascade_transport::{Inbox, Mesh, Op, Region, RemoteKey, RemoteRegion, ReplyTo, ServiceExt};
 use tokio::sync::{mpsc, oneshot, Notify};
 use tracing::{debug, warn};
 
 use super::kv::{KvLayout, Pages};
-use super::proto::{KvGrant, LlmMsg, Role};
+use super::proto::{KvGrant, LlmMsg, RegionGrant, ReqLoad, Role};
 use super::PdModel;
 use crate::llama::generate::argmax;
-use crate::llama::Llama;
+use crate::llama::{Llama, LoraAdapter};
 use crate::serve::compute::{Cmd, Compute, Finished};
 use crate::serve::copy::Copy;
 use crate::serve::{ExecMsg, ServeError, Source};
@@ -64,6 +64,15 @@ struct Seq {
     generated: u32,
     max_tokens: u32,
     router: u32,
+    /// Its LoRA adapter (0: the base model).
+    adapter: u32,
+}
+
+/// A `Migrate` waiting for the decode loop to hand its request over between two steps.
+struct Handover {
+    req: u64,
+    kv: KvGrant,
+    reply: ReplyTo,
 }
 
 struct Shared {
@@ -80,6 +89,12 @@ struct Shared {
     staging: tokio::sync::Mutex<Option<Region>>,
     running: Mutex<Vec<Seq>>,
     wake: Notify,
+    /// Migrations the decode loop hands over at its next step boundary.
+    handovers: Mutex<Vec<Handover>>,
+    /// The adapters the model serves (mirrors the compute thread's model).
+    adapters: Mutex<std::collections::BTreeSet<u32>>,
+    /// Regions granted for adapter images a migration brings, by adapter.
+    adapter_in: Mutex<std::collections::HashMap<u32, Region>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -128,6 +143,9 @@ impl LlmInstance {
             staging: tokio::sync::Mutex::new(None),
             running: Mutex::default(),
             wake: Notify::new(),
+            handovers: Mutex::default(),
+            adapters: Mutex::default(),
+            adapter_in: Mutex::default(),
         });
         // The instance's KV in the node's metrics, read at each scrape.
         let weak = Arc::downgrade(&shared);
@@ -155,6 +173,22 @@ impl LlmInstance {
     pub fn role(&self) -> Role {
         *lock(&self.shared.role)
     }
+
+    /// Serves LoRA adapter `id` from now on (prefills and decodes of requests that name it).
+    pub async fn add_adapter(&self, id: u32, adapter: LoraAdapter) -> Result<(), ServeError> {
+        install_adapter(&self.shared, id, adapter).await
+    }
+
+    /// The adapters it serves.
+    pub fn adapters(&self) -> Vec<u32> {
+        lock(&self.shared.adapters).iter().copied().collect()
+    }
+}
+
+async fn install_adapter(sh: &Shared, id: u32, adapter: LoraAdapter) -> Result<(), ServeError> {
+    with_model(sh, move |m| m.add_adapter(id, adapter)).await??;
+    lock(&sh.adapters).insert(id);
+    Ok(())
 }
 
 async fn route_finished(mut done: mpsc::UnboundedReceiver<Finished<Tag>>) {
@@ -234,12 +268,25 @@ async fn serve_llm(sh: Arc<Shared>, mut inbox: Inbox<LlmMsg>) {
                 Some(Ok(LlmMsg::Ack))
             }
             LlmMsg::Status => Some(Ok(state(&sh))),
-            msg @ (LlmMsg::Prefill { .. } | LlmMsg::Continue { .. } | LlmMsg::Start { .. }) => {
+            LlmMsg::Load => Some(Ok(load(&sh))),
+            LlmMsg::ReserveAdapter { adapter, bytes } => Some(reserve_adapter(&sh, adapter, bytes)),
+            LlmMsg::Migrate { req, kv } => {
+                lock(&sh.handovers).push(Handover { req, kv, reply });
+                sh.wake.notify_one();
+                None
+            }
+            msg @ (LlmMsg::Prefill { .. } | LlmMsg::Continue { .. } | LlmMsg::Start { .. } | LlmMsg::Resume { .. }) => {
                 let sh = sh.clone();
                 tokio::spawn(async move {
                     let a = match msg {
-                        LlmMsg::Start { req, prompt_len, first, max_tokens, router } => {
-                            start(&sh, req, prompt_len, first, max_tokens, router).await
+                        LlmMsg::Start { req, prompt_len, first, max_tokens, router, adapter } => {
+                            let seq =
+                                Seq { req, pos: prompt_len, last: first, generated: 1, max_tokens, router, adapter };
+                            admit(&sh, seq, None).await
+                        }
+                        LlmMsg::Resume { req, pos, last, generated, max_tokens, router, adapter, adapter_bytes } => {
+                            let seq = Seq { req, pos, last, generated, max_tokens, router, adapter };
+                            admit(&sh, seq, adapter_bytes).await
                         }
                         other => prefill(&sh, other).await,
                     };
@@ -263,6 +310,41 @@ fn state(sh: &Shared) -> LlmMsg {
         running: lock(&sh.running).len() as u32,
         free_pages: lock(&sh.kv).as_ref().map_or(0, |(_, p)| p.available() as u32),
     }
+}
+
+fn load(sh: &Shared) -> LlmMsg {
+    let requests = lock(&sh.running)
+        .iter()
+        .map(|s| ReqLoad {
+            req: s.req,
+            adapter: s.adapter,
+            tokens: s.pos,
+            remaining: s.max_tokens.saturating_sub(s.generated),
+        })
+        .collect();
+    let (kv_pages, free_pages) = lock(&sh.kv).as_ref().map_or((0, 0), |(_, p)| (sh.cfg.kv_pages, p.available() as u32));
+    LlmMsg::Loads { requests, adapters: lock(&sh.adapters).iter().copied().collect(), kv_pages, free_pages }
+}
+
+/// Room for adapter `adapter`'s image, unless it is served here already (`Ack`).
+fn reserve_adapter(sh: &Shared, adapter: u32, bytes: u64) -> Result<LlmMsg, ServeError> {
+    if adapter == 0 || lock(&sh.adapters).contains(&adapter) {
+        return Ok(LlmMsg::Ack);
+    }
+    if bytes == 0 || bytes > 1 << 30 {
+        return Err(ServeError::Input(format!("an adapter image of {bytes} bytes")));
+    }
+    let mut granted = lock(&sh.adapter_in);
+    // A grant no migration used yet (one that failed) is reused when large enough.
+    let reuse = granted.get(&adapter).is_some_and(|r| r.len() >= bytes);
+    if !reuse {
+        if let Some(old) = granted.insert(adapter, sh.mesh.register_new(bytes)?) {
+            sh.mesh.deregister(old.id());
+        }
+    }
+    let region = granted.get(&adapter).ok_or_else(|| ServeError::Protocol("no adapter region".into()))?;
+    let grant = RegionGrant { node: sh.mesh.node(), region: region.id().0, key: region.key().0, len: region.len() };
+    Ok(LlmMsg::AdapterGrant { grant })
 }
 
 fn reserve(sh: &Shared, req: u64, tokens: u32) -> Result<LlmMsg, ServeError> {
@@ -310,17 +392,21 @@ async fn prefill(sh: &Arc<Shared>, msg: LlmMsg) -> Result<LlmMsg, ServeError> {
     }
     let layers = sh.compute.layers();
     let (req, act, max_tokens, kv, split, router) = match msg {
-        LlmMsg::Prefill { req, prompt, max_tokens, kv, split, router } => {
+        LlmMsg::Prefill { req, prompt, max_tokens, kv, split, router, adapter } => {
             if prompt.is_empty() || prompt.len() > sh.cfg.max_prompt as usize {
                 return Err(ServeError::Input(format!("{} prompt tokens: 1 to {}", prompt.len(), sh.cfg.max_prompt)));
             }
-            (req, Activation::packed(&[(req, 0, prompt)])?, max_tokens, kv, split, router)
+            if adapter != 0 && !lock(&sh.adapters).contains(&adapter) {
+                return Err(ServeError::Peer(format!("adapter {adapter} is not served here")));
+            }
+            (req, Activation::packed(&[(req, 0, prompt)])?.with_adapters(&[adapter])?, max_tokens, kv, split, router)
         }
         LlmMsg::Continue { req, act, max_tokens, kv, router } => {
             (req, Activation::from_bytes(&act)?, max_tokens, kv, None, router)
         }
         other => return Err(ServeError::Protocol(format!("not a prefill: {other:?}"))),
     };
+    let adapter = act.segments.first().map_or(0, |g| g.adapter);
     let from = act.next_layer;
     let prompt_len = act.ids.dims2().map_err(ExecError::from)?.1 as u32;
     let stop = match split {
@@ -352,7 +438,7 @@ async fn prefill(sh: &Arc<Shared>, msg: LlmMsg) -> Result<LlmMsg, ServeError> {
     let first = argmax(&out)?.first().copied().ok_or_else(|| ServeError::Protocol("no logits".into()))?;
     let decoding = first != sh.model.config.eos_token_id && max_tokens > 1;
     if decoding {
-        let start = LlmMsg::Start { req, prompt_len, first, max_tokens, router };
+        let start = LlmMsg::Start { req, prompt_len, first, max_tokens, router, adapter };
         match sh.mesh.call(kv.node, &start, sh.cfg.op_timeout).await? {
             LlmMsg::Ack => {}
             LlmMsg::Failed { message, .. } => {
@@ -388,9 +474,10 @@ async fn move_kv(sh: &Arc<Shared>, req: u64, blocks: Range<usize>, kv: &KvGrant)
     }
     let bp = layout.block_page_bytes();
     let mut staging = sh.staging.lock().await;
-    if staging.is_none() {
-        let pages = layout.pages_for(sh.cfg.max_prompt as usize) as u64;
-        *staging = Some(sh.mesh.register_new(pages * bp)?);
+    // Sized for the longest prompt; a migrated request's KV can be longer, and grows it.
+    let need = (per_block.max(layout.pages_for(sh.cfg.max_prompt as usize)) as u64) * bp;
+    if staging.as_ref().is_none_or(|r| r.len() < need) {
+        *staging = Some(sh.mesh.register_new(need)?);
     }
     let st = staging.as_ref().ok_or_else(|| ServeError::Protocol("no staging region".into()))?;
     let remote =
@@ -411,23 +498,34 @@ async fn move_kv(sh: &Arc<Shared>, req: u64, blocks: Range<usize>, kv: &KvGrant)
     Ok(())
 }
 
-/// Takes `req`'s prompt KV out of its pages into the model's cache and starts decoding it.
-async fn start(
-    sh: &Arc<Shared>,
-    req: u64,
-    prompt_len: u32,
-    first: u32,
-    max_tokens: u32,
-    router: u32,
-) -> Result<LlmMsg, ServeError> {
+/// Takes a request's KV out of its pages into the model's cache and starts decoding it: after
+/// its prefill (`Start`: the prompt's KV, the first token) or a migration (`Resume`: the KV so
+/// far, and the adapter's image in its granted region when `adapter_bytes` is given).
+async fn admit(sh: &Arc<Shared>, seq: Seq, adapter_bytes: Option<u64>) -> Result<LlmMsg, ServeError> {
     if *lock(&sh.role) != Role::Decode {
         return Err(ServeError::Peer("not a decode instance".into()));
     }
     if lock(&sh.running).len() >= sh.cfg.max_running {
         return Err(ServeError::Peer(format!("{} requests decoding already", sh.cfg.max_running)));
     }
-    let layout = sh.layout;
-    let tokens = prompt_len as usize;
+    if let Some(n) = adapter_bytes {
+        let region = lock(&sh.adapter_in)
+            .remove(&seq.adapter)
+            .ok_or_else(|| ServeError::Protocol(format!("no region was granted for adapter {}", seq.adapter)))?;
+        if n > region.len() {
+            return Err(ServeError::Input(format!("an adapter image of {n} bytes in {} granted", region.len())));
+        }
+        // SAFETY: the region was registered for this adapter's image alone and the old instance's
+        // WRITE of it completed before it sent Resume; nothing writes it any more.
+        let image = unsafe { region.view(0, n) }?;
+        let adapter = LoraAdapter::from_image(&image, &sh.model.config);
+        sh.mesh.deregister(region.id());
+        install_adapter(sh, seq.adapter, adapter?).await?;
+    }
+    if seq.adapter != 0 && !lock(&sh.adapters).contains(&seq.adapter) {
+        return Err(ServeError::Peer(format!("adapter {} is not served here", seq.adapter)));
+    }
+    let (req, layout, tokens) = (seq.req, sh.layout, seq.pos as usize);
     let per_block: Vec<(usize, Vec<bytes::Bytes>)> = {
         let kv = lock(&sh.kv);
         let (region, pages) = kv.as_ref().ok_or_else(|| ServeError::Protocol("no KV region".into()))?;
@@ -440,8 +538,8 @@ async fn start(
             .map(|b| {
                 let views = mine[..n]
                     .iter()
-                    // SAFETY: these pages are `req`'s alone; its prefill instances WRITE them
-                    // before sending Start, and their WRITEs completed before Start was sent.
+                    // SAFETY: these pages are `req`'s alone; the instance that filled them WROTE
+                    // them before sending Start or Resume, and its WRITEs completed before.
                     .map(|&p| unsafe { region.view(layout.offset(p, b), layout.block_page_bytes()) })
                     .collect::<Result<Vec<_>, _>>()?;
                 Ok((b, views))
@@ -458,9 +556,84 @@ async fn start(
         Ok(())
     })
     .await??;
-    lock(&sh.running).push(Seq { req, pos: prompt_len, last: first, generated: 1, max_tokens, router });
+    lock(&sh.running).push(seq);
     sh.wake.notify_one();
     Ok(LlmMsg::Ack)
+}
+
+/// Hands `seq` (taken out of the running set between two steps) to the instance that granted
+/// `h.kv`: its KV so far by WRITEs; its adapter's image by a WRITE into a region that instance
+/// grants when it does not serve the adapter; then `Resume` there. On failure the request
+/// decodes here again and nothing of it is lost.
+async fn hand_over(sh: Arc<Shared>, seq: Seq, h: Handover) {
+    let (req, generated) = (seq.req, seq.generated);
+    let result = async {
+        let blocks = 0..sh.layout.blocks;
+        move_kv(&sh, req, blocks, &h.kv).await?;
+        let adapter_bytes = bring_adapter(&sh, seq.adapter, h.kv.node).await?;
+        let resume = LlmMsg::Resume {
+            req,
+            pos: seq.pos,
+            last: seq.last,
+            generated,
+            max_tokens: seq.max_tokens,
+            router: seq.router,
+            adapter: seq.adapter,
+            adapter_bytes,
+        };
+        match sh.mesh.call(h.kv.node, &resume, sh.cfg.op_timeout).await? {
+            LlmMsg::Ack => Ok(()),
+            LlmMsg::Failed { message, .. } => Err(ServeError::Peer(format!("node {}: {message}", h.kv.node))),
+            other => Err(ServeError::Protocol(format!("unexpected answer {other:?}"))),
+        }
+    }
+    .await;
+    let answer = match result {
+        Ok(()) => {
+            release(&sh, req);
+            let _ = with_model(&sh, move |m| m.free(req)).await;
+            LlmMsg::Migrated { req, tokens: generated }
+        }
+        Err(e) => {
+            warn!(req, to = h.kv.node, error = %e, "migration failed: the request decodes here again");
+            lock(&sh.running).push(seq);
+            sh.wake.notify_one();
+            failed(&e)
+        }
+    };
+    let _ = sh.mesh.reply(&h.reply, &answer);
+}
+
+/// Brings adapter `id` to node `to` unless it serves it: asks `to` for a region, WRITEs the
+/// adapter's image into it; the image's length, or `None` when nothing had to move.
+async fn bring_adapter(sh: &Arc<Shared>, id: u32, to: cascade_transport::NodeId) -> Result<Option<u64>, ServeError> {
+    if id == 0 {
+        return Ok(None);
+    }
+    let image = with_model(sh, move |m| -> Result<Vec<u8>, ExecError> {
+        m.adapter(id).ok_or_else(|| ExecError::Input(format!("no adapter {id}")))?.to_image()
+    })
+    .await??;
+    let n = image.len() as u64;
+    let g = match sh.mesh.call(to, &LlmMsg::ReserveAdapter { adapter: id, bytes: n }, sh.cfg.op_timeout).await? {
+        LlmMsg::Ack => return Ok(None),
+        LlmMsg::AdapterGrant { grant } => grant,
+        LlmMsg::Failed { message, .. } => return Err(ServeError::Peer(format!("node {to}: {message}"))),
+        other => return Err(ServeError::Protocol(format!("unexpected answer {other:?}"))),
+    };
+    if n > g.len || g.node != to {
+        return Err(ServeError::Protocol(format!("a grant of {} bytes on node {} for {n} on {to}", g.len, g.node)));
+    }
+    let staging = sh.mesh.register_new(n)?;
+    // SAFETY: the region was just registered by this task and no operation uses it yet.
+    unsafe { staging.write_local(0, &image) }?;
+    let remote =
+        RemoteRegion { node: g.node, id: cascade_transport::RegionId(g.region), key: RemoteKey(g.key), len: g.len };
+    for h in sh.mesh.link(g.node)?.post(vec![Op::write(&staging, 0, remote, 0, n)]) {
+        h.wait("adapter write", sh.cfg.op_timeout).await?;
+    }
+    sh.mesh.deregister(staging.id());
+    Ok(Some(n))
 }
 
 /// Continuous batching: every running request decodes one token per step, in one batch; a
@@ -469,12 +642,30 @@ async fn decode_loop(sh: Arc<Shared>) {
     let layers = sh.compute.layers();
     let eos = sh.model.config.eos_token_id;
     loop {
-        let batch: Vec<(u64, u32, Vec<u32>)> = lock(&sh.running).iter().map(|s| (s.req, s.pos, vec![s.last])).collect();
+        // Between two steps: hand over the requests a migration asked for.
+        let handovers: Vec<Handover> = std::mem::take(&mut *lock(&sh.handovers));
+        for h in handovers {
+            let seq = {
+                let mut running = lock(&sh.running);
+                running.iter().position(|s| s.req == h.req).map(|i| running.remove(i))
+            };
+            match seq {
+                Some(seq) => {
+                    tokio::spawn(hand_over(sh.clone(), seq, h));
+                }
+                None => {
+                    let e = ServeError::Peer(format!("request {} is not decoding here", h.req));
+                    let _ = sh.mesh.reply(&h.reply, &failed(&e));
+                }
+            }
+        }
+        let (batch, adapters): (Vec<_>, Vec<u32>) =
+            lock(&sh.running).iter().map(|s| ((s.req, s.pos, vec![s.last]), s.adapter)).unzip();
         if batch.is_empty() {
             sh.wake.notified().await;
             continue;
         }
-        let result = match Activation::packed(&batch) {
+        let result = match Activation::packed(&batch).and_then(|a| a.with_adapters(&adapters)) {
             Ok(act) => run(&sh, act, layers).await.and_then(|a| Ok(argmax(&a)?)),
             Err(e) => Err(e.into()),
         };

@@ -11,7 +11,17 @@
 //! decode  -> router   Abort{req, message}                             (one-way: decoding failed)
 //! router  -> prefill  Mutate                                       -> Ack  (it becomes a decode instance)
 //! router  -> any      Status                                       -> State{role, resident, ..}
+//! router  -> decode   Load                                         -> Loads{requests, adapters, ..}
+//! router  -> decode   Migrate{req, kv}                             -> Migrated{req, tokens} | Failed
+//! decode  -> decode   ReserveAdapter{adapter, bytes}               -> AdapterGrant{..} | Ack (served there)
+//! decode  -> decode   Resume{req, pos, last, .., adapter_bytes}    -> Ack | Failed  (after its WRITEs)
 //! ```
+//!
+//! Co-migration (dLoRA §5.2): a decode instance hands a running request to another one between
+//! two decode steps — its KV so far by one-sided WRITEs into pages the other granted, and, when
+//! the other lacks the request's adapter, the adapter's tensors by a WRITE into a region it
+//! granted — then `Resume` there; the token stream goes on from the new instance. A migration
+//! that fails leaves the request decoding where it was.
 //!
 //! The KV of a prefilled request moves from the prefill instance(s) to the decode instance by
 //! one-sided WRITEs, block (layer) by block, into the pages the decode instance granted in its
@@ -35,6 +45,32 @@ pub struct KvGrant {
     pub len: u64,
     /// The pages, in token order.
     pub pages: Vec<u32>,
+}
+
+/// A registered region of a peer lent for one WRITE.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RegionGrant {
+    /// The peer.
+    pub node: NodeId,
+    /// The region's id.
+    pub region: u32,
+    /// Its key.
+    pub key: u64,
+    /// Its length.
+    pub len: u64,
+}
+
+/// One request decoding on an instance.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReqLoad {
+    /// The request.
+    pub req: u64,
+    /// Its adapter (0: the base model).
+    pub adapter: u32,
+    /// Tokens in its KV.
+    pub tokens: u32,
+    /// Tokens it still generates at most.
+    pub remaining: u32,
 }
 
 /// What an instance does now.
@@ -82,6 +118,8 @@ pub enum LlmMsg {
         split: Option<Split>,
         /// Where the decode instance streams the tokens.
         router: NodeId,
+        /// The LoRA adapter it is served with (0: the base model).
+        adapter: u32,
     },
     /// The rest of a split prefill: `act` is the activation after the asker's stages, whose KV
     /// it already wrote to `kv`.
@@ -121,6 +159,67 @@ pub enum LlmMsg {
         max_tokens: u32,
         /// Where to stream the tokens.
         router: NodeId,
+        /// The LoRA adapter it is served with (0: the base model).
+        adapter: u32,
+    },
+    /// A decode instance's load, for migration decisions.
+    Load,
+    /// The answer to `Load`.
+    Loads {
+        /// Requests decoding here.
+        requests: Vec<ReqLoad>,
+        /// Adapters this instance serves.
+        adapters: Vec<u32>,
+        /// Pages of the KV region (0 before it exists).
+        kv_pages: u32,
+        /// Free pages of it.
+        free_pages: u32,
+    },
+    /// Make room for adapter `adapter`'s image of `bytes` (a migration brings it).
+    ReserveAdapter {
+        /// The adapter.
+        adapter: u32,
+        /// Its image's length ([`crate::llama::LoraAdapter::to_image`]).
+        bytes: u64,
+    },
+    /// Where to WRITE the adapter's image.
+    AdapterGrant {
+        /// The region.
+        grant: RegionGrant,
+    },
+    /// Hand request `req` to the decode instance that granted `kv`, between two decode steps
+    /// (with its adapter when that instance lacks it).
+    Migrate {
+        /// The request.
+        req: u64,
+        /// Its pages on the new instance (for every token so far and to come).
+        kv: KvGrant,
+    },
+    /// The request moved: the new instance decodes it from token `tokens` of the answer on.
+    Migrated {
+        /// The request.
+        req: u64,
+        /// Tokens of the answer generated before the move.
+        tokens: u32,
+    },
+    /// Decode a migrated request whose KV (and adapter) the old instance WROTE here.
+    Resume {
+        /// The request.
+        req: u64,
+        /// Tokens in its KV (the position fed next).
+        pos: u32,
+        /// The last generated token (fed next).
+        last: u32,
+        /// Tokens of the answer so far.
+        generated: u32,
+        /// Tokens to generate at most.
+        max_tokens: u32,
+        /// Where to stream the tokens.
+        router: NodeId,
+        /// Its adapter.
+        adapter: u32,
+        /// The adapter image's length in the granted region, when one was written.
+        adapter_bytes: Option<u64>,
     },
     /// A generated token: `index` 1 is the second token of the answer (index 0 is `first`).
     Token {
@@ -168,7 +267,7 @@ pub enum LlmMsg {
     },
 }
 
-binary_message!(LlmMsg, ServiceId::LLM, 1);
+binary_message!(LlmMsg, ServiceId::LLM, 2);
 
 #[cfg(test)]
 mod tests {
@@ -190,10 +289,32 @@ mod tests {
                 kv: kv.clone(),
                 split: Some(Split { layers: 5, then: 1 }),
                 router: 0,
+                adapter: 2,
             },
             LlmMsg::Continue { req: 1, act: vec![1, 2, 3], max_tokens: 32, kv, router: 0 },
             LlmMsg::Prefilled { req: 1, first: 7042, on_first: 5, decoding: true },
-            LlmMsg::Start { req: 1, prompt_len: 5, first: 7042, max_tokens: 32, router: 0 },
+            LlmMsg::Start { req: 1, prompt_len: 5, first: 7042, max_tokens: 32, router: 0, adapter: 0 },
+            LlmMsg::Load,
+            LlmMsg::Loads {
+                requests: vec![ReqLoad { req: 4, adapter: 1, tokens: 17, remaining: 9 }],
+                adapters: vec![1, 3],
+                kv_pages: 64,
+                free_pages: 60,
+            },
+            LlmMsg::ReserveAdapter { adapter: 3, bytes: 1 << 20 },
+            LlmMsg::AdapterGrant { grant: RegionGrant { node: 2, region: 5, key: 9, len: 1 << 20 } },
+            LlmMsg::Migrate { req: 4, kv: KvGrant { node: 2, region: 1, key: 3, len: 4096, pages: vec![0, 1] } },
+            LlmMsg::Migrated { req: 4, tokens: 8 },
+            LlmMsg::Resume {
+                req: 4,
+                pos: 17,
+                last: 198,
+                generated: 8,
+                max_tokens: 16,
+                router: 0,
+                adapter: 3,
+                adapter_bytes: Some(1000),
+            },
             LlmMsg::Token { req: 1, index: 3, token: 198, done: false },
             LlmMsg::Abort { req: 1, message: "gone".into() },
             LlmMsg::Mutate,

@@ -31,6 +31,8 @@ pub struct GenRequest {
     pub prompt: Vec<u32>,
     /// Tokens to generate at most.
     pub max_tokens: u32,
+    /// The LoRA adapter to serve it with (0: the base model).
+    pub adapter: u32,
 }
 
 /// A request's answer.
@@ -328,6 +330,7 @@ async fn prefill(
         kv,
         split,
         router: mesh.node(),
+        adapter: req.adapter,
     };
     let r = match mesh.call(to, &msg, timeout).await {
         Ok(LlmMsg::Prefilled { first, decoding, on_first, .. }) => Outcome::Done(first, decoding, on_first, node),

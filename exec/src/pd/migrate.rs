@@ -1,0 +1,294 @@
+//! dLoRA's reactive request–adapter co-migration (seed `002_…`, §5.2) over real decode instances:
+//! the router's monitor asks each decode instance for its load (`Load`), and when a trigger fires
+//! it builds the co-migration problem of [`cascade_sched::lora::migrate`] for the top-K
+//! overloaded × top-K underloaded instances, solves it (`good_lp` on `microlp`, the greedy plan as
+//! fallback and bound, the result checked), and carries the moves out: pages reserved on the new
+//! instance, then `Migrate` to the old one, which hands the request over between two decode
+//! steps — its KV by one-sided WRITEs, its adapter by a WRITE when the new instance lacks it.
+//!
+//! [`plan`] is the decision, sans IO (the same trigger and problem as the simulator's monitor in
+//! `cascade_sched::lora::sim`); [`rebalance`] is the IO around it.
+//!
+//! **Departures, stated.** Every running request on an overloaded instance may move (the
+//! simulator, like the paper, excludes the requests in the running batch; here a request is
+//! handed over between two steps, so none is mid-iteration). A request's remaining time is its
+//! remaining tokens × the instance's step time per request (the cost model's `per_seq_ms` plus
+//! its share of `base_ms`), which is the linear model the paper's ILP uses.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cascade_sched::lora::dispatch::ClusterConfig;
+use cascade_sched::lora::migrate::{MigProblem, MigReplica, MigRequest, PlanSource};
+use cascade_sched::lora::CostModel;
+use cascade_transport::{Mesh, NodeId, ServiceExt};
+
+use super::kv::KvLayout;
+use super::proto::{LlmMsg, ReqLoad};
+use crate::serve::ServeError;
+
+/// One decode instance's load, as it answered `Load`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct InstanceLoad {
+    /// The instance.
+    pub node: NodeId,
+    /// Its running requests.
+    pub requests: Vec<ReqLoad>,
+    /// The adapters it serves.
+    pub adapters: Vec<u32>,
+    /// Pages of its KV region (0 before it exists).
+    pub kv_pages: u32,
+    /// Free pages of it.
+    pub free_pages: u32,
+}
+
+impl InstanceLoad {
+    /// Fraction of its KV region in use.
+    pub fn kv_use(&self) -> f64 {
+        if self.kv_pages == 0 {
+            0.0
+        } else {
+            1.0 - f64::from(self.free_pages) / f64::from(self.kv_pages)
+        }
+    }
+}
+
+/// A move the plan asks for.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Move {
+    /// The request.
+    pub req: u64,
+    /// Its adapter.
+    pub adapter: u32,
+    /// The instance it leaves.
+    pub from: NodeId,
+    /// The instance it goes to.
+    pub to: NodeId,
+    /// Tokens its KV cache will need there (so far and to come).
+    pub tokens: u32,
+}
+
+/// A monitor decision.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Decision {
+    /// Why the monitor acted.
+    pub trigger: String,
+    /// The solved problem's plan: objective, the objective with nothing moved, who produced it.
+    pub objective_ms: f64,
+    /// The objective with nothing moved.
+    pub stay_ms: f64,
+    /// ILP or greedy.
+    pub source: PlanSource,
+    /// Solver time.
+    pub solve_ms: f64,
+    /// Why the solver's plan was not used, when it was not.
+    pub solver_note: Option<String>,
+    /// The moves.
+    pub moves: Vec<Move>,
+}
+
+/// Which trigger fires, if any: the fullest instance's KV use ≥ `kv_trigger` while another's is
+/// below, or an instance with `queue_trigger` requests more than the average.
+pub fn trigger(loads: &[InstanceLoad], c: &ClusterConfig) -> Option<String> {
+    if loads.len() < 2 {
+        return None;
+    }
+    let kv: Vec<f64> = loads.iter().map(InstanceLoad::kv_use).collect();
+    let (kv_max, kv_min) = kv.iter().fold((0.0f64, f64::INFINITY), |(a, b), &x| (a.max(x), b.min(x)));
+    if kv_max >= c.kv_trigger && kv_min < c.kv_trigger {
+        return Some(format!("KV use {kv_max:.2} on the fullest instance, {kv_min:.2} on the emptiest"));
+    }
+    let q: Vec<f64> = loads.iter().map(|l| l.requests.len() as f64).collect();
+    let mean = q.iter().sum::<f64>() / q.len() as f64;
+    let (i, max) = q.iter().copied().enumerate().fold((0, 0.0), |b, (i, x)| if x > b.1 { (i, x) } else { b });
+    (max - mean >= c.queue_trigger as f64)
+        .then(|| format!("node {} runs {max} requests, {:.1} above the average", loads[i].node, max - mean))
+}
+
+/// The monitor's decision for `loads`, or `None` when no trigger fires. `layout` sizes KV in
+/// bytes; `cost` gives the step time, the migration bandwidth and the adapter's size and load
+/// time.
+pub fn plan(loads: &[InstanceLoad], c: &ClusterConfig, cost: &CostModel, layout: &KvLayout) -> Option<Decision> {
+    let why = trigger(loads, c)?;
+    let n = loads.len();
+    let step_ms = |running: usize| cost.base_ms / running.max(1) as f64 + cost.per_seq_ms;
+    let pending: Vec<f64> = loads
+        .iter()
+        .map(|l| l.requests.iter().map(|r| f64::from(r.remaining) * step_ms(l.requests.len())).sum())
+        .collect();
+    let mut order: Vec<usize> = (0..n).collect();
+    order.sort_by(|&a, &b| pending[b].total_cmp(&pending[a]).then(a.cmp(&b)));
+    let k = c.top_k.min(n / 2).max(1);
+    let over = &order[..k];
+    let members: Vec<usize> = over.iter().chain(&order[n - k..]).copied().collect();
+    let kv_bytes = |tokens: u32| layout.pages_for(tokens as usize) as f64 * layout.page_bytes() as f64;
+    let (mut requests, mut ids, mut replicas) = (Vec::new(), Vec::new(), Vec::new());
+    for (pi, &j) in members.iter().enumerate() {
+        let l = &loads[j];
+        let (mut base_ms, mut base_mem) = (0.0, 0.0);
+        for r in &l.requests {
+            let exec_ms = f64::from(r.remaining) * step_ms(l.requests.len());
+            let mem = kv_bytes(r.tokens + r.remaining);
+            if over.contains(&j) {
+                let move_ms = kv_bytes(r.tokens) / cost.migrate_bytes_per_ms;
+                requests.push(MigRequest { adapter: r.adapter, from: pi, exec_ms, mem_bytes: mem, move_ms });
+                ids.push((j, r));
+            } else {
+                base_ms += exec_ms;
+                base_mem += mem;
+            }
+        }
+        let capacity = f64::from(l.kv_pages) * layout.page_bytes() as f64;
+        replicas.push(MigReplica { base_ms, base_mem, capacity, resident: l.adapters.clone() });
+    }
+    let problem = MigProblem {
+        requests,
+        replicas,
+        adapter_bytes: cost.adapter_bytes as f64,
+        eta_ms: c.eta_ms.unwrap_or(cost.adapter_load_ms),
+        swap_bytes_per_ms: c.swap_bytes_per_ms,
+    };
+    let p = problem.solve(c.relax, Duration::from_millis(c.solve_budget_ms));
+    let moves =
+        p.to.iter()
+            .zip(&ids)
+            .filter(|(&to, (j, _))| members[to] != *j)
+            .map(|(&to, (j, r))| Move {
+                req: r.req,
+                adapter: r.adapter,
+                from: loads[*j].node,
+                to: loads[members[to]].node,
+                tokens: r.tokens + r.remaining,
+            })
+            .collect();
+    Some(Decision {
+        trigger: why,
+        objective_ms: p.objective,
+        stay_ms: p.stay_objective,
+        source: p.source,
+        solve_ms: p.solve_ms,
+        solver_note: p.solver_note,
+        moves,
+    })
+}
+
+/// What one [`rebalance`] did.
+#[derive(Debug, Clone)]
+pub struct Rebalance {
+    /// The loads it saw.
+    pub loads: Vec<InstanceLoad>,
+    /// The decision, when a trigger fired.
+    pub decision: Option<Decision>,
+    /// Each move's outcome: tokens generated before it, or why it did not happen (the request
+    /// then decodes where it was).
+    pub outcomes: Vec<(Move, Result<u32, String>)>,
+    /// The whole round, monitor to last move.
+    pub seconds: f64,
+}
+
+/// One monitor round over the decode instances `decode`: loads, [`plan`], and the moves, one
+/// after another. The solver's time and each move's outcome go to the router node's metrics
+/// (`cascade_lora_migration_solve_seconds`, `cascade_lora_migrations_total{result}`).
+pub async fn rebalance(
+    mesh: &Arc<dyn Mesh>,
+    decode: &[NodeId],
+    c: &ClusterConfig,
+    cost: &CostModel,
+    layout: &KvLayout,
+    timeout: Duration,
+) -> Result<Rebalance, ServeError> {
+    let t0 = Instant::now();
+    let mut loads = Vec::with_capacity(decode.len());
+    for &node in decode {
+        match mesh.call(node, &LlmMsg::Load, timeout).await? {
+            LlmMsg::Loads { requests, adapters, kv_pages, free_pages } => {
+                loads.push(InstanceLoad { node, requests, adapters, kv_pages, free_pages })
+            }
+            other => return Err(ServeError::Protocol(format!("node {node} answered Load with {other:?}"))),
+        }
+    }
+    let decision = plan(&loads, c, cost, layout);
+    let metrics = mesh.metrics();
+    let mut outcomes = Vec::new();
+    if let Some(d) = &decision {
+        metrics
+            .histogram("cascade_lora_migration_solve_seconds", "Time to solve a co-migration plan", &[])
+            .observe(d.solve_ms / 1e3);
+        for m in &d.moves {
+            let r = move_one(mesh, m, timeout).await;
+            let result = if r.is_ok() { "moved" } else { "failed" };
+            metrics
+                .counter("cascade_lora_migrations", "Requests co-migrated with their adapters", &[("result", result)])
+                .inc();
+            outcomes.push((m.clone(), r.map_err(|e| e.to_string())));
+        }
+    }
+    Ok(Rebalance { loads, decision, outcomes, seconds: t0.elapsed().as_secs_f64() })
+}
+
+/// Pages on the new instance, then `Migrate` on the old one; the pages are released when the
+/// move fails.
+async fn move_one(mesh: &Arc<dyn Mesh>, m: &Move, timeout: Duration) -> Result<u32, ServeError> {
+    let kv = match mesh.call(m.to, &LlmMsg::Reserve { req: m.req, tokens: m.tokens }, timeout).await? {
+        LlmMsg::Reserved { grant } => grant,
+        LlmMsg::Failed { message, .. } => return Err(ServeError::Peer(format!("node {}: {message}", m.to))),
+        other => return Err(ServeError::Protocol(format!("unexpected answer {other:?}"))),
+    };
+    let answer = mesh.call(m.from, &LlmMsg::Migrate { req: m.req, kv }, timeout).await;
+    match answer {
+        Ok(LlmMsg::Migrated { tokens, .. }) => Ok(tokens),
+        other => {
+            let _ = mesh.call(m.to, &LlmMsg::Release { req: m.req }, timeout).await;
+            match other {
+                Ok(LlmMsg::Failed { message, .. }) => Err(ServeError::Peer(format!("node {}: {message}", m.from))),
+                Ok(a) => Err(ServeError::Protocol(format!("unexpected answer {a:?}"))),
+                Err(e) => Err(e.into()),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load(node: NodeId, reqs: &[(u64, u32)], adapters: &[u32]) -> InstanceLoad {
+        InstanceLoad {
+            node,
+            requests: reqs.iter().map(|&(req, adapter)| ReqLoad { req, adapter, tokens: 20, remaining: 20 }).collect(),
+            adapters: adapters.to_vec(),
+            kv_pages: 64,
+            free_pages: 64 - 2 * reqs.len() as u32,
+        }
+    }
+
+    fn layout() -> KvLayout {
+        KvLayout { blocks: 2, kv_heads: 1, head_dim: 4, page_tokens: 16 }
+    }
+
+    #[test]
+    fn nothing_moves_without_a_trigger_and_the_busy_instance_sheds_load_with_one() {
+        let c = ClusterConfig { queue_trigger: 2, ..ClusterConfig::default() };
+        let cost = CostModel::cpu_smollm2();
+        let even = [load(1, &[(1, 1), (2, 2)], &[1, 2]), load(2, &[(3, 1), (4, 2)], &[1, 2])];
+        assert_eq!(trigger(&even, &c), None);
+        assert!(plan(&even, &c, &cost, &layout()).is_none());
+        let skewed = [load(1, &[(1, 1), (2, 2), (3, 1), (4, 2)], &[1, 2]), load(2, &[], &[])];
+        let d = plan(&skewed, &c, &cost, &layout()).unwrap();
+        assert!(d.trigger.contains("node 1 runs 4 requests"), "{}", d.trigger);
+        assert!(!d.moves.is_empty() && d.objective_ms < d.stay_ms, "{d:?}");
+        assert!(d.moves.iter().all(|m| m.from == 1 && m.to == 2 && m.tokens == 40));
+    }
+
+    #[test]
+    fn a_full_kv_region_triggers_while_another_has_room() {
+        let c = ClusterConfig { queue_trigger: 100, kv_trigger: 0.9, ..ClusterConfig::default() };
+        let mut full = load(1, &[(1, 1)], &[1]);
+        full.free_pages = 3;
+        let d = trigger(&[full.clone(), load(2, &[], &[])], &c).unwrap();
+        assert!(d.starts_with("KV use 0.95"), "{d}");
+        let mut also_full = load(2, &[], &[]);
+        also_full.free_pages = 0;
+        assert_eq!(trigger(&[full, also_full], &c), None, "nowhere to go");
+    }
+}
