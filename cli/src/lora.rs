@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context};
 use cascade_exec::llama::generate::Generator;
-use cascade_exec::llama::multi_lora::{first_difference, serve, serve_alone, LoraJob};
+use cascade_exec::llama::multi_lora::{first_difference, serve, serve_alone, LoraJob, LoraMeters};
 use cascade_exec::llama::{LoraAdapter, Proj};
 use cascade_sched::arrival::Rng;
 use cascade_sched::lora::{BatchConfig, Batcher, CostModel, Policy};
@@ -65,6 +65,11 @@ pub(crate) struct LoraServeArgs {
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
+    /// Serve Prometheus metrics at http://ADDR/metrics while the stream is served (iterations by
+    /// mode, mode switches and their time, queued requests, α and β): `host:port`, or a port
+    /// alone for loopback.
+    #[arg(long, value_parser = crate::metrics_addr)]
+    metrics: Option<std::net::SocketAddr>,
 }
 
 /// A margin below this is a near-tie: merged and unmerged arithmetic may break it differently
@@ -110,7 +115,23 @@ pub(crate) fn run(a: LoraServeArgs) -> anyhow::Result<()> {
         BatchConfig { max_batch: a.max_batch, alpha0: a.alpha0, break_iters: a.break_iters, ..BatchConfig::default() };
     bc.validate().map_err(anyhow::Error::msg)?;
     let mut batcher = Batcher::new(a.policy, bc, CostModel::cpu_smollm2());
-    let (served, stats) = serve(g.model_mut(), &mut batcher, &jobs, 1_000)?;
+    // The metrics server runs on its own thread while this one computes.
+    let registry = std::sync::Arc::new(cascade_transport::Metrics::new());
+    let _server = match a.metrics {
+        Some(addr) => {
+            let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
+            let r = registry.clone();
+            let bound = rt.block_on(cascade_transport::metrics::spawn_metrics_server(
+                addr,
+                std::sync::Arc::new(move || r.render()),
+            ))?;
+            eprintln!("metrics: http://{bound}/metrics");
+            Some(rt)
+        }
+        None => None,
+    };
+    let meters = LoraMeters::new(&registry);
+    let (served, stats) = serve(g.model_mut(), &mut batcher, &jobs, 1_000, Some(&meters))?;
     let t = std::time::Instant::now();
     let mut equal = 0;
     let mut near_ties = Vec::new();

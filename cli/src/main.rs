@@ -178,7 +178,7 @@ pub(crate) struct Member {
 }
 
 /// `--metrics`: `host:port`, or a port alone on loopback.
-fn metrics_addr(s: &str) -> Result<std::net::SocketAddr, String> {
+pub(crate) fn metrics_addr(s: &str) -> Result<std::net::SocketAddr, String> {
     if let Ok(port) = s.parse::<u16>() {
         return Ok(std::net::SocketAddr::from(([127, 0, 0, 1], port)));
     }

@@ -161,7 +161,7 @@ fn peft_files_round_trip_and_a_block_loaded_after_a_merge_gets_it() {
 /// (unmerged) — or differs only after a near-tie, which merged arithmetic may break differently.
 #[test]
 fn dlora_batching_on_the_real_model_switches_modes_and_answers_as_alone() {
-    use cascade_exec::llama::multi_lora::{first_difference, serve, serve_alone, LoraJob};
+    use cascade_exec::llama::multi_lora::{first_difference, serve, serve_alone, LoraJob, LoraMeters};
     use cascade_sched::lora::{BatchConfig, Batcher, CostModel, Policy};
     let Some((mut m, _)) = model_with_adapters(4) else { return };
     let prompts: Vec<Vec<u32>> = llm_reference().into_iter().map(|r| r.prompt_tokens).collect();
@@ -179,8 +179,24 @@ fn dlora_batching_on_the_real_model_switches_modes_and_answers_as_alone() {
         .collect();
     let bc = BatchConfig { max_batch: 6, alpha0: 0.6, break_iters: 4, ..BatchConfig::default() };
     let mut b = Batcher::new(Policy::Dlora, bc, CostModel::cpu_smollm2());
-    let (served, stats) = serve(&mut m, &mut b, &jobs, 500).unwrap();
+    let registry = cascade_transport::Metrics::new();
+    let meters = LoraMeters::new(&registry);
+    let (served, stats) = serve(&mut m, &mut b, &jobs, 500, Some(&meters)).unwrap();
     assert!(stats.merged_iterations > 0 && stats.mode_switches >= 2, "{stats:?}");
+    // The metrics say what the run's statistics say.
+    let text = registry.render();
+    let unmerged = stats.iterations - stats.merged_iterations;
+    for line in [
+        format!("cascade_lora_mode_switches_total{{}} {}", stats.mode_switches),
+        format!("cascade_lora_iterations_total{{mode=\"merged\"}} {}", stats.merged_iterations),
+        format!("cascade_lora_iterations_total{{mode=\"unmerged\"}} {unmerged}"),
+        format!("cascade_lora_switch_seconds_count{{}} {}", stats.mode_switches),
+    ] {
+        assert!(text.lines().any(|l| l == line), "no {line:?} in\n{text}");
+    }
+    let (alpha, beta) = b.thresholds();
+    assert!(text.contains(&format!("cascade_lora_threshold{{which=\"alpha\"}} {alpha}")), "{text}");
+    assert!(text.contains(&format!("cascade_lora_threshold{{which=\"beta\"}} {beta}")), "{text}");
     assert!(stats.max_adapters_in_batch >= 2, "no unmerged batch mixed adapters: {stats:?}");
     assert_eq!(m.merged(), None, "left merged");
     for (i, (job, s)) in jobs.iter().zip(&served).enumerate() {

@@ -12,6 +12,8 @@
 
 use cascade_sched::lora::batcher::adapters_of;
 use cascade_sched::lora::{Batcher, Mode, Runnable};
+use cascade_transport::metrics::{Counter, FloatGauge, Histogram};
+use cascade_transport::Metrics;
 
 use super::Llama;
 use crate::{Activation, ExecError, LayerExec};
@@ -61,6 +63,42 @@ pub struct LoraRunStats {
     pub switch_seconds: f64,
 }
 
+/// A serving run's series in a metrics registry, resolved once: iterations by mode, mode
+/// switches and their time, the requests waiting, and the batcher's thresholds α and β.
+pub struct LoraMeters {
+    merged: Counter,
+    unmerged: Counter,
+    switches: Counter,
+    switch_seconds: Histogram,
+    queue: FloatGauge,
+    alpha: FloatGauge,
+    beta: FloatGauge,
+}
+
+impl LoraMeters {
+    /// The series in `m` (registered on first use).
+    pub fn new(m: &Metrics) -> LoraMeters {
+        let iterations =
+            |mode: &str| m.counter("cascade_lora_iterations", "Serving iterations, by mode", &[("mode", mode)]);
+        let threshold = |which: &str| {
+            m.gauge(
+                "cascade_lora_threshold",
+                "dLoRA's adaptive merge (alpha) and unmerge (beta) thresholds",
+                &[("which", which)],
+            )
+        };
+        LoraMeters {
+            merged: iterations("merged"),
+            unmerged: iterations("unmerged"),
+            switches: m.counter("cascade_lora_mode_switches", "Iterations that began with a merge or un-merge", &[]),
+            switch_seconds: m.histogram("cascade_lora_switch_seconds", "Time merging or un-merging an adapter", &[]),
+            queue: m.gauge("cascade_lora_queued_requests", "Requests live in the serving queue", &[]),
+            alpha: threshold("alpha"),
+            beta: threshold("beta"),
+        }
+    }
+}
+
 fn set_mode(model: &mut Llama, mode: Mode) -> Result<(), ExecError> {
     let want = match mode {
         Mode::Merged(a) => Some(a + 1),
@@ -77,12 +115,14 @@ fn set_mode(model: &mut Llama, mode: Mode) -> Result<(), ExecError> {
 
 /// Serves `jobs` (sorted by arrival) on `model`, whose adapters `1..` are the jobs' `0..`, with
 /// `batcher` deciding every iteration. Sequence ids `seq_base + i` are used for the KV cache and
-/// freed at the end. The model is left un-merged.
+/// freed at the end. The model is left un-merged. With `meters`, every iteration is recorded in
+/// them as it happens.
 pub fn serve(
     model: &mut Llama,
     batcher: &mut Batcher,
     jobs: &[LoraJob],
     seq_base: u64,
+    meters: Option<&LoraMeters>,
 ) -> Result<(Vec<LoraServed>, LoraRunStats), ExecError> {
     let t0 = std::time::Instant::now();
     let mut out: Vec<LoraServed> =
@@ -118,6 +158,20 @@ pub fn serve(
             if choice.switch_ops > 0 {
                 stats.mode_switches += 1;
                 stats.switch_seconds += ts.elapsed().as_secs_f64();
+            }
+            if let Some(m) = meters {
+                if choice.switch_ops > 0 {
+                    m.switches.inc();
+                    m.switch_seconds.observe(ts.elapsed().as_secs_f64());
+                }
+                match choice.mode {
+                    Mode::Merged(_) => m.merged.inc(),
+                    Mode::Unmerged => m.unmerged.inc(),
+                };
+                m.queue.set(live.len() as f64);
+                let (alpha, beta) = batcher.thresholds();
+                m.alpha.set(alpha);
+                m.beta.set(beta);
             }
             if matches!(choice.mode, Mode::Merged(_)) {
                 stats.merged_iterations += 1;
@@ -176,7 +230,7 @@ pub fn serve_alone(model: &mut Llama, job: &LoraJob, seq: u64) -> Result<LoraSer
         cascade_sched::lora::CostModel::cpu_smollm2(),
     );
     let alone = LoraJob { arrival: 0, ..job.clone() };
-    let (mut out, _) = serve(model, &mut b, std::slice::from_ref(&alone), seq)?;
+    let (mut out, _) = serve(model, &mut b, std::slice::from_ref(&alone), seq, None)?;
     Ok(out.remove(0))
 }
 
