@@ -233,8 +233,10 @@ struct OpMeters {
 }
 
 /// A [`Link`] whose operations are counted in the endpoint's [`Metrics`]: the endpoint hands
-/// these out, so every user of its links is measured the same way.
-pub(crate) struct Metered {
+/// these out, so every user of its links is measured the same way. Public so that its cost can
+/// be measured against the bare link (`cargo bench -p cascade-transport --bench metered`) and so
+/// that a user's own links can be metered the same way.
+pub struct Metered {
     inner: Arc<dyn Link>,
     metrics: Weak<Metrics>,
     write: OpMeters,
@@ -243,7 +245,8 @@ pub(crate) struct Metered {
 }
 
 impl Metered {
-    pub(crate) fn new(inner: Arc<dyn Link>, metrics: &Arc<Metrics>) -> Metered {
+    /// `inner`, counted in `metrics` (its series are resolved here, once).
+    pub fn new(inner: Arc<dyn Link>, metrics: &Arc<Metrics>) -> Metered {
         let (backend, peer) = (inner.kind().to_string(), inner.peer().to_string());
         let meters = |op: &str| OpMeters {
             ops: metrics.counter(
