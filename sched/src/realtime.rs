@@ -1,4 +1,6 @@
-//! The real-time engine: Symphony's scheduler on real threads against the wall clock (§4.5).
+//! The real-time engine: Symphony's scheduler on real threads against the wall clock (§4.5),
+//! and any other scheduler as a dispatcher thread on the wall clock ([`run_any`], and one per
+//! serving group with [`run_parts`]).
 //!
 //! * **ModelThreads** — `shards` threads, each owning a group of models' [`ModelState`]s (the
 //!   same code the simulator runs): they take requests from the load generator, keep the
@@ -25,6 +27,10 @@ use crate::scheduler::{GpuId, ModelId, Ms, Request};
 use crate::symphony::model::{Candidate, ModelState};
 use crate::symphony::rank::{Grant, Rank};
 use crate::time::{At, Delay};
+
+mod dispatch;
+
+pub use dispatch::{run_any, run_parts, MakeScheduler};
 
 /// Settings of a real-time run.
 #[derive(Debug, Clone)]
@@ -318,18 +324,72 @@ impl Heard {
 
     fn take(&mut self, rx: &Receiver<Outcome>) {
         for o in rx.try_iter() {
-            match o {
-                Outcome::Executed(ids, good) => {
-                    self.executed += ids.len() as u64;
-                    self.within_slo += good;
-                    ids.into_iter().for_each(|id| self.mark(id));
-                }
-                Outcome::Dropped(ids) => {
-                    self.dropped += ids.len() as u64;
-                    ids.into_iter().for_each(|id| self.mark(id));
-                }
+            self.hear(o);
+        }
+    }
+
+    fn hear(&mut self, o: Outcome) {
+        match o {
+            Outcome::Executed(ids, good) => {
+                self.executed += ids.len() as u64;
+                self.within_slo += good;
+                ids.into_iter().for_each(|id| self.mark(id));
+            }
+            Outcome::Dropped(ids) => {
+                self.dropped += ids.len() as u64;
+                ids.into_iter().for_each(|id| self.mark(id));
             }
         }
+    }
+
+    /// The report of a run that offered `sent` requests.
+    fn report(&self, sent: u64, seconds: f64, batches: u64, grants: u64) -> EngineReport {
+        EngineReport {
+            requests: sent,
+            seconds,
+            requests_per_s: self.executed as f64 / seconds,
+            executed: self.executed,
+            within_slo: self.within_slo,
+            dropped: self.dropped,
+            lost: sent.saturating_sub(self.executed + self.dropped) + self.twice,
+            batches,
+            grants,
+        }
+    }
+}
+
+/// The load generator: open loop, every 0.5 ms the requests due since the last tick (`rate_rps`
+/// in all, the models in turn: equal shares), handed to `emit` (possibly none); stops after
+/// `duration` or when `emit` says so. The number of requests made.
+fn generate(
+    profiles: &[Profile],
+    rate_rps: f64,
+    duration: Duration,
+    epoch: Instant,
+    mut emit: impl FnMut(Vec<Request>) -> bool,
+) -> u64 {
+    let n = profiles.len();
+    let mut sent = 0u64;
+    let per_ms = rate_rps / 1000.0;
+    let end = duration.as_secs_f64() * 1000.0;
+    let mut next_model = 0usize;
+    loop {
+        let now = ms_since(epoch);
+        if now >= end {
+            return sent;
+        }
+        let due = ((now * per_ms) as u64).saturating_sub(sent);
+        let mut batch = Vec::with_capacity(due as usize);
+        for _ in 0..due {
+            let m = next_model;
+            next_model = (next_model + 1) % n.max(1);
+            batch.push(Request { id: sent, model: m, arrival: now, deadline: now + profiles[m].slo_ms });
+            sent += 1;
+        }
+        if !emit(batch) {
+            return sent;
+        }
+        std::thread::sleep(Duration::from_micros(500));
     }
 }
 
@@ -376,29 +436,11 @@ pub fn run(cfg: &EngineConfig) -> EngineReport {
     drop(out_tx);
     // What the sender hears back: each request once, executed or dropped.
     let mut heard = Heard::default();
-    // The load generator: open loop, every 0.5 ms the requests due since the last tick, with
-    // equal shares per model, sent to each shard in one message.
-    let mut sent = 0u64;
-    let per_ms = cfg.rate_rps / 1000.0;
-    let end = cfg.duration.as_secs_f64() * 1000.0;
-    let mut next_model = 0usize;
+    // The load generator, each tick's requests sent to each shard in one message.
     let mut buffers: Vec<Vec<Request>> = vec![Vec::new(); shards];
-    loop {
-        let now = ms_since(epoch);
-        if now >= end {
-            break;
-        }
-        let due = ((now * per_ms) as u64).saturating_sub(sent);
-        for _ in 0..due {
-            let m = next_model;
-            next_model = (next_model + 1) % n.max(1);
-            buffers[shard_of[m]].push(Request {
-                id: sent,
-                model: m,
-                arrival: now,
-                deadline: now + cfg.profiles[m].slo_ms,
-            });
-            sent += 1;
+    let sent = generate(&cfg.profiles, cfg.rate_rps, cfg.duration, epoch, |due| {
+        for r in due {
+            buffers[shard_of[r.model]].push(r);
         }
         for (s, b) in buffers.iter_mut().enumerate() {
             if !b.is_empty() {
@@ -406,8 +448,8 @@ pub fn run(cfg: &EngineConfig) -> EngineReport {
             }
         }
         heard.take(&out_rx);
-        std::thread::sleep(Duration::from_micros(500));
-    }
+        true
+    });
     // Shut down: shards drain (dropping what is left), then the rank and the GPUs finish.
     closing.store(true, Ordering::Release);
     drop(shard_txs);
@@ -417,19 +459,12 @@ pub fn run(cfg: &EngineConfig) -> EngineReport {
     let _ = rank_handle.join();
     let _ = gpu_handle.join();
     heard.take(&out_rx);
-    let seconds = epoch.elapsed().as_secs_f64();
-    let (executed, dropped) = (heard.executed, heard.dropped);
-    EngineReport {
-        requests: sent,
-        seconds,
-        requests_per_s: executed as f64 / seconds,
-        executed,
-        within_slo: heard.within_slo,
-        dropped,
-        lost: sent.saturating_sub(executed + dropped) + heard.twice,
-        batches: results.batches.load(Ordering::Relaxed),
-        grants: results.grants.load(Ordering::Relaxed),
-    }
+    heard.report(
+        sent,
+        epoch.elapsed().as_secs_f64(),
+        results.batches.load(Ordering::Relaxed),
+        results.grants.load(Ordering::Relaxed),
+    )
 }
 
 /// Symphony's sub-clusters on real threads (§4.7): each part — its models and its GPUs — is a
@@ -439,6 +474,24 @@ pub fn run(cfg: &EngineConfig) -> EngineReport {
 /// from an epoch plan ([`crate::partition::symphony_split`]): every model in exactly one part,
 /// at most `cfg.gpus` GPUs in all.
 pub fn run_sub_clusters(cfg: &EngineConfig, parts: &[(Vec<ModelId>, usize)]) -> Result<EngineReport, String> {
+    check_parts(cfg, parts)?;
+    let reports: Vec<EngineReport> = std::thread::scope(|s| {
+        let handles: Vec<_> = parts
+            .iter()
+            .filter(|(m, _)| !m.is_empty())
+            .map(|(models, g)| {
+                let sub = sub_config(cfg, models, *g);
+                s.spawn(move || run(&sub))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_default()).collect()
+    });
+    Ok(sum_reports(&reports))
+}
+
+/// Every model in exactly one part, at most `cfg.gpus` GPUs in all, a GPU for every part with
+/// models.
+fn check_parts(cfg: &EngineConfig, parts: &[(Vec<ModelId>, usize)]) -> Result<(), String> {
     let n = cfg.profiles.len();
     let mut seen = vec![false; n];
     for (models, _) in parts {
@@ -460,26 +513,25 @@ pub fn run_sub_clusters(cfg: &EngineConfig, parts: &[(Vec<ModelId>, usize)]) -> 
     if let Some((models, _)) = parts.iter().find(|(m, g)| !m.is_empty() && *g == 0) {
         return Err(format!("a part of {} models has no GPU", models.len()));
     }
-    let reports: Vec<EngineReport> = std::thread::scope(|s| {
-        let handles: Vec<_> = parts
-            .iter()
-            .filter(|(m, _)| !m.is_empty())
-            .map(|(models, g)| {
-                let sub = EngineConfig {
-                    profiles: models.iter().map(|&m| cfg.profiles[m].clone()).collect(),
-                    gpus: *g,
-                    shards: cfg.shards,
-                    rate_rps: cfg.rate_rps * models.len() as f64 / n.max(1) as f64,
-                    duration: cfg.duration,
-                    delay: cfg.delay,
-                };
-                s.spawn(move || run(&sub))
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap_or_default()).collect()
-    });
+    Ok(())
+}
+
+/// A part's engine: its models, its GPUs, its models' equal shares of the offered load.
+fn sub_config(cfg: &EngineConfig, models: &[ModelId], gpus: usize) -> EngineConfig {
+    EngineConfig {
+        profiles: models.iter().map(|&m| cfg.profiles[m].clone()).collect(),
+        gpus,
+        shards: cfg.shards,
+        rate_rps: cfg.rate_rps * models.len() as f64 / cfg.profiles.len().max(1) as f64,
+        duration: cfg.duration,
+        delay: cfg.delay,
+    }
+}
+
+/// The parts' reports summed; `seconds` is the longest part's.
+fn sum_reports(reports: &[EngineReport]) -> EngineReport {
     let mut out = EngineReport::default();
-    for r in &reports {
+    for r in reports {
         out.requests += r.requests;
         out.seconds = out.seconds.max(r.seconds);
         out.executed += r.executed;
@@ -490,7 +542,7 @@ pub fn run_sub_clusters(cfg: &EngineConfig, parts: &[(Vec<ModelId>, usize)]) -> 
         out.grants += r.grants;
     }
     out.requests_per_s = if out.seconds > 0.0 { out.executed as f64 / out.seconds } else { 0.0 };
-    Ok(out)
+    out
 }
 
 #[cfg(test)]
@@ -516,6 +568,118 @@ mod tests {
         assert!(run_sub_clusters(&cfg, &[(vec![0, 1, 2], 6), (vec![2, 3, 4, 5], 6)]).is_err(), "model 2 twice");
         assert!(run_sub_clusters(&cfg, &[(vec![0, 1, 2], 6), (vec![3, 4], 6)]).is_err(), "model 5 nowhere");
         assert!(run_sub_clusters(&cfg, &[(vec![0, 1, 2], 8), (vec![3, 4, 5], 8)]).is_err(), "16 GPUs of 12");
+    }
+
+    fn flex(ps: &[Profile], g: usize, _: &[ModelId]) -> Result<Box<dyn crate::scheduler::Scheduler>, String> {
+        Ok(Box::new(crate::flex::Flex::new(ps, g, Delay::default(), true)))
+    }
+
+    #[test]
+    fn flex_runs_on_the_wall_clock_and_resolves_every_request() {
+        let profiles: Vec<Profile> =
+            (0..6).map(|i| Profile::new(&format!("m{i}"), 0.1, 2.0, 30.0, 64).unwrap()).collect();
+        let cfg = EngineConfig {
+            profiles,
+            gpus: 12,
+            shards: 1,
+            rate_rps: 20_000.0,
+            duration: Duration::from_millis(300),
+            delay: Delay::default(),
+        };
+        let r = run_any(&cfg, &flex).unwrap();
+        assert_eq!(r.lost, 0, "{r:?}");
+        assert!(r.requests > 3_000, "{r:?}");
+        assert!(r.executed as f64 > 0.9 * r.requests as f64, "a light load is executed: {r:?}");
+        assert!(r.within_slo as f64 > 0.9 * r.executed as f64, "{r:?}");
+        assert!(r.batches > 0 && r.executed / r.batches > 2, "requests are batched: {r:?}");
+        // HERD's groups, one FLEX dispatcher thread each.
+        let rates = vec![cfg.rate_rps / 6.0; 6];
+        let (assign, gpus) = crate::partition::herd_split(&cfg.profiles, &rates, cfg.gpus, 3, 6).unwrap();
+        let parts: Vec<(Vec<ModelId>, usize)> =
+            gpus.iter().enumerate().map(|(j, &g)| ((0..6).filter(|&m| assign[m] == j).collect(), g)).collect();
+        assert!(parts.iter().filter(|p| !p.0.is_empty()).count() > 1, "{parts:?}");
+        let r = run_parts(&cfg, &parts, &flex).unwrap();
+        assert_eq!(r.lost, 0, "{r:?}");
+        assert!(r.executed as f64 > 0.9 * r.requests as f64, "{r:?}");
+        assert!(run_parts(&cfg, &[(vec![0, 1, 2], 6), (vec![3, 4], 6)], &flex).is_err(), "model 5 nowhere");
+        let refuse = |_: &[Profile], _: usize, _: &[ModelId]| -> Result<Box<dyn crate::scheduler::Scheduler>, String> {
+            Err("no".into())
+        };
+        assert_eq!(run_any(&cfg, &refuse).unwrap_err(), "no");
+    }
+
+    /// A test double that, like FLEX, predicts when its GPUs free up (start + ℓ(b)) and
+    /// dispatches on that prediction; it counts the batches it was not yet told had ended. It is
+    /// slow to take in a free GPU, so the clock moves on between the dispatcher's events.
+    struct Predicting {
+        p: Profile,
+        free_at: Vec<f64>,
+        untold: Vec<u32>,
+        inconsistent: std::sync::Arc<AtomicU64>,
+    }
+
+    impl crate::scheduler::Scheduler for Predicting {
+        fn name(&self) -> &'static str {
+            "predicting"
+        }
+        fn on_arrival(&mut self, now: f64, req: Request, out: &mut Vec<crate::scheduler::Decision>) {
+            match (0..self.free_at.len()).find(|&g| self.free_at[g] <= now) {
+                Some(g) => {
+                    if self.untold[g] > 0 {
+                        self.inconsistent.fetch_add(1, Ordering::Relaxed);
+                    }
+                    self.untold[g] += 1;
+                    self.free_at[g] = now + self.p.latency(1);
+                    out.push(crate::scheduler::Decision::Dispatch {
+                        gpu: g,
+                        model: 0,
+                        requests: vec![req],
+                        start: now,
+                    });
+                }
+                None => out.push(crate::scheduler::Decision::Drop(req)),
+            }
+        }
+        fn on_gpu_free(&mut self, _: f64, gpu: GpuId, _: &mut Vec<crate::scheduler::Decision>) {
+            self.untold[gpu] -= 1;
+            // Slow to take a free GPU in: the clock moves on while the dispatcher works.
+            std::thread::sleep(Duration::from_micros(300));
+        }
+        fn on_timer(&mut self, _: f64, _: &mut Vec<crate::scheduler::Decision>) {}
+        fn next_timer(&self) -> Option<f64> {
+            None
+        }
+        fn queued(&self) -> usize {
+            0
+        }
+    }
+
+    #[test]
+    fn a_scheduler_hears_of_every_batch_that_ended_before_anything_later() {
+        let p = Profile::new("m", 0.05, 0.05, 30.0, 8).unwrap();
+        let inconsistent = std::sync::Arc::new(AtomicU64::new(0));
+        let cfg = EngineConfig {
+            profiles: vec![p.clone()],
+            gpus: 4,
+            shards: 1,
+            rate_rps: 60_000.0,
+            duration: Duration::from_millis(300),
+            delay: Delay::default(),
+        };
+        let seen = inconsistent.clone();
+        let make =
+            move |_: &[Profile], g: usize, _: &[ModelId]| -> Result<Box<dyn crate::scheduler::Scheduler>, String> {
+                Ok(Box::new(Predicting {
+                    p: p.clone(),
+                    free_at: vec![0.0; g],
+                    untold: vec![0; g],
+                    inconsistent: seen.clone(),
+                }))
+            };
+        let r = run_any(&cfg, &make).unwrap();
+        assert_eq!(inconsistent.load(Ordering::Relaxed), 0, "a dispatch onto a GPU whose end was not yet told");
+        assert_eq!(r.lost, 0, "{r:?}");
+        assert!(r.executed > 100, "{r:?}");
     }
 
     #[test]

@@ -1,16 +1,18 @@
-//! `sched-throughput --models M --gpus G --json` → `requests, seconds, requests_per_s, lost`:
-//! Symphony's real-time engine (ModelThreads, a RankThread, emulated GPUs on wall-clock timers)
-//! fed by an in-process open-loop load generator. Models take, in turn, the A100 profiles of
+//! `sched-throughput --models M --gpus G [--scheduler S] --json` → `requests, seconds,
+//! requests_per_s, lost`: Symphony's real-time engine (ModelThreads, a RankThread, emulated GPUs
+//! on wall-clock timers), or another scheduler as a dispatcher thread on the wall clock (HERD's
+//! groups each with its own), fed by an in-process open-loop load generator. Models take, in turn, the A100 profiles of
 //! Symphony's table with α ≤ 0.5 ms (16 models, with their SLOs), so that 1000 GPUs can carry
 //! millions of requests per second and the figure measures the scheduler, not GPU capacity.
 
 use std::time::Duration;
 
-use anyhow::bail;
-use cascade_sched::partition::symphony_split;
+use anyhow::{bail, Context};
+use cascade_sched::partition::{herd_split, symphony_split};
 use cascade_sched::profile::{parse_table, Profile, TABLES};
-use cascade_sched::realtime::{run, run_sub_clusters, EngineConfig};
+use cascade_sched::realtime::{run, run_any, run_parts, run_sub_clusters, EngineConfig, MakeScheduler};
 use cascade_sched::time::Delay;
+use cascade_sched::Scheduler;
 use clap::Parser;
 use serde_json::json;
 
@@ -36,9 +38,28 @@ struct Cli {
     /// with its own engine and RankThread (1: one dispatcher for the whole cluster).
     #[arg(long, default_value_t = 1)]
     sub_clusters: usize,
+    /// The scheduler: `symphony` (its engine: ModelThreads and a RankThread), or `flex`,
+    /// `flex-np`, `clockwork` (a dispatcher thread on the wall clock), or `flex/herd:G:GMAX`
+    /// (HERD's groups, at most G of at most GMAX GPUs, a FLEX dispatcher thread each).
+    #[arg(long, default_value = "symphony")]
+    scheduler: String,
     /// Print JSON.
     #[arg(long)]
     json: bool,
+}
+
+/// A dispatcher's scheduler by name.
+fn one(name: &str, delay: Delay) -> anyhow::Result<Box<MakeScheduler<'static>>> {
+    let name = name.to_string();
+    if !["flex", "flex-np", "clockwork"].contains(&name.as_str()) {
+        bail!("unknown scheduler {name:?}: symphony, flex, flex-np, clockwork or flex/herd:G:GMAX");
+    }
+    Ok(Box::new(move |ps: &[Profile], g: usize, _: &[usize]| -> Result<Box<dyn Scheduler>, String> {
+        Ok(match name.as_str() {
+            "clockwork" => Box::new(cascade_sched::clockwork::Clockwork::new(ps, g, delay)),
+            other => Box::new(cascade_sched::flex::Flex::new(ps, g, delay, other == "flex")),
+        })
+    }))
 }
 
 fn main() -> anyhow::Result<()> {
@@ -63,8 +84,17 @@ fn main() -> anyhow::Result<()> {
         duration: Duration::from_secs_f64(c.seconds),
         delay: Delay::default(),
     };
-    let r = if c.sub_clusters > 1 {
-        let rates = vec![c.rate / c.models as f64; c.models];
+    let rates = vec![c.rate / c.models as f64; c.models];
+    let r = if let Some(spec) = c.scheduler.strip_prefix("flex/herd:") {
+        let (g, gmax) = spec.split_once(':').context("flex/herd:G:GMAX")?;
+        let (g, gmax): (usize, u32) = (g.parse()?, gmax.parse()?);
+        let (part, gpus) = herd_split(&cfg.profiles, &rates, c.gpus, g, gmax).map_err(anyhow::Error::msg)?;
+        let parts: Vec<(Vec<usize>, usize)> =
+            gpus.iter().enumerate().map(|(j, &g)| ((0..c.models).filter(|&m| part[m] == j).collect(), g)).collect();
+        run_parts(&cfg, &parts, &*one("flex", cfg.delay)?).map_err(anyhow::Error::msg)?
+    } else if c.scheduler != "symphony" {
+        run_any(&cfg, &*one(&c.scheduler, cfg.delay)?).map_err(anyhow::Error::msg)?
+    } else if c.sub_clusters > 1 {
         let (part, gpus) = symphony_split(&cfg.profiles, &rates, c.gpus, c.sub_clusters).map_err(anyhow::Error::msg)?;
         let parts: Vec<(Vec<usize>, usize)> =
             gpus.iter().enumerate().map(|(j, &g)| ((0..c.models).filter(|&m| part[m] == j).collect(), g)).collect();
@@ -79,7 +109,7 @@ fn main() -> anyhow::Result<()> {
                 "requests": r.requests, "seconds": r.seconds, "requests_per_s": r.requests_per_s, "lost": r.lost,
                 "executed": r.executed, "within_slo": r.within_slo, "dropped": r.dropped, "batches": r.batches,
                 "grants": r.grants, "models": c.models, "gpus": c.gpus, "offered_rps": c.rate, "shards": c.shards,
-                "sub_clusters": c.sub_clusters,
+                "sub_clusters": c.sub_clusters, "scheduler": c.scheduler,
             })
         );
     } else {
