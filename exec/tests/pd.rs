@@ -336,3 +336,67 @@ async fn requests_migrate_with_their_adapters_and_answer_as_if_served_alone() {
         e.shutdown();
     }
 }
+
+/// The router drives co-migration: four requests decode on node 2, node 3 joins as a decode
+/// instance (`PdCmd::Decode`), and a `PdCmd::Rebalance` round moves requests there while they
+/// stream; every answer comes back whole and equal to the reference's greedy tokens (up to the
+/// first near-tie the reference recorded, where float arithmetic may break it differently).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_router_rebalances_requests_onto_a_decode_instance_that_joined() {
+    let roles = [Some(Role::Prefill), Some(Role::Decode), Some(Role::Decode)];
+    let Some(c) = cluster(&roles, "pd-rebalance").await else { return };
+    let mesh: Arc<dyn Mesh> = c.eps[0].clone();
+    const LONG: u32 = 24;
+    let layers = c.model.config.stages() as u32;
+    let (req_tx, req_rx) = mpsc::unbounded_channel();
+    let (cmd_tx, cmd_rx) = mpsc::unbounded_channel();
+    let (ans_tx, mut ans_rx) = mpsc::unbounded_channel();
+    let routing =
+        tokio::spawn(router::run(mesh.clone(), router_cfg(1, vec![], vec![2], layers), req_rx, cmd_rx, ans_tx));
+    let reference = llm_reference();
+    for (i, r) in reference.iter().enumerate() {
+        req_tx
+            .send(GenRequest { id: i as u64, prompt: r.prompt_tokens.clone(), max_tokens: LONG, adapter: 0 })
+            .unwrap();
+    }
+    // Wait until all four decode on node 2.
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    loop {
+        match mesh.call(2, &LlmMsg::Load, Duration::from_secs(10)).await.unwrap() {
+            LlmMsg::Loads { requests, .. } if requests.len() == reference.len() => break,
+            _ => assert!(std::time::Instant::now() < deadline, "the requests never all decoded on node 2"),
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    cmd_tx.send(PdCmd::Decode { node: 3 }).unwrap();
+    let (tx, rx) = oneshot::channel();
+    cmd_tx
+        .send(PdCmd::Rebalance {
+            cluster: cascade_sched::lora::dispatch::ClusterConfig { queue_trigger: 2, ..Default::default() },
+            cost: cascade_sched::lora::CostModel::cpu_smollm2(),
+            layout: KvLayout::new(&c.model.config, 16),
+            done: tx,
+        })
+        .unwrap();
+    let r = rx.await.unwrap().unwrap();
+    eprintln!("rebalance: {:?} in {:.3} s", r.outcomes, r.seconds);
+    let moved: Vec<u64> = r.outcomes.iter().filter(|(_, o)| o.is_ok()).map(|(m, _)| m.req).collect();
+    assert!(!moved.is_empty(), "nothing moved: {:?}", r.decision);
+    drop(req_tx);
+    let stats = routing.await.unwrap().unwrap();
+    assert_eq!((stats.answered, stats.failed), (reference.len() as u64, 0));
+    let answers: Vec<GenAnswer> = std::iter::from_fn(|| ans_rx.try_recv().ok()).collect();
+    for a in &answers {
+        let want = &reference[a.id as usize];
+        let tokens = a.result.as_ref().unwrap();
+        let sure = want.margins.iter().position(|&m| m < 0.3).unwrap_or(want.tokens.len()).min(LONG as usize);
+        assert_eq!(tokens[..sure.min(tokens.len())], want.tokens[..sure.min(tokens.len())], "request {}", a.id);
+        assert!(tokens.len() == LONG as usize || tokens.last() == Some(&c.model.config.eos_token_id));
+        assert_eq!(a.gaps.len(), tokens.len() - 1, "every token once");
+        let on = if moved.contains(&a.id) { 3 } else { 2 };
+        assert_eq!(a.decode, on, "request {} finished on node {}", a.id, a.decode);
+    }
+    for e in &c.eps {
+        e.shutdown();
+    }
+}

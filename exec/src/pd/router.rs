@@ -19,8 +19,12 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinSet;
 use tracing::{debug, warn};
 
+use super::kv::KvLayout;
+use super::migrate::{rebalance, Rebalance};
 use super::proto::{KvGrant, LlmMsg, Split};
 use crate::serve::{DispatchConfig, Dispatcher, ServeError};
+use cascade_sched::lora::dispatch::ClusterConfig;
+use cascade_sched::lora::CostModel;
 
 /// A generation request.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -69,6 +73,23 @@ pub enum PdCmd {
     Scaling {
         /// The arriving instance.
         node: u32,
+    },
+    /// `node` is a decode instance from now on (one that joined): new requests may decode there.
+    Decode {
+        /// The instance.
+        node: u32,
+    },
+    /// One co-migration round over the decode instances now ([`super::migrate::rebalance`]),
+    /// run beside the routing; `done` is told what it did.
+    Rebalance {
+        /// Trigger, top-K and solver settings.
+        cluster: ClusterConfig,
+        /// Step time, migration bandwidth, adapter size.
+        cost: CostModel,
+        /// The instances' KV pages.
+        layout: KvLayout,
+        /// Told the outcome.
+        done: oneshot::Sender<Result<Rebalance, String>>,
     },
 }
 
@@ -186,6 +207,18 @@ pub async fn run(
                 PdCmd::Scaling { node } => {
                     d.scaling(node);
                     scaling = Some(node);
+                }
+                PdCmd::Decode { node } => {
+                    if !decode.contains(&node) {
+                        decode.push(node);
+                    }
+                }
+                PdCmd::Rebalance { cluster, cost, layout, done } => {
+                    let (mesh, nodes, timeout) = (mesh.clone(), decode.clone(), cfg.call_timeout);
+                    tokio::spawn(async move {
+                        let r = rebalance(&mesh, &nodes, &cluster, &cost, &layout, timeout).await;
+                        let _ = done.send(r.map_err(|e| e.to_string()));
+                    });
                 }
             },
             Some(m) = inbox.recv() => match m.msg {
