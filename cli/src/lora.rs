@@ -120,11 +120,7 @@ pub(crate) fn run(a: LoraServeArgs) -> anyhow::Result<()> {
     let _server = match a.metrics {
         Some(addr) => {
             let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
-            let r = registry.clone();
-            let bound = rt.block_on(cascade_transport::metrics::spawn_metrics_server(
-                addr,
-                std::sync::Arc::new(move || r.render()),
-            ))?;
+            let bound = rt.block_on(cascade_transport::metrics::spawn_metrics_server(addr, registry.clone()))?;
             eprintln!("metrics: http://{bound}/metrics");
             Some(rt)
         }

@@ -273,8 +273,7 @@ pub(crate) async fn join_with(
     cfg.memory_limit = m.memory_limit_mib.map(|mib| mib << 20);
     let ep = Arc::new(Endpoint::bind(cfg).await?);
     if let Some(addr) = m.metrics {
-        let metrics = ep.metrics().clone();
-        let bound = cascade_transport::metrics::spawn_metrics_server(addr, Arc::new(move || metrics.render())).await?;
+        let bound = cascade_transport::metrics::spawn_metrics_server(addr, ep.metrics().clone()).await?;
         // One line a supervisor (or a test) can read the address from, port 0 included.
         eprintln!("metrics: http://{bound}/metrics");
         tracing::info!(%bound, "serving metrics");

@@ -275,9 +275,7 @@ pub unsafe extern "C" fn cascade_metrics_serve(
         // Checked before anything is bound, so a short buffer leaves no server behind.
         // SAFETY: the caller's contract for `needed`.
         unsafe { buf::fits(CASCADE_ADDR_CAP, buf.cast(), cap, needed) }?;
-        let metrics = e.ep.metrics().clone();
-        let bound =
-            e.rt.block_on(cascade_transport::metrics::spawn_metrics_server(addr, Arc::new(move || metrics.render())))?;
+        let bound = e.rt.block_on(cascade_transport::metrics::spawn_metrics_server(addr, e.ep.metrics().clone()))?;
         // SAFETY: the caller's contract for the buffer.
         unsafe { buf::out_text(&bound.to_string(), buf, cap, needed) }
     })

@@ -169,13 +169,13 @@ impl Metrics {
 /// The content type of [`Metrics::render`]'s text.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
-/// Serves `GET /metrics` on `listener` with what `render` returns, until the listener's task is
-/// dropped; anything else is answered 404 (405 for another method). Plain HTTP/1.1, one request
-/// per connection: enough for a Prometheus scraper and `curl`.
-pub async fn serve_metrics(listener: TcpListener, render: Arc<dyn Fn() -> String + Send + Sync>) {
+/// Serves `GET /metrics` on `listener` with what `metrics` renders at each scrape, until the
+/// listener's task is dropped; anything else is answered 404 (405 for another method). Plain
+/// HTTP/1.1, one request per connection: enough for a Prometheus scraper and `curl`.
+pub async fn serve_metrics(listener: TcpListener, metrics: Arc<Metrics>) {
     loop {
         let Ok((mut sock, _)) = listener.accept().await else { continue };
-        let render = render.clone();
+        let metrics = metrics.clone();
         tokio::spawn(async move {
             let mut req = Vec::with_capacity(512);
             let mut buf = [0u8; 1024];
@@ -197,7 +197,7 @@ pub async fn serve_metrics(listener: TcpListener, render: Arc<dyn Fn() -> String
             let mut parts = line.split_whitespace();
             let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
             let (status, ctype, body) = match (method, path.split('?').next().unwrap_or("")) {
-                ("GET", "/metrics") => ("200 OK", CONTENT_TYPE, render()),
+                ("GET", "/metrics") => ("200 OK", CONTENT_TYPE, metrics.render()),
                 ("GET", _) => ("404 Not Found", "text/plain", "only /metrics is served here\n".to_string()),
                 _ => ("405 Method Not Allowed", "text/plain", "GET /metrics\n".to_string()),
             };
@@ -212,15 +212,12 @@ pub async fn serve_metrics(listener: TcpListener, render: Arc<dyn Fn() -> String
     }
 }
 
-/// Binds `addr` and serves `render` there on a new task (see [`serve_metrics`]); returns the
+/// Binds `addr` and serves `metrics` there on a new task (see [`serve_metrics`]); returns the
 /// address bound (useful with port 0).
-pub async fn spawn_metrics_server(
-    addr: SocketAddr,
-    render: Arc<dyn Fn() -> String + Send + Sync>,
-) -> Result<SocketAddr> {
+pub async fn spawn_metrics_server(addr: SocketAddr, metrics: Arc<Metrics>) -> Result<SocketAddr> {
     let l = TcpListener::bind(addr).await.map_err(|e| TransportError::io(format!("binding metrics on {addr}"), e))?;
     let bound = l.local_addr().map_err(|e| TransportError::io("metrics listener address", e))?;
-    tokio::spawn(serve_metrics(l, render));
+    tokio::spawn(serve_metrics(l, metrics));
     Ok(bound)
 }
 
@@ -358,8 +355,7 @@ mod tests {
     async fn the_server_answers_metrics_and_refuses_the_rest() {
         let m = Arc::new(Metrics::new());
         m.counter("cascade_test_scrapes", "Scrapes", &[]).inc();
-        let mm = m.clone();
-        let addr = spawn_metrics_server("127.0.0.1:0".parse().unwrap(), Arc::new(move || mm.render())).await.unwrap();
+        let addr = spawn_metrics_server("127.0.0.1:0".parse().unwrap(), m.clone()).await.unwrap();
         let get = |path: &'static str| async move {
             let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
             s.write_all(format!("GET {path} HTTP/1.1\r\nhost: x\r\n\r\n").as_bytes()).await.unwrap();
