@@ -474,19 +474,31 @@ pub fn run(cfg: &EngineConfig) -> EngineReport {
 /// from an epoch plan ([`crate::partition::symphony_split`]): every model in exactly one part,
 /// at most `cfg.gpus` GPUs in all.
 pub fn run_sub_clusters(cfg: &EngineConfig, parts: &[(Vec<ModelId>, usize)]) -> Result<EngineReport, String> {
+    each_part(cfg, parts, |sub, _| Ok(run(sub)))
+}
+
+/// Checks `parts` ([`check_parts`]), runs `run_part(its config, its models' global ids)` for
+/// every part with models, each on its own thread and all at once, and sums the reports; a part
+/// that fails or panics fails the whole run.
+fn each_part(
+    cfg: &EngineConfig,
+    parts: &[(Vec<ModelId>, usize)],
+    run_part: impl Fn(&EngineConfig, &[ModelId]) -> Result<EngineReport, String> + Sync,
+) -> Result<EngineReport, String> {
     check_parts(cfg, parts)?;
-    let reports: Vec<EngineReport> = std::thread::scope(|s| {
+    let run_part = &run_part;
+    let reports: Vec<Result<EngineReport, String>> = std::thread::scope(|s| {
         let handles: Vec<_> = parts
             .iter()
             .filter(|(m, _)| !m.is_empty())
             .map(|(models, g)| {
                 let sub = sub_config(cfg, models, *g);
-                s.spawn(move || run(&sub))
+                s.spawn(move || run_part(&sub, models))
             })
             .collect();
-        handles.into_iter().map(|h| h.join().unwrap_or_default()).collect()
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("a part's thread panicked".into()))).collect()
     });
-    Ok(sum_reports(&reports))
+    Ok(sum_reports(&reports.into_iter().collect::<Result<Vec<_>, _>>()?))
 }
 
 /// Every model in exactly one part, at most `cfg.gpus` GPUs in all, a GPU for every part with

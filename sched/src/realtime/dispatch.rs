@@ -44,23 +44,7 @@ pub fn run_parts(
     parts: &[(Vec<ModelId>, usize)],
     make: &MakeScheduler<'_>,
 ) -> Result<EngineReport, String> {
-    super::check_parts(cfg, parts)?;
-    let reports: Vec<Result<EngineReport, String>> = std::thread::scope(|s| {
-        let handles: Vec<_> = parts
-            .iter()
-            .filter(|(m, _)| !m.is_empty())
-            .map(|(models, g)| {
-                let sub = super::sub_config(cfg, models, *g);
-                s.spawn(move || {
-                    let sched = make(&sub.profiles, sub.gpus, models)?;
-                    Ok(drive(&sub, sched))
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("a dispatcher thread panicked".into()))).collect()
-    });
-    let reports = reports.into_iter().collect::<Result<Vec<_>, _>>()?;
-    Ok(super::sum_reports(&reports))
+    super::each_part(cfg, parts, |sub, models| Ok(drive(sub, make(&sub.profiles, sub.gpus, models)?)))
 }
 
 /// The dispatcher loop on this thread; the load generator on another.
