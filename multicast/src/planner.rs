@@ -456,25 +456,27 @@ fn tree(topo: &Topology, source: Loc, targets: &[Loc]) -> Vec<Edge> {
 /// that has an end on it (an edge with both ends there counts once); store-and-forward rounds are
 /// not modelled this way (their edges do not all run at once).
 fn edge_rates(topo: &Topology, fw: Forwarding, edges: &[Edge]) -> Vec<f64> {
-    let machines = |e: &Edge| -> Vec<crate::topology::Machine> {
-        let mut ms: Vec<_> = [e.from.node, e.to.node].iter().filter_map(|n| topo.machine_of(*n)).collect();
-        ms.dedup_by_key(|m| m.index);
-        ms
-    };
+    // The machines each edge has an end on, looked up once.
+    let on: Vec<Vec<crate::topology::Machine>> = edges
+        .iter()
+        .map(|e| {
+            let mut ms: Vec<_> = [e.from.node, e.to.node].iter().filter_map(|n| topo.machine_of(*n)).collect();
+            ms.dedup_by_key(|m| m.index);
+            ms
+        })
+        .collect();
     let mut load: BTreeMap<usize, usize> = BTreeMap::new();
     if fw == Forwarding::Pipelined {
-        for e in edges {
-            for m in machines(e) {
-                *load.entry(m.index).or_default() += 1;
-            }
+        for m in on.iter().flatten() {
+            *load.entry(m.index).or_default() += 1;
         }
     }
     edges
         .iter()
-        .map(|e| {
+        .zip(&on)
+        .map(|(e, ms)| {
             let link = e.gbps * 1e9 / 8.0;
-            machines(e)
-                .iter()
+            ms.iter()
                 .map(|m| m.copy_gbps * 1e9 / 8.0 / load.get(&m.index).copied().unwrap_or(1) as f64)
                 .fold(link, f64::min)
         })

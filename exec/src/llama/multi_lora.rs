@@ -155,14 +155,15 @@ pub fn serve(
             let choice = batcher.decide(&runnable);
             let ts = std::time::Instant::now();
             set_mode(model, choice.mode)?;
+            let switch_seconds = ts.elapsed().as_secs_f64();
             if choice.switch_ops > 0 {
                 stats.mode_switches += 1;
-                stats.switch_seconds += ts.elapsed().as_secs_f64();
+                stats.switch_seconds += switch_seconds;
             }
             if let Some(m) = meters {
                 if choice.switch_ops > 0 {
                     m.switches.inc();
-                    m.switch_seconds.observe(ts.elapsed().as_secs_f64());
+                    m.switch_seconds.observe(switch_seconds);
                 }
                 match choice.mode {
                     Mode::Merged(_) => m.merged.inc(),
