@@ -471,13 +471,32 @@ impl Inner {
             on_close,
         };
         let link = StreamLink::spawn(ctx, r, w);
+        #[cfg(test)]
+        tests::hooks::pause_install(&self.cfg.cluster.name, self.cfg.node);
         let metered = Arc::new(crate::metrics::Metered::new(link.clone(), &self.metrics));
-        let old =
-            self.links.lock().unwrap_or_else(|e| e.into_inner()).insert(peer, Entry { link, metered, generation });
+        let old = {
+            let mut links = self.links.lock().unwrap_or_else(|e| e.into_inner());
+            // Checked under the lock that `shutdown` drains: a link installed after the drain
+            // would otherwise stay alive (keepalives and all) on an endpoint that shut down.
+            if *self.shutdown.borrow() {
+                drop(links);
+                link.close("endpoint shut down");
+                return;
+            }
+            let old = links.insert(peer, Entry { link: link.clone(), metered, generation });
+            // Sent under the lock, so that the `Down` of this generation (sent after `closed`
+            // takes the lock) always follows its `Up`.
+            info!(node = self.cfg.node, peer, backend = %kind, "link up");
+            let _ = self.events.send(PeerEvent::Up { peer, backend: kind });
+            old
+        };
         drop(old); // closes the replaced link outside the lock
-        info!(node = self.cfg.node, peer, backend = %kind, "link up");
-        let _ = self.events.send(PeerEvent::Up { peer, backend: kind });
         self.changed.send_modify(|g| *g += 1);
+        // A link that closed between its spawn and its entry found no entry to remove; remove it
+        // now (`closed` is idempotent per generation).
+        if !link.is_alive() {
+            self.closed(peer, generation, "link closed while it was installed");
+        }
     }
 
     fn closed(&self, peer: NodeId, generation: u64, reason: &str) {

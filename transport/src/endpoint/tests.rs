@@ -320,3 +320,106 @@ async fn metrics_count_transfers_errors_and_peers() {
     has("cascade_transfer_errors_total{op=\"write\",backend=\"tcp\",kind=\"");
     has("cascade_mesh_peers_up{backend=\"tcp\"} 1");
 }
+
+/// Test hooks inside the endpoint's code paths.
+pub(super) mod hooks {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{Arc, Mutex};
+    use std::time::Duration;
+
+    use crate::NodeId;
+
+    struct Pause {
+        cluster: String,
+        node: NodeId,
+        time: Duration,
+        entered: Arc<AtomicBool>,
+    }
+
+    static PAUSES: Mutex<Vec<Pause>> = Mutex::new(Vec::new());
+
+    /// Makes `node` of `cluster` stop for `time` (once) between spawning a link and entering
+    /// it; the flag turns true when it stops there.
+    pub(crate) fn pause_next_install(cluster: &str, node: NodeId, time: Duration) -> Arc<AtomicBool> {
+        let entered = Arc::new(AtomicBool::new(false));
+        PAUSES.lock().unwrap().push(Pause { cluster: cluster.into(), node, time, entered: entered.clone() });
+        entered
+    }
+
+    pub(crate) fn pause_install(cluster: &str, node: NodeId) {
+        let pause = {
+            let mut p = PAUSES.lock().unwrap();
+            p.iter().position(|x| x.cluster == cluster && x.node == node).map(|i| p.remove(i))
+        };
+        if let Some(p) = pause {
+            p.entered.store(true, Ordering::SeqCst);
+            std::thread::sleep(p.time);
+        }
+    }
+}
+
+async fn until(flag: &std::sync::atomic::AtomicBool) {
+    tokio::time::timeout(Duration::from_secs(5), async {
+        while !flag.load(std::sync::atomic::Ordering::SeqCst) {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .unwrap();
+}
+
+async fn next_down(ev: &mut broadcast::Receiver<PeerEvent>, within: Duration) -> Option<NodeId> {
+    tokio::time::timeout(within, async {
+        loop {
+            match ev.recv().await {
+                Ok(PeerEvent::Down { peer, .. }) => return peer,
+                Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => {}
+                Err(broadcast::error::RecvError::Closed) => std::future::pending::<()>().await,
+            }
+        }
+    })
+    .await
+    .ok()
+}
+
+/// An endpoint that shuts down while it installs a fresh link must close that link too: before
+/// the fix the link was entered after `shutdown` had drained the table, and lived on (keepalives
+/// and all), so its peer never heard `Down`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_link_installed_during_shutdown_is_closed() {
+    let c = cluster(2, "install-shutdown");
+    let paused = hooks::pause_next_install(&c.name, 1, Duration::from_millis(300));
+    let a = Endpoint::start(fast(EndpointConfig::new(0, c.clone(), b"s"), false)).await.unwrap();
+    let mut ev = a.events();
+    let b = Endpoint::start(fast(EndpointConfig::new(1, c, b"s"), false)).await.unwrap();
+    until(&paused).await;
+    // Shut down but still held (dropping it would drop its table, and the link with it).
+    b.shutdown();
+    assert_eq!(
+        next_down(&mut ev, Duration::from_secs(3)).await,
+        Some(1),
+        "the peer that shut down was never reported down"
+    );
+    assert!(b.connected().is_empty());
+}
+
+/// A link that closes between its spawn and its entry in the table must not be left there as a
+/// live peer: before the fix its close found no entry to remove, so no `Down` was ever sent and
+/// `link()` kept handing out a dead link.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_link_that_closes_while_installed_is_reported_down() {
+    let c = cluster(2, "install-closed");
+    let paused = hooks::pause_next_install(&c.name, 0, Duration::from_millis(300));
+    let a = Endpoint::start(fast(EndpointConfig::new(0, c.clone(), b"s"), false)).await.unwrap();
+    let mut ev = a.events();
+    let b = Endpoint::start(fast(EndpointConfig::new(1, c, b"s"), false)).await.unwrap();
+    until(&paused).await;
+    b.shutdown();
+    drop(b);
+    assert_eq!(
+        next_down(&mut ev, Duration::from_secs(3)).await,
+        Some(1),
+        "a link that died while installed was never reported down"
+    );
+    assert!(matches!(a.link(1), Err(TransportError::NotConnected { peer: 1 })));
+}
