@@ -15,11 +15,14 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use cascade_exec::llama::generate::Generator;
-use cascade_exec::pd::router::{self, GenAnswer, GenRequest, PdCmd, PdRouterConfig};
+use cascade_exec::pd::kv::KvLayout;
+use cascade_exec::pd::router::{self, GenAnswer, GenRequest, MonitorConfig, PdCmd, PdRouterConfig};
 use cascade_exec::pd::{LlmConfig, LlmInstance, PdModel, Role};
 use cascade_exec::serve::{load_packed, scale_out, DispatchConfig, LivePolicy, Source};
 use cascade_multicast::cluster::{Controller, MulticastNode};
 use cascade_multicast::Topology;
+use cascade_sched::lora::dispatch::ClusterConfig;
+use cascade_sched::lora::CostModel;
 use cascade_transport::Mesh;
 use clap::{Args, ValueEnum};
 use tokio::sync::{mpsc, oneshot};
@@ -108,6 +111,10 @@ pub(crate) struct PdArgs {
     /// Where report.json and the node logs go.
     #[arg(long, default_value = "target/pd")]
     out: PathBuf,
+    /// Run the router's co-migration monitor every this many milliseconds (dLoRA §5: a decode
+    /// instance's requests move with their KV to a less loaded one); 0: no monitor.
+    #[arg(long, default_value_t = 0)]
+    rebalance_every_ms: u64,
 }
 
 const PROMPTS: [&str; 6] = [
@@ -231,6 +238,12 @@ async fn drive(
         poll_every: Duration::from_millis(10),
         max_attempts: 20,
         retry_after: Duration::from_millis(20),
+        monitor: (a.rebalance_every_ms > 0).then(|| MonitorConfig {
+            every: Duration::from_millis(a.rebalance_every_ms),
+            cluster: ClusterConfig::default(),
+            cost: CostModel::cpu_smollm2(),
+            layout: KvLayout::new(&model.config, LlmConfig::default().page_tokens as usize),
+        }),
     };
     let (req_tx, req_rx) = mpsc::unbounded_channel();
     let (cmd_tx, cmd_rx) = mpsc::unbounded_channel();
@@ -297,6 +310,7 @@ async fn drive(
     let report = serde_json::json!({
         "requests": a.requests, "answered": answers.len(), "lost": lost, "answered_twice": twice,
         "not_equal_to_reference": wrong, "requeued": stats.requeued,
+        "monitor_rounds": stats.monitor_rounds, "migrated": stats.migrated,
         "ttft_p50_ms": pct(&mut ttft.clone(), 0.5), "ttft_p99_ms": pct(&mut ttft.clone(), 0.99),
         "tbt_p50_ms": pct(&mut tbt.clone(), 0.5), "tbt_p99_ms": pct(&mut tbt.clone(), 0.99),
         "mutated_at_s": mutated_s, "scale_out_done_s": loaded_s, "multicast_s": scaled.run.report.seconds,
@@ -324,6 +338,12 @@ async fn drive(
         on(NEW),
         out.join("report.json").display()
     );
+    if a.rebalance_every_ms > 0 {
+        println!(
+            "co-migration monitor: {} rounds ({} failed), {} requests moved with their KV",
+            stats.monitor_rounds, stats.monitor_failed, stats.migrated
+        );
+    }
     ep.shutdown();
     if lost > 0 || twice > 0 || wrong > 0 {
         bail!("{lost} lost, {twice} answered twice, {wrong} not equal to the reference");

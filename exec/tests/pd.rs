@@ -17,7 +17,7 @@ use cascade_exec::llama::multi_lora::{serve_alone, LoraJob};
 use cascade_exec::llama::{LoraAdapter, Proj};
 use cascade_exec::pd::kv::KvLayout;
 use cascade_exec::pd::migrate::rebalance;
-use cascade_exec::pd::router::{self, GenAnswer, GenRequest, PdCmd, PdRouterConfig};
+use cascade_exec::pd::router::{self, GenAnswer, GenRequest, MonitorConfig, PdCmd, PdRouterConfig};
 use cascade_exec::pd::{LlmConfig, LlmInstance, LlmMsg, PdModel, Role};
 use cascade_exec::serve::{load_packed, scale_out, DispatchConfig, LivePolicy, Source, Split};
 use cascade_multicast::cluster::{Controller, MulticastNode};
@@ -86,6 +86,7 @@ fn router_cfg(old: u32, more: Vec<u32>, decode: Vec<u32>, layers: u32) -> PdRout
         poll_every: Duration::from_millis(10),
         max_attempts: 20,
         retry_after: Duration::from_millis(20),
+        monitor: None,
     }
 }
 
@@ -343,16 +344,37 @@ async fn requests_migrate_with_their_adapters_and_answer_as_if_served_alone() {
 /// first near-tie the reference recorded, where float arithmetic may break it differently).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_router_rebalances_requests_onto_a_decode_instance_that_joined() {
+    rebalance_onto_a_joined_instance(false, "pd-rebalance").await;
+}
+
+/// The same, but nobody asks: the router's own monitor (`PdRouterConfig::monitor`) runs the
+/// rounds on its timer and moves requests to the instance that joined.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_routers_monitor_rebalances_on_its_own() {
+    rebalance_onto_a_joined_instance(true, "pd-monitor").await;
+}
+
+async fn rebalance_onto_a_joined_instance(by_monitor: bool, tag: &str) {
     let roles = [Some(Role::Prefill), Some(Role::Decode), Some(Role::Decode)];
-    let Some(c) = cluster(&roles, "pd-rebalance").await else { return };
+    let Some(c) = cluster(&roles, tag).await else { return };
     let mesh: Arc<dyn Mesh> = c.eps[0].clone();
     const LONG: u32 = 24;
     let layers = c.model.config.stages() as u32;
     let (req_tx, req_rx) = mpsc::unbounded_channel();
     let (cmd_tx, cmd_rx) = mpsc::unbounded_channel();
     let (ans_tx, mut ans_rx) = mpsc::unbounded_channel();
-    let routing =
-        tokio::spawn(router::run(mesh.clone(), router_cfg(1, vec![], vec![2], layers), req_rx, cmd_rx, ans_tx));
+    let cluster_cfg = cascade_sched::lora::dispatch::ClusterConfig { queue_trigger: 2, ..Default::default() };
+    let (cost, layout) = (cascade_sched::lora::CostModel::cpu_smollm2(), KvLayout::new(&c.model.config, 16));
+    let mut cfg = router_cfg(1, vec![], vec![2], layers);
+    if by_monitor {
+        cfg.monitor = Some(MonitorConfig {
+            every: Duration::from_millis(100),
+            cluster: cluster_cfg.clone(),
+            cost: cost.clone(),
+            layout: layout.clone(),
+        });
+    }
+    let routing = tokio::spawn(router::run(mesh.clone(), cfg, req_rx, cmd_rx, ans_tx));
     let reference = llm_reference();
     for (i, r) in reference.iter().enumerate() {
         req_tx
@@ -369,23 +391,29 @@ async fn the_router_rebalances_requests_onto_a_decode_instance_that_joined() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     cmd_tx.send(PdCmd::Decode { node: 3 }).unwrap();
-    let (tx, rx) = oneshot::channel();
-    cmd_tx
-        .send(PdCmd::Rebalance {
-            cluster: cascade_sched::lora::dispatch::ClusterConfig { queue_trigger: 2, ..Default::default() },
-            cost: cascade_sched::lora::CostModel::cpu_smollm2(),
-            layout: KvLayout::new(&c.model.config, 16),
-            done: tx,
-        })
-        .unwrap();
-    let r = rx.await.unwrap().unwrap();
-    eprintln!("rebalance: {:?} in {:.3} s", r.outcomes, r.seconds);
-    let moved: Vec<u64> = r.outcomes.iter().filter(|(_, o)| o.is_ok()).map(|(m, _)| m.req).collect();
-    assert!(!moved.is_empty(), "nothing moved: {:?}", r.decision);
+    let mut moved: Vec<u64> = Vec::new();
+    if !by_monitor {
+        let (tx, rx) = oneshot::channel();
+        cmd_tx.send(PdCmd::Rebalance { cluster: cluster_cfg, cost, layout, done: tx }).unwrap();
+        let r = rx.await.unwrap().unwrap();
+        eprintln!("rebalance: {:?} in {:.3} s", r.outcomes, r.seconds);
+        moved = r.outcomes.iter().filter(|(_, o)| o.is_ok()).map(|(m, _)| m.req).collect();
+        assert!(!moved.is_empty(), "nothing moved: {:?}", r.decision);
+    }
     drop(req_tx);
     let stats = routing.await.unwrap().unwrap();
+    eprintln!("router: {stats:?}");
     assert_eq!((stats.answered, stats.failed), (reference.len() as u64, 0));
     let answers: Vec<GenAnswer> = std::iter::from_fn(|| ans_rx.try_recv().ok()).collect();
+    if by_monitor {
+        // Who moved: the requests node 3 finished.
+        moved = answers.iter().filter(|a| a.decode == 3).map(|a| a.id).collect();
+        assert!(stats.monitor_rounds >= 1 && stats.migrated >= 1, "the monitor moved nothing: {stats:?}");
+        // (A later round may move a request back; every request on node 3 got there by a move.)
+        assert!(!moved.is_empty() && moved.len() as u64 <= stats.migrated, "{moved:?} vs {stats:?}");
+    } else {
+        assert_eq!((stats.monitor_rounds, stats.migrated), (0, 0), "no monitor was configured");
+    }
     for a in &answers {
         let want = &reference[a.id as usize];
         let tokens = a.result.as_ref().unwrap();

@@ -7,7 +7,10 @@
 //!
 //! Commands: [`PdCmd::Mutate`] turns a prefill instance into a decode one (nothing more is sent
 //! to it for prefill; prefills racing the switch are refused there and re-queued);
-//! [`PdCmd::Scaling`] pairs an arriving prefill instance with the old one.
+//! [`PdCmd::Scaling`] pairs an arriving prefill instance with the old one; [`PdCmd::Rebalance`]
+//! runs one co-migration round now. With [`PdRouterConfig::monitor`] set the router also runs
+//! rounds on its own, dLoRA's periodic monitor (seed `002_…`, §5): one every
+//! [`MonitorConfig::every`], never two at once, each beside the routing.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -17,7 +20,7 @@ use cascade_transport::service::DEFAULT_INBOX;
 use cascade_transport::{Mesh, ServiceExt};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinSet;
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 use super::kv::KvLayout;
 use super::migrate::{rebalance, Rebalance};
@@ -93,6 +96,20 @@ pub enum PdCmd {
     },
 }
 
+/// The router's own co-migration monitor: a round ([`super::migrate::rebalance`]) every `every`
+/// over the decode instances it knows, the next one only after the last finished.
+#[derive(Debug, Clone)]
+pub struct MonitorConfig {
+    /// Time between rounds (the last one's end to the next one's start at the least).
+    pub every: Duration,
+    /// Trigger, top-K and solver settings.
+    pub cluster: ClusterConfig,
+    /// Step time, migration bandwidth, adapter size.
+    pub cost: CostModel,
+    /// The instances' KV pages.
+    pub layout: KvLayout,
+}
+
 /// The router's set-up.
 #[derive(Debug, Clone)]
 pub struct PdRouterConfig {
@@ -110,6 +127,8 @@ pub struct PdRouterConfig {
     pub max_attempts: u32,
     /// Wait before a failed request is dispatched again.
     pub retry_after: Duration,
+    /// Co-migration rounds on a timer (`None`: only when told, [`PdCmd::Rebalance`]).
+    pub monitor: Option<MonitorConfig>,
 }
 
 /// What the router counted.
@@ -121,6 +140,12 @@ pub struct RouterStats {
     pub failed: u64,
     /// Prefills re-queued after a failure (or a decode abort).
     pub requeued: u64,
+    /// Rounds the monitor finished (a round whose trigger did not fire included).
+    pub monitor_rounds: u64,
+    /// Monitor rounds that failed (an instance did not answer, say); the next round tries again.
+    pub monitor_failed: u64,
+    /// Requests the monitor's rounds moved to another decode instance.
+    pub migrated: u64,
 }
 
 struct Pending {
@@ -167,6 +192,9 @@ pub async fn run(
     let mut open = true;
     let mut tick = tokio::time::interval(cfg.poll_every.min(Duration::from_millis(20)));
     let mut polled = Instant::now();
+    // The monitor: the time of its next round, and its rounds' outcomes (one at a time).
+    let mut next_round = cfg.monitor.as_ref().map(|m| Instant::now() + m.every);
+    let (round_tx, mut round_rx) = mpsc::unbounded_channel::<Result<Rebalance, ServeError>>();
     loop {
         // Dispatch what can go now.
         while let Some(x) = d.next_dispatch() {
@@ -280,9 +308,37 @@ pub async fn run(
                     }
                 }
             },
+            Some(r) = round_rx.recv() => {
+                stats.monitor_rounds += 1;
+                match r {
+                    Ok(r) => {
+                        let moved = r.outcomes.iter().filter(|(_, o)| o.is_ok()).count();
+                        stats.migrated += moved as u64;
+                        if r.decision.is_some() {
+                            info!(moved, tried = r.outcomes.len(), seconds = r.seconds, "co-migration round");
+                        }
+                    }
+                    Err(e) => {
+                        stats.monitor_failed += 1;
+                        warn!(error = %e, "co-migration round failed; the next one tries again");
+                    }
+                }
+                next_round = cfg.monitor.as_ref().map(|m| Instant::now() + m.every);
+            },
             _ = tick.tick() => {}
         }
         let now = Instant::now();
+        if let (Some(m), Some(at)) = (&cfg.monitor, next_round) {
+            // Only while there is something to balance, and with two instances to balance over.
+            if at <= now && decode.len() > 1 && !pending.is_empty() {
+                next_round = None;
+                let (mesh, nodes, m, timeout, tx) =
+                    (mesh.clone(), decode.clone(), m.clone(), cfg.call_timeout, round_tx.clone());
+                tokio::spawn(async move {
+                    let _ = tx.send(rebalance(&mesh, &nodes, &m.cluster, &m.cost, &m.layout, timeout).await);
+                });
+            }
+        }
         delayed.retain(|&(at, id)| {
             if at <= now {
                 d.failed(id);
