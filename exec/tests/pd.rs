@@ -371,7 +371,7 @@ async fn rebalance_onto_a_joined_instance(by_monitor: bool, tag: &str) {
             every: Duration::from_millis(100),
             cluster: cluster_cfg.clone(),
             cost: cost.clone(),
-            layout: layout.clone(),
+            layout,
         });
     }
     let routing = tokio::spawn(router::run(mesh.clone(), cfg, req_rx, cmd_rx, ans_tx));
