@@ -135,12 +135,45 @@ fn symphony_plans_are_feasible_and_chain_epochs_within_the_disruption_budget() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// The one sample of `series` (its full name with labels) in OpenMetrics text.
+fn sample(text: &str, series: &str) -> f64 {
+    let line = text.lines().find(|l| l.starts_with(series)).unwrap_or_else(|| panic!("no {series} in {text}"));
+    line.rsplit(' ').next().unwrap().parse().unwrap()
+}
+
+/// The plan, and with `--metrics-file` the same run's solver time, objectives and outcome as
+/// metrics.
 #[test]
-fn herd_plans_are_feasible() {
+fn herd_plans_are_feasible_and_their_metrics_match_the_plan() {
     let file = shipped("herd_200x10.toml");
-    let (ok, v) = plan(&["--kind", "herd", "--scenario", file.to_str().unwrap(), "--time-limit", "1"]);
+    let dir = std::env::temp_dir().join(format!("epoch-plan-metrics-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let prom = dir.join("epoch.prom");
+    let (ok, v) = plan(&[
+        "--kind",
+        "herd",
+        "--scenario",
+        file.to_str().unwrap(),
+        "--time-limit",
+        "1",
+        "--metrics-file",
+        prom.to_str().unwrap(),
+    ]);
     assert!(ok && v["feasible"] == true, "{v}");
     verify_herd(&file, &v);
+    let text = std::fs::read_to_string(&prom).unwrap();
+    assert!(text.ends_with("# EOF\n"), "{text}");
+    assert_eq!(sample(&text, r#"cascade_epoch_plans_total{kind="herd",result="feasible"}"#), 1.0);
+    let labels = r#"{kind="herd",solver="microlp"}"#;
+    assert_eq!(sample(&text, &format!("cascade_epoch_solve_seconds_count{labels}")), 1.0);
+    let secs = sample(&text, &format!("cascade_epoch_solve_seconds_sum{labels}"));
+    assert!((secs - v["solve_seconds"].as_f64().unwrap()).abs() < 1e-9, "{secs} vs {v}");
+    let objective = sample(&text, r#"cascade_epoch_objective{kind="herd"}"#);
+    assert!((objective - v["objective"].as_f64().unwrap()).abs() < 1e-9);
+    let greedy = sample(&text, r#"cascade_epoch_greedy_objective{kind="herd"}"#);
+    assert!((greedy - v["greedy_objective"].as_f64().unwrap()).abs() < 1e-9);
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1, "no temporary file left behind");
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
@@ -154,8 +187,21 @@ fn an_instance_with_no_plan_says_so_and_fails() {
         "seed = 1\n[generate]\nmodels = 20\nmean_rate_rps = 10.0\n[symphony]\nsub_clusters = 2\ns_max_mb = 1000.0\n",
     )
     .unwrap();
-    let (ok, v) = plan(&["--kind", "symphony", "--scenario", file.to_str().unwrap(), "--time-limit", "1"]);
+    let prom = dir.join("epoch.prom");
+    let (ok, v) = plan(&[
+        "--kind",
+        "symphony",
+        "--scenario",
+        file.to_str().unwrap(),
+        "--time-limit",
+        "1",
+        "--metrics-file",
+        prom.to_str().unwrap(),
+    ]);
     assert!(!ok);
+    let text = std::fs::read_to_string(&prom).unwrap();
+    assert_eq!(sample(&text, r#"cascade_epoch_plans_total{kind="symphony",result="infeasible"}"#), 1.0);
+    assert!(!text.contains("cascade_epoch_objective{"), "no objective without a plan: {text}");
     assert_eq!(v["feasible"], false);
     assert!(v["assignment"].is_null());
     assert!(v["note"].as_str().unwrap().contains("no feasible plan"), "{v}");

@@ -7,7 +7,9 @@
 //! is found the JSON says `feasible: false` with the reason and the exit status is 2.
 //! `--random S` also runs the paper's random-partition baseline for S seconds (Symphony only),
 //! and `--previous PLAN.json` plans the next epoch against an earlier `--json` output within the
-//! file's disruption budget.
+//! file's disruption budget. `--metrics-file F` also writes the run's solver time, objectives and
+//! outcome as OpenMetrics text (the format the nodes' `/metrics` serve) for a batch-job collector
+//! (a Pushgateway, or a textfile collector that reads OpenMetrics), written whole or not at all.
 
 use std::fs::File;
 use std::io::Write;
@@ -45,6 +47,10 @@ struct Cli {
     /// Print JSON.
     #[arg(long)]
     json: bool,
+    /// Also write the run's metrics here (OpenMetrics text: solver time, objective, greedy
+    /// objective, plans by outcome).
+    #[arg(long)]
+    metrics_file: Option<PathBuf>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -64,6 +70,9 @@ fn main() -> anyhow::Result<()> {
         other => anyhow::bail!("unknown --kind {other:?}: symphony or herd"),
     };
     let feasible = out["feasible"].as_bool().unwrap_or(false);
+    if let Some(path) = &c.metrics_file {
+        write_metrics(path, &c, &out)?;
+    }
     if c.json {
         writeln!(report, "{out}")?;
     } else {
@@ -154,6 +163,40 @@ fn herd(c: &Cli, file: &PlanFile, budget: Duration) -> anyhow::Result<Value> {
         out["upper_bound"] = json!(p.upper_bound());
     }
     Ok(out)
+}
+
+/// The run as metrics: `cascade_epoch_solve_seconds{kind,solver}` (histogram),
+/// `cascade_epoch_objective` and `cascade_epoch_greedy_objective{kind}` (gauges, when a plan was
+/// found) and `cascade_epoch_plans_total{kind,result}`; written to a temporary file beside
+/// `path` and renamed over it, so a collector never reads half a file.
+fn write_metrics(path: &std::path::Path, c: &Cli, out: &Value) -> anyhow::Result<()> {
+    let m = cascade_transport::metrics::Metrics::new();
+    let kind = c.kind.as_str();
+    let feasible = out["feasible"].as_bool().unwrap_or(false);
+    let result = if feasible { "feasible" } else { "infeasible" };
+    m.counter("cascade_epoch_plans", "Epoch plans computed, by outcome", &[("kind", kind), ("result", result)]).inc();
+    if let Some(secs) = out["solve_seconds"].as_f64() {
+        m.histogram(
+            "cascade_epoch_solve_seconds",
+            "Time to compute an epoch plan (greedy, solver and checks)",
+            &[("kind", kind), ("solver", c.solver.name())],
+        )
+        .observe(secs);
+    }
+    for (name, field, help) in [
+        ("cascade_epoch_objective", "objective", "The epoch plan's objective"),
+        ("cascade_epoch_greedy_objective", "greedy_objective", "The greedy plan's objective (the solver's fallback)"),
+    ] {
+        if let Some(v) = out[field].as_f64() {
+            m.gauge(name, help, &[("kind", kind)]).set(v);
+        }
+    }
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+    let name = path.file_name().with_context(|| format!("--metrics-file {}: not a file name", path.display()))?;
+    let tmp = dir.join(format!(".{}.tmp", name.to_string_lossy()));
+    std::fs::write(&tmp, m.render()).with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("renaming {} to {}", tmp.display(), path.display()))?;
+    Ok(())
 }
 
 /// A handle on the process's stdout, with fd 1 pointed at stderr from now on.
