@@ -131,19 +131,31 @@ pub struct Bed {
     children: Vec<Child>,
     /// The shaped rate, if any.
     pub link_mbit: Option<u64>,
+    /// The namespaced hosts' link MTU, if namespaced.
+    pub mtu: Option<u32>,
 }
 
 impl Bed {
     /// Starts the nodes: in namespaces shaped to `link_mbit` with `netns`, else on loopback
     /// (tcp, or shared memory with `shm`).
     pub fn start(netns: bool, max_targets: usize, link_mbit: u64) -> anyhow::Result<Bed> {
-        Self::start_with(netns, false, max_targets, link_mbit)
+        Self::start_with(netns, false, max_targets, link_mbit, None)
     }
 
-    /// As [`Bed::start`]; `shm` links the (loopback) nodes by shared memory.
-    pub fn start_with(netns: bool, shm: bool, max_targets: usize, link_mbit: u64) -> anyhow::Result<Bed> {
+    /// As [`Bed::start`]; `shm` links the (loopback) nodes by shared memory; `mtu` sets the
+    /// namespaced hosts' link MTU (Ethernet's 1500 when `None`).
+    pub fn start_with(
+        netns: bool,
+        shm: bool,
+        max_targets: usize,
+        link_mbit: u64,
+        mtu: Option<u32>,
+    ) -> anyhow::Result<Bed> {
         if netns && shm {
             bail!("namespaced hosts do not share memory: --shm is for one host");
+        }
+        if mtu.is_some() && !netns {
+            bail!("--mtu sets the namespaced hosts' links: it needs --netns");
         }
         let hosts = max_targets + 2; // 0: controller, 1: source, 2..: targets
         let exe = std::env::current_exe()?;
@@ -153,7 +165,7 @@ impl Bed {
             if let Some(why) = Netns::unavailable() {
                 bail!("--netns: {why}");
             }
-            let n = Netns::create(hosts, Some(link_mbit))?;
+            let n = Netns::create_with_mtu(hosts, Some(link_mbit), mtu)?;
             (Some(n), (0..hosts).map(|i| format!("{}:7400", Netns::addr(i))).collect())
         } else {
             let ls: Vec<_> =
@@ -179,6 +191,7 @@ impl Bed {
             dir,
             children: Vec::new(),
             link_mbit: netns.then_some(link_mbit),
+            mtu: if netns { Some(mtu.unwrap_or(1500)) } else { None },
         };
         bed.set_link_gbps(link_gbps)?;
         for i in 1..hosts {
@@ -326,7 +339,7 @@ impl Bed {
         let bound = self.link_mbit.map(|b| bytes as f64 * 8.0 / (b as f64 * 1e6));
         Ok(json!({
             "planner": planner, "targets": targets, "bytes": bytes, "link_mbit": self.link_mbit,
-            "seconds": v["seconds"], "setup_seconds": v["setup_seconds"], "bound_seconds": bound, "netns": self.net.is_some(), "shm": self.shm,
+            "seconds": v["seconds"], "setup_seconds": v["setup_seconds"], "bound_seconds": bound, "netns": self.net.is_some(), "mtu": self.mtu, "shm": self.shm,
             "predicted_seconds": v["predicted_seconds"], "chunk_bytes": v["chunk_bytes"], "verified": v["verified"],
             "link_gbps": self.link_gbps, "chunk_overhead_s": self.chunk_overhead_s, "machine_gbps": self.machine_gbps,
         }))

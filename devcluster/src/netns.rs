@@ -47,9 +47,20 @@ impl Netns {
 
     /// Creates `n` hosts; with `link_mbit`, shapes each host's egress to that rate.
     pub fn create(n: usize, link_mbit: Option<u64>) -> anyhow::Result<Netns> {
+        Self::create_with_mtu(n, link_mbit, None)
+    }
+
+    /// [`create`](Self::create) with every host's link (and the bridge) at `mtu` bytes instead
+    /// of Ethernet's 1500 — 9000 for the jumbo frames data-centre fabrics run (RoCE and
+    /// InfiniBand use 4096-byte packets): fewer packets per byte, and 0.7% of headers instead
+    /// of 4.4%.
+    pub fn create_with_mtu(n: usize, link_mbit: Option<u64>, mtu: Option<u32>) -> anyhow::Result<Netns> {
         static SEQ: AtomicU32 = AtomicU32::new(0);
         if n == 0 || n > 250 {
             bail!("between 1 and 250 hosts");
+        }
+        if let Some(m) = mtu.filter(|m| !(576..=65535).contains(m)) {
+            bail!("MTU {m}: between 576 and 65535 bytes");
         }
         let prefix = format!("c{:x}{}", std::process::id() & 0xfffff, SEQ.fetch_add(1, Ordering::Relaxed));
         let mut ns = Netns { switch: format!("{prefix}sw"), hosts: Vec::new(), children: Vec::new(), prefix };
@@ -68,6 +79,10 @@ impl Netns {
             run(&["ip", "-n", &ns.switch, "link", "set", &s, "up"])?;
             run(&["ip", "-n", &host, "link", "set", "lo", "up"])?;
             run(&["ip", "-n", &host, "addr", "add", &format!("{}/24", Self::addr(i)), "dev", &h])?;
+            if let Some(m) = mtu {
+                run(&["ip", "-n", &host, "link", "set", &h, "mtu", &m.to_string()])?;
+                run(&["ip", "-n", &ns.switch, "link", "set", &s, "mtu", &m.to_string()])?;
+            }
             run(&["ip", "-n", &host, "link", "set", &h, "up"])?;
             if let Some(mbit) = link_mbit {
                 // The bucket must hold at least one timer tick of traffic (and a 64 KiB GSO burst).

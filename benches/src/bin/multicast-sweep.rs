@@ -33,6 +33,10 @@ struct Cli {
     /// Namespaced hosts with shaped links (needs root).
     #[arg(long)]
     netns: bool,
+    /// With --netns: the hosts' link MTU (default Ethernet's 1500; 9000 for jumbo frames, as
+    /// data-centre fabrics run).
+    #[arg(long)]
+    mtu: Option<u32>,
     /// Link the nodes (one host) by shared memory instead of loopback tcp.
     #[arg(long)]
     shm: bool,
@@ -68,7 +72,7 @@ fn main() -> anyhow::Result<()> {
     if run_role(&c.role)? {
         return Ok(());
     }
-    let mut bed = Bed::start_with(c.netns, c.shm, c.max_targets, c.link_mbit)?;
+    let mut bed = Bed::start_with(c.netns, c.shm, c.max_targets, c.link_mbit, c.mtu)?;
     if c.calibrate {
         // The planner is told this bed's measured per-chunk overhead (and, on shm, hop and host rates).
         bed.calibrate()?;
@@ -97,7 +101,11 @@ fn main() -> anyhow::Result<()> {
         "{} MiB, link {} Mbit/s{}: seconds until every target holds every byte (crc32-verified)\n",
         c.bytes >> 20,
         c.link_mbit,
-        if c.netns { ", shaped (netns + tbf)" } else { ", loopback, unshaped" }
+        if c.netns {
+            format!(", shaped (netns + tbf, MTU {})", c.mtu.unwrap_or(1500))
+        } else {
+            ", loopback, unshaped".into()
+        }
     );
     print!("| N |");
     for p in PLANNERS {
@@ -156,7 +164,7 @@ fn compare_mpi(c: &Cli, bed: Bed) -> anyhow::Result<()> {
         }
         let (a, b) = (median(&mut ours.clone()), median(&mut theirs.clone()));
         rows.push(serde_json::json!({
-            "targets": n, "bytes": c.bytes, "netns": c.netns, "shm": c.shm, "link_mbit": bed.link_mbit,
+            "targets": n, "bytes": c.bytes, "netns": c.netns, "shm": c.shm, "link_mbit": bed.link_mbit, "mtu": bed.mtu,
             "cascade_seconds": ours, "mpi_seconds": theirs, "cascade_median": a, "mpi_median": b, "ratio": a / b,
             "predicted_seconds": predicted, "link_gbps": bed.link_gbps, "machine_gbps": bed.machine_gbps,
             "chunk_overhead_s": bed.chunk_overhead_s,
@@ -165,8 +173,9 @@ fn compare_mpi(c: &Cli, bed: Bed) -> anyhow::Result<()> {
     let bound = bed.link_mbit.map(|b| c.bytes as f64 * 8.0 / (b as f64 * 1e6));
     let links = match (c.netns, c.shm) {
         (true, _) => format!(
-            "netns hosts, {} Mbit/s tbf; MPI: one rank per host, TCP, pipelined bcast (1 MiB segments)",
-            c.link_mbit
+            "netns hosts, {} Mbit/s tbf, MTU {}; MPI: one rank per host, TCP, pipelined bcast (1 MiB segments)",
+            c.link_mbit,
+            bed.mtu.unwrap_or(1500)
         ),
         (false, true) => {
             "one host, shm links; MPI: every rank on this host (OpenMPI's shared-memory transport, default bcast)"
@@ -220,7 +229,10 @@ fn plot(path: &PathBuf, c: &Cli, series: &[Series], bound: Option<f64>, what: &s
     let root = BitMapBackend::new(path, (960, 600)).into_drawing_area();
     root.fill(&WHITE)?;
     let links = match (c.netns, c.shm) {
-        (true, _) => format!("{} Mbit/s links", c.link_mbit),
+        (true, _) => match c.mtu {
+            Some(m) => format!("{} Mbit/s links, MTU {m}", c.link_mbit),
+            None => format!("{} Mbit/s links", c.link_mbit),
+        },
         (false, true) => "shared memory (one host)".into(),
         (false, false) => "loopback (unshaped)".into(),
     };

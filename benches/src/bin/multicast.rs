@@ -24,6 +24,10 @@ struct Cli {
     /// Run each node in its own network namespace with shaped links (needs root).
     #[arg(long)]
     netns: bool,
+    /// With --netns: the hosts' link MTU (default Ethernet's 1500; 9000 for jumbo frames, as
+    /// data-centre fabrics run).
+    #[arg(long)]
+    mtu: Option<u32>,
     /// Link the nodes (one host) by shared memory instead of loopback tcp.
     #[arg(long)]
     shm: bool,
@@ -47,7 +51,7 @@ fn main() -> anyhow::Result<()> {
     if c.targets == 0 || c.bytes == 0 || c.link_mbit == 0 {
         anyhow::bail!("--targets, --bytes and --link-mbit must be positive");
     }
-    let mut bed = Bed::start_with(c.netns, c.shm, c.targets, c.link_mbit)?;
+    let mut bed = Bed::start_with(c.netns, c.shm, c.targets, c.link_mbit, c.mtu)?;
     if c.calibrate {
         // The planner is told this bed's measured per-chunk overhead (and, on shm, hop and host rates).
         bed.calibrate()?;
