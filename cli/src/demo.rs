@@ -245,7 +245,7 @@ async fn driver(a: DemoArgs, cluster_file: PathBuf, pids: Vec<u32>) -> anyhow::R
     let mut mcfg = ManagerConfig::new((1..=a.nodes).collect());
     mcfg.k = a.k;
     mcfg.init = true;
-    mcfg.rates = MeshRates { nic_gbps: gbps, tcp_gbps: gbps, shm_gbps: 4.0 * gbps };
+    mcfg.rates = MeshRates { nic_gbps: gbps, tcp_gbps: gbps, shm_gbps: 4.0 * gbps, machine_gbps: None };
     let meta = a.out.join("meta");
     let _ = std::fs::remove_dir_all(&meta);
     let mut m = Manager::open(ep.clone(), EmbeddedStore::open(&meta)?, mcfg)?;

@@ -196,6 +196,10 @@ struct MulticastArgs {
     /// NIC rate assumed when deriving the topology, Gbit/s.
     #[arg(long, default_value_t = 100.0, value_parser = rate)]
     nic_gbps: f64,
+    /// When deriving the topology: what one host's cores move over all its hops together,
+    /// Gbit/s (`multicast --calibrate` measures it); members that share a host then share it.
+    #[arg(long, value_parser = rate)]
+    machine_gbps: Option<f64>,
     /// Locations holding the parameters, comma separated (e.g. 1/gpu0).
     #[arg(long, value_delimiter = ',', required = true)]
     sources: Vec<Loc>,
@@ -338,7 +342,12 @@ async fn multicast(a: MulticastArgs) -> anyhow::Result<()> {
             Topology::from_toml(&text).with_context(|| format!("topology {}", path.display()))?
         }
         None => {
-            let rates = MeshRates { nic_gbps: a.nic_gbps, tcp_gbps: a.nic_gbps, shm_gbps: 4.0 * a.nic_gbps };
+            let rates = MeshRates {
+                nic_gbps: a.nic_gbps,
+                tcp_gbps: a.nic_gbps,
+                shm_gbps: 4.0 * a.nic_gbps,
+                machine_gbps: a.machine_gbps,
+            };
             Topology::from_mesh(&ep.config().cluster, ep.node(), &ep.connected(), 1, rates)?
         }
     };

@@ -172,6 +172,10 @@ pub(crate) struct ServeArgs {
     /// Link rate the planner assumes, Gbit/s.
     #[arg(long, default_value_t = 25.0, value_parser = crate::rate)]
     nic_gbps: f64,
+    /// What one host's cores move over all its hops together, Gbit/s: the manager's host and
+    /// the pool nodes it reaches by shared memory then share it in the planner's predictions.
+    #[arg(long, value_parser = crate::rate)]
+    machine_gbps: Option<f64>,
 }
 
 pub(crate) fn config(a: &ServeArgs, cluster_nodes: impl Iterator<Item = u32>) -> anyhow::Result<ManagerConfig> {
@@ -193,7 +197,12 @@ pub(crate) fn config(a: &ServeArgs, cluster_nodes: impl Iterator<Item = u32>) ->
     cfg.k = a.k;
     cfg.init = a.init;
     cfg.dead_after = Duration::from_secs_f64(a.dead_after_s);
-    cfg.rates = MeshRates { nic_gbps: a.nic_gbps, tcp_gbps: a.nic_gbps, shm_gbps: 4.0 * a.nic_gbps };
+    cfg.rates = MeshRates {
+        nic_gbps: a.nic_gbps,
+        tcp_gbps: a.nic_gbps,
+        shm_gbps: 4.0 * a.nic_gbps,
+        machine_gbps: a.machine_gbps,
+    };
     cfg.ready_timeout = Duration::from_secs_f64(a.member.ready_timeout_s);
     Ok(cfg)
 }

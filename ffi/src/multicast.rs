@@ -71,7 +71,7 @@ impl McRequest {
 
     fn topology(&self, e: &cascade_endpoint) -> FfiResult<Topology> {
         let g = self.nic_gbps.unwrap_or(25.0);
-        let rates = MeshRates { nic_gbps: g, tcp_gbps: g, shm_gbps: 4.0 * g };
+        let rates = MeshRates { nic_gbps: g, tcp_gbps: g, shm_gbps: 4.0 * g, machine_gbps: None };
         let gpus = self.sources.iter().chain(&self.targets).filter_map(|l| l.gpu).max().map_or(1, |g| g + 1);
         Topology::from_mesh(&e.ep.config().cluster, e.ep.node(), &e.ep.connected(), gpus, rates)
             .map_err(|err| FfiError::new(CASCADE_ERR_MULTICAST, err.to_string()))

@@ -268,6 +268,11 @@ pub struct MeshRates {
     pub tcp_gbps: f64,
     /// Same-host shared-memory links.
     pub shm_gbps: f64,
+    /// What one host's cores move over all its hops together (copy and crc32), Gbit/s: with it,
+    /// nodes that are processes of one host are declared a machine ([`Topology::add_machine`]),
+    /// so the planner shares the host's rate among their hops; `None` treats every hop as
+    /// independent (the right model when each node has hosts of its own).
+    pub machine_gbps: Option<f64>,
 }
 
 /// One node as the planner sees it.
@@ -359,7 +364,9 @@ impl Topology {
     /// Derives a topology from a running cluster's connection pool: one node per cluster member
     /// with `gpus` GPUs and a NIC of `nic_gbps`, and each link of `local`'s pool as an explicit
     /// link of its kind (an RDMA link keeps the NIC rate; TCP gets `tcp_gbps`; a shared-memory
-    /// link, i.e. a peer on the same host, gets `shm_gbps`).
+    /// link, i.e. a peer on the same host, gets `shm_gbps`). With `machine_gbps`, the members
+    /// that share a host (the transport's same-host rule: `host`, else the address) are one
+    /// machine each.
     pub fn from_mesh(
         cluster: &cascade_transport::ClusterSpec,
         local: NodeId,
@@ -368,10 +375,22 @@ impl Topology {
         rates: MeshRates,
     ) -> Result<Topology, TopologyError> {
         let nodes: Vec<NodeId> = cluster.nodes.iter().map(|n| n.id).collect();
-        Topology::from_links(&nodes, local, links, gpus, rates)
+        let mut t = Topology::from_links(&nodes, local, links, gpus, MeshRates { machine_gbps: None, ..rates })?;
+        if let Some(g) = rates.machine_gbps {
+            let mut hosts: BTreeMap<String, Vec<NodeId>> = BTreeMap::new();
+            for n in &cluster.nodes {
+                hosts.entry(n.host_key()).or_default().push(n.id);
+            }
+            for members in hosts.values().filter(|m| m.len() > 1) {
+                t.add_machine(members, g)?;
+            }
+        }
+        Ok(t)
     }
 
-    /// The same from a list of node ids (every node of the cluster, `local` included).
+    /// The same from a list of node ids (every node of the cluster, `local` included). Only
+    /// `local`'s links are known here, so with `machine_gbps` the one machine declared is
+    /// `local`'s host: `local` and the peers it reaches by shared memory.
     pub fn from_links(
         nodes: &[NodeId],
         local: NodeId,
@@ -391,6 +410,16 @@ impl Topology {
                 _ => Link { kind: LinkKind::Tcp, gbps: rates.tcp_gbps },
             };
             t.set_link(local, peer, link)?;
+        }
+        if let Some(g) = rates.machine_gbps {
+            let mut host: Vec<NodeId> = std::iter::once(local)
+                .chain(links.iter().filter(|(_, k)| matches!(k, B::Shm | B::Mem)).map(|(p, _)| *p))
+                .collect();
+            host.sort_unstable();
+            host.dedup();
+            if host.len() > 1 {
+                t.add_machine(&host, g)?;
+            }
         }
         Ok(t)
     }

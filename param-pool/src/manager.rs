@@ -100,7 +100,7 @@ impl ManagerConfig {
             nodes,
             k: 1,
             dead_after: Duration::from_secs(1),
-            rates: MeshRates { nic_gbps: 25.0, tcp_gbps: 25.0, shm_gbps: 100.0 },
+            rates: MeshRates { nic_gbps: 25.0, tcp_gbps: 25.0, shm_gbps: 100.0, machine_gbps: None },
             snapshot_every: 256,
             request_timeout: Duration::from_secs(120),
             ready_timeout: Duration::from_secs(30),

@@ -101,11 +101,53 @@ fn derived_from_a_connection_pool() {
     let nodes =
         (0..3).map(|i| NodeSpec { id: i, addr: format!("127.0.0.{}:1", i + 1).parse().unwrap(), host: None }).collect();
     let c = ClusterSpec::new("m", nodes).unwrap();
-    let rates = MeshRates { nic_gbps: 100.0, tcp_gbps: 25.0, shm_gbps: 400.0 };
+    let rates = MeshRates { nic_gbps: 100.0, tcp_gbps: 25.0, shm_gbps: 400.0, machine_gbps: None };
     let t = Topology::from_mesh(&c, 0, &[(1, BackendKind::Shm), (2, BackendKind::Tcp)], 2, rates).unwrap();
     assert_eq!(t.nodes().count(), 3);
     assert_eq!(t.link(Loc::gpu(0, 0), Loc::gpu(1, 1)).unwrap(), Link { kind: LinkKind::Pcie, gbps: 400.0 });
     assert_eq!(t.link(Loc::gpu(0, 0), Loc::gpu(2, 0)).unwrap(), Link { kind: LinkKind::Tcp, gbps: 25.0 });
     // Links the local pool does not see keep the NIC default.
     assert_eq!(t.link(Loc::gpu(1, 0), Loc::gpu(2, 0)).unwrap(), Link { kind: LinkKind::Rdma, gbps: 100.0 });
+}
+
+/// With `machine_gbps`, members that share a host (by `host`, else by address) are one machine
+/// each; a member alone on its host is on none. Without it, none is declared.
+#[test]
+fn a_derived_topology_declares_the_hosts_shared_by_several_members() {
+    use cascade_transport::{BackendKind, ClusterSpec, NodeSpec};
+    let spec = |id: u32, ip: &str, host: Option<&str>| NodeSpec {
+        id,
+        addr: format!("{ip}:{}", 7000 + id).parse().unwrap(),
+        host: host.map(str::to_string),
+    };
+    let c = ClusterSpec::new(
+        "m",
+        vec![
+            spec(0, "10.0.0.1", None),
+            spec(1, "10.0.0.1", None),
+            spec(2, "10.0.0.2", Some("box-b")),
+            spec(3, "10.0.0.3", Some("box-b")),
+            spec(4, "10.0.0.4", None),
+        ],
+    )
+    .unwrap();
+    let links = [(1, BackendKind::Shm), (2, BackendKind::Tcp), (3, BackendKind::Tcp), (4, BackendKind::Tcp)];
+    let rates = MeshRates { nic_gbps: 10.0, tcp_gbps: 10.0, shm_gbps: 40.0, machine_gbps: Some(60.0) };
+    let t = Topology::from_mesh(&c, 0, &links, 1, rates).unwrap();
+    let (a, b) = (t.machine_of(0).unwrap(), t.machine_of(2).unwrap());
+    assert_eq!(t.machine_of(1), Some(a));
+    assert_eq!(t.machine_of(3), Some(b));
+    assert_ne!(a.index, b.index);
+    assert_eq!((a.copy_gbps, b.copy_gbps), (60.0, 60.0));
+    assert_eq!(t.machine_of(4), None, "alone on its host");
+    let t = Topology::from_mesh(&c, 0, &links, 1, MeshRates { machine_gbps: None, ..rates }).unwrap();
+    assert!((0..5).all(|n| t.machine_of(n).is_none()));
+    // From the local links alone: the local node and its shared-memory peers.
+    let t = Topology::from_links(&[0, 1, 2, 3, 4], 0, &links, 1, rates).unwrap();
+    assert_eq!(t.machine_of(0), t.machine_of(1));
+    assert!(t.machine_of(0).is_some());
+    assert!((2..5).all(|n| t.machine_of(n).is_none()));
+    // A local node with no shared-memory peer is on no machine.
+    let t = Topology::from_links(&[0, 2], 0, &[(2, BackendKind::Tcp)], 1, rates).unwrap();
+    assert!(t.machine_of(0).is_none());
 }
