@@ -217,7 +217,11 @@ impl Metrics {
             offered_rps: requests as f64 / secs,
             goodput_rps: good as f64 / secs,
             bad_rate: if requests == 0 { 0.0 } else { 1.0 - good as f64 / requests as f64 },
-            gpu_idle_fraction: 1.0 - self.busy_ms / (self.gpus as f64 * (self.window.to - self.window.from).max(1e-9)),
+            // Busy time is a sum of many float overlaps: a GPU busy all the window can come out
+            // a few ulps over it, which printed as "idle -0.000".
+            gpu_idle_fraction: (1.0
+                - self.busy_ms / (self.gpus as f64 * (self.window.to - self.window.from).max(1e-9)))
+            .max(0.0),
             mean_batch: if batches == 0 { 0.0 } else { batched as f64 / batches as f64 },
             batch_histogram: self.batch_sizes.clone(),
             preemptions: self.preemptions,
