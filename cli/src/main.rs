@@ -16,6 +16,7 @@ mod live;
 mod llm;
 mod lora;
 mod pd;
+mod plot;
 mod pool;
 
 #[derive(Parser)]

@@ -4,7 +4,6 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use anyhow::Context;
 use cascade_param_pool::manager::Notice;
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use plotters::prelude::*;
@@ -141,10 +140,7 @@ impl Timeline {
 
     /// Draws bytes per node over time to `path`.
     pub(crate) fn plot(&self, path: &Path, font: &Path, title: &str) -> anyhow::Result<()> {
-        let data = std::fs::read(font)
-            .with_context(|| format!("reading font {} (apt-get install fonts-dejavu-core)", font.display()))?;
-        plotters::style::register_font("sans-serif", FontStyle::Normal, Box::leak(data.into_boxed_slice()))
-            .map_err(|_| anyhow::anyhow!("{} is not a usable font", font.display()))?;
+        crate::plot::register_font(font)?;
         let tmax = self.samples.iter().map(|s| s.t).fold(0.0f64, f64::max).max(0.1) * 1.15;
         let ymax = self.samples.iter().map(|s| s.bytes).max().unwrap_or(1).max(1) as f64 / 1048576.0 * 1.1;
         let root = BitMapBackend::new(path, (1100, 620)).into_drawing_area();

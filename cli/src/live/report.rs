@@ -3,7 +3,6 @@
 
 use std::path::Path;
 
-use anyhow::Context;
 use plotters::prelude::*;
 use serde_json::json;
 
@@ -196,10 +195,7 @@ fn series(r: &PolicyRun) -> Vec<(f64, f64, f64)> {
 }
 
 fn plot(path: &Path, font: &Path, runs: &[PolicyRun], round: usize) -> anyhow::Result<()> {
-    let data = std::fs::read(font)
-        .with_context(|| format!("reading font {} (apt-get install fonts-dejavu-core)", font.display()))?;
-    plotters::style::register_font("sans-serif", FontStyle::Normal, Box::leak(data.into_boxed_slice()))
-        .map_err(|_| anyhow::anyhow!("{} is not a usable font", font.display()))?;
+    crate::plot::register_font(font)?;
     let all: Vec<Vec<(f64, f64, f64)>> = runs.iter().map(series).collect();
     let tmax = all.iter().flatten().map(|p| p.0).fold(1.0, f64::max) + BIN;
     let rmax = all.iter().flatten().map(|p| p.1).fold(1.0, f64::max) * 1.15;
