@@ -141,17 +141,12 @@ fn sample(text: &str, series: &str) -> f64 {
     line.rsplit(' ').next().unwrap().parse().unwrap()
 }
 
-/// The plan, and with `--metrics-file` the same run's solver time, objectives and outcome as
-/// metrics.
-#[test]
-fn herd_plans_are_feasible_and_their_metrics_match_the_plan() {
-    let file = shipped("herd_200x10.toml");
-    let dir = std::env::temp_dir().join(format!("epoch-plan-metrics-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let prom = dir.join("epoch.prom");
+/// `epoch-plan --kind K --scenario F --time-limit 1 --metrics-file P`: the plan and the metrics'
+/// text.
+fn plan_with_metrics(kind: &str, file: &Path, prom: &Path) -> (bool, Value, String) {
     let (ok, v) = plan(&[
         "--kind",
-        "herd",
+        kind,
         "--scenario",
         file.to_str().unwrap(),
         "--time-limit",
@@ -159,9 +154,19 @@ fn herd_plans_are_feasible_and_their_metrics_match_the_plan() {
         "--metrics-file",
         prom.to_str().unwrap(),
     ]);
+    (ok, v, std::fs::read_to_string(prom).unwrap())
+}
+
+/// The plan, and with `--metrics-file` the same run's solver time, objectives and outcome as
+/// metrics.
+#[test]
+fn herd_plans_are_feasible_and_their_metrics_match_the_plan() {
+    let file = shipped("herd_200x10.toml");
+    let dir = std::env::temp_dir().join(format!("epoch-plan-metrics-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (ok, v, text) = plan_with_metrics("herd", &file, &dir.join("epoch.prom"));
     assert!(ok && v["feasible"] == true, "{v}");
     verify_herd(&file, &v);
-    let text = std::fs::read_to_string(&prom).unwrap();
     assert!(text.ends_with("# EOF\n"), "{text}");
     assert_eq!(sample(&text, r#"cascade_epoch_plans_total{kind="herd",result="feasible"}"#), 1.0);
     let labels = r#"{kind="herd",solver="microlp"}"#;
@@ -187,19 +192,8 @@ fn an_instance_with_no_plan_says_so_and_fails() {
         "seed = 1\n[generate]\nmodels = 20\nmean_rate_rps = 10.0\n[symphony]\nsub_clusters = 2\ns_max_mb = 1000.0\n",
     )
     .unwrap();
-    let prom = dir.join("epoch.prom");
-    let (ok, v) = plan(&[
-        "--kind",
-        "symphony",
-        "--scenario",
-        file.to_str().unwrap(),
-        "--time-limit",
-        "1",
-        "--metrics-file",
-        prom.to_str().unwrap(),
-    ]);
+    let (ok, v, text) = plan_with_metrics("symphony", &file, &dir.join("epoch.prom"));
     assert!(!ok);
-    let text = std::fs::read_to_string(&prom).unwrap();
     assert_eq!(sample(&text, r#"cascade_epoch_plans_total{kind="symphony",result="infeasible"}"#), 1.0);
     assert!(!text.contains("cascade_epoch_objective{"), "no objective without a plan: {text}");
     assert_eq!(v["feasible"], false);
