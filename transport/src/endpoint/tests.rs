@@ -382,19 +382,26 @@ async fn next_down(ev: &mut broadcast::Receiver<PeerEvent>, within: Duration) ->
     .ok()
 }
 
+/// Nodes 0 (`a`, its events subscribed) and 1 (`b`) of a fresh cluster, once node `paused` has
+/// stopped between spawning its link to the other and entering it; then `b` shuts down.
+async fn shut_down_while_installing(tag: &str, paused: NodeId) -> (Endpoint, broadcast::Receiver<PeerEvent>, Endpoint) {
+    let c = cluster(2, tag);
+    let stopped = hooks::pause_next_install(&c.name, paused, Duration::from_millis(300));
+    let a = Endpoint::start(fast(EndpointConfig::new(0, c.clone(), b"s"), false)).await.unwrap();
+    let ev = a.events();
+    let b = Endpoint::start(fast(EndpointConfig::new(1, c, b"s"), false)).await.unwrap();
+    until(&stopped).await;
+    b.shutdown();
+    (a, ev, b)
+}
+
 /// An endpoint that shuts down while it installs a fresh link must close that link too: before
 /// the fix the link was entered after `shutdown` had drained the table, and lived on (keepalives
 /// and all), so its peer never heard `Down`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_link_installed_during_shutdown_is_closed() {
-    let c = cluster(2, "install-shutdown");
-    let paused = hooks::pause_next_install(&c.name, 1, Duration::from_millis(300));
-    let a = Endpoint::start(fast(EndpointConfig::new(0, c.clone(), b"s"), false)).await.unwrap();
-    let mut ev = a.events();
-    let b = Endpoint::start(fast(EndpointConfig::new(1, c, b"s"), false)).await.unwrap();
-    until(&paused).await;
-    // Shut down but still held (dropping it would drop its table, and the link with it).
-    b.shutdown();
+    // `b` is shut down but still held (dropping it would drop its table, and the link with it).
+    let (_a, mut ev, b) = shut_down_while_installing("install-shutdown", 1).await;
     assert_eq!(
         next_down(&mut ev, Duration::from_secs(3)).await,
         Some(1),
@@ -408,13 +415,7 @@ async fn a_link_installed_during_shutdown_is_closed() {
 /// `link()` kept handing out a dead link.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_link_that_closes_while_installed_is_reported_down() {
-    let c = cluster(2, "install-closed");
-    let paused = hooks::pause_next_install(&c.name, 0, Duration::from_millis(300));
-    let a = Endpoint::start(fast(EndpointConfig::new(0, c.clone(), b"s"), false)).await.unwrap();
-    let mut ev = a.events();
-    let b = Endpoint::start(fast(EndpointConfig::new(1, c, b"s"), false)).await.unwrap();
-    until(&paused).await;
-    b.shutdown();
+    let (a, mut ev, b) = shut_down_while_installing("install-closed", 0).await;
     drop(b);
     assert_eq!(
         next_down(&mut ev, Duration::from_secs(3)).await,
