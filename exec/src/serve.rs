@@ -12,10 +12,11 @@
 //!
 //! **Reading a copy as it fills.** A multicast target's region is written by the run until its
 //! last chunk is verified. An instance reads only layers its `LayerReady` events reported:
-//! every chunk of them is crc-verified on the node. The one case where the run writes such a
-//! chunk again is a re-plan after a member failed: the new parent re-sends every chunk, with the
-//! same verified bytes. Stages are built (copied out into tensors) once, when their layer is
-//! reported, so a later re-send never changes what an instance computes with.
+//! every chunk of them is crc-verified on the node. After a re-plan (a member failed) the new
+//! parent starts at the first layer the target had not reported, so reported layers are not
+//! written again — except the bytes of a chunk that straddles the last reported layer's end,
+//! rewritten with the same verified bytes. Stages are built (copied out into tensors) once, when
+//! their layer is reported, so even that never changes what an instance computes with.
 
 use std::path::Path;
 use std::sync::Arc;

@@ -183,7 +183,7 @@ pub async fn execute(
             }
         }
         let r = &members[&e.to].region;
-        let spec = ChildSpec { loc: e.to, region: r.id().0, key: r.key().0 };
+        let spec = ChildSpec { loc: e.to, region: r.id().0, key: r.key().0, held_layers: 0 };
         specs.insert(e.to, spec);
         children.entry(e.from).or_default().push(spec);
     }

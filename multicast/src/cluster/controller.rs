@@ -314,8 +314,10 @@ impl Controller {
                 Layout::new(spec.bytes, chunk, crcs, spec.layers.clone())?
             }
         };
-        let specs: BTreeMap<Loc, ChildSpec> =
-            prepared.iter().map(|(l, (r, k))| (*l, ChildSpec { loc: *l, region: *r, key: *k })).collect();
+        let specs: BTreeMap<Loc, ChildSpec> = prepared
+            .iter()
+            .map(|(l, (r, k))| (*l, ChildSpec { loc: *l, region: *r, key: *k, held_layers: 0 }))
+            .collect();
         // 2. Start: every target before any source, so the first notices find their member.
         let mut children: BTreeMap<Loc, Vec<ChildSpec>> = BTreeMap::new();
         for e in &plan.edges {

@@ -120,7 +120,8 @@ pub enum Control {
     },
 }
 
-cascade_transport::binary_message!(Control, ServiceId::MULTICAST, 2);
+// Version 3: `ChildSpec` carries the layers the child holds (a re-plan's new sender skips them).
+cascade_transport::binary_message!(Control, ServiceId::MULTICAST, 3);
 
 /// A member's report to its run's controller.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

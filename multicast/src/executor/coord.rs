@@ -16,7 +16,7 @@ const MAX_ATTEMPTS: u32 = 3;
 /// What the driver must do.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) enum Action {
-    /// Tell `member` to send everything to `child`.
+    /// Tell `member` to send `child` everything it does not hold yet (`child.held_layers`).
     AddChild {
         /// The sender.
         member: Loc,
@@ -40,6 +40,8 @@ pub(crate) struct Coordinator {
     failed: BTreeMap<Loc, String>,
     attempts: BTreeMap<Loc, u32>,
     excluded: BTreeMap<Loc, BTreeSet<Loc>>,
+    /// Per target, the layers `[0, n)` it reported ready (they complete in order).
+    held: BTreeMap<Loc, u32>,
     replans: u32,
 }
 
@@ -57,6 +59,7 @@ impl Coordinator {
             failed: BTreeMap::new(),
             attempts: BTreeMap::new(),
             excluded: BTreeMap::new(),
+            held: BTreeMap::new(),
             replans: 0,
         }
     }
@@ -85,7 +88,13 @@ impl Coordinator {
                 }
                 vec![]
             }
-            ToCoord::LayerReady { loc, layer } => vec![Action::Emit(Event::LayerReady { target: loc, layer })],
+            ToCoord::LayerReady { loc, layer } => {
+                let held = self.held.entry(loc).or_default();
+                if layer == *held as usize {
+                    *held += 1;
+                }
+                vec![Action::Emit(Event::LayerReady { target: loc, layer })]
+            }
             ToCoord::ChildLost { parent, child, reason } => self.on_broken(parent, child, &reason),
         }
     }
@@ -137,7 +146,9 @@ impl Coordinator {
                 plan(&self.topo, &req, PlannerKind::Blitz).ok().and_then(|p| p.edges.first().map(|e| e.from))
             };
             match (next, self.specs.get(&c).copied()) {
-                (Some(np), Some(spec)) => {
+                (Some(np), Some(mut spec)) => {
+                    // The new sender skips the layers the target already holds verified.
+                    spec.held_layers = self.held.get(&c).copied().unwrap_or(0);
                     self.replans += 1;
                     self.parent.insert(c, np);
                     out.push(Action::AddChild { member: np, child: spec });

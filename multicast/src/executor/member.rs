@@ -27,6 +27,9 @@ pub struct ChildSpec {
     pub region: u32,
     /// Its remote key.
     pub key: u64,
+    /// Layers `[0, held_layers)` the child already holds verified (it reported them ready): a
+    /// sender taking it over after a re-plan starts at the first chunk of the next layer.
+    pub held_layers: u32,
 }
 
 impl ChildSpec {
@@ -78,7 +81,7 @@ impl CoordSink for mpsc::UnboundedSender<ToCoord> {
 /// Commands from the coordinator to a member.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub(crate) enum MemberCmd {
-    /// Start sending everything to a new child.
+    /// Start sending a new child every chunk from its first layer not held (`held_layers`).
     AddChild(ChildSpec),
 }
 
@@ -312,7 +315,14 @@ pub(crate) async fn run_member(
                     let window = Arc::new(Semaphore::new(WINDOW));
                     let failed = Arc::new(std::sync::atomic::AtomicBool::new(false));
                     let mut inflight = JoinSet::new();
-                    for i in 0..c2.layout.chunks() {
+                    // A child taken over after a re-plan holds its first layers already.
+                    let layers = c2.layout.layers.len();
+                    let first = match child.held_layers as usize {
+                        0 => 0,
+                        h if h >= layers => c2.layout.chunks(),
+                        h => c2.layout.chunks_of_layer(h).start,
+                    };
+                    for i in first..c2.layout.chunks() {
                         have.wait(i).await;
                         let Ok(permit) = window.clone().acquire_owned().await else { return };
                         if failed.load(std::sync::atomic::Ordering::Relaxed) {

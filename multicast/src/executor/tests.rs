@@ -204,3 +204,39 @@ fn layouts_must_tile_the_bytes() {
     assert_eq!(l.chunks_of_layer(0), 0..2);
     assert_eq!(l.chunks_of_layer(1), 1..4);
 }
+
+/// A re-planned target is sent only what it lacks: its new sender starts at the first layer the
+/// target had not reported ready. Before, it re-sent every chunk from 0, rewriting verified layers
+/// that an instance serving layer by layer may be reading. To see a re-send, every holder's copy
+/// of layer 0 is spoiled once the target holds layers 0 and 1: a re-sent layer 0 would land over
+/// the target's verified one (the member ignores chunks it holds, but the WRITE has placed them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replanned_target_is_sent_only_the_layers_it_lacks() {
+    let bytes = 4 * MIB; // 4 layers of 1 MiB, 8 chunks each
+    let (f, t, p, layout, members) = setup(4, bytes, 128 << 10);
+    let chain: Vec<Loc> = p.chains()[0].clone();
+    let (victim, last) = (chain[2], chain[3]);
+    // Slow the last hop, so its target is mid-way when its sender dies.
+    f.set_fault(victim.node, last.node, Some(Fault::Delay(Duration::from_millis(20))));
+    let want = ta::crc32(&members[0].region, 0, bytes).unwrap();
+    let regions: BTreeMap<Loc, Region> = members.iter().map(|m| (m.loc, m.region.clone())).collect();
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let run = tokio::spawn(async move { execute(&t, &p, &layout, members, Some(tx), opts()).await });
+    let mut from = None;
+    while let Some(e) = rx.recv().await {
+        match e {
+            Event::LayerReady { target, layer: 1 } if target == last => {
+                for holder in [chain[0], chain[1]] {
+                    ta::fill(&regions[&holder], 0, MIB, 0xee).unwrap();
+                }
+                f.kill(victim.node);
+            }
+            Event::Replanned { target, from: np } if target == last => from = Some(np),
+            _ => {}
+        }
+    }
+    let rep = run.await.unwrap().unwrap();
+    assert!(rep.completed.contains(&last), "{rep:?}");
+    assert!(from.is_some(), "the last target was re-planned: {rep:?}");
+    assert_eq!(ta::crc32(&regions[&last], 0, bytes).unwrap(), want, "its verified layers were written over");
+}
