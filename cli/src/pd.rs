@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use cascade_exec::llama::generate::Generator;
 use cascade_exec::pd::kv::KvLayout;
+use cascade_exec::pd::migrate::RebalanceConfig;
 use cascade_exec::pd::router::{self, GenAnswer, GenRequest, MonitorConfig, PdCmd, PdRouterConfig};
 use cascade_exec::pd::{LlmConfig, LlmInstance, PdModel, Role};
 use cascade_exec::serve::{load_packed, scale_out, DispatchConfig, LivePolicy, Source};
@@ -240,9 +241,11 @@ async fn drive(
         retry_after: Duration::from_millis(20),
         monitor: (a.rebalance_every_ms > 0).then(|| MonitorConfig {
             every: Duration::from_millis(a.rebalance_every_ms),
-            cluster: ClusterConfig::default(),
-            cost: CostModel::cpu_smollm2(),
-            layout: KvLayout::new(&model.config, LlmConfig::default().page_tokens as usize),
+            rounds: RebalanceConfig {
+                cluster: ClusterConfig::default(),
+                cost: CostModel::cpu_smollm2(),
+                layout: KvLayout::new(&model.config, LlmConfig::default().page_tokens as usize),
+            },
         }),
     };
     let (req_tx, req_rx) = mpsc::unbounded_channel();

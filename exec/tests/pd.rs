@@ -16,7 +16,7 @@ use cascade_exec::llama::generate::Generator;
 use cascade_exec::llama::multi_lora::{serve_alone, LoraJob};
 use cascade_exec::llama::{LoraAdapter, Proj};
 use cascade_exec::pd::kv::KvLayout;
-use cascade_exec::pd::migrate::rebalance;
+use cascade_exec::pd::migrate::{rebalance, RebalanceConfig};
 use cascade_exec::pd::router::{self, GenAnswer, GenRequest, MonitorConfig, PdCmd, PdRouterConfig};
 use cascade_exec::pd::{LlmConfig, LlmInstance, LlmMsg, PdModel, Role};
 use cascade_exec::serve::{load_packed, scale_out, DispatchConfig, LivePolicy, Source, Split};
@@ -87,6 +87,16 @@ fn router_cfg(old: u32, more: Vec<u32>, decode: Vec<u32>, layers: u32) -> PdRout
         max_attempts: 20,
         retry_after: Duration::from_millis(20),
         monitor: None,
+    }
+}
+
+/// The co-migration rounds of these tests: a trigger at 2 requests above the average, the CPU
+/// SmolLM2 costs, 16-token KV pages.
+fn rounds(model: &cascade_exec::llama::LlamaConfig) -> RebalanceConfig {
+    RebalanceConfig {
+        cluster: cascade_sched::lora::dispatch::ClusterConfig { queue_trigger: 2, ..Default::default() },
+        cost: cascade_sched::lora::CostModel::cpu_smollm2(),
+        layout: KvLayout::new(model, 16),
     }
 }
 
@@ -259,10 +269,7 @@ async fn requests_migrate_with_their_adapters_and_answer_as_if_served_alone() {
         got.insert(req, vec![first]);
     }
     // Four requests on node 2, none on node 3: 2 above the average of 2.
-    let c_cfg = cascade_sched::lora::dispatch::ClusterConfig { queue_trigger: 2, ..Default::default() };
-    let layout = KvLayout::new(&cfg, 16);
-    let cost = cascade_sched::lora::CostModel::cpu_smollm2();
-    let r = rebalance(&mesh, &[2, 3], &c_cfg, &cost, &layout, Duration::from_secs(60)).await.unwrap();
+    let r = rebalance(&mesh, &[2, 3], &rounds(&cfg), Duration::from_secs(60)).await.unwrap();
     let d = r.decision.as_ref().expect("the trigger fires");
     eprintln!(
         "trigger: {}; plan {:?} {:.1} ms (stay {:.1} ms; {:?}), solved in {:.2} ms; moves {:?}; round {:.3} s",
@@ -363,16 +370,9 @@ async fn rebalance_onto_a_joined_instance(by_monitor: bool, tag: &str) {
     let (req_tx, req_rx) = mpsc::unbounded_channel();
     let (cmd_tx, cmd_rx) = mpsc::unbounded_channel();
     let (ans_tx, mut ans_rx) = mpsc::unbounded_channel();
-    let cluster_cfg = cascade_sched::lora::dispatch::ClusterConfig { queue_trigger: 2, ..Default::default() };
-    let (cost, layout) = (cascade_sched::lora::CostModel::cpu_smollm2(), KvLayout::new(&c.model.config, 16));
     let mut cfg = router_cfg(1, vec![], vec![2], layers);
     if by_monitor {
-        cfg.monitor = Some(MonitorConfig {
-            every: Duration::from_millis(100),
-            cluster: cluster_cfg.clone(),
-            cost: cost.clone(),
-            layout,
-        });
+        cfg.monitor = Some(MonitorConfig { every: Duration::from_millis(100), rounds: rounds(&c.model.config) });
     }
     let routing = tokio::spawn(router::run(mesh.clone(), cfg, req_rx, cmd_rx, ans_tx));
     let reference = llm_reference();
@@ -394,7 +394,7 @@ async fn rebalance_onto_a_joined_instance(by_monitor: bool, tag: &str) {
     let mut moved: Vec<u64> = Vec::new();
     if !by_monitor {
         let (tx, rx) = oneshot::channel();
-        cmd_tx.send(PdCmd::Rebalance { cluster: cluster_cfg, cost, layout, done: tx }).unwrap();
+        cmd_tx.send(PdCmd::Rebalance { config: rounds(&c.model.config), done: tx }).unwrap();
         let r = rx.await.unwrap().unwrap();
         eprintln!("rebalance: {:?} in {:.3} s", r.outcomes, r.seconds);
         moved = r.outcomes.iter().filter(|(_, o)| o.is_ok()).map(|(m, _)| m.req).collect();

@@ -431,8 +431,7 @@ async fn prefill(sh: &Arc<Shared>, msg: LlmMsg) -> Result<LlmMsg, ServeError> {
             LlmMsg::Prefilled { req, first, decoding, .. } => {
                 Ok(LlmMsg::Prefilled { req, first, on_first: s.layers, decoding })
             }
-            LlmMsg::Failed { message, .. } => Err(ServeError::Peer(format!("node {}: {message}", s.then))),
-            other => Err(ServeError::Protocol(format!("unexpected answer {other:?}"))),
+            other => Err(other.unexpected_from(s.then)),
         };
     }
     let first = argmax(&out)?.first().copied().ok_or_else(|| ServeError::Protocol("no logits".into()))?;
@@ -583,8 +582,7 @@ async fn hand_over(sh: Arc<Shared>, seq: Seq, h: Handover) {
         };
         match sh.mesh.call(h.kv.node, &resume, sh.cfg.op_timeout).await? {
             LlmMsg::Ack => Ok(()),
-            LlmMsg::Failed { message, .. } => Err(ServeError::Peer(format!("node {}: {message}", h.kv.node))),
-            other => Err(ServeError::Protocol(format!("unexpected answer {other:?}"))),
+            other => Err(other.unexpected_from(h.kv.node)),
         }
     }
     .await;
@@ -618,8 +616,7 @@ async fn bring_adapter(sh: &Arc<Shared>, id: u32, to: cascade_transport::NodeId)
     let g = match sh.mesh.call(to, &LlmMsg::ReserveAdapter { adapter: id, bytes: n }, sh.cfg.op_timeout).await? {
         LlmMsg::Ack => return Ok(None),
         LlmMsg::AdapterGrant { grant } => grant,
-        LlmMsg::Failed { message, .. } => return Err(ServeError::Peer(format!("node {to}: {message}"))),
-        other => return Err(ServeError::Protocol(format!("unexpected answer {other:?}"))),
+        other => return Err(other.unexpected_from(to)),
     };
     if n > g.len || g.node != to {
         return Err(ServeError::Protocol(format!("a grant of {} bytes on node {} for {n} on {to}", g.len, g.node)));

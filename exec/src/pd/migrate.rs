@@ -172,6 +172,18 @@ pub fn plan(loads: &[InstanceLoad], c: &ClusterConfig, cost: &CostModel, layout:
     })
 }
 
+/// What a co-migration round works with: the trigger, top-K and solver settings, the cost model
+/// (step time, migration bandwidth, adapter size) and the instances' KV pages.
+#[derive(Debug, Clone)]
+pub struct RebalanceConfig {
+    /// Trigger, top-K and solver settings.
+    pub cluster: ClusterConfig,
+    /// Step time, migration bandwidth, adapter size.
+    pub cost: CostModel,
+    /// The instances' KV pages.
+    pub layout: KvLayout,
+}
+
 /// What one [`rebalance`] did.
 #[derive(Debug, Clone)]
 pub struct Rebalance {
@@ -192,9 +204,7 @@ pub struct Rebalance {
 pub async fn rebalance(
     mesh: &Arc<dyn Mesh>,
     decode: &[NodeId],
-    c: &ClusterConfig,
-    cost: &CostModel,
-    layout: &KvLayout,
+    rc: &RebalanceConfig,
     timeout: Duration,
 ) -> Result<Rebalance, ServeError> {
     let t0 = Instant::now();
@@ -207,7 +217,7 @@ pub async fn rebalance(
             other => return Err(ServeError::Protocol(format!("node {node} answered Load with {other:?}"))),
         }
     }
-    let decision = plan(&loads, c, cost, layout);
+    let decision = plan(&loads, &rc.cluster, &rc.cost, &rc.layout);
     let metrics = mesh.metrics();
     let mut outcomes = Vec::new();
     if let Some(d) = &decision {
@@ -231,8 +241,7 @@ pub async fn rebalance(
 async fn move_one(mesh: &Arc<dyn Mesh>, m: &Move, timeout: Duration) -> Result<u32, ServeError> {
     let kv = match mesh.call(m.to, &LlmMsg::Reserve { req: m.req, tokens: m.tokens }, timeout).await? {
         LlmMsg::Reserved { grant } => grant,
-        LlmMsg::Failed { message, .. } => return Err(ServeError::Peer(format!("node {}: {message}", m.to))),
-        other => return Err(ServeError::Protocol(format!("unexpected answer {other:?}"))),
+        other => return Err(other.unexpected_from(m.to)),
     };
     let answer = mesh.call(m.from, &LlmMsg::Migrate { req: m.req, kv }, timeout).await;
     match answer {
@@ -240,8 +249,7 @@ async fn move_one(mesh: &Arc<dyn Mesh>, m: &Move, timeout: Duration) -> Result<u
         other => {
             let _ = mesh.call(m.to, &LlmMsg::Release { req: m.req }, timeout).await;
             match other {
-                Ok(LlmMsg::Failed { message, .. }) => Err(ServeError::Peer(format!("node {}: {message}", m.from))),
-                Ok(a) => Err(ServeError::Protocol(format!("unexpected answer {a:?}"))),
+                Ok(a) => Err(a.unexpected_from(m.from)),
                 Err(e) => Err(e.into()),
             }
         }

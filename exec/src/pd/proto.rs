@@ -269,6 +269,18 @@ pub enum LlmMsg {
 
 binary_message!(LlmMsg, ServiceId::LLM, 2);
 
+impl LlmMsg {
+    /// The error for an answer from `node` that its call did not expect: its refusal (`Failed`)
+    /// as the peer's error, anything else as a protocol error.
+    pub(crate) fn unexpected_from(self, node: NodeId) -> crate::serve::ServeError {
+        use crate::serve::ServeError;
+        match self {
+            LlmMsg::Failed { message, .. } => ServeError::Peer(format!("node {node}: {message}")),
+            other => ServeError::Protocol(format!("unexpected answer {other:?}")),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use cascade_transport::Message;

@@ -22,12 +22,9 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinSet;
 use tracing::{debug, info, warn};
 
-use super::kv::KvLayout;
-use super::migrate::{rebalance, Rebalance};
+use super::migrate::{rebalance, Rebalance, RebalanceConfig};
 use super::proto::{KvGrant, LlmMsg, Split};
 use crate::serve::{DispatchConfig, Dispatcher, ServeError};
-use cascade_sched::lora::dispatch::ClusterConfig;
-use cascade_sched::lora::CostModel;
 
 /// A generation request.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -85,12 +82,8 @@ pub enum PdCmd {
     /// One co-migration round over the decode instances now ([`super::migrate::rebalance`]),
     /// run beside the routing; `done` is told what it did.
     Rebalance {
-        /// Trigger, top-K and solver settings.
-        cluster: ClusterConfig,
-        /// Step time, migration bandwidth, adapter size.
-        cost: CostModel,
-        /// The instances' KV pages.
-        layout: KvLayout,
+        /// What the round works with.
+        config: RebalanceConfig,
         /// Told the outcome.
         done: oneshot::Sender<Result<Rebalance, String>>,
     },
@@ -102,12 +95,8 @@ pub enum PdCmd {
 pub struct MonitorConfig {
     /// Time between rounds (the last one's end to the next one's start at the least).
     pub every: Duration,
-    /// Trigger, top-K and solver settings.
-    pub cluster: ClusterConfig,
-    /// Step time, migration bandwidth, adapter size.
-    pub cost: CostModel,
-    /// The instances' KV pages.
-    pub layout: KvLayout,
+    /// What each round works with.
+    pub rounds: RebalanceConfig,
 }
 
 /// The router's set-up.
@@ -241,10 +230,10 @@ pub async fn run(
                         decode.push(node);
                     }
                 }
-                PdCmd::Rebalance { cluster, cost, layout, done } => {
+                PdCmd::Rebalance { config, done } => {
                     let (mesh, nodes, timeout) = (mesh.clone(), decode.clone(), cfg.call_timeout);
                     tokio::spawn(async move {
-                        let r = rebalance(&mesh, &nodes, &cluster, &cost, &layout, timeout).await;
+                        let r = rebalance(&mesh, &nodes, &config, timeout).await;
                         let _ = done.send(r.map_err(|e| e.to_string()));
                     });
                 }
@@ -332,10 +321,10 @@ pub async fn run(
             // Only while there is something to balance, and with two instances to balance over.
             if at <= now && decode.len() > 1 && !pending.is_empty() {
                 next_round = None;
-                let (mesh, nodes, m, timeout, tx) =
-                    (mesh.clone(), decode.clone(), m.clone(), cfg.call_timeout, round_tx.clone());
+                let (mesh, nodes, rc, timeout, tx) =
+                    (mesh.clone(), decode.clone(), m.rounds.clone(), cfg.call_timeout, round_tx.clone());
                 tokio::spawn(async move {
-                    let _ = tx.send(rebalance(&mesh, &nodes, &m.cluster, &m.cost, &m.layout, timeout).await);
+                    let _ = tx.send(rebalance(&mesh, &nodes, &rc, timeout).await);
                 });
             }
         }
