@@ -561,18 +561,21 @@ fn sum_reports(reports: &[EngineReport]) -> EngineReport {
 mod tests {
     use super::*;
 
-    #[test]
-    fn sub_clusters_each_run_their_own_engine_and_resolve_every_request() {
-        let profiles: Vec<Profile> =
-            (0..6).map(|i| Profile::new(&format!("m{i}"), 0.1, 2.0, 30.0, 64).unwrap()).collect();
-        let cfg = EngineConfig {
-            profiles,
+    /// Six equal models on 12 GPUs, one shard, 300 ms of load at `rate_rps`.
+    fn six_models_on_12_gpus(rate_rps: f64) -> EngineConfig {
+        EngineConfig {
+            profiles: (0..6).map(|i| Profile::new(&format!("m{i}"), 0.1, 2.0, 30.0, 64).unwrap()).collect(),
             gpus: 12,
             shards: 1,
-            rate_rps: 30_000.0,
+            rate_rps,
             duration: Duration::from_millis(300),
             delay: Delay::default(),
-        };
+        }
+    }
+
+    #[test]
+    fn sub_clusters_each_run_their_own_engine_and_resolve_every_request() {
+        let cfg = six_models_on_12_gpus(30_000.0);
         let r = run_sub_clusters(&cfg, &[(vec![0, 2, 4], 6), (vec![1, 3, 5], 6)]).unwrap();
         assert_eq!(r.lost, 0, "{r:?}");
         assert!(r.requests > 5_000, "{r:?}");
@@ -588,16 +591,7 @@ mod tests {
 
     #[test]
     fn flex_runs_on_the_wall_clock_and_resolves_every_request() {
-        let profiles: Vec<Profile> =
-            (0..6).map(|i| Profile::new(&format!("m{i}"), 0.1, 2.0, 30.0, 64).unwrap()).collect();
-        let cfg = EngineConfig {
-            profiles,
-            gpus: 12,
-            shards: 1,
-            rate_rps: 20_000.0,
-            duration: Duration::from_millis(300),
-            delay: Delay::default(),
-        };
+        let cfg = six_models_on_12_gpus(20_000.0);
         let r = run_any(&cfg, &flex).unwrap();
         assert_eq!(r.lost, 0, "{r:?}");
         assert!(r.requests > 3_000, "{r:?}");
