@@ -233,6 +233,35 @@ pub fn herd_split(
     Ok((assign, sizes.into_iter().map(|s| s as usize).collect()))
 }
 
+/// Each part's models and GPUs, from a part per model (`assign`) and the GPUs per part: what
+/// the real-time engine's [`run_sub_clusters`](crate::realtime::run_sub_clusters) and
+/// [`run_parts`](crate::realtime::run_parts) take.
+pub fn parts(assign: &[usize], gpus: &[usize]) -> Vec<(Vec<ModelId>, usize)> {
+    gpus.iter().enumerate().map(|(j, &g)| ((0..assign.len()).filter(|&m| assign[m] == j).collect(), g)).collect()
+}
+
+/// A partitioned cluster named `symphony/L` or `flex/herd:G:GMAX`: (the parts' scheduler, (part
+/// per model, GPUs per part)) of `profiles` at `rates` on `gpus` GPUs; `None` for another name.
+#[allow(clippy::type_complexity)]
+pub fn split_by_name(
+    name: &str,
+    profiles: &[Profile],
+    rates: &[f64],
+    gpus: usize,
+) -> Result<Option<(&'static str, (Vec<usize>, Vec<usize>))>, String> {
+    if let Some(l) = name.strip_prefix("symphony/") {
+        let l: usize = l.parse().map_err(|_| "symphony/L wants a number of sub-clusters".to_string())?;
+        return Ok(Some(("symphony", symphony_split(profiles, rates, gpus, l)?)));
+    }
+    if let Some(spec) = name.strip_prefix("flex/herd:") {
+        let (g, gmax) = spec.split_once(':').ok_or("flex/herd:G:GMAX")?;
+        let g: usize = g.parse().map_err(|_| "G is not a number".to_string())?;
+        let gmax: u32 = gmax.parse().map_err(|_| "GMAX is not a number".to_string())?;
+        return Ok(Some(("flex", herd_split(profiles, rates, gpus, g, gmax)?)));
+    }
+    Ok(None)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

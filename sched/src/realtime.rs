@@ -601,8 +601,7 @@ mod tests {
         // HERD's groups, one FLEX dispatcher thread each.
         let rates = vec![cfg.rate_rps / 6.0; 6];
         let (assign, gpus) = crate::partition::herd_split(&cfg.profiles, &rates, cfg.gpus, 3, 6).unwrap();
-        let parts: Vec<(Vec<ModelId>, usize)> =
-            gpus.iter().enumerate().map(|(j, &g)| ((0..6).filter(|&m| assign[m] == j).collect(), g)).collect();
+        let parts = crate::partition::parts(&assign, &gpus);
         assert!(parts.iter().filter(|p| !p.0.is_empty()).count() > 1, "{parts:?}");
         let r = run_parts(&cfg, &parts, &flex).unwrap();
         assert_eq!(r.lost, 0, "{r:?}");

@@ -253,20 +253,8 @@ impl Scenario {
         p: &[Profile],
         rates: &[f64],
     ) -> Result<Option<(&'static str, (Vec<usize>, Vec<usize>))>, ScenarioError> {
-        let bad = |why: &str| ScenarioError::Invalid(format!("scheduler {name:?}: {why}"));
-        if let Some(l) = name.strip_prefix("symphony/") {
-            let l: usize = l.parse().map_err(|_| bad("symphony/L wants a number of sub-clusters"))?;
-            let split = crate::partition::symphony_split(p, rates, self.gpus, l).map_err(|e| bad(&e))?;
-            return Ok(Some(("symphony", split)));
-        }
-        if let Some(spec) = name.strip_prefix("flex/herd:") {
-            let (g, gmax) = spec.split_once(':').ok_or_else(|| bad("flex/herd:G:GMAX"))?;
-            let g: usize = g.parse().map_err(|_| bad("G is not a number"))?;
-            let gmax: u32 = gmax.parse().map_err(|_| bad("GMAX is not a number"))?;
-            let split = crate::partition::herd_split(p, rates, self.gpus, g, gmax).map_err(|e| bad(&e))?;
-            return Ok(Some(("flex", split)));
-        }
-        Ok(None)
+        crate::partition::split_by_name(name, p, rates, self.gpus)
+            .map_err(|why| ScenarioError::Invalid(format!("scheduler {name:?}: {why}")))
     }
 
     fn one_scheduler(

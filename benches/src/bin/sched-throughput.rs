@@ -7,8 +7,8 @@
 
 use std::time::Duration;
 
-use anyhow::{bail, Context};
-use cascade_sched::partition::{herd_split, symphony_split};
+use anyhow::bail;
+use cascade_sched::partition::{parts, split_by_name, symphony_split};
 use cascade_sched::profile::{parse_table, Profile, TABLES};
 use cascade_sched::realtime::{run, run_any, run_parts, run_sub_clusters, EngineConfig, MakeScheduler};
 use cascade_sched::time::Delay;
@@ -85,20 +85,19 @@ fn main() -> anyhow::Result<()> {
         delay: Delay::default(),
     };
     let rates = vec![c.rate / c.models as f64; c.models];
-    let r = if let Some(spec) = c.scheduler.strip_prefix("flex/herd:") {
-        let (g, gmax) = spec.split_once(':').context("flex/herd:G:GMAX")?;
-        let (g, gmax): (usize, u32) = (g.parse()?, gmax.parse()?);
-        let (part, gpus) = herd_split(&cfg.profiles, &rates, c.gpus, g, gmax).map_err(anyhow::Error::msg)?;
-        let parts: Vec<(Vec<usize>, usize)> =
-            gpus.iter().enumerate().map(|(j, &g)| ((0..c.models).filter(|&m| part[m] == j).collect(), g)).collect();
-        run_parts(&cfg, &parts, &*one("flex", cfg.delay)?).map_err(anyhow::Error::msg)?
+    // HERD's groups by their simulator name (`symphony/L` is --sub-clusters here).
+    let herd = if c.scheduler.starts_with("flex/herd:") {
+        split_by_name(&c.scheduler, &cfg.profiles, &rates, c.gpus).map_err(anyhow::Error::msg)?
+    } else {
+        None
+    };
+    let r = if let Some((base, (part, gpus))) = herd {
+        run_parts(&cfg, &parts(&part, &gpus), &*one(base, cfg.delay)?).map_err(anyhow::Error::msg)?
     } else if c.scheduler != "symphony" {
         run_any(&cfg, &*one(&c.scheduler, cfg.delay)?).map_err(anyhow::Error::msg)?
     } else if c.sub_clusters > 1 {
         let (part, gpus) = symphony_split(&cfg.profiles, &rates, c.gpus, c.sub_clusters).map_err(anyhow::Error::msg)?;
-        let parts: Vec<(Vec<usize>, usize)> =
-            gpus.iter().enumerate().map(|(j, &g)| ((0..c.models).filter(|&m| part[m] == j).collect(), g)).collect();
-        run_sub_clusters(&cfg, &parts).map_err(anyhow::Error::msg)?
+        run_sub_clusters(&cfg, &parts(&part, &gpus)).map_err(anyhow::Error::msg)?
     } else {
         run(&cfg)
     };
