@@ -139,6 +139,13 @@ impl CostModel {
         self.iteration_ms(mode, batch.len(), prompt, adapters_of(runnable, batch).len())
     }
 
+    /// The work in `batch` whichever mode runs it: what its sequences and prompt tokens add to a
+    /// merged iteration beyond the fixed cost, ms.
+    pub fn work_ms(&self, runnable: &[Runnable], batch: &[usize]) -> f64 {
+        let prompt: u64 = batch.iter().map(|&i| runnable[i].prompt_tokens).sum();
+        self.per_seq_ms * batch.len() as f64 + self.per_prefill_token_ms * prompt as f64
+    }
+
     /// β₀ of Algorithm 1 in the artifact: merged ÷ unmerged iteration time (one sequence).
     pub fn beta0(&self) -> f64 {
         self.iteration_ms(Mode::Merged(0), 1, 0, 1) / self.iteration_ms(Mode::Unmerged, 1, 0, 1)

@@ -44,22 +44,24 @@ fn credits_are_conserved_and_an_adapter_that_cannot_pay_does_not_merge() {
     let c = BatchConfig {
         alpha0: 0.5,
         beta0: Some(0.3),
-        credit0: 2.0,
+        // Credits are in batches of 8: 2/8 is two displaced requests' worth.
+        credit0: 2.0 / 8.0,
         t_starve: 1e9,
         t_normal: 0.0,
-        credit_reversion: 0.0,
+        credit_reversion: Some(0.0),
         ..cfg(8)
     };
-    let mut b = Batcher::new(Policy::Dlora, c, CostModel::paper_7b());
+    // Free switches: this test is about eligibility, not about amortising a merge.
+    let mut b = Batcher::new(Policy::Dlora, c, CostModel { switch_ms: 0.0, ..CostModel::paper_7b() });
     let window = reqs(&[0, 1, 1, 1, 1, 1, 2, 3]);
-    // Merging 1 displaces 3 requests: it has 2 credits, so it is not eligible.
+    // Merging 1 displaces 3 requests: it has 2 requests' worth of credit, so it is not eligible.
     let ch = b.decide(&window);
     assert_eq!(ch.mode, Mode::Unmerged);
     let window = reqs(&[0, 1, 1, 1, 1, 1, 1, 2]);
-    // Now it displaces 2 and can pay: merged, adapters 0 and 2 gain one credit each.
+    // Now it displaces 2 and can pay: merged, adapters 0 and 2 gain one request's worth each.
     let ch = b.decide(&window);
     assert_eq!(ch.mode, Mode::Merged(1));
-    let near = |a: f64, b: f64| (a - b).abs() < 1e-9;
+    let near = |a: f64, b: f64| (a * 8.0 - b).abs() < 1e-9;
     assert!(near(b.credit(0), 3.0) && near(b.credit(1), 0.0) && near(b.credit(2), 3.0) && near(b.credit(3), 2.0));
     let total: f64 = (0..4).map(|a| b.credit(a)).sum();
     assert!(near(total, 8.0));
@@ -69,14 +71,40 @@ fn credits_are_conserved_and_an_adapter_that_cannot_pay_does_not_merge() {
 }
 
 #[test]
+fn a_merge_is_made_only_when_the_credit_pays_for_its_switches() {
+    // Adapter 1 holds 6 of 8 decode steps: each merged iteration saves 5.9 ms (28.8 ms unmerged
+    // for the window's 8 sequences, so 21.6 ms for 6, less 15.7 ms merged), and a merge and an
+    // un-merge cost 40 ms: at least 7 merged iterations must be paid for.
+    let window = reqs(&[0, 1, 1, 1, 1, 1, 1, 2]);
+    let decide = |credit_iters: f64| {
+        let c = BatchConfig {
+            alpha0: 0.5,
+            beta0: Some(0.3),
+            // Two requests displaced per iteration, 1/8 credit each.
+            credit0: credit_iters * 2.0 / 8.0,
+            t_starve: 1e9,
+            t_normal: 0.0,
+            credit_reversion: Some(0.0),
+            ..cfg(8)
+        };
+        Batcher::new(Policy::Dlora, c, CostModel::paper_7b()).decide(&window).mode
+    };
+    assert_eq!(decide(1.0), Mode::Unmerged);
+    assert_eq!(decide(6.0), Mode::Unmerged);
+    assert_eq!(decide(7.0), Mode::Merged(1));
+    assert_eq!(decide(50.0), Mode::Merged(1));
+}
+
+#[test]
 fn a_starving_adapter_is_served_first() {
     let c = BatchConfig {
         alpha0: 0.3,
         beta0: Some(0.2),
+        // Batches of 4: starving 2.5 requests' worth above the start.
         credit0: 100.0,
-        t_starve: 102.5,
+        t_starve: 100.0 + 2.5 / 4.0,
         t_normal: 100.0,
-        credit_reversion: 0.0,
+        credit_reversion: Some(0.0),
         ..cfg(4)
     };
     let mut b = Batcher::new(Policy::Dlora, c, CostModel::paper_7b());
@@ -89,7 +117,7 @@ fn a_starving_adapter_is_served_first() {
             break;
         }
     }
-    // Adapter 0 gains one credit per iteration passed over: > 102.5 after 3, served at the 4th.
+    // Adapter 0 gains 1/4 credit per iteration passed over: > 100.625 after 3, served at the 4th.
     assert_eq!(served0, Some((3, true)));
 }
 
@@ -177,9 +205,9 @@ proptest! {
         stream in prop::collection::vec((0u32..6, 1u32..30), 50..400),
         skew in 0u32..6,
         max_batch in 2usize..12,
-        credit0 in 0.0f64..20.0,
-        t_normal in 0.0f64..20.0,
-        gap in 0.0f64..20.0,
+        credit0 in 0.0f64..3.0,
+        t_normal in 0.0f64..3.0,
+        gap in 0.0f64..3.0,
         alpha0 in 0.05f64..1.0,
         per_iter in 1usize..4,
         reversion in 0.0f64..0.9,
@@ -188,8 +216,8 @@ proptest! {
         let stream: Vec<(u32, u32)> = stream.iter().map(|&(a, l)| (if a < skew { 0 } else { a }, l)).collect();
         let c = BatchConfig {
             max_batch, credit0, t_normal, t_starve: t_normal + gap, alpha0, break_iters: 4,
-            // λ·(t_starve − credit0) < 1, as validate() demands.
-            credit_reversion: reversion / (t_normal + gap - credit0).max(1.0),
+            // λ·(t_starve − credit0) < 1/max_batch, as validate() demands.
+            credit_reversion: Some(reversion / (max_batch as f64 * (t_normal + gap - credit0).max(1.0))),
             ..BatchConfig::default()
         };
         prop_assert!(c.validate().is_ok(), "{:?}", c.validate());
@@ -208,8 +236,11 @@ fn merged_only_has_no_such_bound_and_starves_a_minority() {
     stream.extend(std::iter::repeat_n((0, 5), 300));
     let worst = max_streak(Policy::MergedOnly, cfg(8), &stream, 1);
     assert!(worst >= 150, "merged-only passed the request over only {worst} times");
-    let dlora = max_streak(Policy::Dlora, cfg(8), &stream, 1);
-    let bound = Batcher::new(Policy::Dlora, cfg(8), CostModel::paper_7b()).starvation_bound().unwrap();
+    // Tight credits, so that the bound is far below merged-only's wait.
+    let tight = BatchConfig { credit0: 1.0, t_normal: 1.0, t_starve: 2.0, ..cfg(8) };
+    let dlora = max_streak(Policy::Dlora, tight.clone(), &stream, 1);
+    let bound = Batcher::new(Policy::Dlora, tight, CostModel::paper_7b()).starvation_bound().unwrap();
+    assert!(bound < 150, "bound {bound}");
     assert!(dlora <= bound, "{dlora} > {bound}");
 }
 
