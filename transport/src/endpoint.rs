@@ -643,12 +643,15 @@ async fn dial_loop(weak: Weak<Inner>, peer: NodeSpec, mut stop: watch::Receiver<
 
 async fn accept_tcp(weak: Weak<Inner>, l: TcpListener, mut stop: watch::Receiver<bool>) {
     loop {
+        // Biased: once the endpoint is shut down, no connection waiting in the backlog is taken
+        // (an unbiased select picks either ready branch at random).
         let (mut s, addr) = tokio::select! {
+            biased;
+            _ = crate::stream::stopped(&mut stop) => return,
             r = l.accept() => match r {
                 Ok(x) => x,
                 Err(e) => { warn!(error = %e, "accept failed"); tokio::time::sleep(Duration::from_millis(50)).await; continue; }
             },
-            _ = crate::stream::stopped(&mut stop) => return,
         };
         let Some(inner) = weak.upgrade() else { return };
         tokio::spawn(async move {
@@ -671,11 +674,12 @@ async fn accept_tcp(weak: Weak<Inner>, l: TcpListener, mut stop: watch::Receiver
 async fn accept_unix(weak: Weak<Inner>, l: UnixListener, mut stop: watch::Receiver<bool>) {
     loop {
         let mut s = tokio::select! {
+            biased;
+            _ = crate::stream::stopped(&mut stop) => return,
             r = l.accept() => match r {
                 Ok((s, _)) => s,
                 Err(e) => { warn!(error = %e, "accept failed"); tokio::time::sleep(Duration::from_millis(50)).await; continue; }
             },
-            _ = crate::stream::stopped(&mut stop) => return,
         };
         let Some(inner) = weak.upgrade() else { return };
         tokio::spawn(async move {
