@@ -34,7 +34,7 @@
 //! (its `credit_cost = 1/max_num_seqs` per displaced request): a credit is `max_batch` displaced
 //! requests, so the thresholds mean the same at every batch size. The defaults — 128 credits
 //! each, starving above 160, normal again below 128 — are this implementation's; the artifact's
-//! thresholds (10,000 credits above the start, transfers of about 1/36 credit) never bind in a
+//! thresholds (10,000 credits above the start, about 1/36 credit per displaced request) never bind in a
 //! run of minutes, ours do, and the paper leaves `T_starve` as the knob between performance and
 //! fairness. An earlier version counted one credit per displaced request with the same numbers —
 //! 32× tighter at `max_batch` 32 — and the dominant adapter, having spent its credit, merged for
