@@ -1,9 +1,10 @@
 //! `cascade live`: live autoscaling of the real all-MiniLM-L6-v2, end to end (BlitzScale §5.2).
 //!
 //! One instance serves embedding requests; an open-loop burst beyond its capacity arrives; the
-//! model is multicast from it to a second node over links shaped slow enough that the load takes
-//! seconds (as 7–70 B models take on real fabrics relative to their compute), and the second
-//! instance serves layer by layer while its copy arrives. Each instance computes on one thread
+//! model is multicast from the parameter pool's host copy (a node that serves nothing; or, with
+//! `--source old`, from the serving instance itself) to a second node over links shaped slow
+//! enough that the load takes seconds (as 7–70 B models take on real fabrics relative to their
+//! compute), and the second instance serves layer by layer while its copy arrives. Each instance computes on one thread
 //! pinned to a core of its own, standing for one GPU, so that on a 2-core machine the second
 //! instance really adds capacity. The same burst is run under each policy — stop-the-world,
 //! best-effort live, zigzag live — each on a fresh cluster; `report.json` and `live.png`
@@ -43,9 +44,11 @@ pub(crate) struct LiveArgs {
     /// The policies to compare, on the same burst.
     #[arg(long, value_delimiter = ',', default_value = "stop-the-world,best-effort,zigzag")]
     policies: Vec<LivePolicy>,
-    /// The burst's rate, as a multiple of one instance's capacity, measured by every run just
-    /// before its burst (this VM's speed drifts by ±25% between runs: a fixed rate would compare
-    /// the policies at different overloads). The arrival pattern is the same, scaled.
+    /// The burst's rate, as a multiple of one instance's capacity, measured by the first run of
+    /// each round just before its burst; the round's other policies get the same burst (the
+    /// same arrivals). This VM's speed drifts by ±25% over minutes, so each round measures
+    /// again; measuring in every run instead gave policies of one round bursts up to 39% apart,
+    /// and their p99s followed their burst sizes rather than their policies.
     #[arg(long, default_value_t = 1.6)]
     burst: f64,
     /// The burst's length, seconds.
@@ -64,6 +67,12 @@ pub(crate) struct LiveArgs {
     /// when the load completes.
     #[arg(long, default_value_t = 8)]
     max_coop: usize,
+    /// Where the scale-out's copy comes from: `pool`, a fourth node holding the parameter pool's
+    /// host copy (it serves nothing), or `old`, the serving instance itself — whose link then
+    /// carries the multicast ahead of its replies and of the TCP acks of the activations sent to
+    /// it (README: p99 zigzag ÷ best-effort 0.84 from the pool, 0.99 from old).
+    #[arg(long, value_enum, default_value_t = CopySource::Pool)]
+    source: CopySource,
     /// Rounds: every policy once per round, in turn (this VM's speed drifts by ±20% between
     /// runs; the report gives each policy's median over the rounds).
     #[arg(long, default_value_t = 1)]
@@ -80,6 +89,36 @@ pub(crate) struct LiveArgs {
     /// Internal (--netns): the round the driver runs.
     #[arg(long, hide = true, default_value_t = 0)]
     round: usize,
+    /// Internal: the burst's rate (requests/s) set by the round's first run.
+    #[arg(long, hide = true)]
+    rate_rps: Option<f64>,
+}
+
+/// Which node sends the scale-out's copy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum CopySource {
+    /// The serving instance (node 1).
+    Old,
+    /// A pool node (node 3) that holds a copy and serves nothing.
+    Pool,
+}
+
+impl CopySource {
+    /// The nodes a run has: the driver, old, new, and the pool node when it is the source.
+    fn nodes(self) -> usize {
+        match self {
+            CopySource::Old => 3,
+            CopySource::Pool => 4,
+        }
+    }
+
+    /// Its name on the command line.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            CopySource::Old => "old",
+            CopySource::Pool => "pool",
+        }
+    }
 }
 
 /// `cascade instance`'s options: one serving instance on a node.
@@ -170,14 +209,20 @@ pub(crate) fn run(a: LiveArgs) -> anyhow::Result<()> {
     );
     let mut rounds = Vec::new();
     for round in 0..a.rounds.max(1) {
-        let mut runs = Vec::new();
-        for &policy in &a.policies {
-            let one = LiveArgs { policies: vec![policy], ..a.clone() };
+        // Each round starts with another policy, so that none always runs first or last.
+        let k = a.policies.len();
+        let mut runs: Vec<Option<driver::PolicyRun>> = vec![None; k];
+        let mut rate = None;
+        for i in 0..k {
+            let p = (round + i) % k;
+            let policy = a.policies[p];
+            let one = LiveArgs { policies: vec![policy], rate_rps: rate, ..a.clone() };
             let r = run_policy(&one, policy, round)?;
             println!("round {}: {}", round + 1, report::line(&r));
-            runs.push(r);
+            rate = Some(r.rate_rps);
+            runs[p] = Some(r);
         }
-        rounds.push(runs);
+        rounds.push(runs.into_iter().flatten().collect());
     }
     report::write(&a, &rounds)
 }
@@ -186,7 +231,8 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
     Ok(tokio::runtime::Builder::new_multi_thread().enable_all().build()?)
 }
 
-/// One policy on a fresh cluster: node 0 drives, node 1 holds the model, node 2 starts empty.
+/// One policy on a fresh cluster: node 0 drives, node 1 holds the model, node 2 starts empty
+/// (and with `--source pool`, node 3 holds the pool's copy).
 fn run_policy(a: &LiveArgs, policy: LivePolicy, round: usize) -> anyhow::Result<driver::PolicyRun> {
     let exe = std::env::current_exe().context("locating the cascade binary")?;
     let exe = exe.to_str().context("binary path")?.to_string();
@@ -195,10 +241,11 @@ fn run_policy(a: &LiveArgs, policy: LivePolicy, round: usize) -> anyhow::Result<
     let record = dir.join("run.json");
     let _ = std::fs::remove_file(&record);
     if a.netns {
-        let mut net = Netns::create(3, Some(a.link_mbit))?;
-        let addrs: Vec<std::net::SocketAddr> = (0..3).map(|i| (Netns::addr(i), 7500).into()).collect();
+        let n = a.source.nodes();
+        let mut net = Netns::create(n, Some(a.link_mbit))?;
+        let addrs: Vec<std::net::SocketAddr> = (0..n).map(|i| (Netns::addr(i), 7500).into()).collect();
         let cluster = crate::demo::write_cluster(&dir, &addrs)?;
-        for i in 1..3 {
+        for i in 1..n {
             let mut c = net.command(i, &exe);
             instance_args(&mut c, a, &cluster, i, &dir)?;
             net.spawn(c)?;
@@ -214,13 +261,14 @@ fn run_policy(a: &LiveArgs, policy: LivePolicy, round: usize) -> anyhow::Result<
             bail!("{} failed (logs in {})", policy.name(), dir.display());
         }
     } else {
-        let addrs = cascade_devcluster::free_addrs(3);
-        if addrs.len() != 3 {
-            bail!("could not reserve 3 loopback ports");
+        let n = a.source.nodes();
+        let addrs = cascade_devcluster::free_addrs(n);
+        if addrs.len() != n {
+            bail!("could not reserve {n} loopback ports");
         }
         let cluster = crate::demo::write_cluster(&dir, &addrs)?;
         let mut children = Vec::new();
-        for i in 1..3 {
+        for i in 1..n {
             let mut c = Command::new(&exe);
             instance_args(&mut c, a, &cluster, i, &dir)?;
             children.push(c.spawn().context("starting an instance")?);
@@ -239,8 +287,12 @@ fn run_policy(a: &LiveArgs, policy: LivePolicy, round: usize) -> anyhow::Result<
 
 fn instance_args(c: &mut Command, a: &LiveArgs, cluster: &Path, i: usize, dir: &Path) -> anyhow::Result<()> {
     c.arg("instance").arg("--cluster").arg(cluster).args(["--node", &i.to_string(), "--ready-timeout-s", "120"]);
-    c.arg("--model").arg(&a.model).args(["--core", &(i - 1).to_string(), "--max-batch", &a.max_batch.to_string()]);
-    if i > 1 {
+    c.arg("--model").arg(&a.model).args(["--max-batch", &a.max_batch.to_string()]);
+    // Old and new compute, each on a core of its own; the pool node only holds its copy.
+    if i <= 2 {
+        c.args(["--core", &(i - 1).to_string()]);
+    }
+    if i == 2 {
         c.arg("--arriving");
     }
     // One compute thread per instance: candle's matmuls follow rayon's thread count.
@@ -257,6 +309,9 @@ fn driver_args(c: &mut Command, a: &LiveArgs) {
     c.arg("--model").arg(&a.model).arg("--netns").args(["--link-mbit", &a.link_mbit.to_string()]);
     c.args(["--burst", &a.burst.to_string(), "--burst-s", &a.burst_s.to_string()]);
     c.args(["--scale-after-s", &a.scale_after_s.to_string(), "--max-batch", &a.max_batch.to_string()]);
-    c.args(["--max-coop", &a.max_coop.to_string()]);
+    c.args(["--max-coop", &a.max_coop.to_string(), "--source", a.source.name()]);
+    if let Some(r) = a.rate_rps {
+        c.args(["--rate-rps", &r.to_string()]);
+    }
     c.arg("--out").arg(&a.out).arg("--font").arg(&a.font);
 }

@@ -31,6 +31,10 @@ fn live_scaling_serves_every_request_with_the_reference_embedding() {
         serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap()).unwrap();
     let policies = r["policies"].as_array().unwrap();
     assert_eq!(policies.len(), 3);
+    assert_eq!(r["copy_source"], "pool", "the default source of the copy");
+    // One burst per round: the round's first run sets it, the others replay the same arrivals.
+    let sent: Vec<u64> = policies.iter().map(|p| p["rounds"][0]["requests"].as_u64().unwrap()).collect();
+    assert!(sent.iter().all(|&n| n == sent[0]), "bursts differ within the round: {sent:?}");
     for p in policies {
         assert_eq!(p["requests_lost"], 0, "{p:#}");
         assert_eq!(p["embeddings_off_reference"], 0, "{p:#}");

@@ -21,6 +21,8 @@ use crate::Member;
 
 const OLD: u32 = 1;
 const NEW: u32 = 2;
+/// The pool node, with `--source pool`.
+const POOL: u32 = 3;
 
 /// What one policy's run recorded.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -107,7 +109,8 @@ pub(crate) async fn drive(a: &LiveArgs, cluster: &Path, policy: LivePolicy, roun
     let block = model.manifest.layers.get(1).map_or(0, |l| l.range.end - l.range.start) as f64;
     let link_bps = if a.netns { a.link_mbit as f64 * 1e6 } else { 8e9 };
     let load_ratio = ((block * 8.0 / link_bps) / (per_batch / f64::from(layers))).round().max(1.0) as u32;
-    let rate = a.burst * capacity;
+    // The round's first run sets the burst; the others replay it.
+    let rate = a.rate_rps.unwrap_or(a.burst * capacity);
     let times = arrivals(rate, a.burst_s);
     eprintln!(
         "{}: one instance {per_batch:.3} s per batch of {} → {capacity:.1} req/s; burst {rate:.1} req/s for {} s \
@@ -150,9 +153,13 @@ pub(crate) async fn drive(a: &LiveArgs, cluster: &Path, policy: LivePolicy, roun
     cmd_tx.send(RouterCmd::Scale { node: NEW }).ok();
     let ctl = Controller::new(mesh.clone())?;
     let mut topology = Topology::new();
-    for n in 0..3 {
+    for n in 0..a.source.nodes() as u32 {
         topology.add_node(n, 0, link_bps / 1e9)?;
     }
+    let source = match a.source {
+        super::CopySource::Old => OLD,
+        super::CopySource::Pool => POOL,
+    };
     let (ptx, mut prx) = mpsc::unbounded_channel::<(f64, Event)>();
     // Each event timed as it arrives, on the burst's clock.
     let events = tokio::spawn(async move {
@@ -167,7 +174,7 @@ pub(crate) async fn drive(a: &LiveArgs, cluster: &Path, policy: LivePolicy, roun
         }
         (first_layer, loaded)
     });
-    let scaled = scale_out(&mesh, &ctl, &model.manifest, topology, OLD, &[NEW], Some(ptx)).await?;
+    let scaled = scale_out(&mesh, &ctl, &model.manifest, topology, source, &[NEW], Some(ptx)).await?;
     let (first_layer, loaded) = events.await.unwrap_or((None, None));
     sending.await.ok();
     let stats = routing.await.context("the router failed")?;

@@ -136,6 +136,7 @@ pub(super) fn write(a: &LiveArgs, rounds: &[Vec<PolicyRun>]) -> anyhow::Result<(
         "burst_s": a.burst_s,
         "max_batch": a.max_batch,
         "max_coop": a.max_coop,
+        "copy_source": a.source.name(),
         "rounds": rounds.len(),
         "policies": policies,
         "p99_zigzag_over_best_effort": ratio(zz, be),
