@@ -154,7 +154,8 @@ pub struct BatchConfig {
     /// A starving adapter with less credit than this is served normally again (batches).
     pub t_normal: f64,
     /// Each iteration every credit moves this fraction of the way back to `credit0` (λ; see
-    /// the module docs); `None`: `1 / (2·max_batch·(t_starve − credit0))`.
+    /// the module docs); `None`: `1 / (2·max_batch·(t_starve − credit0))`, or 1/64 when
+    /// `t_starve ≤ credit0` (the bound then puts no limit on it).
     pub credit_reversion: Option<f64>,
     /// `slora`: most distinct adapters in a batch.
     pub slora_max_adapters: usize,
@@ -497,8 +498,13 @@ impl Batcher {
         // Algorithm 1.
         let (batch, mode, r_merge) = match self.mode {
             Mode::Unmerged => match argmax(true, &self.credit) {
-                Some(a) if ratio(a) > self.alpha && self.amortized(runnable, fcfs, a) => {
-                    (self.of_adapter(runnable, a), Mode::Merged(a), Some(a))
+                Some(a) if ratio(a) > self.alpha => {
+                    let merged = self.of_adapter(runnable, a);
+                    if self.amortized(runnable, fcfs, a, &merged, fcfs.len() - in_window[a as usize]) {
+                        (merged, Mode::Merged(a), Some(a))
+                    } else {
+                        (fcfs.to_vec(), Mode::Unmerged, Some(a))
+                    }
                 }
                 a => (fcfs.to_vec(), Mode::Unmerged, a),
             },
@@ -520,22 +526,26 @@ impl Batcher {
         (batch, mode, false)
     }
 
-    /// Whether merging `a` now can pay for its merge and for the un-merge after it (see the
-    /// module docs, "amortised merges"): the merged iterations `a`'s credit covers at this
-    /// displacement, each saving what the unmerged FCFS batch would take to do the merged batch's
-    /// work less what the merged batch takes, must save more than two switches.
-    fn amortized(&self, runnable: &[Runnable], fcfs: &[usize], a: AdapterId) -> bool {
-        let merged = self.of_adapter(runnable, a);
-        let displaced = fcfs.iter().filter(|&&i| runnable[i].adapter != a).count();
+    /// Whether merging `a` into `merged` (its batch, which displaces `displaced` requests of
+    /// `fcfs`) can pay for the merge and for the un-merge after it (see the module docs,
+    /// "amortised merges"): the merged iterations `a`'s credit covers at this displacement, each
+    /// saving what the unmerged FCFS batch would take to do the merged batch's work less what the
+    /// merged batch takes, must save more than two switches.
+    fn amortized(
+        &self,
+        runnable: &[Runnable],
+        fcfs: &[usize],
+        a: AdapterId,
+        merged: &[usize],
+        displaced: usize,
+    ) -> bool {
         if !self.cfg.amortize_switches || displaced == 0 {
             return true;
         }
         let iterations = (self.credit[a as usize] / (displaced as f64 * self.cfg.unit())).floor();
-        let (m_ms, u_ms) = (
-            self.cost.batch_ms(Mode::Merged(a), runnable, &merged),
-            self.cost.batch_ms(Mode::Unmerged, runnable, fcfs),
-        );
-        let (m_work, u_work) = (self.cost.work_ms(runnable, &merged), self.cost.work_ms(runnable, fcfs));
+        let (m_ms, u_ms) =
+            (self.cost.batch_ms(Mode::Merged(a), runnable, merged), self.cost.batch_ms(Mode::Unmerged, runnable, fcfs));
+        let (m_work, u_work) = (self.cost.work_ms(runnable, merged), self.cost.work_ms(runnable, fcfs));
         let saving = m_work * u_ms / u_work.max(1e-9) - m_ms;
         iterations * saving > 2.0 * self.cost.switch_ms
     }
