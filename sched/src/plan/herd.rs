@@ -330,8 +330,15 @@ impl HerdProblem {
         if m == 0 {
             return Err("no streams".into());
         }
-        // bt ≤ 1 + Ḡ / n_min, and ≥ 1 − total / n_min (a group of 0 GPUs with every stream).
-        let (t_hi, t_lo) = (1.0 + f64::from(self.group_max) / n_min, 1.0 - total / n_min);
+        // bt ≤ the upper bound (≤ 1 + Ḡ / n_min), and ≥ 1 − total / n_min (a group of 0 GPUs
+        // with every stream); with a warm start, only plans at least as good are of interest.
+        // Tight bounds on t keep the big-M coefficients small: with t ranging up to 1 + Ḡ/n_min
+        // (10⁶ for a stream needing 10⁻⁴ of a GPU), Clp's root LP did not finish in a minute on
+        // HERD 1,000.
+        let t_hi = (1.0 + f64::from(self.group_max) / n_min).min(self.upper_bound());
+        let t_lo = warm.map_or(1.0 - total / n_min, |(a, sz)| self.objective(a, sz).min(t_hi));
+        // With t ≥ 1 no group is short of GPUs (size_j ≥ load_j), which bounds load − size by 0.
+        let spare_ok = t_lo >= 1.0;
         let mut vars = variables!();
         let x: Vec<Variable> = (0..m * g).map(|_| vars.add(variable().binary())).collect();
         let size: Vec<Variable> =
@@ -351,25 +358,38 @@ impl HerdProblem {
             let row: Expression = (0..g).map(|j| x[i * g + j]).sum();
             cs.push(constraint!(row == 1.0));
         }
+        let set_of: Vec<usize> = self
+            .streams
+            .iter()
+            .map(|s| sets.binary_search(&s.affinity).map_err(|_| "affinity index".to_string()))
+            .collect::<Result<_, _>>()?;
         for j in 0..g {
             let l: Expression = (0..m).map(|i| self.streams[i].gpus_needed * x[i * g + j]).sum();
             cs.push(constraint!(l == load[j]));
             let mem: Expression = (0..m).map(|i| self.streams[i].mem_mb * x[i * g + j]).sum();
             cs.push(constraint!(mem <= self.gpu_mem_mb));
+            // A group that serves a stream has a GPU; a stream's group is of its affinity set.
+            // Aggregated over the group (one row per group and set, not one per stream): the
+            // same integer solutions with a third of the rows.
+            let members: Expression = (0..m).map(|i| x[i * g + j]).sum();
+            cs.push(constraint!(members <= (m as f64) * size[j]));
             if !y.is_empty() {
                 let one: Expression = y.iter().map(|row| row[j]).sum();
                 cs.push(constraint!(one <= 1.0));
+                for (c, row) in y.iter().enumerate() {
+                    let inside: Vec<usize> = (0..m).filter(|&i| set_of[i] == c).collect();
+                    let of_set: Expression = inside.iter().map(|&i| x[i * g + j]).sum();
+                    cs.push(constraint!(of_set <= (inside.len() as f64) * row[j]));
+                }
+            }
+            if spare_ok {
+                cs.push(constraint!(load[j] <= size[j]));
             }
             for i in 0..m {
                 let s = &self.streams[i];
-                let big = t_hi * s.gpus_needed + total;
+                let big = (t_hi - 1.0) * s.gpus_needed + if spare_ok { 0.0 } else { total };
                 let xij = x[i * g + j];
                 cs.push(constraint!(s.gpus_needed * t - size[j] + load[j] + big * xij <= big + s.gpus_needed));
-                cs.push(constraint!(xij <= size[j]));
-                if !y.is_empty() {
-                    let c = sets.binary_search(&s.affinity).map_err(|_| "affinity index".to_string())?;
-                    cs.push(constraint!(xij <= y[c][j]));
-                }
             }
         }
         let mut warm_values = Vec::new();
