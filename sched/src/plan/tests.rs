@@ -256,13 +256,19 @@ proptest! {
         mem in prop_oneof![Just(0.0), 50.0f64..300.0],
     ) {
         let p = herd(&streams, gpus, groups, g_max, mem);
-        if let Some(best) = herd_brute(&p) {
+        let brute = herd_brute(&p);
+        if let Some(best) = brute {
             prop_assert!(p.upper_bound() >= best - 1e-9, "bound {} below the optimum {best}", p.upper_bound());
         }
         if let Ok(plan) = p.solve(SolverKind::Microlp, Duration::from_secs(2)) {
             let o = p.check(&plan.assignment, &plan.group_sizes).unwrap();
             prop_assert!((o - plan.objective).abs() < 1e-9);
             prop_assert!(plan.greedy_objective.is_nan() || o >= plan.greedy_objective - 1e-9);
+            // A plan the solver calls optimal is the brute force's optimum: the ILP's bounds on t
+            // (the warm start and `upper_bound`) and its aggregated rows cut off no better plan.
+            if let (Source::Optimal, Some(best)) = (plan.source, brute) {
+                prop_assert!((o - best).abs() < 1e-6, "'optimal' {o} vs brute force {best}");
+            }
         }
     }
 }
