@@ -240,8 +240,8 @@ fn run_policy(a: &LiveArgs, policy: LivePolicy, round: usize) -> anyhow::Result<
     std::fs::create_dir_all(&dir)?;
     let record = dir.join("run.json");
     let _ = std::fs::remove_file(&record);
+    let n = a.source.nodes();
     if a.netns {
-        let n = a.source.nodes();
         let mut net = Netns::create(n, Some(a.link_mbit))?;
         let addrs: Vec<std::net::SocketAddr> = (0..n).map(|i| (Netns::addr(i), 7500).into()).collect();
         let cluster = crate::demo::write_cluster(&dir, &addrs)?;
@@ -261,7 +261,6 @@ fn run_policy(a: &LiveArgs, policy: LivePolicy, round: usize) -> anyhow::Result<
             bail!("{} failed (logs in {})", policy.name(), dir.display());
         }
     } else {
-        let n = a.source.nodes();
         let addrs = cascade_devcluster::free_addrs(n);
         if addrs.len() != n {
             bail!("could not reserve {n} loopback ports");

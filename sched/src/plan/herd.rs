@@ -358,11 +358,9 @@ impl HerdProblem {
             let row: Expression = (0..g).map(|j| x[i * g + j]).sum();
             cs.push(constraint!(row == 1.0));
         }
-        let set_of: Vec<usize> = self
-            .streams
-            .iter()
-            .map(|s| sets.binary_search(&s.affinity).map_err(|_| "affinity index".to_string()))
-            .collect::<Result<_, _>>()?;
+        // Each affinity set's streams, for the per-group affinity rows.
+        let members_of: Vec<Vec<usize>> =
+            sets.iter().map(|&c| (0..m).filter(|&i| self.streams[i].affinity == c).collect()).collect();
         for j in 0..g {
             let l: Expression = (0..m).map(|i| self.streams[i].gpus_needed * x[i * g + j]).sum();
             cs.push(constraint!(l == load[j]));
@@ -376,8 +374,7 @@ impl HerdProblem {
             if !y.is_empty() {
                 let one: Expression = y.iter().map(|row| row[j]).sum();
                 cs.push(constraint!(one <= 1.0));
-                for (c, row) in y.iter().enumerate() {
-                    let inside: Vec<usize> = (0..m).filter(|&i| set_of[i] == c).collect();
+                for (inside, row) in members_of.iter().zip(&y) {
                     let of_set: Expression = inside.iter().map(|&i| x[i * g + j]).sum();
                     cs.push(constraint!(of_set <= (inside.len() as f64) * row[j]));
                 }
