@@ -118,8 +118,10 @@ pub struct Bed {
     net: Option<Netns>,
     shm: bool,
     hosts: usize,
-    /// The link rate the planner is told, Gbit/s: the shaped rate, or memcpy's measured one on
-    /// shared memory (loopback tcp: the nominal `link_mbit`).
+    /// The link rate the planner is told, Gbit/s: on namespaced hosts the TCP payload rate the
+    /// shaped link carries (its rate less each frame's headers,
+    /// [`Netns::tcp_payload_share`]), memcpy's measured one on shared memory, the nominal
+    /// `link_mbit` on loopback tcp.
     pub link_gbps: f64,
     /// The per-chunk overhead the planner is told, seconds (from [`Bed::calibrate`]).
     pub chunk_overhead_s: Option<f64>,
@@ -174,7 +176,13 @@ impl Bed {
         };
         // On shared memory no wire sets the rate: memcpy's (256 MiB, what a shm hop does without
         // the control around it) is the first guess, `calibrate` measures the hop itself.
-        let link_gbps = if shm { crate::p2p::memcpy_gbit(256 << 20)? } else { link_mbit as f64 / 1000.0 };
+        let link_gbps = if shm {
+            crate::p2p::memcpy_gbit(256 << 20)?
+        } else if netns {
+            link_mbit as f64 / 1000.0 * Netns::tcp_payload_share(mtu.unwrap_or(1500))
+        } else {
+            link_mbit as f64 / 1000.0
+        };
         let mut cluster = format!("name = \"mcbench{}\"\n", std::process::id());
         for (i, a) in addrs.iter().enumerate() {
             cluster += &format!("[[nodes]]\nid = {i}\naddr = \"{a}\"\n");

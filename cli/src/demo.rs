@@ -242,10 +242,12 @@ async fn driver(a: DemoArgs, cluster_file: PathBuf, pids: Vec<u32>) -> anyhow::R
     println!("  model: {model_name} — {model_what}; {} in {} layers", mb(manifest.bytes), manifest.layers.len());
 
     let gbps = if a.netns { a.link_mbit as f64 / 1000.0 } else { 25.0 };
+    // TCP between namespaced hosts carries the shaped rate less each frame's headers (MTU 1500).
+    let tcp_gbps = if a.netns { gbps * Netns::tcp_payload_share(1500) } else { gbps };
     let mut mcfg = ManagerConfig::new((1..=a.nodes).collect());
     mcfg.k = a.k;
     mcfg.init = true;
-    mcfg.rates = MeshRates { nic_gbps: gbps, tcp_gbps: gbps, shm_gbps: 4.0 * gbps, machine_gbps: None };
+    mcfg.rates = MeshRates { nic_gbps: gbps, tcp_gbps, shm_gbps: 4.0 * gbps, machine_gbps: None };
     let meta = a.out.join("meta");
     let _ = std::fs::remove_dir_all(&meta);
     let mut m = Manager::open(ep.clone(), EmbeddedStore::open(&meta)?, mcfg)?;

@@ -45,6 +45,18 @@ impl Netns {
         None
     }
 
+    /// The share of a shaped link's rate that carries TCP payload at `mtu`: `tbf` charges a
+    /// segment's bytes from its 14-byte Ethernet header on (a GSO packet as the segments it
+    /// stands for), and an MTU-sized IPv4 packet carries `mtu − 52` bytes of payload (20 of IPv4
+    /// header, 20 of TCP, 12 of the TCP timestamps Linux sends by default). 0.956 at 1500,
+    /// 0.993 at 9000. The acknowledgements going the other way are not counted: receive
+    /// offload coalesces them to under 1% of a link (measured: 67.61 MB sent for 64 MiB).
+    pub fn tcp_payload_share(mtu: u32) -> f64 {
+        const HEADERS: u32 = 20 + 20 + 12;
+        const ETHERNET: u32 = 14;
+        f64::from(mtu.saturating_sub(HEADERS)) / f64::from(mtu + ETHERNET)
+    }
+
     /// Creates `n` hosts; with `link_mbit`, shapes each host's egress to that rate.
     pub fn create(n: usize, link_mbit: Option<u64>) -> anyhow::Result<Netns> {
         Self::create_with_mtu(n, link_mbit, None)
@@ -158,5 +170,18 @@ impl Drop for Netns {
         for h in self.hosts.iter().chain(std::iter::once(&self.switch)) {
             let _ = run(&["ip", "netns", "del", h]);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Netns;
+
+    #[test]
+    fn tcp_payload_share_counts_the_headers_of_each_frame() {
+        assert!((Netns::tcp_payload_share(1500) - 1448.0 / 1514.0).abs() < 1e-12);
+        assert!((Netns::tcp_payload_share(9000) - 8948.0 / 9014.0).abs() < 1e-12);
+        assert!(Netns::tcp_payload_share(576) < Netns::tcp_payload_share(1500));
+        assert_eq!(Netns::tcp_payload_share(40), 0.0);
     }
 }
