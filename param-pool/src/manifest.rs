@@ -252,6 +252,29 @@ impl Manifest {
         crcs
     }
 
+    /// The same model packed with its embedding layer last (after the head): for serving where a
+    /// new copy's blocks should arrive before an embedding table that another instance can
+    /// apply for it (a BERT encoder's table is half its bytes and almost none of its compute;
+    /// see `cascade_exec::serve`). Offsets and chunk crcs are recomputed from `file` (the same
+    /// safetensors image); the content hash is the file's and does not change.
+    pub fn with_embeddings_last(&self, file: &[u8]) -> Manifest {
+        let (entry, rest): (Vec<LayerEntry>, Vec<LayerEntry>) =
+            self.layers.iter().cloned().partition(|l| l.kind == LayerKind::Embeddings);
+        let mut m =
+            Manifest { layers: rest.into_iter().chain(entry).collect(), chunk_crcs: Vec::new(), ..self.clone() };
+        let mut at = 0u64;
+        for l in &mut m.layers {
+            let start = at;
+            for t in &mut l.tensors {
+                t.offset = at;
+                at += t.file_range.end - t.file_range.start;
+            }
+            l.range = start..at;
+        }
+        m.chunk_crcs = m.packed_chunk_crcs(file);
+        m
+    }
+
     /// Copies the tensors of `file` (the same safetensors image) into `dst` in packed order —
     /// the reference the loader is checked against.
     pub fn pack(&self, file: &[u8], dst: &mut [u8]) {

@@ -57,6 +57,36 @@ fn layers_tile_the_packed_image_and_crcs_match_a_packed_copy() {
 }
 
 #[test]
+fn embeddings_last_repacks_the_same_tensors_with_matching_crcs() {
+    let file = llama_like(3);
+    for chunk in [1, 7, 64, 4096] {
+        let m = Manifest::from_bytes(&file, "t", chunk, "mem").unwrap();
+        let r = m.with_embeddings_last(&file);
+        let kinds: Vec<LayerKind> = r.layers.iter().map(|l| l.kind).collect();
+        let want =
+            [LayerKind::Block(0), LayerKind::Block(1), LayerKind::Block(2), LayerKind::Head, LayerKind::Embeddings];
+        assert_eq!(kinds, want);
+        assert_eq!((r.bytes, &r.content_hash), (m.bytes, &m.content_hash));
+        let mut at = 0;
+        for l in &r.layers {
+            assert_eq!(l.range.start, at);
+            at = l.range.end;
+        }
+        assert_eq!(at, r.bytes);
+        let mut packed = vec![0u8; r.bytes as usize];
+        r.pack(&file, &mut packed);
+        let want: Vec<u32> = packed.chunks(chunk as usize).map(crc32fast::hash).collect();
+        assert_eq!(r.chunk_crcs, want, "chunk {chunk}");
+        // Every tensor keeps its bytes: the embedding table now sits at the end of the image.
+        let emb = &r.layers.last().unwrap().tensors[0];
+        assert_eq!(emb.name, "model.embed_tokens.weight");
+        let len = (emb.file_range.end - emb.file_range.start) as usize;
+        assert_eq!(&packed[emb.offset as usize..][..len], &file[emb.file_range.start as usize..][..len]);
+        assert_eq!(emb.offset as usize + len, r.bytes as usize);
+    }
+}
+
+#[test]
 fn content_hash_identifies_the_bytes() {
     let a = llama_like(2);
     let mut b = a.clone();
