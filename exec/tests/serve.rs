@@ -110,10 +110,19 @@ async fn a_new_instance_serves_while_its_copy_arrives_under_each_policy() {
         let on_new = answers.iter().filter(|a| a.to == 2).count();
         assert!(on_new > 0, "{policy:?}: the new instance served some requests");
         let split = answers.iter().filter(|a| a.split.is_some()).count();
+        let three = answers.iter().filter(|a| a.onward.is_some()).count();
+        for a in answers.iter().filter(|a| a.onward.is_some()) {
+            // The entry stage on old, then stages 1..x on new, then the rest on old.
+            assert_eq!((a.to, a.split.map(|s| (s.layers, s.then))), (1, Some((1, 2))), "{policy:?}");
+            assert!(a.onward.is_some_and(|o| o.layers >= 2 && o.then == 1), "{policy:?}: {:?}", a.onward);
+        }
         if policy == LivePolicy::StopTheWorld {
             assert_eq!(split, 0, "stop-the-world never splits");
         }
-        eprintln!("{policy:?}: {on_new} of 48 via node 2, {split} split, residency {:?}", stats.residency);
+        eprintln!(
+            "{policy:?}: {on_new} of 48 via node 2, {split} split ({three} in three segments), residency {:?}",
+            stats.residency
+        );
         for e in &c.eps {
             e.shutdown();
         }
@@ -134,7 +143,12 @@ async fn a_request_split_across_instances_equals_one_instance() {
     let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
     let whole = local.embed(&refs).unwrap();
     for k in 1..7 {
-        let msg = ExecMsg::Run { batch: k, texts: texts.clone(), split: Some(Split { layers: k as u32, then: 1 }) };
+        let msg = ExecMsg::Run {
+            batch: k,
+            texts: texts.clone(),
+            split: Some(Split { layers: k as u32, then: 1 }),
+            onward: None,
+        };
         match mesh.call(2, &msg, Duration::from_secs(30)).await.unwrap() {
             ExecMsg::Done { embeddings, on_first, .. } => {
                 assert_eq!(on_first, k as u32);
@@ -143,11 +157,38 @@ async fn a_request_split_across_instances_equals_one_instance() {
             other => panic!("split after {k}: {other:?}"),
         }
     }
+    // Three segments, as while a new copy lacks its embedding table: the entry stage on node 1,
+    // stages 1..k on node 2, the rest on node 1.
+    for k in 2..7 {
+        let msg = ExecMsg::Run {
+            batch: 20 + k,
+            texts: texts.clone(),
+            split: Some(Split { layers: 1, then: 2 }),
+            onward: Some(Split { layers: k as u32, then: 1 }),
+        };
+        match mesh.call(1, &msg, Duration::from_secs(30)).await.unwrap() {
+            ExecMsg::Done { embeddings, on_first, .. } => {
+                assert_eq!(on_first, 1);
+                assert_eq!(embeddings, whole, "entry on 1, stages 1..{k} on 2: bit-identical to one process");
+            }
+            other => panic!("three segments through {k}: {other:?}"),
+        }
+    }
     // Bad input is refused, not retried: too many texts, a split past the model.
-    let many = ExecMsg::Run { batch: 9, texts: vec!["x".into(); 5], split: None };
-    assert!(matches!(mesh.call(2, &many, Duration::from_secs(5)).await.unwrap(), ExecMsg::Failed { retry: false, .. }));
-    let past = ExecMsg::Run { batch: 10, texts, split: Some(Split { layers: 7, then: 1 }) };
-    assert!(matches!(mesh.call(2, &past, Duration::from_secs(5)).await.unwrap(), ExecMsg::Failed { retry: false, .. }));
+    let refused = |m: ExecMsg| {
+        let mesh = mesh.clone();
+        async move {
+            matches!(mesh.call(2, &m, Duration::from_secs(5)).await.unwrap(), ExecMsg::Failed { retry: false, .. })
+        }
+    };
+    assert!(refused(ExecMsg::Run { batch: 9, texts: vec!["x".into(); 5], split: None, onward: None }).await);
+    let past =
+        ExecMsg::Run { batch: 10, texts: texts.clone(), split: Some(Split { layers: 7, then: 1 }), onward: None };
+    assert!(refused(past).await);
+    // An onward segment without a split, or one that does not lie after the split.
+    let (one, three) = (Some(Split { layers: 1, then: 1 }), Some(Split { layers: 3, then: 1 }));
+    assert!(refused(ExecMsg::Run { batch: 11, texts: texts.clone(), split: None, onward: three }).await);
+    assert!(refused(ExecMsg::Run { batch: 12, texts, split: three, onward: one }).await);
 }
 
 /// Runs `n` requests through a router (policy best-effort) while `during` acts on the cluster;
@@ -187,7 +228,7 @@ async fn the_new_instance_failing_while_it_loads_loses_nothing() {
         tokio::pin!(scaling);
         // Node 2 dies once it serves its first layer: its split batches must go back to node 1.
         let died = async {
-            while cr._instances[1].resident() == 0 {
+            while cr._instances[1].resident() == 0 && cr._instances[1].after_entry() == 0 {
                 tokio::time::sleep(Duration::from_millis(1)).await;
             }
             tokio::time::sleep(Duration::from_millis(20)).await;

@@ -200,7 +200,7 @@ async fn route_finished(mut done: mpsc::UnboundedReceiver<Finished<Tag>>) {
 /// Runs `act` on the compute thread up to stage `stop`.
 async fn run(sh: &Shared, act: Activation, stop: usize) -> Result<Activation, ServeError> {
     let (tx, rx) = oneshot::channel();
-    if !sh.compute.send(Cmd::Job { act, stop, tag: tx }) {
+    if !sh.compute.send(Cmd::Job { act, stop, tag: tx, urgent: false }) {
         return Err(ServeError::Config("the compute thread is gone".into()));
     }
     Ok(rx.await.map_err(|_| ServeError::Config("the compute thread is gone".into()))??)
@@ -232,9 +232,11 @@ async fn serve_exec(sh: Arc<Shared>, mut inbox: Inbox<ExecMsg>) {
             }
             ExecMsg::Lend { run } => Some(sh.copy.lend(run, m.from).map(|()| ExecMsg::Ack)),
             ExecMsg::Adopt { run } => Some(sh.copy.adopt(run).map(|()| ExecMsg::Ack)),
-            ExecMsg::Status => {
-                Some(Ok(ExecMsg::State { resident: sh.compute.resident() as u32, layers: sh.compute.layers() as u32 }))
-            }
+            ExecMsg::Status => Some(Ok(ExecMsg::State {
+                resident: sh.compute.resident() as u32,
+                layers: sh.compute.layers() as u32,
+                after_entry: sh.compute.after_entry() as u32,
+            })),
             other => Some(Err(ServeError::Protocol(format!("an LLM instance does not serve {other:?}")))),
         };
         if let (Some(a), Some(reply)) = (answer, m.reply_to) {

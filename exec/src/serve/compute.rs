@@ -18,8 +18,9 @@ pub(crate) type WithModel<M> = Box<dyn FnOnce(&mut M) + Send>;
 
 /// Work for the compute thread.
 pub(crate) enum Cmd<T, M> {
-    /// Run `act` up to (not including) layer `stop`.
-    Job { act: Activation, stop: usize, tag: T },
+    /// Run `act` up to (not including) layer `stop`; an `urgent` job goes ahead of every job
+    /// queued (the entry stage run for a peer, a millisecond that the peer waits on).
+    Job { act: Activation, stop: usize, tag: T, urgent: bool },
     /// The model's packed image up to here is verified on this node: build what it completes.
     Verified(Bytes),
     /// Run this with the model (a decoder's KV cache moves in and out this way).
@@ -36,6 +37,7 @@ pub(crate) struct Finished<T> {
 pub(crate) struct Compute<T, M> {
     tx: mpsc::Sender<Cmd<T, M>>,
     resident: Arc<AtomicU32>,
+    after_entry: Arc<AtomicU32>,
     layers: usize,
 }
 
@@ -52,14 +54,15 @@ impl<T: Send + 'static, M: Staged> Compute<T, M> {
         let (tx, rx) = mpsc::channel();
         let layers = model.layers();
         let resident = Arc::new(AtomicU32::new(0));
-        let r2 = resident.clone();
+        let after_entry = Arc::new(AtomicU32::new(0));
+        let counts = (resident.clone(), after_entry.clone());
         std::thread::Builder::new().name(name).spawn(move || {
             if let Some(c) = core {
                 pin(c);
             }
-            run(model, &manifest, &rx, &done, &r2)
+            run(model, &manifest, &rx, &done, (&counts.0, &counts.1))
         })?;
-        Ok(Compute { tx, resident, layers })
+        Ok(Compute { tx, resident, after_entry, layers })
     }
 
     /// Queues work; false once the thread is gone.
@@ -70,6 +73,13 @@ impl<T: Send + 'static, M: Staged> Compute<T, M> {
     /// Stages resident now (a prefix of the model).
     pub(crate) fn resident(&self) -> usize {
         self.resident.load(Ordering::Acquire) as usize
+    }
+
+    /// Stages resident from stage 1 on (a prefix of the model less its entry stage): what this
+    /// instance can run of a batch whose entry stage ran elsewhere, while its own entry stage
+    /// has not arrived (a copy packed with the embeddings last).
+    pub(crate) fn after_entry(&self) -> usize {
+        self.after_entry.load(Ordering::Acquire) as usize
     }
 
     /// The model's stages.
@@ -89,11 +99,13 @@ fn run<T, M: Staged>(
     manifest: &Manifest,
     rx: &mpsc::Receiver<Cmd<T, M>>,
     done: &tokio::sync::mpsc::UnboundedSender<Finished<T>>,
-    resident: &AtomicU32,
+    (resident, after_entry): (&AtomicU32, &AtomicU32),
 ) {
     let mut jobs: Vec<Pending<T>> = Vec::new();
     let publish = |m: &M| {
         let n = (0..m.layers()).take_while(|&s| m.is_loaded(s)).count();
+        let k = (1..m.layers()).take_while(|&s| m.is_loaded(s)).count();
+        after_entry.store(k as u32, Ordering::Release);
         resident.store(n as u32, Ordering::Release);
     };
     publish(&model);
@@ -113,10 +125,12 @@ fn run<T, M: Staged>(
             }
         };
         match cmd {
-            Some(Cmd::Job { act, stop, tag }) => {
+            Some(Cmd::Job { act, stop, tag, urgent }) => {
                 if act.next_layer >= stop || stop > model.layers() {
                     let e = ExecError::Input(format!("layers {}..{stop} of {}", act.next_layer, model.layers()));
                     let _ = done.send(Finished { tag, result: Err(e) });
+                } else if urgent {
+                    jobs.insert(0, Pending { act, stop, tag });
                 } else {
                     jobs.push(Pending { act, stop, tag });
                 }
@@ -166,7 +180,8 @@ fn pin(core: usize) {
     }
 }
 
-/// Builds every stage after the resident prefix that the verified bytes complete.
+/// Builds every stage not built yet whose tensors the verified bytes hold (with the embeddings
+/// packed last, the blocks come before the entry stage).
 fn load_verified<M: Staged>(model: &mut M, manifest: &Manifest, bytes: &[u8]) {
     let w = match Weights::verified_prefix(manifest, bytes) {
         Ok(w) => w,
@@ -178,7 +193,7 @@ fn load_verified<M: Staged>(model: &mut M, manifest: &Manifest, bytes: &[u8]) {
         }
         match model.load_stage(s, &w) {
             Ok(()) => debug!(stage = s, "stage resident"),
-            Err(ExecError::NotResident { .. }) => return,
+            Err(ExecError::NotResident { .. }) => continue,
             Err(e) => return warn!(stage = s, error = %e, "cannot build the stage"),
         }
     }

@@ -15,6 +15,17 @@
 //!      split best-effort at dispatch.
 //! 3. Once new holds every layer, batches go whole to whichever instance has fewer outstanding.
 //!
+//! **The entry stage on old** (a departure, for copies packed with their embeddings last, see
+//! [`Manifest::with_embeddings_last`](cascade_param_pool::manifest::Manifest::with_embeddings_last)):
+//! BlitzScale's LLMs load their small embedding first; a BERT encoder's embedding table is half its
+//! bytes and almost none of its compute, so a copy that loads it first can help only in the last
+//! half of its load. Packed last, new holds blocks long before its entry stage; while it lacks it,
+//! a split batch crosses three segments: old runs the entry stage (stage 0, ahead of its queue),
+//! new runs stages `1..x`, old the rest. The split `x` is chosen as above, counting the entry
+//! stage as resident (old runs it) and the half as half the blocks (`x ≤ 1 + ⌊(L − 1)/2⌋`);
+//! `x ≤ 1` leaves new nothing, and the batch goes to old whole. Zigzag then plans the paper's problem over the blocks (`L − 1` layers, the first block
+//! resident when cooperation begins) and adds the entry stage to each split.
+//!
 //! At most `max_coop` cooperative batches are outstanding (the activation slots of the pair).
 //! A batch whose instance fails goes back to its place in the queue: nothing is lost, and since
 //! the router answers each request once, nothing is answered twice.
@@ -77,6 +88,8 @@ pub struct Dispatch {
     pub to: u32,
     /// Its split, when it cooperates.
     pub split: Option<Split>,
+    /// The segment after `split.then`'s, when the batch crosses three (the entry stage on old).
+    pub onward: Option<Split>,
 }
 
 /// The dispatcher's parameters.
@@ -110,6 +123,7 @@ pub struct Dispatcher {
     queue: VecDeque<u64>,
     new: Option<u32>,
     resident: u32,
+    after_entry: u32,
     planned: HashMap<u64, u32>,
     weights: HashMap<u64, f64>,
     cooperating: bool,
@@ -127,6 +141,7 @@ impl Dispatcher {
             queue: VecDeque::new(),
             new: None,
             resident: 0,
+            after_entry: 0,
             planned: HashMap::new(),
             weights: HashMap::new(),
             cooperating: false,
@@ -162,6 +177,22 @@ impl Dispatcher {
     /// The new instance holds its first `resident` layers.
     pub fn resident(&mut self, resident: u32) {
         self.resident = resident.min(self.cfg.layers);
+    }
+
+    /// The new instance holds stages `1..=k` (whether or not it holds stage 0, its entry): while
+    /// it lacks its entry stage, split batches cross three segments (see the module docs).
+    pub fn after_entry(&mut self, k: u32) {
+        self.after_entry = k.min(self.cfg.layers.saturating_sub(1));
+    }
+
+    /// Stages of a split batch new can take part in: its resident prefix, or, while its entry
+    /// stage is missing, the entry (run on old) and the blocks after it.
+    fn usable(&self) -> u32 {
+        if self.resident >= 1 || self.after_entry == 0 {
+            self.resident
+        } else {
+            1 + self.after_entry
+        }
     }
 
     /// Batches waiting at the router.
@@ -220,7 +251,7 @@ impl Dispatcher {
         let new = self.new.filter(|&n| self.alive(n));
         let d = match new {
             Some(_) if self.resident >= l => self.whole(batch, &self.plain())?,
-            Some(n) if self.resident >= 1 && self.alive(old) && self.cfg.policy != LivePolicy::StopTheWorld => {
+            Some(n) if self.usable() >= 1 && self.alive(old) && self.cfg.policy != LivePolicy::StopTheWorld => {
                 if !self.cooperating {
                     self.cooperating = true;
                     self.plan();
@@ -230,11 +261,17 @@ impl Dispatcher {
                     return None;
                 }
                 // A planned split may name layers still loading: new runs each once it lands.
-                let x = self.planned.remove(&batch).unwrap_or(self.resident.min(l / 2));
-                if x == 0 {
-                    Dispatch { batch, to: old, split: None }
+                let entry_on_old = self.resident == 0;
+                // At most half the layers on new: with the entry stage on old, half the blocks.
+                let half = if entry_on_old { 1 + (l - 1) / 2 } else { l / 2 };
+                let x = self.planned.remove(&batch).unwrap_or(self.usable().min(half));
+                if x == 0 || (entry_on_old && x == 1) {
+                    Dispatch { batch, to: old, split: None, onward: None }
+                } else if entry_on_old {
+                    let onward = Some(Split { layers: x, then: old });
+                    Dispatch { batch, to: old, split: Some(Split { layers: 1, then: n }), onward }
                 } else {
-                    Dispatch { batch, to: n, split: Some(Split { layers: x, then: old }) }
+                    Dispatch { batch, to: n, split: Some(Split { layers: x, then: old }), onward: None }
                 }
             }
             _ => self.whole(batch, &self.plain())?,
@@ -267,18 +304,25 @@ impl Dispatcher {
             .iter()
             .filter(|&&n| self.load.get(&n).is_some_and(|l| l.alive && l.whole + l.coop < self.cfg.per_instance))
             .min_by_key(|&&n| self.load.get(&n).map_or(usize::MAX, |l| l.whole + l.coop))?;
-        Some(Dispatch { batch, to: *n, split: None })
+        Some(Dispatch { batch, to: *n, split: None, onward: None })
     }
 
     /// Zigzag: plans the batches queued now.
     fn plan(&mut self) {
-        if self.cfg.policy != LivePolicy::Zigzag || self.queue.is_empty() || self.cfg.layers < 2 {
+        if self.cfg.policy != LivePolicy::Zigzag || self.queue.is_empty() || self.cfg.layers < 3 {
             return;
         }
         let weights = self.queue.iter().map(|b| self.weights.get(b).copied().unwrap_or(1.0)).collect();
-        let inst = Plan { layers: self.cfg.layers, load_ratio: self.cfg.load_ratio.max(1), weights };
+        // With the entry stage on old the problem is the paper's over the blocks: the first block
+        // is resident now, the next lands T later, and a batch's split counts the entry stage too.
+        let entry_on_old = self.resident == 0;
+        let layers = if entry_on_old { self.cfg.layers - 1 } else { self.cfg.layers };
+        let inst = Plan { layers, load_ratio: self.cfg.load_ratio.max(1), weights };
         match zigzag::zigzag(&inst) {
-            Ok(s) => self.planned = self.queue.iter().copied().zip(s.x).collect(),
+            Ok(s) => {
+                let x = s.x.into_iter().map(|x| if entry_on_old && x > 0 { x + 1 } else { x });
+                self.planned = self.queue.iter().copied().zip(x).collect();
+            }
             Err(e) => tracing::warn!(error = %e, "zigzag plan failed; splitting best-effort"),
         }
     }

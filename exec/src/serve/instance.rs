@@ -65,10 +65,12 @@ struct PeerSlots {
 
 /// Where a finished job's result goes.
 enum Tag {
-    /// Answer the router (after the split's hand-over when there is one).
-    Run { reply: ReplyTo, batch: u64, split: Option<Split> },
-    /// Answer the peer that handed the batch over, then free its slot.
-    Finish { reply: ReplyTo, batch: u64, slot: u32, on_first: u32 },
+    /// Answer the router (after the split's hand-over when there is one; `onward` is the
+    /// segment after `split.then`'s).
+    Run { reply: ReplyTo, batch: u64, split: Option<Split>, onward: Option<Split> },
+    /// Free the slot and answer the peer that handed the batch over (after handing it on to
+    /// `split.then` when there is a next segment).
+    Finish { reply: ReplyTo, batch: u64, slot: u32, on_first: u32, split: Option<Split> },
 }
 
 struct Shared {
@@ -172,6 +174,12 @@ impl Instance {
         self.shared.compute.resident()
     }
 
+    /// Stages resident from stage 1 on, whether or not the entry stage is (see
+    /// [`ExecMsg::State`]'s `after_entry`).
+    pub fn after_entry(&self) -> usize {
+        self.shared.compute.after_entry()
+    }
+
     /// The model's stages.
     pub fn layers(&self) -> usize {
         self.shared.compute.layers()
@@ -225,7 +233,7 @@ fn handle(sh: &Arc<Shared>, from: u32, msg: ExecMsg, reply: ReplyTo) -> Result<O
             });
             Ok(None)
         }
-        ExecMsg::Run { batch, texts, split } => {
+        ExecMsg::Run { batch, texts, split, onward } => {
             if texts.is_empty() || texts.len() > sh.cfg.max_batch {
                 return Err(ServeError::Input(format!("{} texts: 1 to {} per batch", texts.len(), sh.cfg.max_batch)));
             }
@@ -237,6 +245,16 @@ fn handle(sh: &Arc<Shared>, from: u32, msg: ExecMsg, reply: ReplyTo) -> Result<O
                 Some(s) => s.layers as usize,
                 None => layers,
             };
+            match (split, onward) {
+                (None, Some(_)) => return Err(ServeError::Input("an onward segment without a split".into())),
+                (Some(s), Some(o)) if o.layers <= s.layers || o.layers as usize >= layers => {
+                    return Err(ServeError::Input(format!(
+                        "segments after {} and {} of {layers} layers",
+                        s.layers, o.layers
+                    )))
+                }
+                _ => {}
+            }
             let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
             let act = crate::embed::tokenize(&sh.model.tokenizer, &refs)?;
             let tokens = act.ids.dims2().map_err(ExecError::from)?.1;
@@ -244,10 +262,13 @@ fn handle(sh: &Arc<Shared>, from: u32, msg: ExecMsg, reply: ReplyTo) -> Result<O
                 return Err(ServeError::Input(format!("{tokens} tokens: at most {}", sh.cfg.max_tokens)));
             }
             sh.meters.queued.inc();
-            sh.compute.send(Cmd::Job { act, stop, tag: Tag::Run { reply, batch, split } });
+            // The entry stage of a three-segment batch is a millisecond the next segment's
+            // instance waits on: it goes ahead of this instance's queue.
+            let urgent = onward.is_some();
+            sh.compute.send(Cmd::Job { act, stop, tag: Tag::Run { reply, batch, split, onward }, urgent });
             Ok(None)
         }
-        ExecMsg::Finish { batch, slot, len } => {
+        ExecMsg::Finish { batch, slot, len, split } => {
             let owned = lock(&sh.granted).get(&from).is_some_and(|r| r.contains(&slot));
             let sb = slot_bytes(&sh.model, &sh.cfg);
             if !owned || len > sb {
@@ -267,9 +288,21 @@ fn handle(sh: &Arc<Shared>, from: u32, msg: ExecMsg, reply: ReplyTo) -> Result<O
             match read {
                 Ok(act) => {
                     let on_first = act.next_layer as u32;
-                    let stop = sh.compute.layers();
+                    let layers = sh.compute.layers();
+                    let stop = match split {
+                        Some(s) if s.layers <= on_first || s.layers as usize >= layers => {
+                            lock(&sh.busy).remove(&slot);
+                            return Err(ServeError::Input(format!(
+                                "a hand-over after {} layers to run up to {} of {layers}",
+                                on_first, s.layers
+                            )));
+                        }
+                        Some(s) => s.layers as usize,
+                        None => layers,
+                    };
                     sh.meters.queued.inc();
-                    sh.compute.send(Cmd::Job { act, stop, tag: Tag::Finish { reply, batch, slot, on_first } });
+                    let tag = Tag::Finish { reply, batch, slot, on_first, split };
+                    sh.compute.send(Cmd::Job { act, stop, tag, urgent: false });
                     Ok(None)
                 }
                 Err(e) => {
@@ -287,9 +320,11 @@ fn handle(sh: &Arc<Shared>, from: u32, msg: ExecMsg, reply: ReplyTo) -> Result<O
             sh.copy.adopt(run)?;
             Ok(Some(ExecMsg::Ack))
         }
-        ExecMsg::Status => {
-            Ok(Some(ExecMsg::State { resident: sh.compute.resident() as u32, layers: sh.compute.layers() as u32 }))
-        }
+        ExecMsg::Status => Ok(Some(ExecMsg::State {
+            resident: sh.compute.resident() as u32,
+            layers: sh.compute.layers() as u32,
+            after_entry: sh.compute.after_entry() as u32,
+        })),
         other => Err(ServeError::Protocol(format!("unexpected request {other:?}"))),
     }
 }
@@ -342,32 +377,56 @@ async fn finish(sh: Arc<Shared>, mut done: mpsc::UnboundedReceiver<Finished<Tag>
             Tag::Run { .. } => sh.meters.runs.inc(),
         };
         match f.tag {
-            Tag::Run { reply, batch, split: None } => {
+            Tag::Run { reply, batch, split: None, .. } => {
                 let answer = done_msg(batch, f.result, 0);
                 let _ = sh.mesh.reply(&reply, &answer);
             }
-            Tag::Run { reply, batch, split: Some(s) } => match f.result {
-                Ok(act) => {
-                    let sh = sh.clone();
-                    tokio::spawn(async move {
-                        let answer = match hand_over(&sh, batch, s, act).await {
-                            Ok(m) => m,
-                            Err(e) => ServeError::Peer(format!("hand-over to node {}: {e}", s.then)).to_failed(),
-                        };
-                        let _ = sh.mesh.reply(&reply, &answer);
-                    });
-                }
-                Err(e) => {
-                    let _ = sh.mesh.reply(&reply, &ServeError::from(e).to_failed());
-                }
-            },
-            Tag::Finish { reply, batch, slot, on_first } => {
-                let answer = done_msg(batch, f.result, on_first);
+            Tag::Run { reply, batch, split: Some(s), onward } => {
+                pass_on(&sh, reply, batch, s, onward, f.result, s.layers)
+            }
+            Tag::Finish { reply, batch, slot, on_first, split } => {
+                // The activation was copied out when the job was queued.
                 lock(&sh.busy).remove(&slot);
-                let _ = sh.mesh.reply(&reply, &answer);
+                match split {
+                    None => {
+                        let answer = done_msg(batch, f.result, on_first);
+                        let _ = sh.mesh.reply(&reply, &answer);
+                    }
+                    Some(s) => pass_on(&sh, reply, batch, s, None, f.result, on_first),
+                }
             }
         }
     }
+}
+
+/// Hands a finished segment's activation over to `s.then` (with `onward` as its split) and
+/// answers `reply` with what comes back, `on_first` set to the layers run before the hand-over
+/// on the instance the batch was sent to.
+fn pass_on(
+    sh: &Arc<Shared>,
+    reply: ReplyTo,
+    batch: u64,
+    s: Split,
+    onward: Option<Split>,
+    result: Result<Activation, ExecError>,
+    on_first: u32,
+) {
+    let act = match result {
+        Ok(act) => act,
+        Err(e) => {
+            let _ = sh.mesh.reply(&reply, &ServeError::from(e).to_failed());
+            return;
+        }
+    };
+    let sh = sh.clone();
+    tokio::spawn(async move {
+        let answer = match hand_over(&sh, batch, s, onward, act).await {
+            Ok(ExecMsg::Done { batch, embeddings, .. }) => ExecMsg::Done { batch, embeddings, on_first },
+            Ok(other) => other,
+            Err(e) => ServeError::Peer(format!("hand-over to node {}: {e}", s.then)).to_failed(),
+        };
+        let _ = sh.mesh.reply(&reply, &answer);
+    });
 }
 
 fn done_msg(batch: u64, r: Result<Activation, ExecError>, on_first: u32) -> ExecMsg {
@@ -379,7 +438,13 @@ fn done_msg(batch: u64, r: Result<Activation, ExecError>, on_first: u32) -> Exec
 
 /// Pairs with `then` once (asking for slots in its activation region), then WRITEs the
 /// activation into a free slot and asks `then` to finish the batch.
-async fn hand_over(sh: &Arc<Shared>, batch: u64, s: Split, act: Activation) -> Result<ExecMsg, ServeError> {
+async fn hand_over(
+    sh: &Arc<Shared>,
+    batch: u64,
+    s: Split,
+    onward: Option<Split>,
+    act: Activation,
+) -> Result<ExecMsg, ServeError> {
     let peer = paired(sh, s.then).await?;
     let bytes = act.to_bytes()?;
     if bytes.len() as u64 > peer.slot_bytes {
@@ -387,7 +452,7 @@ async fn hand_over(sh: &Arc<Shared>, batch: u64, s: Split, act: Activation) -> R
     }
     let permit = peer.permits.acquire().await.map_err(|_| ServeError::Protocol("pair closed".into()))?;
     let slot = lock(&peer.free).pop().ok_or_else(|| ServeError::Protocol("no free slot".into()))?;
-    let r = write_and_finish(sh, &peer, slot, batch, s, &bytes).await;
+    let r = write_and_finish(sh, &peer, slot, batch, (s, onward), &bytes).await;
     if r.is_ok() {
         lock(&peer.free).push(slot);
     } else {
@@ -396,9 +461,8 @@ async fn hand_over(sh: &Arc<Shared>, batch: u64, s: Split, act: Activation) -> R
         permit.forget();
         warn!(peer = s.then, slot, "activation slot retired after a failed hand-over");
     }
-    let on_first = s.layers;
     match r? {
-        ExecMsg::Done { batch, embeddings, .. } => Ok(ExecMsg::Done { batch, embeddings, on_first }),
+        done @ ExecMsg::Done { .. } => Ok(done),
         ExecMsg::Failed { message, .. } => Err(ServeError::Peer(message)),
         other => Err(ServeError::Protocol(format!("unexpected answer {other:?}"))),
     }
@@ -409,7 +473,7 @@ async fn write_and_finish(
     peer: &PeerSlots,
     slot: u32,
     batch: u64,
-    s: Split,
+    (s, onward): (Split, Option<Split>),
     bytes: &[u8],
 ) -> Result<ExecMsg, ServeError> {
     let idx = u64::from(slot - peer.first);
@@ -424,7 +488,7 @@ async fn write_and_finish(
     let handle = link.post(vec![op]).pop().ok_or_else(|| ServeError::Protocol("the link took no op".into()))?;
     handle.wait("activation write", sh.cfg.op_timeout).await?;
     let written = t0.elapsed();
-    let answer = sh.mesh.call(s.then, &ExecMsg::Finish { batch, slot, len }, sh.cfg.op_timeout).await?;
+    let answer = sh.mesh.call(s.then, &ExecMsg::Finish { batch, slot, len, split: onward }, sh.cfg.op_timeout).await?;
     debug!(
         batch,
         len,

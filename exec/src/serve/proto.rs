@@ -2,14 +2,19 @@
 //! typed control plane.
 //!
 //! ```text
-//! router -> instance  Run{batch, texts, split}      ->  Done{batch, embeddings, on_first} | Failed
-//! router -> new       PairWith{old}                 ->  Ack | Failed
-//! new    -> old       Pair{slots}                   ->  Paired{region, key, len, slots, slot_bytes}
-//! new    -> old       Finish{batch, slot, len}      ->  Done | Failed   (after a WRITE into the slot)
-//! ctrl   -> instance  LayerReady{run, layer}            (one-way: the multicast's event, forwarded)
-//! ctrl   -> instance  Lend{run} | Adopt{run}        ->  Ack | Failed
-//! router -> instance  Status                        ->  State{resident, layers}
+//! router -> instance  Run{batch, texts, split, onward}  ->  Done{batch, embeddings, on_first} | Failed
+//! router -> new       PairWith{old}                     ->  Ack | Failed
+//! new    -> old       Pair{slots}                       ->  Paired{region, key, len, slots, slot_bytes}
+//! new    -> old       Finish{batch, slot, len, split}   ->  Done | Failed   (after a WRITE into the slot)
+//! ctrl   -> instance  LayerReady{run, layer}                (one-way: the multicast's event, forwarded)
+//! ctrl   -> instance  Lend{run} | Adopt{run}            ->  Ack | Failed
+//! router -> instance  Status                            ->  State{resident, layers, after_entry}
 //! ```
+//!
+//! A batch may cross three segments while a new copy's embedding table has not arrived: the
+//! router sends `Run{split: 1 layer then new, onward: x layers then old}` to old, which runs the
+//! entry stage and hands over to new with `Finish{split: Some(x then old)}`; new runs stages
+//! `1..x` and hands over to old with `Finish{split: None}`; the answers go back the same way.
 
 use cascade_transport::{binary_message, NodeId, ServiceId};
 use serde::{Deserialize, Serialize};
@@ -36,6 +41,9 @@ pub enum ExecMsg {
         texts: Vec<String>,
         /// `None`: the whole model here.
         split: Option<Split>,
+        /// Where the batch goes after `split.then` ran it up to `onward.layers` (a third
+        /// segment); `None`: `split.then` runs every remaining layer.
+        onward: Option<Split>,
     },
     /// The batch's unit-length embeddings, one per text.
     Done {
@@ -83,6 +91,9 @@ pub enum ExecMsg {
         slot: u32,
         /// Bytes of the activation.
         len: u64,
+        /// `Some`: run up to `split.layers` only and hand over to `split.then`; `None`: run every
+        /// remaining layer.
+        split: Option<Split>,
     },
     /// The multicast run `run` verified layers `0..=layer` of this node's new copy (the
     /// multicast's `LayerReady`, forwarded by its controller).
@@ -114,6 +125,10 @@ pub enum ExecMsg {
         resident: u32,
         /// The model's stages.
         layers: u32,
+        /// Stages resident from stage 1 on while the entry stage is not (a copy packed with its
+        /// embeddings last): what the instance can run of a batch whose entry stage ran on a
+        /// peer. Equals `resident − 1` once the entry stage is resident.
+        after_entry: u32,
     },
     /// The request failed at the instance; nothing of it was answered.
     Failed {
@@ -124,7 +139,7 @@ pub enum ExecMsg {
     },
 }
 
-binary_message!(ExecMsg, ServiceId::EXEC, 1);
+binary_message!(ExecMsg, ServiceId::EXEC, 2);
 
 #[cfg(test)]
 mod tests {
@@ -135,19 +150,26 @@ mod tests {
     fn all() -> Vec<ExecMsg> {
         let split = Some(Split { layers: 3, then: 1 });
         vec![
-            ExecMsg::Run { batch: 7, texts: vec!["Hello, world!".into(), String::new()], split },
-            ExecMsg::Run { batch: 8, texts: vec!["x".into()], split: None },
+            ExecMsg::Run { batch: 7, texts: vec!["Hello, world!".into(), String::new()], split, onward: None },
+            ExecMsg::Run { batch: 8, texts: vec!["x".into()], split: None, onward: None },
+            ExecMsg::Run {
+                batch: 9,
+                texts: vec!["y".into()],
+                split: Some(Split { layers: 1, then: 2 }),
+                onward: split,
+            },
             ExecMsg::Done { batch: 7, embeddings: vec![vec![0.5, -0.25], vec![]], on_first: 3 },
             ExecMsg::Pair { slots: 8 },
             ExecMsg::PairWith { peer: 1 },
             ExecMsg::Paired { region: 4, key: u64::MAX, len: 1 << 30, first: 8, slots: 8, slot_bytes: 1_581_092 },
-            ExecMsg::Finish { batch: 9, slot: 3, len: 172_964 },
+            ExecMsg::Finish { batch: 9, slot: 3, len: 172_964, split: None },
+            ExecMsg::Finish { batch: 9, slot: 3, len: 172_964, split },
             ExecMsg::LayerReady { run: 0xdead_beef, layer: 6 },
             ExecMsg::Lend { run: 1 },
             ExecMsg::Adopt { run: 2 },
             ExecMsg::Ack,
             ExecMsg::Status,
-            ExecMsg::State { resident: 2, layers: 7 },
+            ExecMsg::State { resident: 2, layers: 7, after_entry: 1 },
             ExecMsg::Failed { message: "no".into(), retry: false },
         ]
     }

@@ -12,7 +12,7 @@ use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 use tracing::{debug, info};
 
-use super::dispatch::{DispatchConfig, Dispatcher};
+use super::dispatch::{Dispatch, DispatchConfig, Dispatcher};
 use super::proto::{ExecMsg, Split};
 
 /// A request to embed one text.
@@ -41,6 +41,9 @@ pub struct Answer {
     pub to: u32,
     /// Layers run on that instance when the batch was split (then the rest ran on `then`).
     pub split: Option<Split>,
+    /// When the batch crossed three segments: the layers `split.then` ran up to, and the
+    /// instance that ran the rest.
+    pub onward: Option<Split>,
 }
 
 /// Commands to a running router.
@@ -88,7 +91,7 @@ struct Batch {
     attempts: u32,
 }
 
-type CallResult = (u64, u32, Option<Split>, Result<ExecMsg, TransportError>);
+type CallResult = (Dispatch, Result<ExecMsg, TransportError>);
 
 /// Routes `requests` until the channel closes and every request is answered on `answers`.
 pub async fn run(
@@ -106,7 +109,7 @@ pub async fn run(
     let mut next_batch = 0u64;
     let mut calls: JoinSet<CallResult> = JoinSet::new();
     let mut events = mesh.peer_events();
-    let (res_tx, mut res_rx) = mpsc::unbounded_channel::<u32>();
+    let (res_tx, mut res_rx) = mpsc::unbounded_channel::<(u32, u32)>();
     let mut closed = false;
     loop {
         if !open.is_empty() && (open.len() >= cfg.max_batch || disp.queued() == 0) {
@@ -119,10 +122,10 @@ pub async fn run(
             let Some(batch) = batches.get_mut(&d.batch) else { continue };
             batch.attempts += 1;
             let texts = batch.requests.iter().map(|r| r.text.clone()).collect();
-            let msg = ExecMsg::Run { batch: d.batch, texts, split: d.split };
+            let msg = ExecMsg::Run { batch: d.batch, texts, split: d.split, onward: d.onward };
             let m = mesh.clone();
             let limit = cfg.call_timeout;
-            calls.spawn(async move { (d.batch, d.to, d.split, m.call(d.to, &msg, limit).await) });
+            calls.spawn(async move { (d, m.call(d.to, &msg, limit).await) });
         }
         if closed && open.is_empty() && batches.is_empty() {
             return stats;
@@ -137,13 +140,14 @@ pub async fn run(
                 disp.scaling(node);
                 tokio::spawn(follow(mesh.clone(), (node, cfg.dispatch.old), cfg.dispatch.layers, cfg.poll_every, cfg.call_timeout, res_tx.clone()));
             }
-            Some(r) = res_rx.recv() => {
+            Some((r, k)) = res_rx.recv() => {
                 disp.resident(r);
+                disp.after_entry(k);
                 stats.residency.push((start.elapsed().as_secs_f64(), r));
             }
             Some(j) = calls.join_next() => {
-                let Ok((b, to, split, r)) = j else { continue };
-                answer(&mesh, &mut disp, &mut batches, &mut stats, &answers, cfg.max_attempts, (b, to, split, r));
+                let Ok(call) = j else { continue };
+                answer(&mesh, &mut disp, &mut batches, &mut stats, &answers, cfg.max_attempts, call);
             }
             ev = events.recv() => match ev {
                 Ok(PeerEvent::Down { peer, .. }) => disp.down(peer),
@@ -162,7 +166,7 @@ async fn follow(
     layers: u32,
     every: Duration,
     limit: Duration,
-    tx: mpsc::UnboundedSender<u32>,
+    tx: mpsc::UnboundedSender<(u32, u32)>,
 ) {
     match mesh.call(node, &ExecMsg::PairWith { peer: old }, limit).await {
         Ok(ExecMsg::Ack) => {}
@@ -172,10 +176,10 @@ async fn follow(
     let mut last = None;
     loop {
         match mesh.call(node, &ExecMsg::Status, limit).await {
-            Ok(ExecMsg::State { resident, .. }) => {
-                if last != Some(resident) {
-                    last = Some(resident);
-                    if tx.send(resident).is_err() || resident >= layers {
+            Ok(ExecMsg::State { resident, after_entry, .. }) => {
+                if last != Some((resident, after_entry)) {
+                    last = Some((resident, after_entry));
+                    if tx.send((resident, after_entry)).is_err() || resident >= layers {
                         return;
                     }
                 }
@@ -195,25 +199,28 @@ fn answer(
     stats: &mut RouterStats,
     answers: &mpsc::UnboundedSender<Answer>,
     max_attempts: u32,
-    (b, to, split, r): CallResult,
+    (d, r): CallResult,
 ) {
-    let give_back =
-        |result: Result<Vec<Vec<f32>>, String>, batches: &mut HashMap<u64, Batch>, stats: &mut RouterStats| {
-            let Some(batch) = batches.remove(&b) else { return };
-            let now = Instant::now();
-            for (i, req) in batch.requests.into_iter().enumerate() {
-                let result = match &result {
-                    Ok(e) => e.get(i).cloned().ok_or_else(|| "the instance answered fewer embeddings".to_string()),
-                    Err(e) => Err(e.clone()),
-                };
-                if result.is_ok() {
-                    stats.served += 1;
-                } else {
-                    stats.refused += 1;
-                }
-                let _ = answers.send(Answer { id: req.id, result, arrived: req.arrived, answered: now, to, split });
+    let (b, to) = (d.batch, d.to);
+    let give_back = |result: Result<Vec<Vec<f32>>, String>,
+                     batches: &mut HashMap<u64, Batch>,
+                     stats: &mut RouterStats| {
+        let Some(batch) = batches.remove(&b) else { return };
+        let now = Instant::now();
+        for (i, req) in batch.requests.into_iter().enumerate() {
+            let result = match &result {
+                Ok(e) => e.get(i).cloned().ok_or_else(|| "the instance answered fewer embeddings".to_string()),
+                Err(e) => Err(e.clone()),
+            };
+            if result.is_ok() {
+                stats.served += 1;
+            } else {
+                stats.refused += 1;
             }
-        };
+            let (split, onward) = (d.split, d.onward);
+            let _ = answers.send(Answer { id: req.id, result, arrived: req.arrived, answered: now, to, split, onward });
+        }
+    };
     let retry = match r {
         Ok(ExecMsg::Done { embeddings, .. }) => {
             disp.done(b);
@@ -228,7 +235,7 @@ fn answer(
         Err(e) => e.to_string(),
     };
     // The instances involved that are gone take no more batches.
-    for n in std::iter::once(to).chain(split.map(|s| s.then)) {
+    for n in std::iter::once(d.to).chain(d.split.map(|s| s.then)).chain(d.onward.map(|s| s.then)) {
         if !mesh.connected_to(n) {
             disp.down(n);
         }

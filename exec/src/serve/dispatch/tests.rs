@@ -135,3 +135,61 @@ fn other_old_instances_take_whole_batches_until_they_are_down() {
     (0..4).for_each(|b| d.done(b));
     assert!(drain(&mut d).iter().all(|x| x.to == 1), "nothing more goes to a node that is down");
 }
+
+#[test]
+fn without_its_entry_stage_new_runs_the_blocks_between_two_segments_on_old() {
+    let mut d = Dispatcher::new(cfg(LivePolicy::BestEffort));
+    d.scaling(2);
+    (0..4).for_each(|b| d.arrive(b));
+    assert!(drain(&mut d).iter().all(|x| x.to == 1 && x.split.is_none()), "nothing resident: old only");
+    // Stages 1..=k: old runs the entry, new stages 1..x with at most half the 6 blocks, old the rest.
+    d.after_entry(1);
+    let out = drain(&mut d);
+    assert_eq!(out.len(), 2, "the two batches still queued");
+    let three = (1, Some(Split { layers: 1, then: 2 }), Some(Split { layers: 2, then: 1 }));
+    assert!(out.iter().all(|x| (x.to, x.split, x.onward) == three), "{out:?}");
+    for (k, x) in [(2, 3), (3, 4), (5, 4)] {
+        d.after_entry(k);
+        d.arrive(10 + u64::from(k));
+        let got = d.next_dispatch().unwrap();
+        assert_eq!(got.to, 1);
+        assert_eq!(got.split, Some(Split { layers: 1, then: 2 }));
+        assert_eq!(got.onward, Some(Split { layers: x, then: 1 }), "after_entry {k}");
+    }
+    // Every block but no entry is not the whole model: still three segments, never whole to new.
+    d.after_entry(6);
+    d.arrive(20);
+    let got = d.next_dispatch().unwrap();
+    assert_eq!((got.to, got.onward.map(|o| o.then)), (1, Some(1)));
+    // Once the entry lands the usual two segments resume.
+    d.resident(7);
+    d.arrive(21);
+    let got = d.next_dispatch().unwrap();
+    assert_eq!(got.onward, None);
+}
+
+#[test]
+fn stop_the_world_ignores_blocks_without_the_entry_stage() {
+    let mut d = Dispatcher::new(cfg(LivePolicy::StopTheWorld));
+    d.scaling(2);
+    d.after_entry(6);
+    (0..4).for_each(|b| d.arrive(b));
+    assert!(drain(&mut d).iter().all(|x| x.to == 1 && x.split.is_none()));
+}
+
+#[test]
+fn zigzag_without_the_entry_stage_plans_over_the_blocks() {
+    let mut d = Dispatcher::new(cfg(LivePolicy::Zigzag));
+    d.scaling(2);
+    (0..6).for_each(|b| d.arrive(b));
+    assert_eq!(drain(&mut d).len(), 2, "new holds nothing yet: old only");
+    d.after_entry(1);
+    let out = drain(&mut d);
+    // The paper's problem over the 6 blocks (T = 6, the 4 batches still queued), each split one
+    // stage longer for the entry stage that old runs first.
+    let want = zigzag::zigzag(&Plan::uniform(6, 6, 4)).unwrap().x;
+    let got: Vec<u32> = out.iter().map(|x| x.onward.map_or(0, |o| o.layers)).collect();
+    let shifted: Vec<u32> = want.iter().map(|&x| if x > 0 { x + 1 } else { 0 }).collect();
+    assert_eq!(got, shifted);
+    assert!(want.iter().any(|&x| x > 0), "the plan gives new some blocks: {want:?}");
+}
