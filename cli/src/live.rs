@@ -61,11 +61,14 @@ pub(crate) struct LiveArgs {
     #[arg(long, default_value_t = 8)]
     max_batch: usize,
     /// Cooperative batches outstanding at most (the pair's activation slots in use): enough to
-    /// keep the old instance busy while activations and replies cross the link (a hand-over
-    /// held its slot 0.25–0.5 s on 100 Mbit/s links carrying the multicast, against about 60 ms
-    /// of the old instance's share of a batch), few enough that little work is committed to it
-    /// when the load completes.
-    #[arg(long, default_value_t = 8)]
+    /// keep the old instance busy while activations and replies cross the links, few enough
+    /// that little work is committed to it when the load completes. A batch in three segments
+    /// (the entry stage on old, see `cascade_exec::serve::dispatch`) crosses two hand-overs and
+    /// holds its place 0.3–0.5 s, against about 30 ms of old's share of it (the entry stage and
+    /// half the blocks): about 16. With 8, old idled and the pair served 175–199 req/s of a
+    /// 216 req/s burst during the load (three rounds); with 16, zigzag's burst p99 fell from
+    /// 1.53–2.16 s to 1.23–1.85 s.
+    #[arg(long, default_value_t = 16)]
     max_coop: usize,
     /// Where the scale-out's copy comes from: `pool`, a fourth node holding the parameter pool's
     /// host copy (it serves nothing), or `old`, the serving instance itself — whose link then

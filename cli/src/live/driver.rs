@@ -44,7 +44,9 @@ pub(crate) struct PolicyRun {
     /// Multicast transfer time of the copy (seconds).
     pub(crate) transfer_s: f64,
     /// Per request: [arrived, answered] (seconds from the burst's start), the node its batch
-    /// went to, the layers run there when split (0 = whole), cosine to the reference.
+    /// went to, the layers run there when split (0 = whole), cosine to the reference. A batch
+    /// whose entry stage ran on old before new (three segments) counts as gone to new with its
+    /// stages up to the last one new ran.
     pub(crate) requests: Vec<(f64, f64, u32, u32, f64)>,
     /// Requests never answered with an embedding.
     pub(crate) lost: u64,
@@ -78,7 +80,7 @@ async fn batch_seconds(mesh: &Arc<dyn Mesh>, texts: &[String]) -> anyhow::Result
     let mut times = Vec::new();
     for i in 0..14u64 {
         let t0 = Instant::now();
-        let msg = ExecMsg::Run { batch: i, texts: texts.to_vec(), split: None };
+        let msg = ExecMsg::Run { batch: i, texts: texts.to_vec(), split: None, onward: None };
         match mesh.call(OLD, &msg, Duration::from_secs(60)).await? {
             ExecMsg::Done { .. } => {}
             other => bail!("calibration batch: {other:?}"),
@@ -190,7 +192,13 @@ pub(crate) async fn drive(a: &LiveArgs, cluster: &Path, policy: LivePolicy, roun
             mismatched += 1;
         }
         let at = |i: Instant| i.duration_since(start).as_secs_f64();
-        requests.push((at(ans.arrived), at(ans.answered), ans.to, ans.split.map_or(0, |s| s.layers), c));
+        // A three-segment batch (the entry stage on old) counts as sent to new with its stages
+        // up to `onward.layers` there.
+        let (node, on_first) = match (ans.split, ans.onward) {
+            (Some(s), Some(o)) => (s.then, o.layers),
+            (s, _) => (ans.to, s.map_or(0, |s| s.layers)),
+        };
+        requests.push((at(ans.arrived), at(ans.answered), node, on_first, c));
     }
     requests.sort_by(|x, y| x.0.total_cmp(&y.0));
     let run = PolicyRun {
