@@ -199,19 +199,15 @@ impl Manifest {
                 name: tname,
             });
         }
-        let mut layers = Vec::new();
-        let mut at = 0u64;
-        for (kind, mut tensors) in by_layer {
-            tensors.sort_by(|x, y| x.name.cmp(&y.name));
-            let start = at;
-            for t in &mut tensors {
-                t.offset = at;
-                at += t.file_range.end - t.file_range.start;
-            }
-            if at > start {
-                layers.push(LayerEntry { kind, range: start..at, tensors });
-            }
-        }
+        let mut layers: Vec<LayerEntry> = by_layer
+            .into_iter()
+            .filter(|(_, t)| t.iter().any(|t| t.file_range.end > t.file_range.start))
+            .map(|(kind, mut tensors)| {
+                tensors.sort_by(|x, y| x.name.cmp(&y.name));
+                LayerEntry { kind, range: 0..0, tensors }
+            })
+            .collect();
+        let at = lay_out(&mut layers);
         if at == 0 {
             return Err(ManifestError::Empty { path: path.to_string() });
         }
@@ -262,15 +258,7 @@ impl Manifest {
             self.layers.iter().cloned().partition(|l| l.kind == LayerKind::Embeddings);
         let mut m =
             Manifest { layers: rest.into_iter().chain(entry).collect(), chunk_crcs: Vec::new(), ..self.clone() };
-        let mut at = 0u64;
-        for l in &mut m.layers {
-            let start = at;
-            for t in &mut l.tensors {
-                t.offset = at;
-                at += t.file_range.end - t.file_range.start;
-            }
-            l.range = start..at;
-        }
+        lay_out(&mut m.layers);
         m.chunk_crcs = m.packed_chunk_crcs(file);
         m
     }
@@ -299,6 +287,21 @@ impl Manifest {
     pub fn blocks(&self) -> usize {
         self.layers.iter().filter(|l| matches!(l.kind, LayerKind::Block(_))).count()
     }
+}
+
+/// Places `layers`' tensors one after another in their order (each layer's range, each tensor's
+/// offset); returns the packed image's size.
+fn lay_out(layers: &mut [LayerEntry]) -> u64 {
+    let mut at = 0u64;
+    for l in layers {
+        let start = at;
+        for t in &mut l.tensors {
+            t.offset = at;
+            at += t.file_range.end - t.file_range.start;
+        }
+        l.range = start..at;
+    }
+    at
 }
 
 /// Lower-case hex of `b`.

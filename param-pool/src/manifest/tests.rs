@@ -35,21 +35,28 @@ fn groups_llama_names_into_embeddings_blocks_head() {
     assert_eq!(m.layers.last().unwrap().tensors.len(), 2, "final norm and lm_head");
 }
 
+/// Checks that `m`'s layers tile its packed image and its chunk crcs are those of a packed copy
+/// of `file`; returns the copy.
+fn packed_checked(m: &Manifest, file: &[u8]) -> Vec<u8> {
+    let mut at = 0;
+    for l in &m.layers {
+        assert_eq!(l.range.start, at);
+        at = l.range.end;
+    }
+    assert_eq!(at, m.bytes);
+    let mut packed = vec![0u8; m.bytes as usize];
+    m.pack(file, &mut packed);
+    let want: Vec<u32> = packed.chunks(m.chunk.min(m.bytes) as usize).map(crc32fast::hash).collect();
+    assert_eq!(m.chunk_crcs, want, "chunk {}", m.chunk);
+    packed
+}
+
 #[test]
 fn layers_tile_the_packed_image_and_crcs_match_a_packed_copy() {
     let file = llama_like(3);
     for chunk in [1, 7, 64, 4096, 1 << 30] {
         let m = Manifest::from_bytes(&file, "t", chunk, "mem").unwrap();
-        let mut at = 0;
-        for l in &m.layers {
-            assert_eq!(l.range.start, at);
-            at = l.range.end;
-        }
-        assert_eq!(at, m.bytes);
-        let mut packed = vec![0u8; m.bytes as usize];
-        m.pack(&file, &mut packed);
-        let want: Vec<u32> = packed.chunks(chunk.min(m.bytes) as usize).map(crc32fast::hash).collect();
-        assert_eq!(m.chunk_crcs, want, "chunk {chunk}");
+        packed_checked(&m, &file);
         // The multicast layout accepts it.
         let l = m.layout();
         assert!(cascade_multicast::Layout::new(l.bytes, l.chunk, l.crcs.clone(), l.layers.clone()).is_ok());
@@ -67,16 +74,7 @@ fn embeddings_last_repacks_the_same_tensors_with_matching_crcs() {
             [LayerKind::Block(0), LayerKind::Block(1), LayerKind::Block(2), LayerKind::Head, LayerKind::Embeddings];
         assert_eq!(kinds, want);
         assert_eq!((r.bytes, &r.content_hash), (m.bytes, &m.content_hash));
-        let mut at = 0;
-        for l in &r.layers {
-            assert_eq!(l.range.start, at);
-            at = l.range.end;
-        }
-        assert_eq!(at, r.bytes);
-        let mut packed = vec![0u8; r.bytes as usize];
-        r.pack(&file, &mut packed);
-        let want: Vec<u32> = packed.chunks(chunk as usize).map(crc32fast::hash).collect();
-        assert_eq!(r.chunk_crcs, want, "chunk {chunk}");
+        let packed = packed_checked(&r, &file);
         // Every tensor keeps its bytes: the embedding table now sits at the end of the image.
         let emb = &r.layers.last().unwrap().tensors[0];
         assert_eq!(emb.name, "model.embed_tokens.weight");
