@@ -23,8 +23,9 @@
 //! a split batch crosses three segments: old runs the entry stage (stage 0, ahead of its queue),
 //! new runs stages `1..x`, old the rest. The split `x` is chosen as above, counting the entry
 //! stage as resident (old runs it) and the half as half the blocks (`x ≤ 1 + ⌊(L − 1)/2⌋`);
-//! `x ≤ 1` leaves new nothing, and the batch goes to old whole. Zigzag then plans the paper's problem over the blocks (`L − 1` layers, the first block
-//! resident when cooperation begins) and adds the entry stage to each split.
+//! `x ≤ 1` leaves new nothing, and the batch goes to old whole. Zigzag then plans the paper's
+//! problem over the blocks (`L − 1` layers, the first block resident when cooperation begins)
+//! and adds the entry stage to each split.
 //!
 //! At most `max_coop` cooperative batches are outstanding (the activation slots of the pair).
 //! A batch whose instance fails goes back to its place in the queue: nothing is lost, and since
@@ -309,14 +310,14 @@ impl Dispatcher {
 
     /// Zigzag: plans the batches queued now.
     fn plan(&mut self) {
-        if self.cfg.policy != LivePolicy::Zigzag || self.queue.is_empty() || self.cfg.layers < 3 {
-            return;
-        }
-        let weights = self.queue.iter().map(|b| self.weights.get(b).copied().unwrap_or(1.0)).collect();
         // With the entry stage on old the problem is the paper's over the blocks: the first block
         // is resident now, the next lands T later, and a batch's split counts the entry stage too.
         let entry_on_old = self.resident == 0;
-        let layers = if entry_on_old { self.cfg.layers - 1 } else { self.cfg.layers };
+        let layers = if entry_on_old { self.cfg.layers.saturating_sub(1) } else { self.cfg.layers };
+        if self.cfg.policy != LivePolicy::Zigzag || self.queue.is_empty() || layers < 2 {
+            return;
+        }
+        let weights = self.queue.iter().map(|b| self.weights.get(b).copied().unwrap_or(1.0)).collect();
         let inst = Plan { layers, load_ratio: self.cfg.load_ratio.max(1), weights };
         match zigzag::zigzag(&inst) {
             Ok(s) => {
