@@ -55,12 +55,12 @@ impl<T: Send + 'static, M: Staged> Compute<T, M> {
         let layers = model.layers();
         let resident = Arc::new(AtomicU32::new(0));
         let after_entry = Arc::new(AtomicU32::new(0));
-        let counts = (resident.clone(), after_entry.clone());
+        let (r2, k2) = (resident.clone(), after_entry.clone());
         std::thread::Builder::new().name(name).spawn(move || {
             if let Some(c) = core {
                 pin(c);
             }
-            run(model, &manifest, &rx, &done, (&counts.0, &counts.1))
+            run(model, &manifest, &rx, &done, (&r2, &k2))
         })?;
         Ok(Compute { tx, resident, after_entry, layers })
     }
@@ -103,8 +103,8 @@ fn run<T, M: Staged>(
 ) {
     let mut jobs: Vec<Pending<T>> = Vec::new();
     let publish = |m: &M| {
-        let n = (0..m.layers()).take_while(|&s| m.is_loaded(s)).count();
         let k = (1..m.layers()).take_while(|&s| m.is_loaded(s)).count();
+        let n = if m.is_loaded(0) { 1 + k } else { 0 };
         after_entry.store(k as u32, Ordering::Release);
         resident.store(n as u32, Ordering::Release);
     };

@@ -201,7 +201,7 @@ fn answer(
     max_attempts: u32,
     (d, r): CallResult,
 ) {
-    let (b, to) = (d.batch, d.to);
+    let Dispatch { batch: b, to, split, onward } = d;
     let give_back = |result: Result<Vec<Vec<f32>>, String>,
                      batches: &mut HashMap<u64, Batch>,
                      stats: &mut RouterStats| {
@@ -217,7 +217,6 @@ fn answer(
             } else {
                 stats.refused += 1;
             }
-            let (split, onward) = (d.split, d.onward);
             let _ = answers.send(Answer { id: req.id, result, arrived: req.arrived, answered: now, to, split, onward });
         }
     };
@@ -235,7 +234,7 @@ fn answer(
         Err(e) => e.to_string(),
     };
     // The instances involved that are gone take no more batches.
-    for n in std::iter::once(d.to).chain(d.split.map(|s| s.then)).chain(d.onward.map(|s| s.then)) {
+    for n in std::iter::once(to).chain(split.map(|s| s.then)).chain(onward.map(|s| s.then)) {
         if !mesh.connected_to(n) {
             disp.down(n);
         }
