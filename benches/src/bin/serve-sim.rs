@@ -123,6 +123,13 @@ fn table(c: &Cli, trace: &[TraceRequest], outs: &[SimOutcome]) {
             r.load_s_mean
         );
     }
+    if let Some(o) = outs.first() {
+        println!(
+            "TTFT floor: p99 of each prompt's own prefill, alone on an idle instance, {:.0} ms \
+             (no system's TTFT p99 is below it without cooperative execution)",
+            o.report.ttft_floor_p99_ms
+        );
+    }
 }
 
 const COLORS: [RGBColor; 4] =

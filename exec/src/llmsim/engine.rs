@@ -644,6 +644,10 @@ impl<'a> Sim<'a> {
         let hosts_gb = self.cfg.profile.param_bytes as f64 / 1e9;
         let dur = self.now.max(1.0);
         let copies = self.cache_copy_ms / dur;
+        let mut floor = Histogram::default();
+        for r in &self.reqs {
+            floor.push(self.cfg.profile.prefill_ms(r.t.prompt_tokens));
+        }
         let r = SimReport {
             system: self.cfg.system,
             model: self.cfg.profile.name.to_string(),
@@ -651,6 +655,7 @@ impl<'a> Sim<'a> {
             ttft_p50_ms: self.ttft.quantile(0.5),
             ttft_p99_ms: self.ttft.quantile(0.99),
             ttft_mean_ms: self.ttft.mean(),
+            ttft_floor_p99_ms: floor.quantile(0.99),
             tbt_p50_ms: self.tbt.quantile(0.5),
             tbt_p99_ms: self.tbt.quantile(0.99),
             tbt_mean_ms: self.tbt.mean(),

@@ -91,6 +91,11 @@ pub struct SimReport {
     pub ttft_p99_ms: f64,
     /// Time to first token, mean, ms.
     pub ttft_mean_ms: f64,
+    /// The 99th percentile of each request's own prefill time, alone on an idle instance: no
+    /// queueing, no batch shared with others, no cooperative speed-up. Without cooperative
+    /// execution no system's TTFT p99 is below it (a request's TTFT is at least its own prefill);
+    /// cooperation can at most halve a prefill while its partner loads.
+    pub ttft_floor_p99_ms: f64,
     /// Time between tokens (every gap after the first token), median, ms.
     pub tbt_p50_ms: f64,
     /// Time between tokens, 99th percentile, ms.

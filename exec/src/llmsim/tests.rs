@@ -38,6 +38,25 @@ fn every_request_is_served_and_runs_are_deterministic() {
 }
 
 #[test]
+fn the_ttft_floor_is_each_prompts_own_prefill() {
+    // Prompts of 256..7,256 tokens, lightly loaded: the floor is the p99 of prefill_ms(prompt).
+    let p = Profile::llama2_7b();
+    let trace: Vec<TraceRequest> = (0..400u64)
+        .map(|i| TraceRequest { at_ms: i as f64 * 200.0, prompt_tokens: 256 + (i * 7_919) % 7_001, output_tokens: 4 })
+        .collect();
+    let mut own: Vec<f64> = trace.iter().map(|r| p.prefill_ms(r.prompt_tokens)).collect();
+    own.sort_by(f64::total_cmp);
+    let want = own[(0.99 * own.len() as f64).ceil() as usize - 1];
+    for s in System::ALL {
+        let r = run(s, &trace, |_| {});
+        assert!((r.ttft_floor_p99_ms - want).abs() < 1e-9, "{s:?}: {} vs {want}", r.ttft_floor_p99_ms);
+        // Cooperation (blitz) can at most halve a prefill; without it nothing beats the floor.
+        let least = if s == System::Blitz { 0.5 * want } else { want };
+        assert!(r.ttft_p99_ms >= least - 1e-9, "{s:?}: p99 {} below the floor {want}", r.ttft_p99_ms);
+    }
+}
+
+#[test]
 fn host_cache_use_follows_each_systems_rule() {
     let trace = burst(&Profile::llama2_7b(), 6.0);
     assert!((run(System::Blitz, &trace, |_| {}).host_cache_copies_avg - 1.0).abs() < 1e-9);
