@@ -44,11 +44,16 @@ pub enum System {
     Allcache,
     /// Blitz's network loading, stop-the-world.
     Stop,
+    /// A bound, not a system: every load takes no time and an instance needs no start-up, under
+    /// the same load monitor — what an infinitely fast data plane would give. The gap between a
+    /// system and it is what loading costs that system; what is left is the monitor's and the
+    /// cluster's.
+    Instant,
 }
 
 impl System {
     /// Every system, in report order.
-    pub const ALL: [System; 4] = [System::Blitz, System::Sllm, System::Allcache, System::Stop];
+    pub const ALL: [System; 5] = [System::Blitz, System::Sllm, System::Allcache, System::Stop, System::Instant];
 
     /// Its name on the command line.
     pub fn name(self) -> &'static str {
@@ -57,6 +62,7 @@ impl System {
             System::Sllm => "sllm",
             System::Allcache => "allcache",
             System::Stop => "stop",
+            System::Instant => "instant",
         }
     }
 }
@@ -67,7 +73,7 @@ impl std::str::FromStr for System {
         System::ALL
             .into_iter()
             .find(|x| x.name() == s)
-            .ok_or_else(|| format!("unknown system {s:?} (blitz, sllm, allcache, stop)"))
+            .ok_or_else(|| format!("unknown system {s:?} (blitz, sllm, allcache, stop, instant)"))
     }
 }
 

@@ -5,7 +5,7 @@
 //!
 //! `serve-sim --trace sched/data/AzureLLMInferenceTrace_code.csv --system blitz --json`
 //!
-//! `--system all` runs the four systems on the same trace and prints a table; `--png` writes the
+//! `--system all` runs the four systems and the `instant` bound (zero-time loads) on the same trace and prints a table; `--png` writes the
 //! TTFT and TBT CDFs, `--timeline-png` a 1→16-instance scale-out (Figure 18's shape).
 
 use std::path::PathBuf;
@@ -21,7 +21,7 @@ struct Cli {
     /// The trace: TIMESTAMP,ContextTokens,GeneratedTokens (the Azure LLM inference 2023 format).
     #[arg(long, default_value = "sched/data/AzureLLMInferenceTrace_code.csv")]
     trace: PathBuf,
-    /// blitz, sllm, allcache, stop, or all.
+    /// blitz, sllm, allcache, stop, instant (a bound: loads take no time), or all.
     #[arg(long, default_value = "all")]
     system: String,
     /// llama2-7b or llama2-70b.
@@ -132,8 +132,13 @@ fn table(c: &Cli, trace: &[TraceRequest], outs: &[SimOutcome]) {
     }
 }
 
-const COLORS: [RGBColor; 4] =
-    [RGBColor(200, 40, 40), RGBColor(40, 90, 200), RGBColor(40, 150, 60), RGBColor(150, 100, 30)];
+const COLORS: [RGBColor; 5] = [
+    RGBColor(200, 40, 40),
+    RGBColor(40, 90, 200),
+    RGBColor(40, 150, 60),
+    RGBColor(150, 100, 30),
+    RGBColor(120, 120, 120),
+];
 
 fn cdf_plot(path: &PathBuf, c: &Cli, outs: &mut [SimOutcome]) -> anyhow::Result<()> {
     let root = BitMapBackend::new(path, (1200, 500)).into_drawing_area();

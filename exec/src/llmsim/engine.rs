@@ -219,7 +219,7 @@ impl<'a> Sim<'a> {
         match self.cfg.system {
             System::Allcache => true,
             System::Sllm => self.cache[h].is_some_and(|(ready, _)| ready <= self.now) && self.cache_kept(h),
-            System::Blitz | System::Stop => h == POOL_HOST,
+            System::Blitz | System::Stop | System::Instant => h == POOL_HOST,
         }
     }
 
@@ -520,7 +520,7 @@ impl<'a> Sim<'a> {
                     hosts.push(POOL_HOST);
                 }
             }
-            System::Allcache => hosts.clear(),
+            System::Allcache | System::Instant => hosts.clear(),
         }
         hosts
     }
@@ -554,10 +554,12 @@ impl<'a> Sim<'a> {
                 }
             }
             System::Blitz | System::Stop => done = self.multicast(new, shard_bits / 8.0),
+            System::Instant => done = vec![0.0; new.len()],
         }
+        let startup_ms = if self.cfg.system == System::Instant { 0.0 } else { hw.startup_ms };
         for (&k, d) in new.iter().zip(done) {
-            let until = now + hw.startup_ms + d;
-            self.insts[k].phase = Phase::Loading { from: now + hw.startup_ms, until };
+            let until = now + startup_ms + d;
+            self.insts[k].phase = Phase::Loading { from: now + startup_ms, until };
             self.load_ms.push(until - now);
             self.scale_events += 1;
             if self.cfg.system == System::Blitz && self.insts[k].role == Role::Prefill {

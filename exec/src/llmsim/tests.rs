@@ -57,6 +57,18 @@ fn the_ttft_floor_is_each_prompts_own_prefill() {
 }
 
 #[test]
+fn the_instant_bound_loads_in_no_time_and_beats_stop_the_world_loading() {
+    let trace = burst(&Profile::llama2_7b(), 6.0);
+    let instant = run(System::Instant, &trace, |_| {});
+    let stop = run(System::Stop, &trace, |_| {});
+    assert_eq!(instant.load_s_mean, 0.0);
+    assert!(instant.scale_events > 0);
+    assert!(stop.load_s_mean > 0.0);
+    assert!(instant.ttft_p99_ms < stop.ttft_p99_ms, "{} vs {}", instant.ttft_p99_ms, stop.ttft_p99_ms);
+    assert!(instant.ttft_mean_ms <= stop.ttft_mean_ms, "{} vs {}", instant.ttft_mean_ms, stop.ttft_mean_ms);
+}
+
+#[test]
 fn host_cache_use_follows_each_systems_rule() {
     let trace = burst(&Profile::llama2_7b(), 6.0);
     assert!((run(System::Blitz, &trace, |_| {}).host_cache_copies_avg - 1.0).abs() < 1e-9);
