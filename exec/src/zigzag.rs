@@ -17,13 +17,6 @@
 //! * C2: `Σ_{j≤i} x_j ≤ S_i` (new has done all its work for batches `0..=i` by then);
 //! * C3: `x_i ≥ 1 ⇒ T·(x_i − 1) + 1 ≤ S_i` (its last layer was resident and run by then).
 //!
-//! **Starting later** (re-planning as layers land; not in the paper, which plans once at `t = 0`):
-//! a [`Start`] generalises `t = 0` to any moment of a load: `r` layers resident, the next landing
-//! in `τ` (then one every `T`), old busy for `B_old` with work it already has and new for
-//! `B_new`. Layer `k` is then resident from `a(k) = 0` for `k ≤ r`, else `τ + (k − r − 1)·T`;
-//! `S_i = B_old + Σ_{j<i} (L − x_j)`; C2 reads `B_new + Σ_{j≤i} x_j ≤ S_i` and C3
-//! `x_i ≥ 1 ⇒ a(x_i) + 1 ≤ S_i`. The paper's case is `r = 1, τ = T, B_old = B_new = 0`.
-//!
 //! Minimise `Σ w_i · latency_i` (`w_i = 1` unless batches carry weights, e.g. prefill tokens).
 //! Every `x_i < L` (a batch always ends on old). [`zigzag`] solves this exactly by dynamic
 //! programming over `(i, Σ_{j<i} x_j)`: the latency of batch `i` and both constraints depend only
@@ -46,47 +39,12 @@ pub struct Instance {
     pub load_ratio: u32,
     /// Weight of each queued batch (its length is the number of batches `N`).
     pub weights: Vec<f64>,
-    /// Where the plan starts ([`Start::default`]: the paper's `t = 0`).
-    pub start: Start,
 }
-
-/// The moment a plan starts from (see the module docs), in units of one layer's execution.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Start {
-    /// Layers resident on new, `r ≥ 1`.
-    pub resident: u32,
-    /// When the next layer lands (`τ`); `None`: one load time `T` from now.
-    pub next_in: Option<u64>,
-    /// Work old has before the planned batches (`B_old`).
-    pub old_busy: u64,
-    /// Work new has before the planned batches (`B_new`).
-    pub new_busy: u64,
-}
-
-impl Default for Start {
-    /// The paper's `t = 0`: layer 1 just resident, both instances idle.
-    fn default() -> Start {
-        Start { resident: 1, next_in: None, old_busy: 0, new_busy: 0 }
-    }
-}
-
-/// Largest start offset (`τ`, `B_old`, `B_new`) a plan takes.
-pub const MAX_OFFSET: u64 = 1 << 32;
 
 impl Instance {
-    /// `batches` batches of weight 1, from the paper's `t = 0`.
+    /// `batches` batches of weight 1.
     pub fn uniform(layers: u32, load_ratio: u32, batches: usize) -> Instance {
-        Instance { layers, load_ratio, weights: vec![1.0; batches], start: Start::default() }
-    }
-
-    /// When layer `k` (1-based) is resident on new.
-    fn avail(&self, k: u64) -> u64 {
-        let r = u64::from(self.start.resident);
-        if k <= r {
-            return 0;
-        }
-        let t = u64::from(self.load_ratio);
-        self.start.next_in.unwrap_or(t) + (k - r - 1) * t
+        Instance { layers, load_ratio, weights: vec![1.0; batches] }
     }
 
     /// Number of batches.
@@ -109,13 +67,6 @@ impl Instance {
         }
         if let Some(w) = self.weights.iter().find(|w| !w.is_finite() || **w < 0.0) {
             return Err(ZigzagError::Invalid(format!("weight {w}: weights are finite and ≥ 0")));
-        }
-        let st = &self.start;
-        if st.resident == 0 {
-            return Err(ZigzagError::Invalid("a plan starts with at least one layer resident".into()));
-        }
-        if st.next_in.unwrap_or(0).max(st.old_busy).max(st.new_busy) > MAX_OFFSET {
-            return Err(ZigzagError::Invalid(format!("start offsets are at most {MAX_OFFSET}")));
         }
         Ok(())
     }
@@ -209,8 +160,7 @@ pub fn plan(inst: &Instance, policy: Policy) -> Result<Schedule, ZigzagError> {
 /// `(batch, layers given to new so far)`.
 pub fn zigzag(inst: &Instance) -> Result<Schedule, ZigzagError> {
     inst.check()?;
-    let (n, l) = (inst.batches(), u64::from(inst.layers));
-    let (old_busy, new_busy) = (inst.start.old_busy, inst.start.new_busy);
+    let (n, l, t) = (inst.batches(), u64::from(inst.layers), u64::from(inst.load_ratio));
     if n == 0 {
         return Ok(Schedule { x: vec![], latencies: vec![] });
     }
@@ -227,14 +177,14 @@ pub fn zigzag(inst: &Instance) -> Result<Schedule, ZigzagError> {
             if big_x > before {
                 break;
             }
-            let start = old_busy + before - big_x; // S_i
+            let start = before - big_x; // S_i
             let mut best = (f64::INFINITY, 0u32);
             for x in 0..l {
-                if new_busy + big_x + x > start {
+                if big_x + x > start {
                     break; // C2, and larger x only worse
                 }
-                if x >= 1 && inst.avail(x) + 1 > start {
-                    break; // C3 (a(x) grows with x)
+                if x >= 1 && t * (x - 1) + 1 > start {
+                    break; // C3
                 }
                 let latency = (start + l - x) as f64;
                 let c = inst.weights[i] * latency + next[(big_x + x) as usize];
@@ -258,12 +208,11 @@ pub fn zigzag(inst: &Instance) -> Result<Schedule, ZigzagError> {
     Ok(Schedule { x, latencies })
 }
 
-/// The paper's best-effort baseline for batches queued at the start: every split is
-/// `min(r, ⌊L/2⌋)` (`r` layers resident then; 1 at the paper's `t = 0`), latencies from the event
-/// simulation.
+/// The paper's best-effort baseline for batches queued at `t = 0`: every split is `min(1, ⌊L/2⌋)`
+/// (one layer resident then), latencies from the event simulation.
 pub fn best_effort(inst: &Instance) -> Result<Schedule, ZigzagError> {
     inst.check()?;
-    let x = vec![inst.start.resident.min(inst.layers / 2); inst.batches()];
+    let x = vec![1.min(inst.layers / 2); inst.batches()];
     let latencies = simulate(inst, &x)?;
     Ok(Schedule { x, latencies })
 }
@@ -271,7 +220,7 @@ pub fn best_effort(inst: &Instance) -> Result<Schedule, ZigzagError> {
 /// Latencies under the model's formula (`S_i + L − x_i`), for a split that meets C2 and C3.
 fn model_latencies(inst: &Instance, x: &[u32]) -> Vec<u64> {
     let l = u64::from(inst.layers);
-    let mut start = inst.start.old_busy;
+    let mut start = 0u64;
     x.iter()
         .map(|&xi| {
             let done = start + l - u64::from(xi);
@@ -283,11 +232,10 @@ fn model_latencies(inst: &Instance, x: &[u32]) -> Vec<u64> {
 
 /// The exact event simulation of a split: new runs one resident layer at a time for the lowest
 /// batch that has one to run; old runs batches FIFO, each once new finished its part and old is
-/// free. Returns each batch's latency. A batch with `x_i = L` finishes on new. New starts after
-/// `B_new`, old after `B_old` (the [`Start`]).
+/// free. Returns each batch's latency. A batch with `x_i = L` finishes on new.
 pub fn simulate(inst: &Instance, x: &[u32]) -> Result<Vec<u64>, ZigzagError> {
     inst.check()?;
-    let l = inst.layers;
+    let (l, t) = (inst.layers, u64::from(inst.load_ratio));
     if x.len() != inst.batches() {
         let why = format!("{} splits for {} batches", x.len(), inst.batches());
         return Err(ZigzagError::BadSplit { x: x.to_vec(), why });
@@ -299,11 +247,10 @@ pub fn simulate(inst: &Instance, x: &[u32]) -> Result<Vec<u64>, ZigzagError> {
     let mut done = vec![0u32; x.len()];
     let mut new_finish: Vec<u64> = x.iter().map(|_| 0).collect();
     let mut left: u64 = x.iter().map(|&v| u64::from(v)).sum();
-    let mut now = inst.start.new_busy;
-    let next = |d: u32| inst.avail(u64::from(d) + 1);
+    let mut now = 0u64;
     while left > 0 {
-        // The next layer of batch i is layer done[i] + 1.
-        let pick = (0..x.len()).find(|&i| done[i] < x[i] && next(done[i]) <= now);
+        // Layer k+1 (0-based k = done[i]) is resident from k·T.
+        let pick = (0..x.len()).find(|&i| done[i] < x[i] && u64::from(done[i]) * t <= now);
         match pick {
             Some(i) => {
                 done[i] += 1;
@@ -315,12 +262,12 @@ pub fn simulate(inst: &Instance, x: &[u32]) -> Result<Vec<u64>, ZigzagError> {
             }
             None => {
                 // Idle until the next layer someone needs lands.
-                now = (0..x.len()).filter(|&i| done[i] < x[i]).map(|i| next(done[i])).min().unwrap_or(now);
+                now = (0..x.len()).filter(|&i| done[i] < x[i]).map(|i| u64::from(done[i]) * t).min().unwrap_or(now);
             }
         }
     }
     // Old: FIFO, back to back where new allows.
-    let mut free = inst.start.old_busy;
+    let mut free = 0u64;
     Ok(x.iter()
         .zip(&new_finish)
         .map(|(&xi, &ready)| {

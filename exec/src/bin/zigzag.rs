@@ -46,7 +46,7 @@ fn main() {
             std::process::exit(2);
         }
     };
-    let inst = Instance { weights, ..Instance::uniform(c.layers, c.load_ratio, 0) };
+    let inst = Instance { layers: c.layers, load_ratio: c.load_ratio, weights };
     let t = Instant::now();
     let s = match plan(&inst, c.policy) {
         Ok(s) => s,

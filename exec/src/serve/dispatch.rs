@@ -9,18 +9,10 @@
 //!    * **stop-the-world** — no cooperation: the new instance serves only once fully loaded;
 //!    * **best-effort** — `x` is fixed when the batch is dispatched: the layers resident then, at
 //!      most `⌊L/2⌋` (the paper's Figure 12(a));
-//!    * **zigzag** — at every cooperative dispatch the batches queued then (the first
-//!      [`PLAN_HORIZON`]) are planned together by [`crate::zigzag::zigzag`] from the moment at
-//!      hand, and the front batch takes its split. *Departure:* the paper plans once, for the
-//!      `N` batches queued at `t = 0`, and does not say how later arrivals are split; re-planning
-//!      (a receding horizon) covers them and the layers that landed since. The plan's
-//!      [`Start`](crate::zigzag::Start): the layers resident now; old's and new's work as their
-//!      outstanding batches' stages, counted as not yet begun (the dispatcher has no clock, so
-//!      this over-counts by at most the batch each is running); the next layer a full `T` away
-//!      (it may land sooner: the plan never counts on a layer earlier than it can arrive). With
-//!      nothing outstanding and one layer resident this is the paper's problem, and re-planning
-//!      after each dispatch gives the rest of the first plan (its tail is optimal for what is
-//!      left).
+//!    * **zigzag** — when step 2 begins, the batches queued then are planned together by
+//!      [`crate::zigzag::zigzag`] (the paper's setting: `N` batches queued at `t = 0`).
+//!      *Departure:* the paper does not say how batches arriving later are split; here they are
+//!      split best-effort at dispatch.
 //! 3. Once new holds every layer, batches go whole to whichever instance has fewer outstanding.
 //!
 //! **The entry stage on old** (a departure, for copies packed with their embeddings last, see
@@ -41,7 +33,7 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use crate::zigzag::{self, Instance as Plan, Start};
+use crate::zigzag::{self, Instance as Plan};
 
 use super::proto::Split;
 
@@ -53,7 +45,8 @@ pub enum LivePolicy {
     StopTheWorld,
     /// Each batch's split fixed at dispatch: the resident layers, at most half.
     BestEffort,
-    /// The queued batches planned together at each dispatch (zigzag, re-planned as layers land).
+    /// The batches queued when cooperation begins planned together (zigzag), later ones
+    /// best-effort.
     Zigzag,
 }
 
@@ -117,20 +110,6 @@ pub struct DispatchConfig {
     pub load_ratio: u32,
 }
 
-/// Queued batches a zigzag plan looks at (its cost grows with the square of the count).
-pub const PLAN_HORIZON: usize = 64;
-
-/// A batch sent and not answered: where, whether it cooperates, and the stages it gives the
-/// new instance and the old one (`entry_on_old`: whether old's include the entry stage).
-#[derive(Debug, Clone, Copy)]
-struct Sent {
-    to: u32,
-    coop: bool,
-    on_new: u32,
-    on_old: u32,
-    entry_on_old: bool,
-}
-
 #[derive(Debug, Default)]
 struct Load {
     whole: usize,
@@ -146,10 +125,11 @@ pub struct Dispatcher {
     new: Option<u32>,
     resident: u32,
     after_entry: u32,
+    planned: HashMap<u64, u32>,
     weights: HashMap<u64, f64>,
     cooperating: bool,
     load: HashMap<u32, Load>,
-    outstanding: HashMap<u64, Sent>,
+    outstanding: HashMap<u64, (u32, bool)>,
 }
 
 impl Dispatcher {
@@ -163,6 +143,7 @@ impl Dispatcher {
             new: None,
             resident: 0,
             after_entry: 0,
+            planned: HashMap::new(),
             weights: HashMap::new(),
             cooperating: false,
             load,
@@ -247,7 +228,7 @@ impl Dispatcher {
     }
 
     fn release(&mut self, batch: u64) -> bool {
-        let Some(Sent { to, coop, .. }) = self.outstanding.remove(&batch) else { return false };
+        let Some((to, coop)) = self.outstanding.remove(&batch) else { return false };
         self.weights.remove(&batch);
         if let Some(l) = self.load.get_mut(&to) {
             if coop {
@@ -272,7 +253,10 @@ impl Dispatcher {
         let d = match new {
             Some(_) if self.resident >= l => self.whole(batch, &self.plain())?,
             Some(n) if self.usable() >= 1 && self.alive(old) && self.cfg.policy != LivePolicy::StopTheWorld => {
-                self.cooperating = true;
+                if !self.cooperating {
+                    self.cooperating = true;
+                    self.plan();
+                }
                 let coop: usize = self.load.values().map(|l| l.coop).sum();
                 if coop >= self.cfg.max_coop {
                     return None;
@@ -281,8 +265,7 @@ impl Dispatcher {
                 let entry_on_old = self.resident == 0;
                 // At most half the layers on new: with the entry stage on old, half the blocks.
                 let half = if entry_on_old { 1 + (l - 1) / 2 } else { l / 2 };
-                let planned = if self.cfg.policy == LivePolicy::Zigzag { self.plan_front(n) } else { None };
-                let x = planned.unwrap_or(self.usable().min(half));
+                let x = self.planned.remove(&batch).unwrap_or(self.usable().min(half));
                 if x == 0 || (entry_on_old && x == 1) {
                     Dispatch { batch, to: old, split: None, onward: None }
                 } else if entry_on_old {
@@ -296,14 +279,7 @@ impl Dispatcher {
         };
         self.queue.pop_front();
         let coop = self.cooperating && self.resident < l && self.new.is_some_and(|n| self.alive(n));
-        let (on_new, on_old, entry_on_old) = match (d.split, d.onward) {
-            (Some(_), Some(o)) => (o.layers - 1, 1 + l - o.layers, true),
-            (Some(s), None) => (s.layers, l - s.layers, false),
-            (None, _) if d.to == old => (0, l, true),
-            (None, _) if Some(d.to) == self.new => (l, 0, false),
-            (None, _) => (0, 0, false),
-        };
-        self.outstanding.insert(batch, Sent { to: d.to, coop, on_new, on_old, entry_on_old });
+        self.outstanding.insert(batch, (d.to, coop));
         if let Some(ld) = self.load.get_mut(&d.to) {
             if coop {
                 ld.coop += 1;
@@ -332,38 +308,23 @@ impl Dispatcher {
         Some(Dispatch { batch, to: *n, split: None, onward: None })
     }
 
-    /// Zigzag: the front batch's split in the plan of the queued batches from now (see the
-    /// module docs), `None` when there is nothing to plan.
-    fn plan_front(&self, new: u32) -> Option<u32> {
-        // With the entry stage on old the problem is the paper's over the blocks, and a batch's
-        // split counts the entry stage too.
+    /// Zigzag: plans the batches queued now.
+    fn plan(&mut self) {
+        // With the entry stage on old the problem is the paper's over the blocks: the first block
+        // is resident now, the next lands T later, and a batch's split counts the entry stage too.
         let entry_on_old = self.resident == 0;
-        let l = self.cfg.layers;
-        let layers = if entry_on_old { l.saturating_sub(1) } else { l };
-        if self.queue.is_empty() || layers < 2 {
-            return None;
+        let layers = if entry_on_old { self.cfg.layers.saturating_sub(1) } else { self.cfg.layers };
+        if self.cfg.policy != LivePolicy::Zigzag || self.queue.is_empty() || layers < 2 {
+            return;
         }
-        let resident = if entry_on_old { self.after_entry } else { self.resident }.max(1);
-        // Planning over the blocks, the entry stages old runs are not counted (the plan's unit
-        // is a block; an entry stage is urgent and cheap).
-        let (mut old_busy, mut new_busy) = (0u64, 0u64);
-        for s in self.outstanding.values() {
-            if s.to == self.cfg.old || s.to == new {
-                let entry = u32::from(entry_on_old && s.entry_on_old);
-                old_busy += u64::from(s.on_old - entry);
-                new_busy += u64::from(s.on_new);
-            }
-        }
-        let weights =
-            self.queue.iter().take(PLAN_HORIZON).map(|b| self.weights.get(b).copied().unwrap_or(1.0)).collect();
-        let start = Start { resident, next_in: None, old_busy, new_busy };
-        let inst = Plan { layers, load_ratio: self.cfg.load_ratio.max(1), weights, start };
+        let weights = self.queue.iter().map(|b| self.weights.get(b).copied().unwrap_or(1.0)).collect();
+        let inst = Plan { layers, load_ratio: self.cfg.load_ratio.max(1), weights };
         match zigzag::zigzag(&inst) {
-            Ok(s) => s.x.first().map(|&x| if entry_on_old && x > 0 { x + 1 } else { x }),
-            Err(e) => {
-                tracing::warn!(error = %e, "zigzag plan failed; splitting best-effort");
-                None
+            Ok(s) => {
+                let x = s.x.into_iter().map(|x| if entry_on_old && x > 0 { x + 1 } else { x });
+                self.planned = self.queue.iter().copied().zip(x).collect();
             }
+            Err(e) => tracing::warn!(error = %e, "zigzag plan failed; splitting best-effort"),
         }
     }
 }

@@ -28,14 +28,10 @@ fn zigzag_plans_the_queue_when_the_first_layer_lands() {
     assert!(drain(&mut d).len() == 2, "new holds nothing yet: old only");
     d.resident(1);
     let out = drain(&mut d);
-    // Figure 12's case (L = 7, T = 6, N = 4 still queued) with old busy with its two batches
-    // (14 layers): the optimum's splits, x = 0 to old. Re-planning before each dispatch gives the
-    // rest of the first plan.
+    // Figure 12's case (L = 7, T = 6, N = 4 still queued): the optimum's splits, x = 0 to old.
     let xs: Vec<u32> = out.iter().map(|x| x.split.map_or(0, |s| s.layers)).collect();
-    let start = Start { old_busy: 14, ..Start::default() };
-    let want = zigzag::zigzag(&Plan { start, ..Plan::uniform(7, 6, 4) }).unwrap().x;
+    let want = zigzag::zigzag(&Plan::uniform(7, 6, 4)).unwrap().x;
     assert_eq!(xs, want);
-    assert!(want.iter().any(|&x| x > 0), "{want:?}");
     for x in &out {
         match x.split {
             Some(s) => assert_eq!((x.to, s.then), (2, 1)),
@@ -123,7 +119,7 @@ fn zigzag_plans_weighted_batches_with_their_weights() {
     d.scaling(2);
     d.resident(1);
     let xs: Vec<u32> = drain(&mut d).iter().map(|x| x.split.map_or(0, |s| s.layers)).collect();
-    let inst = Plan { weights: weights.to_vec(), ..Plan::uniform(7, 6, 0) };
+    let inst = Plan { layers: 7, load_ratio: 6, weights: weights.to_vec() };
     assert_eq!(xs, zigzag::zigzag(&inst).unwrap().x);
 }
 
@@ -189,40 +185,11 @@ fn zigzag_without_the_entry_stage_plans_over_the_blocks() {
     assert_eq!(drain(&mut d).len(), 2, "new holds nothing yet: old only");
     d.after_entry(1);
     let out = drain(&mut d);
-    // The paper's problem over the 6 blocks (T = 6, the 4 batches still queued, old busy with
-    // the 12 blocks of two whole batches), each split one stage longer for the entry stage that
-    // old runs first.
-    let start = Start { old_busy: 12, ..Start::default() };
-    let want = zigzag::zigzag(&Plan { start, ..Plan::uniform(6, 6, 4) }).unwrap().x;
+    // The paper's problem over the 6 blocks (T = 6, the 4 batches still queued), each split one
+    // stage longer for the entry stage that old runs first.
+    let want = zigzag::zigzag(&Plan::uniform(6, 6, 4)).unwrap().x;
     let got: Vec<u32> = out.iter().map(|x| x.onward.map_or(0, |o| o.layers)).collect();
     let shifted: Vec<u32> = want.iter().map(|&x| if x > 0 { x + 1 } else { 0 }).collect();
     assert_eq!(got, shifted);
     assert!(want.iter().any(|&x| x > 0), "the plan gives new some blocks: {want:?}");
-}
-
-#[test]
-fn zigzag_replans_from_what_is_resident_and_outstanding() {
-    let mut d = Dispatcher::new(cfg(LivePolicy::Zigzag));
-    d.scaling(2);
-    d.resident(1);
-    let one = |start: Start| zigzag::zigzag(&Plan { start, ..Plan::uniform(7, 6, 1) }).unwrap().x[0];
-    // Old idle: a lone batch runs whole on old (a split would make old wait for new).
-    d.arrive(0);
-    assert_eq!(d.next_dispatch().unwrap(), Dispatch { batch: 0, to: 1, split: None, onward: None });
-    assert_eq!(one(Start::default()), 0);
-    // Old busy with its 7 layers: the next batch gives new what can land and run by then.
-    d.arrive(1);
-    let x1 = one(Start { old_busy: 7, ..Start::default() });
-    assert_eq!(x1, 2, "layer 2 lands at T = 6, runs by 7");
-    assert_eq!(d.next_dispatch().unwrap().split, Some(Split { layers: x1, then: 1 }));
-    // Three layers landed since: planned from r = 3 with both instances' outstanding work.
-    d.resident(3);
-    d.arrive(2);
-    let x2 = one(Start { resident: 3, next_in: None, old_busy: 7 + 7 - u64::from(x1), new_busy: u64::from(x1) });
-    assert!(x2 >= 3, "{x2}");
-    assert_eq!(d.next_dispatch().unwrap().split, Some(Split { layers: x2, then: 1 }));
-    // Answered batches no longer count.
-    (0..3).for_each(|b| d.done(b));
-    d.arrive(3);
-    assert_eq!(d.next_dispatch().unwrap().split, None, "old idle again: whole on old");
 }
