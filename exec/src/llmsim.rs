@@ -70,10 +70,10 @@ impl System {
 impl std::str::FromStr for System {
     type Err = String;
     fn from_str(s: &str) -> Result<System, String> {
-        System::ALL
-            .into_iter()
-            .find(|x| x.name() == s)
-            .ok_or_else(|| format!("unknown system {s:?} (blitz, sllm, allcache, stop, instant)"))
+        System::ALL.into_iter().find(|x| x.name() == s).ok_or_else(|| {
+            let names: Vec<&str> = System::ALL.iter().map(|x| x.name()).collect();
+            format!("unknown system {s:?} ({})", names.join(", "))
+        })
     }
 }
 

@@ -5,8 +5,9 @@
 //!
 //! `serve-sim --trace sched/data/AzureLLMInferenceTrace_code.csv --system blitz --json`
 //!
-//! `--system all` runs the four systems and the `instant` bound (zero-time loads) on the same trace and prints a table; `--png` writes the
-//! TTFT and TBT CDFs, `--timeline-png` a 1→16-instance scale-out (Figure 18's shape).
+//! `--system all` runs the four systems and the `instant` bound (zero-time loads) on the same
+//! trace and prints a table; `--png` writes the TTFT and TBT CDFs, `--timeline-png` a
+//! 1→16-instance scale-out (Figure 18's shape; the four systems only).
 
 use std::path::PathBuf;
 
