@@ -7,7 +7,7 @@
 //!
 //! `--system all` runs the four systems and the `instant` bound (zero-time loads) on the same
 //! trace and prints a table; `--png` writes the TTFT and TBT CDFs, `--timeline-png` a
-//! 1→16-instance scale-out (Figure 18's shape; the four systems only).
+//! 1→16-instance scale-out (Figure 18's shape).
 
 use std::path::PathBuf;
 
@@ -43,8 +43,8 @@ struct Cli {
     /// Write the TTFT and TBT CDFs of the systems run here.
     #[arg(long)]
     png: Option<PathBuf>,
-    /// Simulate a step burst that scales prefill from 1 to 16 instances, blitz against sllm,
-    /// and plot prefill throughput over time here.
+    /// Simulate a step burst that scales prefill from 1 to 16 instances under every system and
+    /// the `instant` bound, and plot prefill throughput over time here.
     #[arg(long)]
     timeline_png: Option<PathBuf>,
     /// Font for the plots' text.
@@ -141,6 +141,33 @@ const COLORS: [RGBColor; 5] = [
     RGBColor(120, 120, 120),
 ];
 
+/// One line per named series, coloured by its place (the systems keep their colours from plot to
+/// plot when they come in `System::ALL`'s order), with a legend.
+fn draw_lines<'a, DB, CT>(
+    chart: &mut ChartContext<'a, DB, CT>,
+    series: Vec<(String, Vec<(f64, f64)>)>,
+) -> anyhow::Result<()>
+where
+    DB: DrawingBackend + 'a,
+    DB::ErrorType: 'static,
+    CT: CoordTranslate<From = (f64, f64)>,
+{
+    for (i, (name, pts)) in series.into_iter().enumerate() {
+        let col = COLORS[i % COLORS.len()];
+        chart
+            .draw_series(LineSeries::new(pts, col.stroke_width(2)))?
+            .label(name)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], col.stroke_width(2)));
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::LowerRight)
+        .background_style(WHITE)
+        .border_style(BLACK)
+        .draw()?;
+    Ok(())
+}
+
 fn cdf_plot(path: &PathBuf, c: &Cli, outs: &mut [SimOutcome]) -> anyhow::Result<()> {
     let root = BitMapBackend::new(path, (1200, 500)).into_drawing_area();
     root.fill(&WHITE)?;
@@ -171,19 +198,7 @@ fn cdf_plot(path: &PathBuf, c: &Cli, outs: &mut [SimOutcome]) -> anyhow::Result<
             .y_label_area_size(50)
             .build_cartesian_2d((1e-3..xmax * 1.2).log_scale(), 0.0..1.0)?;
         chart.configure_mesh().x_desc(format!("{what} (s, log)")).y_desc("fraction of samples").draw()?;
-        for (i, (name, pts)) in curves.into_iter().enumerate() {
-            let col = COLORS[i % COLORS.len()];
-            chart
-                .draw_series(LineSeries::new(pts, col.stroke_width(2)))?
-                .label(name)
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], col.stroke_width(2)));
-        }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::LowerRight)
-            .background_style(WHITE)
-            .border_style(BLACK)
-            .draw()?;
+        draw_lines(&mut chart, curves)?;
     }
     root.present()?;
     eprintln!("wrote {}", path.display());
@@ -203,7 +218,7 @@ fn timeline(path: &PathBuf, c: &Cli) -> anyhow::Result<()> {
         t += 1e3 / rate;
     }
     let mut series = Vec::new();
-    for s in [System::Blitz, System::Stop, System::Sllm, System::Allcache] {
+    for s in System::ALL {
         let mut cfg = config(c, s)?;
         cfg.timeline_bin_ms = 1000.0;
         let out = simulate(&cfg, &trace).map_err(anyhow::Error::msg)?;
@@ -219,7 +234,7 @@ fn timeline(path: &PathBuf, c: &Cli) -> anyhow::Result<()> {
             out.report.ttft_p99_ms,
             out.report.scale_events
         );
-        series.push((s.name(), pts));
+        series.push((s.name().to_string(), pts));
     }
     let ymax = series.iter().flat_map(|(_, p)| p.iter().map(|x| x.1)).fold(1.0f64, f64::max) * 1.1;
     let root = BitMapBackend::new(path, (960, 520)).into_drawing_area();
@@ -231,19 +246,7 @@ fn timeline(path: &PathBuf, c: &Cli) -> anyhow::Result<()> {
         .y_label_area_size(60)
         .build_cartesian_2d(-5.0..45.0, 0.0..ymax)?;
     chart.configure_mesh().x_desc("seconds after the burst began").y_desc("prompt tokens/s (thousands)").draw()?;
-    for (i, (name, pts)) in series.into_iter().enumerate() {
-        let col = COLORS[i % COLORS.len()];
-        chart
-            .draw_series(LineSeries::new(pts, col.stroke_width(2)))?
-            .label(name)
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], col.stroke_width(2)));
-    }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::LowerRight)
-        .background_style(WHITE)
-        .border_style(BLACK)
-        .draw()?;
+    draw_lines(&mut chart, series)?;
     root.present()?;
     eprintln!("wrote {}", path.display());
     Ok(())
