@@ -55,6 +55,48 @@ pub struct RoleArgs {
     pub mc_chunk: Option<u64>,
 }
 
+/// The test bed's options, shared by `multicast` and `multicast-sweep`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct BedArgs {
+    /// Model bytes.
+    #[arg(long, default_value_t = 64 << 20)]
+    pub bytes: u64,
+    /// Link rate (shaped with --netns).
+    #[arg(long, default_value_t = 1000)]
+    pub link_mbit: u64,
+    /// Run each node in its own network namespace with shaped links (needs root).
+    #[arg(long)]
+    pub netns: bool,
+    /// With --netns: the hosts' link MTU (default Ethernet's 1500; 9000 for jumbo frames, as
+    /// data-centre fabrics run).
+    #[arg(long)]
+    pub mtu: Option<u32>,
+    /// Link the nodes (one host) by shared memory instead of loopback tcp.
+    #[arg(long)]
+    pub shm: bool,
+    /// Measure the executor's per-chunk overhead (and on shm the hop rate and what the host's
+    /// cores move over all hops together) first and plan with them instead of the defaults.
+    #[arg(long)]
+    pub calibrate: bool,
+}
+
+impl BedArgs {
+    /// Starts a bed for up to `max_targets` targets, calibrated first with `--calibrate` (the
+    /// calibration is printed on stderr).
+    pub fn start(&self, max_targets: usize) -> anyhow::Result<Bed> {
+        if max_targets == 0 || self.bytes == 0 || self.link_mbit == 0 {
+            bail!("the number of targets, --bytes and --link-mbit must be positive");
+        }
+        let mut bed = Bed::start_with(self.netns, self.shm, max_targets, self.link_mbit, self.mtu)?;
+        if self.calibrate {
+            // The planner is told this bed's measured per-chunk overhead (and, on shm, hop and host rates).
+            bed.calibrate()?;
+            eprintln!("{}", bed.calibration());
+        }
+        Ok(bed)
+    }
+}
+
 /// Joins the cluster; a node starts its multicast service before any peer can reach it.
 async fn join(cluster: &std::path::Path, node: u32, serve: bool, shm: bool) -> anyhow::Result<Arc<Endpoint>> {
     let mut cfg = EndpointConfig::new(node, ClusterSpec::load(cluster)?, SECRET.as_bytes());

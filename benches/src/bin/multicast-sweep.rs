@@ -11,7 +11,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use cascade_benches::mpi::MpiBcast;
-use cascade_benches::multicast::{run_role, Bed, RoleArgs};
+use cascade_benches::multicast::{run_role, Bed, BedArgs, RoleArgs};
 use cascade_multicast::PlannerKind;
 use clap::Parser;
 use plotters::prelude::*;
@@ -24,26 +24,8 @@ struct Cli {
     /// Largest number of targets.
     #[arg(long, default_value_t = 8)]
     max_targets: usize,
-    /// Model bytes.
-    #[arg(long, default_value_t = 64 << 20)]
-    bytes: u64,
-    /// Link rate (shaped with --netns).
-    #[arg(long, default_value_t = 1000)]
-    link_mbit: u64,
-    /// Namespaced hosts with shaped links (needs root).
-    #[arg(long)]
-    netns: bool,
-    /// With --netns: the hosts' link MTU (default Ethernet's 1500; 9000 for jumbo frames, as
-    /// data-centre fabrics run).
-    #[arg(long)]
-    mtu: Option<u32>,
-    /// Link the nodes (one host) by shared memory instead of loopback tcp.
-    #[arg(long)]
-    shm: bool,
-    /// Measure the executor's per-chunk overhead (and on shm the hop rate and what the host's
-    /// cores move over all hops together) first and plan with them instead of the defaults.
-    #[arg(long)]
-    calibrate: bool,
+    #[command(flatten)]
+    bed: BedArgs,
     /// Compare with OpenMPI's MPI_Bcast on the same hosts and bytes (needs openmpi-bin and
     /// libopenmpi-dev): blitz only, alternating runs, medians.
     #[arg(long)]
@@ -72,12 +54,7 @@ fn main() -> anyhow::Result<()> {
     if run_role(&c.role)? {
         return Ok(());
     }
-    let mut bed = Bed::start_with(c.netns, c.shm, c.max_targets, c.link_mbit, c.mtu)?;
-    if c.calibrate {
-        // The planner is told this bed's measured per-chunk overhead (and, on shm, hop and host rates).
-        bed.calibrate()?;
-        eprintln!("{}", bed.calibration());
-    }
+    let bed = c.bed.start(c.max_targets)?;
     if c.compare_mpi {
         return compare_mpi(&c, bed);
     }
@@ -85,7 +62,7 @@ fn main() -> anyhow::Result<()> {
     for p in PLANNERS {
         for n in 1..=c.max_targets {
             eprintln!("{p} to {n} targets ...");
-            results.push(bed.run(p, n, c.bytes)?);
+            results.push(bed.run(p, n, c.bed.bytes)?);
         }
     }
     drop(bed);
@@ -99,10 +76,10 @@ fn main() -> anyhow::Result<()> {
     let bound = results.first().and_then(|v| v["bound_seconds"].as_f64());
     println!(
         "{} MiB, link {} Mbit/s{}: seconds until every target holds every byte (crc32-verified)\n",
-        c.bytes >> 20,
-        c.link_mbit,
-        if c.netns {
-            format!(", shaped (netns + tbf, MTU {})", c.mtu.unwrap_or(1500))
+        c.bed.bytes >> 20,
+        c.bed.link_mbit,
+        if c.bed.netns {
+            format!(", shaped (netns + tbf, MTU {})", c.bed.mtu.unwrap_or(1500))
         } else {
             ", loopback, unshaped".into()
         }
@@ -157,24 +134,24 @@ fn compare_mpi(c: &Cli, bed: Bed) -> anyhow::Result<()> {
         let (mut ours, mut theirs, mut predicted) = (Vec::new(), Vec::new(), f64::NAN);
         for rep in 1..=c.reps.max(1) {
             eprintln!("N={n}, run {rep}: cascade, then MPI_Bcast with {} ranks ...", n + 1);
-            let v = bed.run(PlannerKind::Blitz, n, c.bytes)?;
+            let v = bed.run(PlannerKind::Blitz, n, c.bed.bytes)?;
             ours.push(v["seconds"].as_f64().context("cascade printed no seconds")?);
             predicted = v["predicted_seconds"].as_f64().unwrap_or(f64::NAN);
-            theirs.push(mpi.run(bed.net(), 1, n, c.bytes)?);
+            theirs.push(mpi.run(bed.net(), 1, n, c.bed.bytes)?);
         }
         let (a, b) = (median(&mut ours.clone()), median(&mut theirs.clone()));
         rows.push(serde_json::json!({
-            "targets": n, "bytes": c.bytes, "netns": c.netns, "shm": c.shm, "link_mbit": bed.link_mbit, "mtu": bed.mtu,
+            "targets": n, "bytes": c.bed.bytes, "netns": c.bed.netns, "shm": c.bed.shm, "link_mbit": bed.link_mbit, "mtu": bed.mtu,
             "cascade_seconds": ours, "mpi_seconds": theirs, "cascade_median": a, "mpi_median": b, "ratio": a / b,
             "predicted_seconds": predicted, "link_gbps": bed.link_gbps, "machine_gbps": bed.machine_gbps,
             "chunk_overhead_s": bed.chunk_overhead_s,
         }));
     }
-    let bound = bed.link_mbit.map(|b| c.bytes as f64 * 8.0 / (b as f64 * 1e6));
-    let links = match (c.netns, c.shm) {
+    let bound = bed.link_mbit.map(|b| c.bed.bytes as f64 * 8.0 / (b as f64 * 1e6));
+    let links = match (c.bed.netns, c.bed.shm) {
         (true, _) => format!(
             "netns hosts, {} Mbit/s tbf, MTU {}; MPI: one rank per host, TCP, pipelined bcast (1 MiB segments)",
-            c.link_mbit,
+            c.bed.link_mbit,
             bed.mtu.unwrap_or(1500)
         ),
         (false, true) => {
@@ -183,7 +160,7 @@ fn compare_mpi(c: &Cli, bed: Bed) -> anyhow::Result<()> {
         }
         (false, false) => "one host, loopback tcp; MPI: every rank on this host (OpenMPI picks shared memory)".into(),
     };
-    println!("{} MiB, {links}: median of {} alternating runs\n", c.bytes >> 20, c.reps.max(1));
+    println!("{} MiB, {links}: median of {} alternating runs\n", c.bed.bytes >> 20, c.reps.max(1));
     println!(
         "| N | Cascade blitz (s) | MPI_Bcast, N+1 ranks (s) | Cascade / MPI | predicted (s) | measured / predicted |{}",
         if bound.is_some() { " Cascade / bound |" } else { "" }
@@ -228,15 +205,15 @@ fn plot(path: &PathBuf, c: &Cli, series: &[Series], bound: Option<f64>, what: &s
     let ymax = series.iter().flat_map(|s| s.3.iter().copied()).chain(bound).fold(0.0f64, f64::max) * 1.1;
     let root = BitMapBackend::new(path, (960, 600)).into_drawing_area();
     root.fill(&WHITE)?;
-    let links = match (c.netns, c.shm) {
-        (true, _) => match c.mtu {
-            Some(m) => format!("{} Mbit/s links, MTU {m}", c.link_mbit),
-            None => format!("{} Mbit/s links", c.link_mbit),
+    let links = match (c.bed.netns, c.bed.shm) {
+        (true, _) => match c.bed.mtu {
+            Some(m) => format!("{} Mbit/s links, MTU {m}", c.bed.link_mbit),
+            None => format!("{} Mbit/s links", c.bed.link_mbit),
         },
         (false, true) => "shared memory (one host)".into(),
         (false, false) => "loopback (unshaped)".into(),
     };
-    let title = format!("Multicast of {} MiB over {links}{what}", c.bytes >> 20);
+    let title = format!("Multicast of {} MiB over {links}{what}", c.bed.bytes >> 20);
     let mut chart = ChartBuilder::on(&root)
         .caption(title, ("sans-serif", 24))
         .margin(16)

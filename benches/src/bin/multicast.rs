@@ -1,7 +1,7 @@
 //! `multicast --targets N --bytes S --link-mbit B --planner blitz|chain|star|tree [--netns] --json`:
 //! see [`cascade_benches::multicast`].
 
-use cascade_benches::multicast::{run_role, Bed, RoleArgs};
+use cascade_benches::multicast::{run_role, BedArgs, RoleArgs};
 use cascade_multicast::PlannerKind;
 use clap::Parser;
 
@@ -12,29 +12,11 @@ struct Cli {
     /// Number of targets.
     #[arg(long, default_value_t = 4)]
     targets: usize,
-    /// Model bytes.
-    #[arg(long, default_value_t = 64 << 20)]
-    bytes: u64,
-    /// Link rate (shaped with --netns).
-    #[arg(long, default_value_t = 1000)]
-    link_mbit: u64,
     /// blitz, chain, star or tree.
     #[arg(long, default_value = "blitz")]
     planner: PlannerKind,
-    /// Run each node in its own network namespace with shaped links (needs root).
-    #[arg(long)]
-    netns: bool,
-    /// With --netns: the hosts' link MTU (default Ethernet's 1500; 9000 for jumbo frames, as
-    /// data-centre fabrics run).
-    #[arg(long)]
-    mtu: Option<u32>,
-    /// Link the nodes (one host) by shared memory instead of loopback tcp.
-    #[arg(long)]
-    shm: bool,
-    /// Measure the executor's per-chunk overhead (and on shm the hop rate and what the host's
-    /// cores move over all hops together) first and plan with them instead of the defaults.
-    #[arg(long)]
-    calibrate: bool,
+    #[command(flatten)]
+    bed: BedArgs,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
@@ -48,16 +30,8 @@ fn main() -> anyhow::Result<()> {
     if run_role(&c.role)? {
         return Ok(());
     }
-    if c.targets == 0 || c.bytes == 0 || c.link_mbit == 0 {
-        anyhow::bail!("--targets, --bytes and --link-mbit must be positive");
-    }
-    let mut bed = Bed::start_with(c.netns, c.shm, c.targets, c.link_mbit, c.mtu)?;
-    if c.calibrate {
-        // The planner is told this bed's measured per-chunk overhead (and, on shm, hop and host rates).
-        bed.calibrate()?;
-        eprintln!("{}", bed.calibration());
-    }
-    let v = bed.run(c.planner, c.targets, c.bytes)?;
+    let bed = c.bed.start(c.targets)?;
+    let v = bed.run(c.planner, c.targets, c.bed.bytes)?;
     if c.json {
         println!("{v}");
     } else {
