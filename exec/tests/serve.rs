@@ -106,7 +106,7 @@ async fn a_new_instance_serves_while_its_copy_arrives_under_each_policy() {
         let answers: Vec<Answer> = std::iter::from_fn(|| ans_rx.try_recv().ok()).collect();
         check(&answers, &texts, &want);
         assert_eq!((stats.served, stats.refused), (48, 0), "{policy:?}");
-        assert_eq!(stats.residency.last().map(|r| r.1), Some(7), "{policy:?}: the router saw every layer land");
+        assert_eq!(stats.residency.last().map(|r| r.resident), Some(7), "{policy:?}: the router saw every layer land");
         let on_new = answers.iter().filter(|a| a.to == 2).count();
         assert!(on_new > 0, "{policy:?}: the new instance served some requests");
         let split = answers.iter().filter(|a| a.split.is_some()).count();

@@ -81,9 +81,20 @@ pub struct RouterStats {
     pub refused: u64,
     /// Batches sent again after their instance failed them.
     pub requeued: u64,
-    /// `(seconds since the router started, resident layers)` each time the new instance's
-    /// resident layers changed.
-    pub residency: Vec<(f64, u32)>,
+    /// The new instance's layers each time they changed, as the router saw them.
+    pub residency: Vec<ResidencyChange>,
+}
+
+/// The new instance's layers at one moment of its load.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ResidencyChange {
+    /// Seconds since the router started.
+    pub at_s: f64,
+    /// Stages resident from the first on: the prefix a batch can start on the new instance with.
+    pub resident: u32,
+    /// Stages `1..=after_entry` resident, whether or not the entry stage is: a copy packed with
+    /// its embeddings last holds blocks long before its entry stage (see [`super::dispatch`]).
+    pub after_entry: u32,
 }
 
 struct Batch {
@@ -143,7 +154,7 @@ pub async fn run(
             Some((r, k)) = res_rx.recv() => {
                 disp.resident(r);
                 disp.after_entry(k);
-                stats.residency.push((start.elapsed().as_secs_f64(), r));
+                stats.residency.push(ResidencyChange { at_s: start.elapsed().as_secs_f64(), resident: r, after_entry: k });
             }
             Some(j) = calls.join_next() => {
                 let Ok(call) = j else { continue };
