@@ -3,7 +3,12 @@
 //! Every plan member (a source or a target) runs as a task on its node's [`Mesh`]:
 //!
 //! * a sender WRITEs chunk *i* from its registered region straight into the child's registered
-//!   region (no staging copy), then SENDs the child a 32-byte notice;
+//!   region (no staging copy), then SENDs the child a 32-byte notice. Over tcp the notice is
+//!   posted in the same batch as the WRITE, so the link delivers it right behind the bytes
+//!   (`Link`'s order within a batch) and a chunk moves on as soon as it lands, with no round
+//!   trip per chunk and hop; elsewhere (shm, the `mem` double) the notice waits for the WRITE's
+//!   completion, which carries the crc of the bytes as placed and spares the child a pass over
+//!   them;
 //! * a receiver checks the chunk's crc32 against the layout's table **before** it counts or
 //!   forwards it; on a mismatch it asks the sender (NACK) to write that chunk again;
 //! * each child has its own forwarding task that sends chunk *i* as soon as it is verified, so

@@ -227,6 +227,13 @@ pub(crate) struct Incoming {
 ///
 /// Operations are posted without waiting and complete asynchronously; a batch is posted at once.
 /// Operations of one batch may complete in any order; SENDs are delivered in posting order.
+///
+/// **Order within a batch** (as on an RDMA RC queue pair): a SEND posted after WRITEs *in the
+/// same [`post`](Link::post)* reaches the peer after those WRITEs' bytes were placed — or after
+/// they were refused, so a receiver still checks what it reads. The usual use is a WRITE and the
+/// message telling its owner the bytes are there, posted together instead of the message waiting
+/// for the WRITE's round trip. Nothing else is ordered: WRITEs among themselves, READs, and
+/// operations posted in separate calls (a control message overtakes bulk data posted before it).
 pub trait Link: Send + Sync + 'static {
     /// The peer at the other end.
     fn peer(&self) -> NodeId;

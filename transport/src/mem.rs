@@ -376,24 +376,38 @@ impl Link for MemLink {
         BackendKind::Mem
     }
     fn post(&self, ops: Vec<Op>) -> Vec<OpHandle> {
-        ops.into_iter()
+        let (mut items, handles): (Vec<(Op, Done)>, Vec<OpHandle>) = ops
+            .into_iter()
+            .rev()
             .map(|op| {
-                let (done, handle) = OpHandle::new(self.to);
-                match self.fabric.take_fault(self.from, self.to) {
-                    Some(Fault::Drop) => self.swallowed.lock().unwrap_or_else(|e| e.into_inner()).push(done),
-                    Some(Fault::Delay(d)) => {
-                        let me = self.clone_handle();
-                        tokio::spawn(async move {
-                            tokio::time::sleep(d).await;
-                            me.finish(done, me.execute(op, false));
-                        });
-                    }
-                    Some(Fault::Corrupt | Fault::CorruptNext(_)) => self.finish(done, self.execute(op, true)),
-                    None => self.finish(done, self.execute(op, false)),
-                }
-                handle
+                let (done, h) = OpHandle::new(self.to);
+                ((op, done), h)
             })
-            .collect()
+            .unzip();
+        let handles = handles.into_iter().rev().collect();
+        // `items` holds the batch last first: pop takes them in posting order.
+        while let Some((op, done)) = items.pop() {
+            match self.fabric.take_fault(self.from, self.to) {
+                Some(Fault::Delay(d)) => {
+                    // This operation and, behind it, the rest of the batch, in order (see `Link`).
+                    items.push((op, done));
+                    let me = self.clone_handle();
+                    tokio::spawn(async move {
+                        let mut first = Some(Fault::Delay(d));
+                        while let Some((op, done)) = items.pop() {
+                            let fault = first.take().or_else(|| me.fabric.take_fault(me.from, me.to));
+                            if let Some(Fault::Delay(d)) = fault {
+                                tokio::time::sleep(d).await;
+                            }
+                            me.run(op, done, fault);
+                        }
+                    });
+                    break;
+                }
+                fault => self.run(op, done, fault),
+            }
+        }
+        handles
     }
     fn stats(&self) -> StatsSnapshot {
         self.stats.snapshot()
@@ -421,6 +435,15 @@ impl MemLink {
             stats: self.stats.clone(),
             closed: self.closed.clone(),
             swallowed: self.swallowed.clone(),
+        }
+    }
+
+    /// Carries out one operation under `fault` (a delay is the caller's to wait out first).
+    fn run(&self, op: Op, done: Done, fault: Option<Fault>) {
+        match fault {
+            Some(Fault::Drop) => self.swallowed.lock().unwrap_or_else(|e| e.into_inner()).push(done),
+            Some(Fault::Corrupt | Fault::CorruptNext(_)) => self.finish(done, self.execute(op, true)),
+            Some(Fault::Delay(_)) | None => self.finish(done, self.execute(op, false)),
         }
     }
 

@@ -480,6 +480,20 @@ pub trait ServiceExt: Mesh {
         post(self, peer, env.encode(&msg.encode_body()))
     }
 
+    /// Posts `ops` and then the one-way message `msg` to `peer` in one batch, so that the message
+    /// reaches the peer after the batch's WRITEs placed their bytes (the order within a batch,
+    /// see [`Link`](crate::Link)) without waiting for their round trips: a WRITE and the notice
+    /// telling the owner that its bytes are there. Handles: one per operation, then the
+    /// message's. There is no link from a node to itself, so `peer` must be another node.
+    fn post_oneway_after<M: Message>(&self, peer: NodeId, mut ops: Vec<Op>, msg: &M) -> Result<Vec<OpHandle>> {
+        if peer == self.services().node {
+            return Err(TransportError::NotConnected { peer });
+        }
+        let env = Envelope { service: M::SERVICE, version: M::VERSION, kind: Kind::OneWay, request_id: 0 };
+        ops.push(Op::Send { payload: env.encode(&msg.encode_body()) });
+        Ok(self.link(peer)?.post(ops))
+    }
+
     /// Answers a request.
     fn reply<M: Message>(&self, to: &ReplyTo, msg: &M) -> Result<()> {
         let env = Envelope { service: to.service, version: M::VERSION, kind: Kind::Reply, request_id: to.request_id };

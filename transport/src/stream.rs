@@ -79,8 +79,10 @@ pub(crate) struct Shared {
 
 /// The writer's two queues. Control frames go out before bulk frames still queued, so that a
 /// message or an ack never waits behind megabytes of a transfer: a WRITE's data and a message
-/// posted after it may reach the peer in either order — only the WRITE's completion says that
-/// its bytes landed (the region concurrency contract).
+/// posted *separately* after it may reach the peer in either order — only the WRITE's completion
+/// says that its bytes landed (the region concurrency contract). Within one batch
+/// ([`Link::post`]) order is kept: once a frame of the batch went to the bulk lane, the batch's
+/// later frames follow it there.
 pub(crate) struct Lanes {
     control: mpsc::UnboundedSender<Out>,
     bulk: mpsc::UnboundedSender<Out>,
@@ -97,14 +99,27 @@ impl Lanes {
     }
 
     fn send(&self, out: Out) -> bool {
-        let bulk = matches!(&out, Out::Frame { payload: Payload::Region { len, .. }, .. } if *len > BULK);
-        if bulk { self.bulk.send(out) } else { self.control.send(out) }.is_ok()
+        self.send_in(out, &mut false)
+    }
+
+    /// Queues `out` as one frame of a batch: `in_bulk` says that an earlier frame of the batch
+    /// went to the bulk lane (then this one goes there too, behind it) and is set when this one
+    /// does.
+    fn send_in(&self, out: Out, in_bulk: &mut bool) -> bool {
+        *in_bulk |= matches!(&out, Out::Frame { payload: Payload::Region { len, .. }, .. } if *len > BULK);
+        if *in_bulk { self.bulk.send(out) } else { self.control.send(out) }.is_ok()
     }
 }
 
 impl Shared {
     /// Posts one operation through the framed protocol.
     pub(crate) fn post_framed(&self, op: Op) -> OpHandle {
+        self.post_framed_in(op, &mut false)
+    }
+
+    /// Posts one operation of a batch through the framed protocol, after the batch's earlier
+    /// ones (`in_bulk`: see [`Lanes::send_in`]).
+    fn post_framed_in(&self, op: Op, in_bulk: &mut bool) -> OpHandle {
         let s = self;
         let (done, handle) = OpHandle::new(s.peer);
         if let Err(e) = op.check_local() {
@@ -145,7 +160,10 @@ impl Shared {
             Op::Send { payload } => {
                 let len = payload.len() as u64;
                 let h = Header { len, ..Header::new(Opcode::Send) };
-                if !s.send(Out::Frame { header: h, payload: Payload::Bytes(payload), done: Some((done, len)) }) {
+                if !s.tx.send_in(
+                    Out::Frame { header: h, payload: Payload::Bytes(payload), done: Some((done, len)) },
+                    in_bulk,
+                ) {
                     return OpHandle::ready(s.peer, Err(s.down("link closed")));
                 }
                 return handle;
@@ -154,7 +172,7 @@ impl Shared {
         match s.insert(pending) {
             Ok(id) => {
                 let header = Header { req_id: id, ..header };
-                if !s.send(Out::Frame { header, payload, done: None }) {
+                if !s.tx.send_in(Out::Frame { header, payload, done: None }, in_bulk) {
                     s.close("writer stopped");
                 }
             }
@@ -414,8 +432,11 @@ impl Link for StreamLink {
     fn post(&self, ops: Vec<Op>) -> Vec<OpHandle> {
         let _span = tracing::debug_span!("post", peer = self.shared.peer, n = ops.len()).entered();
         match &self.one_sided {
-            Some(os) => ops.into_iter().map(|op| one_sided::post(&self.shared, os, op)).collect(),
-            None => ops.into_iter().map(|op| self.shared.post_framed(op)).collect(),
+            Some(os) => one_sided::post_batch(&self.shared, os, ops),
+            None => {
+                let mut in_bulk = false;
+                ops.into_iter().map(|op| self.shared.post_framed_in(op, &mut in_bulk)).collect()
+            }
         }
     }
     fn prepare(&self, remote: RemoteRegion) -> OpHandle {

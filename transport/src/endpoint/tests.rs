@@ -133,6 +133,67 @@ async fn shm_one_sided_operations() {
     one_sided(true).await;
 }
 
+/// A message posted in a WRITE's batch finds the WRITE's bytes in place when it arrives, though
+/// each WRITE is large enough for the bulk lane that separately posted messages overtake.
+async fn a_message_behind_a_write_finds_its_bytes(shm: bool) {
+    use crate::service::{ServiceExt, ServiceFault};
+    const ROUNDS: u64 = 16;
+    const LEN: u64 = 4 << 20;
+    let eps = mesh(2, shm, if shm { "order-shm" } else { "order-tcp" }).await;
+    let mut inbox = eps[1].subscribe::<ServiceFault>(ROUNDS as usize).unwrap();
+    let dst = eps[1].register_new(ROUNDS * LEN).unwrap();
+    let src = eps[0].register_new(ROUNDS * LEN).unwrap();
+    for k in 0..ROUNDS {
+        ta::fill(&src, k * LEN, LEN, k as u8 + 1).unwrap();
+    }
+    let mut handles = Vec::new();
+    // Posted back to back, without waiting: every round's bytes and message are in flight at once.
+    for k in 0..ROUNDS {
+        let write = Op::write(&src, k * LEN, dst.remote(1), k * LEN, LEN);
+        let note = ServiceFault::Malformed { detail: k.to_string() };
+        handles.extend(eps[0].post_oneway_after(1, vec![write], &note).unwrap());
+    }
+    for _ in 0..ROUNDS {
+        let m = tokio::time::timeout(Duration::from_secs(10), inbox.recv()).await.unwrap().unwrap();
+        let ServiceFault::Malformed { detail } = m.msg else { panic!("unexpected {:?}", m.msg) };
+        let k: u64 = detail.parse().unwrap();
+        // The last byte lands last; a cheap look, so that a message that overtook its bytes is
+        // caught before they land.
+        let last = ta::view(&dst, (k + 1) * LEN - 1, 1).unwrap();
+        assert_eq!(last[0], k as u8 + 1, "round {k}'s message arrived before its bytes");
+    }
+    for h in handles {
+        h.await.unwrap();
+    }
+    for k in 0..ROUNDS {
+        assert!(ta::view(&dst, k * LEN, LEN).unwrap().iter().all(|&b| b == k as u8 + 1));
+    }
+    // A WRITE that fails: the message behind it is still delivered, after the refusal, and its
+    // receiver finds the bytes untouched.
+    let mut bad_key = dst.remote(1);
+    bad_key.key = crate::RemoteKey(bad_key.key.0.wrapping_add(1));
+    let note = ServiceFault::Malformed { detail: "after a refused write".into() };
+    let h = eps[0].post_oneway_after(1, vec![Op::write(&src, 0, bad_key, 0, LEN)], &note).unwrap();
+    let mut r = Vec::new();
+    for h in h {
+        r.push(h.await);
+    }
+    assert!(matches!(r[0], Err(TransportError::Refused { status: Status::BadKey, .. })), "{r:?}");
+    assert!(r[1].is_ok(), "{r:?}");
+    assert!(tokio::time::timeout(Duration::from_secs(10), inbox.recv()).await.unwrap().is_some());
+    assert!(ta::view(&dst, 0, LEN).unwrap().iter().all(|&b| b == 1));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_a_message_behind_a_write_finds_its_bytes() {
+    a_message_behind_a_write_finds_its_bytes(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shm_a_message_behind_a_write_finds_its_bytes() {
+    a_message_behind_a_write_finds_its_bytes(true).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn host_regions_over_shm_fall_back_to_the_stream() {
     let eps = mesh(2, true, "fallback").await;

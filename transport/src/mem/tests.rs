@@ -93,6 +93,23 @@ async fn delayed_operations_complete_late() {
 }
 
 #[tokio::test]
+async fn a_delayed_batch_keeps_its_order() {
+    use crate::service::{ServiceExt, ServiceFault};
+    let (f, a, b, src, dst) = setup();
+    let mut inbox = b.subscribe::<ServiceFault>(4).unwrap();
+    f.set_fault(1, 2, Some(Fault::Delay(Duration::from_millis(30))));
+    let t = std::time::Instant::now();
+    let ops = vec![Op::write(&src, 0, dst.remote(2), 0, 512), Op::write(&src, 512, dst.remote(2), 512, 512)];
+    let note = ServiceFault::Malformed { detail: "behind".into() };
+    let r = futures_all(a.post_oneway_after(2, ops, &note).unwrap()).await;
+    assert!(r.iter().all(|x| x.is_ok()), "{r:?}");
+    // Each operation waits out its own delay behind the one before it: none overtakes.
+    assert!(t.elapsed() >= Duration::from_millis(90), "{:?}", t.elapsed());
+    assert_eq!(inbox.recv().await.unwrap().msg, note);
+    assert_eq!(ta::view(&dst, 0, 1024).unwrap(), ta::view(&src, 0, 1024).unwrap());
+}
+
+#[tokio::test]
 async fn send_reaches_the_service_inbox() {
     use crate::service::{ServiceExt, ServiceFault};
     let (_f, a, b, _src, _dst) = setup();

@@ -7,6 +7,42 @@ use crate::link::{Completion, Done, Op, OpHandle};
 use crate::onesided::{Move, OneSided, PeerAccess};
 use crate::region::RemoteRegion;
 
+/// Posts a batch keeping [`Link::post`](crate::Link::post)'s order. The engine moves bytes on
+/// another path than the link's frames, so a SEND that follows WRITEs in the batch is posted only
+/// once those WRITEs have completed: the order holds at the cost of their round trip, which the
+/// framed path does not pay. (An RDMA queue pair orders its own work requests; posting the batch
+/// as one chain of them there is not done.) WRITEs themselves are posted at once, as without a
+/// SEND behind them.
+pub(crate) fn post_batch(s: &Arc<Shared>, os: &Arc<OneSided>, ops: Vec<Op>) -> Vec<OpHandle> {
+    let first_write = ops.iter().position(|op| matches!(op, Op::Write { .. }));
+    if !first_write.is_some_and(|w| ops[w..].iter().any(|op| matches!(op, Op::Send { .. }))) {
+        return ops.into_iter().map(|op| post(s, os, op)).collect();
+    }
+    let (dones, handles): (Vec<Done>, Vec<OpHandle>) = ops.iter().map(|_| OpHandle::new(s.peer)).unzip();
+    let (s, os) = (s.clone(), os.clone());
+    tokio::spawn(async move {
+        // WRITEs posted and not yet known complete, with where their results go.
+        let mut writes: Vec<(OpHandle, Done)> = Vec::new();
+        let mut others = Vec::new();
+        for (op, done) in ops.into_iter().zip(dones) {
+            match op {
+                Op::Write { .. } => writes.push((post(&s, &os, op), done)),
+                Op::Send { .. } => {
+                    for (h, done) in writes.drain(..) {
+                        let _ = done.send(h.await);
+                    }
+                    others.push((post(&s, &os, op), done));
+                }
+                Op::Read { .. } => others.push((post(&s, &os, op), done)),
+            }
+        }
+        for (h, done) in writes.into_iter().chain(others) {
+            let _ = done.send(h.await);
+        }
+    });
+    handles
+}
+
 /// Posts one operation: one-sided when the peer region allows it, framed otherwise.
 pub(crate) fn post(s: &Arc<Shared>, os: &Arc<OneSided>, op: Op) -> OpHandle {
     let remote = match &op {
