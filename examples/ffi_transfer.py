@@ -5,8 +5,9 @@
     python3 examples/ffi_transfer.py [--lib target/release/libcascade_ffi.so]
 
 The script is node 0; it starts itself again as node 1. Node 1 registers a buffer of its own
-and SENDs its descriptor; node 0 WRITEs 4 MiB into it (crc-verified at the destination), polls
-the completion, and SENDs "done"; node 1 checks every byte and answers "verified".
+and SENDs its descriptor; node 0 WRITEs 4 MiB into it (crc-verified at the destination) with
+the message "done" right behind the bytes (`cascade_post_notify`: node 1 receives it only after
+they landed), and polls both completions; node 1 checks every byte and answers "verified".
 """
 import argparse
 import ctypes as C
@@ -18,7 +19,7 @@ import tempfile
 import time
 
 OK, IN_PROGRESS, ERR_BUFFER_TOO_SMALL = 0, 1, -2
-OP_WRITE, OP_VERIFY, EVENT_WRITE = 1, 1, 1
+OP_WRITE, OP_VERIFY, EVENT_WRITE, EVENT_SEND = 1, 1, 1, 3
 LEN = 4 << 20
 
 
@@ -123,15 +124,20 @@ def node0(lib, lib_path, toml, secret):
         print(f"node 1 lent region {desc.id} of {desc.len} bytes")
         op = Op(C.sizeof(Op), OP_WRITE, region, 0, desc, 0, LEN, OP_VERIFY, 77)
         t0 = time.time()
-        check(lib, lib.cascade_post(ep, C.byref(op), C.c_size_t(1)), "cascade_post")
-        c, n = Completion(), C.c_size_t()
-        while lib.cascade_poll(ep, C.byref(c), C.c_size_t(1), C.byref(n)) == IN_PROGRESS:
-            time.sleep(0.0005)
+        done = b"done"
+        check(lib, lib.cascade_post_notify(ep, C.byref(op), C.c_size_t(1), C.c_uint64(3), done,
+                                           C.c_size_t(len(done))), "cascade_post_notify")
+        got, c, n = {}, Completion(), C.c_size_t()
+        while len(got) < 2:
+            if lib.cascade_poll(ep, C.byref(c), C.c_size_t(1), C.byref(n)) == IN_PROGRESS:
+                time.sleep(0.0005)
+                continue
+            check(lib, c.status, f"completion {c.tag}")
+            got[c.kind] = (c.tag, c.bytes)
         dt = time.time() - t0
-        assert c.tag == 77 and c.kind == EVENT_WRITE, (c.tag, c.kind)
-        check(lib, c.status, "the WRITE")
-        print(f"wrote {c.bytes} bytes into node 1 in {dt * 1e3:.1f} ms (verified at the destination)")
-        send(lib, ep, 1, 3, b"done")
+        assert got[EVENT_WRITE][0] == 77 and got[EVENT_SEND][0] == 3, got
+        print(f"wrote {got[EVENT_WRITE][1]} bytes into node 1 in {dt * 1e3:.1f} ms (verified at the destination),"
+              " \"done\" behind them")
         frm, tag, answer = recv(lib, ep)
         print(f"node 1 says: {answer.decode()}")
         check(lib, lib.cascade_region_deregister(ep, region, C.c_uint32(5000)), "cascade_region_deregister")

@@ -1,7 +1,7 @@
 /*
  * The C ABI end to end, from C: two endpoints (one created from a config, one joining a cluster
  * file) in one process; WRITEs of the caller's own memory and READs, verified byte by byte,
- * through the completion queue; SEND/RECV; errors provoked and their messages printed; the
+ * through the completion queue; SEND/RECV, and a WRITE with its notification; errors provoked and their messages printed; the
  * metrics text; a multicast planned and executed with LayerReady progress; clean teardown.
  *
  * Built and run by ffi/tests/c_abi.rs (cc -std=c11 -Wall -Wextra -Werror). Usage:
@@ -192,6 +192,36 @@ int main(int argc, char **argv) {
     EXPECT(from == 0 && tag == 42 && needed == strlen(hello) && memcmp(big, hello, needed) == 0);
     printf("received \"%.*s\" (tag %llu) from node %u\n", (int)needed, (const char *)big,
            (unsigned long long)tag, from);
+
+    /* A WRITE and its notification in one call: the message is received after the bytes. */
+    for (size_t i = 0; i < LEN; i++) src[i] = (uint8_t)(i * 13 + 1);
+    cascade_op w;
+    memset(&w, 0, sizeof w);
+    w.struct_size = sizeof w;
+    w.kind = CASCADE_OP_WRITE;
+    w.local = r_src;
+    w.remote = d_dst;
+    w.len = LEN;
+    w.tag = 44;
+    const char *note = "written";
+    CHECK(cascade_post_notify(ep0, &w, 1, 45, (const uint8_t *)note, strlen(note)));
+    rc = CASCADE_IN_PROGRESS;
+    for (int i = 0; i < 5000 && rc == CASCADE_IN_PROGRESS; i++) {
+        rc = cascade_recv(ep1, &from, &tag, big, sizeof big, &needed);
+        if (rc == CASCADE_IN_PROGRESS) sleep_ms(1);
+    }
+    EXPECT(rc == CASCADE_OK && from == 0 && tag == 45 && needed == strlen(note));
+    EXPECT(memcmp(src, dst, LEN) == 0);
+    poll_n(ep0, done, 2);
+    for (int i = 0; i < 2; i++) {
+        EXPECT(done[i].status == CASCADE_OK && done[i].node == 1);
+        EXPECT((done[i].kind == CASCADE_EVENT_WRITE && done[i].tag == 44 && done[i].bytes == LEN) ||
+               (done[i].kind == CASCADE_EVENT_SEND && done[i].tag == 45 && done[i].bytes == strlen(note)));
+    }
+    EXPECT(done[0].kind != done[1].kind);
+    printf("notified \"%s\" behind a %d-byte WRITE\n", note, LEN);
+    rc = cascade_post_notify(ep0, &w, 0, 46, (const uint8_t *)note, strlen(note));
+    EXPECT(rc == CASCADE_ERR_INVALID_ARGUMENT);
 
     /* Errors: a bad argument is refused at once; an access beyond the peer's region fails in
        its completion, with the peer's reason as detail. */

@@ -322,6 +322,23 @@ int32_t cascade_multicast_release(const cascade_endpoint *ep, uint32_t run);
 // are live and stay so until their completions are polled.
 int32_t cascade_post(const cascade_endpoint *ep, const cascade_op *ops, size_t n);
 
+// Posts `n` one-sided operations at `ops`, all to one peer, and then sends that peer `len` bytes
+// at `data` with `tag`: the peer receives the message ([`cascade_recv`]) only after the batch's
+// WRITEs placed their bytes in its regions — or were refused, so a receiver that must be sure
+// checks what it reads — without the sender waiting for the WRITEs' round trips first (what
+// NIXL calls a transfer's notification). The operations are checked and complete as with
+// [`cascade_post`]; the message then completes as a `CASCADE_EVENT_SEND` with `tag`. READs in
+// the batch are not ordered before the message.
+//
+// # Safety
+// `ep` is a live endpoint; `ops` as for [`cascade_post`]; `data` is readable for `len` bytes.
+int32_t cascade_post_notify(const cascade_endpoint *ep,
+                            const cascade_op *ops,
+                            size_t n,
+                            uint64_t tag,
+                            const uint8_t *data,
+                            size_t len);
+
 // Moves up to `cap` completion records into `out` without waiting; `*n` gets how many.
 // Returns [`CASCADE_OK`] when it moved at least one, [`CASCADE_IN_PROGRESS`] when none was there.
 //

@@ -48,9 +48,10 @@ pub use multicast::{
     cascade_multicast_execute, cascade_multicast_plan, cascade_multicast_release, cascade_multicast_take,
 };
 pub use ops::{
-    cascade_completion, cascade_completion_detail, cascade_op, cascade_poll, cascade_post, cascade_recv, cascade_send,
-    CASCADE_EVENT_LAYER_READY, CASCADE_EVENT_MULTICAST_DONE, CASCADE_EVENT_READ, CASCADE_EVENT_SEND,
-    CASCADE_EVENT_TARGET_DONE, CASCADE_EVENT_WRITE, CASCADE_OP_READ, CASCADE_OP_VERIFY, CASCADE_OP_WRITE,
+    cascade_completion, cascade_completion_detail, cascade_op, cascade_poll, cascade_post, cascade_post_notify,
+    cascade_recv, cascade_send, CASCADE_EVENT_LAYER_READY, CASCADE_EVENT_MULTICAST_DONE, CASCADE_EVENT_READ,
+    CASCADE_EVENT_SEND, CASCADE_EVENT_TARGET_DONE, CASCADE_EVENT_WRITE, CASCADE_OP_READ, CASCADE_OP_VERIFY,
+    CASCADE_OP_WRITE,
 };
 pub use pool::{cascade_pool_check, cascade_pool_status};
 pub use region::{

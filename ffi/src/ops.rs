@@ -2,7 +2,7 @@
 
 use std::ffi::c_char;
 
-use cascade_transport::{Op, ServiceExt};
+use cascade_transport::{Op, OpHandle, ServiceExt, TransportError};
 
 use crate::buf;
 use crate::endpoint::{cascade_endpoint, lock};
@@ -89,72 +89,145 @@ pub unsafe extern "C" fn cascade_post(ep: *const cascade_endpoint, ops: *const c
     guard("cascade_post", || {
         // SAFETY: the caller's contract.
         let e = unsafe { buf::handle(ep, "ep") }?;
-        if n == 0 {
-            return Ok(CASCADE_OK);
-        }
-        // SAFETY: `ops` points to at least one op starting with its size (the caller's contract).
-        let first = unsafe { buf::sized(ops, "ops[0]") }?;
-        let stride = first.struct_size as usize;
-        let mut batch = Vec::with_capacity(n);
-        for i in 0..n {
-            // SAFETY: the array holds `n` ops `stride` bytes apart, each at least as large as
-            // this library's `cascade_op` (checked on the first, the same for all).
-            let o = unsafe { ops.cast::<u8>().add(i * stride).cast::<cascade_op>().read_unaligned() };
-            // SAFETY: live region handles (the caller's contract).
-            let local = unsafe { region(o.local) }.map_err(|_| FfiError::arg(format!("ops[{i}].local is null")))?;
-            let remote = o.remote.into();
-            let op = match o.kind {
-                CASCADE_OP_WRITE => Op::write(&local.region, o.local_offset, remote, o.remote_offset, o.len),
-                CASCADE_OP_READ => Op::read(&local.region, o.local_offset, remote, o.remote_offset, o.len),
-                k => return Err(FfiError::arg(format!("ops[{i}].kind is {k}: CASCADE_OP_WRITE or CASCADE_OP_READ"))),
-            };
-            let op = if o.flags & CASCADE_OP_VERIFY != 0 { op.verified() } else { op };
-            local
-                .region
-                .check(o.local_offset, o.len)
-                .map_err(|err| FfiError::from(err).with_prefix(&format!("ops[{i}]")))?;
-            if o.len == 0 {
-                return Err(FfiError::arg(format!("ops[{i}].len is 0")));
-            }
-            let kind = if o.kind == CASCADE_OP_WRITE { CASCADE_EVENT_WRITE } else { CASCADE_EVENT_READ };
-            batch.push((o.remote.node, o.tag, kind, op));
-        }
+        // SAFETY: the caller's contract.
+        let batch = unsafe { read_ops(ops, n) }?;
         // Links post from the endpoint's runtime.
         let _rt = e.rt.enter();
-        let limit = e.ep.config().op_timeout;
         // One post per peer, so the link sees the batch at once.
-        let mut by_peer: std::collections::BTreeMap<u32, Vec<(u64, u32, Op)>> = Default::default();
-        for (peer, tag, kind, op) in batch {
-            by_peer.entry(peer).or_default().push((tag, kind, op));
+        let mut by_peer: std::collections::BTreeMap<u32, Vec<Posted>> = Default::default();
+        for p in batch {
+            by_peer.entry(p.peer).or_default().push(p);
         }
         for (peer, ops) in by_peer {
-            let (meta, ops): (Vec<(u64, u32)>, Vec<Op>) = ops.into_iter().map(|(t, k, o)| ((t, k), o)).unzip();
-            let handles: Vec<Result<cascade_transport::OpHandle, cascade_transport::TransportError>> = match e
-                .ep
-                .link(peer)
-            {
+            let (meta, ops): (Vec<Record>, Vec<Op>) = ops.into_iter().map(|p| ((p.tag, p.kind, None), p.op)).unzip();
+            let handles = match e.ep.link(peer) {
                 Ok(link) => link.post(ops).into_iter().map(Ok).collect(),
                 // No live link: every op of the batch fails with that.
-                Err(_) => meta.iter().map(|_| Err(cascade_transport::TransportError::NotConnected { peer })).collect(),
+                Err(_) => meta.iter().map(|_| Err(TransportError::NotConnected { peer })).collect(),
             };
-            for ((tag, kind), h) in meta.into_iter().zip(handles) {
-                let (queue, details) = (e.queue.clone(), e.details.clone());
-                e.rt.spawn(async move {
-                    let r = match h {
-                        Ok(h) => h.wait(if kind == CASCADE_EVENT_WRITE { "write" } else { "read" }, limit).await,
-                        Err(err) => Err(err),
-                    };
-                    let (status, bytes, detail) = match r {
-                        Ok(c) => (CASCADE_OK, c.bytes, None),
-                        Err(err) => (code_of(&err), 0, Some(err.to_string())),
-                    };
-                    let c = cascade_completion { tag, bytes, status, kind, node: peer, layer: 0 };
-                    cascade_endpoint::complete(&queue, &details, c, detail);
-                });
-            }
+            report(e, peer, meta, handles);
         }
         Ok(CASCADE_OK)
     })
+}
+
+/// Posts `n` one-sided operations at `ops`, all to one peer, and then sends that peer `len` bytes
+/// at `data` with `tag`: the peer receives the message ([`cascade_recv`]) only after the batch's
+/// WRITEs placed their bytes in its regions — or were refused, so a receiver that must be sure
+/// checks what it reads — without the sender waiting for the WRITEs' round trips first (what
+/// NIXL calls a transfer's notification). The operations are checked and complete as with
+/// [`cascade_post`]; the message then completes as a `CASCADE_EVENT_SEND` with `tag`. READs in
+/// the batch are not ordered before the message.
+///
+/// # Safety
+/// `ep` is a live endpoint; `ops` as for [`cascade_post`]; `data` is readable for `len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn cascade_post_notify(
+    ep: *const cascade_endpoint,
+    ops: *const cascade_op,
+    n: usize,
+    tag: u64,
+    data: *const u8,
+    len: usize,
+) -> i32 {
+    guard("cascade_post_notify", || {
+        // SAFETY: the caller's contract.
+        let (e, data) = unsafe { (buf::handle(ep, "ep")?, buf::bytes(data, len, "data")?) };
+        // SAFETY: the caller's contract.
+        let batch = unsafe { read_ops(ops, n) }?;
+        let Some(peer) = batch.first().map(|p| p.peer) else {
+            return Err(FfiError::arg("n is 0: a notification follows at least one operation"));
+        };
+        if let Some(i) = batch.iter().position(|p| p.peer != peer) {
+            return Err(FfiError::arg(format!(
+                "ops[{i}] goes to node {}, ops[0] to node {peer}: one batch, one peer",
+                batch[i].peer
+            )));
+        }
+        let bytes = data.len() as u64;
+        let _rt = e.rt.enter();
+        let (mut meta, ops): (Vec<Record>, Vec<Op>) = batch.into_iter().map(|p| ((p.tag, p.kind, None), p.op)).unzip();
+        let handles = e.ep.post_oneway_after(peer, ops, &AppMessage { tag, data })?;
+        // The SEND's record carries the message's size, as cascade_send's does.
+        meta.push((tag, CASCADE_EVENT_SEND, Some(bytes)));
+        report(e, peer, meta, handles.into_iter().map(Ok).collect());
+        Ok(CASCADE_OK)
+    })
+}
+
+/// One checked operation of a caller's batch.
+struct Posted {
+    peer: u32,
+    tag: u64,
+    kind: u32,
+    op: Op,
+}
+
+/// Reads and checks the caller's `n` ops at `ops` (kinds, regions, bounds of the local side).
+///
+/// # Safety
+/// As [`cascade_post`]'s `ops` and `n`.
+unsafe fn read_ops(ops: *const cascade_op, n: usize) -> Result<Vec<Posted>, FfiError> {
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    // SAFETY: `ops` points to at least one op starting with its size (the caller's contract).
+    let first = unsafe { buf::sized(ops, "ops[0]") }?;
+    let stride = first.struct_size as usize;
+    let mut batch = Vec::with_capacity(n);
+    for i in 0..n {
+        // SAFETY: the array holds `n` ops `stride` bytes apart, each at least as large as
+        // this library's `cascade_op` (checked on the first, the same for all).
+        let o = unsafe { ops.cast::<u8>().add(i * stride).cast::<cascade_op>().read_unaligned() };
+        // SAFETY: live region handles (the caller's contract).
+        let local = unsafe { region(o.local) }.map_err(|_| FfiError::arg(format!("ops[{i}].local is null")))?;
+        let remote = o.remote.into();
+        let op = match o.kind {
+            CASCADE_OP_WRITE => Op::write(&local.region, o.local_offset, remote, o.remote_offset, o.len),
+            CASCADE_OP_READ => Op::read(&local.region, o.local_offset, remote, o.remote_offset, o.len),
+            k => return Err(FfiError::arg(format!("ops[{i}].kind is {k}: CASCADE_OP_WRITE or CASCADE_OP_READ"))),
+        };
+        let op = if o.flags & CASCADE_OP_VERIFY != 0 { op.verified() } else { op };
+        local
+            .region
+            .check(o.local_offset, o.len)
+            .map_err(|err| FfiError::from(err).with_prefix(&format!("ops[{i}]")))?;
+        if o.len == 0 {
+            return Err(FfiError::arg(format!("ops[{i}].len is 0")));
+        }
+        let kind = if o.kind == CASCADE_OP_WRITE { CASCADE_EVENT_WRITE } else { CASCADE_EVENT_READ };
+        batch.push(Posted { peer: o.remote.node, tag: o.tag, kind, op });
+    }
+    Ok(batch)
+}
+
+/// What a posted operation's completion record says: its tag, its `CASCADE_EVENT_*` kind, and
+/// the bytes to report instead of the link's count (a message's own size).
+type Record = (u64, u32, Option<u64>);
+
+/// Queues one completion record per handle once it resolves.
+fn report(e: &cascade_endpoint, peer: u32, meta: Vec<Record>, handles: Vec<Result<OpHandle, TransportError>>) {
+    let limit = e.ep.config().op_timeout;
+    for ((tag, kind, size), h) in meta.into_iter().zip(handles) {
+        let (queue, details) = (e.queue.clone(), e.details.clone());
+        e.rt.spawn(async move {
+            let what = match kind {
+                CASCADE_EVENT_WRITE => "write",
+                CASCADE_EVENT_READ => "read",
+                _ => "send",
+            };
+            let r = match h {
+                Ok(h) => h.wait(what, limit).await,
+                Err(err) => Err(err),
+            };
+            let (status, bytes, detail) = match r {
+                Ok(c) => (CASCADE_OK, size.unwrap_or(c.bytes), None),
+                Err(err) => (code_of(&err), 0, Some(err.to_string())),
+            };
+            let c = cascade_completion { tag, bytes, status, kind, node: peer, layer: 0 };
+            cascade_endpoint::complete(&queue, &details, c, detail);
+        });
+    }
 }
 
 /// Moves up to `cap` completion records into `out` without waiting; `*n` gets how many.

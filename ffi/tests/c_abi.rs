@@ -98,9 +98,12 @@ fn run_c_test(exe: &Path, dir: &Path) {
     let stderr = String::from_utf8_lossy(&o.stderr);
     let _ = std::fs::remove_dir_all(dir);
     assert!(o.status.success(), "the C test failed:\n{stdout}\n{stderr}");
-    for line in
-        ["wrote 1048576 bytes in 4 verified WRITEs", "read 1048576 bytes back", "received \"hello from node 0\""]
-    {
+    for line in [
+        "wrote 1048576 bytes in 4 verified WRITEs",
+        "read 1048576 bytes back",
+        "received \"hello from node 0\"",
+        "notified \"written\" behind a 1048576-byte WRITE",
+    ] {
         assert!(stdout.contains(line), "missing {line:?}:\n{stdout}");
     }
     // The provoked errors come back with their messages.
