@@ -189,6 +189,18 @@ async fn a_request_split_across_instances_equals_one_instance() {
     let (one, three) = (Some(Split { layers: 1, then: 1 }), Some(Split { layers: 3, then: 1 }));
     assert!(refused(ExecMsg::Run { batch: 11, texts: texts.clone(), split: None, onward: three }).await);
     assert!(refused(ExecMsg::Run { batch: 12, texts, split: three, onward: one }).await);
+    // A Finish whose activation never landed (no WRITE: the slot's bytes do not match its crc)
+    // is refused, not computed on.
+    let ExecMsg::Paired { first, .. } =
+        mesh.call(2, &ExecMsg::Pair { slots: 1 }, Duration::from_secs(5)).await.unwrap()
+    else {
+        panic!("pairing refused")
+    };
+    let finish = ExecMsg::Finish { batch: 13, slot: first, len: 4096, crc: 0x1234_5678, split: None };
+    match mesh.call(2, &finish, Duration::from_secs(5)).await.unwrap() {
+        ExecMsg::Failed { message, .. } => assert!(message.contains("did not land"), "{message}"),
+        other => panic!("a Finish without its bytes was answered {other:?}"),
+    }
 }
 
 /// Runs `n` requests through a router (policy best-effort) while `during` acts on the cluster;

@@ -503,16 +503,48 @@ pub trait ServiceExt: Mesh {
     /// Sends a request and waits at most `limit` for its reply. Fails early when the peer's link
     /// goes down; a reply after `limit` is dropped and counted as late.
     fn call<'a, M: Message + Sync>(&'a self, peer: NodeId, msg: &'a M, limit: Duration) -> BoxFuture<'a, Result<M>> {
+        self.call_after(peer, Vec::new(), msg, limit)
+    }
+
+    /// [`call`](Self::call) with `ops` posted ahead of the request in the same batch, so that
+    /// the request reaches `peer` after their WRITEs placed their bytes (the order within a
+    /// batch, see [`Link`](crate::Link)): hand a peer data and ask it to act on it in one round
+    /// trip. An operation that fails fails the call (the reply, if one comes, is dropped); a
+    /// WRITE refused at the peer still lets the request through, so what the peer reads it should
+    /// check. `ops` must be empty when `peer` is this node.
+    fn call_after<'a, M: Message + Sync>(
+        &'a self,
+        peer: NodeId,
+        ops: Vec<Op>,
+        msg: &'a M,
+        limit: Duration,
+    ) -> BoxFuture<'a, Result<M>> {
         Box::pin(async move {
             let services = self.services().clone();
             let (id, rx) = services.register_call(peer, M::SERVICE);
-            tracing::trace!(node = services.node, peer, id, service = %M::SERVICE, "call");
+            tracing::trace!(node = services.node, peer, id, service = %M::SERVICE, ops = ops.len(), "call");
             let env = Envelope { service: M::SERVICE, version: M::VERSION, kind: Kind::Request, request_id: id };
-            let posted = post(self, peer, env.encode(&msg.encode_body()));
+            let payload = env.encode(&msg.encode_body());
+            let posted = if ops.is_empty() {
+                post(self, peer, payload).map(|sent| (Vec::new(), sent))
+            } else if peer == services.node {
+                Err(TransportError::NotConnected { peer })
+            } else {
+                self.link(peer).and_then(|link| {
+                    let mut ops = ops;
+                    ops.push(Op::Send { payload });
+                    let mut handles = link.post(ops);
+                    let sent = handles.pop().ok_or(TransportError::NotConnected { peer })?;
+                    Ok((handles, sent))
+                })
+            };
             let r = match posted {
                 Err(e) => Err(e),
-                Ok(sent) => {
+                Ok((before, sent)) => {
                     let exchange = async {
+                        for h in before {
+                            h.await?;
+                        }
                         // A request that could not be sent fails now, not at the time limit.
                         sent.await?;
                         match rx.await {

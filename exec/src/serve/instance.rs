@@ -268,7 +268,7 @@ fn handle(sh: &Arc<Shared>, from: u32, msg: ExecMsg, reply: ReplyTo) -> Result<O
             sh.compute.send(Cmd::Job { act, stop, tag: Tag::Run { reply, batch, split, onward }, urgent });
             Ok(None)
         }
-        ExecMsg::Finish { batch, slot, len, split } => {
+        ExecMsg::Finish { batch, slot, len, crc, split } => {
             let owned = lock(&sh.granted).get(&from).is_some_and(|r| r.contains(&slot));
             let sb = slot_bytes(&sh.model, &sh.cfg);
             if !owned || len > sb {
@@ -280,9 +280,16 @@ fn handle(sh: &Arc<Shared>, from: u32, msg: ExecMsg, reply: ReplyTo) -> Result<O
             let region = lock(&sh.act_region).clone();
             let read = region.ok_or_else(|| ServeError::Protocol("no activation region".into())).and_then(|r| {
                 // SAFETY: slot `slot` belongs to `from` alone, which WRITEs it only between our
-                // answer to its previous Finish on it and its next Finish; it sent this Finish
-                // after its WRITE completed, and we answer only after the bytes are copied out.
+                // answer to its previous Finish on it and its next Finish; it posted this Finish
+                // behind its WRITE, which the link delivers after the bytes are placed, and we
+                // answer only after the bytes are copied out.
                 let bytes = unsafe { r.view(u64::from(slot) * sb, len) }?;
+                let got = crc32fast::hash(&bytes);
+                if got != crc {
+                    return Err(ServeError::Protocol(format!(
+                        "the activation in slot {slot} has crc32 {got:#010x}, not {crc:#010x}: its WRITE did not land"
+                    )));
+                }
                 Ok(Activation::from_bytes(&bytes)?)
             });
             match read {
@@ -483,19 +490,11 @@ async fn write_and_finish(
     unsafe { peer.staging.write_local(local_off, bytes) }?;
     let len = bytes.len() as u64;
     let op = Op::write(&peer.staging, local_off, peer.remote, u64::from(slot) * peer.slot_bytes, len);
-    let link = sh.mesh.link(s.then)?;
     let t0 = std::time::Instant::now();
-    let handle = link.post(vec![op]).pop().ok_or_else(|| ServeError::Protocol("the link took no op".into()))?;
-    handle.wait("activation write", sh.cfg.op_timeout).await?;
-    let written = t0.elapsed();
-    let answer = sh.mesh.call(s.then, &ExecMsg::Finish { batch, slot, len, split: onward }, sh.cfg.op_timeout).await?;
-    debug!(
-        batch,
-        len,
-        write_ms = written.as_secs_f64() * 1e3,
-        finish_ms = (t0.elapsed() - written).as_secs_f64() * 1e3,
-        "hand-over"
-    );
+    // The WRITE and, right behind its bytes, the request to finish the batch: one round trip.
+    let finish = ExecMsg::Finish { batch, slot, len, crc: crc32fast::hash(bytes), split: onward };
+    let answer = sh.mesh.call_after(s.then, vec![op], &finish, sh.cfg.op_timeout).await?;
+    debug!(batch, len, ms = t0.elapsed().as_secs_f64() * 1e3, "hand-over");
     Ok(answer)
 }
 

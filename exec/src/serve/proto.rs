@@ -1,11 +1,11 @@
-//! The exec service's messages (service [`ServiceId::EXEC`], version 1), binary-encoded on the
+//! The exec service's messages (service [`ServiceId::EXEC`], version 3), binary-encoded on the
 //! typed control plane.
 //!
 //! ```text
 //! router -> instance  Run{batch, texts, split, onward}  ->  Done{batch, embeddings, on_first} | Failed
 //! router -> new       PairWith{old}                     ->  Ack | Failed
 //! new    -> old       Pair{slots}                       ->  Paired{region, key, len, slots, slot_bytes}
-//! new    -> old       Finish{batch, slot, len, split}   ->  Done | Failed   (after a WRITE into the slot)
+//! new    -> old       Finish{batch, slot, len, crc, split} -> Done | Failed  (behind a WRITE into the slot)
 //! ctrl   -> instance  LayerReady{run, layer}                (one-way: the multicast's event, forwarded)
 //! ctrl   -> instance  Lend{run} | Adopt{run}            ->  Ack | Failed
 //! router -> instance  Status                            ->  State{resident, layers, after_entry}
@@ -82,8 +82,10 @@ pub enum ExecMsg {
         /// Bytes per slot.
         slot_bytes: u64,
     },
-    /// The activation of `batch` lies in `slot` (its `len` bytes were WRITTEN and the WRITE
-    /// completed): run its remaining layers and answer with [`ExecMsg::Done`].
+    /// The activation of `batch` lies in `slot`: its `len` bytes were WRITTEN in the same batch
+    /// as this request, which the link delivers after them. Run its remaining layers and answer
+    /// with [`ExecMsg::Done`] — once the slot's bytes match `crc` (a WRITE that was refused
+    /// leaves the slot's old bytes, which are never computed on).
     Finish {
         /// The batch.
         batch: u64,
@@ -91,6 +93,8 @@ pub enum ExecMsg {
         slot: u32,
         /// Bytes of the activation.
         len: u64,
+        /// crc32 of the activation's bytes.
+        crc: u32,
         /// `Some`: run up to `split.layers` only and hand over to `split.then`; `None`: run every
         /// remaining layer.
         split: Option<Split>,
@@ -139,7 +143,7 @@ pub enum ExecMsg {
     },
 }
 
-binary_message!(ExecMsg, ServiceId::EXEC, 2);
+binary_message!(ExecMsg, ServiceId::EXEC, 3);
 
 #[cfg(test)]
 mod tests {
@@ -162,8 +166,8 @@ mod tests {
             ExecMsg::Pair { slots: 8 },
             ExecMsg::PairWith { peer: 1 },
             ExecMsg::Paired { region: 4, key: u64::MAX, len: 1 << 30, first: 8, slots: 8, slot_bytes: 1_581_092 },
-            ExecMsg::Finish { batch: 9, slot: 3, len: 172_964, split: None },
-            ExecMsg::Finish { batch: 9, slot: 3, len: 172_964, split },
+            ExecMsg::Finish { batch: 9, slot: 3, len: 172_964, crc: 0x1234_5678, split: None },
+            ExecMsg::Finish { batch: 9, slot: 3, len: 172_964, crc: u32::MAX, split },
             ExecMsg::LayerReady { run: 0xdead_beef, layer: 6 },
             ExecMsg::Lend { run: 1 },
             ExecMsg::Adopt { run: 2 },
