@@ -1,7 +1,7 @@
 //! The member side: one task per plan member on its node, and the per-node router that hands it
 //! the notices addressed to it.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -331,12 +331,19 @@ pub(crate) async fn run_member(
         (0..ctx.layout.layers.len()).map(|l| ctx.layout.chunks_of_layer(l).len() as u32).collect();
     let mut forwarders = JoinSet::new();
     let mut dests: BTreeMap<Loc, Dest> = BTreeMap::new();
+    // Children a WRITE to failed: reported lost, and sent nothing more on their NACKs (over tcp a
+    // refused WRITE's notice still arrives, and its NACK would ask for the chunk again and again).
+    let given_up: Arc<Mutex<BTreeSet<Loc>>> = Arc::default();
+    let give_up = |set: &Mutex<BTreeSet<Loc>>, child: Loc| {
+        set.lock().unwrap_or_else(|e| e.into_inner()).insert(child);
+    };
     let add_child = |child: ChildSpec, forwarders: &mut JoinSet<()>, dests: &mut BTreeMap<Loc, Dest>| {
         let lost = |reason: String| ToCoord::ChildLost { parent: ctx.me, child: child.loc, reason };
+        given_up.lock().unwrap_or_else(|e| e.into_inner()).remove(&child.loc);
         match ctx.dest(&child) {
             Ok(d) => {
                 dests.insert(child.loc, d.clone());
-                let (c2, have) = (ctx.clone(), have.clone());
+                let (c2, have, given_up) = (ctx.clone(), have.clone(), given_up.clone());
                 forwarders.spawn(async move {
                     // Up to WINDOW chunks (over tcp, STREAM_BYTES_IN_FLIGHT) in flight to this
                     // child: a WRITE's round trip and its notice overlap the next chunks' transfer
@@ -367,11 +374,12 @@ pub(crate) async fn run_member(
                         if failed.load(std::sync::atomic::Ordering::Relaxed) {
                             return;
                         }
-                        let (c3, d, failed) = (c2.clone(), d.clone(), failed.clone());
+                        let (c3, d, failed, given_up) = (c2.clone(), d.clone(), failed.clone(), given_up.clone());
                         inflight.spawn(async move {
                             let r = c3.send_chunk(child.loc, &d, i).await;
                             drop(permit);
                             if let Err(e) = r {
+                                give_up(&given_up, child.loc);
                                 if !failed.swap(true, std::sync::atomic::Ordering::Relaxed) {
                                     let reason = e.to_string();
                                     c3.coord.send(ToCoord::ChildLost { parent: c3.me, child: child.loc, reason });
@@ -445,11 +453,13 @@ pub(crate) async fn run_member(
                         }
                     }
                     Kind::Nack => {
-                        if let Some(d) = dests.get(&nt.from).cloned() {
+                        let gone = given_up.lock().unwrap_or_else(|e| e.into_inner()).contains(&nt.from);
+                        if let Some(d) = dests.get(&nt.from).filter(|_| !gone).cloned() {
                             ctx.resent.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                            let c2 = ctx.clone();
+                            let (c2, given_up) = (ctx.clone(), given_up.clone());
                             forwarders.spawn(async move {
                                 if let Err(e) = c2.send_chunk(nt.from, &d, nt.index).await {
+                                    give_up(&given_up, nt.from);
                                     c2.coord.send(ToCoord::ChildLost { parent: c2.me, child: nt.from, reason: e.to_string() });
                                 }
                             });
