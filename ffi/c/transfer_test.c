@@ -54,6 +54,31 @@ static void poll_n(cascade_endpoint *ep, cascade_completion *out, size_t want) {
     EXPECT(got == want);
 }
 
+/* One operation of `kind` between offset 0 of `local` and of `remote`. */
+static cascade_op one_op(uint32_t kind, const cascade_region *local, cascade_remote_region remote,
+                         uint64_t len, uint64_t tag) {
+    cascade_op op;
+    memset(&op, 0, sizeof op);
+    op.struct_size = sizeof op;
+    op.kind = kind;
+    op.local = local;
+    op.remote = remote;
+    op.len = len;
+    op.tag = tag;
+    return op;
+}
+
+/* Waits (at most 5 s) for a message on `ep`; returns cascade_recv's last status. */
+static int32_t recv_wait(cascade_endpoint *ep, uint32_t *from, uint64_t *tag, uint8_t *buf, size_t cap,
+                         size_t *needed) {
+    int32_t rc = CASCADE_IN_PROGRESS;
+    for (int i = 0; i < 5000 && rc == CASCADE_IN_PROGRESS; i++) {
+        rc = cascade_recv(ep, from, tag, buf, cap, needed);
+        if (rc == CASCADE_IN_PROGRESS) sleep_ms(1);
+    }
+    return rc;
+}
+
 static void wait_ready(cascade_endpoint *ep) {
     for (int i = 0; i < 100; i++) {
         int32_t rc = cascade_endpoint_wait_ready(ep, 100);
@@ -159,14 +184,7 @@ int main(int argc, char **argv) {
     uint8_t *lib = NULL;
     CHECK(cascade_region_ptr(r_lib, &lib));
     for (size_t i = 0; i < LEN; i++) lib[i] = (uint8_t)(i ^ 0x5a);
-    cascade_op rd;
-    memset(&rd, 0, sizeof rd);
-    rd.struct_size = sizeof rd;
-    rd.kind = CASCADE_OP_READ;
-    rd.local = r_src;
-    rd.remote = d_lib;
-    rd.len = LEN;
-    rd.tag = 7;
+    cascade_op rd = one_op(CASCADE_OP_READ, r_src, d_lib, LEN, 7);
     CHECK(cascade_post(ep0, &rd, 1));
     poll_n(ep0, done, 1);
     EXPECT(done[0].status == CASCADE_OK && done[0].kind == CASCADE_EVENT_READ && done[0].tag == 7);
@@ -182,11 +200,7 @@ int main(int argc, char **argv) {
     size_t needed = 0;
     uint32_t from = 99;
     uint64_t tag = 0;
-    int32_t rc = CASCADE_IN_PROGRESS;
-    for (int i = 0; i < 5000 && rc == CASCADE_IN_PROGRESS; i++) {
-        rc = cascade_recv(ep1, &from, &tag, small, sizeof small, &needed);
-        if (rc == CASCADE_IN_PROGRESS) sleep_ms(1);
-    }
+    int32_t rc = recv_wait(ep1, &from, &tag, small, sizeof small, &needed);
     EXPECT(rc == CASCADE_ERR_BUFFER_TOO_SMALL && needed == strlen(hello));
     CHECK(cascade_recv(ep1, &from, &tag, big, sizeof big, &needed));
     EXPECT(from == 0 && tag == 42 && needed == strlen(hello) && memcmp(big, hello, needed) == 0);
@@ -195,21 +209,10 @@ int main(int argc, char **argv) {
 
     /* A WRITE and its notification in one call: the message is received after the bytes. */
     for (size_t i = 0; i < LEN; i++) src[i] = (uint8_t)(i * 13 + 1);
-    cascade_op w;
-    memset(&w, 0, sizeof w);
-    w.struct_size = sizeof w;
-    w.kind = CASCADE_OP_WRITE;
-    w.local = r_src;
-    w.remote = d_dst;
-    w.len = LEN;
-    w.tag = 44;
+    cascade_op w = one_op(CASCADE_OP_WRITE, r_src, d_dst, LEN, 44);
     const char *note = "written";
     CHECK(cascade_post_notify(ep0, &w, 1, 45, (const uint8_t *)note, strlen(note)));
-    rc = CASCADE_IN_PROGRESS;
-    for (int i = 0; i < 5000 && rc == CASCADE_IN_PROGRESS; i++) {
-        rc = cascade_recv(ep1, &from, &tag, big, sizeof big, &needed);
-        if (rc == CASCADE_IN_PROGRESS) sleep_ms(1);
-    }
+    rc = recv_wait(ep1, &from, &tag, big, sizeof big, &needed);
     EXPECT(rc == CASCADE_OK && from == 0 && tag == 45 && needed == strlen(note));
     EXPECT(memcmp(src, dst, LEN) == 0);
     poll_n(ep0, done, 2);
