@@ -81,8 +81,9 @@ pub(crate) struct Shared {
 /// message or an ack never waits behind megabytes of a transfer: a WRITE's data and a message
 /// posted *separately* after it may reach the peer in either order — only the WRITE's completion
 /// says that its bytes landed (the region concurrency contract). Within one batch
-/// ([`Link::post`]) order is kept: once a frame of the batch went to the bulk lane, the batch's
-/// later frames follow it there.
+/// ([`Link::post`]) a SEND stays behind the batch's WRITEs: once a frame of the batch went to
+/// the bulk lane, the batch's later SENDs follow it there (its other small frames keep the
+/// control lane).
 pub(crate) struct Lanes {
     control: mpsc::UnboundedSender<Out>,
     bulk: mpsc::UnboundedSender<Out>,
@@ -103,11 +104,18 @@ impl Lanes {
     }
 
     /// Queues `out` as one frame of a batch: `in_bulk` says that an earlier frame of the batch
-    /// went to the bulk lane (then this one goes there too, behind it) and is set when this one
+    /// went to the bulk lane (then a SEND goes there too, behind it) and is set when this one
     /// does.
     fn send_in(&self, out: Out, in_bulk: &mut bool) -> bool {
-        *in_bulk |= matches!(&out, Out::Frame { payload: Payload::Region { len, .. }, .. } if *len > BULK);
-        if *in_bulk { self.bulk.send(out) } else { self.control.send(out) }.is_ok()
+        let (big, send) = match &out {
+            Out::Frame { header, payload, .. } => {
+                (matches!(payload, Payload::Region { len, .. } if *len > BULK), header.op == Opcode::Send)
+            }
+            _ => (false, false),
+        };
+        let bulk = big || (send && *in_bulk);
+        *in_bulk |= bulk;
+        if bulk { self.bulk.send(out) } else { self.control.send(out) }.is_ok()
     }
 }
 

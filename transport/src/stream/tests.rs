@@ -124,3 +124,34 @@ async fn written_notice_verifies_the_crc_at_the_owner() {
         }
     }
 }
+
+/// Within a batch a SEND follows the bulk frames before it into the bulk lane; the batch's other
+/// small frames, and anything before the first bulk frame, keep the control lane.
+#[test]
+fn a_batch_keeps_its_sends_behind_its_bulk_frames() {
+    let (lanes, mut control, mut bulk) = Lanes::new();
+    let r = Region::alloc(1 << 20, Default::default()).unwrap();
+    let frame = |op: Opcode, len: u64| Out::Frame {
+        header: Header::new(op),
+        payload: if len > 0 { Payload::Region { region: r.clone(), offset: 0, len } } else { Payload::None },
+        done: None,
+    };
+    let mut in_bulk = false;
+    for (op, len) in [(Opcode::Send, 0), (Opcode::Write, 1 << 20), (Opcode::Write, 4096), (Opcode::Send, 0)] {
+        assert!(lanes.send_in(frame(op, len), &mut in_bulk));
+    }
+    let drain = |rx: &mut mpsc::UnboundedReceiver<Out>| {
+        std::iter::from_fn(|| rx.try_recv().ok())
+            .map(|o| match o {
+                Out::Frame { header, payload: Payload::Region { len, .. }, .. } => (header.op, len),
+                Out::Frame { header, .. } => (header.op, 0),
+                Out::WithFd { header, .. } => (header.op, 0),
+            })
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(drain(&mut control), [(Opcode::Send, 0), (Opcode::Write, 4096)]);
+    assert_eq!(drain(&mut bulk), [(Opcode::Write, 1 << 20), (Opcode::Send, 0)]);
+    // Separately posted, a SEND takes the control lane again.
+    assert!(lanes.send(frame(Opcode::Send, 0)));
+    assert_eq!(drain(&mut control), [(Opcode::Send, 0)]);
+}
