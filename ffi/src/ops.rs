@@ -99,7 +99,7 @@ pub unsafe extern "C" fn cascade_post(ep: *const cascade_endpoint, ops: *const c
             by_peer.entry(p.peer).or_default().push(p);
         }
         for (peer, ops) in by_peer {
-            let (meta, ops): (Vec<Record>, Vec<Op>) = ops.into_iter().map(|p| ((p.tag, p.kind, None), p.op)).unzip();
+            let (meta, ops) = records(ops);
             let handles = match e.ep.link(peer) {
                 Ok(link) => link.post(ops).into_iter().map(Ok).collect(),
                 // No live link: every op of the batch fails with that.
@@ -146,7 +146,7 @@ pub unsafe extern "C" fn cascade_post_notify(
         }
         let bytes = data.len() as u64;
         let _rt = e.rt.enter();
-        let (mut meta, ops): (Vec<Record>, Vec<Op>) = batch.into_iter().map(|p| ((p.tag, p.kind, None), p.op)).unzip();
+        let (mut meta, ops) = records(batch);
         let handles = e.ep.post_oneway_after(peer, ops, &AppMessage { tag, data })?;
         // The SEND's record carries the message's size, as cascade_send's does.
         meta.push((tag, CASCADE_EVENT_SEND, Some(bytes)));
@@ -204,6 +204,11 @@ unsafe fn read_ops(ops: *const cascade_op, n: usize) -> Result<Vec<Posted>, FfiE
 /// What a posted operation's completion record says: its tag, its `CASCADE_EVENT_*` kind, and
 /// the bytes to report instead of the link's count (a message's own size).
 type Record = (u64, u32, Option<u64>);
+
+/// A batch's operations, and what each one's completion record will say.
+fn records(batch: Vec<Posted>) -> (Vec<Record>, Vec<Op>) {
+    batch.into_iter().map(|p| ((p.tag, p.kind, None), p.op)).unzip()
+}
 
 /// Queues one completion record per handle once it resolves.
 fn report(e: &cascade_endpoint, peer: u32, meta: Vec<Record>, handles: Vec<Result<OpHandle, TransportError>>) {

@@ -467,6 +467,27 @@ fn post(mesh: &(impl Mesh + ?Sized), peer: NodeId, payload: Bytes) -> Result<OpH
     link.post(vec![Op::Send { payload }]).pop().ok_or(TransportError::NotConnected { peer })
 }
 
+/// Posts `ops` and then the message `payload` to `peer` in one batch (see [`Link`](crate::Link)'s
+/// order within a batch): the ops' handles, and the message's. Without ops this is [`post`];
+/// with ops `peer` must be another node, since no link reaches a node from itself.
+fn post_behind(
+    mesh: &(impl Mesh + ?Sized),
+    peer: NodeId,
+    mut ops: Vec<Op>,
+    payload: Bytes,
+) -> Result<(Vec<OpHandle>, OpHandle)> {
+    if ops.is_empty() {
+        return post(mesh, peer, payload).map(|sent| (Vec::new(), sent));
+    }
+    if peer == mesh.services().node {
+        return Err(TransportError::NotConnected { peer });
+    }
+    ops.push(Op::Send { payload });
+    let mut handles = mesh.link(peer)?.post(ops);
+    let sent = handles.pop().ok_or(TransportError::NotConnected { peer })?;
+    Ok((handles, sent))
+}
+
 /// The control plane's operations, on every [`Mesh`].
 pub trait ServiceExt: Mesh {
     /// Opens `M`'s inbox on this node (see [`Services::subscribe`]).
@@ -484,14 +505,13 @@ pub trait ServiceExt: Mesh {
     /// reaches the peer after the batch's WRITEs placed their bytes (the order within a batch,
     /// see [`Link`](crate::Link)) without waiting for their round trips: a WRITE and the notice
     /// telling the owner that its bytes are there. Handles: one per operation, then the
-    /// message's. There is no link from a node to itself, so `peer` must be another node.
-    fn post_oneway_after<M: Message>(&self, peer: NodeId, mut ops: Vec<Op>, msg: &M) -> Result<Vec<OpHandle>> {
-        if peer == self.services().node {
-            return Err(TransportError::NotConnected { peer });
-        }
+    /// message's. There is no link from a node to itself, so with `ops` `peer` must be another
+    /// node.
+    fn post_oneway_after<M: Message>(&self, peer: NodeId, ops: Vec<Op>, msg: &M) -> Result<Vec<OpHandle>> {
         let env = Envelope { service: M::SERVICE, version: M::VERSION, kind: Kind::OneWay, request_id: 0 };
-        ops.push(Op::Send { payload: env.encode(&msg.encode_body()) });
-        Ok(self.link(peer)?.post(ops))
+        let (mut handles, sent) = post_behind(self, peer, ops, env.encode(&msg.encode_body()))?;
+        handles.push(sent);
+        Ok(handles)
     }
 
     /// Answers a request.
@@ -524,20 +544,7 @@ pub trait ServiceExt: Mesh {
             let (id, rx) = services.register_call(peer, M::SERVICE);
             tracing::trace!(node = services.node, peer, id, service = %M::SERVICE, ops = ops.len(), "call");
             let env = Envelope { service: M::SERVICE, version: M::VERSION, kind: Kind::Request, request_id: id };
-            let payload = env.encode(&msg.encode_body());
-            let posted = if ops.is_empty() {
-                post(self, peer, payload).map(|sent| (Vec::new(), sent))
-            } else if peer == services.node {
-                Err(TransportError::NotConnected { peer })
-            } else {
-                self.link(peer).and_then(|link| {
-                    let mut ops = ops;
-                    ops.push(Op::Send { payload });
-                    let mut handles = link.post(ops);
-                    let sent = handles.pop().ok_or(TransportError::NotConnected { peer })?;
-                    Ok((handles, sent))
-                })
-            };
+            let posted = post_behind(self, peer, ops, env.encode(&msg.encode_body()));
             let r = match posted {
                 Err(e) => Err(e),
                 Ok((before, sent)) => {
