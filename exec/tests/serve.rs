@@ -12,10 +12,11 @@ use std::time::{Duration, Instant};
 
 use cascade_exec::embed::Embedder;
 use cascade_exec::serve::router::{self, Answer, Request, RouterCmd, RouterConfig};
+use cascade_exec::serve::ExecMsg;
 use cascade_exec::serve::{scale_out, DispatchConfig, Instance, InstanceConfig, LivePolicy, ServedModel, Source};
 use cascade_multicast::cluster::{Controller, MulticastNode};
 use cascade_multicast::Topology;
-use cascade_transport::{Endpoint, Mesh};
+use cascade_transport::{Endpoint, Mesh, ServiceExt, ServiceFault, TransportError};
 use common::{cosine, model_dir, reference};
 use tokio::sync::mpsc;
 
@@ -25,18 +26,39 @@ struct Cluster {
     _instances: Vec<Instance>,
 }
 
+/// What a node from 1 on runs.
+#[derive(Clone, Copy, PartialEq)]
+enum Role {
+    /// An instance serving a held copy.
+    Held,
+    /// An instance whose copy arrives by multicast.
+    Arriving,
+    /// No instance: the endpoint alone.
+    Absent,
+}
+
 /// Node 0 routes and controls multicasts; node 1 serves a held copy; nodes 2.. start empty.
 async fn cluster(n: u32, tag: &str) -> Option<Cluster> {
+    let roles: Vec<Role> = (1..n).map(|i| if i == 1 { Role::Held } else { Role::Arriving }).collect();
+    cluster_of(tag, &roles).await
+}
+
+/// Node 0 routes and controls multicasts; node i + 1 plays `roles[i]`.
+async fn cluster_of(tag: &str, roles: &[Role]) -> Option<Cluster> {
     let dir = model_dir()?;
     let (model, file) = ServedModel::from_dir(&dir).unwrap();
-    let eps = cascade_tests::loopback::endpoints(n, tag, |_| {}).await.unwrap();
+    let eps = cascade_tests::loopback::endpoints(roles.len() as u32 + 1, tag, |_| {}).await.unwrap();
     let cfg =
         InstanceConfig { max_batch: 4, max_tokens: 64, slots: 8, op_timeout: Duration::from_secs(30), core: None };
     let mut instances = Vec::new();
-    for (i, ep) in eps.iter().enumerate().skip(1) {
+    for (ep, &role) in eps.iter().skip(1).zip(roles) {
         let mesh: Arc<dyn Mesh> = ep.clone();
+        let source = match role {
+            Role::Held => Source::Held(model.load(&*mesh, &file).unwrap()),
+            Role::Arriving => Source::Arriving,
+            Role::Absent => continue,
+        };
         let mc = MulticastNode::start(mesh.clone(), Duration::from_secs(10)).unwrap();
-        let source = if i == 1 { Source::Held(model.load(&*mesh, &file).unwrap()) } else { Source::Arriving };
         instances.push(Instance::start(mesh, model.clone(), source, mc, cfg).unwrap());
     }
     Some(Cluster { eps, model, _instances: instances })
@@ -277,4 +299,28 @@ async fn the_old_instance_failing_mid_batch_loses_nothing() {
     let late_on_new = answers.iter().filter(|a| a.to == 2).count();
     assert!(stats.requeued > 0, "a batch was outstanding on node 1 when it died");
     eprintln!("old died: requeued {}, {late_on_new} answered via node 2", stats.requeued);
+}
+
+/// A node whose link is up but which runs no exec instance (as while a node shuts down: its
+/// services go before its links) answers "no such service": the router stops sending there at
+/// once instead of spending every attempt of a batch on it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_without_an_instance_takes_no_more_batches() {
+    // Node 1 is the router's `old` but runs no instance; node 2 serves a held copy.
+    let Some(c) = cluster_of("no-instance", &[Role::Absent, Role::Held]).await else { return };
+    let mesh: Arc<dyn Mesh> = c.eps[0].clone();
+    let gone = mesh.call(1, &ExecMsg::Status, Duration::from_secs(5)).await;
+    assert!(
+        matches!(gone, Err(TransportError::Service { peer: 1, fault: ServiceFault::UnknownService, .. })),
+        "node 1 runs no instance but is connected: {gone:?}"
+    );
+    let (answers, stats, _) = serve_during(&c, 24, |cmds| async move {
+        cmds.send(RouterCmd::Scale { node: 2 }).unwrap();
+    })
+    .await;
+    assert_eq!((stats.served, stats.refused), (24, 0));
+    assert!(answers.iter().all(|a| a.to == 2 && a.split.is_none()), "every batch went to node 2 alone");
+    // At most the batches in flight to node 1 before its first refusal came back (the router
+    // sends an instance `per_instance` = 2 at a time).
+    assert!(stats.requeued <= 2, "one refusal marks node 1 gone: {} batches requeued", stats.requeued);
 }

@@ -213,6 +213,16 @@ impl TransportError {
         }
     }
 
+    /// The node that answered "no such service": its link is up, but nothing there serves the
+    /// service called (it stopped — a node shutting down drops its services before its links —
+    /// or never started). Retrying the same node at once cannot help.
+    pub fn no_such_service(&self) -> Option<NodeId> {
+        match self {
+            TransportError::Service { peer, fault: crate::service::ServiceFault::UnknownService, .. } => Some(*peer),
+            _ => None,
+        }
+    }
+
     /// Wraps an I/O error with what was being done.
     pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
         TransportError::Io { context: context.into(), source }

@@ -64,5 +64,5 @@ pub use metrics::Metrics;
 #[cfg(any(test, feature = "test-access"))]
 pub use region::test_access;
 pub use region::{Prefault, Region, RegionId, RegionOptions, RegionTable, RemoteKey, RemoteRegion, PAGE};
-pub use service::{Inbox, Message, Received, ReplyTo, ServiceExt, ServiceId, Services};
+pub use service::{Inbox, Message, Received, ReplyTo, ServiceExt, ServiceFault, ServiceId, Services};
 pub use stats::StatsSnapshot;

@@ -196,7 +196,9 @@ async fn follow(
                 }
             }
             Ok(other) => debug!(node, ?other, "unexpected status answer"),
-            Err(e) if !mesh.connected_to(node) => return debug!(node, error = %e, "the new instance is gone"),
+            Err(e) if !mesh.connected_to(node) || e.no_such_service().is_some() => {
+                return debug!(node, error = %e, "the new instance is gone")
+            }
             Err(e) => debug!(node, error = %e, "status"),
         }
         tokio::time::sleep(every).await;
@@ -242,7 +244,14 @@ fn answer(
         }
         Ok(ExecMsg::Failed { message, .. }) => message,
         Ok(other) => format!("unexpected answer {other:?}"),
-        Err(e) => e.to_string(),
+        Err(e) => {
+            // A node whose link still answers but that runs no exec instance takes no more
+            // batches either: retried at once, it would refuse them all.
+            if let Some(peer) = e.no_such_service() {
+                disp.down(peer);
+            }
+            e.to_string()
+        }
     };
     // The instances involved that are gone take no more batches.
     for n in std::iter::once(to).chain(split.map(|s| s.then)).chain(onward.map(|s| s.then)) {
