@@ -428,3 +428,58 @@ async fn rebalance_onto_a_joined_instance(by_monitor: bool, tag: &str) {
         e.shutdown();
     }
 }
+
+/// A decode instance dies with requests decoding on it: the router redoes them elsewhere from
+/// their prompts and sends nothing more there; every request is answered once, with the
+/// reference tokens, and the router does not wait for tokens that cannot come.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_instance_dying_mid_stream_loses_nothing() {
+    // 1: prefill; 2 and 3: decode.
+    let roles = [Some(Role::Prefill), Some(Role::Decode), Some(Role::Decode)];
+    let Some(c) = cluster(&roles, "pd-decode-dies").await else { return };
+    let mesh: Arc<dyn Mesh> = c.eps[0].clone();
+    let want = expected();
+    let layers = c.model.config.stages() as u32;
+    let (req_tx, req_rx) = mpsc::unbounded_channel();
+    let (_cmd_tx, cmd_rx) = mpsc::unbounded_channel();
+    let (ans_tx, mut ans_rx) = mpsc::unbounded_channel();
+    let routing =
+        tokio::spawn(router::run(mesh.clone(), router_cfg(1, vec![], vec![2, 3], layers), req_rx, cmd_rx, ans_tx));
+    let n = 16;
+    for i in 0..n {
+        let (prompt, _) = &want[i % want.len()];
+        req_tx.send(GenRequest { id: i as u64, prompt: prompt.clone(), max_tokens: MAX_TOKENS, adapter: 0 }).unwrap();
+    }
+    drop(req_tx);
+    // Node 3 goes once it decodes something.
+    let running = || async {
+        match mesh.call(3, &LlmMsg::Status, Duration::from_secs(10)).await {
+            Ok(LlmMsg::State { running, .. }) => running,
+            other => panic!("status of node 3: {other:?}"),
+        }
+    };
+    let t0 = std::time::Instant::now();
+    while running().await == 0 {
+        assert!(t0.elapsed() < Duration::from_secs(60), "nothing ever decoded on node 3");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    c.eps[3].shutdown();
+    let stats = tokio::time::timeout(Duration::from_secs(120), routing)
+        .await
+        .expect("the router finished: it waited for no token from the dead instance")
+        .unwrap()
+        .unwrap();
+    let answers: Vec<GenAnswer> = std::iter::from_fn(|| ans_rx.try_recv().ok()).collect();
+    check(&answers, n, &want);
+    assert_eq!((stats.answered, stats.failed), (n as u64, 0));
+    assert!(stats.requeued > 0, "a request was decoding on node 3 when it died");
+    eprintln!(
+        "decode died: requeued {}, answered via node 2 {}, via node 3 (before it died) {}",
+        stats.requeued,
+        answers.iter().filter(|a| a.decode == 2).count(),
+        answers.iter().filter(|a| a.decode == 3).count()
+    );
+    for e in &c.eps {
+        e.shutdown();
+    }
+}

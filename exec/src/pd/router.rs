@@ -5,6 +5,10 @@
 //! tokens. A request whose prefill or decoding fails is re-queued and redone from its prompt
 //! (greedy decoding gives the same tokens); it is answered once, when its last token arrives.
 //!
+//! An instance whose link goes down (or that answers that it runs no `llm` service) is gone for
+//! the rest of the run: nothing more is prefilled or decoded there, and the requests that were
+//! decoding there are redone elsewhere — nothing waits for tokens that cannot come.
+//!
 //! Commands: [`PdCmd::Mutate`] turns a prefill instance into a decode one (nothing more is sent
 //! to it for prefill; prefills racing the switch are refused there and re-queued);
 //! [`PdCmd::Scaling`] pairs an arriving prefill instance with the old one; [`PdCmd::Rebalance`]
@@ -12,12 +16,12 @@
 //! rounds on its own, dLoRA's periodic monitor (seed `002_…`, §5): one every
 //! [`MonitorConfig::every`], never two at once, each beside the routing.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cascade_transport::service::DEFAULT_INBOX;
-use cascade_transport::{Mesh, ServiceExt};
+use cascade_transport::{Mesh, PeerEvent, ServiceExt};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinSet;
 use tracing::{debug, info, warn};
@@ -167,6 +171,10 @@ pub async fn run(
     answers: mpsc::UnboundedSender<GenAnswer>,
 ) -> Result<RouterStats, ServeError> {
     let mut inbox = mesh.subscribe::<LlmMsg>(DEFAULT_INBOX)?;
+    let mut events = mesh.peer_events();
+    // Instances gone for the rest of the run.
+    let mut gone: HashSet<u32> = HashSet::new();
+    let mut watching = true;
     let mut d = Dispatcher::new(cfg.dispatch);
     for &n in &cfg.more_prefill {
         d.serving(n);
@@ -239,6 +247,8 @@ pub async fn run(
                 }
             },
             Some(m) = inbox.recv() => match m.msg {
+                // A gone instance's late tokens belong to a decode that is being redone.
+                LlmMsg::Token { .. } if gone.contains(&m.from) => {}
                 LlmMsg::Token { req, index, token, done } => {
                     if let Some(p) = pending.get_mut(&req) {
                         p.decode = m.from;
@@ -270,6 +280,11 @@ pub async fn run(
                         }
                         delayed.push((Instant::now() + cfg.retry_after, id));
                     }
+                    Outcome::Done(_, true, _, dnode) if gone.contains(&dnode) => {
+                        debug!(req = id, node = dnode, "the decode instance went while prefilling: redone");
+                        stats.requeued += 1;
+                        delayed.push((Instant::now(), id));
+                    }
                     Outcome::Done(first, decoding, on_first, dnode) => {
                         d.done(id);
                         if let Some(p) = pending.get_mut(&id) {
@@ -282,6 +297,11 @@ pub async fn run(
                         }
                     }
                     Outcome::Failed(e) => {
+                        if let ServeError::Transport(t) = &e {
+                            if let Some(node) = t.no_such_service() {
+                                lose(node, &mut gone, &mut d, &mut decode, &mut pending, &mut stats);
+                            }
+                        }
                         let attempts = pending.get(&id).map_or(0, |p| p.attempts);
                         debug!(req = id, attempts, error = %e, "prefill failed");
                         if attempts >= cfg.max_attempts || matches!(e, ServeError::Input(_)) {
@@ -313,6 +333,13 @@ pub async fn run(
                     }
                 }
                 next_round = cfg.monitor.as_ref().map(|m| Instant::now() + m.every);
+            },
+            ev = events.recv(), if watching => match ev {
+                Ok(PeerEvent::Down { peer, .. }) => {
+                    lose(peer, &mut gone, &mut d, &mut decode, &mut pending, &mut stats);
+                }
+                Err(tokio::sync::broadcast::error::RecvError::Closed) => watching = false,
+                _ => {}
             },
             _ = tick.tick() => {}
         }
@@ -359,6 +386,31 @@ pub async fn run(
                 let _ = answers.send(answer(p, Ok(tokens)));
             }
         }
+    }
+}
+
+/// `node` is gone: no more prefills or decodes go there, and every request decoding there is
+/// redone from its prompt (its tokens so far are dropped; greedy decoding repeats them).
+fn lose(
+    node: u32,
+    gone: &mut HashSet<u32>,
+    d: &mut Dispatcher,
+    decode: &mut Vec<u32>,
+    pending: &mut HashMap<u64, Pending>,
+    stats: &mut RouterStats,
+) {
+    if !gone.insert(node) {
+        return;
+    }
+    warn!(node, "instance gone: nothing more goes there");
+    d.down(node);
+    decode.retain(|&n| n != node);
+    for (&id, p) in pending.iter_mut().filter(|(_, p)| p.first.is_some() && p.decode == node) {
+        p.first = None;
+        p.tokens.clear();
+        p.done_at = None;
+        stats.requeued += 1;
+        d.arrive_weighted(id, p.req.prompt.len() as f64);
     }
 }
 
