@@ -5,7 +5,9 @@
 //! the empty instance is scaled out by multicast from the other prefill instance, serving its
 //! first layers cooperatively while the rest arrives. Every answer is checked against
 //! single-process greedy generation; TTFT and the gaps between tokens are measured per request;
-//! `report.json` goes to `--out`.
+//! `report.json` goes to `--out`. With `--kill-decode-at-s`, the first decode instance's process
+//! is killed (SIGKILL) after the mutation: the router redoes the requests it was decoding on the
+//! mutated instance, and still none is lost.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -116,6 +118,11 @@ pub(crate) struct PdArgs {
     /// instance's requests move with their KV to a less loaded one); 0: no monitor.
     #[arg(long, default_value_t = 0)]
     rebalance_every_ms: u64,
+    /// Kill the decode instance (node 3) with SIGKILL this many seconds into the burst, after
+    /// the mutation gave the burst a second decode instance (so it must be later than
+    /// `--scale-after-s`); its requests are redone from their prompts.
+    #[arg(long)]
+    kill_decode_at_s: Option<f64>,
 }
 
 const PROMPTS: [&str; 6] = [
@@ -154,6 +161,13 @@ pub(crate) fn ensure_model(dir: &Path) -> anyhow::Result<()> {
 pub(crate) fn run(a: PdArgs) -> anyhow::Result<()> {
     if a.requests == 0 || a.max_tokens == 0 || !a.rate.is_finite() || a.rate <= 0.0 {
         bail!("--requests, --max-tokens and --rate must be positive");
+    }
+    if let Some(k) = a.kill_decode_at_s.filter(|&k| !(k.is_finite() && k > a.scale_after_s)) {
+        bail!(
+            "--kill-decode-at-s {k} must come after --scale-after-s {}: until the mutation node {DECODE} is the only \
+             decode instance",
+            a.scale_after_s
+        );
     }
     ensure_model(&a.model)?;
     std::fs::create_dir_all(&a.out)?;
@@ -200,8 +214,13 @@ pub(crate) fn run(a: PdArgs) -> anyhow::Result<()> {
     }
     std::env::set_var("CASCADE_SECRET", SECRET);
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    let res = rt.block_on(drive(&a, &cluster, &model, &prompts, &expected, &out));
-    for mut c in children {
+    let children = std::sync::Mutex::new(children);
+    let kill_decode = || -> anyhow::Result<()> {
+        let mut c = children.lock().map_err(|_| anyhow::anyhow!("the instance list is poisoned"))?;
+        c[DECODE as usize - 1].kill().context("killing the decode instance")
+    };
+    let res = rt.block_on(drive(&a, &cluster, &model, &prompts, &expected, &out, &kill_decode));
+    for mut c in children.into_inner().unwrap_or_else(|e| e.into_inner()) {
         let _ = c.kill();
         let _ = c.wait();
     }
@@ -220,6 +239,7 @@ async fn drive(
     prompts: &[Vec<u32>],
     expected: &[Vec<u32>],
     out: &Path,
+    kill_decode: &(dyn Fn() -> anyhow::Result<()> + Sync),
 ) -> anyhow::Result<()> {
     let ep = crate::join(&Member::driver(cluster), true).await?;
     let mesh: Arc<dyn Mesh> = ep.clone();
@@ -279,8 +299,21 @@ async fn drive(
     for n in 0..5 {
         topo.add_node(n, 0, 10.0)?;
     }
-    let scaled = scale_out(&mesh, &ctl, &model.manifest, topo, OLD, &[NEW], None).await?;
-    let loaded_s = start.elapsed().as_secs_f64();
+    // The kill, when asked for, runs beside the scale-out (its time may fall inside it).
+    let killing = async {
+        let Some(at) = a.kill_decode_at_s else { return Ok(None) };
+        tokio::time::sleep_until((start + Duration::from_secs_f64(at)).into()).await;
+        kill_decode()?;
+        let at = start.elapsed().as_secs_f64();
+        println!("killed the decode instance (node {DECODE}, SIGKILL) at {at:.1} s");
+        Ok::<_, anyhow::Error>(Some(at))
+    };
+    let scaling = async {
+        let r = scale_out(&mesh, &ctl, &model.manifest, topo, OLD, &[NEW], None).await;
+        (r, start.elapsed().as_secs_f64())
+    };
+    let ((scaled, loaded_s), killed_s) = tokio::join!(scaling, killing);
+    let (scaled, killed_s) = (scaled?, killed_s?);
     sender.await?;
     let stats = routing.await??;
     let answers: Vec<GenAnswer> = std::iter::from_fn(|| ans_rx.try_recv().ok()).collect();
@@ -317,6 +350,7 @@ async fn drive(
         "ttft_p50_ms": pct(&mut ttft.clone(), 0.5), "ttft_p99_ms": pct(&mut ttft.clone(), 0.99),
         "tbt_p50_ms": pct(&mut tbt.clone(), 0.5), "tbt_p99_ms": pct(&mut tbt.clone(), 0.99),
         "mutated_at_s": mutated_s, "scale_out_done_s": loaded_s, "multicast_s": scaled.run.report.seconds,
+        "decode_killed_at_s": killed_s,
         "prefills": {"node1": on(OLD), "node2": on(MUTATES), "node4": on(NEW), "split": split},
         "decoded_by_mutated_instance": decoded_by_mutated,
         "per_request": rows,
@@ -341,6 +375,12 @@ async fn drive(
         on(NEW),
         out.join("report.json").display()
     );
+    if let Some(at) = killed_s {
+        println!(
+            "node {DECODE} was killed at {at:.1} s: {} prefills redone (the requests it was decoding among them)",
+            stats.requeued
+        );
+    }
     if a.rebalance_every_ms > 0 {
         println!(
             "co-migration monitor: {} rounds ({} failed), {} requests moved with their KV",
