@@ -185,7 +185,8 @@ async fn follow(
         other => debug!(node, old, answer = ?other, "pairing ahead failed"),
     }
     let mut last = None;
-    loop {
+    // Until the router is gone too (it may finish before the copy does).
+    while !tx.is_closed() {
         match mesh.call(node, &ExecMsg::Status, limit).await {
             Ok(ExecMsg::State { resident, after_entry, .. }) => {
                 if last != Some((resident, after_entry)) {
