@@ -483,3 +483,45 @@ async fn a_decode_instance_dying_mid_stream_loses_nothing() {
         e.shutdown();
     }
 }
+
+/// The only decode instance dies: the requests it was decoding, and those still to come, are
+/// answered with an error once their attempts run out — the router ends, nothing waits forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_no_decode_instance_left_requests_fail_instead_of_waiting() {
+    let roles = [Some(Role::Prefill), Some(Role::Decode)];
+    let Some(c) = cluster(&roles, "pd-no-decode").await else { return };
+    let mesh: Arc<dyn Mesh> = c.eps[0].clone();
+    let want = expected();
+    let layers = c.model.config.stages() as u32;
+    let (req_tx, req_rx) = mpsc::unbounded_channel();
+    let (_cmd_tx, cmd_rx) = mpsc::unbounded_channel();
+    let (ans_tx, mut ans_rx) = mpsc::unbounded_channel();
+    let routing =
+        tokio::spawn(router::run(mesh.clone(), router_cfg(1, vec![], vec![2], layers), req_rx, cmd_rx, ans_tx));
+    let send = |i: usize| {
+        let (prompt, _) = &want[i % want.len()];
+        req_tx.send(GenRequest { id: i as u64, prompt: prompt.clone(), max_tokens: MAX_TOKENS, adapter: 0 }).unwrap();
+    };
+    send(0);
+    // The first answer comes whole; then node 2 goes, and a second request follows.
+    let first = ans_rx.recv().await.unwrap();
+    assert_eq!(first.result.as_ref().unwrap(), &want[0].1);
+    c.eps[2].shutdown();
+    while mesh.connected_to(2) {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    send(1);
+    drop(req_tx);
+    let stats = tokio::time::timeout(Duration::from_secs(60), routing)
+        .await
+        .expect("the router finished: it did not wait for a decode instance forever")
+        .unwrap()
+        .unwrap();
+    let second = ans_rx.recv().await.unwrap();
+    let err = second.result.unwrap_err();
+    assert!(err.contains("no decode instance"), "{err}");
+    assert_eq!((stats.answered, stats.failed), (1, 1));
+    for e in &c.eps {
+        e.shutdown();
+    }
+}

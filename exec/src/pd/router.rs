@@ -438,9 +438,15 @@ async fn prefill(
     order: &[u32],
     timeout: Duration,
 ) -> Outcome {
+    if order.is_empty() {
+        // Not back-pressure: with no decode instance left, waiting would never end. Counted
+        // as an attempt, so the request is answered with this error once its attempts run out
+        // (a decode instance that joins meanwhile, `PdCmd::Decode`, takes it).
+        return Outcome::Failed(ServeError::Peer("no decode instance is left".into()));
+    }
     let tokens = req.prompt.len() as u32 + req.max_tokens;
     let mut grant: Option<KvGrant> = None;
-    let mut why = String::from("no decode instance");
+    let mut why = String::new();
     for &n in order {
         match mesh.call(n, &LlmMsg::Reserve { req: req.id, tokens }, timeout).await {
             Ok(LlmMsg::Reserved { grant: g }) => {
