@@ -38,9 +38,11 @@ pub(crate) struct LiveArgs {
     /// Put every node in its own network namespace, egress shaped to --link-mbit (root).
     #[arg(long)]
     netns: bool,
-    /// Link rate with --netns, Mbit/s.
-    #[arg(long, default_value_t = 100)]
-    link_mbit: u64,
+    /// Link rate with --netns, Mbit/s. Several, comma-separated, run the whole comparison at
+    /// each rate in turn (each in `OUT/<rate>mbit/`) and end with a table of the p99 ratios
+    /// per rate (`OUT/sweep.json`).
+    #[arg(long, value_delimiter = ',', default_value = "100")]
+    link_mbit: Vec<u64>,
     /// The policies to compare, on the same burst.
     #[arg(long, value_delimiter = ',', default_value = "stop-the-world,best-effort,zigzag")]
     policies: Vec<LivePolicy>,
@@ -95,6 +97,13 @@ pub(crate) struct LiveArgs {
     /// Internal: the burst's rate (requests/s) set by the round's first run.
     #[arg(long, hide = true)]
     rate_rps: Option<f64>,
+}
+
+impl LiveArgs {
+    /// The link rate of a comparison at one rate (the first of the list).
+    fn link(&self) -> u64 {
+        self.link_mbit.first().copied().unwrap_or(100)
+    }
 }
 
 /// Which node sends the scale-out's copy.
@@ -171,11 +180,15 @@ pub(crate) async fn instance(a: InstanceArgs) -> anyhow::Result<()> {
 
 /// Runs the comparison.
 pub(crate) fn run(a: LiveArgs) -> anyhow::Result<()> {
-    if a.policies.is_empty() || a.burst <= 0.0 || a.burst_s <= 0.0 || a.link_mbit == 0 || a.max_batch == 0 {
+    let no_rate = a.link_mbit.is_empty() || a.link_mbit.contains(&0);
+    if a.policies.is_empty() || a.burst <= 0.0 || a.burst_s <= 0.0 || no_rate || a.max_batch == 0 {
         bail!("--policies, --burst, --burst-s, --link-mbit and --max-batch must be non-empty/positive");
     }
     if a.max_coop == 0 || a.rounds == 0 {
         bail!("--max-coop and --rounds must be positive");
+    }
+    if a.link_mbit.len() > 1 && (!a.netns || a.driver.is_some()) {
+        bail!("several --link-mbit rates need --netns: without it no link is shaped");
     }
     let present = |d: &Path| d.join("model.safetensors").is_file() && d.join("tokenizer.json").is_file();
     let fetch = Path::new("scripts/fetch-minilm.sh");
@@ -210,6 +223,22 @@ pub(crate) fn run(a: LiveArgs) -> anyhow::Result<()> {
          of its own (standing for one GPU); this machine has {cores} cores{}",
         if cores < 2 { " — the second instance cannot add capacity here" } else { "" }
     );
+    if a.link_mbit.len() == 1 {
+        return compare(&a).map(drop);
+    }
+    let mut rows = Vec::new();
+    for &mbit in &a.link_mbit {
+        println!("— links at {mbit} Mbit/s —");
+        let out = a.out.join(format!("{mbit}mbit"));
+        std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+        let one = LiveArgs { link_mbit: vec![mbit], out, ..a.clone() };
+        rows.push((mbit, compare(&one)?));
+    }
+    report::sweep(&a, &rows)
+}
+
+/// The comparison at one link rate: every round, every policy; the report.
+fn compare(a: &LiveArgs) -> anyhow::Result<report::Ratios> {
     let mut rounds = Vec::new();
     for round in 0..a.rounds.max(1) {
         // Each round starts with another policy, so that none always runs first or last.
@@ -227,7 +256,7 @@ pub(crate) fn run(a: LiveArgs) -> anyhow::Result<()> {
         }
         rounds.push(runs.into_iter().flatten().collect());
     }
-    report::write(&a, &rounds)
+    report::write(a, &rounds)
 }
 
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
@@ -245,7 +274,7 @@ fn run_policy(a: &LiveArgs, policy: LivePolicy, round: usize) -> anyhow::Result<
     let _ = std::fs::remove_file(&record);
     let n = a.source.nodes();
     if a.netns {
-        let mut net = Netns::create(n, Some(a.link_mbit))?;
+        let mut net = Netns::create(n, Some(a.link()))?;
         let addrs: Vec<std::net::SocketAddr> = (0..n).map(|i| (Netns::addr(i), 7500).into()).collect();
         let cluster = crate::demo::write_cluster(&dir, &addrs)?;
         for i in 1..n {
@@ -308,7 +337,7 @@ fn instance_args(c: &mut Command, a: &LiveArgs, cluster: &Path, i: usize, dir: &
 }
 
 fn driver_args(c: &mut Command, a: &LiveArgs) {
-    c.arg("--model").arg(&a.model).arg("--netns").args(["--link-mbit", &a.link_mbit.to_string()]);
+    c.arg("--model").arg(&a.model).arg("--netns").args(["--link-mbit", &a.link().to_string()]);
     c.args(["--burst", &a.burst.to_string(), "--burst-s", &a.burst_s.to_string()]);
     c.args(["--scale-after-s", &a.scale_after_s.to_string(), "--max-batch", &a.max_batch.to_string()]);
     c.args(["--max-coop", &a.max_coop.to_string(), "--source", a.source.name()]);

@@ -1,6 +1,7 @@
 //! `cascade live`, the README's main job, end to end at a small size: the real MiniLM served
 //! while its copy arrives, under the three policies — in shaped network namespaces when they can
-//! be made (root; CI runs as root), on loopback otherwise. Skips, saying so, without the model.
+//! be made (root; CI runs as root; there at two link rates, the sweep `--link-mbit 300,400`), on
+//! loopback otherwise. Skips, saying so, without the model.
 #![allow(clippy::unwrap_used)]
 
 use std::path::PathBuf;
@@ -22,13 +23,35 @@ fn live_scaling_serves_every_request_with_the_reference_embedding() {
     cmd.args(["live", "--burst-s", "4", "--burst", "1.3", "--scale-after-s", "0.5", "--model"]).arg(&model);
     cmd.arg("--out").arg(&out);
     if netns {
-        cmd.args(["--netns", "--link-mbit", "400"]);
+        cmd.args(["--netns", "--link-mbit", "300,400"]);
     }
     let res = cmd.output().unwrap();
     let stdout = String::from_utf8_lossy(&res.stdout);
     assert!(res.status.success(), "live failed:\n{stdout}\n{}", String::from_utf8_lossy(&res.stderr));
+    let dirs = if netns {
+        // One comparison per rate, each in its own directory, and the table of them.
+        let sweep: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(out.join("sweep.json")).unwrap()).unwrap();
+        let rates: Vec<u64> =
+            sweep["rates"].as_array().unwrap().iter().map(|r| r["link_mbit"].as_u64().unwrap()).collect();
+        assert_eq!(rates, [300, 400]);
+        assert!(sweep["rates"][0]["p99_zigzag_over_best_effort"].as_f64().is_some_and(|x| x > 0.0), "{sweep:#}");
+        vec![out.join("300mbit"), out.join("400mbit")]
+    } else {
+        vec![out.clone()]
+    };
+    for dir in dirs {
+        check_report(&dir, netns);
+    }
+    eprintln!("{stdout}");
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+/// One comparison's report: every policy served every request with the reference embedding, on
+/// the same burst; with shaped links the live policies split batches and stop-the-world did not.
+fn check_report(dir: &std::path::Path, netns: bool) {
     let r: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap()).unwrap();
+        serde_json::from_str(&std::fs::read_to_string(dir.join("report.json")).unwrap()).unwrap();
     let policies = r["policies"].as_array().unwrap();
     assert_eq!(policies.len(), 3);
     assert_eq!(r["copy_source"], "pool", "the default source of the copy");
@@ -55,7 +78,5 @@ fn live_scaling_serves_every_request_with_the_reference_embedding() {
             }
         }
     }
-    assert!(out.join("live.png").is_file());
-    eprintln!("{stdout}");
-    let _ = std::fs::remove_dir_all(&out);
+    assert!(dir.join("live.png").is_file());
 }

@@ -109,7 +109,7 @@ pub(crate) async fn drive(a: &LiveArgs, cluster: &Path, policy: LivePolicy, roun
     let layers = model.config.num_hidden_layers as u32 + 1;
     // T: a block's load time on the link over one layer's execution time.
     let block = model.manifest.layers.get(1).map_or(0, |l| l.range.end - l.range.start) as f64;
-    let link_bps = if a.netns { a.link_mbit as f64 * 1e6 } else { 8e9 };
+    let link_bps = if a.netns { a.link() as f64 * 1e6 } else { 8e9 };
     let load_ratio = ((block * 8.0 / link_bps) / (per_batch / f64::from(layers))).round().max(1.0) as u32;
     // The round's first run sets the burst; the others replay it.
     let rate = a.rate_rps.unwrap_or(a.burst * capacity);

@@ -69,7 +69,53 @@ fn median(mut v: Vec<f64>) -> Option<f64> {
 /// Writes `report.json` and `live.png`; fails when a request was lost or an embedding is off.
 /// With several rounds, each policy's figures are the medians over the rounds, and the plot
 /// shows the round whose zigzag p99 is the median.
-pub(super) fn write(a: &LiveArgs, rounds: &[Vec<PolicyRun>]) -> anyhow::Result<()> {
+/// A comparison's p99 ratios (medians over its rounds) and the median p99s they come from.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Ratios {
+    /// Median p99, s: stop-the-world, best-effort, zigzag.
+    p99: [Option<f64>; 3],
+    /// Median load ratio T of the zigzag runs.
+    load_ratio: Option<f64>,
+}
+
+impl Ratios {
+    fn zz_over(&self, i: usize) -> Option<f64> {
+        self.p99[2].zip(self.p99[i]).map(|(z, o)| z / o)
+    }
+}
+
+/// Writes `sweep.json` and prints a table of the comparisons at each link rate.
+pub(super) fn sweep(a: &LiveArgs, rows: &[(u64, Ratios)]) -> anyhow::Result<()> {
+    let f = |x: Option<f64>| x.map_or("—".to_string(), |x| format!("{x:.2}"));
+    println!("link (Mbit/s) | T | p99 stw / be / zz (s) | zz ÷ be (≤ 0.8) | zz ÷ stw (≤ 0.6)");
+    for (mbit, r) in rows {
+        println!(
+            "{mbit} | {} | {} / {} / {} | {} | {}",
+            r.load_ratio.map_or("—".to_string(), |t| format!("{t:.0}")),
+            f(r.p99[0]),
+            f(r.p99[1]),
+            f(r.p99[2]),
+            f(r.zz_over(1)),
+            f(r.zz_over(0))
+        );
+    }
+    let json: Vec<_> = rows
+        .iter()
+        .map(|(mbit, r)| {
+            json!({
+                "link_mbit": mbit, "report": format!("{mbit}mbit/report.json"), "load_ratio_T": r.load_ratio,
+                "median_p99_s": {"stop-the-world": r.p99[0], "best-effort": r.p99[1], "zigzag": r.p99[2]},
+                "p99_zigzag_over_best_effort": r.zz_over(1), "p99_zigzag_over_stop_the_world": r.zz_over(0),
+            })
+        })
+        .collect();
+    let path = a.out.join("sweep.json");
+    std::fs::write(&path, serde_json::to_vec_pretty(&json!({ "rounds": a.rounds, "rates": json }))?)?;
+    println!("wrote {}", path.display());
+    Ok(())
+}
+
+pub(super) fn write(a: &LiveArgs, rounds: &[Vec<PolicyRun>]) -> anyhow::Result<Ratios> {
     let names: Vec<String> = rounds.first().map(|r| r.iter().map(|p| p.policy.clone()).collect()).unwrap_or_default();
     let runs_of = |name: &str| -> Vec<&PolicyRun> { rounds.iter().flatten().filter(|r| r.policy == name).collect() };
     let med = |name: &str, f: &dyn Fn(&Summary) -> Option<f64>| {
@@ -131,7 +177,7 @@ pub(super) fn write(a: &LiveArgs, rounds: &[Vec<PolicyRun>]) -> anyhow::Result<(
     let report = json!({
         "model": "all-MiniLM-L6-v2",
         "netns": a.netns,
-        "link_mbit": if a.netns { Some(a.link_mbit) } else { None },
+        "link_mbit": if a.netns { Some(a.link()) } else { None },
         "burst_x_capacity": a.burst,
         "burst_s": a.burst_s,
         "max_batch": a.max_batch,
@@ -174,7 +220,8 @@ pub(super) fn write(a: &LiveArgs, rounds: &[Vec<PolicyRun>]) -> anyhow::Result<(
     if lost > 0 || off > 0 {
         anyhow::bail!("{lost} requests lost, {off} embeddings off the reference");
     }
-    Ok(())
+    let load_ratio = median(runs_of("zigzag").iter().map(|r| f64::from(r.load_ratio)).collect());
+    Ok(Ratios { p99: [stw, be, zz], load_ratio })
 }
 
 /// Per bin of answer time: (bin start, requests/s served, p99 latency of those answered).
