@@ -115,13 +115,24 @@ pub(crate) enum CopySource {
     Pool,
 }
 
+/// A run's nodes: 0 drives; OLD serves from the start; NEW starts empty; POOL, with `--source
+/// pool`, holds the pool's copy and serves nothing.
+const OLD: u32 = 1;
+const NEW: u32 = 2;
+const POOL: u32 = 3;
+
 impl CopySource {
+    /// The node that sends the copy.
+    fn node(self) -> u32 {
+        match self {
+            CopySource::Old => OLD,
+            CopySource::Pool => POOL,
+        }
+    }
+
     /// The nodes a run has: the driver, old, new, and the pool node when it is the source.
     fn nodes(self) -> usize {
-        match self {
-            CopySource::Old => 3,
-            CopySource::Pool => 4,
-        }
+        NEW.max(self.node()) as usize + 1
     }
 
     /// Its name on the command line.
@@ -320,10 +331,10 @@ fn instance_args(c: &mut Command, a: &LiveArgs, cluster: &Path, i: usize, dir: &
     c.arg("instance").arg("--cluster").arg(cluster).args(["--node", &i.to_string(), "--ready-timeout-s", "120"]);
     c.arg("--model").arg(&a.model).args(["--max-batch", &a.max_batch.to_string()]);
     // Old and new compute, each on a core of its own; the pool node only holds its copy.
-    if i <= 2 {
+    if i as u32 == OLD || i as u32 == NEW {
         c.args(["--core", &(i - 1).to_string()]);
     }
-    if i == 2 {
+    if i as u32 == NEW {
         c.arg("--arriving");
     }
     // One compute thread per instance: candle's matmuls follow rayon's thread count.

@@ -16,13 +16,8 @@ use cascade_transport::{Mesh, ServiceExt};
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 
-use super::LiveArgs;
+use super::{LiveArgs, NEW, OLD};
 use crate::Member;
-
-const OLD: u32 = 1;
-const NEW: u32 = 2;
-/// The pool node, with `--source pool`.
-const POOL: u32 = 3;
 
 /// What one policy's run recorded.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -158,10 +153,7 @@ pub(crate) async fn drive(a: &LiveArgs, cluster: &Path, policy: LivePolicy, roun
     for n in 0..a.source.nodes() as u32 {
         topology.add_node(n, 0, link_bps / 1e9)?;
     }
-    let source = match a.source {
-        super::CopySource::Old => OLD,
-        super::CopySource::Pool => POOL,
-    };
+    let source = a.source.node();
     let (ptx, mut prx) = mpsc::unbounded_channel::<(f64, Event)>();
     // Each event timed as it arrives, on the burst's clock.
     let events = tokio::spawn(async move {
