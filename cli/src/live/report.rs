@@ -112,9 +112,9 @@ pub(super) fn sweep(a: &LiveArgs, rows: &[(u64, Ratios)]) -> anyhow::Result<()> 
     Ok(())
 }
 
-/// Writes `report.json` and `live.png`; returns the ratios; fails when a request was lost or an embedding is off.
-/// With several rounds, each policy's figures are the medians over the rounds, and the plot
-/// shows the round whose zigzag p99 is the median.
+/// Writes `report.json` and `live.png` and returns the ratios; fails when a request was lost or
+/// an embedding is off. With several rounds, each policy's figures are the medians over the
+/// rounds, and the plot shows the round whose zigzag p99 is the median.
 pub(super) fn write(a: &LiveArgs, rounds: &[Vec<PolicyRun>]) -> anyhow::Result<Ratios> {
     let names: Vec<String> = rounds.first().map(|r| r.iter().map(|p| p.policy.clone()).collect()).unwrap_or_default();
     let runs_of = |name: &str| -> Vec<&PolicyRun> { rounds.iter().flatten().filter(|r| r.policy == name).collect() };
