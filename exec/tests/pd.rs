@@ -70,7 +70,8 @@ fn expected() -> Vec<(Vec<u32>, Vec<u32>)> {
         .collect()
 }
 
-fn router_cfg(old: u32, more: Vec<u32>, decode: Vec<u32>, layers: u32) -> PdRouterConfig {
+fn router_cfg(c: &Cluster, old: u32, more: Vec<u32>, decode: Vec<u32>) -> PdRouterConfig {
+    let layers = c.model.config.stages() as u32;
     PdRouterConfig {
         dispatch: DispatchConfig {
             policy: LivePolicy::Zigzag,
@@ -109,6 +110,35 @@ fn check(answers: &[GenAnswer], n: usize, want: &[(Vec<u32>, Vec<u32>)]) {
         assert_eq!(a.gaps.len(), tokens.len() - 1);
     }
     assert_eq!(seen.len(), n, "every request is answered");
+}
+
+/// A router on node 0 of a cluster, with its channels.
+struct Routed {
+    mesh: Arc<dyn Mesh>,
+    want: Vec<(Vec<u32>, Vec<u32>)>,
+    req_tx: mpsc::UnboundedSender<GenRequest>,
+    cmd_tx: mpsc::UnboundedSender<PdCmd>,
+    ans_rx: mpsc::UnboundedReceiver<GenAnswer>,
+    routing: tokio::task::JoinHandle<Result<router::RouterStats, cascade_exec::serve::ServeError>>,
+}
+
+impl Routed {
+    /// Starts `cfg`'s router on `c`'s node 0.
+    fn start(c: &Cluster, cfg: PdRouterConfig) -> Routed {
+        let mesh: Arc<dyn Mesh> = c.eps[0].clone();
+        let (req_tx, req_rx) = mpsc::unbounded_channel();
+        let (cmd_tx, cmd_rx) = mpsc::unbounded_channel();
+        let (ans_tx, ans_rx) = mpsc::unbounded_channel();
+        let routing = tokio::spawn(router::run(mesh.clone(), cfg, req_rx, cmd_rx, ans_tx));
+        Routed { mesh, want: expected(), req_tx, cmd_tx, ans_rx, routing }
+    }
+
+    /// Sends request `i`: the reference's prompt `i` (cyclically), `MAX_TOKENS` tokens.
+    fn send(&self, i: usize) {
+        let (prompt, _) = &self.want[i % self.want.len()];
+        let req = GenRequest { id: i as u64, prompt: prompt.clone(), max_tokens: MAX_TOKENS, adapter: 0 };
+        self.req_tx.send(req).unwrap();
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -174,21 +204,11 @@ async fn a_burst_survives_a_mutation_and_a_live_scale_out() {
     // 1, 2: prefill (held); 3: decode; 4: prefill, arriving by multicast from 1.
     let roles = [Some(Role::Prefill), Some(Role::Prefill), Some(Role::Decode), None];
     let Some(c) = cluster(&roles, "pd-burst").await else { return };
-    let mesh: Arc<dyn Mesh> = c.eps[0].clone();
-    let want = expected();
-    let layers = c.model.config.stages() as u32;
-    let (req_tx, req_rx) = mpsc::unbounded_channel();
-    let (cmd_tx, cmd_rx) = mpsc::unbounded_channel();
-    let (ans_tx, mut ans_rx) = mpsc::unbounded_channel();
-    let routing =
-        tokio::spawn(router::run(mesh.clone(), router_cfg(1, vec![2], vec![3], layers), req_rx, cmd_rx, ans_tx));
+    let r = Routed::start(&c, router_cfg(&c, 1, vec![2], vec![3]));
+    let (mesh, want, cmd_tx) = (r.mesh.clone(), r.want.clone(), r.cmd_tx.clone());
     let n = 24;
-    let send = |i: usize| {
-        let (prompt, _) = &want[i % want.len()];
-        req_tx.send(GenRequest { id: i as u64, prompt: prompt.clone(), max_tokens: MAX_TOKENS, adapter: 0 }).unwrap();
-    };
     for i in 0..12 {
-        send(i);
+        r.send(i);
     }
     // Node 2 becomes a decode instance; node 4 is scaled out from node 1 to make up for it.
     let (tx, rx) = oneshot::channel();
@@ -199,8 +219,9 @@ async fn a_burst_survives_a_mutation_and_a_live_scale_out() {
     let out = scale_out(&mesh, &ctl, &c.model.manifest, topology(5), 1, &[4], None).await.unwrap();
     assert_eq!(out.adopted, vec![4]);
     for i in 12..n {
-        send(i);
+        r.send(i);
     }
+    let Routed { req_tx, routing, mut ans_rx, .. } = r;
     drop(req_tx);
     let stats = routing.await.unwrap().unwrap();
     let answers: Vec<GenAnswer> = std::iter::from_fn(|| ans_rx.try_recv().ok()).collect();
@@ -364,17 +385,12 @@ async fn the_routers_monitor_rebalances_on_its_own() {
 async fn rebalance_onto_a_joined_instance(by_monitor: bool, tag: &str) {
     let roles = [Some(Role::Prefill), Some(Role::Decode), Some(Role::Decode)];
     let Some(c) = cluster(&roles, tag).await else { return };
-    let mesh: Arc<dyn Mesh> = c.eps[0].clone();
     const LONG: u32 = 24;
-    let layers = c.model.config.stages() as u32;
-    let (req_tx, req_rx) = mpsc::unbounded_channel();
-    let (cmd_tx, cmd_rx) = mpsc::unbounded_channel();
-    let (ans_tx, mut ans_rx) = mpsc::unbounded_channel();
-    let mut cfg = router_cfg(1, vec![], vec![2], layers);
+    let mut cfg = router_cfg(&c, 1, vec![], vec![2]);
     if by_monitor {
         cfg.monitor = Some(MonitorConfig { every: Duration::from_millis(100), rounds: rounds(&c.model.config) });
     }
-    let routing = tokio::spawn(router::run(mesh.clone(), cfg, req_rx, cmd_rx, ans_tx));
+    let Routed { mesh, req_tx, cmd_tx, mut ans_rx, routing, .. } = Routed::start(&c, cfg);
     let reference = llm_reference();
     for (i, r) in reference.iter().enumerate() {
         req_tx
@@ -437,19 +453,12 @@ async fn a_decode_instance_dying_mid_stream_loses_nothing() {
     // 1: prefill; 2 and 3: decode.
     let roles = [Some(Role::Prefill), Some(Role::Decode), Some(Role::Decode)];
     let Some(c) = cluster(&roles, "pd-decode-dies").await else { return };
-    let mesh: Arc<dyn Mesh> = c.eps[0].clone();
-    let want = expected();
-    let layers = c.model.config.stages() as u32;
-    let (req_tx, req_rx) = mpsc::unbounded_channel();
-    let (_cmd_tx, cmd_rx) = mpsc::unbounded_channel();
-    let (ans_tx, mut ans_rx) = mpsc::unbounded_channel();
-    let routing =
-        tokio::spawn(router::run(mesh.clone(), router_cfg(1, vec![], vec![2, 3], layers), req_rx, cmd_rx, ans_tx));
+    let r = Routed::start(&c, router_cfg(&c, 1, vec![], vec![2, 3]));
     let n = 16;
     for i in 0..n {
-        let (prompt, _) = &want[i % want.len()];
-        req_tx.send(GenRequest { id: i as u64, prompt: prompt.clone(), max_tokens: MAX_TOKENS, adapter: 0 }).unwrap();
+        r.send(i);
     }
+    let Routed { mesh, want, req_tx, mut ans_rx, routing, .. } = r;
     drop(req_tx);
     // Node 3 goes once it decodes something.
     let running = || async {
@@ -490,27 +499,17 @@ async fn a_decode_instance_dying_mid_stream_loses_nothing() {
 async fn with_no_decode_instance_left_requests_fail_instead_of_waiting() {
     let roles = [Some(Role::Prefill), Some(Role::Decode)];
     let Some(c) = cluster(&roles, "pd-no-decode").await else { return };
-    let mesh: Arc<dyn Mesh> = c.eps[0].clone();
-    let want = expected();
-    let layers = c.model.config.stages() as u32;
-    let (req_tx, req_rx) = mpsc::unbounded_channel();
-    let (_cmd_tx, cmd_rx) = mpsc::unbounded_channel();
-    let (ans_tx, mut ans_rx) = mpsc::unbounded_channel();
-    let routing =
-        tokio::spawn(router::run(mesh.clone(), router_cfg(1, vec![], vec![2], layers), req_rx, cmd_rx, ans_tx));
-    let send = |i: usize| {
-        let (prompt, _) = &want[i % want.len()];
-        req_tx.send(GenRequest { id: i as u64, prompt: prompt.clone(), max_tokens: MAX_TOKENS, adapter: 0 }).unwrap();
-    };
-    send(0);
+    let mut r = Routed::start(&c, router_cfg(&c, 1, vec![], vec![2]));
+    r.send(0);
     // The first answer comes whole; then node 2 goes, and a second request follows.
-    let first = ans_rx.recv().await.unwrap();
-    assert_eq!(first.result.as_ref().unwrap(), &want[0].1);
+    let first = r.ans_rx.recv().await.unwrap();
+    assert_eq!(first.result.as_ref().unwrap(), &r.want[0].1);
     c.eps[2].shutdown();
-    while mesh.connected_to(2) {
+    while r.mesh.connected_to(2) {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    send(1);
+    r.send(1);
+    let Routed { req_tx, routing, mut ans_rx, .. } = r;
     drop(req_tx);
     let stats = tokio::time::timeout(Duration::from_secs(60), routing)
         .await
