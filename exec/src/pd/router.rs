@@ -5,9 +5,11 @@
 //! tokens. A request whose prefill or decoding fails is re-queued and redone from its prompt
 //! (greedy decoding gives the same tokens); it is answered once, when its last token arrives.
 //!
-//! An instance whose link goes down (or that answers that it runs no `llm` service) is gone for
-//! the rest of the run: nothing more is prefilled or decoded there, and the requests that were
-//! decoding there are redone elsewhere — nothing waits for tokens that cannot come.
+//! An instance whose link goes down (or that answers that it runs no `llm` service) is gone:
+//! nothing more is prefilled or decoded there, and the requests that were decoding there are
+//! redone elsewhere — nothing waits for tokens that cannot come. It stays gone for the run even
+//! if its link comes back, unless a command names it again ([`PdCmd::Decode`] or
+//! [`PdCmd::Scaling`]: the operator knows what the node now holds; the router does not).
 //!
 //! Commands: [`PdCmd::Mutate`] turns a prefill instance into a decode one (nothing more is sent
 //! to it for prefill; prefills racing the switch are refused there and re-queued);
@@ -229,11 +231,14 @@ pub async fn run(
                     };
                     let _ = done.send(r);
                 }
+                // Both say the node serves (again): one gone before is back for good.
                 PdCmd::Scaling { node } => {
+                    gone.remove(&node);
                     d.scaling(node);
                     scaling = Some(node);
                 }
                 PdCmd::Decode { node } => {
+                    gone.remove(&node);
                     if !decode.contains(&node) {
                         decode.push(node);
                     }
