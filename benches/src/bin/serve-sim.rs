@@ -66,12 +66,9 @@ fn main() -> anyhow::Result<()> {
     let systems: Vec<System> =
         if c.system == "all" { System::ALL.to_vec() } else { vec![c.system.parse().map_err(anyhow::Error::msg)?] };
     let text = std::fs::read_to_string(&c.trace).with_context(|| format!("reading {}", c.trace.display()))?;
-    if !(c.rate_scale.is_finite() && c.rate_scale > 0.0) {
-        anyhow::bail!("--rate-scale {} must be positive", c.rate_scale);
-    }
     let mut trace = parse_trace(&text, c.rate_scale)
         .map_err(anyhow::Error::msg)
-        .with_context(|| format!("parsing the trace {}", c.trace.display()))?;
+        .with_context(|| format!("the trace {} at --rate-scale {}", c.trace.display(), c.rate_scale))?;
     if let Some(d) = c.duration_s {
         trace.retain(|r| r.at_ms <= d * 1e3);
     }
