@@ -66,19 +66,34 @@ fn median(mut v: Vec<f64>) -> Option<f64> {
     (!v.is_empty()).then(|| percentile(&mut v, 0.5))
 }
 
-/// A comparison's p99 ratios (medians over its rounds) and the median p99s they come from.
+/// The three policies' p99 latencies, s (of one round, or medians over the rounds).
 #[derive(Debug, Clone, Copy)]
-pub(super) struct Ratios {
-    /// Median p99, s: stop-the-world, best-effort, zigzag.
-    p99: [Option<f64>; 3],
-    /// Median load ratio T of the zigzag runs.
-    load_ratio: Option<f64>,
+struct P99s {
+    stw: Option<f64>,
+    be: Option<f64>,
+    zz: Option<f64>,
 }
 
-impl Ratios {
-    fn zz_over(&self, i: usize) -> Option<f64> {
-        self.p99[2].zip(self.p99[i]).map(|(z, o)| z / o)
+impl P99s {
+    /// Of the runs `of` finds by policy name.
+    fn of(of: impl Fn(&str) -> Option<f64>) -> P99s {
+        P99s { stw: of("stop-the-world"), be: of("best-effort"), zz: of("zigzag") }
     }
+
+    fn zz_over_be(&self) -> Option<f64> {
+        self.zz.zip(self.be).map(|(z, b)| z / b)
+    }
+
+    fn zz_over_stw(&self) -> Option<f64> {
+        self.zz.zip(self.stw).map(|(z, s)| z / s)
+    }
+}
+
+/// A comparison's median p99s (their ratios are the report's) and its zigzag runs' median T.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Ratios {
+    p99: P99s,
+    load_ratio: Option<f64>,
 }
 
 /// Writes `sweep.json` and prints a table of the comparisons at each link rate.
@@ -89,11 +104,11 @@ pub(super) fn sweep(a: &LiveArgs, rows: &[(u64, Ratios)]) -> anyhow::Result<()> 
         println!(
             "{mbit} | {} | {} / {} / {} | {} | {}",
             r.load_ratio.map_or("—".to_string(), |t| format!("{t:.0}")),
-            f(r.p99[0]),
-            f(r.p99[1]),
-            f(r.p99[2]),
-            f(r.zz_over(1)),
-            f(r.zz_over(0))
+            f(r.p99.stw),
+            f(r.p99.be),
+            f(r.p99.zz),
+            f(r.p99.zz_over_be()),
+            f(r.p99.zz_over_stw())
         );
     }
     let json: Vec<_> = rows
@@ -101,8 +116,9 @@ pub(super) fn sweep(a: &LiveArgs, rows: &[(u64, Ratios)]) -> anyhow::Result<()> 
         .map(|(mbit, r)| {
             json!({
                 "link_mbit": mbit, "report": format!("{mbit}mbit/report.json"), "load_ratio_T": r.load_ratio,
-                "median_p99_s": {"stop-the-world": r.p99[0], "best-effort": r.p99[1], "zigzag": r.p99[2]},
-                "p99_zigzag_over_best_effort": r.zz_over(1), "p99_zigzag_over_stop_the_world": r.zz_over(0),
+                "median_p99_s": {"stop-the-world": r.p99.stw, "best-effort": r.p99.be, "zigzag": r.p99.zz},
+                "p99_zigzag_over_best_effort": r.p99.zz_over_be(),
+                "p99_zigzag_over_stop_the_world": r.p99.zz_over_stw(),
             })
         })
         .collect();
@@ -121,9 +137,7 @@ pub(super) fn write(a: &LiveArgs, rounds: &[Vec<PolicyRun>]) -> anyhow::Result<R
     let med = |name: &str, f: &dyn Fn(&Summary) -> Option<f64>| {
         median(runs_of(name).iter().filter_map(|r| f(&summary(r))).collect())
     };
-    let p99 = |name: &str| med(name, &|s| Some(s.p99));
-    let (zz, be, stw) = (p99("zigzag"), p99("best-effort"), p99("stop-the-world"));
-    let ratio = |x: Option<f64>, y: Option<f64>| x.zip(y).map(|(x, y)| x / y);
+    let p99 = P99s::of(|name| med(name, &|s| Some(s.p99)));
     let policies: Vec<_> = names
         .iter()
         .map(|name| {
@@ -167,10 +181,10 @@ pub(super) fn write(a: &LiveArgs, rounds: &[Vec<PolicyRun>]) -> anyhow::Result<R
     let per_round_ratios: Vec<_> = rounds
         .iter()
         .map(|runs| {
-            let get = |n: &str| runs.iter().find(|r| r.policy == n).map(|r| summary(r).p99);
+            let round = P99s::of(|n| runs.iter().find(|r| r.policy == n).map(|r| summary(r).p99));
             json!({
-                "zigzag_over_best_effort": ratio(get("zigzag"), get("best-effort")),
-                "zigzag_over_stop_the_world": ratio(get("zigzag"), get("stop-the-world")),
+                "zigzag_over_best_effort": round.zz_over_be(),
+                "zigzag_over_stop_the_world": round.zz_over_stw(),
             })
         })
         .collect();
@@ -185,16 +199,16 @@ pub(super) fn write(a: &LiveArgs, rounds: &[Vec<PolicyRun>]) -> anyhow::Result<R
         "copy_source": a.source.name(),
         "rounds": rounds.len(),
         "policies": policies,
-        "p99_zigzag_over_best_effort": ratio(zz, be),
-        "p99_zigzag_over_stop_the_world": ratio(zz, stw),
+        "p99_zigzag_over_best_effort": p99.zz_over_be(),
+        "p99_zigzag_over_stop_the_world": p99.zz_over_stw(),
         "p99_ratios_per_round": per_round_ratios,
     });
     std::fs::write(a.out.join("report.json"), serde_json::to_vec_pretty(&report)?)?;
     let of = if rounds.len() > 1 { format!(" (medians of {} rounds)", rounds.len()) } else { String::new() };
-    if let Some(r) = ratio(zz, be) {
+    if let Some(r) = p99.zz_over_be() {
         println!("p99 zigzag / best-effort = {r:.2}{of} (target ≤ 0.8)");
     }
-    if let Some(r) = ratio(zz, stw) {
+    if let Some(r) = p99.zz_over_stw() {
         println!("p99 zigzag / stop-the-world = {r:.2}{of} (target ≤ 0.6)");
     }
     // The round whose zigzag p99 is the median (the first round without a zigzag run).
@@ -221,7 +235,7 @@ pub(super) fn write(a: &LiveArgs, rounds: &[Vec<PolicyRun>]) -> anyhow::Result<R
         anyhow::bail!("{lost} requests lost, {off} embeddings off the reference");
     }
     let load_ratio = median(runs_of("zigzag").iter().map(|r| f64::from(r.load_ratio)).collect());
-    Ok(Ratios { p99: [stw, be, zz], load_ratio })
+    Ok(Ratios { p99, load_ratio })
 }
 
 /// Per bin of answer time: (bin start, requests/s served, p99 latency of those answered).

@@ -154,6 +154,18 @@ struct Pending {
     decode: u32,
 }
 
+impl Pending {
+    /// Its decoding is lost: it is queued again, to be redone from its prompt (its tokens so far
+    /// are dropped; greedy decoding repeats them).
+    fn redo(&mut self, d: &mut Dispatcher, stats: &mut RouterStats) {
+        self.first = None;
+        self.tokens.clear();
+        self.done_at = None;
+        stats.requeued += 1;
+        d.arrive_weighted(self.req.id, self.req.prompt.len() as f64);
+    }
+}
+
 /// A prefill's outcome: (first token, decoding, stages on the first instance when split, decode
 /// node); `Busy` when no decode instance had room (back-pressure: retried, not counted).
 enum Outcome {
@@ -266,11 +278,7 @@ pub async fn run(
                 LlmMsg::Abort { req, message } => {
                     warn!(req, %message, "decoding aborted: the request is redone");
                     if let Some(p) = pending.get_mut(&req) {
-                        p.first = None;
-                        p.tokens.clear();
-                        p.done_at = None;
-                        stats.requeued += 1;
-                        d.arrive_weighted(req, p.req.prompt.len() as f64);
+                        p.redo(&mut d, &mut stats);
                     }
                 }
                 other => debug!(?other, "unexpected llm message at the router"),
@@ -410,12 +418,8 @@ fn lose(
     warn!(node, "instance gone: nothing more goes there");
     d.down(node);
     decode.retain(|&n| n != node);
-    for (&id, p) in pending.iter_mut().filter(|(_, p)| p.first.is_some() && p.decode == node) {
-        p.first = None;
-        p.tokens.clear();
-        p.done_at = None;
-        stats.requeued += 1;
-        d.arrive_weighted(id, p.req.prompt.len() as f64);
+    for p in pending.values_mut().filter(|p| p.first.is_some() && p.decode == node) {
+        p.redo(d, stats);
     }
 }
 
