@@ -151,8 +151,19 @@ fn nodes_and_the_pool_manager_serve_metrics_that_move() {
     let out = mc.args(["--ready-timeout-s", "60"]).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 
-    let after = scrape(&nodes[0].metrics);
-    let written = value(&after, "cascade_transfer_bytes_total", &["op=\"write\"", "backend=\"tcp\"", "peer=\"2\""]);
+    // The run ends when node 2 verified its copy; over tcp each chunk's notice rides behind its
+    // bytes, so node 1 may see its last WRITEs' completions (which its metrics count) a moment
+    // after that. Scraped until they are in, for 10 s at most.
+    let series = ["op=\"write\"", "backend=\"tcp\"", "peer=\"2\""];
+    let t = Instant::now();
+    let after = loop {
+        let m = scrape(&nodes[0].metrics);
+        if value(&m, "cascade_transfer_bytes_total", &series) >= 8388608.0 || t.elapsed() > Duration::from_secs(10) {
+            break m;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let written = value(&after, "cascade_transfer_bytes_total", &series);
     assert!(written >= 8388608.0, "node 1 wrote {written} bytes to node 2:\n{after}");
     assert!(value(&after, "cascade_transfer_latency_seconds_count", &["op=\"write\""]) >= 1.0, "{after}");
     assert!(value(&after, "cascade_mesh_peers_up", &[]) >= 2.0, "{after}");
