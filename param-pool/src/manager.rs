@@ -306,32 +306,8 @@ impl<S: MetaStore + 'static> Manager<S> {
     /// The pool's shape in the node's metrics: copies by state and tier, resident bytes by tier.
     fn publish_metrics(&self, s: &Status) {
         let m = self.io.mesh.metrics();
-        let tier = |kind: &str| if kind == "host" { "host" } else { "gpu" };
-        let bytes: BTreeMap<ModelId, u64> = s.models.iter().map(|x| (x.id, x.bytes)).collect();
-        m.clear_gauge("cascade_pool_copies");
-        m.clear_gauge("cascade_pool_resident_bytes");
-        let mut copies: BTreeMap<(&str, &str), f64> = BTreeMap::new();
-        let mut resident: BTreeMap<&str, f64> = BTreeMap::from([("host", 0.0), ("gpu", 0.0)]);
-        for c in &s.copies {
-            *copies.entry((c.state.as_str(), tier(&c.kind))).or_default() += 1.0;
-            if c.state == "ready" {
-                *resident.entry(tier(&c.kind)).or_default() += bytes.get(&c.model).copied().unwrap_or(0) as f64;
-            }
-        }
-        for ((state, tier), n) in copies {
-            m.gauge(
-                "cascade_pool_copies",
-                "Copies in the pool, by state and tier",
-                &[("state", state), ("tier", tier)],
-            )
-            .set(n);
-        }
-        for (tier, b) in resident {
-            m.gauge("cascade_pool_resident_bytes", "Bytes of ready copies, by tier", &[("tier", tier)]).set(b);
-        }
-        m.gauge("cascade_pool_models", "Models registered in the pool", &[]).set(s.models.len() as f64);
-        m.gauge("cascade_pool_healthy", "1 when the pool is healthy (see cascade pool status)", &[])
-            .set(if s.healthy { 1.0 } else { 0.0 });
+        // Cleared and set again in one step: a scrape in between saw copies but no bytes.
+        m.update(|| set_pool_metrics(m, s));
     }
 
     /// A repair begins (`trigger`: a node's death or the operator's request).
@@ -1052,6 +1028,35 @@ async fn sleep_until(t: Option<tokio::time::Instant>) {
 /// A JSON value of plain data (serializing it cannot fail).
 fn to_json<T: Serialize>(v: &T) -> serde_json::Value {
     serde_json::to_value(v).unwrap_or_default()
+}
+
+/// The pool's shape in the node's metrics (see `publish_metrics`).
+fn set_pool_metrics(m: &cascade_transport::Metrics, s: &Status) {
+    let tier = |kind: &str| if kind == "host" { "host" } else { "gpu" };
+    let bytes: BTreeMap<ModelId, u64> = s.models.iter().map(|x| (x.id, x.bytes)).collect();
+    m.clear_gauge("cascade_pool_copies");
+    m.clear_gauge("cascade_pool_resident_bytes");
+    let mut copies: BTreeMap<(&str, &str), f64> = BTreeMap::new();
+    let mut resident: BTreeMap<&str, f64> = BTreeMap::from([("host", 0.0), ("gpu", 0.0)]);
+    for c in &s.copies {
+        *copies.entry((c.state.as_str(), tier(&c.kind))).or_default() += 1.0;
+        if c.state == "ready" {
+            *resident.entry(tier(&c.kind)).or_default() += bytes.get(&c.model).copied().unwrap_or(0) as f64;
+        }
+    }
+    for ((state, tier), n) in copies {
+        m.gauge("cascade_pool_copies", "Copies in the pool, by state and tier", &[("state", state), ("tier", tier)])
+            .set(n);
+    }
+    for (tier, b) in resident {
+        m.gauge("cascade_pool_resident_bytes", "Bytes of ready copies, by tier", &[("tier", tier)]).set(b);
+    }
+    m.gauge("cascade_pool_models", "Models registered in the pool", &[]).set(s.models.len() as f64);
+    m.gauge("cascade_pool_healthy", "1 when the pool is healthy (see cascade pool status)", &[]).set(if s.healthy {
+        1.0
+    } else {
+        0.0
+    });
 }
 
 #[cfg(test)]

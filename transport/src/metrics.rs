@@ -56,6 +56,8 @@ pub struct Metrics {
     gauges: Mutex<HashMap<&'static str, Family<Labels, FloatGauge>>>,
     histograms: Mutex<HashMap<&'static str, HistogramFamily>>,
     refresh: Mutex<Vec<Refresh>>,
+    /// Held by [`Metrics::update`] and by a render: a render sees an update whole or not at all.
+    updating: Mutex<()>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -87,6 +89,7 @@ impl Metrics {
             gauges: Mutex::default(),
             histograms: Mutex::default(),
             refresh: Mutex::default(),
+            updating: Mutex::default(),
         }
     }
 
@@ -154,8 +157,18 @@ impl Metrics {
         lock(&self.refresh).push(Box::new(f));
     }
 
+    /// Runs `f`, which sets several series together (a family cleared and set again from the
+    /// current state, say), as one step: a render sees the series as they were before `f` or
+    /// after it, never half-way (a cleared family whose new values are not set yet). Not from
+    /// an [`on_render`](Self::on_render) callback: those run inside the render's own step.
+    pub fn update<R>(&self, f: impl FnOnce() -> R) -> R {
+        let _whole = lock(&self.updating);
+        f()
+    }
+
     /// Every family in the OpenMetrics text format (what `/metrics` serves).
     pub fn render(&self) -> String {
+        let _whole = lock(&self.updating);
         for f in lock(&self.refresh).iter() {
             f();
         }
@@ -349,6 +362,46 @@ mod tests {
         assert!(m.render().contains("cascade_test_things_total{kind=\"a\"} 4"));
         m.clear_gauge("cascade_test_level");
         assert!(!m.render().contains("cascade_test_level{} 2.5"));
+    }
+
+    /// A render never sees an update half-done: here a family cleared and its two series set
+    /// again, over and over, while this thread renders.
+    #[test]
+    fn a_render_sees_an_update_whole() {
+        use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+        let m = Arc::new(Metrics::new());
+        let set_pair = |m: &Metrics, v: f64| {
+            m.update(|| {
+                m.clear_gauge("cascade_test_pair");
+                for side in ["a", "b"] {
+                    m.gauge("cascade_test_pair", "Pair", &[("side", side)]).set(v);
+                }
+            })
+        };
+        set_pair(&m, 1.0);
+        let (stop, updates) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicU32::new(0)));
+        let writer = {
+            let (m, stop, updates) = (m.clone(), stop.clone(), updates.clone());
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    let n = updates.fetch_add(1, Ordering::Relaxed);
+                    set_pair(&m, f64::from(n % 7 + 1));
+                }
+            })
+        };
+        // Until both sides did a few thousand steps (or 10 s went by) and always the whole pair.
+        let t = std::time::Instant::now();
+        let mut renders = 0;
+        while (renders < 2000 || updates.load(Ordering::Relaxed) < 2000)
+            && t.elapsed() < std::time::Duration::from_secs(10)
+        {
+            let text = m.render();
+            let sides = ["side=\"a\"", "side=\"b\""].iter().filter(|s| text.contains(*s)).count();
+            assert_eq!(sides, 2, "a render saw half an update:\n{text}");
+            renders += 1;
+        }
+        stop.store(true, Ordering::Relaxed);
+        writer.join().unwrap();
     }
 
     #[tokio::test]
