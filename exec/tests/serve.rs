@@ -16,6 +16,7 @@ use cascade_exec::serve::ExecMsg;
 use cascade_exec::serve::{scale_out, DispatchConfig, Instance, InstanceConfig, LivePolicy, ServedModel, Source};
 use cascade_multicast::cluster::{Controller, MulticastNode};
 use cascade_multicast::Topology;
+use cascade_transport::mem::MemFabric;
 use cascade_transport::{Endpoint, Mesh, ServiceExt, ServiceFault, TransportError};
 use common::{cosine, model_dir, reference};
 use tokio::sync::mpsc;
@@ -336,4 +337,65 @@ async fn a_node_without_an_instance_takes_no_more_batches() {
     // At most the batches in flight to node 1 before its first refusal came back (the router
     // sends an instance `per_instance` = 2 at a time).
     assert!(stats.requeued <= 2, "one refusal marks node 1 gone: {} batches requeued", stats.requeued);
+}
+
+/// The router's link to an instance fails and comes back (a link flap; the mem fabric, a test
+/// double, cuts it): while it is down every batch goes to the other instance, and once it is back
+/// the instance takes batches again — a flap costs capacity only while it lasts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_whose_link_comes_back_takes_batches_again() {
+    let Some(dir) = model_dir() else { return };
+    let (model, file) = ServedModel::from_dir(&dir).unwrap();
+    let fabric = MemFabric::new();
+    let nodes: Vec<Arc<dyn Mesh>> = (0..3).map(|i| Arc::new(fabric.add_node(i)) as Arc<dyn Mesh>).collect();
+    let cfg =
+        InstanceConfig { max_batch: 4, max_tokens: 64, slots: 8, op_timeout: Duration::from_secs(30), core: None };
+    let _instances: Vec<Instance> = nodes[1..]
+        .iter()
+        .map(|mesh| {
+            let held = Source::Held(model.load(&**mesh, &file).unwrap());
+            let mc = MulticastNode::start(mesh.clone(), Duration::from_secs(10)).unwrap();
+            Instance::start(mesh.clone(), model.clone(), held, mc, cfg).unwrap()
+        })
+        .collect();
+    let (texts, want) = workload(200);
+    let (req_tx, req_rx) = mpsc::channel(1024);
+    let (cmd_tx, cmd_rx) = mpsc::unbounded_channel();
+    let (ans_tx, mut ans_rx) = mpsc::unbounded_channel();
+    let routing =
+        tokio::spawn(router::run(nodes[0].clone(), router_cfg(LivePolicy::BestEffort), req_rx, cmd_rx, ans_tx));
+    // Node 2 holds the whole model: it serves whole batches beside node 1.
+    cmd_tx.send(RouterCmd::Scale { node: 2 }).unwrap();
+    let send = |i: usize| Request { id: i as u64, text: texts[i].clone(), arrived: Instant::now() };
+    let mut answers: Vec<Answer> = Vec::new();
+    fabric.set_link(0, 1, false);
+    for i in 0..16 {
+        req_tx.send(send(i)).await.unwrap();
+    }
+    while answers.len() < 16 {
+        answers.push(ans_rx.recv().await.unwrap());
+    }
+    assert!(answers.iter().all(|a| a.to == 2), "node 1 is cut off: everything goes to node 2");
+    fabric.set_link(0, 1, true);
+    // Rounds of 16 until node 1 serves again (the router asks it what it holds first).
+    let mut sent = 16;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !answers[16..].iter().any(|a| a.to == 1) {
+        assert!(
+            sent + 16 <= texts.len() && Instant::now() < deadline,
+            "node 1 never served again after its link came back"
+        );
+        for i in sent..sent + 16 {
+            req_tx.send(send(i)).await.unwrap();
+        }
+        sent += 16;
+        while answers.len() < sent {
+            answers.push(ans_rx.recv().await.unwrap());
+        }
+    }
+    drop(req_tx);
+    let stats = routing.await.unwrap();
+    check(&answers, &texts[..sent], &want);
+    assert_eq!((stats.served, stats.refused), (sent as u64, 0));
+    eprintln!("link back: node 1 served {} of {sent}", answers.iter().filter(|a| a.to == 1).count());
 }

@@ -227,6 +227,29 @@ impl Dispatcher {
         }
     }
 
+    /// Whether `node` serves here and is down.
+    pub fn is_down(&self, node: u32) -> bool {
+        self.load.get(&node).is_some_and(|l| !l.alive)
+    }
+
+    /// `node`, down before, answers again (its link came back) holding its first `resident`
+    /// stages, and stages `1..=after_entry`: it takes batches again — the new instance with
+    /// what it holds now, any other only with every stage. Returns whether it was taken back.
+    pub fn up(&mut self, node: u32, resident: u32, after_entry: u32) -> bool {
+        let is_new = self.new == Some(node);
+        if !self.is_down(node) || (!is_new && resident < self.cfg.layers) {
+            return false;
+        }
+        if is_new {
+            self.resident(resident);
+            self.after_entry(after_entry);
+        }
+        if let Some(l) = self.load.get_mut(&node) {
+            l.alive = true;
+        }
+        true
+    }
+
     fn release(&mut self, batch: u64) -> bool {
         let Some((to, coop)) = self.outstanding.remove(&batch) else { return false };
         self.weights.remove(&batch);

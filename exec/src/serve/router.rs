@@ -2,6 +2,10 @@
 //! full, or at once when nothing is queued), dispatches batches as [`Dispatcher`] decides, calls
 //! the instances with typed requests, follows the new instance's resident layers, and answers
 //! every request exactly once — with its embedding, or with the error that refused it.
+//!
+//! An instance whose link fails, or that answers that it runs no `exec` service, takes no more
+//! batches; when its link comes back (`PeerEvent::Up`), it is asked what it holds and takes
+//! batches again if it still serves — a link flap costs capacity only while it lasts.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -121,6 +125,8 @@ pub async fn run(
     let mut calls: JoinSet<CallResult> = JoinSet::new();
     let mut events = mesh.peer_events();
     let (res_tx, mut res_rx) = mpsc::unbounded_channel::<(u32, u32)>();
+    // Instances down before whose link came back, with the stages they hold.
+    let (back_tx, mut back_rx) = mpsc::unbounded_channel::<(u32, u32, u32)>();
     let mut closed = false;
     loop {
         if !open.is_empty() && (open.len() >= cfg.max_batch || disp.queued() == 0) {
@@ -160,12 +166,34 @@ pub async fn run(
                 let Ok(call) = j else { continue };
                 answer(&mesh, &mut disp, &mut batches, &mut stats, &answers, cfg.max_attempts, call);
             }
+            Some((node, resident, after_entry)) = back_rx.recv() => {
+                if disp.up(node, resident, after_entry) {
+                    info!(node, resident, "instance back: it takes batches again");
+                    if resident < cfg.dispatch.layers {
+                        tokio::spawn(follow(mesh.clone(), (node, cfg.dispatch.old), cfg.dispatch.layers, cfg.poll_every, cfg.call_timeout, res_tx.clone()));
+                    }
+                }
+            }
             ev = events.recv() => match ev {
                 Ok(PeerEvent::Down { peer, .. }) => disp.down(peer),
+                Ok(PeerEvent::Up { peer, .. }) if disp.is_down(peer) => {
+                    tokio::spawn(probe(mesh.clone(), peer, cfg.call_timeout, back_tx.clone()));
+                }
                 Err(tokio::sync::broadcast::error::RecvError::Closed) => return stats,
                 _ => {}
             },
         }
+    }
+}
+
+/// Asks `node`, whose link came back after it was marked down, what it holds; an instance that
+/// answers is reported on `tx` (the dispatcher decides whether it takes batches again).
+async fn probe(mesh: Arc<dyn Mesh>, node: u32, limit: Duration, tx: mpsc::UnboundedSender<(u32, u32, u32)>) {
+    match mesh.call(node, &ExecMsg::Status, limit).await {
+        Ok(ExecMsg::State { resident, after_entry, .. }) => {
+            let _ = tx.send((node, resident, after_entry));
+        }
+        other => debug!(node, answer = ?other, "a node whose link came back serves nothing"),
     }
 }
 

@@ -193,3 +193,25 @@ fn zigzag_without_the_entry_stage_plans_over_the_blocks() {
     assert_eq!(got, shifted);
     assert!(want.iter().any(|&x| x > 0), "the plan gives new some blocks: {want:?}");
 }
+
+#[test]
+fn an_instance_back_after_its_link_failed_takes_batches_again() {
+    let mut d = Dispatcher::new(cfg(LivePolicy::BestEffort));
+    d.serving(3);
+    d.down(3);
+    assert!(d.is_down(3) && !d.is_down(1) && !d.is_down(9));
+    assert!(!d.up(3, 6, 5), "a whole-batch instance comes back only with every stage");
+    assert!(!d.up(9, 7, 6), "an unknown node is not taken");
+    assert!(d.up(3, 7, 6));
+    assert!(!d.up(3, 7, 6), "only a node that is down comes back");
+    (0..4).for_each(|b| d.arrive(b));
+    assert_eq!(drain(&mut d).iter().filter(|x| x.to == 3).count(), 2);
+    // The new instance comes back with what it holds now, and cooperates again.
+    d.scaling(2);
+    d.resident(1);
+    d.down(2);
+    assert!(d.up(2, 4, 3));
+    (0..4).for_each(|b| d.done(b));
+    d.arrive(4);
+    assert_eq!(d.next_dispatch().unwrap().split, Some(Split { layers: 3, then: 1 }));
+}
