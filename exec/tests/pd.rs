@@ -22,6 +22,7 @@ use cascade_exec::pd::{LlmConfig, LlmInstance, LlmMsg, PdModel, Role};
 use cascade_exec::serve::{load_packed, scale_out, DispatchConfig, LivePolicy, Source, Split};
 use cascade_multicast::cluster::{Controller, MulticastNode};
 use cascade_multicast::Topology;
+use cascade_transport::mem::MemFabric;
 use cascade_transport::{Endpoint, Mesh, ServiceExt};
 use common::{llm_reference, smollm2_dir};
 use tokio::sync::{mpsc, oneshot};
@@ -30,19 +31,35 @@ const MAX_TOKENS: u32 = 12;
 
 struct Cluster {
     eps: Vec<Arc<Endpoint>>,
+    /// Every node's mesh: the endpoints', or the mem fabric's nodes.
+    meshes: Vec<Arc<dyn Mesh>>,
     model: PdModel,
     instances: Vec<LlmInstance>,
 }
 
 /// Node 0 routes; `roles[i]` is node `i + 1`'s role, `None` for one that starts without a copy.
 async fn cluster(roles: &[Option<Role>], tag: &str) -> Option<Cluster> {
-    let dir = smollm2_dir()?;
-    let (model, file) = PdModel::from_dir(&dir).unwrap();
+    smollm2_dir()?;
     let eps = cascade_tests::loopback::endpoints(roles.len() as u32 + 1, tag, |_| {}).await.unwrap();
+    let meshes = eps.iter().map(|e| e.clone() as Arc<dyn Mesh>).collect();
+    Some(with_instances(eps, meshes, roles))
+}
+
+/// The same nodes on a mem fabric (a test double whose links a test can cut).
+fn mem_cluster(roles: &[Option<Role>]) -> Option<(Cluster, MemFabric)> {
+    smollm2_dir()?;
+    let fabric = MemFabric::new();
+    let meshes = (0..=roles.len() as u32).map(|i| Arc::new(fabric.add_node(i)) as Arc<dyn Mesh>).collect();
+    Some((with_instances(Vec::new(), meshes, roles), fabric))
+}
+
+/// Starts `roles`' instances on `meshes[1..]`.
+fn with_instances(eps: Vec<Arc<Endpoint>>, meshes: Vec<Arc<dyn Mesh>>, roles: &[Option<Role>]) -> Cluster {
+    let (model, file) = PdModel::from_dir(&smollm2_dir().unwrap()).unwrap();
     let cfg = LlmConfig { kv_pages: 64, page_tokens: 16, max_prompt: 64, max_running: 8, ..LlmConfig::default() };
     let mut instances = Vec::new();
-    for (ep, role) in eps.iter().skip(1).zip(roles) {
-        let mesh: Arc<dyn Mesh> = ep.clone();
+    for (mesh, role) in meshes.iter().skip(1).zip(roles) {
+        let mesh = mesh.clone();
         let mc = MulticastNode::start(mesh.clone(), Duration::from_secs(10)).unwrap();
         let source = match role {
             Some(_) => Source::Held(load_packed(&*mesh, &model.manifest, &file).unwrap()),
@@ -51,7 +68,7 @@ async fn cluster(roles: &[Option<Role>], tag: &str) -> Option<Cluster> {
         instances
             .push(LlmInstance::start(mesh, model.clone(), source, mc, role.unwrap_or(Role::Prefill), cfg).unwrap());
     }
-    Some(Cluster { eps, model, instances })
+    Cluster { eps, meshes, model, instances }
 }
 
 fn topology(n: u32) -> Topology {
@@ -125,7 +142,7 @@ struct Routed {
 impl Routed {
     /// Starts `cfg`'s router on `c`'s node 0.
     fn start(c: &Cluster, cfg: PdRouterConfig) -> Routed {
-        let mesh: Arc<dyn Mesh> = c.eps[0].clone();
+        let mesh = c.meshes[0].clone();
         let (req_tx, req_rx) = mpsc::unbounded_channel();
         let (cmd_tx, cmd_rx) = mpsc::unbounded_channel();
         let (ans_tx, ans_rx) = mpsc::unbounded_channel();
@@ -523,4 +540,54 @@ async fn with_no_decode_instance_left_requests_fail_instead_of_waiting() {
     for e in &c.eps {
         e.shutdown();
     }
+}
+
+/// The router's link to a decode instance fails mid-stream and comes back (a link flap; the
+/// mem fabric, a test double, cuts it): the requests decoding there are redone elsewhere, and
+/// once the instance's own leftover decodes are over it decodes for the router again — every
+/// answer once, with the reference tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_instance_whose_link_comes_back_decodes_again() {
+    let roles = [Some(Role::Prefill), Some(Role::Decode), Some(Role::Decode)];
+    let Some((c, fabric)) = mem_cluster(&roles) else { return };
+    let mut r = Routed::start(&c, router_cfg(&c, 1, vec![], vec![2, 3]));
+    let n = 8;
+    (0..n).for_each(|i| r.send(i));
+    // The link to node 3 fails once node 3 decodes something.
+    let t0 = std::time::Instant::now();
+    loop {
+        match c.meshes[0].call(3, &LlmMsg::Status, Duration::from_secs(10)).await {
+            Ok(LlmMsg::State { running, .. }) if running > 0 => break,
+            Ok(_) => assert!(t0.elapsed() < Duration::from_secs(60), "nothing ever decoded on node 3"),
+            other => panic!("status of node 3: {other:?}"),
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    fabric.set_link(0, 3, false);
+    let mut answers = Vec::new();
+    while answers.len() < n {
+        answers.push(r.ans_rx.recv().await.unwrap());
+    }
+    fabric.set_link(0, 3, true);
+    // Rounds of 4 until a request sent after the link came back is decoded on node 3.
+    let mut sent = n;
+    while !answers[n..].iter().any(|a| a.decode == 3) {
+        assert!(t0.elapsed() < Duration::from_secs(120), "node 3 never decoded again after its link came back");
+        (sent..sent + 4).for_each(|i| r.send(i));
+        sent += 4;
+        while answers.len() < sent {
+            answers.push(r.ans_rx.recv().await.unwrap());
+        }
+    }
+    let Routed { req_tx, routing, want, .. } = r;
+    drop(req_tx);
+    let stats = routing.await.unwrap().unwrap();
+    check(&answers, sent, &want);
+    assert_eq!((stats.answered, stats.failed), (sent as u64, 0));
+    assert!(stats.requeued > 0, "a request was decoding on node 3 when its link failed");
+    eprintln!(
+        "link back: requeued {}, {} of {sent} decoded on node 3",
+        stats.requeued,
+        answers.iter().filter(|a| a.decode == 3).count()
+    );
 }

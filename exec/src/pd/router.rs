@@ -7,9 +7,12 @@
 //!
 //! An instance whose link goes down (or that answers that it runs no `llm` service) is gone:
 //! nothing more is prefilled or decoded there, and the requests that were decoding there are
-//! redone elsewhere — nothing waits for tokens that cannot come. It stays gone for the run even
-//! if its link comes back, unless a command names it again ([`PdCmd::Decode`] or
-//! [`PdCmd::Scaling`]: the operator knows what the node now holds; the router does not).
+//! redone elsewhere — nothing waits for tokens that cannot come. When its link comes back
+//! (`PeerEvent::Up`) the router asks it what it is ([`LlmMsg::Status`]) and takes it back: a
+//! decode instance once the decodes it still ran for the router are over (they were redone
+//! elsewhere, and their late tokens must not mix with the redone ones'), a prefill instance
+//! when it holds every stage or is the one loading. A command naming it ([`PdCmd::Decode`] or
+//! [`PdCmd::Scaling`]) takes it back at once.
 //!
 //! Commands: [`PdCmd::Mutate`] turns a prefill instance into a decode one (nothing more is sent
 //! to it for prefill; prefills racing the switch are refused there and re-queued);
@@ -29,7 +32,7 @@ use tokio::task::JoinSet;
 use tracing::{debug, info, warn};
 
 use super::migrate::{rebalance, Rebalance, RebalanceConfig};
-use super::proto::{KvGrant, LlmMsg, Split};
+use super::proto::{KvGrant, LlmMsg, Role, Split};
 use crate::serve::{DispatchConfig, Dispatcher, ServeError};
 
 /// A generation request.
@@ -206,6 +209,8 @@ pub async fn run(
     // The monitor: the time of its next round, and its rounds' outcomes (one at a time).
     let mut next_round = cfg.monitor.as_ref().map(|m| Instant::now() + m.every);
     let (round_tx, mut round_rx) = mpsc::unbounded_channel::<Result<Rebalance, ServeError>>();
+    // Gone instances whose link came back, with their state once they can serve again.
+    let (back_tx, mut back_rx) = mpsc::unbounded_channel::<(u32, LlmMsg)>();
     loop {
         // Dispatch what can go now.
         while let Some(x) = d.next_dispatch() {
@@ -347,9 +352,26 @@ pub async fn run(
                 }
                 next_round = cfg.monitor.as_ref().map(|m| Instant::now() + m.every);
             },
+            Some((node, state)) = back_rx.recv() => match state {
+                LlmMsg::State { role: Role::Decode, .. } if gone.contains(&node) => {
+                    info!(node, "decode instance back: it decodes again");
+                    gone.remove(&node);
+                    if !decode.contains(&node) {
+                        decode.push(node);
+                    }
+                }
+                LlmMsg::State { role: Role::Prefill, resident, .. } if gone.contains(&node) && d.up(node, resident, 0) => {
+                    info!(node, resident, "prefill instance back: it prefills again");
+                    gone.remove(&node);
+                }
+                _ => {}
+            },
             ev = events.recv(), if watching => match ev {
                 Ok(PeerEvent::Down { peer, .. }) => {
                     lose(peer, &mut gone, &mut d, &mut decode, &mut pending, &mut stats);
+                }
+                Ok(PeerEvent::Up { peer, .. }) if gone.contains(&peer) => {
+                    tokio::spawn(probe(mesh.clone(), peer, cfg.poll_every, cfg.call_timeout, back_tx.clone()));
                 }
                 Err(tokio::sync::broadcast::error::RecvError::Closed) => watching = false,
                 _ => {}
@@ -420,6 +442,30 @@ fn lose(
     decode.retain(|&n| n != node);
     for p in pending.values_mut().filter(|p| p.first.is_some() && p.decode == node) {
         p.redo(d, stats);
+    }
+}
+
+/// Asks `node`, gone and whose link came back, for its state every `every` until it can serve
+/// again, and reports it on `tx`: a decode instance once it decodes nothing (what it ran before
+/// it was lost was redone elsewhere). Gives up when the link fails again, the node answers
+/// something other than its state, or the router is gone.
+async fn probe(
+    mesh: Arc<dyn Mesh>,
+    node: u32,
+    every: Duration,
+    limit: Duration,
+    tx: mpsc::UnboundedSender<(u32, LlmMsg)>,
+) {
+    while !tx.is_closed() && mesh.connected_to(node) {
+        match mesh.call(node, &LlmMsg::Status, limit).await {
+            Ok(LlmMsg::State { role: Role::Decode, running, .. }) if running > 0 => {}
+            Ok(state @ LlmMsg::State { .. }) => {
+                let _ = tx.send((node, state));
+                return;
+            }
+            other => return debug!(node, answer = ?other, "a node whose link came back serves nothing"),
+        }
+        tokio::time::sleep(every).await;
     }
 }
 
