@@ -451,11 +451,14 @@ async fn prefill(sh: &Arc<Shared>, msg: LlmMsg) -> Result<LlmMsg, ServeError> {
     Ok(LlmMsg::Prefilled { req, first, on_first: 0, decoding })
 }
 
-/// WRITEs `req`'s cached KV of `blocks` into its pages on the decode instance, block by block.
+/// WRITEs `req`'s cached KV of `blocks` into its pages on the decode instance, every block's
+/// pages in one batch.
 async fn move_kv(sh: &Arc<Shared>, req: u64, blocks: Range<usize>, kv: &KvGrant) -> Result<(), ServeError> {
     if blocks.is_empty() {
         return Ok(());
     }
+    let t0 = std::time::Instant::now();
+    let nb = blocks.len();
     let layout = sh.layout;
     let range = blocks.clone();
     let images = with_model(sh, move |m| -> Result<Vec<Vec<Vec<u8>>>, ExecError> {
@@ -469,14 +472,16 @@ async fn move_kv(sh: &Arc<Shared>, req: u64, blocks: Range<usize>, kv: &KvGrant)
             .collect()
     })
     .await??;
+    let t1 = std::time::Instant::now();
     let per_block = images.first().map_or(0, Vec::len);
     if per_block > kv.pages.len() {
         return Err(ServeError::Input(format!("{per_block} pages of KV, {} granted", kv.pages.len())));
     }
     let bp = layout.block_page_bytes();
     let mut staging = sh.staging.lock().await;
-    // Sized for the longest prompt; a migrated request's KV can be longer, and grows it.
-    let need = (per_block.max(layout.pages_for(sh.cfg.max_prompt as usize)) as u64) * bp;
+    // Every block's pages at once, sized for the longest prompt in every block; a migrated
+    // request's KV can be longer, and grows it.
+    let need = (per_block.max(layout.pages_for(sh.cfg.max_prompt as usize)) * layout.blocks.max(nb)) as u64 * bp;
     if staging.as_ref().is_none_or(|r| r.len() < need) {
         *staging = Some(sh.mesh.register_new(need)?);
     }
@@ -484,18 +489,35 @@ async fn move_kv(sh: &Arc<Shared>, req: u64, blocks: Range<usize>, kv: &KvGrant)
     let remote =
         RemoteRegion { node: kv.node, id: cascade_transport::RegionId(kv.region), key: RemoteKey(kv.key), len: kv.len };
     let link = sh.mesh.link(kv.node)?;
-    for (b, pages) in blocks.zip(images) {
-        let mut ops = Vec::with_capacity(pages.len());
-        for (i, img) in pages.iter().enumerate() {
-            // SAFETY: the staging region is this task's (the mutex is held), and the WRITEs that
-            // last read it completed before the previous block's loop iteration ended.
-            unsafe { st.write_local(i as u64 * bp, img) }?;
-            ops.push(Op::write(st, i as u64 * bp, remote, layout.offset(kv.pages[i], b), bp));
+    // One batch of WRITEs for every block, waited for once: no round trip between blocks.
+    let mut ops = Vec::with_capacity(nb * per_block);
+    for (j, (b, pages)) in blocks.zip(images).enumerate() {
+        if pages.len() != per_block {
+            return Err(ServeError::Protocol(format!("block {b}: {} pages of KV, block 0 {per_block}", pages.len())));
         }
-        for h in link.post(ops) {
-            h.wait("KV write", sh.cfg.op_timeout).await?;
+        for (i, img) in pages.iter().enumerate() {
+            let at = (j * per_block + i) as u64 * bp;
+            // SAFETY: the staging region is this task's (the mutex is held), and every WRITE that
+            // read it before completed before the call that posted it returned (a region whose
+            // WRITEs did not all complete is dropped, below).
+            unsafe { st.write_local(at, img) }?;
+            ops.push(Op::write(st, at, remote, layout.offset(kv.pages[i], b), bp));
         }
     }
+    // Every WRITE is waited for, even after one failed; after a failure the staging region is
+    // not used again (an abandoned WRITE may still read it), the next move registers another.
+    let mut failed = None;
+    for h in link.post(ops) {
+        if let Err(e) = h.wait("KV write", sh.cfg.op_timeout).await {
+            failed.get_or_insert(e);
+        }
+    }
+    if let Some(e) = failed {
+        *staging = None;
+        return Err(e.into());
+    }
+    let (ms, write_ms) = (t0.elapsed().as_secs_f64() * 1e3, t1.elapsed().as_secs_f64() * 1e3);
+    debug!(req, blocks = nb, pages = per_block, ms, write_ms, node = kv.node, "KV moved");
     Ok(())
 }
 
