@@ -311,16 +311,8 @@ pub unsafe extern "C" fn cascade_send(
         let bytes = data.len() as u64;
         let _rt = e.rt.enter();
         let h = e.ep.post_oneway(peer, &AppMessage { tag, data })?;
-        let (queue, details) = (e.queue.clone(), e.details.clone());
-        let limit = e.ep.config().op_timeout;
-        e.rt.spawn(async move {
-            let (status, detail) = match h.wait("send", limit).await {
-                Ok(_) => (CASCADE_OK, None),
-                Err(err) => (code_of(&err), Some(err.to_string())),
-            };
-            let c = cascade_completion { tag, bytes, status, kind: CASCADE_EVENT_SEND, node: peer, layer: 0 };
-            cascade_endpoint::complete(&queue, &details, c, detail);
-        });
+        // Its record carries the message's size (0 if it failed, as every op's does).
+        report(e, peer, vec![(tag, CASCADE_EVENT_SEND, Some(bytes))], vec![Ok(h)]);
         Ok(CASCADE_OK)
     })
 }
