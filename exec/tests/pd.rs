@@ -591,3 +591,30 @@ async fn a_decode_instance_whose_link_comes_back_decodes_again() {
         answers.iter().filter(|a| a.decode == 3).count()
     );
 }
+
+/// An arriving instance that does not answer its status calls (the mem fabric, a test double,
+/// holds what the router sends it) does not hold up the router: requests are prefilled on
+/// the old instance and their tokens collected while the router's follower waits on the call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_arriving_instance_does_not_hold_up_the_router() {
+    let roles = [Some(Role::Prefill), Some(Role::Decode), None];
+    let Some((c, fabric)) = mem_cluster(&roles) else { return };
+    // Every call to node 3 would wait out the call timeout (120 s).
+    // Every call to node 3 waits out the call timeout (120 s): its request is held 300 s.
+    fabric.set_fault(0, 3, Some(cascade_transport::mem::Fault::Delay(Duration::from_secs(300))));
+    let r = Routed::start(&c, router_cfg(&c, 1, vec![], vec![2]));
+    r.cmd_tx.send(PdCmd::Scaling { node: 3 }).unwrap();
+    let n = 4;
+    (0..n).for_each(|i| r.send(i));
+    let Routed { req_tx, routing, want, mut ans_rx, .. } = r;
+    drop(req_tx);
+    let stats = tokio::time::timeout(Duration::from_secs(60), routing)
+        .await
+        .expect("the router answered every request while a status call to node 3 hung")
+        .unwrap()
+        .unwrap();
+    let answers: Vec<GenAnswer> = std::iter::from_fn(|| ans_rx.try_recv().ok()).collect();
+    check(&answers, n, &want);
+    assert_eq!((stats.answered, stats.failed), (n as u64, 0));
+    assert!(answers.iter().all(|a| a.prefill.0 == 1), "node 3 holds nothing: everything prefilled on node 1");
+}

@@ -205,10 +205,12 @@ pub async fn run(
     let mut stats = RouterStats::default();
     let mut open = true;
     let mut tick = tokio::time::interval(cfg.poll_every.min(Duration::from_millis(20)));
-    let mut polled = Instant::now();
     // The monitor: the time of its next round, and its rounds' outcomes (one at a time).
     let mut next_round = cfg.monitor.as_ref().map(|m| Instant::now() + m.every);
     let (round_tx, mut round_rx) = mpsc::unbounded_channel::<Result<Rebalance, ServeError>>();
+    // An arriving instance's resident stages, from its follower (a task: the router never waits
+    // for a status call).
+    let (res_tx, mut res_rx) = mpsc::unbounded_channel::<(u32, u32)>();
     // Gone instances whose link came back, with their state once they can serve again.
     let (back_tx, mut back_rx) = mpsc::unbounded_channel::<(u32, LlmMsg)>();
     loop {
@@ -253,6 +255,7 @@ pub async fn run(
                     gone.remove(&node);
                     d.scaling(node);
                     scaling = Some(node);
+                    tokio::spawn(follow(mesh.clone(), node, cfg.poll_every, cfg.call_timeout, res_tx.clone()));
                 }
                 PdCmd::Decode { node } => {
                     gone.remove(&node);
@@ -352,6 +355,11 @@ pub async fn run(
                 }
                 next_round = cfg.monitor.as_ref().map(|m| Instant::now() + m.every);
             },
+            Some((node, resident)) = res_rx.recv() => {
+                if scaling == Some(node) {
+                    d.resident(resident);
+                }
+            }
             Some((node, state)) = back_rx.recv() => match state {
                 LlmMsg::State { role: Role::Decode, .. } if gone.contains(&node) => {
                     info!(node, "decode instance back: it decodes again");
@@ -396,15 +404,6 @@ pub async fn run(
             }
             at > now
         });
-        if let Some(n) = scaling.filter(|_| now - polled >= cfg.poll_every) {
-            polled = now;
-            if let Ok(LlmMsg::State { resident, layers, .. }) = mesh.call(n, &LlmMsg::Status, cfg.call_timeout).await {
-                d.resident(resident);
-                if resident >= layers {
-                    scaling = None;
-                }
-            }
-        }
         // Answer the requests whose every token arrived.
         let complete: Vec<u64> = pending
             .iter()
@@ -442,6 +441,33 @@ fn lose(
     decode.retain(|&n| n != node);
     for p in pending.values_mut().filter(|p| p.first.is_some() && p.decode == node) {
         p.redo(d, stats);
+    }
+}
+
+/// Asks the arriving instance `node` for its resident stages every `every` and reports each
+/// change on `tx`, until it holds them all or the router is gone. Failed calls (its link down
+/// for a while) are tried again at the next poll.
+async fn follow(
+    mesh: Arc<dyn Mesh>,
+    node: u32,
+    every: Duration,
+    limit: Duration,
+    tx: mpsc::UnboundedSender<(u32, u32)>,
+) {
+    let mut last = None;
+    while !tx.is_closed() {
+        match mesh.call(node, &LlmMsg::Status, limit).await {
+            Ok(LlmMsg::State { resident, layers, .. }) => {
+                if last != Some(resident) {
+                    last = Some(resident);
+                    if tx.send((node, resident)).is_err() || resident >= layers {
+                        return;
+                    }
+                }
+            }
+            other => debug!(node, answer = ?other, "status of the arriving instance"),
+        }
+        tokio::time::sleep(every).await;
     }
 }
 
