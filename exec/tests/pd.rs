@@ -592,11 +592,12 @@ async fn a_decode_instance_whose_link_comes_back_decodes_again() {
     );
 }
 
-/// An arriving instance that does not answer its status calls (the mem fabric, a test double,
-/// holds what the router sends it) does not hold up the router: requests are prefilled on
-/// the old instance and their tokens collected while the router's follower waits on the call.
+/// An instance that does not answer its calls (the mem fabric, a test double, holds what the
+/// router sends it) does not hold up the router: while its follower waits on a status call and
+/// a mutation waits for its answer, requests are prefilled on the old instance and their tokens
+/// collected.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_silent_arriving_instance_does_not_hold_up_the_router() {
+async fn a_silent_instance_does_not_hold_up_the_router() {
     let roles = [Some(Role::Prefill), Some(Role::Decode), None];
     let Some((c, fabric)) = mem_cluster(&roles) else { return };
     // Every call to node 3 would wait out the call timeout (120 s).
@@ -604,13 +605,15 @@ async fn a_silent_arriving_instance_does_not_hold_up_the_router() {
     fabric.set_fault(0, 3, Some(cascade_transport::mem::Fault::Delay(Duration::from_secs(300))));
     let r = Routed::start(&c, router_cfg(&c, 1, vec![], vec![2]));
     r.cmd_tx.send(PdCmd::Scaling { node: 3 }).unwrap();
+    let (done, _mutated) = oneshot::channel();
+    r.cmd_tx.send(PdCmd::Mutate { node: 3, done }).unwrap();
     let n = 4;
     (0..n).for_each(|i| r.send(i));
     let Routed { req_tx, routing, want, mut ans_rx, .. } = r;
     drop(req_tx);
     let stats = tokio::time::timeout(Duration::from_secs(60), routing)
         .await
-        .expect("the router answered every request while a status call to node 3 hung")
+        .expect("the router answered every request while its calls to node 3 hung")
         .unwrap()
         .unwrap();
     let answers: Vec<GenAnswer> = std::iter::from_fn(|| ans_rx.try_recv().ok()).collect();

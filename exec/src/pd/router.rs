@@ -208,6 +208,9 @@ pub async fn run(
     // The monitor: the time of its next round, and its rounds' outcomes (one at a time).
     let mut next_round = cfg.monitor.as_ref().map(|m| Instant::now() + m.every);
     let (round_tx, mut round_rx) = mpsc::unbounded_channel::<Result<Rebalance, ServeError>>();
+    // Mutations answered: the node, the outcome, and whom to tell.
+    let (mutated_tx, mut mutated_rx) =
+        mpsc::unbounded_channel::<(u32, Result<(), String>, oneshot::Sender<Result<(), String>>)>();
     // An arriving instance's resident stages, from its follower (a task: the router never waits
     // for a status call).
     let (res_tx, mut res_rx) = mpsc::unbounded_channel::<(u32, u32)>();
@@ -239,16 +242,18 @@ pub async fn run(
                 None => open = false,
             },
             Some(c) = cmds.recv() => match c {
+                // No more prefills go there at once; it decodes once it says it does (the call runs
+                // in a task: the router goes on routing meanwhile).
                 PdCmd::Mutate { node, done } => {
                     d.down(node);
-                    let r = match mesh.call(node, &LlmMsg::Mutate, cfg.call_timeout).await {
-                        Ok(LlmMsg::Ack) => {
-                            decode.push(node);
-                            Ok(())
-                        }
-                        other => Err(format!("{other:?}")),
-                    };
-                    let _ = done.send(r);
+                    let (mesh, timeout, tx) = (mesh.clone(), cfg.call_timeout, mutated_tx.clone());
+                    tokio::spawn(async move {
+                        let r = match mesh.call(node, &LlmMsg::Mutate, timeout).await {
+                            Ok(LlmMsg::Ack) => Ok(()),
+                            other => Err(format!("{other:?}")),
+                        };
+                        let _ = tx.send((node, r, done));
+                    });
                 }
                 // Both say the node serves (again): one gone before is back for good.
                 PdCmd::Scaling { node } => {
@@ -355,6 +360,12 @@ pub async fn run(
                 }
                 next_round = cfg.monitor.as_ref().map(|m| Instant::now() + m.every);
             },
+            Some((node, r, done)) = mutated_rx.recv() => {
+                if r.is_ok() && !decode.contains(&node) {
+                    decode.push(node);
+                }
+                let _ = done.send(r);
+            }
             Some((node, resident)) = res_rx.recv() => {
                 if scaling == Some(node) {
                     d.resident(resident);
