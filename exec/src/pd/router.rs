@@ -361,7 +361,8 @@ pub async fn run(
                 next_round = cfg.monitor.as_ref().map(|m| Instant::now() + m.every);
             },
             Some((node, r, done)) = mutated_rx.recv() => {
-                if r.is_ok() && !decode.contains(&node) {
+                // A node lost while its answer came back joins when its link does.
+                if r.is_ok() && !gone.contains(&node) && !decode.contains(&node) {
                     decode.push(node);
                 }
                 let _ = done.send(r);
