@@ -28,6 +28,8 @@ use common::{llm_reference, smollm2_dir};
 use tokio::sync::{mpsc, oneshot};
 
 const MAX_TOKENS: u32 = 12;
+/// KV pages of every instance.
+const KV_PAGES: u32 = 64;
 
 struct Cluster {
     eps: Vec<Arc<Endpoint>>,
@@ -56,7 +58,7 @@ fn mem_cluster(roles: &[Option<Role>]) -> Option<(Cluster, MemFabric)> {
 /// Starts `roles`' instances on `meshes[1..]`.
 fn with_instances(eps: Vec<Arc<Endpoint>>, meshes: Vec<Arc<dyn Mesh>>, roles: &[Option<Role>]) -> Cluster {
     let (model, file) = PdModel::from_dir(&smollm2_dir().unwrap()).unwrap();
-    let cfg = LlmConfig { kv_pages: 64, page_tokens: 16, max_prompt: 64, max_running: 8, ..LlmConfig::default() };
+    let cfg = LlmConfig { kv_pages: KV_PAGES, page_tokens: 16, max_prompt: 64, max_running: 8, ..LlmConfig::default() };
     let mut instances = Vec::new();
     for (mesh, role) in meshes.iter().skip(1).zip(roles) {
         let mesh = mesh.clone();
@@ -620,4 +622,54 @@ async fn a_silent_instance_does_not_hold_up_the_router() {
     check(&answers, n, &want);
     assert_eq!((stats.answered, stats.failed), (n as u64, 0));
     assert!(answers.iter().all(|a| a.prefill.0 == 1), "node 3 holds nothing: everything prefilled on node 1");
+}
+
+/// The router's link to a decode instance fails: the instance stops decoding that router's
+/// requests and frees their KV at once (the router redoes them elsewhere), instead of decoding
+/// every token they had left for nobody.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_decode_instance_drops_the_requests_of_a_router_it_lost() {
+    let roles = [Some(Role::Prefill), Some(Role::Decode)];
+    let Some((c, fabric)) = mem_cluster(&roles) else { return };
+    // While node 2 is gone the redone request finds no decode instance: room for 4 s of retries.
+    let r = Routed::start(&c, PdRouterConfig { max_attempts: 200, ..router_cfg(&c, 1, vec![], vec![2]) });
+    let prompt = r.want[0].0.clone();
+    r.req_tx.send(GenRequest { id: 0, prompt, max_tokens: 900, adapter: 0 }).unwrap();
+    let status = |from: usize| {
+        let mesh = c.meshes[from].clone();
+        async move {
+            match mesh.call(2, &LlmMsg::Status, Duration::from_secs(10)).await {
+                Ok(LlmMsg::State { running, free_pages, .. }) => (running, free_pages),
+                other => panic!("status of node 2: {other:?}"),
+            }
+        }
+    };
+    let t0 = std::time::Instant::now();
+    while status(0).await.0 == 0 {
+        assert!(t0.elapsed() < Duration::from_secs(60), "nothing ever decoded on node 2");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    fabric.set_link(0, 2, false);
+    let cut = std::time::Instant::now();
+    // Asked from node 1, whose link to node 2 is up. (Decoding the rest of the request for
+    // nobody took 1.9 s here in a debug build.)
+    while status(1).await != (0, KV_PAGES) {
+        assert!(
+            cut.elapsed() < Duration::from_millis(300),
+            "node 2 still decodes for the router it lost: (running, free pages) {:?}",
+            status(1).await
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    eprintln!("node 2 dropped the lost router's request {:?} after the cut", cut.elapsed());
+    fabric.set_link(0, 2, true);
+    let Routed { req_tx, routing, mut ans_rx, want, .. } = r;
+    drop(req_tx);
+    let stats = tokio::time::timeout(Duration::from_secs(120), routing).await.unwrap().unwrap().unwrap();
+    let a = ans_rx.recv().await.unwrap();
+    let tokens = a.result.unwrap();
+    assert_eq!(tokens[..want[0].1.len()], want[0].1[..], "redone after the link came back: the reference's tokens");
+    // Redone once it was lost, and again each time it found no decode instance while node 2 was
+    // gone.
+    assert!(stats.answered == 1 && stats.requeued >= 1, "{stats:?}");
 }

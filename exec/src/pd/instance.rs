@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use cascade_multicast::cluster::MulticastNode;
 use cascade_transport::service::DEFAULT_INBOX;
-use cascade_transport::{Inbox, Mesh, Op, Region, RemoteKey, RemoteRegion, ReplyTo, ServiceExt};
-use tokio::sync::{mpsc, oneshot, Notify};
+use cascade_transport::{Inbox, Mesh, Op, PeerEvent, Region, RemoteKey, RemoteRegion, ReplyTo, ServiceExt};
+use tokio::sync::{broadcast, mpsc, oneshot, Notify};
 use tracing::{debug, warn};
 
 use super::kv::{KvLayout, Pages};
@@ -161,6 +161,7 @@ impl LlmInstance {
         tokio::spawn(serve_llm(shared.clone(), llm_inbox));
         tokio::spawn(serve_exec(shared.clone(), exec_inbox));
         tokio::spawn(decode_loop(shared.clone()));
+        tokio::spawn(drop_lost_routers(shared.clone()));
         Ok(LlmInstance { shared })
     }
 
@@ -655,6 +656,33 @@ async fn bring_adapter(sh: &Arc<Shared>, id: u32, to: cascade_transport::NodeId)
     }
     sh.mesh.deregister(staging.id());
     Ok(Some(n))
+}
+
+/// A router whose link failed cannot take its requests' tokens, and it redoes them elsewhere
+/// (see [`super::router`]): the requests decoding here for it stop, and their KV pages are freed
+/// at once instead of after every token they had left.
+async fn drop_lost_routers(sh: Arc<Shared>) {
+    let mut events = sh.mesh.peer_events();
+    loop {
+        let peer = match events.recv().await {
+            Ok(PeerEvent::Down { peer, .. }) => peer,
+            Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => continue,
+            Err(broadcast::error::RecvError::Closed) => return,
+        };
+        let lost: Vec<u64> = {
+            let mut running = lock(&sh.running);
+            let lost = running.iter().filter(|s| s.router == peer).map(|s| s.req).collect();
+            running.retain(|s| s.router != peer);
+            lost
+        };
+        if !lost.is_empty() {
+            warn!(router = peer, requests = lost.len(), "the router's link failed: its decodes here stop");
+        }
+        for req in lost {
+            release(&sh, req);
+            let _ = with_model(&sh, move |m| m.free(req)).await;
+        }
+    }
 }
 
 /// Continuous batching: every running request decodes one token per step, in one batch; a
