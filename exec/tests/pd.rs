@@ -673,3 +673,30 @@ async fn a_decode_instance_drops_the_requests_of_a_router_it_lost() {
     // gone.
     assert!(stats.answered == 1 && stats.requeued >= 1, "{stats:?}");
 }
+
+/// Pages a router reserved on a decode instance for a prefill that never started there are
+/// freed when that router's link fails (the router redoes the request); another router's stay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_routers_reservations_are_freed() {
+    let roles = [Some(Role::Prefill), Some(Role::Decode)];
+    let Some((c, fabric)) = mem_cluster(&roles) else { return };
+    let limit = Duration::from_secs(10);
+    let free = || async {
+        match c.meshes[1].call(2, &LlmMsg::Status, limit).await {
+            Ok(LlmMsg::State { free_pages, .. }) => free_pages,
+            other => panic!("status of node 2: {other:?}"),
+        }
+    };
+    // Nodes 0 and 1 each reserve pages on node 2 as a router would (64 tokens: 4 pages each).
+    for (from, req) in [(0, 7), (1, 8)] {
+        let r = c.meshes[from].call(2, &LlmMsg::Reserve { req, tokens: 64 }, limit).await;
+        assert!(matches!(r, Ok(LlmMsg::Reserved { .. })), "{r:?}");
+    }
+    assert_eq!(free().await, KV_PAGES - 8);
+    fabric.set_link(0, 2, false);
+    let cut = std::time::Instant::now();
+    while free().await != KV_PAGES - 4 {
+        assert!(cut.elapsed() < Duration::from_millis(300), "node 0's pages still held: {} free", free().await);
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}

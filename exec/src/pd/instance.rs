@@ -85,6 +85,8 @@ struct Shared {
     role: Mutex<Role>,
     /// The KV region (decode) and its pages.
     kv: Mutex<Option<(Region, Pages)>>,
+    /// The node that reserved each request's pages (its router).
+    reserved_by: Mutex<std::collections::HashMap<u64, u32>>,
     /// The staging region KV is written from (prefill), one move at a time.
     staging: tokio::sync::Mutex<Option<Region>>,
     running: Mutex<Vec<Seq>>,
@@ -140,6 +142,7 @@ impl LlmInstance {
             copy,
             role: Mutex::new(role),
             kv: Mutex::new(None),
+            reserved_by: Mutex::default(),
             staging: tokio::sync::Mutex::new(None),
             running: Mutex::default(),
             wake: Notify::new(),
@@ -261,7 +264,7 @@ async fn serve_llm(sh: Arc<Shared>, mut inbox: Inbox<LlmMsg>) {
             continue;
         };
         let now = match m.msg {
-            LlmMsg::Reserve { req, tokens } => Some(reserve(&sh, req, tokens)),
+            LlmMsg::Reserve { req, tokens } => Some(reserve(&sh, m.from, req, tokens)),
             LlmMsg::Release { req } => {
                 release(&sh, req);
                 Some(Ok(LlmMsg::Ack))
@@ -350,7 +353,9 @@ fn reserve_adapter(sh: &Shared, adapter: u32, bytes: u64) -> Result<LlmMsg, Serv
     Ok(LlmMsg::AdapterGrant { grant })
 }
 
-fn reserve(sh: &Shared, req: u64, tokens: u32) -> Result<LlmMsg, ServeError> {
+/// Reserves `req`'s pages for `from` (its router: when its link fails they are freed, see
+/// [`drop_lost_routers`]).
+fn reserve(sh: &Shared, from: u32, req: u64, tokens: u32) -> Result<LlmMsg, ServeError> {
     if *lock(&sh.role) != Role::Decode {
         return Err(ServeError::Peer("not a decode instance".into()));
     }
@@ -373,12 +378,14 @@ fn reserve(sh: &Shared, req: u64, tokens: u32) -> Result<LlmMsg, ServeError> {
     let got = pages
         .reserve(req, n)
         .ok_or_else(|| ServeError::Peer(format!("{n} KV pages wanted, {} free", pages.available())))?;
+    lock(&sh.reserved_by).insert(req, from);
     let grant =
         KvGrant { node: sh.mesh.node(), region: region.id().0, key: region.key().0, len: region.len(), pages: got };
     Ok(LlmMsg::Reserved { grant })
 }
 
 fn release(sh: &Shared, req: u64) {
+    lock(&sh.reserved_by).remove(&req);
     if let Some((_, pages)) = lock(&sh.kv).as_mut() {
         pages.free(req);
     }
@@ -660,7 +667,8 @@ async fn bring_adapter(sh: &Arc<Shared>, id: u32, to: cascade_transport::NodeId)
 
 /// A router whose link failed cannot take its requests' tokens, and it redoes them elsewhere
 /// (see [`super::router`]): the requests decoding here for it stop, and their KV pages are freed
-/// at once instead of after every token they had left.
+/// at once instead of after every token they had left; so are the pages it reserved for
+/// prefills that have not started here (a `Start` for one of them is refused: it holds no pages).
 async fn drop_lost_routers(sh: Arc<Shared>) {
     let mut events = sh.mesh.peer_events();
     loop {
@@ -675,8 +683,19 @@ async fn drop_lost_routers(sh: Arc<Shared>) {
             running.retain(|s| s.router != peer);
             lost
         };
-        if !lost.is_empty() {
-            warn!(router = peer, requests = lost.len(), "the router's link failed: its decodes here stop");
+        // Pages it reserved for prefills that have not started here: their Start is refused.
+        let reserved: Vec<u64> =
+            lock(&sh.reserved_by).iter().filter(|(r, &by)| by == peer && !lost.contains(r)).map(|(&r, _)| r).collect();
+        if !lost.is_empty() || !reserved.is_empty() {
+            warn!(
+                router = peer,
+                decoding = lost.len(),
+                reserved = reserved.len(),
+                "the router's link failed: its requests here stop"
+            );
+        }
+        for req in reserved {
+            release(&sh, req);
         }
         for req in lost {
             release(&sh, req);
