@@ -85,8 +85,6 @@ struct Shared {
     role: Mutex<Role>,
     /// The KV region (decode) and its pages.
     kv: Mutex<Option<(Region, Pages)>>,
-    /// The node that reserved each request's pages (its router).
-    reserved_by: Mutex<std::collections::HashMap<u64, u32>>,
     /// The staging region KV is written from (prefill), one move at a time.
     staging: tokio::sync::Mutex<Option<Region>>,
     running: Mutex<Vec<Seq>>,
@@ -142,7 +140,6 @@ impl LlmInstance {
             copy,
             role: Mutex::new(role),
             kv: Mutex::new(None),
-            reserved_by: Mutex::default(),
             staging: tokio::sync::Mutex::new(None),
             running: Mutex::default(),
             wake: Notify::new(),
@@ -376,16 +373,14 @@ fn reserve(sh: &Shared, from: u32, req: u64, tokens: u32) -> Result<LlmMsg, Serv
         )));
     }
     let got = pages
-        .reserve(req, n)
+        .reserve(req, from, n)
         .ok_or_else(|| ServeError::Peer(format!("{n} KV pages wanted, {} free", pages.available())))?;
-    lock(&sh.reserved_by).insert(req, from);
     let grant =
         KvGrant { node: sh.mesh.node(), region: region.id().0, key: region.key().0, len: region.len(), pages: got };
     Ok(LlmMsg::Reserved { grant })
 }
 
 fn release(sh: &Shared, req: u64) {
-    lock(&sh.reserved_by).remove(&req);
     if let Some((_, pages)) = lock(&sh.kv).as_mut() {
         pages.free(req);
     }
@@ -683,20 +678,21 @@ async fn drop_lost_routers(sh: Arc<Shared>) {
             running.retain(|s| s.router != peer);
             lost
         };
-        // Pages it reserved for prefills that have not started here: their Start is refused.
-        let reserved: Vec<u64> =
-            lock(&sh.reserved_by).iter().filter(|(r, &by)| by == peer && !lost.contains(r)).map(|(&r, _)| r).collect();
+        // Pages it reserved, those of prefills that have not started here among them (their
+        // Start is refused).
+        let reserved = lock(&sh.kv).as_ref().map_or_else(Vec::new, |(_, pages)| pages.reserved_by(peer));
         if !lost.is_empty() || !reserved.is_empty() {
             warn!(
                 router = peer,
                 decoding = lost.len(),
-                reserved = reserved.len(),
+                holding_pages = reserved.len(),
                 "the router's link failed: its requests here stop"
             );
         }
         for req in reserved {
             release(&sh, req);
         }
+        // Their pages went with the reservations above, unless another node reserved them.
         for req in lost {
             release(&sh, req);
             let _ = with_model(&sh, move |m| m.free(req)).await;

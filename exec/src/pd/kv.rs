@@ -107,11 +107,11 @@ impl KvLayout {
     }
 }
 
-/// Which pages are free and which request holds which.
+/// Which pages are free, which request holds which, and which node reserved them.
 #[derive(Debug, Default)]
 pub struct Pages {
     free: Vec<u32>,
-    held: HashMap<u64, Vec<u32>>,
+    held: HashMap<u64, (Vec<u32>, u32)>,
 }
 
 impl Pages {
@@ -120,25 +120,30 @@ impl Pages {
         Pages { free: (0..n).rev().collect(), held: HashMap::new() }
     }
 
-    /// Reserves `n` pages for `req` (`None`, nothing reserved, when fewer are free or `req`
-    /// holds pages already).
-    pub fn reserve(&mut self, req: u64, n: usize) -> Option<Vec<u32>> {
+    /// Reserves `n` pages for `req` on behalf of node `by` (its router) (`None`, nothing
+    /// reserved, when fewer are free or `req` holds pages already).
+    pub fn reserve(&mut self, req: u64, by: u32, n: usize) -> Option<Vec<u32>> {
         if n == 0 || self.free.len() < n || self.held.contains_key(&req) {
             return None;
         }
         let pages: Vec<u32> = (0..n).filter_map(|_| self.free.pop()).collect();
-        self.held.insert(req, pages.clone());
+        self.held.insert(req, (pages.clone(), by));
         Some(pages)
     }
 
     /// `req`'s pages.
     pub fn of(&self, req: u64) -> Option<&[u32]> {
-        self.held.get(&req).map(Vec::as_slice)
+        self.held.get(&req).map(|(p, _)| p.as_slice())
+    }
+
+    /// The requests whose pages node `by` reserved.
+    pub fn reserved_by(&self, by: u32) -> Vec<u64> {
+        self.held.iter().filter(|(_, (_, b))| *b == by).map(|(&r, _)| r).collect()
     }
 
     /// Frees `req`'s pages; how many.
     pub fn free(&mut self, req: u64) -> usize {
-        let pages = self.held.remove(&req).unwrap_or_default();
+        let (pages, _) = self.held.remove(&req).unwrap_or_default();
         let n = pages.len();
         self.free.extend(pages);
         n
@@ -184,11 +189,12 @@ mod tests {
         assert_eq!(l.offset(2, 1), 2 * l.page_bytes() + l.block_page_bytes());
 
         let mut p = Pages::new(4);
-        let a = p.reserve(1, 3).unwrap();
+        let a = p.reserve(1, 9, 3).unwrap();
         assert_eq!(a.len(), 3);
-        assert!(p.reserve(2, 2).is_none(), "one page left");
-        assert!(p.reserve(1, 1).is_none(), "one reservation per request");
+        assert!(p.reserve(2, 9, 2).is_none(), "one page left");
+        assert!(p.reserve(1, 9, 1).is_none(), "one reservation per request");
         assert_eq!(p.of(1), Some(a.as_slice()));
+        assert_eq!((p.reserved_by(9), p.reserved_by(8)), (vec![1], vec![]));
         assert_eq!(p.free(1), 3);
         assert_eq!(p.free(1), 0);
         assert_eq!(p.available(), 4);
