@@ -327,9 +327,10 @@ async fn requests_migrate_with_their_adapters_and_answer_as_if_served_alone() {
     else {
         panic!("no reservation")
     };
+    let lease = grant.lease;
     let answer = mesh.call(2, &LlmMsg::Migrate { req: 999, kv: grant }, Duration::from_secs(30)).await.unwrap();
     assert!(matches!(&answer, LlmMsg::Failed { message, .. } if message.contains("not decoding here")), "{answer:?}");
-    mesh.call(3, &LlmMsg::Release { req: 999 }, Duration::from_secs(30)).await.unwrap();
+    mesh.call(3, &LlmMsg::Release { req: 999, lease }, Duration::from_secs(30)).await.unwrap();
     let moved_adapters: std::collections::BTreeSet<u32> = r.outcomes.iter().map(|(m, _)| m.adapter).collect();
     assert_eq!(c.instances[2].adapters(), moved_adapters.iter().copied().collect::<Vec<_>>(), "adapters came along");
     // Every token arrives once, in order, from whichever instance decodes the request, until
@@ -698,5 +699,99 @@ async fn a_lost_routers_reservations_are_freed() {
     while free().await != KV_PAGES - 4 {
         assert!(cut.elapsed() < Duration::from_millis(300), "node 0's pages still held: {} free", free().await);
         tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Reserves `tokens` tokens of KV for `req` on node `on`, asked by node `by`.
+async fn reserve(c: &Cluster, by: usize, on: u32, req: u64, tokens: u32) -> cascade_exec::pd::KvGrant {
+    match c.meshes[by].call(on, &LlmMsg::Reserve { req, tokens }, Duration::from_secs(10)).await {
+        Ok(LlmMsg::Reserved { grant }) => grant,
+        other => panic!("reserve {req} on {on}: {other:?}"),
+    }
+}
+
+async fn free_pages(c: &Cluster, on: u32) -> u32 {
+    match c.meshes[0].call(on, &LlmMsg::Status, Duration::from_secs(10)).await {
+        Ok(LlmMsg::State { free_pages, .. }) => free_pages,
+        other => panic!("status of node {on}: {other:?}"),
+    }
+}
+
+/// A start as the prefill instance of reservation `kv` sends it.
+fn start(req: u64, kv: &cascade_exec::pd::KvGrant, crcs: Vec<u32>, prompt_len: u32) -> LlmMsg {
+    LlmMsg::Start { req, lease: kv.lease, crcs, prompt_len, first: 1, max_tokens: 2, router: 0, adapter: 0 }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redone_reservation_replaces_one_whose_release_was_lost() {
+    let Some((c, _fabric)) = mem_cluster(&[Some(Role::Decode)]) else { return };
+    let limit = Duration::from_secs(10);
+    // The router reserves for request 7 and loses track of it (its Release never arrives);
+    // redoing the request, it reserves again: granted, the first reservation's pages freed.
+    let first = reserve(&c, 0, 1, 7, 64).await;
+    let second = reserve(&c, 0, 1, 7, 64).await;
+    assert_ne!(first.lease, second.lease);
+    assert_eq!(free_pages(&c, 1).await, KV_PAGES - 4, "one reservation of 4 pages");
+    // Another node cannot take it; a late Start or Release of the first does nothing.
+    let other = c.meshes[1].call(1, &LlmMsg::Reserve { req: 7, tokens: 64 }, limit).await;
+    assert!(matches!(&other, Ok(LlmMsg::Failed { message, .. }) if message.contains("holds KV pages")), "{other:?}");
+    let late = c.meshes[0].call(1, &start(7, &first, vec![0; c.model.config.num_hidden_layers], 40), limit).await;
+    assert!(matches!(&late, Ok(LlmMsg::Failed { message, .. }) if message.contains("stale")), "{late:?}");
+    c.meshes[0].call(1, &LlmMsg::Release { req: 7, lease: first.lease }, limit).await.unwrap();
+    assert_eq!(free_pages(&c, 1).await, KV_PAGES - 4, "a late Release frees nothing");
+    c.meshes[0].call(1, &LlmMsg::Release { req: 7, lease: second.lease }, limit).await.unwrap();
+    assert_eq!(free_pages(&c, 1).await, KV_PAGES);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn foreign_bytes_in_a_requests_pages_make_its_start_fail_instead_of_decoding() {
+    use cascade_transport::{test_access as ta, Op, RegionId, RemoteKey, RemoteRegion};
+    let Some((c, _fabric)) = mem_cluster(&[Some(Role::Decode)]) else { return };
+    let limit = Duration::from_secs(10);
+    let layout = KvLayout::new(&c.model.config, 16);
+    let (prompt_len, bp) = (20u32, layout.block_page_bytes());
+    let n = layout.pages_for(prompt_len as usize);
+    // Node 2 plays the prefill instance: it WRITEs every block's pages from its staging region.
+    let writer = c.meshes[1].clone();
+    let staging = writer.register_new(bp).unwrap();
+    let write = |kv: cascade_exec::pd::KvGrant, page: usize, block: usize, byte: u8| {
+        let (writer, staging) = (writer.clone(), staging.clone());
+        async move {
+            ta::fill(&staging, 0, bp, byte).unwrap();
+            let remote = RemoteRegion { node: kv.node, id: RegionId(kv.region), key: RemoteKey(kv.key), len: kv.len };
+            let op = Op::write(&staging, 0, remote, layout.offset(kv.pages[page], block), bp);
+            for h in writer.link(kv.node).unwrap().post(vec![op]) {
+                h.wait("KV write", limit).await.unwrap();
+            }
+        }
+    };
+    let crcs = |byte: u8| {
+        let mut h = crc32fast::Hasher::new();
+        for _ in 0..n {
+            h.update(&vec![byte; bp as usize]);
+        }
+        vec![h.finalize(); layout.blocks]
+    };
+    for (req, stale) in [(1u64, true), (2, false)] {
+        let kv = reserve(&c, 0, 1, req, 40).await;
+        for page in 0..n {
+            for block in 0..layout.blocks {
+                write(kv.clone(), page, block, 0).await;
+            }
+        }
+        if stale {
+            // An abandoned writer's late WRITE lands in one of the pages.
+            write(kv.clone(), n - 1, 7, 0x5a).await;
+        }
+        let r = c.meshes[1].call(1, &start(req, &kv, crcs(0), prompt_len), limit).await.unwrap();
+        if stale {
+            assert!(
+                matches!(&r, LlmMsg::Failed { message, retry: true } if message.contains("block 7's KV pages hold other bytes")),
+                "{r:?}"
+            );
+            assert_eq!(free_pages(&c, 1).await, KV_PAGES, "the refused reservation's pages went back");
+        } else {
+            assert_eq!(r, LlmMsg::Ack, "the same pages with the written bytes start");
+        }
     }
 }

@@ -66,6 +66,8 @@ struct Seq {
     router: u32,
     /// Its LoRA adapter (0: the base model).
     adapter: u32,
+    /// The reservation of its KV pages here.
+    lease: u64,
 }
 
 /// A `Migrate` waiting for the decode loop to hand its request over between two steps.
@@ -262,8 +264,8 @@ async fn serve_llm(sh: Arc<Shared>, mut inbox: Inbox<LlmMsg>) {
         };
         let now = match m.msg {
             LlmMsg::Reserve { req, tokens } => Some(reserve(&sh, m.from, req, tokens)),
-            LlmMsg::Release { req } => {
-                release(&sh, req);
+            LlmMsg::Release { req, lease } => {
+                release(&sh, req, lease);
                 Some(Ok(LlmMsg::Ack))
             }
             LlmMsg::Mutate => {
@@ -282,14 +284,25 @@ async fn serve_llm(sh: Arc<Shared>, mut inbox: Inbox<LlmMsg>) {
                 let sh = sh.clone();
                 tokio::spawn(async move {
                     let a = match msg {
-                        LlmMsg::Start { req, prompt_len, first, max_tokens, router, adapter } => {
-                            let seq =
-                                Seq { req, pos: prompt_len, last: first, generated: 1, max_tokens, router, adapter };
-                            admit(&sh, seq, None).await
+                        LlmMsg::Start { req, lease, crcs, prompt_len, first, max_tokens, router, adapter } => {
+                            let (pos, last, generated) = (prompt_len, first, 1);
+                            let seq = Seq { req, pos, last, generated, max_tokens, router, adapter, lease };
+                            admit(&sh, seq, &crcs, None).await
                         }
-                        LlmMsg::Resume { req, pos, last, generated, max_tokens, router, adapter, adapter_bytes } => {
-                            let seq = Seq { req, pos, last, generated, max_tokens, router, adapter };
-                            admit(&sh, seq, adapter_bytes).await
+                        LlmMsg::Resume {
+                            req,
+                            lease,
+                            crcs,
+                            pos,
+                            last,
+                            generated,
+                            max_tokens,
+                            router,
+                            adapter,
+                            adapter_bytes,
+                        } => {
+                            let seq = Seq { req, pos, last, generated, max_tokens, router, adapter, lease };
+                            admit(&sh, seq, &crcs, adapter_bytes).await
                         }
                         other => prefill(&sh, other).await,
                     };
@@ -372,17 +385,18 @@ fn reserve(sh: &Shared, from: u32, req: u64, tokens: u32) -> Result<LlmMsg, Serv
             sh.cfg.kv_pages
         )));
     }
-    let got = pages
-        .reserve(req, from, n)
-        .ok_or_else(|| ServeError::Peer(format!("{n} KV pages wanted, {} free", pages.available())))?;
-    let grant =
-        KvGrant { node: sh.mesh.node(), region: region.id().0, key: region.key().0, len: region.len(), pages: got };
-    Ok(LlmMsg::Reserved { grant })
+    let (lease, got) = pages.reserve(req, from, n).ok_or_else(|| match pages.lease_of(req) {
+        Some(_) => ServeError::Peer(format!("request {req} holds KV pages here already")),
+        None => ServeError::Peer(format!("{n} KV pages wanted, {} free", pages.available())),
+    })?;
+    let (node, region, key, len) = (sh.mesh.node(), region.id().0, region.key().0, region.len());
+    Ok(LlmMsg::Reserved { grant: KvGrant { node, region, key, len, pages: got, lease } })
 }
 
-fn release(sh: &Shared, req: u64) {
+/// Frees `req`'s pages if it holds them under `lease`.
+fn release(sh: &Shared, req: u64, lease: u64) {
     if let Some((_, pages)) = lock(&sh.kv).as_mut() {
-        pages.free(req);
+        pages.release(req, lease);
     }
 }
 
@@ -396,7 +410,7 @@ async fn prefill(sh: &Arc<Shared>, msg: LlmMsg) -> Result<LlmMsg, ServeError> {
         return Err(ServeError::Peer("not a prefill instance (mutated to decode)".into()));
     }
     let layers = sh.compute.layers();
-    let (req, act, max_tokens, kv, split, router) = match msg {
+    let (req, act, max_tokens, kv, split, router, mut crcs) = match msg {
         LlmMsg::Prefill { req, prompt, max_tokens, kv, split, router, adapter } => {
             if prompt.is_empty() || prompt.len() > sh.cfg.max_prompt as usize {
                 return Err(ServeError::Input(format!("{} prompt tokens: 1 to {}", prompt.len(), sh.cfg.max_prompt)));
@@ -404,10 +418,11 @@ async fn prefill(sh: &Arc<Shared>, msg: LlmMsg) -> Result<LlmMsg, ServeError> {
             if adapter != 0 && !lock(&sh.adapters).contains(&adapter) {
                 return Err(ServeError::Peer(format!("adapter {adapter} is not served here")));
             }
-            (req, Activation::packed(&[(req, 0, prompt)])?.with_adapters(&[adapter])?, max_tokens, kv, split, router)
+            let act = Activation::packed(&[(req, 0, prompt)])?.with_adapters(&[adapter])?;
+            (req, act, max_tokens, kv, split, router, Vec::new())
         }
-        LlmMsg::Continue { req, act, max_tokens, kv, router } => {
-            (req, Activation::from_bytes(&act)?, max_tokens, kv, None, router)
+        LlmMsg::Continue { req, act, max_tokens, kv, router, crcs } => {
+            (req, Activation::from_bytes(&act)?, max_tokens, kv, None, router, crcs)
         }
         other => return Err(ServeError::Protocol(format!("not a prefill: {other:?}"))),
     };
@@ -424,14 +439,14 @@ async fn prefill(sh: &Arc<Shared>, msg: LlmMsg) -> Result<LlmMsg, ServeError> {
     let out = run(sh, act, stop).await;
     let moved = match &out {
         Ok(_) => move_kv(sh, req, blocks(from..stop, sh.layout.blocks), &kv).await,
-        Err(_) => Ok(()),
+        Err(_) => Ok(Vec::new()),
     };
     let seq_freed = with_model(sh, move |m| m.free(req)).await;
     let out = out?;
-    moved?;
+    crcs.extend(moved?);
     seq_freed?;
     if let Some(s) = split {
-        let cont = LlmMsg::Continue { req, act: out.to_bytes()?, max_tokens, kv, router };
+        let cont = LlmMsg::Continue { req, act: out.to_bytes()?, max_tokens, kv, router, crcs };
         return match sh.mesh.call(s.then, &cont, sh.cfg.op_timeout).await? {
             LlmMsg::Prefilled { req, first, decoding, .. } => {
                 Ok(LlmMsg::Prefilled { req, first, on_first: s.layers, decoding })
@@ -442,7 +457,7 @@ async fn prefill(sh: &Arc<Shared>, msg: LlmMsg) -> Result<LlmMsg, ServeError> {
     let first = argmax(&out)?.first().copied().ok_or_else(|| ServeError::Protocol("no logits".into()))?;
     let decoding = first != sh.model.config.eos_token_id && max_tokens > 1;
     if decoding {
-        let start = LlmMsg::Start { req, prompt_len, first, max_tokens, router, adapter };
+        let start = LlmMsg::Start { req, lease: kv.lease, crcs, prompt_len, first, max_tokens, router, adapter };
         match sh.mesh.call(kv.node, &start, sh.cfg.op_timeout).await? {
             LlmMsg::Ack => {}
             LlmMsg::Failed { message, .. } => {
@@ -455,10 +470,10 @@ async fn prefill(sh: &Arc<Shared>, msg: LlmMsg) -> Result<LlmMsg, ServeError> {
 }
 
 /// WRITEs `req`'s cached KV of `blocks` into its pages on the decode instance, every block's
-/// pages in one batch.
-async fn move_kv(sh: &Arc<Shared>, req: u64, blocks: Range<usize>, kv: &KvGrant) -> Result<(), ServeError> {
+/// pages in one batch; the crc32 of each block's pages as written, in block order.
+async fn move_kv(sh: &Arc<Shared>, req: u64, blocks: Range<usize>, kv: &KvGrant) -> Result<Vec<u32>, ServeError> {
     if blocks.is_empty() {
-        return Ok(());
+        return Ok(Vec::new());
     }
     let t0 = std::time::Instant::now();
     let nb = blocks.len();
@@ -494,11 +509,14 @@ async fn move_kv(sh: &Arc<Shared>, req: u64, blocks: Range<usize>, kv: &KvGrant)
     let link = sh.mesh.link(kv.node)?;
     // One batch of WRITEs for every block, waited for once: no round trip between blocks.
     let mut ops = Vec::with_capacity(nb * per_block);
+    let mut crcs = Vec::with_capacity(nb);
     for (j, (b, pages)) in blocks.zip(images).enumerate() {
         if pages.len() != per_block {
             return Err(ServeError::Protocol(format!("block {b}: {} pages of KV, block 0 {per_block}", pages.len())));
         }
+        let mut crc = crc32fast::Hasher::new();
         for (i, img) in pages.iter().enumerate() {
+            crc.update(img);
             let at = (j * per_block + i) as u64 * bp;
             // SAFETY: the staging region is this task's (the mutex is held), and every WRITE that
             // read it before completed before the call that posted it returned (a region whose
@@ -506,6 +524,7 @@ async fn move_kv(sh: &Arc<Shared>, req: u64, blocks: Range<usize>, kv: &KvGrant)
             unsafe { st.write_local(at, img) }?;
             ops.push(Op::write(st, at, remote, layout.offset(kv.pages[i], b), bp));
         }
+        crcs.push(crc.finalize());
     }
     // Every WRITE is waited for, even after one failed; after a failure the staging region is
     // not used again (an abandoned WRITE may still read it), the next move registers another.
@@ -521,70 +540,111 @@ async fn move_kv(sh: &Arc<Shared>, req: u64, blocks: Range<usize>, kv: &KvGrant)
     }
     let (ms, write_ms) = (t0.elapsed().as_secs_f64() * 1e3, t1.elapsed().as_secs_f64() * 1e3);
     debug!(req, blocks = nb, pages = per_block, ms, write_ms, node = kv.node, "KV moved");
-    Ok(())
+    Ok(crcs)
 }
 
 /// Takes a request's KV out of its pages into the model's cache and starts decoding it: after
 /// its prefill (`Start`: the prompt's KV, the first token) or a migration (`Resume`: the KV so
-/// far, and the adapter's image in its granted region when `adapter_bytes` is given).
-async fn admit(sh: &Arc<Shared>, seq: Seq, adapter_bytes: Option<u64>) -> Result<LlmMsg, ServeError> {
+/// far, and the adapter's image in its granted region when `adapter_bytes` is given). The KV
+/// must be in the pages of reservation `seq.lease`, each block's bytes matching `crcs`.
+async fn admit(sh: &Arc<Shared>, seq: Seq, crcs: &[u32], adapter_bytes: Option<u64>) -> Result<LlmMsg, ServeError> {
     if *lock(&sh.role) != Role::Decode {
         return Err(ServeError::Peer("not a decode instance".into()));
     }
     if lock(&sh.running).len() >= sh.cfg.max_running {
         return Err(ServeError::Peer(format!("{} requests decoding already", sh.cfg.max_running)));
     }
-    if let Some(n) = adapter_bytes {
-        let region = lock(&sh.adapter_in)
-            .remove(&seq.adapter)
-            .ok_or_else(|| ServeError::Protocol(format!("no region was granted for adapter {}", seq.adapter)))?;
-        if n > region.len() {
-            return Err(ServeError::Input(format!("an adapter image of {n} bytes in {} granted", region.len())));
+    let (req, lease) = (seq.req, seq.lease);
+    let images = take_kv(sh, req, lease, seq.pos as usize, crcs)?;
+    let started = async {
+        if let Some(n) = adapter_bytes {
+            let region = lock(&sh.adapter_in)
+                .remove(&seq.adapter)
+                .ok_or_else(|| ServeError::Protocol(format!("no region was granted for adapter {}", seq.adapter)))?;
+            if n > region.len() {
+                return Err(ServeError::Input(format!("an adapter image of {n} bytes in {} granted", region.len())));
+            }
+            // SAFETY: the region was registered for this adapter's image alone and the old instance's
+            // WRITE of it completed before it sent Resume; nothing writes it any more.
+            let image = unsafe { region.view(0, n) }?;
+            let adapter = LoraAdapter::from_image(&image, &sh.model.config);
+            sh.mesh.deregister(region.id());
+            install_adapter(sh, seq.adapter, adapter?).await?;
         }
-        // SAFETY: the region was registered for this adapter's image alone and the old instance's
-        // WRITE of it completed before it sent Resume; nothing writes it any more.
-        let image = unsafe { region.view(0, n) }?;
-        let adapter = LoraAdapter::from_image(&image, &sh.model.config);
-        sh.mesh.deregister(region.id());
-        install_adapter(sh, seq.adapter, adapter?).await?;
-    }
-    if seq.adapter != 0 && !lock(&sh.adapters).contains(&seq.adapter) {
-        return Err(ServeError::Peer(format!("adapter {} is not served here", seq.adapter)));
-    }
-    let (req, layout, tokens) = (seq.req, sh.layout, seq.pos as usize);
-    let per_block: Vec<(usize, Vec<bytes::Bytes>)> = {
-        let kv = lock(&sh.kv);
-        let (region, pages) = kv.as_ref().ok_or_else(|| ServeError::Protocol("no KV region".into()))?;
-        let mine = pages.of(req).ok_or_else(|| ServeError::Protocol(format!("request {req} holds no KV pages")))?;
-        let n = layout.pages_for(tokens);
-        if n > mine.len() {
-            return Err(ServeError::Input(format!("{tokens} tokens of KV in {} pages", mine.len())));
+        if seq.adapter != 0 && !lock(&sh.adapters).contains(&seq.adapter) {
+            return Err(ServeError::Peer(format!("adapter {} is not served here", seq.adapter)));
         }
-        (0..layout.blocks)
-            .map(|b| {
-                let views = mine[..n]
-                    .iter()
-                    // SAFETY: these pages are `req`'s alone; the instance that filled them WROTE
-                    // them before sending Start or Resume, and its WRITEs completed before.
-                    .map(|&p| unsafe { region.view(layout.offset(p, b), layout.block_page_bytes()) })
-                    .collect::<Result<Vec<_>, _>>()?;
-                Ok((b, views))
-            })
-            .collect::<Result<_, ServeError>>()?
-    };
-    with_model(sh, move |m| -> Result<(), ExecError> {
-        let mut cache = m.cache();
-        for (b, views) in per_block {
-            let refs: Vec<&[u8]> = views.iter().map(|v| &v[..]).collect();
-            let (k, v) = layout.tensors(&refs, tokens)?;
-            cache.put(req, b, k, v);
-        }
+        let (layout, tokens) = (sh.layout, seq.pos as usize);
+        with_model(sh, move |m| -> Result<(), ExecError> {
+            let mut cache = m.cache();
+            for (b, pages) in images.iter().enumerate() {
+                let refs: Vec<&[u8]> = pages.iter().map(Vec::as_slice).collect();
+                let (k, v) = layout.tensors(&refs, tokens)?;
+                cache.put(req, b, k, v);
+            }
+            Ok(())
+        })
+        .await??;
         Ok(())
-    })
-    .await??;
+    }
+    .await;
+    if let Err(e) = started {
+        release(sh, req, lease);
+        return Err(e);
+    }
     lock(&sh.running).push(seq);
     sh.wake.notify_one();
     Ok(LlmMsg::Ack)
+}
+
+/// Starts reservation `lease` of `req` and copies its KV for `tokens` tokens out of its pages,
+/// every block's pages, checked against the writer's `crcs`. The reservation is released when
+/// the bytes do not match: foreign bytes (an abandoned writer's late WRITE into a page freed and
+/// granted again) make the start fail, to be redone, instead of being decoded from.
+fn take_kv(sh: &Shared, req: u64, lease: u64, tokens: usize, crcs: &[u32]) -> Result<Vec<Vec<Vec<u8>>>, ServeError> {
+    let layout = sh.layout;
+    if crcs.len() != layout.blocks {
+        return Err(ServeError::Protocol(format!("{} block crcs for {} blocks", crcs.len(), layout.blocks)));
+    }
+    let mut kv = lock(&sh.kv);
+    let (region, pages) = kv.as_mut().ok_or_else(|| ServeError::Protocol("no KV region".into()))?;
+    let mine = pages.start(req, lease).map_err(|e| ServeError::Peer(e.to_string()))?;
+    let n = layout.pages_for(tokens);
+    let copied = (|| {
+        if n > mine.len() {
+            return Err(ServeError::Input(format!("{tokens} tokens of KV in {} pages", mine.len())));
+        }
+        let mut images = Vec::with_capacity(layout.blocks);
+        for (b, &want) in crcs.iter().enumerate() {
+            let mut crc = crc32fast::Hasher::new();
+            let block = mine[..n]
+                .iter()
+                .map(|&p| {
+                    // SAFETY: the writer of reservation `lease` WROTE these pages and its WRITEs
+                    // completed before it sent Start or Resume. A writer of an abandoned
+                    // reservation may still WRITE a page freed and granted again: the bytes
+                    // (plain f32 data, any value valid) are copied at once, the view dropped,
+                    // and only the copy, checked against the crc, is used.
+                    let page = unsafe { region.view(layout.offset(p, b), layout.block_page_bytes()) }?.to_vec();
+                    crc.update(&page);
+                    Ok(page)
+                })
+                .collect::<Result<Vec<_>, ServeError>>()?;
+            let got = crc.finalize();
+            if got != want {
+                return Err(ServeError::Peer(format!(
+                    "request {req}: block {b}'s KV pages hold other bytes than were written (crc {got:#010x}, \
+                     written {want:#010x})"
+                )));
+            }
+            images.push(block);
+        }
+        Ok(images)
+    })();
+    if copied.is_err() {
+        pages.release(req, lease);
+    }
+    copied
 }
 
 /// Hands `seq` (taken out of the running set between two steps) to the instance that granted
@@ -595,10 +655,12 @@ async fn hand_over(sh: Arc<Shared>, seq: Seq, h: Handover) {
     let (req, generated) = (seq.req, seq.generated);
     let result = async {
         let blocks = 0..sh.layout.blocks;
-        move_kv(&sh, req, blocks, &h.kv).await?;
+        let crcs = move_kv(&sh, req, blocks, &h.kv).await?;
         let adapter_bytes = bring_adapter(&sh, seq.adapter, h.kv.node).await?;
         let resume = LlmMsg::Resume {
             req,
+            lease: h.kv.lease,
+            crcs,
             pos: seq.pos,
             last: seq.last,
             generated,
@@ -615,7 +677,7 @@ async fn hand_over(sh: Arc<Shared>, seq: Seq, h: Handover) {
     .await;
     let answer = match result {
         Ok(()) => {
-            release(&sh, req);
+            release(&sh, req, seq.lease);
             let _ = with_model(&sh, move |m| m.free(req)).await;
             LlmMsg::Migrated { req, tokens: generated }
         }
@@ -672,9 +734,9 @@ async fn drop_lost_routers(sh: Arc<Shared>) {
             Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => continue,
             Err(broadcast::error::RecvError::Closed) => return,
         };
-        let lost: Vec<u64> = {
+        let lost: Vec<(u64, u64)> = {
             let mut running = lock(&sh.running);
-            let lost = running.iter().filter(|s| s.router == peer).map(|s| s.req).collect();
+            let lost = running.iter().filter(|s| s.router == peer).map(|s| (s.req, s.lease)).collect();
             running.retain(|s| s.router != peer);
             lost
         };
@@ -689,12 +751,12 @@ async fn drop_lost_routers(sh: Arc<Shared>) {
                 "the router's link failed: its requests here stop"
             );
         }
-        for req in reserved {
-            release(&sh, req);
+        for (req, lease) in reserved {
+            release(&sh, req, lease);
         }
         // Their pages went with the reservations above, unless another node reserved them.
-        for req in lost {
-            release(&sh, req);
+        for (req, lease) in lost {
+            release(&sh, req, lease);
             let _ = with_model(&sh, move |m| m.free(req)).await;
         }
     }
@@ -749,7 +811,7 @@ async fn decode_loop(sh: Arc<Shared>) {
                             warn!(req = s.req, error = %e, "cannot stream a token");
                         }
                         if done {
-                            finished.push(s.req);
+                            finished.push((s.req, s.lease));
                         }
                     }
                 }
@@ -757,14 +819,14 @@ async fn decode_loop(sh: Arc<Shared>) {
                     warn!(error = %e, "a decode step failed: its requests are aborted");
                     for s in running.iter() {
                         let _ = sh.mesh.post_oneway(s.router, &LlmMsg::Abort { req: s.req, message: e.to_string() });
-                        finished.push(s.req);
+                        finished.push((s.req, s.lease));
                     }
                 }
             }
-            running.retain(|s| !finished.contains(&s.req));
+            running.retain(|s| !finished.contains(&(s.req, s.lease)));
         }
-        for req in finished {
-            release(&sh, req);
+        for (req, lease) in finished {
+            release(&sh, req, lease);
             let _ = with_model(&sh, move |m| m.free(req)).await;
         }
     }

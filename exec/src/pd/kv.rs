@@ -6,7 +6,7 @@
 //! `[kv_heads, page_tokens, head_dim]` then the values, f32, little-endian. A page's tail past
 //! the request's tokens is never read.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 
 use candle_core::{Device, Tensor};
 
@@ -107,43 +107,115 @@ impl KvLayout {
     }
 }
 
-/// Which pages are free, which request holds which, and which node reserved them.
+/// One request's reservation: its pages, the node that reserved them, the lease that names this
+/// reservation (and no earlier or later one of the same request), and whether decoding started.
+#[derive(Debug)]
+struct Held {
+    pages: Vec<u32>,
+    by: u32,
+    lease: u64,
+    started: bool,
+}
+
+/// Which pages are free, which request holds which, and under which lease.
+///
+/// A reservation is a *lease*: every message about it names its lease, so a message of an
+/// abandoned attempt (a late `Start`, a late `Release`, a finished sequence of an earlier
+/// reservation) cannot take or free another reservation of the same request. Freed pages go to
+/// the back of the free list, so the pages an abandoned writer may still WRITE are reused last
+/// (the crc check at `Start` catches one that does land in a reused page before it is read).
 #[derive(Debug, Default)]
 pub struct Pages {
-    free: Vec<u32>,
-    held: HashMap<u64, (Vec<u32>, u32)>,
+    free: VecDeque<u32>,
+    held: HashMap<u64, Held>,
+    next_lease: u64,
+}
+
+/// Why a reservation cannot start decoding.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LeaseError {
+    /// The request holds no pages (never reserved, or released).
+    #[error("request {0} holds no KV pages")]
+    NotHeld(u64),
+    /// The request holds pages under another lease (this one was released or replaced).
+    #[error("request {req}: lease {got} is stale (it holds lease {held})")]
+    Stale {
+        /// The request.
+        req: u64,
+        /// The lease named.
+        got: u64,
+        /// The lease it holds.
+        held: u64,
+    },
+    /// Decoding started under this lease already.
+    #[error("request {0} started decoding already")]
+    Started(u64),
 }
 
 impl Pages {
     /// `n` free pages.
     pub fn new(n: u32) -> Pages {
-        Pages { free: (0..n).rev().collect(), held: HashMap::new() }
+        Pages { free: (0..n).collect(), held: HashMap::new(), next_lease: 1 }
     }
 
-    /// Reserves `n` pages for `req` on behalf of node `by` (its router) (`None`, nothing
-    /// reserved, when fewer are free or `req` holds pages already).
-    pub fn reserve(&mut self, req: u64, by: u32, n: usize) -> Option<Vec<u32>> {
-        if n == 0 || self.free.len() < n || self.held.contains_key(&req) {
+    /// Reserves `n` pages for `req` on behalf of node `by` (its router): the lease and the pages.
+    /// A reservation `by` made earlier for `req` that did not start is replaced (its router
+    /// redoes the request, so it abandoned that one, whose `Release` may have been lost); `None`,
+    /// nothing reserved, when fewer pages are free, or `req` holds pages another node reserved
+    /// or decodes under.
+    pub fn reserve(&mut self, req: u64, by: u32, n: usize) -> Option<(u64, Vec<u32>)> {
+        match self.held.get(&req) {
+            Some(h) if h.by == by && !h.started => {
+                let lease = h.lease;
+                self.release(req, lease);
+            }
+            Some(_) => return None,
+            None => {}
+        }
+        if n == 0 || self.free.len() < n {
             return None;
         }
-        let pages: Vec<u32> = (0..n).filter_map(|_| self.free.pop()).collect();
-        self.held.insert(req, (pages.clone(), by));
-        Some(pages)
+        let pages: Vec<u32> = self.free.drain(..n).collect();
+        let lease = self.next_lease;
+        self.next_lease += 1;
+        self.held.insert(req, Held { pages: pages.clone(), by, lease, started: false });
+        Some((lease, pages))
+    }
+
+    /// Marks `req`'s reservation `lease` started and gives its pages: once per lease.
+    pub fn start(&mut self, req: u64, lease: u64) -> Result<Vec<u32>, LeaseError> {
+        let h = self.held.get_mut(&req).ok_or(LeaseError::NotHeld(req))?;
+        if h.lease != lease {
+            return Err(LeaseError::Stale { req, got: lease, held: h.lease });
+        }
+        if h.started {
+            return Err(LeaseError::Started(req));
+        }
+        h.started = true;
+        Ok(h.pages.clone())
     }
 
     /// `req`'s pages.
     pub fn of(&self, req: u64) -> Option<&[u32]> {
-        self.held.get(&req).map(|(p, _)| p.as_slice())
+        self.held.get(&req).map(|h| h.pages.as_slice())
     }
 
-    /// The requests whose pages node `by` reserved.
-    pub fn reserved_by(&self, by: u32) -> Vec<u64> {
-        self.held.iter().filter(|(_, (_, b))| *b == by).map(|(&r, _)| r).collect()
+    /// The requests, with their leases, whose pages node `by` reserved.
+    pub fn reserved_by(&self, by: u32) -> Vec<(u64, u64)> {
+        self.held.iter().filter(|(_, h)| h.by == by).map(|(&r, h)| (r, h.lease)).collect()
     }
 
-    /// Frees `req`'s pages; how many.
-    pub fn free(&mut self, req: u64) -> usize {
-        let (pages, _) = self.held.remove(&req).unwrap_or_default();
+    /// The lease `req` holds pages under.
+    pub fn lease_of(&self, req: u64) -> Option<u64> {
+        self.held.get(&req).map(|h| h.lease)
+    }
+
+    /// Frees `req`'s pages if it holds them under `lease`; how many.
+    pub fn release(&mut self, req: u64, lease: u64) -> usize {
+        if self.held.get(&req).is_none_or(|h| h.lease != lease) {
+            return 0;
+        }
+        let pages = self.held.remove(&req).map(|h| h.pages).unwrap_or_default();
         let n = pages.len();
         self.free.extend(pages);
         n
@@ -189,14 +261,37 @@ mod tests {
         assert_eq!(l.offset(2, 1), 2 * l.page_bytes() + l.block_page_bytes());
 
         let mut p = Pages::new(4);
-        let a = p.reserve(1, 9, 3).unwrap();
+        let (lease, a) = p.reserve(1, 9, 3).unwrap();
         assert_eq!(a.len(), 3);
         assert!(p.reserve(2, 9, 2).is_none(), "one page left");
-        assert!(p.reserve(1, 9, 1).is_none(), "one reservation per request");
         assert_eq!(p.of(1), Some(a.as_slice()));
-        assert_eq!((p.reserved_by(9), p.reserved_by(8)), (vec![1], vec![]));
-        assert_eq!(p.free(1), 3);
-        assert_eq!(p.free(1), 0);
+        assert_eq!((p.reserved_by(9), p.reserved_by(8)), (vec![(1, lease)], vec![]));
+        assert_eq!(p.release(1, lease + 1), 0, "another lease frees nothing");
+        assert_eq!(p.release(1, lease), 3);
+        assert_eq!(p.release(1, lease), 0);
         assert_eq!(p.available(), 4);
+    }
+
+    #[test]
+    fn a_reservation_is_a_lease_that_stale_messages_cannot_touch() {
+        let mut p = Pages::new(8);
+        let (first, a) = p.reserve(1, 9, 3).unwrap();
+        // Node 8 cannot take node 9's reservation; node 9 redoing the request replaces it.
+        assert!(p.reserve(1, 8, 1).is_none());
+        let (second, b) = p.reserve(1, 9, 2).unwrap();
+        assert_ne!(first, second);
+        assert_eq!(p.available(), 6, "the first reservation's pages went back");
+        assert!(b.iter().all(|x| !a.contains(x)), "freed pages are reused last: {a:?} then {b:?}");
+        // A late Start or Release of the first reservation touches nothing.
+        assert_eq!(p.start(1, first), Err(LeaseError::Stale { req: 1, got: first, held: second }));
+        assert_eq!(p.release(1, first), 0);
+        assert_eq!(p.start(1, second), Ok(b.clone()));
+        assert_eq!(p.start(1, second), Err(LeaseError::Started(1)), "a reservation starts once");
+        // A started reservation is not replaced: the request decodes under it.
+        assert!(p.reserve(1, 9, 2).is_none());
+        assert_eq!(p.lease_of(1), Some(second));
+        assert_eq!(p.release(1, second), 2);
+        assert_eq!(p.start(1, second), Err(LeaseError::NotHeld(1)));
+        assert_eq!(p.available(), 8);
     }
 }

@@ -243,11 +243,12 @@ async fn move_one(mesh: &Arc<dyn Mesh>, m: &Move, timeout: Duration) -> Result<u
         LlmMsg::Reserved { grant } => grant,
         other => return Err(other.unexpected_from(m.to)),
     };
+    let lease = kv.lease;
     let answer = mesh.call(m.from, &LlmMsg::Migrate { req: m.req, kv }, timeout).await;
     match answer {
         Ok(LlmMsg::Migrated { tokens, .. }) => Ok(tokens),
         other => {
-            let _ = mesh.call(m.to, &LlmMsg::Release { req: m.req }, timeout).await;
+            let _ = mesh.call(m.to, &LlmMsg::Release { req: m.req, lease }, timeout).await;
             match other {
                 Ok(a) => Err(a.unexpected_from(m.from)),
                 Err(e) => Err(e.into()),

@@ -3,10 +3,10 @@
 //!
 //! ```text
 //! router  -> decode   Reserve{req, tokens}                         -> Reserved{grant} | Failed
-//! router  -> decode   Release{req}                                 -> Ack
+//! router  -> decode   Release{req, lease}                          -> Ack
 //! router  -> prefill  Prefill{req, prompt, max_tokens, kv, split}  -> Prefilled{req, first, ..} | Failed
-//! new     -> old      Continue{req, act, max_tokens, kv}           -> Prefilled | Failed  (a split prefill)
-//! prefill -> decode   Start{req, prompt_len, first, max_tokens}    -> Ack | Failed  (after its KV WRITEs)
+//! new     -> old      Continue{req, act, max_tokens, kv, crcs}     -> Prefilled | Failed  (a split prefill)
+//! prefill -> decode   Start{req, lease, crcs, prompt_len, first..} -> Ack | Failed  (after its KV WRITEs)
 //! decode  -> router   Token{req, index, token, done}                  (one-way, per generated token)
 //! decode  -> router   Abort{req, message}                             (one-way: decoding failed)
 //! router  -> prefill  Mutate                                       -> Ack  (it becomes a decode instance)
@@ -14,7 +14,7 @@
 //! router  -> decode   Load                                         -> Loads{requests, adapters, ..}
 //! router  -> decode   Migrate{req, kv}                             -> Migrated{req, tokens} | Failed
 //! decode  -> decode   ReserveAdapter{adapter, bytes}               -> AdapterGrant{..} | Ack (served there)
-//! decode  -> decode   Resume{req, pos, last, .., adapter_bytes}    -> Ack | Failed  (after its WRITEs)
+//! decode  -> decode   Resume{req, lease, crcs, pos, last, ..}      -> Ack | Failed  (after its WRITEs)
 //! ```
 //!
 //! Co-migration (dLoRA §5.2): a decode instance hands a running request to another one between
@@ -26,6 +26,15 @@
 //! The KV of a prefilled request moves from the prefill instance(s) to the decode instance by
 //! one-sided WRITEs, block (layer) by block, into the pages the decode instance granted in its
 //! registered KV region ([`KvGrant`]); `Start` follows the WRITEs' completion.
+//!
+//! A grant is a *lease* (`KvGrant::lease`): `Start`, `Resume` and `Release` name it, and the
+//! decode instance acts on none that names a lease the request no longer holds — a late message
+//! of an attempt the router abandoned (its call timed out, it redid the request) cannot start,
+//! free or take the pages of a later one. An abandoned writer may still WRITE into pages that
+//! were freed and granted again, which no message can stop; so `Start` and `Resume` carry each
+//! block's crc32 as the writer computed it, and the decode instance checks the bytes it reads
+//! against them before it decodes: foreign bytes make it refuse the start (the request is redone)
+//! rather than decode from them.
 
 use cascade_transport::{binary_message, NodeId, ServiceId};
 use serde::{Deserialize, Serialize};
@@ -45,6 +54,8 @@ pub struct KvGrant {
     pub len: u64,
     /// The pages, in token order.
     pub pages: Vec<u32>,
+    /// The reservation this grant is (messages about it name it).
+    pub lease: u64,
 }
 
 /// A registered region of a peer lent for one WRITE.
@@ -98,10 +109,13 @@ pub enum LlmMsg {
         /// Where the request's KV goes.
         grant: KvGrant,
     },
-    /// Free request `req`'s pages (a reservation its prefill never used).
+    /// Free request `req`'s pages (a reservation its prefill never used), if it holds them
+    /// under `lease`.
     Release {
         /// The request.
         req: u64,
+        /// The reservation ([`KvGrant::lease`]).
+        lease: u64,
     },
     /// Prefill `prompt`: every stage here, or the first `split.layers` here and the rest on
     /// `split.then`; then move the KV to `kv` and start decoding there.
@@ -134,6 +148,8 @@ pub enum LlmMsg {
         kv: KvGrant,
         /// Where the decode instance streams the tokens.
         router: NodeId,
+        /// crc32 of each block's pages the asker WROTE, in block order.
+        crcs: Vec<u32>,
     },
     /// The prefill is done: its first token, and whether a decode instance now generates the
     /// rest (false when the first token ended it).
@@ -151,6 +167,10 @@ pub enum LlmMsg {
     Start {
         /// The request.
         req: u64,
+        /// The reservation the KV was written into ([`KvGrant::lease`]).
+        lease: u64,
+        /// crc32 of each block's pages as written (every block of the model, in order).
+        crcs: Vec<u32>,
         /// Prompt tokens (the KV's length).
         prompt_len: u32,
         /// The first generated token (decoding feeds it next).
@@ -206,6 +226,10 @@ pub enum LlmMsg {
     Resume {
         /// The request.
         req: u64,
+        /// The reservation the KV was written into ([`KvGrant::lease`]).
+        lease: u64,
+        /// crc32 of each block's pages as written (every block of the model, in order).
+        crcs: Vec<u32>,
         /// Tokens in its KV (the position fed next).
         pos: u32,
         /// The last generated token (fed next).
@@ -267,7 +291,7 @@ pub enum LlmMsg {
     },
 }
 
-binary_message!(LlmMsg, ServiceId::LLM, 2);
+binary_message!(LlmMsg, ServiceId::LLM, 3);
 
 impl LlmMsg {
     /// The error for an answer from `node` that its call did not expect: its refusal (`Failed`)
@@ -289,11 +313,11 @@ mod tests {
 
     #[test]
     fn every_message_round_trips_and_truncations_are_refused() {
-        let kv = KvGrant { node: 3, region: 2, key: u64::MAX, len: 1 << 28, pages: vec![4, 9, 1] };
+        let kv = KvGrant { node: 3, region: 2, key: u64::MAX, len: 1 << 28, pages: vec![4, 9, 1], lease: 12 };
         let all = vec![
             LlmMsg::Reserve { req: 1, tokens: 80 },
             LlmMsg::Reserved { grant: kv.clone() },
-            LlmMsg::Release { req: 1 },
+            LlmMsg::Release { req: 1, lease: 12 },
             LlmMsg::Prefill {
                 req: 1,
                 prompt: vec![504, 3575],
@@ -303,9 +327,18 @@ mod tests {
                 router: 0,
                 adapter: 2,
             },
-            LlmMsg::Continue { req: 1, act: vec![1, 2, 3], max_tokens: 32, kv, router: 0 },
+            LlmMsg::Continue { req: 1, act: vec![1, 2, 3], max_tokens: 32, kv, router: 0, crcs: vec![7, 8] },
             LlmMsg::Prefilled { req: 1, first: 7042, on_first: 5, decoding: true },
-            LlmMsg::Start { req: 1, prompt_len: 5, first: 7042, max_tokens: 32, router: 0, adapter: 0 },
+            LlmMsg::Start {
+                req: 1,
+                lease: 12,
+                crcs: vec![1, u32::MAX],
+                prompt_len: 5,
+                first: 7042,
+                max_tokens: 32,
+                router: 0,
+                adapter: 0,
+            },
             LlmMsg::Load,
             LlmMsg::Loads {
                 requests: vec![ReqLoad { req: 4, adapter: 1, tokens: 17, remaining: 9 }],
@@ -315,10 +348,15 @@ mod tests {
             },
             LlmMsg::ReserveAdapter { adapter: 3, bytes: 1 << 20 },
             LlmMsg::AdapterGrant { grant: RegionGrant { node: 2, region: 5, key: 9, len: 1 << 20 } },
-            LlmMsg::Migrate { req: 4, kv: KvGrant { node: 2, region: 1, key: 3, len: 4096, pages: vec![0, 1] } },
+            LlmMsg::Migrate {
+                req: 4,
+                kv: KvGrant { node: 2, region: 1, key: 3, len: 4096, pages: vec![0, 1], lease: 5 },
+            },
             LlmMsg::Migrated { req: 4, tokens: 8 },
             LlmMsg::Resume {
                 req: 4,
+                lease: 5,
+                crcs: vec![3],
                 pos: 17,
                 last: 198,
                 generated: 8,

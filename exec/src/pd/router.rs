@@ -551,7 +551,7 @@ async fn prefill(
         }
     }
     let Some(kv) = grant else { return Outcome::Busy(why) };
-    let node = kv.node;
+    let (node, lease) = (kv.node, kv.lease);
     let msg = LlmMsg::Prefill {
         req: req.id,
         prompt: req.prompt.clone(),
@@ -571,7 +571,7 @@ async fn prefill(
     };
     // A reservation its prefill did not use (or that decoding will not free) goes back.
     if !matches!(r, Outcome::Done(_, true, _, _)) {
-        let _ = mesh.call(node, &LlmMsg::Release { req: req.id }, timeout).await;
+        let _ = mesh.call(node, &LlmMsg::Release { req: req.id, lease }, timeout).await;
     }
     r
 }
