@@ -17,13 +17,14 @@ use cascade_exec::llama::multi_lora::{serve_alone, LoraJob};
 use cascade_exec::llama::{LoraAdapter, Proj};
 use cascade_exec::pd::kv::KvLayout;
 use cascade_exec::pd::migrate::{rebalance, RebalanceConfig};
+use cascade_exec::pd::proto::Written;
 use cascade_exec::pd::router::{self, GenAnswer, GenRequest, MonitorConfig, PdCmd, PdRouterConfig};
 use cascade_exec::pd::{LlmConfig, LlmInstance, LlmMsg, PdModel, Role};
 use cascade_exec::serve::{load_packed, scale_out, DispatchConfig, LivePolicy, Source, Split};
 use cascade_multicast::cluster::{Controller, MulticastNode};
 use cascade_multicast::Topology;
 use cascade_transport::mem::MemFabric;
-use cascade_transport::{Endpoint, Mesh, ServiceExt};
+use cascade_transport::{test_access as ta, Endpoint, Mesh, Op, RegionId, RemoteKey, RemoteRegion, ServiceExt};
 use common::{llm_reference, smollm2_dir};
 use tokio::sync::{mpsc, oneshot};
 
@@ -743,47 +744,56 @@ async fn a_redone_reservation_replaces_one_whose_release_was_lost() {
     assert_eq!(free_pages(&c, 1).await, KV_PAGES);
 }
 
+/// WRITEs `data` at `offset` of `remote` from `mesh` (as a prefill or old decode instance does).
+async fn write_at(mesh: &Arc<dyn Mesh>, remote: RemoteRegion, offset: u64, data: &[u8]) {
+    let staging = mesh.register_new(data.len() as u64).unwrap();
+    ta::write_local(&staging, 0, data).unwrap();
+    for h in mesh.link(remote.node).unwrap().post(vec![Op::write(&staging, 0, remote, offset, data.len() as u64)]) {
+        h.wait("test write", Duration::from_secs(10)).await.unwrap();
+    }
+    mesh.deregister(staging.id());
+}
+
+fn kv_remote(kv: &cascade_exec::pd::KvGrant) -> RemoteRegion {
+    RemoteRegion { node: kv.node, id: RegionId(kv.region), key: RemoteKey(kv.key), len: kv.len }
+}
+
+/// Fills every block of the first `n` pages of `kv` with `byte`; each block's crc32.
+async fn fill_pages(
+    mesh: &Arc<dyn Mesh>,
+    layout: KvLayout,
+    kv: &cascade_exec::pd::KvGrant,
+    n: usize,
+    byte: u8,
+) -> Vec<u32> {
+    let page = vec![byte; layout.block_page_bytes() as usize];
+    let mut crc = crc32fast::Hasher::new();
+    for p in 0..n {
+        crc.update(&page);
+        for b in 0..layout.blocks {
+            write_at(mesh, kv_remote(kv), layout.offset(kv.pages[p], b), &page).await;
+        }
+    }
+    vec![crc.finalize(); layout.blocks]
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn foreign_bytes_in_a_requests_pages_make_its_start_fail_instead_of_decoding() {
-    use cascade_transport::{test_access as ta, Op, RegionId, RemoteKey, RemoteRegion};
     let Some((c, _fabric)) = mem_cluster(&[Some(Role::Decode)]) else { return };
     let limit = Duration::from_secs(10);
     let layout = KvLayout::new(&c.model.config, 16);
-    let (prompt_len, bp) = (20u32, layout.block_page_bytes());
+    let prompt_len = 20u32;
     let n = layout.pages_for(prompt_len as usize);
-    // Node 2 plays the prefill instance: it WRITEs every block's pages from its staging region.
-    let writer = c.meshes[1].clone();
-    let staging = writer.register_new(bp).unwrap();
-    let write = |kv: cascade_exec::pd::KvGrant, page: usize, block: usize, byte: u8| {
-        let (writer, staging) = (writer.clone(), staging.clone());
-        async move {
-            ta::fill(&staging, 0, bp, byte).unwrap();
-            let remote = RemoteRegion { node: kv.node, id: RegionId(kv.region), key: RemoteKey(kv.key), len: kv.len };
-            let op = Op::write(&staging, 0, remote, layout.offset(kv.pages[page], block), bp);
-            for h in writer.link(kv.node).unwrap().post(vec![op]) {
-                h.wait("KV write", limit).await.unwrap();
-            }
-        }
-    };
-    let crcs = |byte: u8| {
-        let mut h = crc32fast::Hasher::new();
-        for _ in 0..n {
-            h.update(&vec![byte; bp as usize]);
-        }
-        vec![h.finalize(); layout.blocks]
-    };
+    // Node 1 plays the prefill instance, WRITEing every block's pages.
     for (req, stale) in [(1u64, true), (2, false)] {
         let kv = reserve(&c, 0, 1, req, 40).await;
-        for page in 0..n {
-            for block in 0..layout.blocks {
-                write(kv.clone(), page, block, 0).await;
-            }
-        }
+        let crcs = fill_pages(&c.meshes[1], layout, &kv, n, 0).await;
         if stale {
             // An abandoned writer's late WRITE lands in one of the pages.
-            write(kv.clone(), n - 1, 7, 0x5a).await;
+            let foreign = vec![0x5a; layout.block_page_bytes() as usize];
+            write_at(&c.meshes[1], kv_remote(&kv), layout.offset(kv.pages[n - 1], 7), &foreign).await;
         }
-        let r = c.meshes[1].call(1, &start(req, &kv, crcs(0), prompt_len), limit).await.unwrap();
+        let r = c.meshes[1].call(1, &start(req, &kv, crcs, prompt_len), limit).await.unwrap();
         if stale {
             assert!(
                 matches!(&r, LlmMsg::Failed { message, retry: true } if message.contains("block 7's KV pages hold other bytes")),
@@ -792,6 +802,55 @@ async fn foreign_bytes_in_a_requests_pages_make_its_start_fail_instead_of_decodi
             assert_eq!(free_pages(&c, 1).await, KV_PAGES, "the refused reservation's pages went back");
         } else {
             assert_eq!(r, LlmMsg::Ack, "the same pages with the written bytes start");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_migrated_adapter_image_with_foreign_bytes_is_refused() {
+    let Some((c, _fabric)) = mem_cluster(&[Some(Role::Decode)]) else { return };
+    let limit = Duration::from_secs(10);
+    let layout = KvLayout::new(&c.model.config, 16);
+    let image = LoraAdapter::seeded(&c.model.config, 8, 16.0, &Proj::ALL, 5, 0.05).unwrap().to_image().unwrap();
+    let written = Written { bytes: image.len() as u64, crc: crc32fast::hash(&image) };
+    // Node 1 plays the old decode instance of request 3 (adapter 5, 20 tokens so far).
+    for (req, foreign) in [(3u64, true), (4, false)] {
+        let kv = reserve(&c, 0, 1, req, 40).await;
+        let crcs = fill_pages(&c.meshes[1], layout, &kv, layout.pages_for(20), 0).await;
+        let grant = match c.meshes[1].call(1, &LlmMsg::ReserveAdapter { adapter: 5, bytes: written.bytes }, limit).await
+        {
+            Ok(LlmMsg::AdapterGrant { grant }) => grant,
+            other => panic!("adapter grant: {other:?}"),
+        };
+        let remote =
+            RemoteRegion { node: grant.node, id: RegionId(grant.region), key: RemoteKey(grant.key), len: grant.len };
+        let mut bytes = image.clone();
+        if foreign {
+            bytes[image.len() / 2] ^= 1;
+        }
+        write_at(&c.meshes[1], remote, 0, &bytes).await;
+        let resume = LlmMsg::Resume {
+            req,
+            lease: kv.lease,
+            crcs,
+            pos: 20,
+            last: 1,
+            generated: 1,
+            max_tokens: 2,
+            router: 0,
+            adapter: 5,
+            adapter_image: Some(written),
+        };
+        let r = c.meshes[1].call(1, &resume, limit).await.unwrap();
+        if foreign {
+            assert!(
+                matches!(&r, LlmMsg::Failed { message, .. } if message.contains("adapter 5's image holds other bytes")),
+                "{r:?}"
+            );
+            assert_eq!(c.instances[0].adapters(), Vec::<u32>::new(), "nothing installed");
+        } else {
+            assert_eq!(r, LlmMsg::Ack);
+            assert_eq!(c.instances[0].adapters(), vec![5]);
         }
     }
 }

@@ -13,7 +13,7 @@ use tokio::sync::{broadcast, mpsc, oneshot, Notify};
 use tracing::{debug, warn};
 
 use super::kv::{KvLayout, Pages};
-use super::proto::{KvGrant, LlmMsg, RegionGrant, ReqLoad, Role};
+use super::proto::{KvGrant, LlmMsg, RegionGrant, ReqLoad, Role, Written};
 use super::PdModel;
 use crate::llama::generate::argmax;
 use crate::llama::{Llama, LoraAdapter};
@@ -299,10 +299,10 @@ async fn serve_llm(sh: Arc<Shared>, mut inbox: Inbox<LlmMsg>) {
                             max_tokens,
                             router,
                             adapter,
-                            adapter_bytes,
+                            adapter_image,
                         } => {
                             let seq = Seq { req, pos, last, generated, max_tokens, router, adapter, lease };
-                            admit(&sh, seq, &crcs, adapter_bytes).await
+                            admit(&sh, seq, &crcs, adapter_image).await
                         }
                         other => prefill(&sh, other).await,
                     };
@@ -545,9 +545,10 @@ async fn move_kv(sh: &Arc<Shared>, req: u64, blocks: Range<usize>, kv: &KvGrant)
 
 /// Takes a request's KV out of its pages into the model's cache and starts decoding it: after
 /// its prefill (`Start`: the prompt's KV, the first token) or a migration (`Resume`: the KV so
-/// far, and the adapter's image in its granted region when `adapter_bytes` is given). The KV
-/// must be in the pages of reservation `seq.lease`, each block's bytes matching `crcs`.
-async fn admit(sh: &Arc<Shared>, seq: Seq, crcs: &[u32], adapter_bytes: Option<u64>) -> Result<LlmMsg, ServeError> {
+/// far, and the adapter's image in its granted region when `adapter_image` is given). The KV
+/// must be in the pages of reservation `seq.lease`, each block's bytes matching `crcs`, and the
+/// adapter's image must match its crc.
+async fn admit(sh: &Arc<Shared>, seq: Seq, crcs: &[u32], adapter_image: Option<Written>) -> Result<LlmMsg, ServeError> {
     if *lock(&sh.role) != Role::Decode {
         return Err(ServeError::Peer("not a decode instance".into()));
     }
@@ -557,19 +558,28 @@ async fn admit(sh: &Arc<Shared>, seq: Seq, crcs: &[u32], adapter_bytes: Option<u
     let (req, lease) = (seq.req, seq.lease);
     let images = take_kv(sh, req, lease, seq.pos as usize, crcs)?;
     let started = async {
-        if let Some(n) = adapter_bytes {
+        if let Some(Written { bytes: n, crc }) = adapter_image {
             let region = lock(&sh.adapter_in)
                 .remove(&seq.adapter)
                 .ok_or_else(|| ServeError::Protocol(format!("no region was granted for adapter {}", seq.adapter)))?;
             if n > region.len() {
                 return Err(ServeError::Input(format!("an adapter image of {n} bytes in {} granted", region.len())));
             }
-            // SAFETY: the region was registered for this adapter's image alone and the old instance's
-            // WRITE of it completed before it sent Resume; nothing writes it any more.
-            let image = unsafe { region.view(0, n) }?;
-            let adapter = LoraAdapter::from_image(&image, &sh.model.config);
+            // SAFETY: the region was registered for this adapter's images alone and the old
+            // instance's WRITE of this one completed before it sent Resume. An earlier migration's
+            // writer that gave up on its WRITE may still land it (a failed migration's grant is
+            // reused): the bytes are copied at once, the view dropped, and only the copy,
+            // checked against the crc, is read.
+            let image = unsafe { region.view(0, n) }?.to_vec();
             sh.mesh.deregister(region.id());
-            install_adapter(sh, seq.adapter, adapter?).await?;
+            let got = crc32fast::hash(&image);
+            if got != crc {
+                return Err(ServeError::Peer(format!(
+                    "adapter {}'s image holds other bytes than were written (crc {got:#010x}, written {crc:#010x})",
+                    seq.adapter
+                )));
+            }
+            install_adapter(sh, seq.adapter, LoraAdapter::from_image(&image, &sh.model.config)?).await?;
         }
         if seq.adapter != 0 && !lock(&sh.adapters).contains(&seq.adapter) {
             return Err(ServeError::Peer(format!("adapter {} is not served here", seq.adapter)));
@@ -656,7 +666,7 @@ async fn hand_over(sh: Arc<Shared>, seq: Seq, h: Handover) {
     let result = async {
         let blocks = 0..sh.layout.blocks;
         let crcs = move_kv(&sh, req, blocks, &h.kv).await?;
-        let adapter_bytes = bring_adapter(&sh, seq.adapter, h.kv.node).await?;
+        let adapter_image = bring_adapter(&sh, seq.adapter, h.kv.node).await?;
         let resume = LlmMsg::Resume {
             req,
             lease: h.kv.lease,
@@ -667,7 +677,7 @@ async fn hand_over(sh: Arc<Shared>, seq: Seq, h: Handover) {
             max_tokens: seq.max_tokens,
             router: seq.router,
             adapter: seq.adapter,
-            adapter_bytes,
+            adapter_image,
         };
         match sh.mesh.call(h.kv.node, &resume, sh.cfg.op_timeout).await? {
             LlmMsg::Ack => Ok(()),
@@ -692,8 +702,12 @@ async fn hand_over(sh: Arc<Shared>, seq: Seq, h: Handover) {
 }
 
 /// Brings adapter `id` to node `to` unless it serves it: asks `to` for a region, WRITEs the
-/// adapter's image into it; the image's length, or `None` when nothing had to move.
-async fn bring_adapter(sh: &Arc<Shared>, id: u32, to: cascade_transport::NodeId) -> Result<Option<u64>, ServeError> {
+/// adapter's image into it; what was written, or `None` when nothing had to move.
+async fn bring_adapter(
+    sh: &Arc<Shared>,
+    id: u32,
+    to: cascade_transport::NodeId,
+) -> Result<Option<Written>, ServeError> {
     if id == 0 {
         return Ok(None);
     }
@@ -719,7 +733,7 @@ async fn bring_adapter(sh: &Arc<Shared>, id: u32, to: cascade_transport::NodeId)
         h.wait("adapter write", sh.cfg.op_timeout).await?;
     }
     sh.mesh.deregister(staging.id());
-    Ok(Some(n))
+    Ok(Some(Written { bytes: n, crc: crc32fast::hash(&image) }))
 }
 
 /// A router whose link failed cannot take its requests' tokens, and it redoes them elsewhere

@@ -14,7 +14,7 @@
 //! router  -> decode   Load                                         -> Loads{requests, adapters, ..}
 //! router  -> decode   Migrate{req, kv}                             -> Migrated{req, tokens} | Failed
 //! decode  -> decode   ReserveAdapter{adapter, bytes}               -> AdapterGrant{..} | Ack (served there)
-//! decode  -> decode   Resume{req, lease, crcs, pos, last, ..}      -> Ack | Failed  (after its WRITEs)
+//! decode  -> decode   Resume{req, lease, crcs, .., adapter_image}  -> Ack | Failed  (after its WRITEs)
 //! ```
 //!
 //! Co-migration (dLoRA §5.2): a decode instance hands a running request to another one between
@@ -56,6 +56,16 @@ pub struct KvGrant {
     pub pages: Vec<u32>,
     /// The reservation this grant is (messages about it name it).
     pub lease: u64,
+}
+
+/// What a WRITE into a granted region put there: its length and crc32, which the reader checks
+/// its copy of the bytes against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Written {
+    /// Bytes from the region's start.
+    pub bytes: u64,
+    /// Their crc32.
+    pub crc: u32,
 }
 
 /// A registered region of a peer lent for one WRITE.
@@ -242,8 +252,8 @@ pub enum LlmMsg {
         router: NodeId,
         /// Its adapter.
         adapter: u32,
-        /// The adapter image's length in the granted region, when one was written.
-        adapter_bytes: Option<u64>,
+        /// The adapter's image in the granted region, when one was written.
+        adapter_image: Option<Written>,
     },
     /// A generated token: `index` 1 is the second token of the answer (index 0 is `first`).
     Token {
@@ -363,7 +373,7 @@ mod tests {
                 max_tokens: 16,
                 router: 0,
                 adapter: 3,
-                adapter_bytes: Some(1000),
+                adapter_image: Some(Written { bytes: 1000, crc: 0xdead_beef }),
             },
             LlmMsg::Token { req: 1, index: 3, token: 198, done: false },
             LlmMsg::Abort { req: 1, message: "gone".into() },
