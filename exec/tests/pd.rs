@@ -800,6 +800,8 @@ async fn foreign_bytes_in_a_requests_pages_make_its_start_fail_instead_of_decodi
                 "{r:?}"
             );
             assert_eq!(free_pages(&c, 1).await, KV_PAGES, "the refused reservation's pages went back");
+            let text = c.meshes[1].metrics().render();
+            assert!(text.contains("cascade_llm_kv_refused_total{reason=\"foreign\"} 1"), "{text}");
         } else {
             assert_eq!(r, LlmMsg::Ack, "the same pages with the written bytes start");
         }
@@ -848,9 +850,58 @@ async fn a_migrated_adapter_image_with_foreign_bytes_is_refused() {
                 "{r:?}"
             );
             assert_eq!(c.instances[0].adapters(), Vec::<u32>::new(), "nothing installed");
+            let text = c.meshes[1].metrics().render();
+            assert!(text.contains("cascade_llm_kv_refused_total{reason=\"adapter\"} 1"), "{text}");
         } else {
             assert_eq!(r, LlmMsg::Ack);
             assert_eq!(c.instances[0].adapters(), vec![5]);
         }
     }
+}
+
+/// The router gives up on prefills whose calls are held past its timeout (the mem fabric, a test
+/// double, delays the first two) and redoes them, while node 1 still runs them later: their
+/// late WRITEs and Starts, under leases released meanwhile, touch nothing of the redone requests.
+/// Every answer is the reference's and comes once, both late Starts are refused, and no KV page
+/// is left held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefills_the_router_gave_up_on_harm_nothing() {
+    let roles = [Some(Role::Prefill), Some(Role::Decode)];
+    let Some((c, fabric)) = mem_cluster(&roles) else { return };
+    // Held a little past the router's timeout, they arrive while the redone requests hold
+    // their new reservations (reserved at once, decoding 12 tokens).
+    let timeout = Duration::from_secs(6);
+    let held = timeout + Duration::from_millis(200);
+    fabric.set_fault(0, 1, Some(cascade_transport::mem::Fault::DelayNext(2, held)));
+    let cfg = PdRouterConfig { call_timeout: timeout, ..router_cfg(&c, 1, vec![], vec![2]) };
+    let r = Routed::start(&c, cfg);
+    let n = 2;
+    (0..n).for_each(|i| r.send(i));
+    let Routed { req_tx, routing, want, mut ans_rx, .. } = r;
+    drop(req_tx);
+    let stats = tokio::time::timeout(Duration::from_secs(180), routing)
+        .await
+        .unwrap_or_else(|_| {
+            let got: Vec<GenAnswer> = std::iter::from_fn(|| ans_rx.try_recv().ok()).collect();
+            panic!("the router did not finish in 180 s; answered: {got:?}")
+        })
+        .unwrap()
+        .unwrap();
+    let answers: Vec<GenAnswer> = std::iter::from_fn(|| ans_rx.try_recv().ok()).collect();
+    check(&answers, n, &want);
+    assert!(answers.iter().all(|a| a.attempts >= 2), "each first attempt was given up: {answers:?}");
+    assert_eq!((stats.answered, stats.failed), (n as u64, 0));
+    // The held prefills run once their calls arrive, and their Starts are refused.
+    let t0 = std::time::Instant::now();
+    let stale = loop {
+        let text = c.meshes[2].metrics().render();
+        let line =
+            text.lines().find(|l| l.starts_with("cascade_llm_kv_refused_total{reason=\"stale\"}")).map(String::from);
+        if line.as_deref().is_some_and(|l| l.ends_with(&format!(" {n}"))) || t0.elapsed() > Duration::from_secs(120) {
+            break line;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(stale, Some(format!("cascade_llm_kv_refused_total{{reason=\"stale\"}} {n}")));
+    assert_eq!(free_pages(&c, 2).await, KV_PAGES, "no page is left held");
 }

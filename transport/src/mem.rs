@@ -33,6 +33,8 @@ pub enum Fault {
     Corrupt,
     /// Corrupt only the next `n` operations, then behave normally.
     CorruptNext(u32),
+    /// Delay only the next `n` operations by this long, then behave normally.
+    DelayNext(u32, Duration),
 }
 
 struct NodeState {
@@ -130,18 +132,25 @@ impl MemFabric {
         };
     }
 
-    /// The fault applying to the next operation from `from` to `to`, counting down `CorruptNext`.
+    /// The fault applying to the next operation from `from` to `to`, counting down `CorruptNext`
+    /// and `DelayNext` (which applies as `Delay`).
     fn take_fault(&self, from: NodeId, to: NodeId) -> Option<Fault> {
         let mut f = self.0.faults.lock().unwrap_or_else(|e| e.into_inner());
         let fault = f.get(&(from, to)).copied();
-        if let Some(Fault::CorruptNext(n)) = fault {
-            if n <= 1 {
-                f.remove(&(from, to));
-            } else {
-                f.insert((from, to), Fault::CorruptNext(n - 1));
-            }
+        let (left, applied) = match fault {
+            Some(Fault::CorruptNext(n)) => (n.saturating_sub(1), Fault::CorruptNext(n.saturating_sub(1))),
+            Some(Fault::DelayNext(n, d)) => (n.saturating_sub(1), Fault::DelayNext(n.saturating_sub(1), d)),
+            _ => return fault,
+        };
+        if left == 0 {
+            f.remove(&(from, to));
+        } else {
+            f.insert((from, to), applied);
         }
-        fault
+        match fault {
+            Some(Fault::DelayNext(_, d)) => Some(Fault::Delay(d)),
+            other => other,
+        }
     }
 
     /// Kills a node: every operation to or from it fails with `PeerDown`.
@@ -443,7 +452,7 @@ impl MemLink {
         match fault {
             Some(Fault::Drop) => self.swallowed.lock().unwrap_or_else(|e| e.into_inner()).push(done),
             Some(Fault::Corrupt | Fault::CorruptNext(_)) => self.finish(done, self.execute(op, true)),
-            Some(Fault::Delay(_)) | None => self.finish(done, self.execute(op, false)),
+            Some(Fault::Delay(_) | Fault::DelayNext(..)) | None => self.finish(done, self.execute(op, false)),
         }
     }
 

@@ -97,6 +97,8 @@ struct Shared {
     adapters: Mutex<std::collections::BTreeSet<u32>>,
     /// Regions granted for adapter images a migration brings, by adapter.
     adapter_in: Mutex<std::collections::HashMap<u32, Region>>,
+    /// The last prefill's sequence id (see [`prefill_seq`]).
+    prefills: std::sync::atomic::AtomicU64,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -148,6 +150,7 @@ impl LlmInstance {
             handovers: Mutex::default(),
             adapters: Mutex::default(),
             adapter_in: Mutex::default(),
+            prefills: std::sync::atomic::AtomicU64::new(0),
         });
         // The instance's KV in the node's metrics, read at each scrape.
         let weak = Arc::downgrade(&shared);
@@ -405,12 +408,21 @@ fn blocks(stages: Range<usize>, n_blocks: usize) -> Range<usize> {
     stages.start.max(1) - 1..stages.end.clamp(1, n_blocks + 1) - 1
 }
 
+/// A sequence id for one prefill in the model's KV cache: this node in the top 16 bits, a count
+/// below. Two prefills of one request — one the router gave up on while it ran on, and the one
+/// that redoes it — never share cache entries, here or on the instance that continues a split
+/// prefill (which keeps the id it is given). Decode instances key their caches by request.
+fn prefill_seq(sh: &Shared) -> u64 {
+    let n = sh.prefills.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+    (u64::from(sh.mesh.node()) << 48) | (n & ((1 << 48) - 1))
+}
+
 async fn prefill(sh: &Arc<Shared>, msg: LlmMsg) -> Result<LlmMsg, ServeError> {
     if *lock(&sh.role) != Role::Prefill {
         return Err(ServeError::Peer("not a prefill instance (mutated to decode)".into()));
     }
     let layers = sh.compute.layers();
-    let (req, act, max_tokens, kv, split, router, mut crcs) = match msg {
+    let (req, seq, act, max_tokens, kv, split, router, mut crcs) = match msg {
         LlmMsg::Prefill { req, prompt, max_tokens, kv, split, router, adapter } => {
             if prompt.is_empty() || prompt.len() > sh.cfg.max_prompt as usize {
                 return Err(ServeError::Input(format!("{} prompt tokens: 1 to {}", prompt.len(), sh.cfg.max_prompt)));
@@ -418,11 +430,14 @@ async fn prefill(sh: &Arc<Shared>, msg: LlmMsg) -> Result<LlmMsg, ServeError> {
             if adapter != 0 && !lock(&sh.adapters).contains(&adapter) {
                 return Err(ServeError::Peer(format!("adapter {adapter} is not served here")));
             }
-            let act = Activation::packed(&[(req, 0, prompt)])?.with_adapters(&[adapter])?;
-            (req, act, max_tokens, kv, split, router, Vec::new())
+            let seq = prefill_seq(sh);
+            let act = Activation::packed(&[(seq, 0, prompt)])?.with_adapters(&[adapter])?;
+            (req, seq, act, max_tokens, kv, split, router, Vec::new())
         }
         LlmMsg::Continue { req, act, max_tokens, kv, router, crcs } => {
-            (req, Activation::from_bytes(&act)?, max_tokens, kv, None, router, crcs)
+            let act = Activation::from_bytes(&act)?;
+            let seq = act.segments.first().ok_or_else(|| ServeError::Input("an activation of no sequence".into()))?.seq;
+            (req, seq, act, max_tokens, kv, None, router, crcs)
         }
         other => return Err(ServeError::Protocol(format!("not a prefill: {other:?}"))),
     };
@@ -438,10 +453,10 @@ async fn prefill(sh: &Arc<Shared>, msg: LlmMsg) -> Result<LlmMsg, ServeError> {
     };
     let out = run(sh, act, stop).await;
     let moved = match &out {
-        Ok(_) => move_kv(sh, req, blocks(from..stop, sh.layout.blocks), &kv).await,
+        Ok(_) => move_kv(sh, seq, blocks(from..stop, sh.layout.blocks), &kv).await,
         Err(_) => Ok(Vec::new()),
     };
-    let seq_freed = with_model(sh, move |m| m.free(req)).await;
+    let seq_freed = with_model(sh, move |m| m.free(seq)).await;
     let out = out?;
     crcs.extend(moved?);
     seq_freed?;
@@ -469,9 +484,10 @@ async fn prefill(sh: &Arc<Shared>, msg: LlmMsg) -> Result<LlmMsg, ServeError> {
     Ok(LlmMsg::Prefilled { req, first, on_first: 0, decoding })
 }
 
-/// WRITEs `req`'s cached KV of `blocks` into its pages on the decode instance, every block's
-/// pages in one batch; the crc32 of each block's pages as written, in block order.
-async fn move_kv(sh: &Arc<Shared>, req: u64, blocks: Range<usize>, kv: &KvGrant) -> Result<Vec<u32>, ServeError> {
+/// WRITEs the cached KV of sequence `seq` (a prefill's, or a decoding request's) of `blocks`
+/// into its pages on the decode instance, every block's pages in one batch; the crc32 of each
+/// block's pages as written, in block order.
+async fn move_kv(sh: &Arc<Shared>, seq: u64, blocks: Range<usize>, kv: &KvGrant) -> Result<Vec<u32>, ServeError> {
     if blocks.is_empty() {
         return Ok(Vec::new());
     }
@@ -483,7 +499,7 @@ async fn move_kv(sh: &Arc<Shared>, req: u64, blocks: Range<usize>, kv: &KvGrant)
         let cache = m.cache();
         range
             .map(|b| {
-                let (k, v) = cache.get(req, b).ok_or(ExecError::NotResident { layer: b + 1 })?;
+                let (k, v) = cache.get(seq, b).ok_or(ExecError::NotResident { layer: b + 1 })?;
                 let tokens = k.dim(2)?;
                 (0..layout.pages_for(tokens)).map(|i| layout.page_image(k, v, i)).collect()
             })
@@ -539,7 +555,7 @@ async fn move_kv(sh: &Arc<Shared>, req: u64, blocks: Range<usize>, kv: &KvGrant)
         return Err(e.into());
     }
     let (ms, write_ms) = (t0.elapsed().as_secs_f64() * 1e3, t1.elapsed().as_secs_f64() * 1e3);
-    debug!(req, blocks = nb, pages = per_block, ms, write_ms, node = kv.node, "KV moved");
+    debug!(seq, blocks = nb, pages = per_block, ms, write_ms, node = kv.node, "KV moved");
     Ok(crcs)
 }
 
@@ -574,6 +590,7 @@ async fn admit(sh: &Arc<Shared>, seq: Seq, crcs: &[u32], adapter_image: Option<W
             sh.mesh.deregister(region.id());
             let got = crc32fast::hash(&image);
             if got != crc {
+                refused(sh, "adapter");
                 return Err(ServeError::Peer(format!(
                     "adapter {}'s image holds other bytes than were written (crc {got:#010x}, written {crc:#010x})",
                     seq.adapter
@@ -607,6 +624,14 @@ async fn admit(sh: &Arc<Shared>, seq: Seq, crcs: &[u32], adapter_image: Option<W
     Ok(LlmMsg::Ack)
 }
 
+/// Counts a `Start` or `Resume` refused for `reason`: `stale` (a lease the request no longer
+/// holds), `foreign` (KV pages holding other bytes than were written), `adapter` (the same of an
+/// adapter's image).
+fn refused(sh: &Shared, reason: &str) {
+    let help = "Starts and resumes refused: a stale lease, or bytes other than the writer wrote";
+    sh.mesh.metrics().counter("cascade_llm_kv_refused", help, &[("reason", reason)]).inc();
+}
+
 /// Starts reservation `lease` of `req` and copies its KV for `tokens` tokens out of its pages,
 /// every block's pages, checked against the writer's `crcs`. The reservation is released when
 /// the bytes do not match: foreign bytes (an abandoned writer's late WRITE into a page freed and
@@ -618,7 +643,10 @@ fn take_kv(sh: &Shared, req: u64, lease: u64, tokens: usize, crcs: &[u32]) -> Re
     }
     let mut kv = lock(&sh.kv);
     let (region, pages) = kv.as_mut().ok_or_else(|| ServeError::Protocol("no KV region".into()))?;
-    let mine = pages.start(req, lease).map_err(|e| ServeError::Peer(e.to_string()))?;
+    let mine = pages.start(req, lease).map_err(|e| {
+        refused(sh, "stale");
+        ServeError::Peer(e.to_string())
+    })?;
     let n = layout.pages_for(tokens);
     let copied = (|| {
         if n > mine.len() {
@@ -642,6 +670,7 @@ fn take_kv(sh: &Shared, req: u64, lease: u64, tokens: usize, crcs: &[u32]) -> Re
                 .collect::<Result<Vec<_>, ServeError>>()?;
             let got = crc.finalize();
             if got != want {
+                refused(sh, "foreign");
                 return Err(ServeError::Peer(format!(
                     "request {req}: block {b}'s KV pages hold other bytes than were written (crc {got:#010x}, \
                      written {want:#010x})"

@@ -93,6 +93,22 @@ async fn delayed_operations_complete_late() {
 }
 
 #[tokio::test]
+async fn only_the_next_operations_are_delayed_with_delay_next() {
+    let (f, a, _b, src, dst) = setup();
+    f.set_fault(1, 2, Some(Fault::DelayNext(2, Duration::from_millis(300))));
+    let l = a.link(2).unwrap();
+    let write = || l.post(vec![Op::write(&src, 0, dst.remote(2), 0, 8)]);
+    let t = std::time::Instant::now();
+    let (first, second) = (write(), write());
+    let third = futures_all(write()).await;
+    assert!(third[0].is_ok() && t.elapsed() < Duration::from_millis(300), "the third is not delayed");
+    let (first, second) = tokio::join!(futures_all(first), futures_all(second));
+    assert!(first[0].is_ok() && second[0].is_ok());
+    assert!(t.elapsed() >= Duration::from_millis(300), "the first two are");
+    assert!(f.0.faults.lock().unwrap().is_empty(), "the fault is spent");
+}
+
+#[tokio::test]
 async fn a_delayed_batch_keeps_its_order() {
     use crate::service::{ServiceExt, ServiceFault};
     let (f, a, b, src, dst) = setup();
