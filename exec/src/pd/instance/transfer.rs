@@ -1,0 +1,306 @@
+//! KV and adapter transfers between LLM instances: a prefill's (or a migration's) KV, WRITTEN
+//! into a decode instance's pages, the decode instance's checked take-over of it, and the
+//! hand-over of a decoding request with its adapter (co-migration).
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use cascade_transport::{Op, RemoteKey, RemoteRegion, ServiceExt};
+use tracing::{debug, warn};
+
+use super::{failed, install_adapter, lock, release, with_model, Handover, Seq, Shared};
+use crate::llama::LoraAdapter;
+use crate::pd::proto::{KvGrant, LlmMsg, Role, Written};
+use crate::serve::ServeError;
+use crate::ExecError;
+
+/// WRITEs the cached KV of sequence `seq` (a prefill's, or a decoding request's) of `blocks`
+/// into its pages on the decode instance, every block's pages in one batch; the crc32 of each
+/// block's pages as written, in block order.
+pub(super) async fn move_kv(
+    sh: &Arc<Shared>,
+    seq: u64,
+    blocks: Range<usize>,
+    kv: &KvGrant,
+) -> Result<Vec<u32>, ServeError> {
+    if blocks.is_empty() {
+        return Ok(Vec::new());
+    }
+    let t0 = std::time::Instant::now();
+    let nb = blocks.len();
+    let layout = sh.layout;
+    let range = blocks.clone();
+    let images = with_model(sh, move |m| -> Result<Vec<Vec<Vec<u8>>>, ExecError> {
+        let cache = m.cache();
+        range
+            .map(|b| {
+                let (k, v) = cache.get(seq, b).ok_or(ExecError::NotResident { layer: b + 1 })?;
+                let tokens = k.dim(2)?;
+                (0..layout.pages_for(tokens)).map(|i| layout.page_image(k, v, i)).collect()
+            })
+            .collect()
+    })
+    .await??;
+    let t1 = std::time::Instant::now();
+    let per_block = images.first().map_or(0, Vec::len);
+    if per_block > kv.pages.len() {
+        return Err(ServeError::Input(format!("{per_block} pages of KV, {} granted", kv.pages.len())));
+    }
+    let bp = layout.block_page_bytes();
+    let mut staging = sh.staging.lock().await;
+    // Every block's pages at once, sized for the longest prompt in every block; a migrated
+    // request's KV can be longer, and grows it.
+    let need = (per_block.max(layout.pages_for(sh.cfg.max_prompt as usize)) * layout.blocks.max(nb)) as u64 * bp;
+    if staging.as_ref().is_none_or(|r| r.len() < need) {
+        *staging = Some(sh.mesh.register_new(need)?);
+    }
+    let st = staging.as_ref().ok_or_else(|| ServeError::Protocol("no staging region".into()))?;
+    let remote =
+        RemoteRegion { node: kv.node, id: cascade_transport::RegionId(kv.region), key: RemoteKey(kv.key), len: kv.len };
+    let link = sh.mesh.link(kv.node)?;
+    // One batch of WRITEs for every block, waited for once: no round trip between blocks.
+    let mut ops = Vec::with_capacity(nb * per_block);
+    let mut crcs = Vec::with_capacity(nb);
+    for (j, (b, pages)) in blocks.zip(images).enumerate() {
+        if pages.len() != per_block {
+            return Err(ServeError::Protocol(format!("block {b}: {} pages of KV, block 0 {per_block}", pages.len())));
+        }
+        let mut crc = crc32fast::Hasher::new();
+        for (i, img) in pages.iter().enumerate() {
+            crc.update(img);
+            let at = (j * per_block + i) as u64 * bp;
+            // SAFETY: the staging region is this task's (the mutex is held), and every WRITE that
+            // read it before completed before the call that posted it returned (a region whose
+            // WRITEs did not all complete is dropped, below).
+            unsafe { st.write_local(at, img) }?;
+            ops.push(Op::write(st, at, remote, layout.offset(kv.pages[i], b), bp));
+        }
+        crcs.push(crc.finalize());
+    }
+    // Every WRITE is waited for, even after one failed; after a failure the staging region is
+    // not used again (an abandoned WRITE may still read it), the next move registers another.
+    let mut failed = None;
+    for h in link.post(ops) {
+        if let Err(e) = h.wait("KV write", sh.cfg.op_timeout).await {
+            failed.get_or_insert(e);
+        }
+    }
+    if let Some(e) = failed {
+        *staging = None;
+        return Err(e.into());
+    }
+    let (ms, write_ms) = (t0.elapsed().as_secs_f64() * 1e3, t1.elapsed().as_secs_f64() * 1e3);
+    debug!(seq, blocks = nb, pages = per_block, ms, write_ms, node = kv.node, "KV moved");
+    Ok(crcs)
+}
+
+/// Takes a request's KV out of its pages into the model's cache and starts decoding it: after
+/// its prefill (`Start`: the prompt's KV, the first token) or a migration (`Resume`: the KV so
+/// far, and the adapter's image in its granted region when `adapter_image` is given). The KV
+/// must be in the pages of reservation `seq.lease`, each block's bytes matching `crcs`, and the
+/// adapter's image must match its crc.
+pub(super) async fn admit(
+    sh: &Arc<Shared>,
+    seq: Seq,
+    crcs: &[u32],
+    adapter_image: Option<Written>,
+) -> Result<LlmMsg, ServeError> {
+    if *lock(&sh.role) != Role::Decode {
+        return Err(ServeError::Peer("not a decode instance".into()));
+    }
+    if lock(&sh.running).len() >= sh.cfg.max_running {
+        return Err(ServeError::Peer(format!("{} requests decoding already", sh.cfg.max_running)));
+    }
+    let (req, lease) = (seq.req, seq.lease);
+    let images = take_kv(sh, req, lease, seq.pos as usize, crcs)?;
+    let started = async {
+        if let Some(Written { bytes: n, crc }) = adapter_image {
+            let region = lock(&sh.adapter_in)
+                .remove(&seq.adapter)
+                .ok_or_else(|| ServeError::Protocol(format!("no region was granted for adapter {}", seq.adapter)))?;
+            if n > region.len() {
+                return Err(ServeError::Input(format!("an adapter image of {n} bytes in {} granted", region.len())));
+            }
+            // SAFETY: the region was registered for this adapter's images alone and the old
+            // instance's WRITE of this one completed before it sent Resume. An earlier migration's
+            // writer that gave up on its WRITE may still land it (a failed migration's grant is
+            // reused): the bytes are copied at once, the view dropped, and only the copy,
+            // checked against the crc, is read.
+            let image = unsafe { region.view(0, n) }?.to_vec();
+            sh.mesh.deregister(region.id());
+            let got = crc32fast::hash(&image);
+            if got != crc {
+                refused(sh, "adapter");
+                return Err(ServeError::Peer(format!(
+                    "adapter {}'s image holds other bytes than were written (crc {got:#010x}, written {crc:#010x})",
+                    seq.adapter
+                )));
+            }
+            install_adapter(sh, seq.adapter, LoraAdapter::from_image(&image, &sh.model.config)?).await?;
+        }
+        if seq.adapter != 0 && !lock(&sh.adapters).contains(&seq.adapter) {
+            return Err(ServeError::Peer(format!("adapter {} is not served here", seq.adapter)));
+        }
+        let (layout, tokens) = (sh.layout, seq.pos as usize);
+        with_model(sh, move |m| -> Result<(), ExecError> {
+            let mut cache = m.cache();
+            for (b, pages) in images.iter().enumerate() {
+                let refs: Vec<&[u8]> = pages.iter().map(Vec::as_slice).collect();
+                let (k, v) = layout.tensors(&refs, tokens)?;
+                cache.put(req, b, k, v);
+            }
+            Ok(())
+        })
+        .await??;
+        Ok(())
+    }
+    .await;
+    if let Err(e) = started {
+        release(sh, req, lease);
+        return Err(e);
+    }
+    lock(&sh.running).push(seq);
+    sh.wake.notify_one();
+    Ok(LlmMsg::Ack)
+}
+
+/// Counts a `Start` or `Resume` refused for `reason`: `stale` (a lease the request no longer
+/// holds), `foreign` (KV pages holding other bytes than were written), `adapter` (the same of an
+/// adapter's image).
+fn refused(sh: &Shared, reason: &str) {
+    let help = "Starts and resumes refused: a stale lease, or bytes other than the writer wrote";
+    sh.mesh.metrics().counter("cascade_llm_kv_refused", help, &[("reason", reason)]).inc();
+}
+
+/// Starts reservation `lease` of `req` and copies its KV for `tokens` tokens out of its pages,
+/// every block's pages, checked against the writer's `crcs`. The reservation is released when
+/// the bytes do not match: foreign bytes (an abandoned writer's late WRITE into a page freed and
+/// granted again) make the start fail, to be redone, instead of being decoded from.
+fn take_kv(sh: &Shared, req: u64, lease: u64, tokens: usize, crcs: &[u32]) -> Result<Vec<Vec<Vec<u8>>>, ServeError> {
+    let layout = sh.layout;
+    if crcs.len() != layout.blocks {
+        return Err(ServeError::Protocol(format!("{} block crcs for {} blocks", crcs.len(), layout.blocks)));
+    }
+    let mut kv = lock(&sh.kv);
+    let (region, pages) = kv.as_mut().ok_or_else(|| ServeError::Protocol("no KV region".into()))?;
+    let mine = pages.start(req, lease).map_err(|e| {
+        refused(sh, "stale");
+        ServeError::Peer(e.to_string())
+    })?;
+    let n = layout.pages_for(tokens);
+    let copied = (|| {
+        if n > mine.len() {
+            return Err(ServeError::Input(format!("{tokens} tokens of KV in {} pages", mine.len())));
+        }
+        let mut images = Vec::with_capacity(layout.blocks);
+        for (b, &want) in crcs.iter().enumerate() {
+            let mut crc = crc32fast::Hasher::new();
+            let block = mine[..n]
+                .iter()
+                .map(|&p| {
+                    // SAFETY: the writer of reservation `lease` WROTE these pages and its WRITEs
+                    // completed before it sent Start or Resume. A writer of an abandoned
+                    // reservation may still WRITE a page freed and granted again: the bytes
+                    // (plain f32 data, any value valid) are copied at once, the view dropped,
+                    // and only the copy, checked against the crc, is used.
+                    let page = unsafe { region.view(layout.offset(p, b), layout.block_page_bytes()) }?.to_vec();
+                    crc.update(&page);
+                    Ok(page)
+                })
+                .collect::<Result<Vec<_>, ServeError>>()?;
+            let got = crc.finalize();
+            if got != want {
+                refused(sh, "foreign");
+                return Err(ServeError::Peer(format!(
+                    "request {req}: block {b}'s KV pages hold other bytes than were written (crc {got:#010x}, \
+                     written {want:#010x})"
+                )));
+            }
+            images.push(block);
+        }
+        Ok(images)
+    })();
+    if copied.is_err() {
+        pages.release(req, lease);
+    }
+    copied
+}
+
+/// Hands `seq` (taken out of the running set between two steps) to the instance that granted
+/// `h.kv`: its KV so far by WRITEs; its adapter's image by a WRITE into a region that instance
+/// grants when it does not serve the adapter; then `Resume` there. On failure the request
+/// decodes here again and nothing of it is lost.
+pub(super) async fn hand_over(sh: Arc<Shared>, seq: Seq, h: Handover) {
+    let (req, generated) = (seq.req, seq.generated);
+    let result = async {
+        let blocks = 0..sh.layout.blocks;
+        let crcs = move_kv(&sh, req, blocks, &h.kv).await?;
+        let adapter_image = bring_adapter(&sh, seq.adapter, h.kv.node).await?;
+        let resume = LlmMsg::Resume {
+            req,
+            lease: h.kv.lease,
+            crcs,
+            pos: seq.pos,
+            last: seq.last,
+            generated,
+            max_tokens: seq.max_tokens,
+            router: seq.router,
+            adapter: seq.adapter,
+            adapter_image,
+        };
+        match sh.mesh.call(h.kv.node, &resume, sh.cfg.op_timeout).await? {
+            LlmMsg::Ack => Ok(()),
+            other => Err(other.unexpected_from(h.kv.node)),
+        }
+    }
+    .await;
+    let answer = match result {
+        Ok(()) => {
+            release(&sh, req, seq.lease);
+            let _ = with_model(&sh, move |m| m.free(req)).await;
+            LlmMsg::Migrated { req, tokens: generated }
+        }
+        Err(e) => {
+            warn!(req, to = h.kv.node, error = %e, "migration failed: the request decodes here again");
+            lock(&sh.running).push(seq);
+            sh.wake.notify_one();
+            failed(&e)
+        }
+    };
+    let _ = sh.mesh.reply(&h.reply, &answer);
+}
+
+/// Brings adapter `id` to node `to` unless it serves it: asks `to` for a region, WRITEs the
+/// adapter's image into it; what was written, or `None` when nothing had to move.
+async fn bring_adapter(
+    sh: &Arc<Shared>,
+    id: u32,
+    to: cascade_transport::NodeId,
+) -> Result<Option<Written>, ServeError> {
+    if id == 0 {
+        return Ok(None);
+    }
+    let image = with_model(sh, move |m| -> Result<Vec<u8>, ExecError> {
+        m.adapter(id).ok_or_else(|| ExecError::Input(format!("no adapter {id}")))?.to_image()
+    })
+    .await??;
+    let n = image.len() as u64;
+    let g = match sh.mesh.call(to, &LlmMsg::ReserveAdapter { adapter: id, bytes: n }, sh.cfg.op_timeout).await? {
+        LlmMsg::Ack => return Ok(None),
+        LlmMsg::AdapterGrant { grant } => grant,
+        other => return Err(other.unexpected_from(to)),
+    };
+    if n > g.len || g.node != to {
+        return Err(ServeError::Protocol(format!("a grant of {} bytes on node {} for {n} on {to}", g.len, g.node)));
+    }
+    let staging = sh.mesh.register_new(n)?;
+    // SAFETY: the region was just registered by this task and no operation uses it yet.
+    unsafe { staging.write_local(0, &image) }?;
+    let remote =
+        RemoteRegion { node: g.node, id: cascade_transport::RegionId(g.region), key: RemoteKey(g.key), len: g.len };
+    for h in sh.mesh.link(g.node)?.post(vec![Op::write(&staging, 0, remote, 0, n)]) {
+        h.wait("adapter write", sh.cfg.op_timeout).await?;
+    }
+    sh.mesh.deregister(staging.id());
+    Ok(Some(Written { bytes: n, crc: crc32fast::hash(&image) }))
+}
