@@ -181,13 +181,18 @@ fn take_kv(sh: &Shared, req: u64, lease: u64, tokens: usize, crcs: &[u32]) -> Re
     if crcs.len() != layout.blocks {
         return Err(ServeError::Protocol(format!("{} block crcs for {} blocks", crcs.len(), layout.blocks)));
     }
-    let mut kv = lock(&sh.kv);
-    let (region, pages) = kv.as_mut().ok_or_else(|| ServeError::Protocol("no KV region".into()))?;
-    let mine = pages.start(req, lease).map_err(|e| {
+    // The copy and its check run outside the KV lock (the metrics' scrape takes it too).
+    let started = {
+        let mut kv = lock(&sh.kv);
+        let (region, pages) = kv.as_mut().ok_or_else(|| ServeError::Protocol("no KV region".into()))?;
+        pages.start(req, lease).map(|mine| (region.clone(), mine))
+    };
+    let (region, mine) = started.map_err(|e| {
         refused(sh, "stale");
         ServeError::Peer(e.to_string())
     })?;
     let n = layout.pages_for(tokens);
+    let mut foreign = false;
     let copied = (|| {
         if n > mine.len() {
             return Err(ServeError::Input(format!("{tokens} tokens of KV in {} pages", mine.len())));
@@ -210,7 +215,7 @@ fn take_kv(sh: &Shared, req: u64, lease: u64, tokens: usize, crcs: &[u32]) -> Re
                 .collect::<Result<Vec<_>, ServeError>>()?;
             let got = crc.finalize();
             if got != want {
-                refused(sh, "foreign");
+                foreign = true;
                 return Err(ServeError::Peer(format!(
                     "request {req}: block {b}'s KV pages hold other bytes than were written (crc {got:#010x}, \
                      written {want:#010x})"
@@ -221,7 +226,10 @@ fn take_kv(sh: &Shared, req: u64, lease: u64, tokens: usize, crcs: &[u32]) -> Re
         Ok(images)
     })();
     if copied.is_err() {
-        pages.release(req, lease);
+        release(sh, req, lease);
+        if foreign {
+            refused(sh, "foreign");
+        }
     }
     copied
 }
