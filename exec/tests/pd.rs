@@ -905,3 +905,84 @@ async fn prefills_the_router_gave_up_on_harm_nothing() {
     assert_eq!(stale, Some(format!("cascade_llm_kv_refused_total{{reason=\"stale\"}} {n}")));
     assert_eq!(free_pages(&c, 2).await, KV_PAGES, "no page is left held");
 }
+
+/// The router gives up on an attempt after its prefill started decoding (its call's answer was
+/// late): the `Release` of that started lease stops the decode between two steps and frees its
+/// pages, another request decoding beside it is untouched, and the request redone on the same
+/// instance decodes once, with the reference tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_of_a_started_attempt_stops_its_decode_and_nothing_else() {
+    let Some((c, _fabric)) = mem_cluster(&[Some(Role::Prefill), Some(Role::Decode)]) else { return };
+    let limit = Duration::from_secs(60);
+    let want = expected();
+    let mut inbox = c.meshes[0].subscribe::<LlmMsg>(4096).unwrap();
+    // Node 0 routes: reserves on node 2, prefills on node 1, takes the tokens.
+    let go = |req: u64, which: usize, max_tokens: u32| {
+        let (mesh, prompt) = (c.meshes[0].clone(), want[which].0.clone());
+        async move {
+            let tokens = prompt.len() as u32 + max_tokens;
+            let kv = match mesh.call(2, &LlmMsg::Reserve { req, tokens }, limit).await {
+                Ok(LlmMsg::Reserved { grant }) => grant,
+                other => panic!("reserve {req}: {other:?}"),
+            };
+            let lease = kv.lease;
+            let msg = LlmMsg::Prefill { req, prompt, max_tokens, kv, split: None, router: 0, adapter: 0 };
+            match mesh.call(1, &msg, limit).await {
+                Ok(LlmMsg::Prefilled { first, decoding: true, .. }) => (lease, first),
+                other => panic!("prefill {req}: {other:?}"),
+            }
+        }
+    };
+    let (x, y) = (10u64, 11u64);
+    let (x_lease, _) = go(x, 0, 600).await;
+    c.meshes[0].call(2, &LlmMsg::Release { req: x, lease: x_lease }, limit).await.unwrap();
+    let (_, y_first) = go(y, 1, MAX_TOKENS).await;
+    // Y decodes to its end; X stops at the next step boundary (a step in flight may still give
+    // a token or two; its answer has at least MAX_TOKENS before its end).
+    let mut y_tokens = vec![y_first];
+    let mut x_after = 0;
+    let t0 = std::time::Instant::now();
+    loop {
+        let m = tokio::time::timeout(limit, inbox.recv()).await.expect("tokens keep coming").unwrap();
+        match m.msg {
+            LlmMsg::Token { req, .. } if req == x => x_after += 1,
+            LlmMsg::Token { req, token, done, .. } if req == y => {
+                y_tokens.push(token);
+                if done {
+                    break;
+                }
+            }
+            LlmMsg::Abort { req, message } => panic!("request {req} aborted: {message}"),
+            _ => {}
+        }
+    }
+    assert_eq!(y_tokens, want[1].1, "the request beside it decodes the reference tokens");
+    assert!(x_after <= 3, "X decoded {x_after} tokens after its Release");
+    loop {
+        match c.meshes[0].call(2, &LlmMsg::Status, limit).await {
+            Ok(LlmMsg::State { running: 0, free_pages, .. }) if free_pages == KV_PAGES => break,
+            Ok(state) => assert!(t0.elapsed() < Duration::from_secs(60), "X still decodes: {state:?}"),
+            other => panic!("status: {other:?}"),
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Redone on the same instance, X decodes once, from its new lease.
+    while inbox.try_recv().is_some() {}
+    let (_, x_first) = go(x, 0, MAX_TOKENS).await;
+    let mut x_tokens = vec![x_first];
+    loop {
+        let m = tokio::time::timeout(limit, inbox.recv()).await.expect("tokens keep coming").unwrap();
+        match m.msg {
+            LlmMsg::Token { req, index, token, done } if req == x => {
+                assert_eq!(index as usize, x_tokens.len(), "each token once, in order");
+                x_tokens.push(token);
+                if done {
+                    break;
+                }
+            }
+            LlmMsg::Abort { req, message } => panic!("request {req} aborted: {message}"),
+            _ => {}
+        }
+    }
+    assert_eq!(x_tokens, want[0].1);
+}

@@ -74,6 +74,25 @@ struct Seq {
     lease: u64,
 }
 
+/// Requests the decode loop stops between two steps (freeing their pages and cache there, where
+/// no step of theirs is in flight).
+#[derive(Debug, Clone, Copy)]
+enum Stop {
+    /// Those of a router whose link failed.
+    Router(u32),
+    /// The one decoding under this lease: the router gave up on the attempt (`Release`).
+    Lease { req: u64, lease: u64 },
+}
+
+impl Stop {
+    fn matches(self, s: &Seq) -> bool {
+        match self {
+            Stop::Router(r) => s.router == r,
+            Stop::Lease { req, lease } => s.req == req && s.lease == lease,
+        }
+    }
+}
+
 /// A `Migrate` waiting for the decode loop to hand its request over between two steps.
 struct Handover {
     req: u64,
@@ -97,6 +116,8 @@ struct Shared {
     wake: Notify,
     /// Migrations the decode loop hands over at its next step boundary.
     handovers: Mutex<Vec<Handover>>,
+    /// Requests the decode loop stops at its next step boundary.
+    stops: Mutex<Vec<Stop>>,
     /// The adapters the model serves (mirrors the compute thread's model).
     adapters: Mutex<std::collections::BTreeSet<u32>>,
     /// Regions granted for adapter images a migration brings, by adapter.
@@ -152,6 +173,7 @@ impl LlmInstance {
             running: Mutex::default(),
             wake: Notify::new(),
             handovers: Mutex::default(),
+            stops: Mutex::default(),
             adapters: Mutex::default(),
             adapter_in: Mutex::default(),
             prefills: std::sync::atomic::AtomicU64::new(0),
@@ -272,7 +294,7 @@ async fn serve_llm(sh: Arc<Shared>, mut inbox: Inbox<LlmMsg>) {
         let now = match m.msg {
             LlmMsg::Reserve { req, tokens } => Some(reserve(&sh, m.from, req, tokens)),
             LlmMsg::Release { req, lease } => {
-                release(&sh, req, lease);
+                give_up(&sh, req, lease);
                 Some(Ok(LlmMsg::Ack))
             }
             LlmMsg::Mutate => {
@@ -400,6 +422,18 @@ fn reserve(sh: &Shared, from: u32, req: u64, tokens: u32) -> Result<LlmMsg, Serv
     Ok(LlmMsg::Reserved { grant: KvGrant { node, region, key, len, pages: got, lease } })
 }
 
+/// The router gave up on reservation `lease` of `req`: its pages are freed, or, when the request
+/// decodes under it (its prefill went on and started it), the decode loop stops it.
+fn give_up(sh: &Shared, req: u64, lease: u64) {
+    let started = lock(&sh.kv).as_ref().is_some_and(|(_, pages)| pages.started(req, lease));
+    if started {
+        lock(&sh.stops).push(Stop::Lease { req, lease });
+        sh.wake.notify_one();
+    } else {
+        release(sh, req, lease);
+    }
+}
+
 /// Frees `req`'s pages if it holds them under `lease`.
 fn release(sh: &Shared, req: u64, lease: u64) {
     if let Some((_, pages)) = lock(&sh.kv).as_mut() {
@@ -500,19 +534,13 @@ async fn drop_lost_routers(sh: Arc<Shared>) {
             Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => continue,
             Err(broadcast::error::RecvError::Closed) => return,
         };
-        let lost: Vec<(u64, u64)> = {
-            let mut running = lock(&sh.running);
-            let lost = running.iter().filter(|s| s.router == peer).map(|s| (s.req, s.lease)).collect();
-            running.retain(|s| s.router != peer);
-            lost
-        };
-        // Pages it reserved, those of prefills that have not started here among them (their
-        // Start is refused).
+        let decoding = lock(&sh.running).iter().filter(|s| s.router == peer).count();
+        // Pages it reserved for prefills that have not started here (their Start is refused).
         let reserved = lock(&sh.kv).as_ref().map_or_else(Vec::new, |(_, pages)| pages.reserved_by(peer));
-        if !lost.is_empty() || !reserved.is_empty() {
+        if decoding > 0 || !reserved.is_empty() {
             warn!(
                 router = peer,
-                decoding = lost.len(),
+                decoding,
                 holding_pages = reserved.len(),
                 "the router's link failed: its requests here stop"
             );
@@ -520,11 +548,9 @@ async fn drop_lost_routers(sh: Arc<Shared>) {
         for (req, lease) in reserved {
             release(&sh, req, lease);
         }
-        // Their pages went with the reservations above, unless another node reserved them.
-        for (req, lease) in lost {
-            release(&sh, req, lease);
-            let _ = with_model(&sh, move |m| m.free(req)).await;
-        }
+        // The decoding ones stop between two steps.
+        lock(&sh.stops).push(Stop::Router(peer));
+        sh.wake.notify_one();
     }
 }
 
@@ -535,6 +561,22 @@ async fn decode_loop(sh: Arc<Shared>) {
     let eos = sh.model.config.eos_token_id;
     loop {
         // Between two steps: hand over the requests a migration asked for.
+        // Between two steps: stop the requests a router gave up on or lost, freeing their pages
+        // and cache while no step of theirs is in flight.
+        let stops: Vec<Stop> = std::mem::take(&mut *lock(&sh.stops));
+        if !stops.is_empty() {
+            let stopped: Vec<(u64, u64)> = {
+                let mut running = lock(&sh.running);
+                let hit = |s: &Seq| stops.iter().any(|x| x.matches(s));
+                let stopped = running.iter().filter(|s| hit(s)).map(|s| (s.req, s.lease)).collect();
+                running.retain(|s| !hit(s));
+                stopped
+            };
+            for (req, lease) in stopped {
+                release(&sh, req, lease);
+                let _ = with_model(&sh, move |m| m.free(req)).await;
+            }
+        }
         let handovers: Vec<Handover> = std::mem::take(&mut *lock(&sh.handovers));
         for h in handovers {
             let seq = {

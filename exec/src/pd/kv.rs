@@ -200,9 +200,14 @@ impl Pages {
         self.held.get(&req).map(|h| h.pages.as_slice())
     }
 
-    /// The requests, with their leases, whose pages node `by` reserved.
+    /// The requests, with their leases, whose pages node `by` reserved and that did not start.
     pub fn reserved_by(&self, by: u32) -> Vec<(u64, u64)> {
-        self.held.iter().filter(|(_, h)| h.by == by).map(|(&r, h)| (r, h.lease)).collect()
+        self.held.iter().filter(|(_, h)| h.by == by && !h.started).map(|(&r, h)| (r, h.lease)).collect()
+    }
+
+    /// Whether `req` decodes under reservation `lease`.
+    pub fn started(&self, req: u64, lease: u64) -> bool {
+        self.held.get(&req).is_some_and(|h| h.lease == lease && h.started)
     }
 
     /// The lease `req` holds pages under.
@@ -285,7 +290,10 @@ mod tests {
         // A late Start or Release of the first reservation touches nothing.
         assert_eq!(p.start(1, first), Err(LeaseError::Stale { req: 1, got: first, held: second }));
         assert_eq!(p.release(1, first), 0);
+        assert!(!p.started(1, second));
         assert_eq!(p.start(1, second), Ok(b.clone()));
+        assert!(p.started(1, second) && !p.started(1, first));
+        assert_eq!(p.reserved_by(9), vec![], "only reservations that did not start");
         assert_eq!(p.start(1, second), Err(LeaseError::Started(1)), "a reservation starts once");
         // A started reservation is not replaced: the request decodes under it.
         assert!(p.reserve(1, 9, 2).is_none());

@@ -114,6 +114,12 @@ pub(super) async fn admit(
     let (req, lease) = (seq.req, seq.lease);
     let images = take_kv(sh, req, lease, seq.pos as usize, crcs)?;
     let started = async {
+        // One sequence per request in a decode step (its cache is keyed by the request). The
+        // leases already see to it: an attempt given up on that still decodes here holds its
+        // pages until it stops, so no other reservation of the request is granted before.
+        if lock(&sh.running).iter().any(|s| s.req == req) {
+            return Err(ServeError::Protocol(format!("request {req} is decoding here already")));
+        }
         if let Some(Written { bytes: n, crc }) = adapter_image {
             let region = lock(&sh.adapter_in)
                 .remove(&seq.adapter)
