@@ -153,6 +153,19 @@ impl Routed {
         Routed { mesh, want: expected(), req_tx, cmd_tx, ans_rx, routing }
     }
 
+    /// Closes the request stream and waits, `within` at most, for the router to answer every
+    /// request: its stats, the answers, and the reference.
+    async fn finish(self, within: Duration) -> (router::RouterStats, Vec<GenAnswer>, Vec<(Vec<u32>, Vec<u32>)>) {
+        let Routed { req_tx, routing, want, mut ans_rx, .. } = self;
+        drop(req_tx);
+        let Ok(stats) = tokio::time::timeout(within, routing).await else {
+            let got: Vec<GenAnswer> = std::iter::from_fn(|| ans_rx.try_recv().ok()).collect();
+            panic!("the router did not finish in {within:?}; answered: {got:?}")
+        };
+        let answers = std::iter::from_fn(|| ans_rx.try_recv().ok()).collect();
+        (stats.unwrap().unwrap(), answers, want)
+    }
+
     /// Sends request `i`: the reference's prompt `i` (cyclically), `MAX_TOKENS` tokens.
     fn send(&self, i: usize) {
         let (prompt, _) = &self.want[i % self.want.len()];
@@ -613,14 +626,8 @@ async fn a_silent_instance_does_not_hold_up_the_router() {
     r.cmd_tx.send(PdCmd::Mutate { node: 3, done }).unwrap();
     let n = 4;
     (0..n).for_each(|i| r.send(i));
-    let Routed { req_tx, routing, want, mut ans_rx, .. } = r;
-    drop(req_tx);
-    let stats = tokio::time::timeout(Duration::from_secs(60), routing)
-        .await
-        .expect("the router answered every request while its calls to node 3 hung")
-        .unwrap()
-        .unwrap();
-    let answers: Vec<GenAnswer> = std::iter::from_fn(|| ans_rx.try_recv().ok()).collect();
+    // The router answers every request while its calls to node 3 hang.
+    let (stats, answers, want) = r.finish(Duration::from_secs(60)).await;
     check(&answers, n, &want);
     assert_eq!((stats.answered, stats.failed), (n as u64, 0));
     assert!(answers.iter().all(|a| a.prefill.0 == 1), "node 3 holds nothing: everything prefilled on node 1");
@@ -877,17 +884,7 @@ async fn prefills_the_router_gave_up_on_harm_nothing() {
     let r = Routed::start(&c, cfg);
     let n = 2;
     (0..n).for_each(|i| r.send(i));
-    let Routed { req_tx, routing, want, mut ans_rx, .. } = r;
-    drop(req_tx);
-    let stats = tokio::time::timeout(Duration::from_secs(180), routing)
-        .await
-        .unwrap_or_else(|_| {
-            let got: Vec<GenAnswer> = std::iter::from_fn(|| ans_rx.try_recv().ok()).collect();
-            panic!("the router did not finish in 180 s; answered: {got:?}")
-        })
-        .unwrap()
-        .unwrap();
-    let answers: Vec<GenAnswer> = std::iter::from_fn(|| ans_rx.try_recv().ok()).collect();
+    let (stats, answers, want) = r.finish(Duration::from_secs(180)).await;
     check(&answers, n, &want);
     assert!(answers.iter().all(|a| a.attempts >= 2), "each first attempt was given up: {answers:?}");
     assert_eq!((stats.answered, stats.failed), (n as u64, 0));
