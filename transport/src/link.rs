@@ -214,6 +214,28 @@ impl Future for OpHandle {
     }
 }
 
+/// A handle dropped with its observer still waiting (fire and forget: a one-way message, a WRITE
+/// whose completion nobody awaits, a task that ended first) still has its result observed — the
+/// metrics count every completed operation, not only awaited ones: at once when it is in,
+/// otherwise by a task that waits for it (without a runtime, it is not observed).
+impl Drop for OpHandle {
+    fn drop(&mut self) {
+        let Some(f) = self.observer.take() else { return };
+        let peer = self.peer;
+        let closed = move || Err(TransportError::PeerDown { peer, reason: "link closed".into() });
+        match self.rx.try_recv() {
+            Ok(r) => f(&r),
+            Err(oneshot::error::TryRecvError::Closed) => f(&closed()),
+            Err(oneshot::error::TryRecvError::Empty) => {
+                if let Ok(rt) = tokio::runtime::Handle::try_current() {
+                    let rx = std::mem::replace(&mut self.rx, oneshot::channel().1);
+                    rt.spawn(async move { f(&rx.await.unwrap_or_else(|_| closed())) });
+                }
+            }
+        }
+    }
+}
+
 /// A message received by SEND/RECV, before the node's services take it.
 #[derive(Debug, Clone)]
 pub(crate) struct Incoming {

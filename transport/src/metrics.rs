@@ -421,4 +421,32 @@ mod tests {
         assert!(ok.contains("cascade_test_scrapes_total{} 1"), "{ok}");
         assert!(get("/other").await.starts_with("HTTP/1.1 404"));
     }
+
+    #[tokio::test]
+    async fn operations_whose_handles_are_dropped_are_counted_too() {
+        use crate::mem::{Fault, MemFabric};
+        use crate::region::Region;
+        use crate::Op;
+        let f = MemFabric::new();
+        let a = f.add_node(1);
+        let b = f.add_node(2);
+        let (src, dst) =
+            (Region::alloc(64, Default::default()).unwrap(), Region::alloc(64, Default::default()).unwrap());
+        b.regions().register(&dst);
+        let m = Arc::new(Metrics::new());
+        let l = Metered::new(a.link(2).unwrap(), &m);
+        let write = || Op::write(&src, 0, dst.remote(2), 0, 64);
+        // Dropped before it completes (held 50 ms), and after (the mem link completes at once).
+        f.set_fault(1, 2, Some(Fault::Delay(std::time::Duration::from_millis(50))));
+        drop(l.post(vec![write()]));
+        f.set_fault(1, 2, None);
+        drop(l.post(vec![write()]));
+        let line = "cascade_transfer_ops_total{op=\"write\",backend=\"mem\",peer=\"2\"} 2";
+        let t = std::time::Instant::now();
+        while !m.render().contains(line) {
+            assert!(t.elapsed() < std::time::Duration::from_secs(5), "{}", m.render());
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        assert!(m.render().contains("cascade_transfer_bytes_total{op=\"write\",backend=\"mem\",peer=\"2\"} 128"));
+    }
 }
