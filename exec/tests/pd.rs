@@ -690,12 +690,7 @@ async fn a_lost_routers_reservations_are_freed() {
     let roles = [Some(Role::Prefill), Some(Role::Decode)];
     let Some((c, fabric)) = mem_cluster(&roles) else { return };
     let limit = Duration::from_secs(10);
-    let free = || async {
-        match c.meshes[1].call(2, &LlmMsg::Status, limit).await {
-            Ok(LlmMsg::State { free_pages, .. }) => free_pages,
-            other => panic!("status of node 2: {other:?}"),
-        }
-    };
+    let free = || free_pages(&c, 2);
     // Nodes 0 and 1 each reserve pages on node 2 as a router would (64 tokens: 4 pages each).
     for (from, req) in [(0, 7), (1, 8)] {
         let r = c.meshes[from].call(2, &LlmMsg::Reserve { req, tokens: 64 }, limit).await;
@@ -718,8 +713,9 @@ async fn reserve(c: &Cluster, by: usize, on: u32, req: u64, tokens: u32) -> casc
     }
 }
 
+/// Node `on`'s free KV pages, asked by node 1 (whose links these tests leave up).
 async fn free_pages(c: &Cluster, on: u32) -> u32 {
-    match c.meshes[0].call(on, &LlmMsg::Status, Duration::from_secs(10)).await {
+    match c.meshes[1].call(on, &LlmMsg::Status, Duration::from_secs(10)).await {
         Ok(LlmMsg::State { free_pages, .. }) => free_pages,
         other => panic!("status of node {on}: {other:?}"),
     }

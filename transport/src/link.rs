@@ -202,9 +202,7 @@ impl Future for OpHandle {
     type Output = Result<Completion>;
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let peer = self.peer;
-        let r = Pin::new(&mut self.rx)
-            .poll(cx)
-            .map(|r| r.unwrap_or_else(|_| Err(TransportError::PeerDown { peer, reason: "link closed".into() })));
+        let r = Pin::new(&mut self.rx).poll(cx).map(|r| r.unwrap_or_else(|_| link_closed(peer)));
         if let Poll::Ready(r) = &r {
             if let Some(f) = self.observer.take() {
                 f(r);
@@ -222,18 +220,22 @@ impl Drop for OpHandle {
     fn drop(&mut self) {
         let Some(f) = self.observer.take() else { return };
         let peer = self.peer;
-        let closed = move || Err(TransportError::PeerDown { peer, reason: "link closed".into() });
         match self.rx.try_recv() {
             Ok(r) => f(&r),
-            Err(oneshot::error::TryRecvError::Closed) => f(&closed()),
+            Err(oneshot::error::TryRecvError::Closed) => f(&link_closed(peer)),
             Err(oneshot::error::TryRecvError::Empty) => {
                 if let Ok(rt) = tokio::runtime::Handle::try_current() {
                     let rx = std::mem::replace(&mut self.rx, oneshot::channel().1);
-                    rt.spawn(async move { f(&rx.await.unwrap_or_else(|_| closed())) });
+                    rt.spawn(async move { f(&rx.await.unwrap_or_else(|_| link_closed(peer))) });
                 }
             }
         }
     }
+}
+
+/// The result of an operation whose link went before it completed.
+fn link_closed(peer: NodeId) -> Result<Completion> {
+    Err(TransportError::PeerDown { peer, reason: "link closed".into() })
 }
 
 /// A message received by SEND/RECV, before the node's services take it.

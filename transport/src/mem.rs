@@ -137,16 +137,16 @@ impl MemFabric {
     fn take_fault(&self, from: NodeId, to: NodeId) -> Option<Fault> {
         let mut f = self.0.faults.lock().unwrap_or_else(|e| e.into_inner());
         let fault = f.get(&(from, to)).copied();
-        let (left, applied) = match fault {
-            Some(Fault::CorruptNext(n)) => (n.saturating_sub(1), Fault::CorruptNext(n.saturating_sub(1))),
-            Some(Fault::DelayNext(n, d)) => (n.saturating_sub(1), Fault::DelayNext(n.saturating_sub(1), d)),
+        // What is left of a counted fault after this operation.
+        let rest = match fault {
+            Some(Fault::CorruptNext(n)) => (n > 1).then(|| Fault::CorruptNext(n - 1)),
+            Some(Fault::DelayNext(n, d)) => (n > 1).then(|| Fault::DelayNext(n - 1, d)),
             _ => return fault,
         };
-        if left == 0 {
-            f.remove(&(from, to));
-        } else {
-            f.insert((from, to), applied);
-        }
+        match rest {
+            Some(r) => f.insert((from, to), r),
+            None => f.remove(&(from, to)),
+        };
         match fault {
             Some(Fault::DelayNext(_, d)) => Some(Fault::Delay(d)),
             other => other,

@@ -425,12 +425,19 @@ fn reserve(sh: &Shared, from: u32, req: u64, tokens: u32) -> Result<LlmMsg, Serv
 /// The router gave up on reservation `lease` of `req`: its pages are freed, or, when the request
 /// decodes under it (its prefill went on and started it), the decode loop stops it.
 fn give_up(sh: &Shared, req: u64, lease: u64) {
-    let started = lock(&sh.kv).as_ref().is_some_and(|(_, pages)| pages.started(req, lease));
+    // Checked and released under one lock: a Start between the two would otherwise leave a
+    // decoding request without its pages.
+    let started = match lock(&sh.kv).as_mut() {
+        Some((_, pages)) if pages.started(req, lease) => true,
+        Some((_, pages)) => {
+            pages.release(req, lease);
+            false
+        }
+        None => false,
+    };
     if started {
         lock(&sh.stops).push(Stop::Lease { req, lease });
         sh.wake.notify_one();
-    } else {
-        release(sh, req, lease);
     }
 }
 
@@ -439,6 +446,13 @@ fn release(sh: &Shared, req: u64, lease: u64) {
     if let Some((_, pages)) = lock(&sh.kv).as_mut() {
         pages.release(req, lease);
     }
+}
+
+/// A request that no longer decodes here (finished, stopped, handed over): its pages under
+/// `lease` and its cache entries are freed.
+async fn retire(sh: &Arc<Shared>, req: u64, lease: u64) {
+    release(sh, req, lease);
+    let _ = with_model(sh, move |m| m.free(req)).await;
 }
 
 /// Blocks whose KV stages `stages` compute (stage `1 + b` is block `b`).
@@ -523,9 +537,10 @@ async fn prefill(sh: &Arc<Shared>, msg: LlmMsg) -> Result<LlmMsg, ServeError> {
 }
 
 /// A router whose link failed cannot take its requests' tokens, and it redoes them elsewhere
-/// (see [`super::router`]): the requests decoding here for it stop, and their KV pages are freed
-/// at once instead of after every token they had left; so are the pages it reserved for
-/// prefills that have not started here (a `Start` for one of them is refused: it holds no pages).
+/// (see [`super::router`]): the requests decoding here for it stop at the decode loop's next
+/// step boundary, their KV pages and cache freed there instead of after every token they had
+/// left; the pages it reserved for prefills that have not started here are freed at once (a
+/// `Start` for one of them is refused: it holds no pages).
 async fn drop_lost_routers(sh: Arc<Shared>) {
     let mut events = sh.mesh.peer_events();
     loop {
@@ -560,7 +575,6 @@ async fn decode_loop(sh: Arc<Shared>) {
     let layers = sh.compute.layers();
     let eos = sh.model.config.eos_token_id;
     loop {
-        // Between two steps: hand over the requests a migration asked for.
         // Between two steps: stop the requests a router gave up on or lost, freeing their pages
         // and cache while no step of theirs is in flight.
         let stops: Vec<Stop> = std::mem::take(&mut *lock(&sh.stops));
@@ -573,10 +587,10 @@ async fn decode_loop(sh: Arc<Shared>) {
                 stopped
             };
             for (req, lease) in stopped {
-                release(&sh, req, lease);
-                let _ = with_model(&sh, move |m| m.free(req)).await;
+                retire(&sh, req, lease).await;
             }
         }
+        // Between two steps: hand over the requests a migration asked for.
         let handovers: Vec<Handover> = std::mem::take(&mut *lock(&sh.handovers));
         for h in handovers {
             let seq = {
@@ -634,8 +648,7 @@ async fn decode_loop(sh: Arc<Shared>) {
             running.retain(|s| !finished.contains(&(s.req, s.lease)));
         }
         for (req, lease) in finished {
-            release(&sh, req, lease);
-            let _ = with_model(&sh, move |m| m.free(req)).await;
+            retire(&sh, req, lease).await;
         }
     }
 }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use cascade_transport::{Op, RemoteKey, RemoteRegion, ServiceExt};
 use tracing::{debug, warn};
 
-use super::{failed, install_adapter, lock, release, with_model, Handover, Seq, Shared};
+use super::{failed, install_adapter, lock, release, retire, with_model, Handover, Seq, Shared};
 use crate::llama::LoraAdapter;
 use crate::pd::proto::{KvGrant, LlmMsg, Role, Written};
 use crate::serve::ServeError;
@@ -270,8 +270,7 @@ pub(super) async fn hand_over(sh: Arc<Shared>, seq: Seq, h: Handover) {
     .await;
     let answer = match result {
         Ok(()) => {
-            release(&sh, req, seq.lease);
-            let _ = with_model(&sh, move |m| m.free(req)).await;
+            retire(&sh, req, seq.lease).await;
             LlmMsg::Migrated { req, tokens: generated }
         }
         Err(e) => {
