@@ -628,6 +628,11 @@ async fn decode_loop(sh: Arc<Shared>) {
                         s.pos += 1;
                         s.last = tok;
                         let done = tok == eos || s.generated >= s.max_tokens;
+                        if done {
+                            // Its pages are back before anyone learns it is done (a router may
+                            // reserve again at once); its cache goes after the step.
+                            release(&sh, s.req, s.lease);
+                        }
                         let msg = LlmMsg::Token { req: s.req, index: s.generated - 1, token: tok, done };
                         if let Err(e) = sh.mesh.post_oneway(s.router, &msg) {
                             warn!(req = s.req, error = %e, "cannot stream a token");
