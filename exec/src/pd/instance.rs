@@ -68,6 +68,8 @@ struct Seq {
     generated: u32,
     max_tokens: u32,
     router: u32,
+    /// The router's attempt it decodes for (its tokens carry it).
+    attempt: u32,
     /// Its LoRA adapter (0: the base model).
     adapter: u32,
     /// The reservation of its KV pages here.
@@ -313,13 +315,14 @@ async fn serve_llm(sh: Arc<Shared>, mut inbox: Inbox<LlmMsg>) {
                 let sh = sh.clone();
                 tokio::spawn(async move {
                     let a = match msg {
-                        LlmMsg::Start { req, lease, crcs, prompt_len, first, max_tokens, router, adapter } => {
+                        LlmMsg::Start { req, attempt, lease, crcs, prompt_len, first, max_tokens, router, adapter } => {
                             let (pos, last, generated) = (prompt_len, first, 1);
-                            let seq = Seq { req, pos, last, generated, max_tokens, router, adapter, lease };
+                            let seq = Seq { req, pos, last, generated, max_tokens, router, attempt, adapter, lease };
                             admit(&sh, seq, &crcs, None).await
                         }
                         LlmMsg::Resume {
                             req,
+                            attempt,
                             lease,
                             crcs,
                             pos,
@@ -330,7 +333,7 @@ async fn serve_llm(sh: Arc<Shared>, mut inbox: Inbox<LlmMsg>) {
                             adapter,
                             adapter_image,
                         } => {
-                            let seq = Seq { req, pos, last, generated, max_tokens, router, adapter, lease };
+                            let seq = Seq { req, pos, last, generated, max_tokens, router, attempt, adapter, lease };
                             admit(&sh, seq, &crcs, adapter_image).await
                         }
                         other => prefill(&sh, other).await,
@@ -474,8 +477,8 @@ async fn prefill(sh: &Arc<Shared>, msg: LlmMsg) -> Result<LlmMsg, ServeError> {
         return Err(ServeError::Peer("not a prefill instance (mutated to decode)".into()));
     }
     let layers = sh.compute.layers();
-    let (req, seq, act, max_tokens, kv, split, router, mut crcs) = match msg {
-        LlmMsg::Prefill { req, prompt, max_tokens, kv, split, router, adapter } => {
+    let (req, attempt, seq, act, max_tokens, kv, split, router, mut crcs) = match msg {
+        LlmMsg::Prefill { req, attempt, prompt, max_tokens, kv, split, router, adapter } => {
             if prompt.is_empty() || prompt.len() > sh.cfg.max_prompt as usize {
                 return Err(ServeError::Input(format!("{} prompt tokens: 1 to {}", prompt.len(), sh.cfg.max_prompt)));
             }
@@ -484,12 +487,12 @@ async fn prefill(sh: &Arc<Shared>, msg: LlmMsg) -> Result<LlmMsg, ServeError> {
             }
             let seq = prefill_seq(sh);
             let act = Activation::packed(&[(seq, 0, prompt)])?.with_adapters(&[adapter])?;
-            (req, seq, act, max_tokens, kv, split, router, Vec::new())
+            (req, attempt, seq, act, max_tokens, kv, split, router, Vec::new())
         }
-        LlmMsg::Continue { req, act, max_tokens, kv, router, crcs } => {
+        LlmMsg::Continue { req, attempt, act, max_tokens, kv, router, crcs } => {
             let act = Activation::from_bytes(&act)?;
             let seq = act.segments.first().ok_or_else(|| ServeError::Input("an activation of no sequence".into()))?.seq;
-            (req, seq, act, max_tokens, kv, None, router, crcs)
+            (req, attempt, seq, act, max_tokens, kv, None, router, crcs)
         }
         other => return Err(ServeError::Protocol(format!("not a prefill: {other:?}"))),
     };
@@ -513,7 +516,7 @@ async fn prefill(sh: &Arc<Shared>, msg: LlmMsg) -> Result<LlmMsg, ServeError> {
     crcs.extend(moved?);
     seq_freed?;
     if let Some(s) = split {
-        let cont = LlmMsg::Continue { req, act: out.to_bytes()?, max_tokens, kv, router, crcs };
+        let cont = LlmMsg::Continue { req, attempt, act: out.to_bytes()?, max_tokens, kv, router, crcs };
         return match sh.mesh.call(s.then, &cont, sh.cfg.op_timeout).await? {
             LlmMsg::Prefilled { req, first, decoding, .. } => {
                 Ok(LlmMsg::Prefilled { req, first, on_first: s.layers, decoding })
@@ -524,7 +527,8 @@ async fn prefill(sh: &Arc<Shared>, msg: LlmMsg) -> Result<LlmMsg, ServeError> {
     let first = argmax(&out)?.first().copied().ok_or_else(|| ServeError::Protocol("no logits".into()))?;
     let decoding = first != sh.model.config.eos_token_id && max_tokens > 1;
     if decoding {
-        let start = LlmMsg::Start { req, lease: kv.lease, crcs, prompt_len, first, max_tokens, router, adapter };
+        let lease = kv.lease;
+        let start = LlmMsg::Start { req, attempt, lease, crcs, prompt_len, first, max_tokens, router, adapter };
         match sh.mesh.call(kv.node, &start, sh.cfg.op_timeout).await? {
             LlmMsg::Ack => {}
             LlmMsg::Failed { message, .. } => {
@@ -633,7 +637,8 @@ async fn decode_loop(sh: Arc<Shared>) {
                             // reserve again at once); its cache goes after the step.
                             release(&sh, s.req, s.lease);
                         }
-                        let msg = LlmMsg::Token { req: s.req, index: s.generated - 1, token: tok, done };
+                        let (req, attempt, lease, index) = (s.req, s.attempt, s.lease, s.generated - 1);
+                        let msg = LlmMsg::Token { req, attempt, lease, index, token: tok, done };
                         if let Err(e) = sh.mesh.post_oneway(s.router, &msg) {
                             warn!(req = s.req, error = %e, "cannot stream a token");
                         }
@@ -645,7 +650,8 @@ async fn decode_loop(sh: Arc<Shared>) {
                 Err(e) => {
                     warn!(error = %e, "a decode step failed: its requests are aborted");
                     for s in running.iter() {
-                        let _ = sh.mesh.post_oneway(s.router, &LlmMsg::Abort { req: s.req, message: e.to_string() });
+                        let abort = LlmMsg::Abort { req: s.req, attempt: s.attempt, message: e.to_string() };
+                        let _ = sh.mesh.post_oneway(s.router, &abort);
                         finished.push((s.req, s.lease));
                     }
                 }

@@ -1,20 +1,20 @@
-//! The LLM service's messages (service [`ServiceId::LLM`], version 1), binary-encoded on the
+//! The LLM service's messages (service [`ServiceId::LLM`], version 4), binary-encoded on the
 //! typed control plane.
 //!
 //! ```text
 //! router  -> decode   Reserve{req, tokens}                         -> Reserved{grant} | Failed
 //! router  -> decode   Release{req, lease}                          -> Ack
-//! router  -> prefill  Prefill{req, prompt, max_tokens, kv, split}  -> Prefilled{req, first, ..} | Failed
-//! new     -> old      Continue{req, act, max_tokens, kv, crcs}     -> Prefilled | Failed  (a split prefill)
-//! prefill -> decode   Start{req, lease, crcs, prompt_len, first..} -> Ack | Failed  (after its KV WRITEs)
-//! decode  -> router   Token{req, index, token, done}                  (one-way, per generated token)
-//! decode  -> router   Abort{req, message}                             (one-way: decoding failed)
+//! router  -> prefill  Prefill{req, attempt, prompt, kv, split, ..}  -> Prefilled{req, first, ..} | Failed
+//! new     -> old      Continue{req, attempt, act, kv, crcs, ..}     -> Prefilled | Failed  (a split prefill)
+//! prefill -> decode   Start{req, attempt, lease, crcs, first, ..}  -> Ack | Failed  (after its KV WRITEs)
+//! decode  -> router   Token{req, attempt, lease, index, token, done}  (one-way, per generated token)
+//! decode  -> router   Abort{req, attempt, message}                    (one-way: decoding failed)
 //! router  -> prefill  Mutate                                       -> Ack  (it becomes a decode instance)
 //! router  -> any      Status                                       -> State{role, resident, ..}
 //! router  -> decode   Load                                         -> Loads{requests, adapters, ..}
 //! router  -> decode   Migrate{req, kv}                             -> Migrated{req, tokens} | Failed
 //! decode  -> decode   ReserveAdapter{adapter, bytes}               -> AdapterGrant{..} | Ack (served there)
-//! decode  -> decode   Resume{req, lease, crcs, .., adapter_image}  -> Ack | Failed  (after its WRITEs)
+//! decode  -> decode   Resume{req, attempt, lease, crcs, ..}        -> Ack | Failed  (after its WRITEs)
 //! ```
 //!
 //! Co-migration (dLoRA §5.2): a decode instance hands a running request to another one between
@@ -35,6 +35,14 @@
 //! block's crc32 as the writer computed it, and the decode instance checks the bytes it reads
 //! against them before it decodes: foreign bytes make it refuse the start (the request is redone)
 //! rather than decode from them.
+//!
+//! Each dispatch of a request is an *attempt*, numbered by the router; the number travels with
+//! the prefill (`Prefill`, `Continue`, `Start`) and with a migration (`Resume`), and every
+//! `Token` and `Abort` carries it, and the lease it decodes under. The router takes tokens only
+//! of the attempt it is waiting for: a decode of an attempt it gave up on (whose `Release` was
+//! lost, on this instance or another) streams nothing into the answer and cannot abort the
+//! attempt that redoes it; the router answers its tokens with a `Release` of their lease, which
+//! stops it.
 
 use cascade_transport::{binary_message, NodeId, ServiceId};
 use serde::{Deserialize, Serialize};
@@ -132,6 +140,8 @@ pub enum LlmMsg {
     Prefill {
         /// The request (also its sequence id in every KV cache).
         req: u64,
+        /// The router's attempt at it (its tokens carry it).
+        attempt: u32,
         /// The prompt's tokens.
         prompt: Vec<u32>,
         /// Tokens to generate at most (the first included).
@@ -150,6 +160,8 @@ pub enum LlmMsg {
     Continue {
         /// The request.
         req: u64,
+        /// The router's attempt at it.
+        attempt: u32,
         /// The activation's bytes ([`crate::Activation::to_bytes`]).
         act: Vec<u8>,
         /// Tokens to generate at most.
@@ -177,6 +189,8 @@ pub enum LlmMsg {
     Start {
         /// The request.
         req: u64,
+        /// The router's attempt at it (its tokens carry it).
+        attempt: u32,
         /// The reservation the KV was written into ([`KvGrant::lease`]).
         lease: u64,
         /// crc32 of each block's pages as written (every block of the model, in order).
@@ -236,6 +250,8 @@ pub enum LlmMsg {
     Resume {
         /// The request.
         req: u64,
+        /// The router's attempt it decodes for (its tokens carry it).
+        attempt: u32,
         /// The reservation the KV was written into ([`KvGrant::lease`]).
         lease: u64,
         /// crc32 of each block's pages as written (every block of the model, in order).
@@ -259,6 +275,10 @@ pub enum LlmMsg {
     Token {
         /// The request.
         req: u64,
+        /// The router's attempt it was generated for.
+        attempt: u32,
+        /// The reservation it decodes under here (a `Release` of it stops the decode).
+        lease: u64,
         /// Its index in the answer.
         index: u32,
         /// The token.
@@ -270,6 +290,8 @@ pub enum LlmMsg {
     Abort {
         /// The request.
         req: u64,
+        /// The router's attempt that failed.
+        attempt: u32,
         /// Why.
         message: String,
     },
@@ -301,7 +323,7 @@ pub enum LlmMsg {
     },
 }
 
-binary_message!(LlmMsg, ServiceId::LLM, 3);
+binary_message!(LlmMsg, ServiceId::LLM, 4);
 
 impl LlmMsg {
     /// The error for an answer from `node` that its call did not expect: its refusal (`Failed`)
@@ -330,6 +352,7 @@ mod tests {
             LlmMsg::Release { req: 1, lease: 12 },
             LlmMsg::Prefill {
                 req: 1,
+                attempt: 2,
                 prompt: vec![504, 3575],
                 max_tokens: 32,
                 kv: kv.clone(),
@@ -337,10 +360,19 @@ mod tests {
                 router: 0,
                 adapter: 2,
             },
-            LlmMsg::Continue { req: 1, act: vec![1, 2, 3], max_tokens: 32, kv, router: 0, crcs: vec![7, 8] },
+            LlmMsg::Continue {
+                req: 1,
+                attempt: 2,
+                act: vec![1, 2, 3],
+                max_tokens: 32,
+                kv,
+                router: 0,
+                crcs: vec![7, 8],
+            },
             LlmMsg::Prefilled { req: 1, first: 7042, on_first: 5, decoding: true },
             LlmMsg::Start {
                 req: 1,
+                attempt: 2,
                 lease: 12,
                 crcs: vec![1, u32::MAX],
                 prompt_len: 5,
@@ -365,6 +397,7 @@ mod tests {
             LlmMsg::Migrated { req: 4, tokens: 8 },
             LlmMsg::Resume {
                 req: 4,
+                attempt: 1,
                 lease: 5,
                 crcs: vec![3],
                 pos: 17,
@@ -375,8 +408,8 @@ mod tests {
                 adapter: 3,
                 adapter_image: Some(Written { bytes: 1000, crc: 0xdead_beef }),
             },
-            LlmMsg::Token { req: 1, index: 3, token: 198, done: false },
-            LlmMsg::Abort { req: 1, message: "gone".into() },
+            LlmMsg::Token { req: 1, attempt: 2, lease: 12, index: 3, token: 198, done: false },
+            LlmMsg::Abort { req: 1, attempt: 2, message: "gone".into() },
             LlmMsg::Mutate,
             LlmMsg::Status,
             LlmMsg::State { role: Role::Decode, resident: 32, layers: 32, running: 2, free_pages: 100 },

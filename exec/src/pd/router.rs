@@ -5,6 +5,12 @@
 //! tokens. A request whose prefill or decoding fails is re-queued and redone from its prompt
 //! (greedy decoding gives the same tokens); it is answered once, when its last token arrives.
 //!
+//! Each dispatch is a numbered attempt, and the router takes tokens (and aborts) only of the
+//! attempt it waits for. An attempt it gave up on may still decode — its `Release` was lost, or
+//! its call timed out after the decode had started — on the instance that redoes it or on another
+//! one: its tokens never enter the answer, its abort does not redo the request again, and each of
+//! its tokens is answered with a `Release` of the lease it names, which stops that decode.
+//!
 //! An instance whose link goes down (or that answers that it runs no `llm` service) is gone:
 //! nothing more is prefilled or decoded there, and the requests that were decoding there are
 //! redone elsewhere — nothing waits for tokens that cannot come. When its link comes back
@@ -144,12 +150,18 @@ pub struct RouterStats {
     pub monitor_failed: u64,
     /// Requests the monitor's rounds moved to another decode instance.
     pub migrated: u64,
+    /// Tokens of attempts the router had given up on (dropped; their decodes told to stop).
+    pub stale_tokens: u64,
 }
 
 struct Pending {
     req: GenRequest,
     arrived: Instant,
     attempts: u32,
+    /// The attempt whose tokens count (`None` between a failure and the next dispatch).
+    current: Option<u32>,
+    /// The last attempt's number (every dispatch takes the next one).
+    numbered: u32,
     first: Option<(u32, Instant)>,
     tokens: BTreeMap<u32, (u32, Instant)>,
     done_at: Option<u32>,
@@ -158,26 +170,44 @@ struct Pending {
 }
 
 impl Pending {
-    /// Its decoding is lost: it is queued again, to be redone from its prompt (its tokens so far
-    /// are dropped; greedy decoding repeats them).
-    fn redo(&mut self, d: &mut Dispatcher, stats: &mut RouterStats) {
+    /// Its current attempt is given up on: nothing of it counts any more.
+    fn forget(&mut self) {
+        self.current = None;
         self.first = None;
         self.tokens.clear();
         self.done_at = None;
+    }
+
+    /// Its decoding is lost: it is queued again, to be redone from its prompt (its tokens so far
+    /// are dropped; greedy decoding repeats them).
+    fn redo(&mut self, d: &mut Dispatcher, stats: &mut RouterStats) {
+        self.forget();
         stats.requeued += 1;
         d.arrive_weighted(self.req.id, self.req.prompt.len() as f64);
     }
 }
 
-/// A prefill's outcome: (first token, decoding, stages on the first instance when split, decode
-/// node); `Busy` when no decode instance had room (back-pressure: retried, not counted).
+/// A prefill's outcome: `Busy` when no decode instance had room (back-pressure: retried, not
+/// counted).
 enum Outcome {
-    Done(u32, bool, u32, u32),
+    Done {
+        /// The first token.
+        first: u32,
+        /// Whether a decode instance generates the rest.
+        decoding: bool,
+        /// Stages on the first instance when split (0: whole).
+        on_first: u32,
+        /// The decode instance.
+        node: u32,
+        /// The reservation it decodes under.
+        lease: u64,
+    },
     Busy(String),
     Failed(ServeError),
 }
 
-type Prefilled = (u64, Outcome);
+/// A prefill task's result: the request, the attempt, its outcome.
+type Prefilled = (u64, u32, Outcome);
 
 /// Runs the router until `requests` closes and every request is answered.
 pub async fn run(
@@ -221,11 +251,17 @@ pub async fn run(
         while let Some(x) = d.next_dispatch() {
             let Some(p) = pending.get_mut(&x.batch) else { continue };
             p.attempts += 1;
+            p.numbered += 1;
+            let attempt = p.numbered;
+            p.current = Some(attempt);
             p.prefill = (x.to, x.split.map_or(0, |s| s.layers));
             let order: Vec<u32> = (0..decode.len()).map(|i| decode[(next_decode + i) % decode.len()]).collect();
             next_decode = next_decode.wrapping_add(1);
             let (mesh, req, timeout) = (mesh.clone(), p.req.clone(), cfg.call_timeout);
-            tasks.spawn(async move { (req.id, prefill(&mesh, &req, x.to, x.split, &order, timeout).await) });
+            tasks.spawn(async move {
+                let r = prefill(&mesh, &req, attempt, x.to, x.split, &order, timeout).await;
+                (req.id, attempt, r)
+            });
         }
         if !open && pending.is_empty() {
             return Ok(stats);
@@ -235,7 +271,8 @@ pub async fn run(
                 Some(req) => {
                     d.arrive_weighted(req.id, req.prompt.len() as f64);
                     pending.insert(req.id, Pending {
-                        req, arrived: Instant::now(), attempts: 0, first: None, tokens: BTreeMap::new(),
+                        req, arrived: Instant::now(), attempts: 0, current: None, numbered: 0, first: None,
+                        tokens: BTreeMap::new(),
                         done_at: None, prefill: (0, 0), decode: 0,
                     });
                 }
@@ -277,46 +314,82 @@ pub async fn run(
                 }
             },
             Some(m) = inbox.recv() => match m.msg {
-                // A gone instance's late tokens belong to a decode that is being redone.
-                LlmMsg::Token { .. } if gone.contains(&m.from) => {}
-                LlmMsg::Token { req, index, token, done } => {
-                    if let Some(p) = pending.get_mut(&req) {
+                LlmMsg::Token { req, attempt, lease, index, token, done } => match pending.get_mut(&req) {
+                    Some(p) if p.current == Some(attempt) => {
                         p.decode = m.from;
                         p.tokens.insert(index, (token, Instant::now()));
                         if done {
                             p.done_at = Some(index);
                         }
                     }
-                }
-                LlmMsg::Abort { req, message } => {
-                    warn!(req, %message, "decoding aborted: the request is redone");
-                    if let Some(p) = pending.get_mut(&req) {
-                        p.redo(&mut d, &mut stats);
+                    // An attempt given up on (or of a request answered already) still decodes
+                    // there: its token is dropped and its decode told to stop.
+                    _ => {
+                        stats.stale_tokens += 1;
+                        debug!(req, attempt, node = m.from, "a token of an attempt given up on: its decode is stopped");
+                        if !done {
+                            let (mesh, timeout) = (mesh.clone(), cfg.call_timeout);
+                            tokio::spawn(async move {
+                                let _ = mesh.call(m.from, &LlmMsg::Release { req, lease }, timeout).await;
+                            });
+                        }
                     }
-                }
+                },
+                LlmMsg::Abort { req, attempt, message } => match pending.get_mut(&req) {
+                    Some(p) if p.current == Some(attempt) => {
+                        warn!(req, %message, "decoding aborted: the request is redone");
+                        if p.first.is_some() {
+                            p.redo(&mut d, &mut stats);
+                        } else {
+                            // Its prefill has not answered: the request is redone when it does.
+                            p.forget();
+                        }
+                    }
+                    _ => debug!(req, attempt, %message, "an attempt given up on aborted"),
+                },
                 other => debug!(?other, "unexpected llm message at the router"),
             },
             Some(done) = tasks.join_next() => {
-                let Ok((id, r)) = done else { continue };
+                let Ok((id, attempt, r)) = done else { continue };
+                let Some(current) = pending.get(&id).map(|p| p.current) else { continue };
+                if current != Some(attempt) {
+                    // Its decode aborted before this answer came: the decode, if it still runs,
+                    // stops, and the request is redone.
+                    if let Outcome::Done { decoding: true, node, lease, .. } = r {
+                        let (mesh, timeout) = (mesh.clone(), cfg.call_timeout);
+                        tokio::spawn(async move {
+                            let _ = mesh.call(node, &LlmMsg::Release { req: id, lease }, timeout).await;
+                        });
+                    }
+                    if current.is_none() {
+                        stats.requeued += 1;
+                        delayed.push((Instant::now(), id));
+                    }
+                    continue;
+                }
                 match r {
                     Outcome::Busy(why) => {
                         debug!(req = id, %why, "no KV room: the request waits");
                         if let Some(p) = pending.get_mut(&id) {
                             p.attempts -= 1;
+                            p.current = None;
                         }
                         delayed.push((Instant::now() + cfg.retry_after, id));
                     }
-                    Outcome::Done(_, true, _, dnode) if gone.contains(&dnode) => {
-                        debug!(req = id, node = dnode, "the decode instance went while prefilling: redone");
+                    Outcome::Done { decoding: true, node, .. } if gone.contains(&node) => {
+                        debug!(req = id, node, "the decode instance went while prefilling: redone");
+                        if let Some(p) = pending.get_mut(&id) {
+                            p.forget();
+                        }
                         stats.requeued += 1;
                         delayed.push((Instant::now(), id));
                     }
-                    Outcome::Done(first, decoding, on_first, dnode) => {
+                    Outcome::Done { first, decoding, on_first, node, .. } => {
                         d.done(id);
                         if let Some(p) = pending.get_mut(&id) {
                             p.first = Some((first, Instant::now()));
                             p.prefill.1 = on_first;
-                            p.decode = dnode;
+                            p.decode = node;
                             if !decoding {
                                 p.done_at = Some(0);
                             }
@@ -330,6 +403,9 @@ pub async fn run(
                         }
                         let attempts = pending.get(&id).map_or(0, |p| p.attempts);
                         debug!(req = id, attempts, error = %e, "prefill failed");
+                        if let Some(p) = pending.get_mut(&id) {
+                            p.current = None;
+                        }
                         if attempts >= cfg.max_attempts || matches!(e, ServeError::Input(_)) {
                             d.done(id);
                             if let Some(p) = pending.remove(&id) {
@@ -521,11 +597,12 @@ fn answer(p: Pending, result: Result<Vec<u32>, String>) -> GenAnswer {
     GenAnswer { id: p.req.id, result, ttft, gaps, prefill: p.prefill, decode: p.decode, attempts: p.attempts }
 }
 
-/// Reserves KV on the first decode instance of `order` with room, then prefills on `to`:
-/// (first token, decoding, stages on `to` when split, decode node).
+/// Reserves KV on the first decode instance of `order` with room, then prefills on `to`, as
+/// attempt `attempt` of the request.
 async fn prefill(
     mesh: &Arc<dyn Mesh>,
     req: &GenRequest,
+    attempt: u32,
     to: u32,
     split: Option<Split>,
     order: &[u32],
@@ -554,6 +631,7 @@ async fn prefill(
     let (node, lease) = (kv.node, kv.lease);
     let msg = LlmMsg::Prefill {
         req: req.id,
+        attempt,
         prompt: req.prompt.clone(),
         max_tokens: req.max_tokens,
         kv,
@@ -562,7 +640,9 @@ async fn prefill(
         adapter: req.adapter,
     };
     let r = match mesh.call(to, &msg, timeout).await {
-        Ok(LlmMsg::Prefilled { first, decoding, on_first, .. }) => Outcome::Done(first, decoding, on_first, node),
+        Ok(LlmMsg::Prefilled { first, decoding, on_first, .. }) => {
+            Outcome::Done { first, decoding, on_first, node, lease }
+        }
         Ok(LlmMsg::Failed { message, retry }) => {
             Outcome::Failed(if retry { ServeError::Peer(message) } else { ServeError::Input(message) })
         }
@@ -570,7 +650,7 @@ async fn prefill(
         Err(e) => Outcome::Failed(e.into()),
     };
     // A reservation its prefill did not use (or that decoding will not free) goes back.
-    if !matches!(r, Outcome::Done(_, true, _, _)) {
+    if !matches!(r, Outcome::Done { decoding: true, .. }) {
         let _ = mesh.call(node, &LlmMsg::Release { req: req.id, lease }, timeout).await;
     }
     r

@@ -252,6 +252,7 @@ pub(super) async fn hand_over(sh: Arc<Shared>, seq: Seq, h: Handover) {
         let adapter_image = bring_adapter(&sh, seq.adapter, h.kv.node).await?;
         let resume = LlmMsg::Resume {
             req,
+            attempt: seq.attempt,
             lease: h.kv.lease,
             crcs,
             pos: seq.pos,
