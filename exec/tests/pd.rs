@@ -1072,3 +1072,52 @@ async fn an_abort_before_its_prefill_answered_redoes_the_request_once() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// A `Release` of a decoding request arrives while the request is being handed over to another
+/// decode instance (the mem fabric holds the hand-over's KV WRITEs a second), and the hand-over
+/// then fails (the new instance refuses its `Resume`: the lease it names was released there).
+/// The request does not decode on where it was: it stops, and its pages come back.
+/// (Its KV is zeros, written by the test as a prefill instance would: it decodes garbage.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_during_a_failed_hand_over_still_stops_the_request() {
+    let roles = [Some(Role::Prefill), Some(Role::Decode), Some(Role::Decode)];
+    let Some((c, fabric)) = mem_cluster(&roles) else { return };
+    let limit = Duration::from_secs(60);
+    let _inbox = c.meshes[0].subscribe::<LlmMsg>(4096).unwrap();
+    // A request decoding on node 2 from zeroed KV (garbage tokens, but no early end: 600 steps).
+    let (req, max_tokens, prompt_len) = (20u64, 600u32, 20u32);
+    let kv = reserve(&c, 0, 2, req, prompt_len + max_tokens).await;
+    let layout = KvLayout::new(&c.model.config, 16);
+    let crcs = fill_pages(&c.meshes[1], layout, &kv, layout.pages_for(prompt_len as usize), 0).await;
+    let lease = kv.lease;
+    let go = LlmMsg::Start { req, attempt: 1, lease, crcs, prompt_len, first: 1, max_tokens, router: 0, adapter: 0 };
+    assert_eq!(c.meshes[1].call(2, &go, limit).await.unwrap(), LlmMsg::Ack);
+    // Pages on node 3 whose lease is gone: the Resume there will be refused.
+    let there = reserve(&c, 0, 3, req, 700).await;
+    c.meshes[0].call(3, &LlmMsg::Release { req, lease: there.lease }, limit).await.unwrap();
+    fabric.set_fault(2, 3, Some(cascade_transport::mem::Fault::DelayNext(1, Duration::from_secs(1))));
+    let mesh = c.meshes[0].clone();
+    let migrating = tokio::spawn(async move { mesh.call(2, &LlmMsg::Migrate { req, kv: there }, limit).await });
+    // Wait until it is away (out of node 2's running set), then release it.
+    let t0 = std::time::Instant::now();
+    loop {
+        match c.meshes[1].call(2, &LlmMsg::Status, limit).await.unwrap() {
+            LlmMsg::State { running: 0, .. } => break,
+            state => assert!(t0.elapsed() < Duration::from_secs(30), "never handed over: {state:?}"),
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    c.meshes[0].call(2, &LlmMsg::Release { req, lease }, limit).await.unwrap();
+    let r = migrating.await.unwrap().unwrap();
+    assert!(matches!(&r, LlmMsg::Failed { message, .. } if message.contains("holds no KV pages")), "{r:?}");
+    // Stopped: nothing decodes on node 2 and its pages are all free.
+    let t0 = std::time::Instant::now();
+    loop {
+        match c.meshes[1].call(2, &LlmMsg::Status, limit).await.unwrap() {
+            LlmMsg::State { running: 0, free_pages, .. } if free_pages == KV_PAGES => break,
+            // (Before the fix it decoded its 600 tokens here again.)
+            state => assert!(t0.elapsed() < Duration::from_secs(5), "it decodes again: {state:?}"),
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

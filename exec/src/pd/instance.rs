@@ -88,11 +88,24 @@ enum Stop {
 
 impl Stop {
     fn matches(self, s: &Seq) -> bool {
+        self.hits(s.req, s.lease, s.router)
+    }
+
+    fn hits(self, req: u64, lease: u64, router: u32) -> bool {
         match self {
-            Stop::Router(r) => s.router == r,
-            Stop::Lease { req, lease } => s.req == req && s.lease == lease,
+            Stop::Router(r) => router == r,
+            Stop::Lease { req: q, lease: l } => req == q && lease == l,
         }
     }
+}
+
+/// A request taken out of the running set to be handed over (co-migration): a stop that names it
+/// meanwhile is kept here, and applied if the hand-over fails and it would decode here again.
+struct Away {
+    req: u64,
+    lease: u64,
+    router: u32,
+    stopped: bool,
 }
 
 /// A `Migrate` waiting for the decode loop to hand its request over between two steps.
@@ -120,6 +133,8 @@ struct Shared {
     handovers: Mutex<Vec<Handover>>,
     /// Requests the decode loop stops at its next step boundary.
     stops: Mutex<Vec<Stop>>,
+    /// Requests being handed over (out of `running`; locked after it, never before).
+    away: Mutex<Vec<Away>>,
     /// The adapters the model serves (mirrors the compute thread's model).
     adapters: Mutex<std::collections::BTreeSet<u32>>,
     /// Regions granted for adapter images a migration brings, by adapter.
@@ -176,6 +191,7 @@ impl LlmInstance {
             wake: Notify::new(),
             handovers: Mutex::default(),
             stops: Mutex::default(),
+            away: Mutex::default(),
             adapters: Mutex::default(),
             adapter_in: Mutex::default(),
             prefills: std::sync::atomic::AtomicU64::new(0),
@@ -588,6 +604,9 @@ async fn decode_loop(sh: Arc<Shared>) {
                 let hit = |s: &Seq| stops.iter().any(|x| x.matches(s));
                 let stopped = running.iter().filter(|s| hit(s)).map(|s| (s.req, s.lease)).collect();
                 running.retain(|s| !hit(s));
+                for a in lock(&sh.away).iter_mut() {
+                    a.stopped |= stops.iter().any(|x| x.hits(a.req, a.lease, a.router));
+                }
                 stopped
             };
             for (req, lease) in stopped {
@@ -599,7 +618,11 @@ async fn decode_loop(sh: Arc<Shared>) {
         for h in handovers {
             let seq = {
                 let mut running = lock(&sh.running);
-                running.iter().position(|s| s.req == h.req).map(|i| running.remove(i))
+                let seq = running.iter().position(|s| s.req == h.req).map(|i| running.remove(i));
+                if let Some(s) = &seq {
+                    lock(&sh.away).push(Away { req: s.req, lease: s.lease, router: s.router, stopped: false });
+                }
+                seq
             };
             match seq {
                 Some(seq) => {

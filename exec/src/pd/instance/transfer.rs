@@ -243,7 +243,8 @@ fn take_kv(sh: &Shared, req: u64, lease: u64, tokens: usize, crcs: &[u32]) -> Re
 /// Hands `seq` (taken out of the running set between two steps) to the instance that granted
 /// `h.kv`: its KV so far by WRITEs; its adapter's image by a WRITE into a region that instance
 /// grants when it does not serve the adapter; then `Resume` there. On failure the request
-/// decodes here again and nothing of it is lost.
+/// decodes here again and nothing of it is lost — unless a stop named it meanwhile (its router
+/// gave up on it or was lost): then it ends here, as it would have between two steps.
 pub(super) async fn hand_over(sh: Arc<Shared>, seq: Seq, h: Handover) {
     let (req, generated) = (seq.req, seq.generated);
     let result = async {
@@ -269,14 +270,31 @@ pub(super) async fn hand_over(sh: Arc<Shared>, seq: Seq, h: Handover) {
         }
     }
     .await;
+    // Back in the running set unless it moved or a stop named it meanwhile (under the running
+    // set's lock, as the decode loop applies stops: none falls between the two).
+    let (moved, lease) = (result.is_ok(), seq.lease);
+    let stopped = {
+        let mut running = lock(&sh.running);
+        let mut away = lock(&sh.away);
+        let stopped = away.iter().any(|a| a.req == req && a.lease == lease && a.stopped);
+        away.retain(|a| !(a.req == req && a.lease == lease));
+        if !moved && !stopped {
+            running.push(seq);
+        }
+        stopped
+    };
     let answer = match result {
         Ok(()) => {
-            retire(&sh, req, seq.lease).await;
+            retire(&sh, req, lease).await;
             LlmMsg::Migrated { req, tokens: generated }
+        }
+        Err(e) if stopped => {
+            warn!(req, to = h.kv.node, error = %e, "migration failed, and the request was stopped meanwhile");
+            retire(&sh, req, lease).await;
+            failed(&e)
         }
         Err(e) => {
             warn!(req, to = h.kv.node, error = %e, "migration failed: the request decodes here again");
-            lock(&sh.running).push(seq);
             sh.wake.notify_one();
             failed(&e)
         }
