@@ -59,19 +59,20 @@ fn mem_cluster(roles: &[Option<Role>]) -> Option<(Cluster, MemFabric)> {
 /// Starts `roles`' instances on `meshes[1..]`.
 fn with_instances(eps: Vec<Arc<Endpoint>>, meshes: Vec<Arc<dyn Mesh>>, roles: &[Option<Role>]) -> Cluster {
     let (model, file) = PdModel::from_dir(&smollm2_dir().unwrap()).unwrap();
-    let cfg = LlmConfig { kv_pages: KV_PAGES, page_tokens: 16, max_prompt: 64, max_running: 8, ..LlmConfig::default() };
-    let mut instances = Vec::new();
-    for (mesh, role) in meshes.iter().skip(1).zip(roles) {
-        let mesh = mesh.clone();
-        let mc = MulticastNode::start(mesh.clone(), Duration::from_secs(10)).unwrap();
-        let source = match role {
-            Some(_) => Source::Held(load_packed(&*mesh, &model.manifest, &file).unwrap()),
-            None => Source::Arriving,
-        };
-        instances
-            .push(LlmInstance::start(mesh, model.clone(), source, mc, role.unwrap_or(Role::Prefill), cfg).unwrap());
-    }
+    let instances = meshes.iter().skip(1).zip(roles).map(|(mesh, &role)| instance(mesh, &model, &file, role)).collect();
     Cluster { eps, meshes, model, instances }
+}
+
+/// Starts an instance on `mesh`: a held copy in `role`, or a prefill instance whose copy
+/// arrives (`None`).
+fn instance(mesh: &Arc<dyn Mesh>, model: &PdModel, file: &[u8], role: Option<Role>) -> LlmInstance {
+    let cfg = LlmConfig { kv_pages: KV_PAGES, page_tokens: 16, max_prompt: 64, max_running: 8, ..LlmConfig::default() };
+    let mc = MulticastNode::start(mesh.clone(), Duration::from_secs(10)).unwrap();
+    let source = match role {
+        Some(_) => Source::Held(load_packed(&**mesh, &model.manifest, file).unwrap()),
+        None => Source::Arriving,
+    };
+    LlmInstance::start(mesh.clone(), model.clone(), source, mc, role.unwrap_or(Role::Prefill), cfg).unwrap()
 }
 
 fn topology(n: u32) -> Topology {
@@ -164,6 +165,16 @@ impl Routed {
         };
         let answers = std::iter::from_fn(|| ans_rx.try_recv().ok()).collect();
         (stats.unwrap().unwrap(), answers, want)
+    }
+
+    /// Sends the next `n` requests (numbered from `answers.len()`) and adds their answers.
+    async fn round(&mut self, n: usize, answers: &mut Vec<GenAnswer>) {
+        let first = answers.len();
+        (first..first + n).for_each(|i| self.send(i));
+        while answers.len() < first + n {
+            let a = tokio::time::timeout(Duration::from_secs(120), self.ans_rx.recv()).await;
+            answers.push(a.expect("answers keep coming").expect("the router runs"));
+        }
     }
 
     /// Sends request `i`: the reference's prompt `i` (cyclically), `MAX_TOKENS` tokens.
@@ -1120,4 +1131,29 @@ async fn a_release_during_a_failed_hand_over_still_stops_the_request() {
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// Prefill node 3's link is up but it runs no `llm` service (its instance is restarting): its
+/// first prefill is refused with "no such service" and the router stops sending there; once an
+/// instance runs there again it prefills again — with no link flap to tell the router, which
+/// keeps asking it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_node_that_runs_an_instance_again_prefills_again() {
+    let Some((mut c, fabric)) = mem_cluster(&[Some(Role::Prefill), Some(Role::Decode)]) else { return };
+    c.meshes.push(Arc::new(fabric.add_node(3)));
+    let mut r = Routed::start(&c, router_cfg(&c, 1, vec![3], vec![2]));
+    let mut answers = Vec::new();
+    r.round(4, &mut answers).await;
+    assert!(answers.iter().all(|a| a.prefill.0 == 1), "node 3 runs nothing: {answers:?}");
+    let (_, file) = PdModel::from_dir(&smollm2_dir().unwrap()).unwrap();
+    c.instances.push(instance(&c.meshes[3], &c.model, &file, Some(Role::Prefill)));
+    let t0 = std::time::Instant::now();
+    while !answers[4..].iter().any(|a| a.prefill.0 == 3) {
+        assert!(t0.elapsed() < Duration::from_secs(90), "node 3 never prefilled again");
+        r.round(4, &mut answers).await;
+    }
+    let (stats, rest, want) = r.finish(Duration::from_secs(120)).await;
+    answers.extend(rest);
+    check(&answers, answers.len(), &want);
+    assert_eq!(stats.failed, 0);
 }

@@ -339,63 +339,129 @@ async fn a_node_without_an_instance_takes_no_more_batches() {
     assert!(stats.requeued <= 2, "one refusal marks node 1 gone: {} batches requeued", stats.requeued);
 }
 
+/// A router on node 0 of a mem fabric (a test double whose links a test can cut) with nodes 1
+/// and 2, node 2 serving a held copy (paired as the new instance: it serves whole batches beside
+/// node 1), node 1 serving one only if `node1_serves`.
+struct MemServing {
+    fabric: MemFabric,
+    nodes: Vec<Arc<dyn Mesh>>,
+    model: ServedModel,
+    /// The model's file's bytes.
+    file: Vec<u8>,
+    instances: Vec<Instance>,
+    texts: Vec<String>,
+    want: HashMap<String, Vec<f32>>,
+    req_tx: mpsc::Sender<Request>,
+    ans_rx: mpsc::UnboundedReceiver<Answer>,
+    answers: Vec<Answer>,
+    routing: tokio::task::JoinHandle<router::RouterStats>,
+}
+
+impl MemServing {
+    fn start(node1_serves: bool) -> Option<MemServing> {
+        let dir = model_dir()?;
+        let (model, file) = ServedModel::from_dir(&dir).unwrap();
+        let fabric = MemFabric::new();
+        let nodes: Vec<Arc<dyn Mesh>> = (0..3).map(|i| Arc::new(fabric.add_node(i)) as Arc<dyn Mesh>).collect();
+        let (texts, want) = workload(200);
+        let (req_tx, req_rx) = mpsc::channel(1024);
+        let (cmd_tx, cmd_rx) = mpsc::unbounded_channel();
+        let (ans_tx, ans_rx) = mpsc::unbounded_channel();
+        let routing =
+            tokio::spawn(router::run(nodes[0].clone(), router_cfg(LivePolicy::BestEffort), req_rx, cmd_rx, ans_tx));
+        let mut s = MemServing {
+            fabric,
+            nodes,
+            model,
+            file,
+            instances: Vec::new(),
+            texts,
+            want,
+            req_tx,
+            ans_rx,
+            answers: Vec::new(),
+            routing,
+        };
+        if node1_serves {
+            s.serve_on(1);
+        }
+        s.serve_on(2);
+        cmd_tx.send(RouterCmd::Scale { node: 2 }).unwrap();
+        Some(s)
+    }
+
+    /// Starts an instance with a held copy on `node`.
+    fn serve_on(&mut self, node: usize) {
+        let cfg =
+            InstanceConfig { max_batch: 4, max_tokens: 64, slots: 8, op_timeout: Duration::from_secs(30), core: None };
+        let mesh = self.nodes[node].clone();
+        let held = Source::Held(self.model.load(&*mesh, &self.file).unwrap());
+        let mc = MulticastNode::start(mesh.clone(), Duration::from_secs(10)).unwrap();
+        self.instances.push(Instance::start(mesh, self.model.clone(), held, mc, cfg).unwrap());
+    }
+
+    /// Sends the next `n` requests and waits for their answers; those answers.
+    async fn round(&mut self, n: usize) -> &[Answer] {
+        let sent = self.answers.len();
+        assert!(sent + n <= self.texts.len(), "out of texts");
+        for i in sent..sent + n {
+            let req = Request { id: i as u64, text: self.texts[i].clone(), arrived: Instant::now() };
+            self.req_tx.send(req).await.unwrap();
+        }
+        while self.answers.len() < sent + n {
+            self.answers.push(self.ans_rx.recv().await.unwrap());
+        }
+        &self.answers[sent..]
+    }
+
+    /// Rounds of 16 requests until `node` serves one, `within` at most.
+    async fn until_served_by(&mut self, node: u32, within: Duration, what: &str) {
+        let deadline = Instant::now() + within;
+        loop {
+            let left = self.texts.len() - self.answers.len();
+            assert!(Instant::now() < deadline && left >= 16, "node {node} never served again {what}");
+            if self.round(16).await.iter().any(|a| a.to == node) {
+                return;
+            }
+        }
+    }
+
+    /// Closes the request stream: every answer checked against the reference; the router's stats.
+    async fn finish(self) -> (router::RouterStats, Vec<Answer>) {
+        let MemServing { req_tx, routing, answers, texts, want, .. } = self;
+        drop(req_tx);
+        let stats = routing.await.unwrap();
+        check(&answers, &texts[..answers.len()], &want);
+        assert_eq!((stats.served, stats.refused), (answers.len() as u64, 0));
+        (stats, answers)
+    }
+}
+
 /// The router's link to an instance fails and comes back (a link flap; the mem fabric, a test
 /// double, cuts it): while it is down every batch goes to the other instance, and once it is back
 /// the instance takes batches again — a flap costs capacity only while it lasts.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_instance_whose_link_comes_back_takes_batches_again() {
-    let Some(dir) = model_dir() else { return };
-    let (model, file) = ServedModel::from_dir(&dir).unwrap();
-    let fabric = MemFabric::new();
-    let nodes: Vec<Arc<dyn Mesh>> = (0..3).map(|i| Arc::new(fabric.add_node(i)) as Arc<dyn Mesh>).collect();
-    let cfg =
-        InstanceConfig { max_batch: 4, max_tokens: 64, slots: 8, op_timeout: Duration::from_secs(30), core: None };
-    let _instances: Vec<Instance> = nodes[1..]
-        .iter()
-        .map(|mesh| {
-            let held = Source::Held(model.load(&**mesh, &file).unwrap());
-            let mc = MulticastNode::start(mesh.clone(), Duration::from_secs(10)).unwrap();
-            Instance::start(mesh.clone(), model.clone(), held, mc, cfg).unwrap()
-        })
-        .collect();
-    let (texts, want) = workload(200);
-    let (req_tx, req_rx) = mpsc::channel(1024);
-    let (cmd_tx, cmd_rx) = mpsc::unbounded_channel();
-    let (ans_tx, mut ans_rx) = mpsc::unbounded_channel();
-    let routing =
-        tokio::spawn(router::run(nodes[0].clone(), router_cfg(LivePolicy::BestEffort), req_rx, cmd_rx, ans_tx));
-    // Node 2 holds the whole model: it serves whole batches beside node 1.
-    cmd_tx.send(RouterCmd::Scale { node: 2 }).unwrap();
-    let send = |i: usize| Request { id: i as u64, text: texts[i].clone(), arrived: Instant::now() };
-    let mut answers: Vec<Answer> = Vec::new();
-    fabric.set_link(0, 1, false);
-    for i in 0..16 {
-        req_tx.send(send(i)).await.unwrap();
-    }
-    while answers.len() < 16 {
-        answers.push(ans_rx.recv().await.unwrap());
-    }
-    assert!(answers.iter().all(|a| a.to == 2), "node 1 is cut off: everything goes to node 2");
-    fabric.set_link(0, 1, true);
-    // Rounds of 16 until node 1 serves again (the router asks it what it holds first).
-    let mut sent = 16;
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !answers[16..].iter().any(|a| a.to == 1) {
-        assert!(
-            sent + 16 <= texts.len() && Instant::now() < deadline,
-            "node 1 never served again after its link came back"
-        );
-        for i in sent..sent + 16 {
-            req_tx.send(send(i)).await.unwrap();
-        }
-        sent += 16;
-        while answers.len() < sent {
-            answers.push(ans_rx.recv().await.unwrap());
-        }
-    }
-    drop(req_tx);
-    let stats = routing.await.unwrap();
-    check(&answers, &texts[..sent], &want);
-    assert_eq!((stats.served, stats.refused), (sent as u64, 0));
-    eprintln!("link back: node 1 served {} of {sent}", answers.iter().filter(|a| a.to == 1).count());
+    let Some(mut s) = MemServing::start(true) else { return };
+    s.fabric.set_link(0, 1, false);
+    assert!(s.round(16).await.iter().all(|a| a.to == 2), "node 1 is cut off: everything goes to node 2");
+    s.fabric.set_link(0, 1, true);
+    // The router asks node 1 what it holds first.
+    s.until_served_by(1, Duration::from_secs(60), "after its link came back").await;
+    let (_, answers) = s.finish().await;
+    eprintln!("link back: node 1 served {} of {}", answers.iter().filter(|a| a.to == 1).count(), answers.len());
+}
+
+/// A node whose link stays up answers "no such service" (its instance is not running: a restart)
+/// and is marked down; once an instance runs there again it takes batches again, with no link
+/// flap to tell the router — the router keeps asking it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_that_runs_an_instance_again_takes_batches_again() {
+    let Some(mut s) = MemServing::start(false) else { return };
+    assert!(s.round(16).await.iter().all(|a| a.to == 2), "node 1 runs nothing: everything goes to node 2");
+    s.serve_on(1);
+    s.until_served_by(1, Duration::from_secs(60), "once its instance ran").await;
+    let (stats, answers) = s.finish().await;
+    assert!(stats.requeued <= 2, "one refusal marks node 1 down: {} batches requeued", stats.requeued);
+    eprintln!("instance back: node 1 served {} of {}", answers.iter().filter(|a| a.to == 1).count(), answers.len());
 }

@@ -396,9 +396,13 @@ pub async fn run(
                         }
                     }
                     Outcome::Failed(e) => {
+                        // A node that answered "no such service" is asked until it serves again.
                         if let ServeError::Transport(t) = &e {
                             if let Some(node) = t.no_such_service() {
-                                lose(node, &mut gone, &mut d, &mut decode, &mut pending, &mut stats);
+                                if lose(node, &mut gone, &mut d, &mut decode, &mut pending, &mut stats) {
+                                    let whole = !d.takes_partial(node);
+                                    tokio::spawn(probe(mesh.clone(), node, whole, cfg.poll_every, cfg.call_timeout, back_tx.clone()));
+                                }
                             }
                         }
                         let attempts = pending.get(&id).map_or(0, |p| p.attempts);
@@ -467,7 +471,8 @@ pub async fn run(
                     lose(peer, &mut gone, &mut d, &mut decode, &mut pending, &mut stats);
                 }
                 Ok(PeerEvent::Up { peer, .. }) if gone.contains(&peer) => {
-                    tokio::spawn(probe(mesh.clone(), peer, cfg.poll_every, cfg.call_timeout, back_tx.clone()));
+                    let whole = !d.takes_partial(peer);
+                    tokio::spawn(probe(mesh.clone(), peer, whole, cfg.poll_every, cfg.call_timeout, back_tx.clone()));
                 }
                 Err(tokio::sync::broadcast::error::RecvError::Closed) => watching = false,
                 _ => {}
@@ -512,7 +517,8 @@ pub async fn run(
 }
 
 /// `node` is gone: no more prefills or decodes go there, and every request decoding there is
-/// redone from its prompt (its tokens so far are dropped; greedy decoding repeats them).
+/// redone from its prompt (its tokens so far are dropped; greedy decoding repeats them). Returns
+/// false when it was gone already.
 fn lose(
     node: u32,
     gone: &mut HashSet<u32>,
@@ -520,9 +526,9 @@ fn lose(
     decode: &mut Vec<u32>,
     pending: &mut HashMap<u64, Pending>,
     stats: &mut RouterStats,
-) {
+) -> bool {
     if !gone.insert(node) {
-        return;
+        return false;
     }
     warn!(node, "instance gone: nothing more goes there");
     d.down(node);
@@ -530,6 +536,7 @@ fn lose(
     for p in pending.values_mut().filter(|p| p.first.is_some() && p.decode == node) {
         p.redo(d, stats);
     }
+    true
 }
 
 /// Asks the arriving instance `node` for its resident stages every `every` and reports each
@@ -559,27 +566,38 @@ async fn follow(
     }
 }
 
-/// Asks `node`, gone and whose link came back, for its state every `every` until it can serve
-/// again, and reports it on `tx`: a decode instance once it decodes nothing (what it ran before
-/// it was lost was redone elsewhere). Gives up when the link fails again, the node answers
-/// something other than its state, or the router is gone.
+/// Asks `node`, gone, for its state until it can serve again, and reports it on `tx`: a decode
+/// instance once it decodes nothing (what it ran before it was lost was redone elsewhere), a
+/// prefill instance — with `whole` — once it holds every stage. It
+/// asks every `every` — and while the node runs no `llm` service yet, each wait twice the last,
+/// up to [`crate::serve::router::PROBE_AT_MOST`]. Gives up when the link fails again (its coming
+/// back starts another probe), the node answers something other than its state, or the router
+/// is gone.
 async fn probe(
     mesh: Arc<dyn Mesh>,
     node: u32,
+    whole: bool,
     every: Duration,
     limit: Duration,
     tx: mpsc::UnboundedSender<(u32, LlmMsg)>,
 ) {
+    let mut backoff = every;
     while !tx.is_closed() && mesh.connected_to(node) {
-        match mesh.call(node, &LlmMsg::Status, limit).await {
-            Ok(LlmMsg::State { role: Role::Decode, running, .. }) if running > 0 => {}
+        let wait = match mesh.call(node, &LlmMsg::Status, limit).await {
+            Ok(LlmMsg::State { role: Role::Decode, running, .. }) if running > 0 => every,
+            Ok(LlmMsg::State { role: Role::Prefill, resident, layers, .. }) if whole && resident < layers => every,
             Ok(state @ LlmMsg::State { .. }) => {
                 let _ = tx.send((node, state));
                 return;
             }
-            other => return debug!(node, answer = ?other, "a node whose link came back serves nothing"),
-        }
-        tokio::time::sleep(every).await;
+            Err(e) if e.no_such_service().is_some() => {
+                let wait = backoff;
+                backoff = (backoff * 2).min(crate::serve::router::PROBE_AT_MOST);
+                wait
+            }
+            other => return debug!(node, answer = ?other, "a node marked gone serves nothing"),
+        };
+        tokio::time::sleep(wait).await;
     }
 }
 

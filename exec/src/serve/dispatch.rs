@@ -220,6 +220,12 @@ impl Dispatcher {
         }
     }
 
+    /// Whether `node` serves with part of the model (the new instance): any other serves only
+    /// with every stage.
+    pub fn takes_partial(&self, node: u32) -> bool {
+        self.new == Some(node)
+    }
+
     /// `node` is gone: nothing more goes there (its outstanding batches fail on their own).
     pub fn down(&mut self, node: u32) {
         if let Some(l) = self.load.get_mut(&node) {

@@ -4,8 +4,10 @@
 //! every request exactly once — with its embedding, or with the error that refused it.
 //!
 //! An instance whose link fails, or that answers that it runs no `exec` service, takes no more
-//! batches; when its link comes back (`PeerEvent::Up`), it is asked what it holds and takes
-//! batches again if it still serves — a link flap costs capacity only while it lasts.
+//! batches. When its link comes back (`PeerEvent::Up`), or — for one that answered "no such
+//! service" with its link up — from then on, it is asked what it holds (at growing intervals, up
+//! to [`PROBE_AT_MOST`], while it runs no service yet) and takes batches again once it serves: a
+//! link flap or a restarted instance costs capacity only while it lasts.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -108,6 +110,9 @@ struct Batch {
 
 type CallResult = (Dispatch, Result<ExecMsg, TransportError>);
 
+/// The longest wait between two questions to a node marked down that runs no `exec` service yet.
+pub const PROBE_AT_MOST: Duration = Duration::from_secs(1);
+
 /// Routes `requests` until the channel closes and every request is answered on `answers`.
 pub async fn run(
     mesh: Arc<dyn Mesh>,
@@ -164,7 +169,11 @@ pub async fn run(
             }
             Some(j) = calls.join_next() => {
                 let Ok(call) = j else { continue };
-                answer(&mesh, &mut disp, &mut batches, &mut stats, &answers, cfg.max_attempts, call);
+                // A node that answered "no such service" is asked until it serves again.
+                if let Some(node) = answer(&mesh, &mut disp, &mut batches, &mut stats, &answers, cfg.max_attempts, call) {
+                    let whole = !disp.takes_partial(node);
+                    tokio::spawn(probe(mesh.clone(), node, whole, cfg.poll_every, cfg.call_timeout, back_tx.clone()));
+                }
             }
             Some((node, resident, after_entry)) = back_rx.recv() => {
                 if disp.up(node, resident, after_entry) {
@@ -177,7 +186,8 @@ pub async fn run(
             ev = events.recv() => match ev {
                 Ok(PeerEvent::Down { peer, .. }) => disp.down(peer),
                 Ok(PeerEvent::Up { peer, .. }) if disp.is_down(peer) => {
-                    tokio::spawn(probe(mesh.clone(), peer, cfg.call_timeout, back_tx.clone()));
+                    let whole = !disp.takes_partial(peer);
+                    tokio::spawn(probe(mesh.clone(), peer, whole, cfg.poll_every, cfg.call_timeout, back_tx.clone()));
                 }
                 Err(tokio::sync::broadcast::error::RecvError::Closed) => return stats,
                 _ => {}
@@ -186,14 +196,35 @@ pub async fn run(
     }
 }
 
-/// Asks `node`, whose link came back after it was marked down, what it holds; an instance that
-/// answers is reported on `tx` (the dispatcher decides whether it takes batches again).
-async fn probe(mesh: Arc<dyn Mesh>, node: u32, limit: Duration, tx: mpsc::UnboundedSender<(u32, u32, u32)>) {
-    match mesh.call(node, &ExecMsg::Status, limit).await {
-        Ok(ExecMsg::State { resident, after_entry, .. }) => {
-            let _ = tx.send((node, resident, after_entry));
-        }
-        other => debug!(node, answer = ?other, "a node whose link came back serves nothing"),
+/// Asks `node`, marked down, what it holds, and reports an instance that can serve on `tx`
+/// (with `whole`, only once it holds every stage; the dispatcher decides whether it takes
+/// batches again). It asks every `every` — and while the node runs no `exec` service yet, each
+/// wait twice the last, up to [`PROBE_AT_MOST`]. The probe ends when its link fails (its coming
+/// back starts another), on any other answer, or when the router is gone.
+async fn probe(
+    mesh: Arc<dyn Mesh>,
+    node: u32,
+    whole: bool,
+    every: Duration,
+    limit: Duration,
+    tx: mpsc::UnboundedSender<(u32, u32, u32)>,
+) {
+    let mut backoff = every;
+    while !tx.is_closed() && mesh.connected_to(node) {
+        let wait = match mesh.call(node, &ExecMsg::Status, limit).await {
+            Ok(ExecMsg::State { resident, layers, .. }) if whole && resident < layers => every,
+            Ok(ExecMsg::State { resident, after_entry, .. }) => {
+                let _ = tx.send((node, resident, after_entry));
+                return;
+            }
+            Err(e) if e.no_such_service().is_some() => {
+                let wait = backoff;
+                backoff = (backoff * 2).min(PROBE_AT_MOST);
+                wait
+            }
+            other => return debug!(node, answer = ?other, "a node marked down serves nothing"),
+        };
+        tokio::time::sleep(wait).await;
     }
 }
 
@@ -234,6 +265,8 @@ async fn follow(
     }
 }
 
+/// Handles a batch's call result; returns a node it has just marked down for answering "no
+/// such service" (to be probed).
 fn answer(
     mesh: &Arc<dyn Mesh>,
     disp: &mut Dispatcher,
@@ -242,7 +275,7 @@ fn answer(
     answers: &mpsc::UnboundedSender<Answer>,
     max_attempts: u32,
     (d, r): CallResult,
-) {
+) -> Option<u32> {
     let Dispatch { batch: b, to, split, onward } = d;
     let give_back = |result: Result<Vec<Vec<f32>>, String>,
                      batches: &mut HashMap<u64, Batch>,
@@ -262,14 +295,17 @@ fn answer(
             let _ = answers.send(Answer { id: req.id, result, arrived: req.arrived, answered: now, to, split, onward });
         }
     };
+    let mut unserved = None;
     let retry = match r {
         Ok(ExecMsg::Done { embeddings, .. }) => {
             disp.done(b);
-            return give_back(Ok(embeddings), batches, stats);
+            give_back(Ok(embeddings), batches, stats);
+            return None;
         }
         Ok(ExecMsg::Failed { message, retry: false }) => {
             disp.done(b);
-            return give_back(Err(message), batches, stats);
+            give_back(Err(message), batches, stats);
+            return None;
         }
         Ok(ExecMsg::Failed { message, .. }) => message,
         Ok(other) => format!("unexpected answer {other:?}"),
@@ -277,7 +313,10 @@ fn answer(
             // A node whose link still answers but that runs no exec instance takes no more
             // batches either: retried at once, it would refuse them all.
             if let Some(peer) = e.no_such_service() {
-                disp.down(peer);
+                if !disp.is_down(peer) {
+                    disp.down(peer);
+                    unserved = disp.is_down(peer).then_some(peer);
+                }
             }
             e.to_string()
         }
@@ -297,4 +336,5 @@ fn answer(
         stats.requeued += 1;
         disp.failed(b);
     }
+    unserved
 }
