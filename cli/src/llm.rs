@@ -122,7 +122,7 @@ pub(crate) fn generate(a: GenerateArgs) -> anyhow::Result<()> {
         if a.json {
             println!("{}", serde_json::json!({"prompt_tokens": o.prompt_tokens, "tokens": o.tokens, "text": text}));
         } else {
-            println!("{prompt:?} → {text:?}");
+            println!("{:?} → {text:?}", crate::shorten(prompt));
         }
     }
     if !a.json {

@@ -123,7 +123,7 @@ fn embed(a: EmbedArgs) -> anyhow::Result<()> {
             println!("{}", serde_json::json!({ "text": text, "dim": v.len(), "embedding": v }));
         } else {
             let head: Vec<String> = v.iter().take(6).map(|x| format!("{x:+.5}")).collect();
-            println!("{text:?}: dim {}, [{} ...]", v.len(), head.join(", "));
+            println!("{:?}: dim {}, [{} ...]", shorten(text), v.len(), head.join(", "));
         }
     }
     if !a.json {
@@ -225,6 +225,20 @@ struct MulticastArgs {
 }
 
 /// Logs to stderr at `RUST_LOG`, or at `default` when it is not set.
+/// `text` as a person reads it back in a line of output: a long one cut in its middle (the
+/// JSON outputs keep it whole).
+fn shorten(text: &str) -> String {
+    const HEAD: usize = 60;
+    const TAIL: usize = 20;
+    let chars = text.chars().count();
+    if chars <= HEAD + TAIL + 20 {
+        return text.to_string();
+    }
+    let head: String = text.chars().take(HEAD).collect();
+    let tail: String = text.chars().skip(chars - TAIL).collect();
+    format!("{head} … ({} characters) … {tail}", chars - HEAD - TAIL)
+}
+
 fn logging(default: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| default.into());
     use std::io::IsTerminal;
@@ -474,5 +488,19 @@ fn main() -> anyhow::Result<()> {
         Cmd::Live(a) => live::run(a),
         Cmd::Instance(a) => tokio::runtime::Runtime::new()?.block_on(live::instance(a)),
         Cmd::Pool { cmd } => tokio::runtime::Runtime::new()?.block_on(pool::run(cmd)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::shorten;
+
+    #[test]
+    fn long_texts_are_cut_in_the_middle_and_short_ones_kept() {
+        assert_eq!(shorten("a short prompt"), "a short prompt");
+        let long = format!("{}{}{}", "a".repeat(60), "é".repeat(500), "z".repeat(20));
+        assert_eq!(shorten(&long), format!("{} … (500 characters) … {}", "a".repeat(60), "z".repeat(20)));
+        let edge = "x".repeat(100);
+        assert_eq!(shorten(&edge), edge);
     }
 }
