@@ -1,4 +1,7 @@
 //! `cascade` — the operator's command: run a node daemon, drive a multicast, check a cluster file.
+// The argument structs' doc comments are clap's `--help` text, written for a terminal (TOML
+// tables such as `[[nodes]]`, placeholders such as `<time>`), not rustdoc markdown.
+#![allow(rustdoc::broken_intra_doc_links, rustdoc::invalid_html_tags)]
 
 use std::path::PathBuf;
 use std::sync::Arc;

@@ -14,7 +14,7 @@
 //! - **allcache**: every host caches every model; PCIe loads, stop-the-world.
 //!
 //! Deterministic: no clock, no randomness (the trace is the input). See [`Profile`] for the cost
-//! model and its sources, [`autoscale`] for the load monitor's rule, [`SimReport`] for the metrics.
+//! model and its sources, `autoscale` for the load monitor's rule, [`SimReport`] for the metrics.
 //!
 //! **Departures from the paper, stated.** Cooperative execution is modelled by its throughput, not
 //! layer by layer: while a new prefill instance has a fraction `f` of its layers, it and its

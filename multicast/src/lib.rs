@@ -10,7 +10,7 @@
 //! * [`executor`] — runs a plan over the transport: pipelined chunks landing in registered regions,
 //!   crc32 verified before forwarding, `LayerReady` events, re-planning around failed members;
 //! * [`layout`] — chunks, per-chunk crc32 and the layer table of what travels;
-//! * [`cluster`] — the same across processes: the node daemon's loop ([`cluster::serve_node`]),
+//! * [`cluster`] — the same across processes: the node daemon's service ([`cluster::MulticastNode`]),
 //!   the controller, and the copies a node holds for the parameter pool.
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 

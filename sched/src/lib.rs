@@ -4,7 +4,7 @@
 //! 003 Shepherd), a deterministic serving simulator to evaluate them at cluster scale, and the
 //! metrics the papers report.
 //!
-//! * [`scheduler`] — the sans-IO [`Scheduler`](scheduler::Scheduler) trait every scheduler
+//! * [`scheduler`] — the sans-IO [`Scheduler`] trait every scheduler
 //!   implements: the simulator (and the real-time engine) drive it with events and carry out its
 //!   decisions;
 //! * [`symphony`] — Symphony's non-work-conserving scheduler (§4.3, Appendix C) and its
@@ -23,7 +23,7 @@
 //!   credits, burst-tolerance placement and routing, request–adapter co-migration (an ILP on
 //!   `good_lp`/`microlp`), and the `lora-sim` simulator.
 //! * [`partition`] — a cluster split by an epoch plan, one scheduler per part (`symphony/L`,
-//!   `flex/herd:G:GMAX`), itself a [`Scheduler`](scheduler::Scheduler);
+//!   `flex/herd:G:GMAX`), itself a [`Scheduler`];
 //! * [`plan`] — epoch-scale planning: Symphony's sub-cluster partitioning MILP (§4.7, Appendix A)
 //!   and Shepherd's HERD groups (§4), each with a greedy fallback and a checked solver answer.
 #![cfg_attr(test, allow(clippy::unwrap_used))]

@@ -65,7 +65,7 @@ pub trait Scheduler {
     fn queued(&self) -> usize;
 }
 
-/// The names [`by_name`](crate::by_name) knows.
+/// The schedulers [`Scenario::scheduler`](crate::Scenario::scheduler) makes by name.
 pub const SCHEDULERS: [&str; 7] =
     ["symphony", "symphony-wc", "clockwork", "clockwork-real", "nexus", "flex", "flex-np"];
 

@@ -1,0 +1,485 @@
+//! The router's state and what it does on each event; [`super::run`] is its loop.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cascade_transport::{Mesh, NodeId, PeerEvent, ServiceExt};
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinSet;
+use tracing::{debug, info, warn};
+
+use super::calls::{follow, prefill, probe};
+use super::{GenAnswer, GenRequest, PdCmd, PdRouterConfig, RouterStats};
+use crate::pd::migrate::{rebalance, Rebalance};
+use crate::pd::proto::{LlmMsg, Role};
+use crate::serve::{Dispatcher, ServeError};
+
+/// A mutation's answer: the node, the outcome, and whom to tell.
+pub(super) type Mutated = (u32, Result<(), String>, oneshot::Sender<Result<(), String>>);
+
+/// Where the router's tasks report (see [`super::run`]).
+pub(super) struct Reports {
+    pub(super) round_tx: mpsc::UnboundedSender<Result<Rebalance, ServeError>>,
+    pub(super) mutated_tx: mpsc::UnboundedSender<Mutated>,
+    pub(super) res_tx: mpsc::UnboundedSender<(u32, u32)>,
+    pub(super) back_tx: mpsc::UnboundedSender<(u32, LlmMsg)>,
+}
+
+/// A request not answered yet.
+struct Pending {
+    req: GenRequest,
+    arrived: Instant,
+    attempts: u32,
+    /// The attempt whose tokens count (`None` between a failure and the next dispatch).
+    current: Option<u32>,
+    /// The last attempt's number (every dispatch takes the next one).
+    numbered: u32,
+    first: Option<(u32, Instant)>,
+    tokens: BTreeMap<u32, (u32, Instant)>,
+    done_at: Option<u32>,
+    prefill: (u32, u32),
+    decode: u32,
+}
+
+impl Pending {
+    /// Its current attempt is given up on: nothing of it counts any more.
+    fn forget(&mut self) {
+        self.current = None;
+        self.first = None;
+        self.tokens.clear();
+        self.done_at = None;
+    }
+
+    /// Its decoding is lost: it is queued again, to be redone from its prompt (its tokens so far
+    /// are dropped; greedy decoding repeats them).
+    fn redo(&mut self, d: &mut Dispatcher, stats: &mut RouterStats) {
+        self.forget();
+        stats.requeued += 1;
+        d.arrive_weighted(self.req.id, self.req.prompt.len() as f64);
+    }
+}
+
+/// A prefill's outcome: `Busy` when no decode instance had room (back-pressure: retried, not
+/// counted).
+pub(super) enum Outcome {
+    Done {
+        /// The first token.
+        first: u32,
+        /// Whether a decode instance generates the rest.
+        decoding: bool,
+        /// Stages on the first instance when split (0: whole).
+        on_first: u32,
+        /// The decode instance.
+        node: u32,
+        /// The reservation it decodes under.
+        lease: u64,
+    },
+    Busy(String),
+    Failed(ServeError),
+}
+
+/// A prefill task's result: the request, the attempt, its outcome.
+pub(super) type Prefilled = (u64, u32, Outcome);
+
+/// The router's state between two events.
+pub(super) struct Routing {
+    mesh: Arc<dyn Mesh>,
+    cfg: PdRouterConfig,
+    d: Dispatcher,
+    /// Instances gone (until they can serve again).
+    gone: HashSet<u32>,
+    /// Decode instances, and the one the next reservation tries first.
+    decode: Vec<u32>,
+    next_decode: usize,
+    pending: HashMap<u64, Pending>,
+    /// Prefill calls in flight.
+    pub(super) tasks: JoinSet<Prefilled>,
+    /// Requests to dispatch again, and when.
+    delayed: Vec<(Instant, u64)>,
+    /// The arriving prefill instance.
+    scaling: Option<u32>,
+    /// When the monitor's next round starts (`None` while one runs, or without a monitor).
+    next_round: Option<Instant>,
+    pub(super) stats: RouterStats,
+    answers: mpsc::UnboundedSender<GenAnswer>,
+    reports: Reports,
+}
+
+impl Routing {
+    pub(super) fn new(
+        mesh: Arc<dyn Mesh>,
+        cfg: PdRouterConfig,
+        answers: mpsc::UnboundedSender<GenAnswer>,
+        reports: Reports,
+    ) -> Routing {
+        let mut d = Dispatcher::new(cfg.dispatch);
+        for &n in &cfg.more_prefill {
+            d.serving(n);
+        }
+        Routing {
+            mesh,
+            d,
+            gone: HashSet::new(),
+            decode: cfg.decode.clone(),
+            next_decode: 0,
+            pending: HashMap::new(),
+            tasks: JoinSet::new(),
+            delayed: Vec::new(),
+            scaling: None,
+            next_round: cfg.monitor.as_ref().map(|m| Instant::now() + m.every),
+            stats: RouterStats::default(),
+            answers,
+            reports,
+            cfg,
+        }
+    }
+
+    /// Every request is answered.
+    pub(super) fn idle(&self) -> bool {
+        self.pending.is_empty()
+    }
+
+    /// Sends what the dispatcher lets go now, each dispatch a new attempt.
+    pub(super) fn dispatch(&mut self) {
+        while let Some(x) = self.d.next_dispatch() {
+            let Some(p) = self.pending.get_mut(&x.batch) else { continue };
+            p.attempts += 1;
+            p.numbered += 1;
+            let attempt = p.numbered;
+            p.current = Some(attempt);
+            p.prefill = (x.to, x.split.map_or(0, |s| s.layers));
+            let n = self.decode.len();
+            let order: Vec<u32> = (0..n).map(|i| self.decode[(self.next_decode + i) % n]).collect();
+            self.next_decode = self.next_decode.wrapping_add(1);
+            let (mesh, req, timeout) = (self.mesh.clone(), p.req.clone(), self.cfg.call_timeout);
+            self.tasks.spawn(async move {
+                let r = prefill(&mesh, &req, attempt, x.to, x.split, &order, timeout).await;
+                (req.id, attempt, r)
+            });
+        }
+    }
+
+    pub(super) fn arrive(&mut self, req: GenRequest) {
+        self.d.arrive_weighted(req.id, req.prompt.len() as f64);
+        let p = Pending {
+            req,
+            arrived: Instant::now(),
+            attempts: 0,
+            current: None,
+            numbered: 0,
+            first: None,
+            tokens: BTreeMap::new(),
+            done_at: None,
+            prefill: (0, 0),
+            decode: 0,
+        };
+        self.pending.insert(p.req.id, p);
+    }
+
+    pub(super) fn command(&mut self, c: PdCmd) {
+        match c {
+            // No more prefills go there at once; it decodes once it says it does (the call runs
+            // in a task: the router goes on routing meanwhile).
+            PdCmd::Mutate { node, done } => {
+                self.d.down(node);
+                let (mesh, timeout, tx) = (self.mesh.clone(), self.cfg.call_timeout, self.reports.mutated_tx.clone());
+                tokio::spawn(async move {
+                    let r = match mesh.call(node, &LlmMsg::Mutate, timeout).await {
+                        Ok(LlmMsg::Ack) => Ok(()),
+                        other => Err(format!("{other:?}")),
+                    };
+                    let _ = tx.send((node, r, done));
+                });
+            }
+            // Both say the node serves (again): one gone before is back for good.
+            PdCmd::Scaling { node } => {
+                self.gone.remove(&node);
+                self.d.scaling(node);
+                self.scaling = Some(node);
+                let (every, limit) = (self.cfg.poll_every, self.cfg.call_timeout);
+                tokio::spawn(follow(self.mesh.clone(), node, every, limit, self.reports.res_tx.clone()));
+            }
+            PdCmd::Decode { node } => {
+                self.gone.remove(&node);
+                self.add_decode(node);
+            }
+            PdCmd::Rebalance { config, done } => {
+                let (mesh, nodes, timeout) = (self.mesh.clone(), self.decode.clone(), self.cfg.call_timeout);
+                tokio::spawn(async move {
+                    let r = rebalance(&mesh, &nodes, &config, timeout).await;
+                    let _ = done.send(r.map_err(|e| e.to_string()));
+                });
+            }
+        }
+    }
+
+    fn add_decode(&mut self, node: u32) {
+        if !self.decode.contains(&node) {
+            self.decode.push(node);
+        }
+    }
+
+    /// A decode instance's token or abort: taken only from the attempt the request waits for.
+    pub(super) fn message(&mut self, from: NodeId, msg: LlmMsg) {
+        match msg {
+            LlmMsg::Token { req, attempt, lease, index, token, done } => match self.pending.get_mut(&req) {
+                Some(p) if p.current == Some(attempt) => {
+                    p.decode = from;
+                    p.tokens.insert(index, (token, Instant::now()));
+                    if done {
+                        p.done_at = Some(index);
+                    }
+                }
+                // An attempt given up on (or of a request answered already) still decodes
+                // there: its token is dropped and its decode told to stop.
+                _ => {
+                    self.stats.stale_tokens += 1;
+                    debug!(req, attempt, node = from, "a token of an attempt given up on: its decode is stopped");
+                    if !done {
+                        self.stop(from, req, lease);
+                    }
+                }
+            },
+            LlmMsg::Abort { req, attempt, message } => match self.pending.get_mut(&req) {
+                Some(p) if p.current == Some(attempt) => {
+                    warn!(req, %message, "decoding aborted: the request is redone");
+                    if p.first.is_some() {
+                        p.redo(&mut self.d, &mut self.stats);
+                    } else {
+                        // Its prefill has not answered: the request is redone when it does.
+                        p.forget();
+                    }
+                }
+                _ => debug!(req, attempt, %message, "an attempt given up on aborted"),
+            },
+            other => debug!(?other, "unexpected llm message at the router"),
+        }
+    }
+
+    /// Tells `node` to stop decoding `req` under `lease` (an attempt given up on).
+    fn stop(&self, node: u32, req: u64, lease: u64) {
+        let (mesh, timeout) = (self.mesh.clone(), self.cfg.call_timeout);
+        tokio::spawn(async move {
+            let _ = mesh.call(node, &LlmMsg::Release { req, lease }, timeout).await;
+        });
+    }
+
+    /// Asks gone `node` until it can serve again (see [`probe`]).
+    fn probe(&self, node: u32) {
+        let whole = !self.d.takes_partial(node);
+        let (every, limit) = (self.cfg.poll_every, self.cfg.call_timeout);
+        tokio::spawn(probe(self.mesh.clone(), node, whole, every, limit, self.reports.back_tx.clone()));
+    }
+
+    /// Attempt `attempt` of request `id` answered its prefill call.
+    pub(super) fn prefilled(&mut self, id: u64, attempt: u32, r: Outcome) {
+        let Some(current) = self.pending.get(&id).map(|p| p.current) else { return };
+        if current != Some(attempt) {
+            // Its decode aborted before this answer came: the decode, if it still runs, stops,
+            // and the request is redone.
+            if let Outcome::Done { decoding: true, node, lease, .. } = r {
+                self.stop(node, id, lease);
+            }
+            if current.is_none() {
+                self.stats.requeued += 1;
+                self.delayed.push((Instant::now(), id));
+            }
+            return;
+        }
+        match r {
+            Outcome::Busy(why) => {
+                debug!(req = id, %why, "no KV room: the request waits");
+                if let Some(p) = self.pending.get_mut(&id) {
+                    p.attempts -= 1;
+                    p.current = None;
+                }
+                self.delayed.push((Instant::now() + self.cfg.retry_after, id));
+            }
+            Outcome::Done { decoding: true, node, .. } if self.gone.contains(&node) => {
+                debug!(req = id, node, "the decode instance went while prefilling: redone");
+                if let Some(p) = self.pending.get_mut(&id) {
+                    p.forget();
+                }
+                self.stats.requeued += 1;
+                self.delayed.push((Instant::now(), id));
+            }
+            Outcome::Done { first, decoding, on_first, node, .. } => {
+                self.d.done(id);
+                if let Some(p) = self.pending.get_mut(&id) {
+                    p.first = Some((first, Instant::now()));
+                    p.prefill.1 = on_first;
+                    p.decode = node;
+                    if !decoding {
+                        p.done_at = Some(0);
+                    }
+                }
+            }
+            Outcome::Failed(e) => self.failed(id, e),
+        }
+    }
+
+    /// Request `id`'s prefill failed: redone later, or answered with the error when it cannot
+    /// succeed or its attempts are spent.
+    fn failed(&mut self, id: u64, e: ServeError) {
+        // A node that answered "no such service" is asked until it serves again.
+        if let ServeError::Transport(t) = &e {
+            if let Some(node) = t.no_such_service() {
+                if self.lose(node) {
+                    self.probe(node);
+                }
+            }
+        }
+        let Some(p) = self.pending.get_mut(&id) else { return };
+        debug!(req = id, attempts = p.attempts, error = %e, "prefill failed");
+        p.current = None;
+        if p.attempts >= self.cfg.max_attempts || matches!(e, ServeError::Input(_)) {
+            self.d.done(id);
+            if let Some(p) = self.pending.remove(&id) {
+                self.stats.failed += 1;
+                let _ = self.answers.send(answer(p, Err(e.to_string())));
+            }
+        } else {
+            self.stats.requeued += 1;
+            self.delayed.push((Instant::now() + self.cfg.retry_after, id));
+        }
+    }
+
+    /// `node` is gone: no more prefills or decodes go there, and every request decoding there is
+    /// redone from its prompt (its tokens so far are dropped; greedy decoding repeats them).
+    /// Returns false when it was gone already.
+    fn lose(&mut self, node: u32) -> bool {
+        if !self.gone.insert(node) {
+            return false;
+        }
+        warn!(node, "instance gone: nothing more goes there");
+        self.d.down(node);
+        self.decode.retain(|&n| n != node);
+        for p in self.pending.values_mut().filter(|p| p.first.is_some() && p.decode == node) {
+            p.redo(&mut self.d, &mut self.stats);
+        }
+        true
+    }
+
+    /// A co-migration round of the monitor ended.
+    pub(super) fn round_done(&mut self, r: Result<Rebalance, ServeError>) {
+        self.stats.monitor_rounds += 1;
+        match r {
+            Ok(r) => {
+                let moved = r.outcomes.iter().filter(|(_, o)| o.is_ok()).count();
+                self.stats.migrated += moved as u64;
+                if r.decision.is_some() {
+                    info!(moved, tried = r.outcomes.len(), seconds = r.seconds, "co-migration round");
+                }
+            }
+            Err(e) => {
+                self.stats.monitor_failed += 1;
+                warn!(error = %e, "co-migration round failed; the next one tries again");
+            }
+        }
+        self.next_round = self.cfg.monitor.as_ref().map(|m| Instant::now() + m.every);
+    }
+
+    /// `node` answered its mutation.
+    pub(super) fn mutated(&mut self, node: u32, r: Result<(), String>, done: oneshot::Sender<Result<(), String>>) {
+        // A node lost while its answer came back joins when its link does.
+        if r.is_ok() && !self.gone.contains(&node) {
+            self.add_decode(node);
+        }
+        let _ = done.send(r);
+    }
+
+    /// The arriving instance `node` holds its first `resident` stages.
+    pub(super) fn resident(&mut self, node: u32, resident: u32) {
+        if self.scaling == Some(node) {
+            self.d.resident(resident);
+        }
+    }
+
+    /// Gone `node` can serve again, in `state`.
+    pub(super) fn back(&mut self, node: u32, state: LlmMsg) {
+        if !self.gone.contains(&node) {
+            return;
+        }
+        match state {
+            LlmMsg::State { role: Role::Decode, .. } => {
+                info!(node, "decode instance back: it decodes again");
+                self.gone.remove(&node);
+                self.add_decode(node);
+            }
+            LlmMsg::State { role: Role::Prefill, resident, .. } if self.d.up(node, resident, 0) => {
+                info!(node, resident, "prefill instance back: it prefills again");
+                self.gone.remove(&node);
+            }
+            _ => {}
+        }
+    }
+
+    pub(super) fn peer_event(&mut self, ev: PeerEvent) {
+        match ev {
+            PeerEvent::Down { peer, .. } => {
+                self.lose(peer);
+            }
+            PeerEvent::Up { peer, .. } if self.gone.contains(&peer) => self.probe(peer),
+            _ => {}
+        }
+    }
+
+    /// After each event: the monitor's next round when due, the delayed requests whose time
+    /// came, and the answers of the requests whose every token arrived.
+    pub(super) fn after(&mut self, now: Instant) {
+        if let (Some(m), Some(at)) = (&self.cfg.monitor, self.next_round) {
+            // Only while there is something to balance, and with two instances to balance over.
+            if at <= now && self.decode.len() > 1 && !self.pending.is_empty() {
+                self.next_round = None;
+                let (mesh, nodes, rc, timeout, tx) = (
+                    self.mesh.clone(),
+                    self.decode.clone(),
+                    m.rounds.clone(),
+                    self.cfg.call_timeout,
+                    self.reports.round_tx.clone(),
+                );
+                tokio::spawn(async move {
+                    let _ = tx.send(rebalance(&mesh, &nodes, &rc, timeout).await);
+                });
+            }
+        }
+        let d = &mut self.d;
+        self.delayed.retain(|&(at, id)| {
+            if at <= now {
+                d.failed(id);
+            }
+            at > now
+        });
+        let complete: Vec<u64> = self
+            .pending
+            .iter()
+            .filter(|(_, p)| {
+                p.first.is_some() && p.done_at.is_some_and(|last| (1..=last).all(|i| p.tokens.contains_key(&i)))
+            })
+            .map(|(&id, _)| id)
+            .collect();
+        for id in complete {
+            if let Some(p) = self.pending.remove(&id) {
+                self.stats.answered += 1;
+                let mut tokens = vec![p.first.map_or(0, |f| f.0)];
+                tokens.extend(p.tokens.values().map(|t| t.0));
+                let _ = self.answers.send(answer(p, Ok(tokens)));
+            }
+        }
+    }
+}
+
+fn answer(p: Pending, result: Result<Vec<u32>, String>) -> GenAnswer {
+    let first = p.first.map(|f| f.1);
+    let ttft = first.map_or(Duration::ZERO, |f| f - p.arrived);
+    let mut gaps = Vec::new();
+    let mut last = first;
+    for (_, at) in p.tokens.values() {
+        if let Some(l) = last {
+            gaps.push(at.saturating_duration_since(l));
+        }
+        last = Some(*at);
+    }
+    GenAnswer { id: p.req.id, result, ttft, gaps, prefill: p.prefill, decode: p.decode, attempts: p.attempts }
+}
