@@ -2,24 +2,26 @@
 //! and the `exec` service's copy control (`Lend`, `Adopt`, `LayerReady`, `Status`), so it scales
 //! out by the same multicast as the encoder instances.
 
-use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use cascade_multicast::cluster::MulticastNode;
 use cascade_transport::service::DEFAULT_INBOX;
-use cascade_transport::{Inbox, Mesh, PeerEvent, Region, ReplyTo, ServiceExt};
-use tokio::sync::{broadcast, mpsc, oneshot, Notify};
-use tracing::{debug, warn};
+use cascade_transport::{Inbox, Mesh, Region, ReplyTo, ServiceExt};
+use tokio::sync::{mpsc, oneshot, Notify};
+use tracing::debug;
 
+mod decode;
+mod prefill;
 mod transfer;
 
-use transfer::{admit, hand_over, move_kv};
+use decode::{decode_loop, drop_lost_routers, give_up, Away, Stop};
+use prefill::prefill;
+use transfer::admit;
 
 use super::kv::{KvLayout, Pages};
 use super::proto::{KvGrant, LlmMsg, RegionGrant, ReqLoad, Role};
 use super::PdModel;
-use crate::llama::generate::argmax;
 use crate::llama::{Llama, LoraAdapter};
 use crate::serve::compute::{Cmd, Compute, Finished};
 use crate::serve::copy::Copy;
@@ -76,38 +78,6 @@ struct Seq {
     lease: u64,
 }
 
-/// Requests the decode loop stops between two steps (freeing their pages and cache there, where
-/// no step of theirs is in flight).
-#[derive(Debug, Clone, Copy)]
-enum Stop {
-    /// Those of a router whose link failed.
-    Router(u32),
-    /// The one decoding under this lease: the router gave up on the attempt (`Release`).
-    Lease { req: u64, lease: u64 },
-}
-
-impl Stop {
-    fn matches(self, s: &Seq) -> bool {
-        self.hits(s.req, s.lease, s.router)
-    }
-
-    fn hits(self, req: u64, lease: u64, router: u32) -> bool {
-        match self {
-            Stop::Router(r) => router == r,
-            Stop::Lease { req: q, lease: l } => req == q && lease == l,
-        }
-    }
-}
-
-/// A request taken out of the running set to be handed over (co-migration): a stop that names it
-/// meanwhile is kept here, and applied if the hand-over fails and it would decode here again.
-struct Away {
-    req: u64,
-    lease: u64,
-    router: u32,
-    stopped: bool,
-}
-
 /// A `Migrate` waiting for the decode loop to hand its request over between two steps.
 struct Handover {
     req: u64,
@@ -139,7 +109,7 @@ struct Shared {
     adapters: Mutex<std::collections::BTreeSet<u32>>,
     /// Regions granted for adapter images a migration brings, by adapter.
     adapter_in: Mutex<std::collections::HashMap<u32, Region>>,
-    /// The last prefill's sequence id (see [`prefill_seq`]).
+    /// The last prefill's sequence id (see `prefill::prefill_seq`).
     prefills: std::sync::atomic::AtomicU64,
 }
 
@@ -441,25 +411,6 @@ fn reserve(sh: &Shared, from: u32, req: u64, tokens: u32) -> Result<LlmMsg, Serv
     Ok(LlmMsg::Reserved { grant: KvGrant { node, region, key, len, pages: got, lease } })
 }
 
-/// The router gave up on reservation `lease` of `req`: its pages are freed, or, when the request
-/// decodes under it (its prefill went on and started it), the decode loop stops it.
-fn give_up(sh: &Shared, req: u64, lease: u64) {
-    // Checked and released under one lock: a Start between the two would otherwise leave a
-    // decoding request without its pages.
-    let started = match lock(&sh.kv).as_mut() {
-        Some((_, pages)) if pages.started(req, lease) => true,
-        Some((_, pages)) => {
-            pages.release(req, lease);
-            false
-        }
-        None => false,
-    };
-    if started {
-        lock(&sh.stops).push(Stop::Lease { req, lease });
-        sh.wake.notify_one();
-    }
-}
-
 /// Frees `req`'s pages if it holds them under `lease`.
 fn release(sh: &Shared, req: u64, lease: u64) {
     if let Some((_, pages)) = lock(&sh.kv).as_mut() {
@@ -472,231 +423,4 @@ fn release(sh: &Shared, req: u64, lease: u64) {
 async fn retire(sh: &Arc<Shared>, req: u64, lease: u64) {
     release(sh, req, lease);
     let _ = with_model(sh, move |m| m.free(req)).await;
-}
-
-/// Blocks whose KV stages `stages` compute (stage `1 + b` is block `b`).
-fn blocks(stages: Range<usize>, n_blocks: usize) -> Range<usize> {
-    stages.start.max(1) - 1..stages.end.clamp(1, n_blocks + 1) - 1
-}
-
-/// A sequence id for one prefill in the model's KV cache: this node in the top 16 bits, a count
-/// below. Two prefills of one request — one the router gave up on while it ran on, and the one
-/// that redoes it — never share cache entries, here or on the instance that continues a split
-/// prefill (which keeps the id it is given). Decode instances key their caches by request.
-fn prefill_seq(sh: &Shared) -> u64 {
-    let n = sh.prefills.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
-    (u64::from(sh.mesh.node()) << 48) | (n & ((1 << 48) - 1))
-}
-
-async fn prefill(sh: &Arc<Shared>, msg: LlmMsg) -> Result<LlmMsg, ServeError> {
-    if *lock(&sh.role) != Role::Prefill {
-        return Err(ServeError::Peer("not a prefill instance (mutated to decode)".into()));
-    }
-    let layers = sh.compute.layers();
-    let (req, attempt, seq, act, max_tokens, kv, split, router, mut crcs) = match msg {
-        LlmMsg::Prefill { req, attempt, prompt, max_tokens, kv, split, router, adapter } => {
-            if prompt.is_empty() || prompt.len() > sh.cfg.max_prompt as usize {
-                return Err(ServeError::Input(format!("{} prompt tokens: 1 to {}", prompt.len(), sh.cfg.max_prompt)));
-            }
-            if adapter != 0 && !lock(&sh.adapters).contains(&adapter) {
-                return Err(ServeError::Peer(format!("adapter {adapter} is not served here")));
-            }
-            let seq = prefill_seq(sh);
-            let act = Activation::packed(&[(seq, 0, prompt)])?.with_adapters(&[adapter])?;
-            (req, attempt, seq, act, max_tokens, kv, split, router, Vec::new())
-        }
-        LlmMsg::Continue { req, attempt, act, max_tokens, kv, router, crcs } => {
-            let act = Activation::from_bytes(&act)?;
-            let seq = act.segments.first().ok_or_else(|| ServeError::Input("an activation of no sequence".into()))?.seq;
-            (req, attempt, seq, act, max_tokens, kv, None, router, crcs)
-        }
-        other => return Err(ServeError::Protocol(format!("not a prefill: {other:?}"))),
-    };
-    let adapter = act.segments.first().map_or(0, |g| g.adapter);
-    let from = act.next_layer;
-    let prompt_len = act.ids.dims2().map_err(ExecError::from)?.1 as u32;
-    let stop = match split {
-        Some(s) if s.layers == 0 || s.layers as usize >= layers => {
-            return Err(ServeError::Input(format!("a split after {} of {layers} stages", s.layers)))
-        }
-        Some(s) => s.layers as usize,
-        None => layers,
-    };
-    let out = run(sh, act, stop).await;
-    let moved = match &out {
-        Ok(_) => move_kv(sh, seq, blocks(from..stop, sh.layout.blocks), &kv).await,
-        Err(_) => Ok(Vec::new()),
-    };
-    let seq_freed = with_model(sh, move |m| m.free(seq)).await;
-    let out = out?;
-    crcs.extend(moved?);
-    seq_freed?;
-    if let Some(s) = split {
-        let cont = LlmMsg::Continue { req, attempt, act: out.to_bytes()?, max_tokens, kv, router, crcs };
-        return match sh.mesh.call(s.then, &cont, sh.cfg.op_timeout).await? {
-            LlmMsg::Prefilled { req, first, decoding, .. } => {
-                Ok(LlmMsg::Prefilled { req, first, on_first: s.layers, decoding })
-            }
-            other => Err(other.unexpected_from(s.then)),
-        };
-    }
-    let first = argmax(&out)?.first().copied().ok_or_else(|| ServeError::Protocol("no logits".into()))?;
-    let decoding = first != sh.model.config.eos_token_id && max_tokens > 1;
-    if decoding {
-        let lease = kv.lease;
-        let start = LlmMsg::Start { req, attempt, lease, crcs, prompt_len, first, max_tokens, router, adapter };
-        match sh.mesh.call(kv.node, &start, sh.cfg.op_timeout).await? {
-            LlmMsg::Ack => {}
-            LlmMsg::Failed { message, .. } => {
-                return Err(ServeError::Peer(format!("decode node {}: {message}", kv.node)))
-            }
-            other => return Err(ServeError::Protocol(format!("unexpected answer {other:?}"))),
-        }
-    }
-    Ok(LlmMsg::Prefilled { req, first, on_first: 0, decoding })
-}
-
-/// A router whose link failed cannot take its requests' tokens, and it redoes them elsewhere
-/// (see [`super::router`]): the requests decoding here for it stop at the decode loop's next
-/// step boundary, their KV pages and cache freed there instead of after every token they had
-/// left; the pages it reserved for prefills that have not started here are freed at once (a
-/// `Start` for one of them is refused: it holds no pages).
-async fn drop_lost_routers(sh: Arc<Shared>) {
-    let mut events = sh.mesh.peer_events();
-    loop {
-        let peer = match events.recv().await {
-            Ok(PeerEvent::Down { peer, .. }) => peer,
-            Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => continue,
-            Err(broadcast::error::RecvError::Closed) => return,
-        };
-        let decoding = lock(&sh.running).iter().filter(|s| s.router == peer).count();
-        // Pages it reserved for prefills that have not started here (their Start is refused).
-        let reserved = lock(&sh.kv).as_ref().map_or_else(Vec::new, |(_, pages)| pages.reserved_by(peer));
-        if decoding > 0 || !reserved.is_empty() {
-            warn!(
-                router = peer,
-                decoding,
-                holding_pages = reserved.len(),
-                "the router's link failed: its requests here stop"
-            );
-        }
-        for (req, lease) in reserved {
-            release(&sh, req, lease);
-        }
-        // The decoding ones stop between two steps.
-        lock(&sh.stops).push(Stop::Router(peer));
-        sh.wake.notify_one();
-    }
-}
-
-/// Continuous batching: every running request decodes one token per step, in one batch; a
-/// request that starts joins at the next step.
-async fn decode_loop(sh: Arc<Shared>) {
-    let layers = sh.compute.layers();
-    let eos = sh.model.config.eos_token_id;
-    loop {
-        // Between two steps: stop the requests a router gave up on or lost, freeing their pages
-        // and cache while no step of theirs is in flight.
-        let stops: Vec<Stop> = std::mem::take(&mut *lock(&sh.stops));
-        if !stops.is_empty() {
-            let stopped: Vec<(u64, u64)> = {
-                let mut running = lock(&sh.running);
-                let hit = |s: &Seq| stops.iter().any(|x| x.matches(s));
-                let stopped = running.iter().filter(|s| hit(s)).map(|s| (s.req, s.lease)).collect();
-                running.retain(|s| !hit(s));
-                for a in lock(&sh.away).iter_mut() {
-                    a.stopped |= stops.iter().any(|x| x.hits(a.req, a.lease, a.router));
-                }
-                stopped
-            };
-            for (req, lease) in stopped {
-                retire(&sh, req, lease).await;
-            }
-        }
-        // Between two steps: hand over the requests a migration asked for.
-        let handovers: Vec<Handover> = std::mem::take(&mut *lock(&sh.handovers));
-        for h in handovers {
-            let seq = {
-                let mut running = lock(&sh.running);
-                let seq = running.iter().position(|s| s.req == h.req).map(|i| running.remove(i));
-                if let Some(s) = &seq {
-                    lock(&sh.away).push(Away { req: s.req, lease: s.lease, router: s.router, stopped: false });
-                }
-                seq
-            };
-            match seq {
-                Some(seq) => {
-                    tokio::spawn(hand_over(sh.clone(), seq, h));
-                }
-                None => {
-                    let e = ServeError::Peer(format!("request {} is not decoding here", h.req));
-                    let _ = sh.mesh.reply(&h.reply, &failed(&e));
-                }
-            }
-        }
-        let (batch, adapters): (Vec<_>, Vec<u32>) =
-            lock(&sh.running).iter().map(|s| ((s.req, s.pos, vec![s.last]), s.adapter)).unzip();
-        if batch.is_empty() {
-            sh.wake.notified().await;
-            continue;
-        }
-        let result = match Activation::packed(&batch).and_then(|a| a.with_adapters(&adapters)) {
-            Ok(act) => run(&sh, act, layers).await.and_then(|a| Ok(argmax(&a)?)),
-            Err(e) => Err(e.into()),
-        };
-        let mut finished = Vec::new();
-        {
-            let mut running = lock(&sh.running);
-            match result {
-                Ok(tokens) => {
-                    for ((req, _, _), tok) in batch.iter().zip(tokens) {
-                        let Some(s) = running.iter_mut().find(|s| s.req == *req) else { continue };
-                        s.generated += 1;
-                        s.pos += 1;
-                        s.last = tok;
-                        let done = tok == eos || s.generated >= s.max_tokens;
-                        if done {
-                            // Its pages are back before anyone learns it is done (a router may
-                            // reserve again at once); its cache goes after the step.
-                            release(&sh, s.req, s.lease);
-                        }
-                        let (req, attempt, lease, index) = (s.req, s.attempt, s.lease, s.generated - 1);
-                        let msg = LlmMsg::Token { req, attempt, lease, index, token: tok, done };
-                        if let Err(e) = sh.mesh.post_oneway(s.router, &msg) {
-                            warn!(req = s.req, error = %e, "cannot stream a token");
-                        }
-                        if done {
-                            finished.push((s.req, s.lease));
-                        }
-                    }
-                }
-                Err(e) => {
-                    warn!(error = %e, "a decode step failed: its requests are aborted");
-                    for s in running.iter() {
-                        let abort = LlmMsg::Abort { req: s.req, attempt: s.attempt, message: e.to_string() };
-                        let _ = sh.mesh.post_oneway(s.router, &abort);
-                        finished.push((s.req, s.lease));
-                    }
-                }
-            }
-            running.retain(|s| !finished.contains(&(s.req, s.lease)));
-        }
-        for (req, lease) in finished {
-            retire(&sh, req, lease).await;
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn stages_map_to_blocks() {
-        assert_eq!(blocks(0..32, 30), 0..30);
-        assert_eq!(blocks(0..5, 30), 0..4);
-        assert_eq!(blocks(5..32, 30), 4..30);
-        assert_eq!(blocks(0..1, 30), 0..0);
-        assert_eq!(blocks(31..32, 30), 30..30);
-    }
 }

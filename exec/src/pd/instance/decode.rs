@@ -1,0 +1,198 @@
+//! The decode side of an instance: continuous batching over the running requests, and the
+//! requests it stops between two steps (a router gave up on one, or was lost).
+
+use std::sync::Arc;
+
+use cascade_transport::{PeerEvent, ServiceExt};
+use tokio::sync::broadcast;
+use tracing::warn;
+
+use super::transfer::hand_over;
+use super::{failed, lock, release, retire, run, Handover, Seq, Shared};
+use crate::llama::generate::argmax;
+use crate::pd::proto::LlmMsg;
+use crate::serve::ServeError;
+use crate::Activation;
+
+/// Requests the decode loop stops between two steps (freeing their pages and cache there, where
+/// no step of theirs is in flight).
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Stop {
+    /// Those of a router whose link failed.
+    Router(u32),
+    /// The one decoding under this lease: the router gave up on the attempt (`Release`).
+    Lease { req: u64, lease: u64 },
+}
+
+impl Stop {
+    fn matches(self, s: &Seq) -> bool {
+        self.hits(s.req, s.lease, s.router)
+    }
+
+    fn hits(self, req: u64, lease: u64, router: u32) -> bool {
+        match self {
+            Stop::Router(r) => router == r,
+            Stop::Lease { req: q, lease: l } => req == q && lease == l,
+        }
+    }
+}
+
+/// A request taken out of the running set to be handed over (co-migration): a stop that names it
+/// meanwhile is kept here, and applied if the hand-over fails and it would decode here again.
+pub(super) struct Away {
+    pub(super) req: u64,
+    pub(super) lease: u64,
+    pub(super) router: u32,
+    /// A stop named it while it was away.
+    pub(super) stopped: bool,
+}
+
+/// The router gave up on reservation `lease` of `req`: its pages are freed, or, when the request
+/// decodes under it (its prefill went on and started it), the decode loop stops it.
+pub(super) fn give_up(sh: &Shared, req: u64, lease: u64) {
+    // Checked and released under one lock: a Start between the two would otherwise leave a
+    // decoding request without its pages.
+    let started = match lock(&sh.kv).as_mut() {
+        Some((_, pages)) if pages.started(req, lease) => true,
+        Some((_, pages)) => {
+            pages.release(req, lease);
+            false
+        }
+        None => false,
+    };
+    if started {
+        lock(&sh.stops).push(Stop::Lease { req, lease });
+        sh.wake.notify_one();
+    }
+}
+
+/// A router whose link failed cannot take its requests' tokens, and it redoes them elsewhere
+/// (see [`crate::pd::router`]): the requests decoding here for it stop at the decode loop's next
+/// step boundary, their KV pages and cache freed there instead of after every token they had
+/// left; the pages it reserved for prefills that have not started here are freed at once (a
+/// `Start` for one of them is refused: it holds no pages).
+pub(super) async fn drop_lost_routers(sh: Arc<Shared>) {
+    let mut events = sh.mesh.peer_events();
+    loop {
+        let peer = match events.recv().await {
+            Ok(PeerEvent::Down { peer, .. }) => peer,
+            Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => continue,
+            Err(broadcast::error::RecvError::Closed) => return,
+        };
+        let decoding = lock(&sh.running).iter().filter(|s| s.router == peer).count();
+        // Pages it reserved for prefills that have not started here (their Start is refused).
+        let reserved = lock(&sh.kv).as_ref().map_or_else(Vec::new, |(_, pages)| pages.reserved_by(peer));
+        if decoding > 0 || !reserved.is_empty() {
+            warn!(
+                router = peer,
+                decoding,
+                holding_pages = reserved.len(),
+                "the router's link failed: its requests here stop"
+            );
+        }
+        for (req, lease) in reserved {
+            release(&sh, req, lease);
+        }
+        // The decoding ones stop between two steps.
+        lock(&sh.stops).push(Stop::Router(peer));
+        sh.wake.notify_one();
+    }
+}
+
+/// Continuous batching: every running request decodes one token per step, in one batch; a
+/// request that starts joins at the next step.
+pub(super) async fn decode_loop(sh: Arc<Shared>) {
+    let layers = sh.compute.layers();
+    let eos = sh.model.config.eos_token_id;
+    loop {
+        // Between two steps: stop the requests a router gave up on or lost, freeing their pages
+        // and cache while no step of theirs is in flight.
+        let stops: Vec<Stop> = std::mem::take(&mut *lock(&sh.stops));
+        if !stops.is_empty() {
+            let stopped: Vec<(u64, u64)> = {
+                let mut running = lock(&sh.running);
+                let hit = |s: &Seq| stops.iter().any(|x| x.matches(s));
+                let stopped = running.iter().filter(|s| hit(s)).map(|s| (s.req, s.lease)).collect();
+                running.retain(|s| !hit(s));
+                for a in lock(&sh.away).iter_mut() {
+                    a.stopped |= stops.iter().any(|x| x.hits(a.req, a.lease, a.router));
+                }
+                stopped
+            };
+            for (req, lease) in stopped {
+                retire(&sh, req, lease).await;
+            }
+        }
+        // Between two steps: hand over the requests a migration asked for.
+        let handovers: Vec<Handover> = std::mem::take(&mut *lock(&sh.handovers));
+        for h in handovers {
+            let seq = {
+                let mut running = lock(&sh.running);
+                let seq = running.iter().position(|s| s.req == h.req).map(|i| running.remove(i));
+                if let Some(s) = &seq {
+                    lock(&sh.away).push(Away { req: s.req, lease: s.lease, router: s.router, stopped: false });
+                }
+                seq
+            };
+            match seq {
+                Some(seq) => {
+                    tokio::spawn(hand_over(sh.clone(), seq, h));
+                }
+                None => {
+                    let e = ServeError::Peer(format!("request {} is not decoding here", h.req));
+                    let _ = sh.mesh.reply(&h.reply, &failed(&e));
+                }
+            }
+        }
+        let (batch, adapters): (Vec<_>, Vec<u32>) =
+            lock(&sh.running).iter().map(|s| ((s.req, s.pos, vec![s.last]), s.adapter)).unzip();
+        if batch.is_empty() {
+            sh.wake.notified().await;
+            continue;
+        }
+        let result = match Activation::packed(&batch).and_then(|a| a.with_adapters(&adapters)) {
+            Ok(act) => run(&sh, act, layers).await.and_then(|a| Ok(argmax(&a)?)),
+            Err(e) => Err(e.into()),
+        };
+        let mut finished = Vec::new();
+        {
+            let mut running = lock(&sh.running);
+            match result {
+                Ok(tokens) => {
+                    for ((req, _, _), tok) in batch.iter().zip(tokens) {
+                        let Some(s) = running.iter_mut().find(|s| s.req == *req) else { continue };
+                        s.generated += 1;
+                        s.pos += 1;
+                        s.last = tok;
+                        let done = tok == eos || s.generated >= s.max_tokens;
+                        if done {
+                            // Its pages are back before anyone learns it is done (a router may
+                            // reserve again at once); its cache goes after the step.
+                            release(&sh, s.req, s.lease);
+                        }
+                        let (req, attempt, lease, index) = (s.req, s.attempt, s.lease, s.generated - 1);
+                        let msg = LlmMsg::Token { req, attempt, lease, index, token: tok, done };
+                        if let Err(e) = sh.mesh.post_oneway(s.router, &msg) {
+                            warn!(req = s.req, error = %e, "cannot stream a token");
+                        }
+                        if done {
+                            finished.push((s.req, s.lease));
+                        }
+                    }
+                }
+                Err(e) => {
+                    warn!(error = %e, "a decode step failed: its requests are aborted");
+                    for s in running.iter() {
+                        let abort = LlmMsg::Abort { req: s.req, attempt: s.attempt, message: e.to_string() };
+                        let _ = sh.mesh.post_oneway(s.router, &abort);
+                        finished.push((s.req, s.lease));
+                    }
+                }
+            }
+            running.retain(|s| !finished.contains(&(s.req, s.lease)));
+        }
+        for (req, lease) in finished {
+            retire(&sh, req, lease).await;
+        }
+    }
+}
