@@ -1043,6 +1043,16 @@ async fn a_decode_of_an_attempt_given_up_on_streams_nothing_into_the_answer_and_
     assert_eq!((a.decode, a.attempts), (3, 1), "decoded on node 3, in one attempt");
     assert_eq!((stats.answered, stats.requeued), (1, 0), "{stats:?}");
     assert!(stats.stale_tokens >= 1, "{stats:?}");
+    // The router's node shows them in its metrics.
+    let text = c.meshes[0].metrics().render();
+    let line = |name: &str| text.lines().find(|l| l.starts_with(name)).unwrap_or_else(|| panic!("no {name}: {text}"));
+    assert_eq!(
+        line("cascade_llm_router_requests_total{outcome=\"answered\"}"),
+        "cascade_llm_router_requests_total{outcome=\"answered\"} 1"
+    );
+    assert_eq!(line("cascade_llm_router_pending"), "cascade_llm_router_pending{} 0.0");
+    let stale: u64 = line("cascade_llm_router_stale_tokens_total").rsplit(' ').next().unwrap().parse().unwrap();
+    assert_eq!(stale, stats.stale_tokens);
     // Told to stop, node 2 gives its pages back well before its 600 tokens would have ended.
     loop {
         match c.meshes[1].call(2, &LlmMsg::Status, limit).await {

@@ -102,6 +102,8 @@ pub(super) struct Routing {
     /// When the monitor's next round starts (`None` while one runs, or without a monitor).
     next_round: Option<Instant>,
     pub(super) stats: RouterStats,
+    /// The stats and queue as the node's metrics last showed them.
+    published: (RouterStats, usize),
     answers: mpsc::UnboundedSender<GenAnswer>,
     reports: Reports,
 }
@@ -129,6 +131,7 @@ impl Routing {
             scaling: None,
             next_round: cfg.monitor.as_ref().map(|m| Instant::now() + m.every),
             stats: RouterStats::default(),
+            published: (RouterStats::default(), 0),
             answers,
             reports,
             cfg,
@@ -467,6 +470,32 @@ impl Routing {
                 let _ = self.answers.send(answer(p, Ok(tokens)));
             }
         }
+        self.publish();
+    }
+
+    /// Shows in the node's metrics what the stats counted since the last time, and the
+    /// requests not answered yet.
+    fn publish(&mut self) {
+        let now = (self.stats.clone(), self.pending.len());
+        if now == self.published {
+            return;
+        }
+        let (s, was) = (&now.0, &self.published.0);
+        let m = self.mesh.metrics();
+        let count = |name, help, pairs: &[(&str, &str)], by: u64| {
+            if by > 0 {
+                m.counter(name, help, pairs).inc_by(by);
+            }
+        };
+        let help = "Requests the LLM router answered, by outcome";
+        count("cascade_llm_router_requests", help, &[("outcome", "answered")], s.answered - was.answered);
+        count("cascade_llm_router_requests", help, &[("outcome", "failed")], s.failed - was.failed);
+        let help = "Prefills the LLM router dispatched again (a failure, an abort, a lost instance)";
+        count("cascade_llm_router_requeued", help, &[], s.requeued - was.requeued);
+        let help = "Tokens of attempts the LLM router had given up on (dropped; their decodes told to stop)";
+        count("cascade_llm_router_stale_tokens", help, &[], s.stale_tokens - was.stale_tokens);
+        m.gauge("cascade_llm_router_pending", "Requests the LLM router holds, not answered yet", &[]).set(now.1 as f64);
+        self.published = now;
     }
 }
 
