@@ -1119,12 +1119,15 @@ async fn a_release_during_a_failed_hand_over_still_stops_the_request() {
     fabric.set_fault(2, 3, Some(cascade_transport::mem::Fault::DelayNext(1, Duration::from_secs(1))));
     let mesh = c.meshes[0].clone();
     let migrating = tokio::spawn(async move { mesh.call(2, &LlmMsg::Migrate { req, kv: there }, limit).await });
-    // Wait until it is away (out of node 2's running set), then release it.
+    // Wait until it is away (no longer among the requests node 2 decodes, but still counted as
+    // running: it may come back), then release it.
     let t0 = std::time::Instant::now();
     loop {
-        match c.meshes[1].call(2, &LlmMsg::Status, limit).await.unwrap() {
-            LlmMsg::State { running: 0, .. } => break,
-            state => assert!(t0.elapsed() < Duration::from_secs(30), "never handed over: {state:?}"),
+        let loads = c.meshes[1].call(2, &LlmMsg::Load, limit).await.unwrap();
+        let state = c.meshes[1].call(2, &LlmMsg::Status, limit).await.unwrap();
+        match (&loads, &state) {
+            (LlmMsg::Loads { requests, .. }, LlmMsg::State { running: 1, .. }) if requests.is_empty() => break,
+            _ => assert!(t0.elapsed() < Duration::from_secs(30), "never handed over: {loads:?} {state:?}"),
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }

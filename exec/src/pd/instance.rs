@@ -337,11 +337,16 @@ async fn serve_llm(sh: Arc<Shared>, mut inbox: Inbox<LlmMsg>) {
 }
 
 fn state(sh: &Shared) -> LlmMsg {
+    // Those being handed over count: they may come back. (Locked in the running set's order.)
+    let running = {
+        let running = lock(&sh.running);
+        running.len() + lock(&sh.away).len()
+    };
     LlmMsg::State {
         role: *lock(&sh.role),
         resident: sh.compute.resident() as u32,
         layers: sh.compute.layers() as u32,
-        running: lock(&sh.running).len() as u32,
+        running: running as u32,
         free_pages: lock(&sh.kv).as_ref().map_or(0, |(_, p)| p.available() as u32),
     }
 }

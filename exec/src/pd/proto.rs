@@ -307,7 +307,7 @@ pub enum LlmMsg {
         resident: u32,
         /// The model's stages.
         layers: u32,
-        /// Requests decoding.
+        /// Requests decoding (those being handed over to another instance included).
         running: u32,
         /// Free KV pages (0 before the region exists).
         free_pages: u32,
