@@ -29,8 +29,9 @@
 //! rounds on its own, dLoRA's periodic monitor (seed `002_…`, §5): one every
 //! [`MonitorConfig::every`], never two at once, each beside the routing.
 //!
-//! The loop ([`run`]) waits for the next event; what the router does on each is `state`'s, and
-//! every call it makes runs in a task of its own (`calls`): the loop never waits on a peer.
+//! The loop ([`run`]) waits for the next event. What the router does on each is `state`'s,
+//! without IO: it updates the state and names the calls to make; the loop starts each call in a
+//! task of its own (`calls`), which reports back as an event — the loop never waits on a peer.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -38,14 +39,15 @@ use std::time::{Duration, Instant};
 use cascade_transport::service::DEFAULT_INBOX;
 use cascade_transport::{Mesh, ServiceExt};
 use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinSet;
 
 mod calls;
 mod state;
 
-use super::migrate::{Rebalance, RebalanceConfig};
+use super::migrate::{rebalance, Rebalance, RebalanceConfig};
 use super::proto::LlmMsg;
 use crate::serve::{DispatchConfig, ServeError};
-use state::Routing;
+use state::{Action, Prefilled, Routing};
 
 /// A generation request.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -173,16 +175,17 @@ pub async fn run(
     let mut watching = true;
     let mut open = true;
     let mut tick = tokio::time::interval(cfg.poll_every.min(Duration::from_millis(20)));
-    // What the router's tasks report (it never waits for a call itself): the monitor's rounds
-    // (one at a time), mutations answered (the node, the outcome, whom to tell), an arriving
-    // instance's resident stages, and gone instances that can serve again, with their state.
-    let (round_tx, mut round_rx) = mpsc::unbounded_channel::<Result<Rebalance, ServeError>>();
-    let (mutated_tx, mut mutated_rx) = mpsc::unbounded_channel::<state::Mutated>();
-    let (res_tx, mut res_rx) = mpsc::unbounded_channel::<(u32, u32)>();
-    let (back_tx, mut back_rx) = mpsc::unbounded_channel::<(u32, LlmMsg)>();
-    let mut r = Routing::new(mesh, cfg, answers, state::Reports { round_tx, mutated_tx, res_tx, back_tx });
+    let limits = (cfg.call_timeout, cfg.poll_every);
+    // The calls' tasks report back here (the loop never waits for a call itself).
+    let mut prefills: JoinSet<Prefilled> = JoinSet::new();
+    let (tx, mut rx) = channels();
+    let mut r = Routing::new(cfg, answers);
     loop {
         r.dispatch();
+        for a in r.actions() {
+            act(&mesh, limits, a, &mut prefills, &tx);
+        }
+        r.publish(mesh.metrics());
         if !open && r.idle() {
             return Ok(r.stats);
         }
@@ -193,15 +196,15 @@ pub async fn run(
             },
             Some(c) = cmds.recv() => r.command(c),
             Some(m) = inbox.recv() => r.message(m.from, m.msg),
-            Some(done) = r.tasks.join_next() => {
+            Some(done) = prefills.join_next() => {
                 if let Ok((id, attempt, outcome)) = done {
                     r.prefilled(id, attempt, outcome);
                 }
             }
-            Some(x) = round_rx.recv() => r.round_done(x),
-            Some((node, x, done)) = mutated_rx.recv() => r.mutated(node, x, done),
-            Some((node, resident)) = res_rx.recv() => r.resident(node, resident),
-            Some((node, state)) = back_rx.recv() => r.back(node, state),
+            Some(x) = rx.round.recv() => r.round_done(x),
+            Some((node, x, done)) = rx.mutated.recv() => r.mutated(node, x, done),
+            Some((node, resident)) = rx.resident.recv() => r.resident(node, resident),
+            Some((node, state)) = rx.back.recv() => r.back(node, state),
             ev = events.recv(), if watching => match ev {
                 Ok(ev) => r.peer_event(ev),
                 Err(tokio::sync::broadcast::error::RecvError::Closed) => watching = false,
@@ -210,5 +213,86 @@ pub async fn run(
             _ = tick.tick() => {}
         }
         r.after(Instant::now());
+    }
+}
+
+/// A mutation's answer: the node, the outcome, and whom to tell.
+type Mutated = (u32, Result<(), String>, oneshot::Sender<Result<(), String>>);
+
+/// Where the calls' tasks report: the monitor's rounds, mutations answered, an arriving
+/// instance's resident stages, gone instances that can serve again (with their state).
+struct Reports {
+    round: mpsc::UnboundedSender<Result<Rebalance, ServeError>>,
+    mutated: mpsc::UnboundedSender<Mutated>,
+    resident: mpsc::UnboundedSender<(u32, u32)>,
+    back: mpsc::UnboundedSender<(u32, LlmMsg)>,
+}
+
+/// The receiving ends of [`Reports`].
+struct Inboxes {
+    round: mpsc::UnboundedReceiver<Result<Rebalance, ServeError>>,
+    mutated: mpsc::UnboundedReceiver<Mutated>,
+    resident: mpsc::UnboundedReceiver<(u32, u32)>,
+    back: mpsc::UnboundedReceiver<(u32, LlmMsg)>,
+}
+
+fn channels() -> (Reports, Inboxes) {
+    let (round, round_rx) = mpsc::unbounded_channel();
+    let (mutated, mutated_rx) = mpsc::unbounded_channel();
+    let (resident, resident_rx) = mpsc::unbounded_channel();
+    let (back, back_rx) = mpsc::unbounded_channel();
+    (
+        Reports { round, mutated, resident, back },
+        Inboxes { round: round_rx, mutated: mutated_rx, resident: resident_rx, back: back_rx },
+    )
+}
+
+/// Starts `a` in a task of its own (`(call timeout, poll interval)` from the config).
+fn act(
+    mesh: &Arc<dyn Mesh>,
+    (timeout, every): (Duration, Duration),
+    a: Action,
+    prefills: &mut JoinSet<Prefilled>,
+    tx: &Reports,
+) {
+    let mesh = mesh.clone();
+    match a {
+        Action::Prefill { req, attempt, to, split, order } => {
+            prefills.spawn(async move {
+                let r = calls::prefill(&mesh, &req, attempt, to, split, &order, timeout).await;
+                (req.id, attempt, r)
+            });
+        }
+        Action::Stop { node, req, lease } => {
+            tokio::spawn(async move {
+                let _ = mesh.call(node, &LlmMsg::Release { req, lease }, timeout).await;
+            });
+        }
+        Action::Probe { node, whole } => {
+            tokio::spawn(calls::probe(mesh, node, whole, every, timeout, tx.back.clone()));
+        }
+        Action::Follow { node } => {
+            tokio::spawn(calls::follow(mesh, node, every, timeout, tx.resident.clone()));
+        }
+        Action::Mutate { node, done } => {
+            let tx = tx.mutated.clone();
+            tokio::spawn(async move {
+                let r = match mesh.call(node, &LlmMsg::Mutate, timeout).await {
+                    Ok(LlmMsg::Ack) => Ok(()),
+                    other => Err(format!("{other:?}")),
+                };
+                let _ = tx.send((node, r, done));
+            });
+        }
+        Action::Rebalance { nodes, config, done } => {
+            let tx = tx.round.clone();
+            tokio::spawn(async move {
+                let r = rebalance(&mesh, &nodes, &config, timeout).await;
+                match done {
+                    Some(done) => drop(done.send(r.map_err(|e| e.to_string()))),
+                    None => drop(tx.send(r)),
+                }
+            });
+        }
     }
 }

@@ -1,29 +1,37 @@
-//! The router's state and what it does on each event; [`super::run`] is its loop.
+//! The router's state and what it does on each event, sans IO: each handler updates the state
+//! and queues [`Action`]s — the calls to make — which [`super::run`]'s loop carries out, each in
+//! a task of its own, reporting back as events.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cascade_transport::{Mesh, NodeId, PeerEvent, ServiceExt};
+use cascade_transport::metrics::Metrics;
+use cascade_transport::{NodeId, PeerEvent};
 use tokio::sync::{mpsc, oneshot};
-use tokio::task::JoinSet;
 use tracing::{debug, info, warn};
 
-use super::calls::{follow, prefill, probe};
 use super::{GenAnswer, GenRequest, PdCmd, PdRouterConfig, RouterStats};
-use crate::pd::migrate::{rebalance, Rebalance};
-use crate::pd::proto::{LlmMsg, Role};
+use crate::pd::migrate::{Rebalance, RebalanceConfig};
+use crate::pd::proto::{LlmMsg, Role, Split};
 use crate::serve::{Dispatcher, ServeError};
 
-/// A mutation's answer: the node, the outcome, and whom to tell.
-pub(super) type Mutated = (u32, Result<(), String>, oneshot::Sender<Result<(), String>>);
-
-/// Where the router's tasks report (see [`super::run`]).
-pub(super) struct Reports {
-    pub(super) round_tx: mpsc::UnboundedSender<Result<Rebalance, ServeError>>,
-    pub(super) mutated_tx: mpsc::UnboundedSender<Mutated>,
-    pub(super) res_tx: mpsc::UnboundedSender<(u32, u32)>,
-    pub(super) back_tx: mpsc::UnboundedSender<(u32, LlmMsg)>,
+/// A call the router makes (the loop runs each in a task; see [`super::run`]).
+pub(super) enum Action {
+    /// Attempt `attempt` of `req`: KV reserved on the first of `order` with room, the prefill on
+    /// `to`; its [`Outcome`] comes back as [`Routing::prefilled`].
+    Prefill { req: GenRequest, attempt: u32, to: u32, split: Option<Split>, order: Vec<u32> },
+    /// `Release` `req`'s `lease` on `node`: stops a decode of an attempt given up on.
+    Stop { node: u32, req: u64, lease: u64 },
+    /// Ask gone `node` until it can serve again (`whole`: only once it holds every stage); its
+    /// state comes back as [`Routing::back`].
+    Probe { node: u32, whole: bool },
+    /// Follow the arriving instance `node`'s resident stages ([`Routing::resident`]).
+    Follow { node: u32 },
+    /// Turn `node` into a decode instance; the answer comes back as [`Routing::mutated`].
+    Mutate { node: u32, done: oneshot::Sender<Result<(), String>> },
+    /// A co-migration round over `nodes`: for a command (`done` told its outcome), or the
+    /// monitor's (`done` is `None`; its outcome comes back as [`Routing::round_done`]).
+    Rebalance { nodes: Vec<u32>, config: RebalanceConfig, done: Option<oneshot::Sender<Result<Rebalance, String>>> },
 }
 
 /// A request not answered yet.
@@ -84,7 +92,6 @@ pub(super) type Prefilled = (u64, u32, Outcome);
 
 /// The router's state between two events.
 pub(super) struct Routing {
-    mesh: Arc<dyn Mesh>,
     cfg: PdRouterConfig,
     d: Dispatcher,
     /// Instances gone (until they can serve again).
@@ -93,8 +100,6 @@ pub(super) struct Routing {
     decode: Vec<u32>,
     next_decode: usize,
     pending: HashMap<u64, Pending>,
-    /// Prefill calls in flight.
-    pub(super) tasks: JoinSet<Prefilled>,
     /// Requests to dispatch again, and when.
     delayed: Vec<(Instant, u64)>,
     /// The arriving prefill instance.
@@ -105,37 +110,36 @@ pub(super) struct Routing {
     /// The stats and queue as the node's metrics last showed them.
     published: (RouterStats, usize),
     answers: mpsc::UnboundedSender<GenAnswer>,
-    reports: Reports,
+    /// Calls to make, in order.
+    actions: Vec<Action>,
 }
 
 impl Routing {
-    pub(super) fn new(
-        mesh: Arc<dyn Mesh>,
-        cfg: PdRouterConfig,
-        answers: mpsc::UnboundedSender<GenAnswer>,
-        reports: Reports,
-    ) -> Routing {
+    pub(super) fn new(cfg: PdRouterConfig, answers: mpsc::UnboundedSender<GenAnswer>) -> Routing {
         let mut d = Dispatcher::new(cfg.dispatch);
         for &n in &cfg.more_prefill {
             d.serving(n);
         }
         Routing {
-            mesh,
             d,
             gone: HashSet::new(),
             decode: cfg.decode.clone(),
             next_decode: 0,
             pending: HashMap::new(),
-            tasks: JoinSet::new(),
             delayed: Vec::new(),
             scaling: None,
             next_round: cfg.monitor.as_ref().map(|m| Instant::now() + m.every),
             stats: RouterStats::default(),
             published: (RouterStats::default(), 0),
             answers,
-            reports,
+            actions: Vec::new(),
             cfg,
         }
+    }
+
+    /// The calls to make now.
+    pub(super) fn actions(&mut self) -> Vec<Action> {
+        std::mem::take(&mut self.actions)
     }
 
     /// Every request is answered.
@@ -155,11 +159,7 @@ impl Routing {
             let n = self.decode.len();
             let order: Vec<u32> = (0..n).map(|i| self.decode[(self.next_decode + i) % n]).collect();
             self.next_decode = self.next_decode.wrapping_add(1);
-            let (mesh, req, timeout) = (self.mesh.clone(), p.req.clone(), self.cfg.call_timeout);
-            self.tasks.spawn(async move {
-                let r = prefill(&mesh, &req, attempt, x.to, x.split, &order, timeout).await;
-                (req.id, attempt, r)
-            });
+            self.actions.push(Action::Prefill { req: p.req.clone(), attempt, to: x.to, split: x.split, order });
         }
     }
 
@@ -182,37 +182,24 @@ impl Routing {
 
     pub(super) fn command(&mut self, c: PdCmd) {
         match c {
-            // No more prefills go there at once; it decodes once it says it does (the call runs
-            // in a task: the router goes on routing meanwhile).
+            // No more prefills go there at once; it decodes once it says it does.
             PdCmd::Mutate { node, done } => {
                 self.d.down(node);
-                let (mesh, timeout, tx) = (self.mesh.clone(), self.cfg.call_timeout, self.reports.mutated_tx.clone());
-                tokio::spawn(async move {
-                    let r = match mesh.call(node, &LlmMsg::Mutate, timeout).await {
-                        Ok(LlmMsg::Ack) => Ok(()),
-                        other => Err(format!("{other:?}")),
-                    };
-                    let _ = tx.send((node, r, done));
-                });
+                self.actions.push(Action::Mutate { node, done });
             }
             // Both say the node serves (again): one gone before is back for good.
             PdCmd::Scaling { node } => {
                 self.gone.remove(&node);
                 self.d.scaling(node);
                 self.scaling = Some(node);
-                let (every, limit) = (self.cfg.poll_every, self.cfg.call_timeout);
-                tokio::spawn(follow(self.mesh.clone(), node, every, limit, self.reports.res_tx.clone()));
+                self.actions.push(Action::Follow { node });
             }
             PdCmd::Decode { node } => {
                 self.gone.remove(&node);
                 self.add_decode(node);
             }
             PdCmd::Rebalance { config, done } => {
-                let (mesh, nodes, timeout) = (self.mesh.clone(), self.decode.clone(), self.cfg.call_timeout);
-                tokio::spawn(async move {
-                    let r = rebalance(&mesh, &nodes, &config, timeout).await;
-                    let _ = done.send(r.map_err(|e| e.to_string()));
-                });
+                self.actions.push(Action::Rebalance { nodes: self.decode.clone(), config, done: Some(done) });
             }
         }
     }
@@ -261,18 +248,14 @@ impl Routing {
     }
 
     /// Tells `node` to stop decoding `req` under `lease` (an attempt given up on).
-    fn stop(&self, node: u32, req: u64, lease: u64) {
-        let (mesh, timeout) = (self.mesh.clone(), self.cfg.call_timeout);
-        tokio::spawn(async move {
-            let _ = mesh.call(node, &LlmMsg::Release { req, lease }, timeout).await;
-        });
+    fn stop(&mut self, node: u32, req: u64, lease: u64) {
+        self.actions.push(Action::Stop { node, req, lease });
     }
 
-    /// Asks gone `node` until it can serve again (see [`probe`]).
-    fn probe(&self, node: u32) {
+    /// Asks gone `node` until it can serve again.
+    fn probe(&mut self, node: u32) {
         let whole = !self.d.takes_partial(node);
-        let (every, limit) = (self.cfg.poll_every, self.cfg.call_timeout);
-        tokio::spawn(probe(self.mesh.clone(), node, whole, every, limit, self.reports.back_tx.clone()));
+        self.actions.push(Action::Probe { node, whole });
     }
 
     /// Attempt `attempt` of request `id` answered its prefill call.
@@ -435,16 +418,8 @@ impl Routing {
             // Only while there is something to balance, and with two instances to balance over.
             if at <= now && self.decode.len() > 1 && !self.pending.is_empty() {
                 self.next_round = None;
-                let (mesh, nodes, rc, timeout, tx) = (
-                    self.mesh.clone(),
-                    self.decode.clone(),
-                    m.rounds.clone(),
-                    self.cfg.call_timeout,
-                    self.reports.round_tx.clone(),
-                );
-                tokio::spawn(async move {
-                    let _ = tx.send(rebalance(&mesh, &nodes, &rc, timeout).await);
-                });
+                let round = Action::Rebalance { nodes: self.decode.clone(), config: m.rounds.clone(), done: None };
+                self.actions.push(round);
             }
         }
         let d = &mut self.d;
@@ -470,18 +445,16 @@ impl Routing {
                 let _ = self.answers.send(answer(p, Ok(tokens)));
             }
         }
-        self.publish();
     }
 
-    /// Shows in the node's metrics what the stats counted since the last time, and the
+    /// Shows in `m` (the node's metrics) what the stats counted since the last time, and the
     /// requests not answered yet.
-    fn publish(&mut self) {
+    pub(super) fn publish(&mut self, m: &Metrics) {
         let now = (self.stats.clone(), self.pending.len());
         if now == self.published {
             return;
         }
         let (s, was) = (&now.0, &self.published.0);
-        let m = self.mesh.metrics();
         let count = |name, help, pairs: &[(&str, &str)], by: u64| {
             if by > 0 {
                 m.counter(name, help, pairs).inc_by(by);
@@ -511,4 +484,161 @@ fn answer(p: Pending, result: Result<Vec<u32>, String>) -> GenAnswer {
         last = Some(*at);
     }
     GenAnswer { id: p.req.id, result, ttft, gaps, prefill: p.prefill, decode: p.decode, attempts: p.attempts }
+}
+
+#[cfg(test)]
+mod tests {
+    use cascade_transport::service::{ServiceFault, ServiceId};
+    use cascade_transport::TransportError;
+
+    use super::*;
+    use crate::serve::{DispatchConfig, LivePolicy};
+
+    /// A router with prefill instances 1 (old) and `more`, decode instances 2 and 3.
+    fn routing(more: Vec<u32>) -> (Routing, mpsc::UnboundedReceiver<GenAnswer>) {
+        let cfg = PdRouterConfig {
+            dispatch: DispatchConfig {
+                policy: LivePolicy::Zigzag,
+                layers: 4,
+                old: 1,
+                per_instance: 2,
+                max_coop: 4,
+                load_ratio: 2,
+            },
+            more_prefill: more,
+            decode: vec![2, 3],
+            call_timeout: Duration::from_secs(10),
+            poll_every: Duration::from_millis(10),
+            max_attempts: 4,
+            retry_after: Duration::ZERO,
+            monitor: None,
+        };
+        let (tx, rx) = mpsc::unbounded_channel();
+        (Routing::new(cfg, tx), rx)
+    }
+
+    fn request(r: &mut Routing, id: u64) {
+        r.arrive(GenRequest { id, prompt: vec![1, 2, 3], max_tokens: 3, adapter: 0 });
+    }
+
+    /// The calls `r` names now that `pick` picks.
+    fn taken<T>(r: &mut Routing, pick: impl FnMut(Action) -> Option<T>) -> Vec<T> {
+        r.actions().into_iter().filter_map(pick).collect()
+    }
+
+    /// The prefills dispatched now: (request, attempt, prefill node).
+    fn prefills(r: &mut Routing) -> Vec<(u64, u32, u32)> {
+        r.dispatch();
+        taken(r, |a| match a {
+            Action::Prefill { req, attempt, to, .. } => Some((req.id, attempt, to)),
+            _ => None,
+        })
+    }
+
+    fn token(req: u64, attempt: u32, index: u32, token: u32, done: bool) -> LlmMsg {
+        LlmMsg::Token { req, attempt, lease: 40 + u64::from(attempt), index, token, done }
+    }
+
+    fn decoding(node: u32, attempt: u32) -> Outcome {
+        Outcome::Done { first: 7, decoding: true, on_first: 0, node, lease: 40 + u64::from(attempt) }
+    }
+
+    #[test]
+    fn only_the_awaited_attempts_tokens_make_the_answer_and_a_stale_decode_is_stopped() {
+        let (mut r, mut answers) = routing(vec![]);
+        request(&mut r, 5);
+        assert_eq!(prefills(&mut r), vec![(5, 1, 1)]);
+        r.prefilled(5, 1, decoding(2, 1));
+        // Attempt 1 decodes on node 2; a decode of attempt 0 (given up on) streams from node 3.
+        r.message(3, token(5, 0, 1, 666, false));
+        r.message(2, token(5, 1, 1, 8, false));
+        r.message(3, token(5, 0, 2, 667, false));
+        r.message(2, token(5, 1, 2, 9, true));
+        r.after(Instant::now());
+        let a = answers.try_recv().unwrap();
+        assert_eq!((a.result, a.decode, a.attempts), (Ok(vec![7, 8, 9]), 2, 1));
+        assert_eq!(r.stats.stale_tokens, 2);
+        let stops = taken(&mut r, |a| match a {
+            Action::Stop { node, req, lease } => Some((node, req, lease)),
+            _ => None,
+        });
+        assert_eq!(stops, vec![(3, 5, 40), (3, 5, 40)], "each stale token asks its decode to stop");
+        // Late tokens of the answered request are stale too.
+        r.message(2, token(5, 1, 3, 10, false));
+        assert_eq!(r.stats.stale_tokens, 3);
+    }
+
+    #[test]
+    fn an_abort_of_another_attempt_changes_nothing_and_one_of_this_attempt_redoes_it() {
+        let (mut r, mut answers) = routing(vec![]);
+        request(&mut r, 1);
+        prefills(&mut r);
+        r.prefilled(1, 1, decoding(2, 1));
+        r.message(3, LlmMsg::Abort { req: 1, attempt: 0, message: "stale".into() });
+        assert_eq!((r.stats.requeued, prefills(&mut r)), (0, vec![]));
+        r.message(2, token(1, 1, 1, 8, false));
+        r.message(2, LlmMsg::Abort { req: 1, attempt: 1, message: "step failed".into() });
+        assert_eq!((r.stats.requeued, prefills(&mut r)), (1, vec![(1, 2, 1)]));
+        // The first attempt's tokens do not count for the second.
+        r.prefilled(1, 2, decoding(3, 2));
+        r.message(2, token(1, 1, 2, 9, true));
+        r.message(3, token(1, 2, 1, 18, false));
+        r.message(3, token(1, 2, 2, 19, true));
+        r.after(Instant::now());
+        let a = answers.try_recv().unwrap();
+        assert_eq!((a.result, a.decode, a.attempts), (Ok(vec![7, 18, 19]), 3, 2));
+    }
+
+    #[test]
+    fn an_abort_before_the_prefill_answered_redoes_the_request_once_the_answer_comes() {
+        let (mut r, _answers) = routing(vec![]);
+        request(&mut r, 1);
+        prefills(&mut r);
+        r.message(2, LlmMsg::Abort { req: 1, attempt: 1, message: "step failed".into() });
+        // Not beside the attempt still in flight.
+        assert_eq!(prefills(&mut r), vec![]);
+        r.prefilled(1, 1, decoding(2, 1));
+        let stop = r.actions().into_iter().any(|a| matches!(a, Action::Stop { node: 2, req: 1, lease: 41 }));
+        assert!(stop, "the aborted attempt's decode, if it still runs, is stopped");
+        r.after(Instant::now());
+        assert_eq!((r.stats.requeued, prefills(&mut r)), (1, vec![(1, 2, 1)]));
+    }
+
+    #[test]
+    fn a_node_that_runs_no_service_is_gone_and_probed_and_comes_back_whole() {
+        let (mut r, _answers) = routing(vec![4]);
+        request(&mut r, 1);
+        request(&mut r, 2);
+        request(&mut r, 3);
+        let sent = prefills(&mut r);
+        let (id, attempt, _) = *sent.iter().find(|p| p.2 == 4).expect("node 4 takes a prefill");
+        let fault = TransportError::Service { peer: 4, service: ServiceId::LLM, fault: ServiceFault::UnknownService };
+        r.prefilled(id, attempt, Outcome::Failed(fault.into()));
+        let probes = taken(&mut r, |a| match a {
+            Action::Probe { node, whole } => Some((node, whole)),
+            _ => None,
+        });
+        assert_eq!(probes, vec![(4, true)]);
+        r.after(Instant::now());
+        assert!(prefills(&mut r).iter().all(|p| p.2 != 4), "nothing more goes to node 4");
+        // Back with every stage: it prefills again.
+        r.back(4, LlmMsg::State { role: Role::Prefill, resident: 4, layers: 4, running: 0, free_pages: 0 });
+        for id in 10..16 {
+            request(&mut r, id);
+        }
+        assert!(prefills(&mut r).iter().any(|p| p.2 == 4), "node 4 prefills again");
+    }
+
+    #[test]
+    fn back_pressure_retries_without_spending_attempts() {
+        let (mut r, _answers) = routing(vec![]);
+        request(&mut r, 1);
+        prefills(&mut r);
+        for attempt in 2..10 {
+            r.prefilled(1, attempt - 1, Outcome::Busy("full".into()));
+            r.after(Instant::now());
+            assert_eq!(prefills(&mut r), vec![(1, attempt, 1)]);
+        }
+        assert_eq!((r.stats.failed, r.stats.requeued), (0, 0));
+    }
 }
