@@ -268,8 +268,7 @@ impl Routing {
                 self.stop(node, id, lease);
             }
             if current.is_none() {
-                self.stats.requeued += 1;
-                self.delayed.push((Instant::now(), id));
+                self.redo_after(id, Duration::ZERO);
             }
             return;
         }
@@ -287,8 +286,7 @@ impl Routing {
                 if let Some(p) = self.pending.get_mut(&id) {
                     p.forget();
                 }
-                self.stats.requeued += 1;
-                self.delayed.push((Instant::now(), id));
+                self.redo_after(id, Duration::ZERO);
             }
             Outcome::Done { first, decoding, on_first, node, .. } => {
                 self.d.done(id);
@@ -318,7 +316,8 @@ impl Routing {
         }
         let Some(p) = self.pending.get_mut(&id) else { return };
         debug!(req = id, attempts = p.attempts, error = %e, "prefill failed");
-        p.current = None;
+        // Its decode may have started and streamed before the call failed: none of it counts.
+        p.forget();
         if p.attempts >= self.cfg.max_attempts || matches!(e, ServeError::Input(_)) {
             self.d.done(id);
             if let Some(p) = self.pending.remove(&id) {
@@ -326,9 +325,14 @@ impl Routing {
                 let _ = self.answers.send(answer(p, Err(e.to_string())));
             }
         } else {
-            self.stats.requeued += 1;
-            self.delayed.push((Instant::now() + self.cfg.retry_after, id));
+            self.redo_after(id, self.cfg.retry_after);
         }
+    }
+
+    /// Request `id`, its attempt given up on, is dispatched again `after` from now (counted).
+    fn redo_after(&mut self, id: u64, after: Duration) {
+        self.stats.requeued += 1;
+        self.delayed.push((Instant::now() + after, id));
     }
 
     /// `node` is gone: no more prefills or decodes go there, and every request decoding there is
@@ -627,6 +631,27 @@ mod tests {
             request(&mut r, id);
         }
         assert!(prefills(&mut r).iter().any(|p| p.2 == 4), "node 4 prefills again");
+    }
+
+    #[test]
+    fn tokens_of_an_attempt_whose_call_failed_are_not_part_of_the_redone_answer() {
+        let (mut r, mut answers) = routing(vec![]);
+        request(&mut r, 1);
+        prefills(&mut r);
+        // Attempt 1's decode started and streamed three tokens; then its call timed out.
+        for i in 1..=3 {
+            r.message(2, token(1, 1, i, 100 + i, false));
+        }
+        let timeout = ServeError::Peer("prefill call timed out".into());
+        r.prefilled(1, 1, Outcome::Failed(timeout));
+        r.after(Instant::now());
+        assert_eq!(prefills(&mut r), vec![(1, 2, 1)]);
+        // Attempt 2 ends at its first decoded token.
+        r.prefilled(1, 2, decoding(3, 2));
+        r.message(3, token(1, 2, 1, 8, true));
+        r.after(Instant::now());
+        let a = answers.try_recv().unwrap();
+        assert_eq!((a.result, a.gaps.len(), a.attempts), (Ok(vec![7, 8]), 1, 2));
     }
 
     #[test]
