@@ -117,6 +117,7 @@ fn serve_sim_prints_the_contract_fields() {
             "gpu_seconds",
             "host_cache_gb_avg",
             "scale_events",
+            "over_context",
         ] {
             assert!(v[k].as_f64().is_some(), "{system}: missing {k} in {v}");
         }
@@ -126,6 +127,10 @@ fn serve_sim_prints_the_contract_fields() {
     let out = Command::new(env!("CARGO_BIN_EXE_serve-sim")).args(["--system", "vllm", "--json"]).output().unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("unknown system"));
+    let out =
+        Command::new(env!("CARGO_BIN_EXE_serve-sim")).args(["--over-context", "truncate", "--json"]).output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("clip, refuse, keep"));
 }
 
 #[test]

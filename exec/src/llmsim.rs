@@ -13,6 +13,9 @@
 //!   stop-the-world.
 //! - **allcache**: every host caches every model; PCIe loads, stop-the-world.
 //!
+//! A request longer than the model's context window is clipped, refused or kept whole, as
+//! [`OverContext`] says (the trace was recorded on models with longer windows than Llama-2's).
+//!
 //! Deterministic: no clock, no randomness (the trace is the input). See [`Profile`] for the cost
 //! model and its sources, `autoscale` for the load monitor's rule, [`SimReport`] for the metrics.
 //!
@@ -25,11 +28,13 @@
 //! each GPU's shard as its own multicast.
 
 mod autoscale;
+mod context;
 mod engine;
 mod report;
 #[cfg(test)]
 mod tests;
 
+pub use context::OverContext;
 pub use report::{Histogram, SimReport, TimelinePoint};
 
 /// How a system loads parameters and whether it scales live (see the module docs).
@@ -85,7 +90,8 @@ impl std::str::FromStr for System {
 /// iteration) growing 0.12 ms per running sequence; KV 0.5 MiB per token (2 · 32 layers · 4096 ·
 /// fp16). Llama-2-70B on 4 GPUs (tensor parallel, the paper's minimum): 30 ms plus 0.16 ms per
 /// prompt token, decode 40 ms plus 0.3 ms per sequence, 140 GB of fp16 parameters, KV 0.31 MiB per token
-/// (GQA, 8 KV heads · 128 · 80 layers · 2 · fp16). SLOs are the issue's: 450 ms TTFT / 150 ms TBT
+/// (GQA, 8 KV heads · 128 · 80 layers · 2 · fp16). Both have Llama-2's context window of 4,096
+/// tokens (`max_position_embeddings` in their configs), prompt and output together. SLOs are the issue's: 450 ms TTFT / 150 ms TBT
 /// (7B), 1250 / 200 ms (70B).
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct Profile {
@@ -107,6 +113,8 @@ pub struct Profile {
     pub kv_bytes_per_token: u64,
     /// KV-cache tokens one instance holds.
     pub kv_capacity_tokens: u64,
+    /// The context window: prompt and output tokens of one request together.
+    pub context_tokens: u64,
     /// Largest prefill batch, tokens.
     pub max_prefill_tokens: u64,
     /// Largest decode batch, sequences.
@@ -130,6 +138,7 @@ impl Profile {
             decode_per_seq_ms: 0.12,
             kv_bytes_per_token: 512 << 10,
             kv_capacity_tokens: 120_000,
+            context_tokens: 4096,
             max_prefill_tokens: 4096,
             max_decode_batch: 128,
             ttft_slo_ms: 450.0,
@@ -149,6 +158,7 @@ impl Profile {
             decode_per_seq_ms: 0.3,
             kv_bytes_per_token: 320 << 10,
             kv_capacity_tokens: 400_000,
+            context_tokens: 4096,
             max_prefill_tokens: 4096,
             max_decode_batch: 128,
             ttft_slo_ms: 1250.0,
@@ -283,11 +293,14 @@ pub struct SimConfig {
     pub initial: (usize, usize),
     /// Width of the timeline's bins, ms.
     pub timeline_bin_ms: f64,
+    /// What becomes of a request longer than the model's context window.
+    pub over_context: OverContext,
 }
 
 impl SimConfig {
     /// The defaults for `system` and `profile`: the paper's cluster A, a 5-minute keep-alive,
-    /// release after 30 s idle, one prefill and one decode instance at the start, 1 s bins.
+    /// release after 30 s idle, one prefill and one decode instance at the start, 1 s bins,
+    /// prompts longer than the context window clipped.
     pub fn new(system: System, profile: Profile) -> SimConfig {
         SimConfig {
             system,
@@ -297,6 +310,7 @@ impl SimConfig {
             scale_in_idle_s: 30.0,
             initial: (1, 1),
             timeline_bin_ms: 1000.0,
+            over_context: OverContext::Clip,
         }
     }
 }
@@ -318,6 +332,10 @@ pub fn simulate(cfg: &SimConfig, trace: &[TraceRequest]) -> Result<SimOutcome, S
     if trace.is_empty() {
         return Err("an empty trace".into());
     }
+    let (trace, over_context) = context::fit(trace, cfg.profile.context_tokens, cfg.over_context);
+    if trace.is_empty() {
+        return Err(format!("every request is longer than {}'s context window", cfg.profile.name));
+    }
     let cap = cfg.profile.kv_capacity_tokens;
     if let Some((i, r)) = trace.iter().enumerate().find(|(_, r)| r.prompt_tokens + r.output_tokens > cap) {
         return Err(format!(
@@ -326,6 +344,11 @@ pub fn simulate(cfg: &SimConfig, trace: &[TraceRequest]) -> Result<SimOutcome, S
             cfg.profile.name
         ));
     }
-    let (report, timeline, ttft, tbt) = engine::Sim::new(cfg, trace)?.run();
+    let (mut report, timeline, ttft, tbt) = engine::Sim::new(cfg, &trace)?.run();
+    report.over_context = over_context;
+    if cfg.over_context == OverContext::Refuse {
+        // The refused requests arrived and were not served: each missed its SLO.
+        report.slo_attainment *= report.requests as f64 / (report.requests + over_context) as f64;
+    }
     Ok(SimOutcome { report, timeline, ttft, tbt })
 }

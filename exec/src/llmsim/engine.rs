@@ -654,6 +654,8 @@ impl<'a> Sim<'a> {
             system: self.cfg.system,
             model: self.cfg.profile.name.to_string(),
             requests: self.reqs.len(),
+            over_context: 0,
+            over_context_policy: self.cfg.over_context,
             ttft_p50_ms: self.ttft.quantile(0.5),
             ttft_p99_ms: self.ttft.quantile(0.99),
             ttft_mean_ms: self.ttft.mean(),

@@ -83,8 +83,14 @@ pub struct SimReport {
     pub system: System,
     /// The model profile.
     pub model: String,
-    /// Requests served (all of the trace's; none is dropped).
+    /// Requests served: the trace's, less those refused for the context window
+    /// ([`OverContext::Refuse`](super::OverContext)).
     pub requests: usize,
+    /// Requests whose prompt and output exceed the model's context window: clipped, refused or
+    /// kept whole, as [`over_context_policy`](Self::over_context_policy) says.
+    pub over_context: usize,
+    /// What became of them.
+    pub over_context_policy: super::OverContext,
     /// Time to first token, median, ms.
     pub ttft_p50_ms: f64,
     /// Time to first token, 99th percentile, ms.
@@ -102,7 +108,8 @@ pub struct SimReport {
     pub tbt_p99_ms: f64,
     /// Time between tokens, mean, ms.
     pub tbt_mean_ms: f64,
-    /// Requests whose TTFT and mean TBT both met the SLOs, as a fraction.
+    /// Requests whose TTFT and mean TBT both met the SLOs, as a fraction of the requests that
+    /// arrived (a refused one counts as missing them).
     pub slo_attainment: f64,
     /// GPU time held by instances (loading or serving), seconds.
     pub gpu_seconds: f64,

@@ -39,10 +39,11 @@ fn every_request_is_served_and_runs_are_deterministic() {
 
 #[test]
 fn the_ttft_floor_is_each_prompts_own_prefill() {
-    // Prompts of 256..7,256 tokens, lightly loaded: the floor is the p99 of prefill_ms(prompt).
+    // Prompts of 256..4,056 tokens (within the context window), lightly loaded: the floor is the
+    // p99 of prefill_ms(prompt).
     let p = Profile::llama2_7b();
     let trace: Vec<TraceRequest> = (0..400u64)
-        .map(|i| TraceRequest { at_ms: i as f64 * 200.0, prompt_tokens: 256 + (i * 7_919) % 7_001, output_tokens: 4 })
+        .map(|i| TraceRequest { at_ms: i as f64 * 200.0, prompt_tokens: 256 + (i * 7_919) % 3_801, output_tokens: 4 })
         .collect();
     let mut own: Vec<f64> = trace.iter().map(|r| p.prefill_ms(r.prompt_tokens)).collect();
     own.sort_by(f64::total_cmp);
@@ -54,6 +55,33 @@ fn the_ttft_floor_is_each_prompts_own_prefill() {
         let least = if s == System::Blitz { 0.5 * want } else { want };
         assert!(r.ttft_p99_ms >= least - 1e-9, "{s:?}: p99 {} below the floor {want}", r.ttft_p99_ms);
     }
+}
+
+#[test]
+fn requests_over_the_context_window_are_clipped_refused_or_kept_as_asked() {
+    // Every fourth prompt is 6,000 tokens, past Llama-2's 4,096; lightly loaded.
+    let p = Profile::llama2_7b();
+    let trace: Vec<TraceRequest> = (0..200u64)
+        .map(|i| TraceRequest {
+            at_ms: i as f64 * 500.0,
+            prompt_tokens: if i % 4 == 0 { 6_000 } else { 1_000 },
+            output_tokens: 8,
+        })
+        .collect();
+    let clip = run(System::Blitz, &trace, |_| {});
+    assert_eq!((clip.requests, clip.over_context, clip.over_context_policy), (200, 50, OverContext::Clip));
+    assert!((clip.ttft_floor_p99_ms - p.prefill_ms(4_088)).abs() < 1e-9, "{}", clip.ttft_floor_p99_ms);
+    let keep = run(System::Blitz, &trace, |c| c.over_context = OverContext::Keep);
+    assert_eq!((keep.requests, keep.over_context), (200, 50));
+    assert!((keep.ttft_floor_p99_ms - p.prefill_ms(6_000)).abs() < 1e-9, "{}", keep.ttft_floor_p99_ms);
+    let refuse = run(System::Blitz, &trace, |c| c.over_context = OverContext::Refuse);
+    assert_eq!((refuse.requests, refuse.over_context), (150, 50));
+    assert!((refuse.ttft_floor_p99_ms - p.prefill_ms(1_000)).abs() < 1e-9, "{}", refuse.ttft_floor_p99_ms);
+    // The refused quarter missed its SLO; the rest, lightly loaded, met it.
+    assert!(refuse.slo_attainment <= 0.75 + 1e-12 && refuse.slo_attainment > 0.7, "{}", refuse.slo_attainment);
+    let all_long: Vec<TraceRequest> = trace.iter().map(|r| TraceRequest { prompt_tokens: 6_000, ..*r }).collect();
+    let cfg = SimConfig { over_context: OverContext::Refuse, ..SimConfig::new(System::Blitz, p) };
+    assert!(simulate(&cfg, &all_long).err().is_some_and(|e| e.contains("context window")));
 }
 
 #[test]
@@ -158,8 +186,11 @@ fn traces_parse_rescale_and_refuse_garbage() {
     assert!(parse_trace(text, 0.0).is_err());
     assert!(parse_trace("TIMESTAMP,ContextTokens,GeneratedTokens\n", 1.0).is_err());
     let huge = [TraceRequest { at_ms: 0.0, prompt_tokens: 200_000, output_tokens: 1 }];
-    let e = simulate(&SimConfig::new(System::Blitz, Profile::llama2_7b()), &huge).err().unwrap();
+    // Past the KV capacity only when kept whole past the context window; clipped it runs.
+    let keep = SimConfig { over_context: OverContext::Keep, ..SimConfig::new(System::Blitz, Profile::llama2_7b()) };
+    let e = simulate(&keep, &huge).err().unwrap();
     assert!(e.contains("request 0 needs 200001 KV tokens"), "{e}");
+    assert_eq!(simulate(&SimConfig::new(System::Blitz, Profile::llama2_7b()), &huge).unwrap().report.over_context, 1);
     assert!("blitz".parse::<System>().is_ok() && "nope".parse::<System>().is_err());
 }
 
