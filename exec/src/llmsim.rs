@@ -34,6 +34,7 @@ mod report;
 #[cfg(test)]
 mod tests;
 
+pub use autoscale::UTILISATION;
 pub use context::OverContext;
 pub use report::{Histogram, SimReport, TimelinePoint};
 
@@ -295,12 +296,15 @@ pub struct SimConfig {
     pub timeline_bin_ms: f64,
     /// What becomes of a request longer than the model's context window.
     pub over_context: OverContext,
+    /// The load monitor's target utilisation of prefill instances, in (0, 1] (`autoscale`).
+    pub prefill_utilisation: f64,
 }
 
 impl SimConfig {
     /// The defaults for `system` and `profile`: the paper's cluster A, a 5-minute keep-alive,
     /// release after 30 s idle, one prefill and one decode instance at the start, 1 s bins,
-    /// prompts longer than the context window clipped.
+    /// prompts longer than the context window clipped, prefill instances wanted at
+    /// [`UTILISATION`].
     pub fn new(system: System, profile: Profile) -> SimConfig {
         SimConfig {
             system,
@@ -311,6 +315,7 @@ impl SimConfig {
             initial: (1, 1),
             timeline_bin_ms: 1000.0,
             over_context: OverContext::Clip,
+            prefill_utilisation: UTILISATION,
         }
     }
 }
@@ -331,6 +336,10 @@ pub struct SimOutcome {
 pub fn simulate(cfg: &SimConfig, trace: &[TraceRequest]) -> Result<SimOutcome, String> {
     if trace.is_empty() {
         return Err("an empty trace".into());
+    }
+    let u = cfg.prefill_utilisation;
+    if !(u.is_finite() && u > 0.0 && u <= 1.0) {
+        return Err(format!("a prefill utilisation of {u}: it must be in (0, 1]"));
     }
     let (trace, over_context) = context::fit(trace, cfg.profile.context_tokens, cfg.over_context);
     if trace.is_empty() {

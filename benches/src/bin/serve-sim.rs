@@ -37,6 +37,10 @@ struct Cli {
     /// window were larger (not what Llama-2 can do; the behaviour before the window was modelled).
     #[arg(long, default_value = "clip")]
     over_context: OverContext,
+    /// The load monitor's target utilisation of prefill instances, in (0, 1]: lower starts
+    /// instances earlier, at more GPU time.
+    #[arg(long, default_value_t = cascade_exec::llmsim::UTILISATION)]
+    utilisation: f64,
     /// Keep only the first this many seconds of the (rescaled) trace.
     #[arg(long)]
     duration_s: Option<f64>,
@@ -65,6 +69,7 @@ fn config(c: &Cli, system: System) -> anyhow::Result<SimConfig> {
     }
     cfg.hardware.hosts = c.hosts;
     cfg.over_context = c.over_context;
+    cfg.prefill_utilisation = c.utilisation;
     Ok(cfg)
 }
 

@@ -469,7 +469,7 @@ impl<'a> Sim<'a> {
             backlog_tokens: self.prefill_queue.iter().map(|&r| self.reqs[r].t.prompt_tokens).sum(),
             decode_seqs,
         };
-        let (want_p, want_d) = wanted(&self.cfg.profile, load);
+        let (want_p, want_d) = wanted(&self.cfg.profile, self.cfg.prefill_utilisation, load);
         // Decode first: blitz mutates spare prefill instances (they keep their parameters).
         let mut short_d = want_d.saturating_sub(self.count(Role::Decode));
         if self.cfg.system == System::Blitz && short_d > 0 {
@@ -656,6 +656,7 @@ impl<'a> Sim<'a> {
             requests: self.reqs.len(),
             over_context: 0,
             over_context_policy: self.cfg.over_context,
+            prefill_utilisation: self.cfg.prefill_utilisation,
             ttft_p50_ms: self.ttft.quantile(0.5),
             ttft_p99_ms: self.ttft.quantile(0.99),
             ttft_mean_ms: self.ttft.mean(),

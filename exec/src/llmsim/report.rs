@@ -91,6 +91,8 @@ pub struct SimReport {
     pub over_context: usize,
     /// What became of them.
     pub over_context_policy: super::OverContext,
+    /// The load monitor's target utilisation of prefill instances.
+    pub prefill_utilisation: f64,
     /// Time to first token, median, ms.
     pub ttft_p50_ms: f64,
     /// Time to first token, 99th percentile, ms.

@@ -1,4 +1,4 @@
-use super::autoscale::{wanted, Load};
+use super::autoscale::{wanted, Load, UTILISATION};
 use super::*;
 
 /// Evenly spaced requests: `rate` per second for `secs` seconds from `from_s`.
@@ -163,10 +163,13 @@ fn the_load_monitor_rule() {
     let p = Profile::llama2_7b();
     let cap = p.prefill_capacity();
     let idle = Load { recent_prompt_tokens: 0, backlog_tokens: 0, decode_seqs: 0 };
+    let wanted = |p: &Profile, l| wanted(p, UTILISATION, l);
     assert_eq!(wanted(&p, idle), (1, 1));
     // Two seconds at 2.4 instances' capacity → 3 at 80%.
     let busy = Load { recent_prompt_tokens: (2.0 * 2.4 * cap * 0.8) as u64, backlog_tokens: 0, decode_seqs: 0 };
     assert_eq!(wanted(&p, busy).0, 3);
+    // At a 40% target the same load wants twice the instances: ⌈4.8⌉.
+    assert_eq!(super::autoscale::wanted(&p, 0.4, busy).0, 5);
     // A backlog adds what drains it in two seconds.
     let backlog = Load { backlog_tokens: (2.0 * cap * 0.8) as u64 + 1, ..busy };
     assert_eq!(wanted(&p, backlog).0, 4);
@@ -192,6 +195,13 @@ fn traces_parse_rescale_and_refuse_garbage() {
     assert!(e.contains("request 0 needs 200001 KV tokens"), "{e}");
     assert_eq!(simulate(&SimConfig::new(System::Blitz, Profile::llama2_7b()), &huge).unwrap().report.over_context, 1);
     assert!("blitz".parse::<System>().is_ok() && "nope".parse::<System>().is_err());
+    let small = [TraceRequest { at_ms: 0.0, prompt_tokens: 100, output_tokens: 1 }];
+    for u in [0.0, -0.5, 1.5, f64::NAN] {
+        let cfg = SimConfig { prefill_utilisation: u, ..SimConfig::new(System::Blitz, Profile::llama2_7b()) };
+        assert!(simulate(&cfg, &small).err().is_some_and(|e| e.contains("utilisation")), "{u}");
+    }
+    let cfg = SimConfig { prefill_utilisation: 0.5, ..SimConfig::new(System::Blitz, Profile::llama2_7b()) };
+    assert_eq!(simulate(&cfg, &small).unwrap().report.prefill_utilisation, 0.5);
 }
 
 #[test]
