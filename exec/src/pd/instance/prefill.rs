@@ -1,12 +1,13 @@
 //! The prefill side of an instance: a prompt's stages (all, or the first ones of a split),
-//! its KV moved to the decode instance's pages, and `Start` there.
+//! its KV moved to the decode instance's pages, and `Start` there, riding behind the KV's
+//! WRITEs.
 
 use std::ops::Range;
 use std::sync::Arc;
 
 use cascade_transport::ServiceExt;
 
-use super::transfer::move_kv;
+use super::transfer::{move_kv, stage_kv};
 use super::{lock, run, with_model, Shared};
 use crate::llama::generate::argmax;
 use crate::pd::proto::{LlmMsg, Role};
@@ -62,15 +63,20 @@ pub(super) async fn prefill(sh: &Arc<Shared>, msg: LlmMsg) -> Result<LlmMsg, Ser
         None => layers,
     };
     let out = run(sh, act, stop).await;
-    let moved = match &out {
-        Ok(_) => move_kv(sh, seq, blocks(from..stop, sh.layout.blocks), &kv).await,
-        Err(_) => Ok(Vec::new()),
+    let blocks = blocks(from..stop, sh.layout.blocks);
+    let free = || with_model(sh, move |m| m.free(seq));
+    let out = match out {
+        Ok(out) => out,
+        Err(e) => {
+            // The stages' error is the one to report.
+            let _freed = free().await;
+            return Err(e);
+        }
     };
-    let seq_freed = with_model(sh, move |m| m.free(seq)).await;
-    let out = out?;
-    crcs.extend(moved?);
-    seq_freed?;
     if let Some(s) = split {
+        let moved = move_kv(sh, seq, blocks, &kv).await;
+        free().await?;
+        crcs.extend(moved?);
         let cont = LlmMsg::Continue { req, attempt, act: out.to_bytes()?, max_tokens, kv, router, crcs };
         return match sh.mesh.call(s.then, &cont, sh.cfg.op_timeout).await? {
             LlmMsg::Prefilled { req, first, decoding, .. } => {
@@ -81,16 +87,26 @@ pub(super) async fn prefill(sh: &Arc<Shared>, msg: LlmMsg) -> Result<LlmMsg, Ser
     }
     let first = argmax(&out)?.first().copied().ok_or_else(|| ServeError::Protocol("no logits".into()))?;
     let decoding = first != sh.model.config.eos_token_id && max_tokens > 1;
-    if decoding {
-        let lease = kv.lease;
-        let start = LlmMsg::Start { req, attempt, lease, crcs, prompt_len, first, max_tokens, router, adapter };
-        match sh.mesh.call(kv.node, &start, sh.cfg.op_timeout).await? {
-            LlmMsg::Ack => {}
-            LlmMsg::Failed { message, .. } => {
-                return Err(ServeError::Peer(format!("decode node {}: {message}", kv.node)))
-            }
-            other => return Err(ServeError::Protocol(format!("unexpected answer {other:?}"))),
+    if !decoding {
+        // Nothing decodes from this KV: it stays here and is freed (the router releases the pages).
+        free().await?;
+        return Ok(LlmMsg::Prefilled { req, first, on_first: 0, decoding });
+    }
+    // The KV is copied out for the WRITEs, so the cache entry goes before they are on the wire.
+    let staged = stage_kv(sh, seq, blocks, &kv).await;
+    free().await?;
+    let staged = staged?;
+    crcs.extend_from_slice(&staged.crcs);
+    let lease = kv.lease;
+    let start = LlmMsg::Start { req, attempt, lease, crcs, prompt_len, first, max_tokens, router, adapter };
+    // `Start` rides behind the WRITEs: the decode instance takes it after their bytes landed
+    // and checks each block's copy against its crc before decoding from it.
+    match staged.post(sh, Some(&start)).await? {
+        Some(LlmMsg::Ack) => {}
+        Some(LlmMsg::Failed { message, .. }) => {
+            return Err(ServeError::Peer(format!("decode node {}: {message}", kv.node)))
         }
+        other => return Err(ServeError::Protocol(format!("unexpected answer {other:?}"))),
     }
     Ok(LlmMsg::Prefilled { req, first, on_first: 0, decoding })
 }

@@ -5,7 +5,7 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use cascade_transport::{Op, RemoteKey, RemoteRegion, ServiceExt};
+use cascade_transport::{NodeId, Op, Region, RemoteKey, RemoteRegion, ServiceExt};
 use tracing::{debug, warn};
 
 use super::{failed, install_adapter, lock, release, retire, with_model, Handover, Seq, Shared};
@@ -23,10 +23,33 @@ pub(super) async fn move_kv(
     blocks: Range<usize>,
     kv: &KvGrant,
 ) -> Result<Vec<u32>, ServeError> {
-    if blocks.is_empty() {
-        return Ok(Vec::new());
-    }
-    let t0 = std::time::Instant::now();
+    let staged = stage_kv(sh, seq, blocks, kv).await?;
+    let crcs = staged.crcs.clone();
+    staged.post(sh, None).await?;
+    Ok(crcs)
+}
+
+/// A sequence's KV copied out of the model's cache into the staging region, ready to go: the
+/// WRITEs into the decode instance's pages and each block's crc32. It holds the staging region
+/// until [`post`](StagedKv::post) has seen every WRITE complete.
+pub(super) struct StagedKv<'a> {
+    staging: tokio::sync::MutexGuard<'a, Option<Region>>,
+    node: NodeId,
+    ops: Vec<Op>,
+    /// The crc32 of each block's pages as written, in block order.
+    pub(super) crcs: Vec<u32>,
+    started: std::time::Instant,
+}
+
+/// Copies the cached KV of sequence `seq` of `blocks` into the staging region (the model's cache
+/// entry may be freed once this returns) and builds the WRITEs of it into `kv`'s pages.
+pub(super) async fn stage_kv<'a>(
+    sh: &'a Arc<Shared>,
+    seq: u64,
+    blocks: Range<usize>,
+    kv: &KvGrant,
+) -> Result<StagedKv<'a>, ServeError> {
+    let started = std::time::Instant::now();
     let nb = blocks.len();
     let layout = sh.layout;
     let range = blocks.clone();
@@ -41,57 +64,86 @@ pub(super) async fn move_kv(
             .collect()
     })
     .await??;
-    let t1 = std::time::Instant::now();
     let per_block = images.first().map_or(0, Vec::len);
     if per_block > kv.pages.len() {
         return Err(ServeError::Input(format!("{per_block} pages of KV, {} granted", kv.pages.len())));
     }
     let bp = layout.block_page_bytes();
     let mut staging = sh.staging.lock().await;
-    // Every block's pages at once, sized for the longest prompt in every block; a migrated
-    // request's KV can be longer, and grows it.
-    let need = (per_block.max(layout.pages_for(sh.cfg.max_prompt as usize)) * layout.blocks.max(nb)) as u64 * bp;
-    if staging.as_ref().is_none_or(|r| r.len() < need) {
-        *staging = Some(sh.mesh.register_new(need)?);
-    }
-    let st = staging.as_ref().ok_or_else(|| ServeError::Protocol("no staging region".into()))?;
-    let remote =
-        RemoteRegion { node: kv.node, id: cascade_transport::RegionId(kv.region), key: RemoteKey(kv.key), len: kv.len };
-    let link = sh.mesh.link(kv.node)?;
-    // One batch of WRITEs for every block, waited for once: no round trip between blocks.
     let mut ops = Vec::with_capacity(nb * per_block);
     let mut crcs = Vec::with_capacity(nb);
-    for (j, (b, pages)) in blocks.zip(images).enumerate() {
-        if pages.len() != per_block {
-            return Err(ServeError::Protocol(format!("block {b}: {} pages of KV, block 0 {per_block}", pages.len())));
+    if nb > 0 {
+        // Every block's pages at once, sized for the longest prompt in every block; a migrated
+        // request's KV can be longer, and grows it.
+        let need = (per_block.max(layout.pages_for(sh.cfg.max_prompt as usize)) * layout.blocks.max(nb)) as u64 * bp;
+        if staging.as_ref().is_none_or(|r| r.len() < need) {
+            *staging = Some(sh.mesh.register_new(need)?);
         }
-        let mut crc = crc32fast::Hasher::new();
-        for (i, img) in pages.iter().enumerate() {
-            crc.update(img);
-            let at = (j * per_block + i) as u64 * bp;
-            // SAFETY: the staging region is this task's (the mutex is held), and every WRITE that
-            // read it before completed before the call that posted it returned (a region whose
-            // WRITEs did not all complete is dropped, below).
-            unsafe { st.write_local(at, img) }?;
-            ops.push(Op::write(st, at, remote, layout.offset(kv.pages[i], b), bp));
+        let st = staging.as_ref().ok_or_else(|| ServeError::Protocol("no staging region".into()))?;
+        let remote = RemoteRegion {
+            node: kv.node,
+            id: cascade_transport::RegionId(kv.region),
+            key: RemoteKey(kv.key),
+            len: kv.len,
+        };
+        for (j, (b, pages)) in blocks.zip(images).enumerate() {
+            if pages.len() != per_block {
+                return Err(ServeError::Protocol(format!(
+                    "block {b}: {} pages of KV, block 0 {per_block}",
+                    pages.len()
+                )));
+            }
+            let mut crc = crc32fast::Hasher::new();
+            for (i, img) in pages.iter().enumerate() {
+                crc.update(img);
+                let at = (j * per_block + i) as u64 * bp;
+                // SAFETY: the staging region is this task's (the mutex is held until every WRITE
+                // posted from it completed: `StagedKv::post`), and every WRITE that read it
+                // before completed too (a region whose WRITEs did not all complete is dropped).
+                unsafe { st.write_local(at, img) }?;
+                ops.push(Op::write(st, at, remote, layout.offset(kv.pages[i], b), bp));
+            }
+            crcs.push(crc.finalize());
         }
-        crcs.push(crc.finalize());
     }
-    // Every WRITE is waited for, even after one failed; after a failure the staging region is
-    // not used again (an abandoned WRITE may still read it), the next move registers another.
-    let mut failed = None;
-    for h in link.post(ops) {
-        if let Err(e) = h.wait("KV write", sh.cfg.op_timeout).await {
-            failed.get_or_insert(e);
+    Ok(StagedKv { staging, node: kv.node, ops, crcs, started })
+}
+
+impl StagedKv<'_> {
+    /// Posts the WRITEs in one batch and waits for every one, even after one failed; with
+    /// `then`, that request rides behind them to the decode instance (it arrives after their
+    /// bytes were placed: no round trip between the two) and its answer is returned. After a
+    /// failure the staging region is not used again — an abandoned WRITE may still read it —
+    /// and the next move registers another.
+    pub(super) async fn post(mut self, sh: &Arc<Shared>, then: Option<&LlmMsg>) -> Result<Option<LlmMsg>, ServeError> {
+        let (n, node) = (self.ops.len(), self.node);
+        let result = match then {
+            // `call_after` waits for the WRITEs before the answer, within the time limit.
+            Some(msg) if node != sh.mesh.node() => {
+                sh.mesh.call_after(node, std::mem::take(&mut self.ops), msg, sh.cfg.op_timeout).await.map(Some)
+            }
+            _ => {
+                let link = sh.mesh.link(node)?;
+                let mut failed = None;
+                for h in link.post(std::mem::take(&mut self.ops)) {
+                    if let Err(e) = h.wait("KV write", sh.cfg.op_timeout).await {
+                        failed.get_or_insert(e);
+                    }
+                }
+                match (failed, then) {
+                    (Some(e), _) => Err(e),
+                    (None, Some(msg)) => sh.mesh.call(node, msg, sh.cfg.op_timeout).await.map(Some),
+                    (None, None) => Ok(None),
+                }
+            }
+        };
+        if result.is_err() && n > 0 {
+            *self.staging = None;
         }
+        let ms = self.started.elapsed().as_secs_f64() * 1e3;
+        debug!(writes = n, ms, node, with_request = then.is_some(), "KV moved");
+        Ok(result?)
     }
-    if let Some(e) = failed {
-        *staging = None;
-        return Err(e.into());
-    }
-    let (ms, write_ms) = (t0.elapsed().as_secs_f64() * 1e3, t1.elapsed().as_secs_f64() * 1e3);
-    debug!(seq, blocks = nb, pages = per_block, ms, write_ms, node = kv.node, "KV moved");
-    Ok(crcs)
 }
 
 /// Takes a request's KV out of its pages into the model's cache and starts decoding it: after
