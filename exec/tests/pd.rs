@@ -252,6 +252,76 @@ async fn a_split_prefill_moves_both_halves_of_the_kv_to_the_decode_instance() {
     }
 }
 
+/// WRITEs node `from` has completed to `to`, by its metrics.
+fn writes_to(ep: &Endpoint, to: u32) -> u64 {
+    let peer = format!("peer=\"{to}\"");
+    ep.metrics()
+        .render()
+        .lines()
+        .filter(|l| l.starts_with("cascade_transfer_ops_total{") && l.contains("op=\"write\"") && l.contains(&peer))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_its_first_token_ends_moves_no_kv_and_one_that_decodes_does() {
+    let Some(c) = cluster(&[Some(Role::Prefill), Some(Role::Decode)], "pd-first").await else { return };
+    let mesh: Arc<dyn Mesh> = c.eps[0].clone();
+    let limit = Duration::from_secs(120);
+    let (prompt, want) = expected().swap_remove(0);
+    let mut inbox = mesh.subscribe::<LlmMsg>(1024).unwrap();
+    for (req, max_tokens) in [(1u64, 1u32), (2, 2)] {
+        let tokens = prompt.len() as u32 + max_tokens;
+        let LlmMsg::Reserved { grant } = mesh.call(2, &LlmMsg::Reserve { req, tokens }, limit).await.unwrap() else {
+            panic!("no reservation")
+        };
+        let lease = grant.lease;
+        let before = writes_to(&c.eps[1], 2);
+        let msg = LlmMsg::Prefill {
+            req,
+            attempt: 1,
+            prompt: prompt.clone(),
+            max_tokens,
+            kv: grant,
+            split: None,
+            router: 0,
+            adapter: 0,
+        };
+        let LlmMsg::Prefilled { first, decoding, .. } = mesh.call(1, &msg, limit).await.unwrap() else {
+            panic!("prefill failed")
+        };
+        assert_eq!((first, decoding), (want[0], max_tokens > 1));
+        let written = writes_to(&c.eps[1], 2) - before;
+        if decoding {
+            // Its KV was written (Start riding behind the WRITEs), and it decodes its second
+            // token from it.
+            assert!(written > 0, "no KV written for a request that decodes");
+            loop {
+                let m = tokio::time::timeout(limit, inbox.recv()).await.unwrap().unwrap();
+                if let LlmMsg::Token { req: r, index: 1, token, done, .. } = m.msg {
+                    assert_eq!((r, token, done), (req, want[1], true));
+                    break;
+                }
+            }
+        } else {
+            // Nothing decodes from it: nothing moved, and its pages wait for the router's Release.
+            assert_eq!(written, 0, "KV written for a request its first token ended");
+            assert_eq!(free_pages(&c, 2).await, KV_PAGES - tokens.div_ceil(16), "its pages are held");
+            let release = LlmMsg::Release { req, lease };
+            mesh.call(2, &release, limit).await.unwrap();
+        }
+        // Every page back (a finished sequence frees them at its step's end).
+        let t = std::time::Instant::now();
+        while free_pages(&c, 2).await != KV_PAGES {
+            assert!(t.elapsed() < Duration::from_secs(10), "pages of request {req} still held");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    for e in &c.eps {
+        e.shutdown();
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_burst_survives_a_mutation_and_a_live_scale_out() {
     // 1, 2: prefill (held); 3: decode; 4: prefill, arriving by multicast from 1.
