@@ -43,9 +43,11 @@ use crate::meta::{DurablePool, Event, MetaError, MetaStore, ModelEntry};
 use crate::pool::{Action, CopyId, CopyKind, CopyState, ModelCopy, ModelId, NodeId};
 
 mod admin;
+mod check;
 mod detector;
 pub mod epoch;
 pub mod exec;
+mod peers;
 pub mod plan;
 mod report;
 
@@ -370,46 +372,6 @@ impl<S: MetaStore + 'static> Manager<S> {
 
     fn model_bytes(&self, model: ModelId) -> u64 {
         self.catalog().get(&model).map_or(0, |e| e.manifest.bytes)
-    }
-
-    fn connected(&self, n: NodeId) -> bool {
-        self.io.connected(n)
-    }
-
-    async fn declare_dead(&mut self, n: NodeId) -> Result<Vec<Action>, ManagerError> {
-        warn!(node = n, after = ?self.cfg.dead_after, "declaring the node dead; repairing the pool");
-        self.count_repair("node_down");
-        self.detector.forget(n);
-        self.notice(Notice::NodeDown { node: n });
-        let actions = self.apply(Event::NodeDown(n)).await?;
-        self.remember(n, "declared dead; its copies were replaced".into());
-        Ok(actions)
-    }
-
-    /// Records what happened to node `n`.
-    fn remember(&mut self, n: NodeId, what: String) {
-        let h = self.history.entry(n).or_default();
-        h.push_back((self.since.elapsed().as_secs_f64(), what));
-        while h.len() > HISTORY {
-            h.pop_front();
-        }
-    }
-
-    /// A member the pool holds dead.
-    fn is_dead_member(&self, n: NodeId) -> bool {
-        self.pool().members().any(|(m, live)| m == n && !live)
-    }
-
-    /// Re-admits a node declared dead whose link stayed up: the pool counts it live (and empty)
-    /// again, and the copies it still holds from before its death — replaced meanwhile — are
-    /// dropped.
-    async fn readmit(&mut self, n: NodeId) -> Result<Vec<Action>, ManagerError> {
-        let stale = self.io.list(vec![n]).await.ours.remove(&n).unwrap_or_default();
-        let actions = self.apply(Event::NodeUp(n)).await?;
-        info!(node = n, stale = stale.len(), "re-admitting a node declared dead; dropping the copies it kept");
-        self.io.drop_all(stale.iter().map(|c| (n, *c)).collect()).await;
-        self.remember(n, format!("re-admitted; {} stale copies dropped", stale.len()));
-        Ok(actions)
     }
 
     /// Drops every copy the live nodes hold for other pools — only when the operator asks
@@ -757,164 +719,6 @@ impl<S: MetaStore + 'static> Manager<S> {
         } else {
             deferred.extend(next);
         }
-    }
-
-    fn note_peer_result(&mut self, ev: Result<PeerEvent, broadcast::error::RecvError>) {
-        match ev {
-            Ok(ev) => self.note_peer(ev),
-            Err(broadcast::error::RecvError::Lagged(_)) => self.recheck_links(),
-            Err(broadcast::error::RecvError::Closed) => {}
-        }
-    }
-
-    /// A link down makes a live pool node a suspect; a link up clears it. A dead member's link
-    /// coming up starts its wait for re-admission; going down again stops it.
-    fn note_peer(&mut self, ev: PeerEvent) {
-        let now = tokio::time::Instant::now();
-        match ev {
-            PeerEvent::Down { peer, reason } => {
-                if self.pool().live_nodes().any(|x| x == peer) {
-                    info!(node = peer, %reason, "link to a pool node went down");
-                    self.detector.link_down(now, peer);
-                    self.remember(peer, format!("link down: {reason}"));
-                } else if self.is_dead_member(peer) {
-                    self.detector.dead_link_down(peer);
-                    self.remember(peer, format!("link down again before re-admission: {reason}"));
-                }
-            }
-            PeerEvent::Up { peer, .. } => {
-                if self.is_dead_member(peer) {
-                    info!(node = peer, "a node declared dead is back; re-admitting it if it stays");
-                    self.detector.dead_link_up(now, peer);
-                    self.remember(peer, "link up after its death; waiting before re-admission".into());
-                } else if self.detector.suspects().contains_key(&peer) {
-                    self.detector.link_up(peer);
-                    self.remember(peer, "link up in time: not dead".into());
-                }
-            }
-        }
-    }
-
-    /// Peer events were missed: every live pool node without a link becomes a suspect, and
-    /// every dead one with a link starts its wait for re-admission.
-    fn recheck_links(&mut self) {
-        let now = tokio::time::Instant::now();
-        for (n, live) in self.pool().members().collect::<Vec<_>>() {
-            match (live, self.connected(n)) {
-                (true, false) => self.detector.link_down(now, n),
-                (false, true) => self.detector.dead_link_up(now, n),
-                _ => {}
-            }
-        }
-    }
-
-    /// Takes the peer events that arrived and declares the suspects that are due dead. Returns
-    /// the resulting actions.
-    async fn poll_peers(&mut self) -> Result<Vec<Action>, ManagerError> {
-        loop {
-            match self.events.try_recv() {
-                Ok(ev) => self.note_peer(ev),
-                Err(broadcast::error::TryRecvError::Lagged(_)) => self.recheck_links(),
-                Err(_) => break,
-            }
-        }
-        let io = self.io.clone();
-        let now = tokio::time::Instant::now();
-        let due = self.detector.poll_dead(now, |n| io.connected(n));
-        let back = self.detector.poll_returned(now, |n| io.connected(n));
-        let mut actions = Vec::new();
-        for n in due {
-            actions.extend(self.declare_dead(n).await?);
-        }
-        for n in back {
-            actions.extend(self.readmit(n).await?);
-        }
-        self.publish();
-        Ok(actions)
-    }
-
-    /// Checks the invariant and every copy's checksums on its node.
-    pub async fn check(&mut self) -> Result<CheckReport, ManagerError> {
-        let mut problems: Vec<String> = Vec::new();
-        for v in self.pool().check() {
-            problems.push(report::describe(&v));
-        }
-        for (m, why) in &self.lost {
-            problems.push(format!("model {m} is lost: {why}"));
-        }
-        for n in self.detector.suspects().keys() {
-            problems.push(format!("node {n} is unreachable (not yet declared dead)"));
-        }
-        let copies: Vec<ModelCopy> = self.pool().copies().cloned().collect();
-        for c in copies.iter().filter(|c| c.state == CopyState::Loading) {
-            problems.push(format!("copy {} of model {} on node {} is still loading", c.id, c.model, c.node));
-        }
-        let listing = self.io.list(self.pool().live_nodes().collect()).await;
-        self.foreign = listing.foreign;
-        self.publish();
-        let held = listing.ours;
-        for n in self.pool().live_nodes() {
-            match held.get(&n) {
-                None => problems.push(format!("node {n} did not answer")),
-                Some(ids) => {
-                    for id in ids {
-                        if !copies.iter().any(|c| c.id == *id && c.node == n) {
-                            problems.push(format!("node {n} holds copy {id}, which the pool does not know"));
-                        }
-                    }
-                }
-            }
-        }
-        let ready: Vec<ModelCopy> = copies.iter().filter(|c| c.state != CopyState::Loading).cloned().collect();
-        let sums = self.io.check(self.with_crcs(&ready)).await;
-        let mut bad = Vec::new();
-        for c in &ready {
-            if !sums.get(&c.id).copied().unwrap_or(false) {
-                problems.push(format!(
-                    "copy {} of model {} on node {} is missing or does not match its manifest's crcs",
-                    c.id, c.model, c.node
-                ));
-                bad.push(c.id);
-                self.verified.remove(&c.id);
-                self.bad.insert(c.id);
-            } else {
-                self.verified.insert(c.id);
-                self.bad.remove(&c.id);
-            }
-        }
-        self.publish();
-        Ok(CheckReport {
-            healthy: problems.is_empty(),
-            copies_checked: ready.len(),
-            bytes_checked: ready.iter().map(|c| self.model_bytes(c.model)).sum(),
-            problems,
-            bad_copies: bad,
-        })
-    }
-
-    /// Repairs what [`check`](Self::check) finds: unreachable nodes are declared dead now, bad
-    /// copies are replaced, unknown ones dropped, unfinished ones made again. Returns the check
-    /// after the repair.
-    pub async fn repair(&mut self) -> Result<CheckReport, ManagerError> {
-        self.count_repair("admin");
-        let mut actions = Vec::new();
-        for n in self.pool().live_nodes().collect::<Vec<_>>() {
-            if !self.connected(n) {
-                actions.extend(self.declare_dead(n).await?);
-            }
-        }
-        self.drive(actions).await?;
-        let before = self.check().await?;
-        let mut actions = Vec::new();
-        for id in &before.bad_copies {
-            if let Some(c) = self.seen.get(id).cloned() {
-                self.io.drop_all(vec![(c.node, c.id)]).await;
-                actions.extend(self.apply(Event::CopyFailed(c.id)).await?);
-            }
-        }
-        self.drive(actions).await?;
-        self.reconcile().await?;
-        self.check().await
     }
 
     /// Serves admin requests and peer events until `admin` closes.
