@@ -67,6 +67,17 @@ fn with_instances(eps: Vec<Arc<Endpoint>>, meshes: Vec<Arc<dyn Mesh>>, roles: &[
 /// arrives (`None`).
 fn instance(mesh: &Arc<dyn Mesh>, model: &PdModel, file: &[u8], role: Option<Role>) -> LlmInstance {
     let cfg = LlmConfig { kv_pages: KV_PAGES, page_tokens: 16, max_prompt: 64, max_running: 8, ..LlmConfig::default() };
+    instance_with(mesh, model, file, role, cfg)
+}
+
+/// [`instance`] with its own settings.
+fn instance_with(
+    mesh: &Arc<dyn Mesh>,
+    model: &PdModel,
+    file: &[u8],
+    role: Option<Role>,
+    cfg: LlmConfig,
+) -> LlmInstance {
     let mc = MulticastNode::start(mesh.clone(), Duration::from_secs(10)).unwrap();
     let source = match role {
         Some(_) => Source::Held(load_packed(&**mesh, &model.manifest, file).unwrap()),
@@ -320,6 +331,70 @@ async fn a_request_its_first_token_ends_moves_no_kv_and_one_that_decodes_does() 
     for e in &c.eps {
         e.shutdown();
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kv_move_that_fails_leaves_no_staging_region_registered() {
+    // Node 1 prefills with a 2 s limit on its operations; node 2 decodes.
+    let Some(dir) = smollm2_dir() else { return };
+    let (model, file) = PdModel::from_dir(&dir).unwrap();
+    let fabric = MemFabric::new();
+    let meshes: Vec<Arc<dyn Mesh>> = (0..3).map(|i| Arc::new(fabric.add_node(i)) as Arc<dyn Mesh>).collect();
+    let cfg = LlmConfig {
+        kv_pages: KV_PAGES,
+        page_tokens: 16,
+        max_prompt: 64,
+        max_running: 8,
+        op_timeout: Duration::from_secs(2),
+        ..LlmConfig::default()
+    };
+    let _instances = [
+        instance_with(&meshes[1], &model, &file, Some(Role::Prefill), cfg),
+        instance_with(&meshes[2], &model, &file, Some(Role::Decode), cfg),
+    ];
+    let (prompt, _) = expected().swap_remove(0);
+    let limit = Duration::from_secs(60);
+    let prefill = |req: u64| {
+        let (mesh, prompt) = (meshes[0].clone(), prompt.clone());
+        async move {
+            let tokens = prompt.len() as u32 + 2;
+            let LlmMsg::Reserved { grant } = mesh.call(2, &LlmMsg::Reserve { req, tokens }, limit).await.unwrap()
+            else {
+                panic!("no reservation")
+            };
+            let lease = grant.lease;
+            let msg = LlmMsg::Prefill {
+                req,
+                attempt: 1,
+                prompt,
+                max_tokens: 2,
+                kv: grant,
+                split: None,
+                router: 0,
+                adapter: 0,
+            };
+            (mesh.call(1, &msg, limit).await.unwrap(), lease)
+        }
+    };
+    let (first, _) = prefill(1).await;
+    assert!(matches!(first, LlmMsg::Prefilled { decoding: true, .. }), "{first:?}");
+    // The first move left its staging region as the spare: registered, and reused.
+    let registered = meshes[1].regions().len();
+    let (again, _) = prefill(2).await;
+    assert!(matches!(again, LlmMsg::Prefilled { decoding: true, .. }), "{again:?}");
+    assert_eq!(meshes[1].regions().len(), registered, "a second move reuses the spare");
+    // The decode node's link swallows the third move's WRITEs: it fails at the 2 s limit, and
+    // its region — which an abandoned WRITE may still read — is deregistered, not kept.
+    fabric.set_fault(1, 2, Some(cascade_transport::mem::Fault::Drop));
+    let (failed, lease) = prefill(3).await;
+    assert!(matches!(&failed, LlmMsg::Failed { .. }), "{failed:?}");
+    assert_eq!(meshes[1].regions().len(), registered - 1, "the failed move's region is deregistered");
+    fabric.set_fault(1, 2, None);
+    meshes[0].call(2, &LlmMsg::Release { req: 3, lease }, limit).await.unwrap();
+    // The next move registers a new one: as many regions as before the failure, none leaked.
+    let (after, _) = prefill(4).await;
+    assert!(matches!(after, LlmMsg::Prefilled { decoding: true, .. }), "{after:?}");
+    assert_eq!(meshes[1].regions().len(), registered, "no staging region leaked");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

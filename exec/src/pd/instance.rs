@@ -95,8 +95,9 @@ struct Shared {
     role: Mutex<Role>,
     /// The KV region (decode) and its pages.
     kv: Mutex<Option<(Region, Pages)>>,
-    /// The staging region KV is written from (prefill), one move at a time.
-    staging: tokio::sync::Mutex<Option<Region>>,
+    /// A spare staging region for the KV a move WRITEs (each move takes it, or a new one, for
+    /// itself, and gives it back when its WRITEs completed).
+    staging: Mutex<Option<Region>>,
     running: Mutex<Vec<Seq>>,
     wake: Notify,
     /// Migrations the decode loop hands over at its next step boundary.
@@ -156,7 +157,7 @@ impl LlmInstance {
             copy,
             role: Mutex::new(role),
             kv: Mutex::new(None),
-            staging: tokio::sync::Mutex::new(None),
+            staging: Mutex::new(None),
             running: Mutex::default(),
             wake: Notify::new(),
             handovers: Mutex::default(),

@@ -29,11 +29,13 @@ pub(super) async fn move_kv(
     Ok(crcs)
 }
 
-/// A sequence's KV copied out of the model's cache into the staging region, ready to go: the
-/// WRITEs into the decode instance's pages and each block's crc32. It holds the staging region
-/// until [`post`](StagedKv::post) has seen every WRITE complete.
-pub(super) struct StagedKv<'a> {
-    staging: tokio::sync::MutexGuard<'a, Option<Region>>,
+/// A sequence's KV copied out of the model's cache into a staging region of its own, ready to
+/// go: the WRITEs into the decode instance's pages and each block's crc32. The region is this
+/// move's alone until [`post`](StagedKv::post) has seen every WRITE complete; then it becomes
+/// the instance's spare for the next move.
+pub(super) struct StagedKv {
+    /// `None` when there is nothing to write.
+    region: Option<Region>,
     node: NodeId,
     ops: Vec<Op>,
     /// The crc32 of each block's pages as written, in block order.
@@ -43,12 +45,12 @@ pub(super) struct StagedKv<'a> {
 
 /// Copies the cached KV of sequence `seq` of `blocks` into the staging region (the model's cache
 /// entry may be freed once this returns) and builds the WRITEs of it into `kv`'s pages.
-pub(super) async fn stage_kv<'a>(
-    sh: &'a Arc<Shared>,
+pub(super) async fn stage_kv(
+    sh: &Arc<Shared>,
     seq: u64,
     blocks: Range<usize>,
     kv: &KvGrant,
-) -> Result<StagedKv<'a>, ServeError> {
+) -> Result<StagedKv, ServeError> {
     let started = std::time::Instant::now();
     let nb = blocks.len();
     let layout = sh.layout;
@@ -69,17 +71,14 @@ pub(super) async fn stage_kv<'a>(
         return Err(ServeError::Input(format!("{per_block} pages of KV, {} granted", kv.pages.len())));
     }
     let bp = layout.block_page_bytes();
-    let mut staging = sh.staging.lock().await;
+    let mut region = None;
     let mut ops = Vec::with_capacity(nb * per_block);
     let mut crcs = Vec::with_capacity(nb);
     if nb > 0 {
         // Every block's pages at once, sized for the longest prompt in every block; a migrated
         // request's KV can be longer, and grows it.
         let need = (per_block.max(layout.pages_for(sh.cfg.max_prompt as usize)) * layout.blocks.max(nb)) as u64 * bp;
-        if staging.as_ref().is_none_or(|r| r.len() < need) {
-            *staging = Some(sh.mesh.register_new(need)?);
-        }
-        let st = staging.as_ref().ok_or_else(|| ServeError::Protocol("no staging region".into()))?;
+        let st = region.insert(take_staging(sh, need)?);
         let remote = RemoteRegion {
             node: kv.node,
             id: cascade_transport::RegionId(kv.region),
@@ -97,24 +96,61 @@ pub(super) async fn stage_kv<'a>(
             for (i, img) in pages.iter().enumerate() {
                 crc.update(img);
                 let at = (j * per_block + i) as u64 * bp;
-                // SAFETY: the staging region is this task's (the mutex is held until every WRITE
-                // posted from it completed: `StagedKv::post`), and every WRITE that read it
-                // before completed too (a region whose WRITEs did not all complete is dropped).
+                // SAFETY: the staging region is this move's alone: taken out of the instance's
+                // spare (or new), it goes back only after every WRITE posted from it completed
+                // (`StagedKv::post`; a region whose WRITEs did not all complete is discarded),
+                // and no peer may write it (it is never granted to one).
                 unsafe { st.write_local(at, img) }?;
                 ops.push(Op::write(st, at, remote, layout.offset(kv.pages[i], b), bp));
             }
             crcs.push(crc.finalize());
         }
     }
-    Ok(StagedKv { staging, node: kv.node, ops, crcs, started })
+    Ok(StagedKv { region, node: kv.node, ops, crcs, started })
 }
 
-impl StagedKv<'_> {
+/// A registered staging region of at least `need` bytes for one move: the instance's spare
+/// when it is large enough (a smaller one is deregistered), otherwise a new one. Two moves at
+/// once each get their own.
+fn take_staging(sh: &Shared, need: u64) -> Result<Region, ServeError> {
+    match lock(&sh.staging).take() {
+        Some(r) if r.len() >= need => Ok(r),
+        small => {
+            if let Some(r) = small {
+                sh.mesh.deregister(r.id());
+            }
+            Ok(sh.mesh.register_new(need)?)
+        }
+    }
+}
+
+/// Keeps `region` as the instance's spare staging region, unless the spare it has is at least as
+/// large (one of the two is deregistered).
+fn keep_staging(sh: &Shared, region: Region) {
+    let mut spare = lock(&sh.staging);
+    let drop = match spare.take() {
+        Some(old) if old.len() >= region.len() => {
+            *spare = Some(old);
+            region
+        }
+        old => {
+            *spare = Some(region);
+            match old {
+                Some(o) => o,
+                None => return,
+            }
+        }
+    };
+    sh.mesh.deregister(drop.id());
+}
+
+impl StagedKv {
     /// Posts the WRITEs in one batch and waits for every one, even after one failed; with
     /// `then`, that request rides behind them to the decode instance (it arrives after their
     /// bytes were placed: no round trip between the two) and its answer is returned. After a
-    /// failure the staging region is not used again — an abandoned WRITE may still read it —
-    /// and the next move registers another.
+    /// failure the staging region is discarded — an abandoned WRITE may still read it (the
+    /// WRITE holds the memory; only the registration goes) — and the next move registers
+    /// another.
     pub(super) async fn post(mut self, sh: &Arc<Shared>, then: Option<&LlmMsg>) -> Result<Option<LlmMsg>, ServeError> {
         let (n, node) = (self.ops.len(), self.node);
         let result = match then {
@@ -137,8 +173,12 @@ impl StagedKv<'_> {
                 }
             }
         };
-        if result.is_err() && n > 0 {
-            *self.staging = None;
+        if let Some(region) = self.region.take() {
+            if result.is_ok() {
+                keep_staging(sh, region);
+            } else {
+                sh.mesh.deregister(region.id());
+            }
         }
         let ms = self.started.elapsed().as_secs_f64() * 1e3;
         debug!(writes = n, ms, node, with_request = then.is_some(), "KV moved");
