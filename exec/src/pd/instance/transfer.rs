@@ -422,9 +422,16 @@ async fn bring_adapter(
     unsafe { staging.write_local(0, &image) }?;
     let remote =
         RemoteRegion { node: g.node, id: cascade_transport::RegionId(g.region), key: RemoteKey(g.key), len: g.len };
-    for h in sh.mesh.link(g.node)?.post(vec![Op::write(&staging, 0, remote, 0, n)]) {
-        h.wait("adapter write", sh.cfg.op_timeout).await?;
+    let written = async {
+        for h in sh.mesh.link(g.node)?.post(vec![Op::write(&staging, 0, remote, 0, n)]) {
+            h.wait("adapter write", sh.cfg.op_timeout).await?;
+        }
+        Ok::<(), cascade_transport::TransportError>(())
     }
+    .await;
+    // Deregistered whether or not the WRITE completed (an abandoned one holds the memory it
+    // reads; only the registration goes), so a failed migration leaves no region behind.
     sh.mesh.deregister(staging.id());
+    written?;
     Ok(Some(Written { bytes: n, crc: crc32fast::hash(&image) }))
 }
