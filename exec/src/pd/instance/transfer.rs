@@ -5,7 +5,7 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use cascade_transport::{NodeId, Op, Region, RemoteKey, RemoteRegion, ServiceExt};
+use cascade_transport::{Mesh, NodeId, Op, Region, RemoteKey, RemoteRegion, ServiceExt};
 use tracing::{debug, warn};
 
 use super::{failed, install_adapter, lock, release, retire, with_model, Handover, Seq, Shared};
@@ -32,9 +32,11 @@ pub(super) async fn move_kv(
 /// A sequence's KV copied out of the model's cache into a staging region of its own, ready to
 /// go: the WRITEs into the decode instance's pages and each block's crc32. The region is this
 /// move's alone until [`post`](StagedKv::post) has seen every WRITE complete; then it becomes
-/// the instance's spare for the next move.
+/// the instance's spare for the next move. Dropped otherwise (a failed move, a cancelled
+/// task), it deregisters the region.
 pub(super) struct StagedKv {
-    /// `None` when there is nothing to write.
+    mesh: Arc<dyn Mesh>,
+    /// `None` when there is nothing to write, or once kept as the spare.
     region: Option<Region>,
     node: NodeId,
     ops: Vec<Op>,
@@ -71,14 +73,20 @@ pub(super) async fn stage_kv(
         return Err(ServeError::Input(format!("{per_block} pages of KV, {} granted", kv.pages.len())));
     }
     let bp = layout.block_page_bytes();
-    let mut region = None;
-    let mut ops = Vec::with_capacity(nb * per_block);
-    let mut crcs = Vec::with_capacity(nb);
+    // Built first, so that an error below deregisters the region it took.
+    let mut staged = StagedKv {
+        mesh: sh.mesh.clone(),
+        region: None,
+        node: kv.node,
+        ops: Vec::with_capacity(nb * per_block),
+        crcs: Vec::with_capacity(nb),
+        started,
+    };
     if nb > 0 {
         // Every block's pages at once, sized for the longest prompt in every block; a migrated
         // request's KV can be longer, and grows it.
         let need = (per_block.max(layout.pages_for(sh.cfg.max_prompt as usize)) * layout.blocks.max(nb)) as u64 * bp;
-        let st = region.insert(take_staging(sh, need)?);
+        let st = staged.region.insert(take_staging(sh, need)?).clone();
         let remote = RemoteRegion {
             node: kv.node,
             id: cascade_transport::RegionId(kv.region),
@@ -101,12 +109,12 @@ pub(super) async fn stage_kv(
                 // (`StagedKv::post`; a region whose WRITEs did not all complete is discarded),
                 // and no peer may write it (it is never granted to one).
                 unsafe { st.write_local(at, img) }?;
-                ops.push(Op::write(st, at, remote, layout.offset(kv.pages[i], b), bp));
+                staged.ops.push(Op::write(&st, at, remote, layout.offset(kv.pages[i], b), bp));
             }
-            crcs.push(crc.finalize());
+            staged.crcs.push(crc.finalize());
         }
     }
-    Ok(StagedKv { region, node: kv.node, ops, crcs, started })
+    Ok(staged)
 }
 
 /// A registered staging region of at least `need` bytes for one move: the instance's spare
@@ -144,13 +152,21 @@ fn keep_staging(sh: &Shared, region: Region) {
     sh.mesh.deregister(drop.id());
 }
 
+impl Drop for StagedKv {
+    fn drop(&mut self) {
+        if let Some(region) = self.region.take() {
+            self.mesh.deregister(region.id());
+        }
+    }
+}
+
 impl StagedKv {
-    /// Posts the WRITEs in one batch and waits for every one, even after one failed; with
-    /// `then`, that request rides behind them to the decode instance (it arrives after their
-    /// bytes were placed: no round trip between the two) and its answer is returned. After a
-    /// failure the staging region is discarded — an abandoned WRITE may still read it (the
-    /// WRITE holds the memory; only the registration goes) — and the next move registers
-    /// another.
+    /// Posts the WRITEs in one batch and waits for them; with `then`, that request rides behind
+    /// them to the decode instance (it arrives after their bytes were placed: no round trip
+    /// between the two) and its answer is returned. The region becomes the instance's spare
+    /// only when every WRITE completed and the answer came; after a failure it is discarded —
+    /// an abandoned WRITE may still read it (the WRITE holds the memory; only the registration
+    /// goes) — and the next move registers another.
     pub(super) async fn post(mut self, sh: &Arc<Shared>, then: Option<&LlmMsg>) -> Result<Option<LlmMsg>, ServeError> {
         let (n, node) = (self.ops.len(), self.node);
         let result = match then {
@@ -158,28 +174,30 @@ impl StagedKv {
             Some(msg) if node != sh.mesh.node() => {
                 sh.mesh.call_after(node, std::mem::take(&mut self.ops), msg, sh.cfg.op_timeout).await.map(Some)
             }
-            _ => {
-                let link = sh.mesh.link(node)?;
-                let mut failed = None;
-                for h in link.post(std::mem::take(&mut self.ops)) {
-                    if let Err(e) = h.wait("KV write", sh.cfg.op_timeout).await {
-                        failed.get_or_insert(e);
+            _ => match sh.mesh.link(node) {
+                Err(e) => Err(e),
+                Ok(link) => {
+                    // Every WRITE is waited for, even after one failed.
+                    let mut failed = None;
+                    for h in link.post(std::mem::take(&mut self.ops)) {
+                        if let Err(e) = h.wait("KV write", sh.cfg.op_timeout).await {
+                            failed.get_or_insert(e);
+                        }
+                    }
+                    match (failed, then) {
+                        (Some(e), _) => Err(e),
+                        (None, Some(msg)) => sh.mesh.call(node, msg, sh.cfg.op_timeout).await.map(Some),
+                        (None, None) => Ok(None),
                     }
                 }
-                match (failed, then) {
-                    (Some(e), _) => Err(e),
-                    (None, Some(msg)) => sh.mesh.call(node, msg, sh.cfg.op_timeout).await.map(Some),
-                    (None, None) => Ok(None),
-                }
-            }
+            },
         };
-        if let Some(region) = self.region.take() {
-            if result.is_ok() {
+        if result.is_ok() {
+            if let Some(region) = self.region.take() {
                 keep_staging(sh, region);
-            } else {
-                sh.mesh.deregister(region.id());
             }
         }
+        // Otherwise dropping `self` deregisters the region.
         let ms = self.started.elapsed().as_secs_f64() * 1e3;
         debug!(writes = n, ms, node, with_request = then.is_some(), "KV moved");
         Ok(result?)
