@@ -227,7 +227,6 @@ struct MulticastArgs {
     json: bool,
 }
 
-/// Logs to stderr at `RUST_LOG`, or at `default` when it is not set.
 /// `text` as a person reads it back in a line of output: a long one cut in its middle (the
 /// JSON outputs keep it whole).
 fn shorten(text: &str) -> String {
@@ -242,6 +241,7 @@ fn shorten(text: &str) -> String {
     format!("{head} … ({} characters) … {tail}", chars - HEAD - TAIL)
 }
 
+/// Logs to stderr at `RUST_LOG`, or at `default` when it is not set.
 fn logging(default: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| default.into());
     use std::io::IsTerminal;
