@@ -95,18 +95,15 @@ pub(super) async fn prefill(sh: &Arc<Shared>, msg: LlmMsg) -> Result<LlmMsg, Ser
     // The KV is copied out for the WRITEs, so the cache entry goes before they are on the wire.
     let staged = stage_kv(sh, seq, blocks, &kv).await;
     free().await?;
-    let staged = staged?;
-    crcs.extend_from_slice(&staged.crcs);
+    let mut staged = staged?;
+    crcs.append(&mut staged.crcs);
     let lease = kv.lease;
     let start = LlmMsg::Start { req, attempt, lease, crcs, prompt_len, first, max_tokens, router, adapter };
     // `Start` rides behind the WRITEs: the decode instance takes it after their bytes landed
     // and checks each block's copy against its crc before decoding from it.
-    match staged.post(sh, Some(&start)).await? {
-        Some(LlmMsg::Ack) => {}
-        Some(LlmMsg::Failed { message, .. }) => {
-            return Err(ServeError::Peer(format!("decode node {}: {message}", kv.node)))
-        }
-        other => return Err(ServeError::Protocol(format!("unexpected answer {other:?}"))),
+    match staged.call(sh, &start).await? {
+        LlmMsg::Ack => {}
+        other => return Err(other.unexpected_from(kv.node)),
     }
     Ok(LlmMsg::Prefilled { req, first, on_first: 0, decoding })
 }

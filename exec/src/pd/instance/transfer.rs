@@ -23,9 +23,9 @@ pub(super) async fn move_kv(
     blocks: Range<usize>,
     kv: &KvGrant,
 ) -> Result<Vec<u32>, ServeError> {
-    let staged = stage_kv(sh, seq, blocks, kv).await?;
-    let crcs = staged.crcs.clone();
-    staged.post(sh, None).await?;
+    let mut staged = stage_kv(sh, seq, blocks, kv).await?;
+    let crcs = std::mem::take(&mut staged.crcs);
+    staged.wait(sh).await?;
     Ok(crcs)
 }
 
@@ -136,20 +136,14 @@ fn take_staging(sh: &Shared, need: u64) -> Result<Region, ServeError> {
 /// large (one of the two is deregistered).
 fn keep_staging(sh: &Shared, region: Region) {
     let mut spare = lock(&sh.staging);
-    let drop = match spare.take() {
-        Some(old) if old.len() >= region.len() => {
-            *spare = Some(old);
-            region
-        }
-        old => {
-            *spare = Some(region);
-            match old {
-                Some(o) => o,
-                None => return,
-            }
-        }
+    let (keep, other) = match spare.take() {
+        Some(old) if old.len() >= region.len() => (old, Some(region)),
+        old => (region, old),
     };
-    sh.mesh.deregister(drop.id());
+    *spare = Some(keep);
+    if let Some(r) = other {
+        sh.mesh.deregister(r.id());
+    }
 }
 
 impl Drop for StagedKv {
@@ -161,36 +155,47 @@ impl Drop for StagedKv {
 }
 
 impl StagedKv {
-    /// Posts the WRITEs in one batch and waits for them; with `then`, that request rides behind
-    /// them to the decode instance (it arrives after their bytes were placed: no round trip
-    /// between the two) and its answer is returned. The region becomes the instance's spare
-    /// only when every WRITE completed and the answer came; after a failure it is discarded —
-    /// an abandoned WRITE may still read it (the WRITE holds the memory; only the registration
-    /// goes) — and the next move registers another.
-    pub(super) async fn post(mut self, sh: &Arc<Shared>, then: Option<&LlmMsg>) -> Result<Option<LlmMsg>, ServeError> {
-        let (n, node) = (self.ops.len(), self.node);
+    /// Posts the WRITEs in one batch and waits for every one, even after one failed.
+    pub(super) async fn wait(self, sh: &Arc<Shared>) -> Result<(), ServeError> {
+        self.finish(sh, None).await.map(drop)
+    }
+
+    /// Posts the WRITEs and `msg` behind them in one batch — the decode instance takes `msg`
+    /// after their bytes were placed, with no round trip between the two — and returns its
+    /// answer.
+    pub(super) async fn call(self, sh: &Arc<Shared>, msg: &LlmMsg) -> Result<LlmMsg, ServeError> {
+        let answer = self.finish(sh, Some(msg)).await?;
+        answer.ok_or_else(|| ServeError::Protocol("no answer".into()))
+    }
+
+    /// [`wait`](Self::wait), or [`call`](Self::call) with `then`. The region becomes the
+    /// instance's spare only when every WRITE completed (and the answer came); after a failure
+    /// it is discarded — an abandoned WRITE may still read it (the WRITE holds the memory; only
+    /// the registration goes) — and the next move registers another.
+    async fn finish(mut self, sh: &Arc<Shared>, then: Option<&LlmMsg>) -> Result<Option<LlmMsg>, ServeError> {
+        let (ops, node, limit) = (std::mem::take(&mut self.ops), self.node, sh.cfg.op_timeout);
+        let n = ops.len();
         let result = match then {
             // `call_after` waits for the WRITEs before the answer, within the time limit.
-            Some(msg) if node != sh.mesh.node() => {
-                sh.mesh.call_after(node, std::mem::take(&mut self.ops), msg, sh.cfg.op_timeout).await.map(Some)
-            }
-            _ => match sh.mesh.link(node) {
-                Err(e) => Err(e),
-                Ok(link) => {
-                    // Every WRITE is waited for, even after one failed.
+            Some(msg) if node != sh.mesh.node() => sh.mesh.call_after(node, ops, msg, limit).await.map(Some),
+            _ => {
+                async {
                     let mut failed = None;
-                    for h in link.post(std::mem::take(&mut self.ops)) {
-                        if let Err(e) = h.wait("KV write", sh.cfg.op_timeout).await {
+                    for h in sh.mesh.link(node)?.post(ops) {
+                        if let Err(e) = h.wait("KV write", limit).await {
                             failed.get_or_insert(e);
                         }
                     }
-                    match (failed, then) {
-                        (Some(e), _) => Err(e),
-                        (None, Some(msg)) => sh.mesh.call(node, msg, sh.cfg.op_timeout).await.map(Some),
-                        (None, None) => Ok(None),
+                    if let Some(e) = failed {
+                        return Err(e);
+                    }
+                    match then {
+                        Some(msg) => sh.mesh.call(node, msg, limit).await.map(Some),
+                        None => Ok(None),
                     }
                 }
-            },
+                .await
+            }
         };
         if result.is_ok() {
             if let Some(region) = self.region.take() {
