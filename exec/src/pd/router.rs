@@ -178,7 +178,7 @@ pub async fn run(
     let limits = (cfg.call_timeout, cfg.poll_every);
     // The calls' tasks report back here (the loop never waits for a call itself).
     let mut prefills: JoinSet<Prefilled> = JoinSet::new();
-    let (tx, mut rx) = channels();
+    let (tx, mut reports) = mpsc::unbounded_channel();
     let mut r = Routing::new(cfg, answers);
     loop {
         r.dispatch();
@@ -201,10 +201,12 @@ pub async fn run(
                     r.prefilled(id, attempt, outcome);
                 }
             }
-            Some(x) = rx.round.recv() => r.round_done(x),
-            Some((node, x, done)) = rx.mutated.recv() => r.mutated(node, x, done),
-            Some((node, resident)) = rx.resident.recv() => r.resident(node, resident),
-            Some((node, state)) = rx.back.recv() => r.back(node, state),
+            Some(report) = reports.recv() => match report {
+                Report::Round(x) => r.round_done(x),
+                Report::Mutated(node, x, done) => r.mutated(node, x, done),
+                Report::Resident(node, resident) => r.resident(node, resident),
+                Report::Back(node, state) => r.back(node, state),
+            },
             ev = events.recv(), if watching => match ev {
                 Ok(ev) => r.peer_event(ev),
                 Err(tokio::sync::broadcast::error::RecvError::Closed) => watching = false,
@@ -216,35 +218,17 @@ pub async fn run(
     }
 }
 
-/// A mutation's answer: the node, the outcome, and whom to tell.
-type Mutated = (u32, Result<(), String>, oneshot::Sender<Result<(), String>>);
-
-/// Where the calls' tasks report: the monitor's rounds, mutations answered, an arriving
-/// instance's resident stages, gone instances that can serve again (with their state).
-struct Reports {
-    round: mpsc::UnboundedSender<Result<Rebalance, ServeError>>,
-    mutated: mpsc::UnboundedSender<Mutated>,
-    resident: mpsc::UnboundedSender<(u32, u32)>,
-    back: mpsc::UnboundedSender<(u32, LlmMsg)>,
-}
-
-/// The receiving ends of [`Reports`].
-struct Inboxes {
-    round: mpsc::UnboundedReceiver<Result<Rebalance, ServeError>>,
-    mutated: mpsc::UnboundedReceiver<Mutated>,
-    resident: mpsc::UnboundedReceiver<(u32, u32)>,
-    back: mpsc::UnboundedReceiver<(u32, LlmMsg)>,
-}
-
-fn channels() -> (Reports, Inboxes) {
-    let (round, round_rx) = mpsc::unbounded_channel();
-    let (mutated, mutated_rx) = mpsc::unbounded_channel();
-    let (resident, resident_rx) = mpsc::unbounded_channel();
-    let (back, back_rx) = mpsc::unbounded_channel();
-    (
-        Reports { round, mutated, resident, back },
-        Inboxes { round: round_rx, mutated: mutated_rx, resident: resident_rx, back: back_rx },
-    )
+/// What a call's task reports back to the loop (a prefill's outcome comes through its
+/// `JoinSet` instead).
+enum Report {
+    /// The monitor's co-migration round ended.
+    Round(Result<Rebalance, ServeError>),
+    /// A node answered its mutation; the command that asked for it is told.
+    Mutated(u32, Result<(), String>, oneshot::Sender<Result<(), String>>),
+    /// The arriving instance holds this many stages.
+    Resident(u32, u32),
+    /// A gone node can serve again, in this state.
+    Back(u32, LlmMsg),
 }
 
 /// Starts `a` in a task of its own (`(call timeout, poll interval)` from the config).
@@ -253,7 +237,7 @@ fn act(
     (timeout, every): (Duration, Duration),
     a: Action,
     prefills: &mut JoinSet<Prefilled>,
-    tx: &Reports,
+    tx: &mpsc::UnboundedSender<Report>,
 ) {
     let mesh = mesh.clone();
     match a {
@@ -269,28 +253,28 @@ fn act(
             });
         }
         Action::Probe { node, whole } => {
-            tokio::spawn(calls::probe(mesh, node, whole, every, timeout, tx.back.clone()));
+            tokio::spawn(calls::probe(mesh, node, whole, every, timeout, tx.clone()));
         }
         Action::Follow { node } => {
-            tokio::spawn(calls::follow(mesh, node, every, timeout, tx.resident.clone()));
+            tokio::spawn(calls::follow(mesh, node, every, timeout, tx.clone()));
         }
         Action::Mutate { node, done } => {
-            let tx = tx.mutated.clone();
+            let tx = tx.clone();
             tokio::spawn(async move {
                 let r = match mesh.call(node, &LlmMsg::Mutate, timeout).await {
                     Ok(LlmMsg::Ack) => Ok(()),
                     other => Err(format!("{other:?}")),
                 };
-                let _ = tx.send((node, r, done));
+                let _ = tx.send(Report::Mutated(node, r, done));
             });
         }
         Action::Rebalance { nodes, config, done } => {
-            let tx = tx.round.clone();
+            let tx = tx.clone();
             tokio::spawn(async move {
                 let r = rebalance(&mesh, &nodes, &config, timeout).await;
                 match done {
                     Some(done) => drop(done.send(r.map_err(|e| e.to_string()))),
-                    None => drop(tx.send(r)),
+                    None => drop(tx.send(Report::Round(r))),
                 }
             });
         }

@@ -113,6 +113,24 @@ type CallResult = (Dispatch, Result<ExecMsg, TransportError>);
 /// The longest wait between two questions to a node marked down that runs no `exec` service yet.
 pub const PROBE_AT_MOST: Duration = Duration::from_secs(1);
 
+/// The waits between questions to a node that runs no service yet: the first `every`, each
+/// after it twice the last, up to [`PROBE_AT_MOST`] (both routers' probes).
+pub(crate) struct Backoff(Duration);
+
+impl Backoff {
+    /// Starting at `every`.
+    pub(crate) fn new(every: Duration) -> Backoff {
+        Backoff(every)
+    }
+
+    /// The next wait.
+    pub(crate) fn next(&mut self) -> Duration {
+        let wait = self.0;
+        self.0 = (wait * 2).min(PROBE_AT_MOST);
+        wait
+    }
+}
+
 /// Routes `requests` until the channel closes and every request is answered on `answers`.
 pub async fn run(
     mesh: Arc<dyn Mesh>,
@@ -209,7 +227,7 @@ async fn probe(
     limit: Duration,
     tx: mpsc::UnboundedSender<(u32, u32, u32)>,
 ) {
-    let mut backoff = every;
+    let mut backoff = Backoff::new(every);
     while !tx.is_closed() && mesh.connected_to(node) {
         let wait = match mesh.call(node, &ExecMsg::Status, limit).await {
             Ok(ExecMsg::State { resident, layers, .. }) if whole && resident < layers => every,
@@ -217,11 +235,7 @@ async fn probe(
                 let _ = tx.send((node, resident, after_entry));
                 return;
             }
-            Err(e) if e.no_such_service().is_some() => {
-                let wait = backoff;
-                backoff = (backoff * 2).min(PROBE_AT_MOST);
-                wait
-            }
+            Err(e) if e.no_such_service().is_some() => backoff.next(),
             other => return debug!(node, answer = ?other, "a node marked down serves nothing"),
         };
         tokio::time::sleep(wait).await;
@@ -337,4 +351,16 @@ fn answer(
         disp.failed(b);
     }
     unserved
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn probe_waits_double_up_to_their_bound() {
+        let mut b = Backoff::new(Duration::from_millis(200));
+        let waits: Vec<u128> = (0..5).map(|_| b.next().as_millis()).collect();
+        assert_eq!(waits, [200, 400, 800, 1000, 1000]);
+    }
 }

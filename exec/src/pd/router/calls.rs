@@ -9,8 +9,9 @@ use tokio::sync::mpsc;
 use tracing::debug;
 
 use super::state::Outcome;
-use super::GenRequest;
+use super::{GenRequest, Report};
 use crate::pd::proto::{KvGrant, LlmMsg, Role, Split};
+use crate::serve::router::Backoff;
 use crate::serve::ServeError;
 
 /// Asks the arriving instance `node` for its resident stages every `every` and reports each
@@ -21,7 +22,7 @@ pub(super) async fn follow(
     node: u32,
     every: Duration,
     limit: Duration,
-    tx: mpsc::UnboundedSender<(u32, u32)>,
+    tx: mpsc::UnboundedSender<Report>,
 ) {
     let mut last = None;
     while !tx.is_closed() {
@@ -29,7 +30,7 @@ pub(super) async fn follow(
             Ok(LlmMsg::State { resident, layers, .. }) => {
                 if last != Some(resident) {
                     last = Some(resident);
-                    if tx.send((node, resident)).is_err() || resident >= layers {
+                    if tx.send(Report::Resident(node, resident)).is_err() || resident >= layers {
                         return;
                     }
                 }
@@ -53,22 +54,18 @@ pub(super) async fn probe(
     whole: bool,
     every: Duration,
     limit: Duration,
-    tx: mpsc::UnboundedSender<(u32, LlmMsg)>,
+    tx: mpsc::UnboundedSender<Report>,
 ) {
-    let mut backoff = every;
+    let mut backoff = Backoff::new(every);
     while !tx.is_closed() && mesh.connected_to(node) {
         let wait = match mesh.call(node, &LlmMsg::Status, limit).await {
             Ok(LlmMsg::State { role: Role::Decode, running, .. }) if running > 0 => every,
             Ok(LlmMsg::State { role: Role::Prefill, resident, layers, .. }) if whole && resident < layers => every,
             Ok(state @ LlmMsg::State { .. }) => {
-                let _ = tx.send((node, state));
+                let _ = tx.send(Report::Back(node, state));
                 return;
             }
-            Err(e) if e.no_such_service().is_some() => {
-                let wait = backoff;
-                backoff = (backoff * 2).min(crate::serve::router::PROBE_AT_MOST);
-                wait
-            }
+            Err(e) if e.no_such_service().is_some() => backoff.next(),
             other => return debug!(node, answer = ?other, "a node marked gone serves nothing"),
         };
         tokio::time::sleep(wait).await;
