@@ -92,8 +92,8 @@ impl std::str::FromStr for System {
 /// fp16). Llama-2-70B on 4 GPUs (tensor parallel, the paper's minimum): 30 ms plus 0.16 ms per
 /// prompt token, decode 40 ms plus 0.3 ms per sequence, 140 GB of fp16 parameters, KV 0.31 MiB per token
 /// (GQA, 8 KV heads · 128 · 80 layers · 2 · fp16). Both have Llama-2's context window of 4,096
-/// tokens (`max_position_embeddings` in their configs), prompt and output together. SLOs are the issue's: 450 ms TTFT / 150 ms TBT
-/// (7B), 1250 / 200 ms (70B).
+/// tokens (`max_position_embeddings` in their configs), prompt and output together. SLOs are
+/// the issue's: 450 ms TTFT / 150 ms TBT (7B), 1250 / 200 ms (70B).
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct Profile {
     /// Its name on the command line.
@@ -353,11 +353,6 @@ pub fn simulate(cfg: &SimConfig, trace: &[TraceRequest]) -> Result<SimOutcome, S
             cfg.profile.name
         ));
     }
-    let (mut report, timeline, ttft, tbt) = engine::Sim::new(cfg, &trace)?.run();
-    report.over_context = over_context;
-    if cfg.over_context == OverContext::Refuse {
-        // The refused requests arrived and were not served: each missed its SLO.
-        report.slo_attainment *= report.requests as f64 / (report.requests + over_context) as f64;
-    }
+    let (report, timeline, ttft, tbt) = engine::Sim::new(cfg, &trace, over_context)?.run();
     Ok(SimOutcome { report, timeline, ttft, tbt })
 }

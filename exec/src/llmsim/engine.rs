@@ -7,7 +7,7 @@ use cascade_multicast::{Loc, Topology};
 
 use super::autoscale::{wanted, Load, WINDOW_S};
 use super::report::{Histogram, SimReport, TimelinePoint};
-use super::{SimConfig, System, TraceRequest};
+use super::{OverContext, SimConfig, System, TraceRequest};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Role {
@@ -57,6 +57,8 @@ struct Req {
 /// The whole simulation.
 pub(super) struct Sim<'a> {
     cfg: &'a SimConfig,
+    /// Requests of the trace longer than the context window (refused ones are not in `reqs`).
+    over_context: usize,
     topo: Topology,
     now: f64,
     reqs: Vec<Req>,
@@ -96,7 +98,9 @@ const TICK_MS: f64 = 100.0;
 const POOL_HOST: usize = 0;
 
 impl<'a> Sim<'a> {
-    pub(super) fn new(cfg: &'a SimConfig, trace: &[TraceRequest]) -> Result<Sim<'a>, String> {
+    /// Serves `trace`, already fitted to the context window, where `over_context` requests
+    /// did not fit as they came.
+    pub(super) fn new(cfg: &'a SimConfig, trace: &[TraceRequest], over_context: usize) -> Result<Sim<'a>, String> {
         let hw = &cfg.hardware;
         if hw.hosts == 0 || hw.gpus_per_host < cfg.profile.gpus_per_instance {
             return Err(format!(
@@ -123,6 +127,7 @@ impl<'a> Sim<'a> {
             .collect();
         let mut s = Sim {
             cfg,
+            over_context,
             topo,
             now: 0.0,
             reqs,
@@ -643,6 +648,9 @@ impl<'a> Sim<'a> {
     }
 
     fn report(mut self) -> (SimReport, Vec<TimelinePoint>, Histogram, Histogram) {
+        // Refused requests arrived and were not served: each missed its SLO.
+        let refused = if self.cfg.over_context == OverContext::Refuse { self.over_context } else { 0 };
+        let arrived = self.reqs.len() + refused;
         let hosts_gb = self.cfg.profile.param_bytes as f64 / 1e9;
         let dur = self.now.max(1.0);
         let copies = self.cache_copy_ms / dur;
@@ -654,7 +662,7 @@ impl<'a> Sim<'a> {
             system: self.cfg.system,
             model: self.cfg.profile.name.to_string(),
             requests: self.reqs.len(),
-            over_context: 0,
+            over_context: self.over_context,
             over_context_policy: self.cfg.over_context,
             prefill_utilisation: self.cfg.prefill_utilisation,
             ttft_p50_ms: self.ttft.quantile(0.5),
@@ -664,7 +672,7 @@ impl<'a> Sim<'a> {
             tbt_p50_ms: self.tbt.quantile(0.5),
             tbt_p99_ms: self.tbt.quantile(0.99),
             tbt_mean_ms: self.tbt.mean(),
-            slo_attainment: self.slo_met as f64 / self.reqs.len().max(1) as f64,
+            slo_attainment: self.slo_met as f64 / arrived.max(1) as f64,
             gpu_seconds: self.gpu_ms / 1e3,
             host_cache_gb_avg: copies * hosts_gb,
             host_cache_copies_avg: copies,
