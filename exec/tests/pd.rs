@@ -45,29 +45,44 @@ async fn cluster(roles: &[Option<Role>], tag: &str) -> Option<Cluster> {
     smollm2_dir()?;
     let eps = cascade_tests::loopback::endpoints(roles.len() as u32 + 1, tag, |_| {}).await.unwrap();
     let meshes = eps.iter().map(|e| e.clone() as Arc<dyn Mesh>).collect();
-    Some(with_instances(eps, meshes, roles))
+    Some(with_instances(eps, meshes, roles, test_config()))
 }
 
 /// The same nodes on a mem fabric (a test double whose links a test can cut).
 fn mem_cluster(roles: &[Option<Role>]) -> Option<(Cluster, MemFabric)> {
+    mem_cluster_with(roles, test_config())
+}
+
+/// [`mem_cluster`] with the instances' own settings.
+fn mem_cluster_with(roles: &[Option<Role>], cfg: LlmConfig) -> Option<(Cluster, MemFabric)> {
     smollm2_dir()?;
     let fabric = MemFabric::new();
     let meshes = (0..=roles.len() as u32).map(|i| Arc::new(fabric.add_node(i)) as Arc<dyn Mesh>).collect();
-    Some((with_instances(Vec::new(), meshes, roles), fabric))
+    Some((with_instances(Vec::new(), meshes, roles, cfg), fabric))
 }
 
 /// Starts `roles`' instances on `meshes[1..]`.
-fn with_instances(eps: Vec<Arc<Endpoint>>, meshes: Vec<Arc<dyn Mesh>>, roles: &[Option<Role>]) -> Cluster {
+fn with_instances(
+    eps: Vec<Arc<Endpoint>>,
+    meshes: Vec<Arc<dyn Mesh>>,
+    roles: &[Option<Role>],
+    cfg: LlmConfig,
+) -> Cluster {
     let (model, file) = PdModel::from_dir(&smollm2_dir().unwrap()).unwrap();
-    let instances = meshes.iter().skip(1).zip(roles).map(|(mesh, &role)| instance(mesh, &model, &file, role)).collect();
+    let instances =
+        meshes.iter().skip(1).zip(roles).map(|(mesh, &role)| instance_with(mesh, &model, &file, role, cfg)).collect();
     Cluster { eps, meshes, model, instances }
+}
+
+/// The instances' settings in these tests.
+fn test_config() -> LlmConfig {
+    LlmConfig { kv_pages: KV_PAGES, page_tokens: 16, max_prompt: 64, max_running: 8, ..LlmConfig::default() }
 }
 
 /// Starts an instance on `mesh`: a held copy in `role`, or a prefill instance whose copy
 /// arrives (`None`).
 fn instance(mesh: &Arc<dyn Mesh>, model: &PdModel, file: &[u8], role: Option<Role>) -> LlmInstance {
-    let cfg = LlmConfig { kv_pages: KV_PAGES, page_tokens: 16, max_prompt: 64, max_running: 8, ..LlmConfig::default() };
-    instance_with(mesh, model, file, role, cfg)
+    instance_with(mesh, model, file, role, test_config())
 }
 
 /// [`instance`] with its own settings.
@@ -336,22 +351,9 @@ async fn a_request_its_first_token_ends_moves_no_kv_and_one_that_decodes_does() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_kv_move_that_fails_leaves_no_staging_region_registered() {
     // Node 1 prefills with a 2 s limit on its operations; node 2 decodes.
-    let Some(dir) = smollm2_dir() else { return };
-    let (model, file) = PdModel::from_dir(&dir).unwrap();
-    let fabric = MemFabric::new();
-    let meshes: Vec<Arc<dyn Mesh>> = (0..3).map(|i| Arc::new(fabric.add_node(i)) as Arc<dyn Mesh>).collect();
-    let cfg = LlmConfig {
-        kv_pages: KV_PAGES,
-        page_tokens: 16,
-        max_prompt: 64,
-        max_running: 8,
-        op_timeout: Duration::from_secs(2),
-        ..LlmConfig::default()
-    };
-    let _instances = [
-        instance_with(&meshes[1], &model, &file, Some(Role::Prefill), cfg),
-        instance_with(&meshes[2], &model, &file, Some(Role::Decode), cfg),
-    ];
+    let cfg = LlmConfig { op_timeout: Duration::from_secs(2), ..test_config() };
+    let Some((c, fabric)) = mem_cluster_with(&[Some(Role::Prefill), Some(Role::Decode)], cfg) else { return };
+    let meshes = &c.meshes;
     let (prompt, _) = expected().swap_remove(0);
     let limit = Duration::from_secs(60);
     let prefill = |req: u64| {
