@@ -44,8 +44,16 @@
 //! could never merge again. Each iteration every credit therefore moves a fraction λ
 //! (`credit_reversion`; by default `1 / (2·max_batch·(t_starve − credit0))`, half of what the
 //! bound below allows) of the way back to `credit0` — which keeps the sum — and an adapter that
-//! paid recovers. Starvation batches run unmerged unless they hold only the merged adapter's
-//! requests. Algorithm 1 runs over the eligible adapters (Algorithm 3, line 19), so `R_merge` and
+//! paid recovers. *Merged starvation batches*: the pseudo-code returns `B_starve` without a
+//! mode. Here a starvation batch runs merged when the merged adapter's requests are all it
+//! holds, or when its starving requests are all of one adapter, fill a batch as large as
+//! `B_fcfs`, and merging that adapter pays: the iterations it will starve for (until its credit,
+//! paying for what it displaces, falls below `t_normal`) together save more than the switch into
+//! merged mode and the one out of it (`merge_starving`; this implementation's choice, measured
+//! in the README: merging partial starvation batches too was worse at 3 requests/s). Otherwise
+//! it runs unmerged, the free slots filled FCFS.
+//!
+//! Algorithm 1 runs over the eligible adapters (Algorithm 3, line 19), so `R_merge` and
 //! Algorithm 2's would-be merged batch are the eligible argmax's; iterations with no eligible
 //! adapter are not recorded for tuning (α decided nothing there: recording them let α fall to its
 //! floor while the dominant adapter could not pay, and then merge an adapter with one request).
@@ -162,6 +170,11 @@ pub struct BatchConfig {
     /// `dlora`: merge only when the adapter's credit pays for enough merged iterations to save
     /// the merge's and the un-merge's switch time (module docs, "amortised merges").
     pub amortize_switches: bool,
+    /// `dlora`: a starvation batch whose starving requests are all of one adapter and fill a
+    /// batch as large as the FCFS one runs merged with it when the iterations it will starve for
+    /// save more than the switches cost (module docs, "merged starvation batches"); `false`:
+    /// such batches run unmerged (filled FCFS) unless that adapter is already merged.
+    pub merge_starving: bool,
 }
 
 impl Default for BatchConfig {
@@ -180,6 +193,7 @@ impl Default for BatchConfig {
             credit_reversion: None,
             slora_max_adapters: 4,
             amortize_switches: true,
+            merge_starving: true,
         }
     }
 }
@@ -454,20 +468,18 @@ impl Batcher {
             .collect();
         if !starve.is_empty() {
             let first = runnable[starve[0]].adapter;
-            let mut starve = starve;
-            let mode = match self.mode {
-                Mode::Merged(l) if l == first && starve.iter().all(|&i| runnable[i].adapter == l) => self.mode,
-                _ => {
-                    // Unmerged anyway: the free slots take the other requests in FCFS order.
-                    let room = self.cfg.max_batch - starve.len();
-                    let rest: Vec<usize> = (0..runnable.len())
-                        .filter(|&i| !self.starving[runnable[i].adapter as usize])
-                        .take(room)
-                        .collect();
-                    starve.extend(rest);
-                    starve.sort_unstable();
-                    Mode::Unmerged
+            let alone = starve.iter().all(|&i| runnable[i].adapter == first);
+            // Unmerged, the free slots take the other requests in FCFS order.
+            let mut filled = starve.clone();
+            let room = self.cfg.max_batch - starve.len();
+            filled.extend((0..runnable.len()).filter(|&i| !self.starving[runnable[i].adapter as usize]).take(room));
+            filled.sort_unstable();
+            let (starve, mode) = match self.mode {
+                Mode::Merged(l) if l == first && alone => (starve, self.mode),
+                _ if alone && self.cfg.merge_starving && self.starving_merge_pays(runnable, fcfs, &starve, &filled) => {
+                    (starve, Mode::Merged(first))
                 }
+                _ => (filled, Mode::Unmerged),
             };
             self.transfer(runnable, &starve, fcfs);
             self.stats.starvation_batches += 1;
@@ -548,6 +560,33 @@ impl Batcher {
         let (m_work, u_work) = (self.cost.work_ms(runnable, merged), self.cost.work_ms(runnable, fcfs));
         let saving = m_work * u_ms / u_work.max(1e-9) - m_ms;
         iterations * saving > 2.0 * self.cost.switch_ms
+    }
+
+    /// Whether to serve the starving requests `merged` (all of one adapter, not merged now)
+    /// merged: they must fill a batch as large as `B_fcfs` (a smaller merged batch serves fewer
+    /// requests than the unmerged one would), and serving them merged for as long as their
+    /// adapter will starve must save more than the switches into and out of that mode. Each
+    /// merged starvation iteration saves what the unmerged starvation batch `filled` would take
+    /// for the merged batch's work less the merged batch's time, and the adapter starves until
+    /// its credit, paying for the `fcfs` requests the merged batch displaces, falls below
+    /// `t_normal` (at least this one iteration).
+    fn starving_merge_pays(&self, runnable: &[Runnable], fcfs: &[usize], merged: &[usize], filled: &[usize]) -> bool {
+        if merged.len() < fcfs.len() {
+            return false;
+        }
+        let a = runnable[merged[0]].adapter;
+        let displaced = fcfs.iter().filter(|i| merged.binary_search(i).is_err()).count();
+        let above = self.credit[a as usize] - self.cfg.t_normal;
+        let iterations =
+            if displaced == 0 { f64::INFINITY } else { (above / (displaced as f64 * self.cfg.unit())).ceil().max(1.0) };
+        let (m_ms, u_ms) = (
+            self.cost.batch_ms(Mode::Merged(a), runnable, merged),
+            self.cost.batch_ms(Mode::Unmerged, runnable, filled),
+        );
+        let (m_work, u_work) = (self.cost.work_ms(runnable, merged), self.cost.work_ms(runnable, filled));
+        let saving = m_work * u_ms / u_work.max(1e-9) - m_ms;
+        let switches = f64::from(self.mode.switch_ops(Mode::Merged(a)) + 1);
+        saving > 0.0 && iterations * saving > switches * self.cost.switch_ms
     }
 
     /// Lines 14 and 21: `1/max_batch` credit to the adapter of every request of `fcfs` not in `served`,

@@ -122,6 +122,58 @@ fn a_starving_adapter_is_served_first() {
 }
 
 #[test]
+fn a_starving_adapter_with_a_full_batch_is_served_merged_when_its_starvation_pays_for_the_switches() {
+    // Adapter 1 (15 requests) is merged and passes over adapter 0's oldest request, which gains
+    // 1/8 credit an iteration and starves after five. Adapter 0 then has 8 starving requests,
+    // a full batch (or 5, which are not). Merged, each of its starving iterations saves ~13 ms against the unmerged
+    // batch, and it starves until it has paid its credit down to `t_normal` at 7/8 an
+    // iteration (it displaces seven of adapter 1's requests); switching from adapter 1 to it and
+    // later un-merging costs three 20 ms switches.
+    let queue = |of_0: usize| {
+        let mut window = vec![0];
+        window.extend([1; 15]);
+        window.extend(std::iter::repeat_n(0, of_0 - 1));
+        reqs(&window)
+    };
+    let starving_with = |window: &[Runnable], t_normal: f64, merge_starving: bool| {
+        let c = BatchConfig {
+            credit0: 100.0,
+            t_starve: 100.5,
+            t_normal,
+            credit_reversion: Some(0.0),
+            merge_starving,
+            ..cfg(8)
+        };
+        let mut b = Batcher::new(Policy::Dlora, c, CostModel::paper_7b());
+        for it in 0..10 {
+            let ch = b.decide(window);
+            if ch.starvation {
+                assert_eq!(it, 5);
+                return ch;
+            }
+            assert_eq!(ch.mode, Mode::Merged(1), "iteration {it}");
+        }
+        panic!("adapter 0 never starved");
+    };
+    let full = queue(8);
+    let starving = |t_normal: f64, merge_starving: bool| starving_with(&full, t_normal, merge_starving);
+    // Credit 10.6 above t_normal: 13 starving iterations, ~170 ms saved against 60 ms of switches.
+    let ch = starving(90.0, true);
+    assert_eq!((ch.mode, ch.switch_ops), (Mode::Merged(0), 2));
+    assert_eq!(ch.batch, [0, 16, 17, 18, 19, 20, 21, 22]);
+    // Credit 0.6 above it: one starving iteration, which saves less than the switches cost.
+    let ch = starving(100.0, true);
+    assert_eq!(ch.mode, Mode::Unmerged);
+    assert_eq!(ch.batch, [0, 16, 17, 18, 19, 20, 21, 22], "the starving requests fill the batch");
+    // Without merged starvation batches, unmerged whatever the credit.
+    assert_eq!(starving(90.0, false).mode, Mode::Unmerged);
+    // Five starving requests do not fill the batch of eight: unmerged, three of adapter 1's
+    // requests in the free slots.
+    let ch = starving_with(&queue(5), 90.0, true);
+    assert_eq!((ch.mode, ch.batch), (Mode::Unmerged, vec![0, 1, 2, 3, 16, 17, 18, 19]));
+}
+
+#[test]
 fn algorithm_2_lowers_alpha_when_merging_would_have_paid_and_raises_it_when_not() {
     let cost = CostModel::paper_7b();
     // One adapter only: merged throughput beats unmerged, α falls until it merges.
