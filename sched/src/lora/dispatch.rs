@@ -74,7 +74,10 @@ pub struct ClusterConfig {
     pub top_k: usize,
     /// The affinity penalty η per adapter a replica gains, ms; `None`: the adapter load time.
     pub eta_ms: Option<f64>,
-    /// Host-swap bandwidth B for KV beyond a replica's memory, bytes per ms (PCIe 4.0: 25 GB/s).
+    /// Host-swap bandwidth B for KV beyond a replica's memory, bytes per ms (PCIe 4.0: 25 GB/s):
+    /// the co-migration plan's price for overflowing a replica. The simulator has no host swap —
+    /// it preempts by recomputation — so a scenario that wants plans to keep within memory
+    /// prices it prohibitively (`lora_8gpu.toml`: 1000 bytes/ms).
     pub swap_bytes_per_ms: f64,
     /// Relax request variables to [0, 1] and round each to its largest entry (the paper's
     /// relaxation); `false` solves the exact ILP.

@@ -5,10 +5,13 @@
 //!
 //! Each iteration a replica asks its batcher which runnable requests to run: those whose adapter
 //! is loaded, that are not being moved, and — for a request not started yet — whose prompt fits
-//! the free KV cache (admission in FCFS order; a started request's KV grows by a token per step
-//! and is not preempted: KV use can exceed the capacity by those tokens, which the migration
-//! trigger sees). A request's first iteration prefills its prompt and yields its first token;
-//! each later one yields a token. Deterministic: no clock, no randomness beyond the scenario's.
+//! the free KV cache (admission in FCFS order). A request's first iteration prefills its prompt
+//! and yields its first token; each later one yields a token, its KV growing by one. When a
+//! replica's KV outgrows its capacity (decode steps, or requests migrated in), the most recently
+//! arrived started requests are preempted until it fits, as vLLM (on which dLoRA is built)
+//! preempts by recomputation: the request's KV is freed, it waits again, and when it is admitted
+//! again its prefill recomputes its prompt and the tokens it had generated (`preemptions` in the
+//! report). Deterministic: no clock, no randomness beyond the scenario's.
 //!
 //! Metrics. `avg_latency_s` is the paper's (§7.1): the sum of end-to-end latencies over the sum
 //! of output tokens, s per token; `p90_latency_s` the 90th percentile of each request's latency per
@@ -79,6 +82,12 @@ pub struct LoraReport {
     pub max_solve_ms: f64,
     /// Adapter loads onto replicas after the start.
     pub adapter_loads: u64,
+    /// Started requests whose KV was freed because their replica's KV cache was full (to be
+    /// recomputed when they run again).
+    pub preemptions: u64,
+    /// The most KV any replica held after an iteration, as a fraction of its capacity (above 1
+    /// only when one request alone outgrows it).
+    pub peak_kv_use: f64,
     /// Share of requests of the most popular adapter (the scenario's skew).
     pub top_adapter_share: f64,
     /// α and β of replica 0 at the end.
@@ -94,6 +103,18 @@ struct Live {
     service_ms: f64,
     streak: u64,
     ready_ms: f64,
+}
+
+impl Live {
+    /// Tokens its next prefill computes: the prompt, and after a preemption the tokens it had
+    /// generated too.
+    fn prefill_tokens(&self) -> u64 {
+        if self.started {
+            0
+        } else {
+            u64::from(self.req.input) + u64::from(self.generated)
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -133,6 +154,8 @@ struct Sim<'a> {
     ilp_plans: u64,
     max_solve_ms: f64,
     adapter_loads: u64,
+    preemptions: u64,
+    peak_kv: u64,
 }
 
 /// Runs `s` under `policy` on every replica.
@@ -180,6 +203,8 @@ pub fn simulate(s: &LoraScenario, policy: Policy) -> Result<LoraReport, String> 
         ilp_plans: 0,
         max_solve_ms: 0.0,
         adapter_loads: 0,
+        preemptions: 0,
+        peak_kv: 0,
     };
     let reqs = s.requests();
     let horizon = s.duration_s * 1000.0 * 20.0 + 600_000.0;
@@ -227,7 +252,7 @@ impl Sim<'_> {
 
     /// Estimated remaining execution time of a request, ms.
     fn remaining_ms(&self, l: &Live) -> f64 {
-        let prefill = if l.started { 0.0 } else { l.req.input as f64 * self.cost.per_prefill_token_ms };
+        let prefill = if l.started { 0.0 } else { l.prefill_tokens() as f64 * self.cost.per_prefill_token_ms };
         prefill + (self.out_mean - l.generated as f64).max(1.0) * self.token_ms
     }
 
@@ -310,7 +335,7 @@ impl Sim<'_> {
             }
             let mut prompt = 0;
             if !l.started {
-                let need = l.req.input as u64;
+                let need = l.prefill_tokens();
                 let alone = rep.kv_used == 0 && runnable.is_empty();
                 if used + need > cap && !alone {
                     continue;
@@ -355,7 +380,7 @@ impl Sim<'_> {
             let Some(qi) = rep.queue.iter().position(|l| l.req.id == id) else { continue };
             let l = &mut rep.queue[qi];
             l.service_ms += rep.iter_ms;
-            let grow = if l.started { 1 } else { l.req.input as u64 };
+            let grow = if l.started { 1 } else { l.prefill_tokens() };
             l.started = true;
             l.kv += grow;
             rep.kv_used += grow;
@@ -365,6 +390,30 @@ impl Sim<'_> {
                 rep.kv_used -= l.kv;
                 self.done.push((now - l.req.arrival_ms, l.req.output, l.service_ms));
             }
+        }
+        self.preempt(j);
+        self.peak_kv = self.peak_kv.max(self.reps[j].kv_used);
+    }
+
+    /// Frees the KV of replica `j`'s most recently arrived started requests until its KV fits
+    /// its capacity (vLLM's preemption by recomputation; the oldest started request is kept, so a
+    /// replica always makes progress, and requests in the iteration running now are kept).
+    fn preempt(&mut self, j: usize) {
+        let cap = self.cost.kv_capacity_tokens;
+        let rep = &mut self.reps[j];
+        // The oldest started request stays; so does any in the iteration running now.
+        let Some(oldest) = rep.queue.iter().position(|l| l.started) else { return };
+        let mut qi = rep.queue.len();
+        while rep.kv_used > cap && qi > oldest + 1 {
+            qi -= 1;
+            let l = &mut rep.queue[qi];
+            if !l.started || rep.running.contains(&l.req.id) {
+                continue;
+            }
+            rep.kv_used -= l.kv;
+            l.kv = 0;
+            l.started = false;
+            self.preemptions += 1;
         }
     }
 
@@ -454,6 +503,9 @@ impl Sim<'_> {
             d.queue.insert(at, l);
             self.migrations += 1;
         }
+        for j in 0..n {
+            self.preempt(j);
+        }
     }
 
     fn report(&self, policy: Policy, requests: usize, shares: &[f64]) -> LoraReport {
@@ -499,6 +551,8 @@ impl Sim<'_> {
             ilp_plans: self.ilp_plans,
             max_solve_ms: self.max_solve_ms,
             adapter_loads: self.adapter_loads,
+            preemptions: self.preemptions,
+            peak_kv_use: self.peak_kv as f64 / self.cost.kv_capacity_tokens as f64,
             top_adapter_share: shares.iter().copied().fold(0.0, f64::max),
             final_thresholds: self.reps[0].batcher.thresholds(),
         }

@@ -412,6 +412,28 @@ fn scenarios_are_checked_and_skewness_concentrates_the_load() {
 }
 
 #[test]
+fn a_replica_whose_kv_cache_fills_preempts_the_newest_and_recomputes_them() {
+    // Room for about four requests' prompts and outputs (161 + 338 tokens, lengths within ~30%
+    // of that, so that no request alone outgrows it), eight decoding at once: the decode steps
+    // outgrow the cache.
+    let mut s = scenario(
+        "duration_s = 20\nrate_rps = 4\nadapters = 8\nskewness = 8\n\
+         [lengths]\ninput_mean = 161\noutput_mean = 338\nsigma = 0.1\n",
+    );
+    let roomy = simulate(&s, Policy::UnmergedOnly).unwrap();
+    assert_eq!(roomy.preemptions, 0);
+    s.cost_model = Some(CostModel { kv_capacity_tokens: 2_000, ..CostModel::paper_7b() });
+    for p in Policy::ALL {
+        let r = simulate(&s, p).unwrap();
+        assert!(r.preemptions > 0, "{p:?}: no preemption");
+        assert!(r.peak_kv_use <= 1.0, "{p:?}: KV at {} of the capacity", r.peak_kv_use);
+        assert_eq!((r.finished, r.unfinished), (r.requests, 0), "{p:?}");
+        // Recomputing preempted requests costs time.
+        assert!(r.avg_latency_s > roomy.avg_latency_s, "{p:?}");
+    }
+}
+
+#[test]
 fn one_replica_serves_every_request_under_every_policy() {
     let s = scenario("duration_s = 20\nrate_rps = 4\nadapters = 8\nskewness = 8\n");
     for p in Policy::ALL {
