@@ -555,11 +555,19 @@ impl Batcher {
             return true;
         }
         let iterations = (self.credit[a as usize] / (displaced as f64 * self.cfg.unit())).floor();
-        let (m_ms, u_ms) =
-            (self.cost.batch_ms(Mode::Merged(a), runnable, merged), self.cost.batch_ms(Mode::Unmerged, runnable, fcfs));
-        let (m_work, u_work) = (self.cost.work_ms(runnable, merged), self.cost.work_ms(runnable, fcfs));
-        let saving = m_work * u_ms / u_work.max(1e-9) - m_ms;
-        iterations * saving > 2.0 * self.cost.switch_ms
+        iterations * self.merged_saving_ms(runnable, a, merged, fcfs) > 2.0 * self.cost.switch_ms
+    }
+
+    /// What one iteration of `merged` (adapter `a`'s requests, merged) saves against the
+    /// unmerged batch `unmerged`: the time `unmerged` would take for `merged`'s work (sequences
+    /// and prompt tokens at their cost-model prices) less the merged iteration's time.
+    fn merged_saving_ms(&self, runnable: &[Runnable], a: AdapterId, merged: &[usize], unmerged: &[usize]) -> f64 {
+        let (m_ms, u_ms) = (
+            self.cost.batch_ms(Mode::Merged(a), runnable, merged),
+            self.cost.batch_ms(Mode::Unmerged, runnable, unmerged),
+        );
+        let (m_work, u_work) = (self.cost.work_ms(runnable, merged), self.cost.work_ms(runnable, unmerged));
+        m_work * u_ms / u_work.max(1e-9) - m_ms
     }
 
     /// Whether to serve the starving requests `merged` (all of one adapter, not merged now)
@@ -579,12 +587,7 @@ impl Batcher {
         let above = self.credit[a as usize] - self.cfg.t_normal;
         let iterations =
             if displaced == 0 { f64::INFINITY } else { (above / (displaced as f64 * self.cfg.unit())).ceil().max(1.0) };
-        let (m_ms, u_ms) = (
-            self.cost.batch_ms(Mode::Merged(a), runnable, merged),
-            self.cost.batch_ms(Mode::Unmerged, runnable, filled),
-        );
-        let (m_work, u_work) = (self.cost.work_ms(runnable, merged), self.cost.work_ms(runnable, filled));
-        let saving = m_work * u_ms / u_work.max(1e-9) - m_ms;
+        let saving = self.merged_saving_ms(runnable, a, merged, filled);
         let switches = f64::from(self.mode.switch_ops(Mode::Merged(a)) + 1);
         saving > 0.0 && iterations * saving > switches * self.cost.switch_ms
     }

@@ -252,8 +252,8 @@ impl Sim<'_> {
 
     /// Estimated remaining execution time of a request, ms.
     fn remaining_ms(&self, l: &Live) -> f64 {
-        let prefill = if l.started { 0.0 } else { l.prefill_tokens() as f64 * self.cost.per_prefill_token_ms };
-        prefill + (self.out_mean - l.generated as f64).max(1.0) * self.token_ms
+        l.prefill_tokens() as f64 * self.cost.per_prefill_token_ms
+            + (self.out_mean - l.generated as f64).max(1.0) * self.token_ms
     }
 
     /// Estimated time until replica `j` has done its queued work, ms.
@@ -401,6 +401,9 @@ impl Sim<'_> {
     fn preempt(&mut self, j: usize) {
         let cap = self.cost.kv_capacity_tokens;
         let rep = &mut self.reps[j];
+        if rep.kv_used <= cap {
+            return;
+        }
         // The oldest started request stays; so does any in the iteration running now.
         let Some(oldest) = rep.queue.iter().position(|l| l.started) else { return };
         let mut qi = rep.queue.len();
@@ -503,7 +506,8 @@ impl Sim<'_> {
             d.queue.insert(at, l);
             self.migrations += 1;
         }
-        for j in 0..n {
+        // Only the plan's replicas gained requests.
+        for j in members {
             self.preempt(j);
         }
     }

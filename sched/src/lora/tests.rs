@@ -125,10 +125,10 @@ fn a_starving_adapter_is_served_first() {
 fn a_starving_adapter_with_a_full_batch_is_served_merged_when_its_starvation_pays_for_the_switches() {
     // Adapter 1 (15 requests) is merged and passes over adapter 0's oldest request, which gains
     // 1/8 credit an iteration and starves after five. Adapter 0 then has 8 starving requests,
-    // a full batch (or 5, which are not). Merged, each of its starving iterations saves ~13 ms against the unmerged
-    // batch, and it starves until it has paid its credit down to `t_normal` at 7/8 an
-    // iteration (it displaces seven of adapter 1's requests); switching from adapter 1 to it and
-    // later un-merging costs three 20 ms switches.
+    // a full batch (or 5, which are not). Merged, each of its starving iterations saves ~13 ms
+    // against the unmerged batch, and it starves until it has paid its credit down to
+    // `t_normal` at 7/8 an iteration (it displaces seven of adapter 1's requests); switching
+    // from adapter 1 to it and later un-merging costs three 20 ms switches.
     let queue = |of_0: usize| {
         let mut window = vec![0];
         window.extend([1; 15]);
