@@ -181,20 +181,68 @@ pub unsafe fn upload_region(
 
 /// Reads `ranges` of `buf` back from the device and checks each against its crc32: the device
 /// copy is what was verified on the host. Returns the index of the first range that differs.
+/// (One call; [`ReadBack`] keeps its host buffer for many.)
 pub fn verify_on_device(
     dev: &dyn DeviceMemory,
     buf: &DeviceBuffer,
     ranges: impl IntoIterator<Item = (std::ops::Range<u64>, u32)>,
 ) -> Result<std::result::Result<(), usize>> {
-    let mut scratch = Vec::new();
-    for (i, (r, crc)) in ranges.into_iter().enumerate() {
-        scratch.resize((r.end - r.start) as usize, 0);
-        dev.download(buf, r.start, &mut scratch)?;
-        if crc32fast::hash(&scratch) != crc {
-            return Ok(Err(i));
-        }
+    ReadBack::new(dev, READ_BACK_PIECE)?.verify(dev, buf, ranges)
+}
+
+/// The host buffer [`verify_on_device`] reads back through, in pieces of at most this size.
+const READ_BACK_PIECE: u64 = 8 << 20;
+
+/// A host buffer for reading device memory back to check it, page-locked for the device where
+/// the device pins ([`DeviceMemory::pin`]), so the reads go by DMA at the link's rate rather than
+/// through the driver's bounce buffers; made once and reused. Ranges longer than the buffer are
+/// read and checksummed in pieces.
+pub struct ReadBack {
+    region: Region,
+    _pin: Option<PinGuard>,
+}
+
+impl std::fmt::Debug for ReadBack {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReadBack").field("len", &self.region.len()).field("pinned", &self._pin.is_some()).finish()
     }
-    Ok(Ok(()))
+}
+
+impl ReadBack {
+    /// A buffer of `len` bytes (at least one page), pinned for `dev` where it pins.
+    pub fn new(dev: &dyn DeviceMemory, len: u64) -> Result<ReadBack> {
+        let region = Region::alloc(len.max(4096), Default::default())?;
+        let pin = dev.pin(&region)?;
+        Ok(ReadBack { region, _pin: pin })
+    }
+
+    /// Reads `ranges` of `buf` back from `dev` and checks each against its crc32; returns the
+    /// index of the first range that differs.
+    pub fn verify(
+        &mut self,
+        dev: &dyn DeviceMemory,
+        buf: &DeviceBuffer,
+        ranges: impl IntoIterator<Item = (std::ops::Range<u64>, u32)>,
+    ) -> Result<std::result::Result<(), usize>> {
+        let piece = self.region.len();
+        // SAFETY: the region is this buffer's own, never registered with a peer nor handed out
+        // (the pin guard only unregisters it), and `&mut self` makes this its one user.
+        let scratch = unsafe { std::slice::from_raw_parts_mut(self.region.as_mut_ptr(), piece as usize) };
+        for (i, (r, crc)) in ranges.into_iter().enumerate() {
+            let mut h = crc32fast::Hasher::new();
+            let mut at = r.start;
+            while at < r.end {
+                let n = (r.end - at).min(piece) as usize;
+                dev.download(buf, at, &mut scratch[..n])?;
+                h.update(&scratch[..n]);
+                at += n as u64;
+            }
+            if h.finalize() != crc {
+                return Ok(Err(i));
+            }
+        }
+        Ok(Ok(()))
+    }
 }
 
 /// **Test double**: "device" memory that is host memory, with the same interface and checks as

@@ -292,9 +292,7 @@ impl MulticastNode {
         let region = r.regions.get(&loc).cloned().ok_or_else(|| unknown(run))?;
         let device = match dev {
             Some(dev) => {
-                let buf = dev.alloc(region.len())?;
-                let pinned = dev.pin(&region)?;
-                let t = Arc::new(DeviceTarget { dev, buf, pinned });
+                let t = Arc::new(DeviceTarget::new(dev, &region, layout.chunk)?);
                 r.devices.insert(loc, t.clone());
                 Some(t)
             }

@@ -320,16 +320,113 @@ async fn shm_mappings_are_released_with_their_regions() {
 /// a GPU target without a device stays in host memory as before.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gpu_targets_land_in_device_memory_when_the_node_has_one() {
+    gpu_targets_land_in("emulated:0", 5 << 20).await;
+}
+
+/// The same on a real GPU, with a model large enough that the device copies take real time.
+#[cfg(feature = "cuda")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "requires a CUDA GPU (cargo test -p cascade-multicast --features cuda -- --ignored)"]
+async fn gpu_targets_land_in_cuda_memory() {
+    gpu_targets_land_in("cuda:0", 256 << 20).await;
+}
+
+/// **Test double**: the emulated device, except that the host→device copy covering byte `at`
+/// lands with that byte flipped (a bad DMA, a bad page of device memory).
+struct CorruptingDevice {
+    inner: cascade_transport::device::EmulatedDevice,
+    at: u64,
+}
+
+impl cascade_transport::device::DeviceMemory for CorruptingDevice {
+    fn describe(&self) -> String {
+        format!("corrupting {}", self.inner.describe())
+    }
+    fn alloc(&self, len: u64) -> cascade_transport::Result<cascade_transport::device::DeviceBuffer> {
+        self.inner.alloc(len)
+    }
+    fn upload_in_range(
+        &self,
+        dst: &cascade_transport::device::DeviceBuffer,
+        dst_offset: u64,
+        src: &[u8],
+    ) -> cascade_transport::Result<()> {
+        let mut bytes = src.to_vec();
+        if let Some(b) = self.at.checked_sub(dst_offset).and_then(|i| bytes.get_mut(i as usize)) {
+            *b ^= 0xff;
+        }
+        self.inner.upload(dst, dst_offset, &bytes)
+    }
+    fn download_in_range(
+        &self,
+        src: &cascade_transport::device::DeviceBuffer,
+        src_offset: u64,
+        dst: &mut [u8],
+    ) -> cascade_transport::Result<()> {
+        self.inner.download(src, src_offset, dst)
+    }
+    fn copy_in_range(
+        &self,
+        src_device: &dyn cascade_transport::device::DeviceMemory,
+        src: &cascade_transport::device::DeviceBuffer,
+        src_offset: u64,
+        dst: &cascade_transport::device::DeviceBuffer,
+        dst_offset: u64,
+        len: u64,
+    ) -> cascade_transport::Result<()> {
+        self.inner.copy(src_device, src, src_offset, dst, dst_offset, len)
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+/// A device copy that differs from what the staging region verified is caught by the read-back
+/// of its layer: the layers before it are announced, the bad one and those after it never are,
+/// and the target never reports done, while the run's other target completes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupt_device_copy_stops_its_target_at_the_bad_layer() {
+    let (eps, nodes) = cluster(4, "devbad").await;
+    let (bytes, layer) = (4u64 << 20, 1u64 << 20);
+    let bad = 2 * layer + 12345; // in layer 2
+    nodes[1].attach_device(
+        0,
+        Arc::new(CorruptingDevice { inner: cascade_transport::device::EmulatedDevice::new(0), at: bad }),
+    );
+    let ctl = Controller::new(eps[0].clone()).unwrap();
+    let mut spec = RunSpec::synthetic(topo(4), bytes, vec![Loc::host(1)], vec![Loc::gpu(2, 0), Loc::gpu(3, 0)], 9);
+    spec.layers = (0..4).map(|l| l * layer..(l + 1) * layer).collect();
+    spec.deadline = Duration::from_secs(3);
+    let out = ctl.run(&spec).await;
+    let out = match out {
+        Ok(o) => o,
+        Err(e) => panic!("the run should end with a report, not an error: {e}"),
+    };
+    assert_eq!(out.verified, vec![Loc::gpu(3, 0)], "{:?}", out.report);
+    let ready: Vec<usize> = out
+        .events
+        .iter()
+        .filter_map(|(_, e)| match e {
+            crate::Event::LayerReady { target, layer } if *target == Loc::gpu(2, 0) => Some(*layer),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(ready, vec![0, 1], "layers announced by the corrupted target");
+}
+
+async fn gpu_targets_land_in(device: &str, bytes: u64) {
     use cascade_transport::device;
     let (eps, nodes) = cluster(4, "device").await;
-    let dev = device::open("emulated:0").unwrap();
+    let dev = device::open(device).unwrap();
+    eprintln!("device {}", dev.describe());
     nodes[1].attach_device(0, dev.clone()); // node 2
     let ctl = Controller::new(eps[0].clone()).unwrap();
-    let bytes = 5 << 20;
     let mut spec = RunSpec::synthetic(topo(4), bytes, vec![Loc::host(1)], vec![Loc::gpu(2, 0), Loc::gpu(3, 0)], 9);
     spec.layers = vec![0..(1 << 20), (1 << 20)..bytes];
     spec.hold = true;
+    let t = std::time::Instant::now();
     let out = ctl.run(&spec).await.unwrap();
+    eprintln!("{} MiB to one device target and one host target in {:.3} s", bytes >> 20, t.elapsed().as_secs_f64());
     assert_eq!(out.verified.len(), 2, "{:?}", out.report);
     let on_device = nodes[1].device_target(out.run, Loc::gpu(2, 0)).expect("node 2's target is on its device");
     assert!(nodes[2].device_target(out.run, Loc::gpu(3, 0)).is_none(), "node 3 has no device");

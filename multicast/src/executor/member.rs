@@ -169,9 +169,24 @@ pub struct DeviceTarget {
     pub buf: cascade_transport::device::DeviceBuffer,
     /// The staging region pinned for the device (where the device pins), while the run is on.
     pub pinned: Option<cascade_transport::device::PinGuard>,
+    /// Where the device copy is read back to be checked, one chunk at a time.
+    read_back: Mutex<cascade_transport::device::ReadBack>,
 }
 
 impl DeviceTarget {
+    /// A buffer on `dev` as long as `region` (the target's staging region, pinned for the device
+    /// while this lives) and a read-back buffer of one `chunk`.
+    pub fn new(
+        dev: Arc<dyn cascade_transport::device::DeviceMemory>,
+        region: &cascade_transport::Region,
+        chunk: u64,
+    ) -> Result<DeviceTarget, TransportError> {
+        let buf = dev.alloc(region.len())?;
+        let pinned = dev.pin(region)?;
+        let read_back = Mutex::new(cascade_transport::device::ReadBack::new(dev.as_ref(), chunk)?);
+        Ok(DeviceTarget { dev, buf, pinned, read_back })
+    }
+
     /// Copies layer `l` (every chunk verified in `region`) to the device.
     fn upload_layer(&self, layout: &Layout, region: &cascade_transport::Region, l: usize) -> Result<(), String> {
         let chunks = layout.chunks_of_layer(l);
@@ -187,14 +202,50 @@ impl DeviceTarget {
         .map_err(|e| format!("copying layer {l} to {}: {e}", self.dev.describe()))
     }
 
-    /// Reads every chunk back from the device and checks its crc.
-    fn verify(&self, layout: &Layout) -> Result<(), String> {
-        let ranges = (0..layout.crcs.len() as u32).map(|i| (layout.chunk_range(i), layout.crcs[i as usize]));
-        match cascade_transport::device::verify_on_device(self.dev.as_ref(), &self.buf, ranges) {
+    /// Reads `chunks` back from the device and checks their crcs.
+    fn verify(&self, layout: &Layout, chunks: std::ops::Range<u32>) -> Result<(), String> {
+        let ranges = chunks.clone().map(|i| (layout.chunk_range(i), layout.crcs[i as usize]));
+        let mut rb = self.read_back.lock().unwrap_or_else(|e| e.into_inner());
+        match rb.verify(self.dev.as_ref(), &self.buf, ranges) {
             Ok(Ok(())) => Ok(()),
-            Ok(Err(i)) => Err(format!("chunk {i} differs on {} from what was verified", self.dev.describe())),
+            Ok(Err(i)) => Err(format!(
+                "chunk {} differs on {} from what was verified",
+                chunks.start + i as u32,
+                self.dev.describe()
+            )),
             Err(e) => Err(format!("reading back from {}: {e}", self.dev.describe())),
         }
+    }
+
+    /// Starts the thread that moves this target's layers to the device as they complete here,
+    /// so the member keeps taking chunks while the copies run. Each layer sent to the returned
+    /// channel (in order) is uploaded, read back and checked chunk by chunk, then announced as
+    /// ready through `report`; after the last layer the target reports done. On a failed copy or
+    /// check it says why and reports nothing more: the target will not complete.
+    fn start_copier(
+        self: Arc<Self>,
+        ctx: Arc<MemberCtx>,
+        report: mpsc::UnboundedSender<ToCoord>,
+    ) -> std::io::Result<std::sync::mpsc::Sender<usize>> {
+        let (tx, rx) = std::sync::mpsc::channel::<usize>();
+        std::thread::Builder::new().name(format!("device-copy-{}", ctx.me)).spawn(move || {
+            let last = ctx.layout.layers.len().saturating_sub(1);
+            let mut checked = 0;
+            for l in rx {
+                let upto = ctx.layout.chunks_of_layer(l).end.max(checked);
+                let copied = self.upload_layer(&ctx.layout, &ctx.region, l).and_then(|()| self.verify(&ctx.layout, checked..upto));
+                if let Err(why) = copied {
+                    tracing::error!(run = ctx.run, loc = %ctx.me, %why, "device copy failed; the target will not complete");
+                    return;
+                }
+                checked = upto;
+                let _ = report.send(ToCoord::LayerReady { loc: ctx.me, layer: l });
+                if l == last {
+                    let _ = report.send(ToCoord::Done(ctx.me));
+                }
+            }
+        })?;
+        Ok(tx)
     }
 }
 
@@ -326,7 +377,21 @@ pub(crate) async fn run_member(
     let have = Arc::new(Have { bits: Mutex::new(vec![ctx.is_source; n as usize]), more: Notify::new() });
     let mut count = if ctx.is_source { n } else { 0 };
     let mut next_layer = 0;
+    // A GPU target's layers go to its device on a thread of their own, which announces each as
+    // ready once it is there and checked; its reports come back through `from_device`.
+    let (to_coord, mut from_device) = mpsc::unbounded_channel();
     let mut device_failed = false;
+    let copier = match ctx.device.clone() {
+        Some(d) => match d.start_copier(ctx.clone(), to_coord) {
+            Ok(tx) => Some(tx),
+            Err(e) => {
+                tracing::error!(run = ctx.run, loc = %ctx.me, error = %e, "cannot start the device copier; the target will not complete");
+                device_failed = true;
+                None
+            }
+        },
+        None => None,
+    };
     let mut layer_left: Vec<u32> =
         (0..ctx.layout.layers.len()).map(|l| ctx.layout.chunks_of_layer(l).len() as u32).collect();
     let mut forwarders = JoinSet::new();
@@ -431,25 +496,16 @@ pub(crate) async fn run_member(
                         // Layers are announced in order: LayerReady{k} means layers 0..=k are all
                         // complete (chunks may land out of order within the sending window).
                         while next_layer < layer_left.len() && layer_left[next_layer] == 0 && !device_failed {
-                            // A GPU target's layer is ready once it is on the device.
-                            if let Some(d) = &ctx.device {
-                                if let Err(why) = d.upload_layer(&ctx.layout, &ctx.region, next_layer) {
-                                    tracing::error!(run = ctx.run, loc = %ctx.me, %why, "device copy failed; the target will not complete");
-                                    device_failed = true;
-                                    break;
-                                }
+                            match &copier {
+                                // A GPU target's layer is ready once it is on the device: the
+                                // copier announces it (a closed copier has said why it stopped).
+                                Some(c) => device_failed = c.send(next_layer).is_err(),
+                                None => ctx.coord.send(ToCoord::LayerReady { loc: ctx.me, layer: next_layer }),
                             }
-                            ctx.coord.send(ToCoord::LayerReady { loc: ctx.me, layer: next_layer });
                             next_layer += 1;
                         }
-                        if count == n && !device_failed {
-                            match ctx.device.as_ref().map(|d| d.verify(&ctx.layout)) {
-                                Some(Err(why)) => {
-                                    tracing::error!(run = ctx.run, loc = %ctx.me, %why, "device copy differs; the target will not complete");
-                                    device_failed = true;
-                                }
-                                _ => ctx.coord.send(ToCoord::Done(ctx.me)),
-                            }
+                        if count == n && ctx.device.is_none() {
+                            ctx.coord.send(ToCoord::Done(ctx.me));
                         }
                     }
                     Kind::Nack => {
@@ -467,6 +523,7 @@ pub(crate) async fn run_member(
                     }
                 }
             }
+            Some(m) = from_device.recv() => ctx.coord.send(m),
             cmd = cmds.recv() => match cmd {
                 Some(MemberCmd::AddChild(c)) => add_child(c, &mut forwarders, &mut dests),
                 None => return,
