@@ -64,8 +64,9 @@ fn a_cuda_gpu_round_trips_and_checks_bounds() {
     let dev = open("cuda:0").unwrap();
     eprintln!("testing {}", dev.describe());
     round_trip(dev.as_ref());
-    // A copy from another handle's buffer takes the cross-device path (the one two GPUs take,
-    // peer to peer), here within one GPU.
+    // A copy from another handle's buffer: our cross-device path (the source device's own
+    // synchronisation), though both handles share GPU 0's primary context, so cudarc takes its
+    // same-context copy, not the peer copy two GPUs take.
     let other = open("cuda:0").unwrap();
     let src = other.alloc(1 << 20).unwrap();
     other.upload(&src, 0, &[9u8; 1 << 20]).unwrap();
