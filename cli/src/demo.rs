@@ -130,11 +130,31 @@ pub(crate) fn run(a: DemoArgs) -> anyhow::Result<()> {
     }
     let pids = children.iter().map(|c| c.id()).collect();
     let res = runtime()?.block_on(driver(a, cluster, pids));
+    stop_nodes(children, &logs);
+    res
+}
+
+/// The name of the clusters this process starts (the same-host sockets carry it).
+fn cluster_name() -> String {
+    format!("demo{}", std::process::id())
+}
+
+/// Stops the nodes a demo started (SIGKILL: they hold nothing to keep) and removes the same-host
+/// sockets they leave in `runtime_dir`, their `XDG_RUNTIME_DIR`: a killed node cannot remove its
+/// own, and each run's names differ, so they would pile up.
+pub(crate) fn stop_nodes(children: impl IntoIterator<Item = std::process::Child>, runtime_dir: &Path) {
     for mut c in children {
         let _ = c.kill();
         let _ = c.wait();
     }
-    res
+    let prefix = format!("cascade-{}-", cluster_name());
+    for e in std::fs::read_dir(runtime_dir).into_iter().flatten().flatten() {
+        let name = e.file_name();
+        let name = name.to_string_lossy();
+        if name.starts_with(&prefix) && name.ends_with(".sock") {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
 }
 
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
@@ -142,7 +162,7 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 }
 
 pub(crate) fn write_cluster(dir: &Path, addrs: &[std::net::SocketAddr]) -> anyhow::Result<PathBuf> {
-    let mut toml = format!("name = \"demo{}\"\n", std::process::id());
+    let mut toml = format!("name = \"{}\"\n", cluster_name());
     for (i, a) in addrs.iter().enumerate() {
         toml += &format!("[[nodes]]\nid = {i}\naddr = \"{a}\"\n");
     }

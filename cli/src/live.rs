@@ -317,10 +317,7 @@ fn run_policy(a: &LiveArgs, policy: LivePolicy, round: usize) -> anyhow::Result<
         }
         std::env::set_var("CASCADE_SECRET", SECRET);
         let res = runtime()?.block_on(driver::drive(a, &cluster, policy, round));
-        for mut c in children {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
+        crate::demo::stop_nodes(children, &dir);
         res?;
     }
     let text = std::fs::read_to_string(&record).with_context(|| format!("reading {}", record.display()))?;

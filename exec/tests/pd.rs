@@ -135,6 +135,7 @@ fn router_cfg(c: &Cluster, old: u32, more: Vec<u32>, decode: Vec<u32>) -> PdRout
         max_attempts: 20,
         retry_after: Duration::from_millis(20),
         monitor: None,
+        replace_lost_decode: false,
     }
 }
 

@@ -22,6 +22,10 @@
 //! when it holds every stage or is the one loading. A command naming it ([`PdCmd::Decode`] or
 //! [`PdCmd::Scaling`]) takes it back at once.
 //!
+//! A lost decode instance is replaced ([`PdRouterConfig::replace_lost_decode`]): once a prefill
+//! instance holding every stage can be spared, it is mutated into a decode instance, so a dead
+//! decode instance does not leave the survivors with its load for good.
+//!
 //! Commands: [`PdCmd::Mutate`] turns a prefill instance into a decode one (nothing more is sent
 //! to it for prefill; prefills racing the switch are refused there and re-queued);
 //! [`PdCmd::Scaling`] pairs an arriving prefill instance with the old one; [`PdCmd::Rebalance`]
@@ -141,6 +145,12 @@ pub struct PdRouterConfig {
     pub retry_after: Duration,
     /// Co-migration rounds on a timer (`None`: only when told, [`PdCmd::Rebalance`]).
     pub monitor: Option<MonitorConfig>,
+    /// Keep the decode capacity: while fewer decode instances serve than the router was given
+    /// (`decode`, and those added by [`PdCmd::Mutate`] and [`PdCmd::Decode`]) — one was lost and
+    /// is not back — turn a prefill instance holding every stage into a decode one, the least
+    /// busy, as long as another such instance stays to prefill and never the old instance a
+    /// loading one is paired with. One at a time; a failed switch is asked about and retried.
+    pub replace_lost_decode: bool,
 }
 
 /// What the router counted.
@@ -160,6 +170,9 @@ pub struct RouterStats {
     pub migrated: u64,
     /// Tokens of attempts the router had given up on (dropped; their decodes told to stop).
     pub stale_tokens: u64,
+    /// Prefill instances turned into decode ones to replace lost decode instances
+    /// ([`PdRouterConfig::replace_lost_decode`]).
+    pub decode_replaced: u64,
 }
 
 /// Runs the router until `requests` closes and every request is answered.

@@ -319,6 +319,17 @@ impl Dispatcher {
         Some(d)
     }
 
+    /// The instances that take whole batches now (every live one but a new one still loading),
+    /// each with its batches outstanding, in node order.
+    pub fn whole_instances(&self) -> Vec<(u32, usize)> {
+        self.plain().into_iter().map(|n| (n, self.load.get(&n).map_or(0, |l| l.whole + l.coop))).collect()
+    }
+
+    /// The old instance while a new one still loads (the one its split batches finish on).
+    pub fn paired_old(&self) -> Option<u32> {
+        self.new.filter(|_| self.resident < self.cfg.layers).map(|_| self.cfg.old)
+    }
+
     /// The instances that take whole batches: every live one but a new one still loading.
     fn plain(&self) -> Vec<u32> {
         let loading = self.new.filter(|_| self.resident < self.cfg.layers);

@@ -104,6 +104,10 @@ pub(super) struct Routing {
     delayed: Vec<(Instant, u64)>,
     /// The arriving prefill instance.
     scaling: Option<u32>,
+    /// Decode instances the router keeps ([`PdRouterConfig::replace_lost_decode`]).
+    decode_target: usize,
+    /// The prefill instance being turned into a decode one in place of a lost one.
+    replacing: Option<u32>,
     /// When the monitor's next round starts (`None` while one runs, or without a monitor).
     next_round: Option<Instant>,
     pub(super) stats: RouterStats,
@@ -128,6 +132,8 @@ impl Routing {
             pending: HashMap::new(),
             delayed: Vec::new(),
             scaling: None,
+            decode_target: cfg.decode.len(),
+            replacing: None,
             next_round: cfg.monitor.as_ref().map(|m| Instant::now() + m.every),
             stats: RouterStats::default(),
             published: (RouterStats::default(), 0),
@@ -197,6 +203,7 @@ impl Routing {
             PdCmd::Decode { node } => {
                 self.gone.remove(&node);
                 self.add_decode(node);
+                self.decode_target = self.decode_target.max(self.decode.len());
             }
             PdCmd::Rebalance { config, done } => {
                 self.actions.push(Action::Rebalance { nodes: self.decode.clone(), config, done: Some(done) });
@@ -372,11 +379,58 @@ impl Routing {
 
     /// `node` answered its mutation.
     pub(super) fn mutated(&mut self, node: u32, r: Result<(), String>, done: oneshot::Sender<Result<(), String>>) {
-        // A node lost while its answer came back joins when its link does.
-        if r.is_ok() && !self.gone.contains(&node) {
-            self.add_decode(node);
+        let replacing = self.replacing == Some(node);
+        if replacing {
+            self.replacing = None;
+        }
+        match &r {
+            // A node lost while its answer came back joins when its link does.
+            Ok(()) if !self.gone.contains(&node) => {
+                self.add_decode(node);
+                if !replacing {
+                    self.decode_target = self.decode_target.max(self.decode.len());
+                }
+            }
+            Ok(()) => {}
+            // Whether it switched is not known: it is asked, and taken back as what it says.
+            Err(e) if replacing => {
+                warn!(node, error = %e, "the replacing mutation failed: the instance is asked what it is");
+                self.gone.insert(node);
+                self.probe(node);
+            }
+            Err(_) => {}
         }
         let _ = done.send(r);
+    }
+
+    /// While fewer decode instances serve than the router keeps and no replacement is under
+    /// way, turns the least busy prefill instance holding every stage into a decode one — if
+    /// another such instance stays, and never the old one a loading instance is paired with.
+    fn replace_lost_decode(&mut self) {
+        if !self.cfg.replace_lost_decode || self.replacing.is_some() || self.decode.len() >= self.decode_target {
+            return;
+        }
+        let whole = self.d.whole_instances();
+        if whole.len() < 2 {
+            return;
+        }
+        let paired = self.d.paired_old();
+        let Some(&(node, _)) =
+            whole.iter().filter(|(n, _)| Some(*n) != paired).min_by_key(|&&(n, busy)| (busy, std::cmp::Reverse(n)))
+        else {
+            return;
+        };
+        info!(
+            node,
+            decode = self.decode.len(),
+            keep = self.decode_target,
+            "a decode instance is lost: a prefill instance becomes one in its place"
+        );
+        self.stats.decode_replaced += 1;
+        self.replacing = Some(node);
+        self.d.down(node);
+        let (done, _) = oneshot::channel();
+        self.actions.push(Action::Mutate { node, done });
     }
 
     /// The arriving instance `node` holds its first `resident` stages.
@@ -418,6 +472,7 @@ impl Routing {
     /// After each event: the monitor's next round when due, the delayed requests whose time
     /// came, and the answers of the requests whose every token arrived.
     pub(super) fn after(&mut self, now: Instant) {
+        self.replace_lost_decode();
         if let (Some(m), Some(at)) = (&self.cfg.monitor, self.next_round) {
             // Only while there is something to balance, and with two instances to balance over.
             if at <= now && self.decode.len() > 1 && !self.pending.is_empty() {
@@ -471,6 +526,8 @@ impl Routing {
         count("cascade_llm_router_requeued", help, &[], s.requeued - was.requeued);
         let help = "Tokens of attempts the LLM router had given up on (dropped; their decodes told to stop)";
         count("cascade_llm_router_stale_tokens", help, &[], s.stale_tokens - was.stale_tokens);
+        let help = "Prefill instances the LLM router turned into decode ones in place of lost decode instances";
+        count("cascade_llm_router_decode_replaced", help, &[], s.decode_replaced - was.decode_replaced);
         m.gauge("cascade_llm_router_pending", "Requests the LLM router holds, not answered yet", &[]).set(now.1 as f64);
         self.published = now;
     }
@@ -516,6 +573,7 @@ mod tests {
             max_attempts: 4,
             retry_after: Duration::ZERO,
             monitor: None,
+            replace_lost_decode: false,
         };
         let (tx, rx) = mpsc::unbounded_channel();
         (Routing::new(cfg, tx), rx)
@@ -631,6 +689,81 @@ mod tests {
             request(&mut r, id);
         }
         assert!(prefills(&mut r).iter().any(|p| p.2 == 4), "node 4 prefills again");
+    }
+
+    fn mutations(r: &mut Routing) -> Vec<(u32, oneshot::Sender<Result<(), String>>)> {
+        taken(r, |a| match a {
+            Action::Mutate { node, done } => Some((node, done)),
+            _ => None,
+        })
+    }
+
+    fn lost(peer: u32) -> PeerEvent {
+        PeerEvent::Down { peer, reason: "killed".into() }
+    }
+
+    #[test]
+    fn a_lost_decode_instance_is_replaced_by_a_spare_prefill_instance_and_never_by_the_last() {
+        // Prefill instances 1 (old) and 4, decode instances 2 and 3.
+        let (mut r, _answers) = routing(vec![4]);
+        r.cfg.replace_lost_decode = true;
+        r.after(Instant::now());
+        assert!(mutations(&mut r).is_empty(), "nothing is lost: nothing mutates");
+        // Node 1's prefills answer, node 4's do not: node 4 is busier, and node 1 is the one spared.
+        request(&mut r, 1);
+        request(&mut r, 2);
+        request(&mut r, 3);
+        let sent = prefills(&mut r);
+        assert!(sent.iter().any(|p| p.2 == 4), "{sent:?}");
+        for &(id, attempt, _) in sent.iter().filter(|p| p.2 == 1) {
+            r.prefilled(id, attempt, decoding(2, attempt));
+        }
+        r.peer_event(lost(3));
+        r.after(Instant::now());
+        let m = mutations(&mut r);
+        assert_eq!(m.iter().map(|x| x.0).collect::<Vec<_>>(), vec![1], "the least busy prefill instance mutates");
+        assert_eq!(r.stats.decode_replaced, 1);
+        r.after(Instant::now());
+        assert!(mutations(&mut r).is_empty(), "one replacement at a time");
+        let (node, done) = m.into_iter().next().unwrap();
+        r.mutated(node, Ok(()), done);
+        assert_eq!(r.decode, vec![2, 1]);
+        for id in 10..14 {
+            request(&mut r, id);
+        }
+        assert!(prefills(&mut r).iter().all(|p| p.2 == 4), "node 1 prefills no more");
+        // Another decode instance lost: node 4 is the last prefill instance, so it stays one.
+        r.peer_event(lost(2));
+        r.after(Instant::now());
+        assert!(mutations(&mut r).is_empty(), "the last prefill instance never mutates");
+        assert_eq!(r.stats.decode_replaced, 1);
+    }
+
+    #[test]
+    fn a_replacement_waits_for_a_loading_instance_and_spares_its_pair() {
+        // Prefill instances 1 (old) and 0, decode 2 and 3; node 4 scales out from node 1. Idle
+        // alike, the highest would go: node 1, were it not paired with node 4.
+        let (mut r, _answers) = routing(vec![0]);
+        r.cfg.replace_lost_decode = true;
+        r.command(PdCmd::Scaling { node: 4 });
+        r.peer_event(lost(2));
+        r.after(Instant::now());
+        let m = mutations(&mut r);
+        assert_eq!(m.iter().map(|x| x.0).collect::<Vec<_>>(), vec![0], "node 1 is paired with loading node 4");
+        // The switch fails: node 0 is asked what it is, and taken back as a prefill instance.
+        let (node, done) = m.into_iter().next().unwrap();
+        r.mutated(node, Err("timed out".into()), done);
+        let probes = taken(&mut r, |a| match a {
+            Action::Probe { node, .. } => Some(node),
+            _ => None,
+        });
+        assert_eq!(probes, vec![0]);
+        r.back(0, LlmMsg::State { role: Role::Prefill, resident: 4, layers: 4, running: 0, free_pages: 0 });
+        // Node 4 holds every stage now: 0, 1 and 4 prefill, idle alike, and the highest goes.
+        r.resident(4, 4);
+        r.after(Instant::now());
+        assert_eq!(mutations(&mut r).iter().map(|x| x.0).collect::<Vec<_>>(), vec![4]);
+        assert_eq!(r.stats.decode_replaced, 2);
     }
 
     #[test]
