@@ -414,6 +414,7 @@ async fn multicast(a: MulticastArgs) -> anyhow::Result<()> {
             })
         );
     } else {
+        println!("the plan (its `done` lines are the planner's predictions):");
         print!("{}", out.plan);
         println!(
             "{} of {} targets completed and verified in {:.3} s (predicted {:.3} s); {} failed, {} re-plans",
