@@ -239,6 +239,33 @@ async fn a_request_split_across_instances_equals_one_instance() {
     }
 }
 
+/// One instance takes hand-overs from three peers, each into an activation region of its own
+/// (an old instance that every scale-out pairs with; it once refused the third peer).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_takes_hand_overs_from_three_peers() {
+    let Some(c) = cluster_of("three-peers", &[Role::Held; 4]).await else { return };
+    let local = Embedder::from_dir(&model_dir().unwrap()).unwrap();
+    let mesh: Arc<dyn Mesh> = c.eps[0].clone();
+    use cascade_exec::serve::{ExecMsg, Split};
+    use cascade_transport::ServiceExt;
+    let texts = vec!["Three peers, one old instance.".to_string()];
+    let whole = local.embed(&[texts[0].as_str()]).unwrap();
+    for round in 0..2u64 {
+        for peer in [2u32, 3, 4] {
+            let batch = round * 10 + u64::from(peer);
+            let msg =
+                ExecMsg::Run { batch, texts: texts.clone(), split: Some(Split { layers: 3, then: 1 }), onward: None };
+            match mesh.call(peer, &msg, Duration::from_secs(30)).await.unwrap() {
+                ExecMsg::Done { embeddings, on_first, .. } => {
+                    assert_eq!(on_first, 3);
+                    assert_eq!(embeddings, whole, "node {peer} to node 1: bit-identical to one process");
+                }
+                other => panic!("node {peer} handing over to node 1: {other:?}"),
+            }
+        }
+    }
+}
+
 /// Runs `n` requests through a router (policy best-effort) while `during` acts on the cluster;
 /// returns the answers and the router's statistics.
 async fn serve_during<F, Fut>(c: &Cluster, n: usize, during: F) -> (Vec<Answer>, router::RouterStats, Vec<String>)

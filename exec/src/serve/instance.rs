@@ -68,9 +68,9 @@ enum Tag {
     /// Answer the router (after the split's hand-over when there is one; `onward` is the
     /// segment after `split.then`'s).
     Run { reply: ReplyTo, batch: u64, split: Option<Split>, onward: Option<Split> },
-    /// Free the slot and answer the peer that handed the batch over (after handing it on to
-    /// `split.then` when there is a next segment).
-    Finish { reply: ReplyTo, batch: u64, slot: u32, on_first: u32, split: Option<Split> },
+    /// Free `peer`'s slot and answer it (it handed the batch over), after handing the batch on
+    /// to `split.then` when there is a next segment.
+    Finish { reply: ReplyTo, batch: u64, peer: u32, slot: u32, on_first: u32, split: Option<Split> },
 }
 
 struct Shared {
@@ -78,10 +78,11 @@ struct Shared {
     model: ServedModel,
     cfg: InstanceConfig,
     compute: Compute<Tag, Bert>,
-    /// This node's activation region: `cfg.slots` slots for every peer it paired with.
-    act_region: Mutex<Option<Region>>,
-    granted: Mutex<HashMap<u32, Range<u32>>>,
-    busy: Mutex<BTreeSet<u32>>,
+    /// The activation region this node registered for each peer it paired with (on its first
+    /// pairing), and the slots of it granted to that peer: no cap on the peers over a life.
+    act_regions: Mutex<HashMap<u32, (Region, Range<u32>)>>,
+    /// Slots being served, by peer.
+    busy: Mutex<BTreeSet<(u32, u32)>>,
     /// Slots held in each peer's region.
     peers: tokio::sync::Mutex<HashMap<u32, Arc<PeerSlots>>>,
     /// The node's copy of the parameters.
@@ -157,8 +158,7 @@ impl Instance {
             model,
             cfg,
             compute,
-            act_region: Mutex::new(None),
-            granted: Mutex::default(),
+            act_regions: Mutex::default(),
             busy: Mutex::default(),
             peers: tokio::sync::Mutex::default(),
             copy,
@@ -185,9 +185,6 @@ impl Instance {
         self.shared.compute.layers()
     }
 }
-
-/// Peers an instance grants activation slots to (scaling instances paired with it at once).
-const PEERS: u32 = 2;
 
 fn slot_bytes(model: &ServedModel, cfg: &InstanceConfig) -> u64 {
     Activation::wire_len(cfg.max_batch, cfg.max_tokens, model.config.hidden_size, 0) as u64
@@ -269,36 +266,21 @@ fn handle(sh: &Arc<Shared>, from: u32, msg: ExecMsg, reply: ReplyTo) -> Result<O
             Ok(None)
         }
         ExecMsg::Finish { batch, slot, len, crc, split } => {
-            let owned = lock(&sh.granted).get(&from).is_some_and(|r| r.contains(&slot));
             let sb = slot_bytes(&sh.model, &sh.cfg);
-            if !owned || len > sb {
+            let region = lock(&sh.act_regions).get(&from).filter(|(_, r)| r.contains(&slot)).map(|(r, _)| r.clone());
+            let Some(region) = region.filter(|_| len <= sb) else {
                 return Err(ServeError::Protocol(format!("slot {slot} ({len} bytes) is not node {from}'s")));
+            };
+            if !lock(&sh.busy).insert((from, slot)) {
+                return Err(ServeError::Protocol(format!("slot {slot} of node {from} is already being served")));
             }
-            if !lock(&sh.busy).insert(slot) {
-                return Err(ServeError::Protocol(format!("slot {slot} is already being served")));
-            }
-            let region = lock(&sh.act_region).clone();
-            let read = region.ok_or_else(|| ServeError::Protocol("no activation region".into())).and_then(|r| {
-                // SAFETY: slot `slot` belongs to `from` alone, which WRITEs it only between our
-                // answer to its previous Finish on it and its next Finish; it posted this Finish
-                // behind its WRITE, which the link delivers after the bytes are placed, and we
-                // answer only after the bytes are copied out.
-                let bytes = unsafe { r.view(u64::from(slot) * sb, len) }?;
-                let got = crc32fast::hash(&bytes);
-                if got != crc {
-                    return Err(ServeError::Protocol(format!(
-                        "the activation in slot {slot} has crc32 {got:#010x}, not {crc:#010x}: its WRITE did not land"
-                    )));
-                }
-                Ok(Activation::from_bytes(&bytes)?)
-            });
-            match read {
+            match read_slot(&region, slot, sb, len, crc) {
                 Ok(act) => {
                     let on_first = act.next_layer as u32;
                     let layers = sh.compute.layers();
                     let stop = match split {
                         Some(s) if s.layers <= on_first || s.layers as usize >= layers => {
-                            lock(&sh.busy).remove(&slot);
+                            lock(&sh.busy).remove(&(from, slot));
                             return Err(ServeError::Input(format!(
                                 "a hand-over after {} layers to run up to {} of {layers}",
                                 on_first, s.layers
@@ -308,12 +290,12 @@ fn handle(sh: &Arc<Shared>, from: u32, msg: ExecMsg, reply: ReplyTo) -> Result<O
                         None => layers,
                     };
                     sh.meters.queued.inc();
-                    let tag = Tag::Finish { reply, batch, slot, on_first, split };
+                    let tag = Tag::Finish { reply, batch, peer: from, slot, on_first, split };
                     sh.compute.send(Cmd::Job { act, stop, tag, urgent: false });
                     Ok(None)
                 }
                 Err(e) => {
-                    lock(&sh.busy).remove(&slot);
+                    lock(&sh.busy).remove(&(from, slot));
                     Err(e)
                 }
             }
@@ -336,27 +318,35 @@ fn handle(sh: &Arc<Shared>, from: u32, msg: ExecMsg, reply: ReplyTo) -> Result<O
     }
 }
 
-/// Grants `from` slots in this node's activation region (allocated and registered on the first
-/// pairing: `cfg.slots` slots for each of up to [`PEERS`] peers).
+/// The activation a peer wrote into `slot` of its region `r` (slots of `sb` bytes), checked
+/// against the crc its Finish carries.
+fn read_slot(r: &Region, slot: u32, sb: u64, len: u64, crc: u32) -> Result<Activation, ServeError> {
+    // SAFETY: the region is one peer's alone, and slot `slot` is marked busy for it: that peer
+    // WRITEs the slot only between our answer to its previous Finish on it and its next Finish;
+    // it posted this Finish behind its WRITE, which the link delivers after the bytes are placed,
+    // and we answer only after the bytes are copied out.
+    let bytes = unsafe { r.view(u64::from(slot) * sb, len) }?;
+    let got = crc32fast::hash(&bytes);
+    if got != crc {
+        return Err(ServeError::Protocol(format!(
+            "the activation in slot {slot} has crc32 {got:#010x}, not {crc:#010x}: its WRITE did not land"
+        )));
+    }
+    Ok(Activation::from_bytes(&bytes)?)
+}
+
+/// Grants `from` slots in an activation region of its own, registered on its first pairing
+/// (`want` slots, at most `cfg.slots`); a peer pairing again gets the same ones.
 fn pair(sh: &Arc<Shared>, from: u32, want: u32) -> Result<ExecMsg, ServeError> {
     let sb = slot_bytes(&sh.model, &sh.cfg);
-    let mut region = lock(&sh.act_region);
-    if region.is_none() {
-        *region = Some(sh.mesh.register_new(sb * u64::from(sh.cfg.slots * PEERS))?);
-    }
-    let r = region.as_ref().ok_or_else(|| ServeError::Protocol("no activation region".into()))?;
-    let mut granted = lock(&sh.granted);
-    let range = match granted.get(&from) {
-        Some(r) => r.clone(),
+    let mut regions = lock(&sh.act_regions);
+    let (r, range) = match regions.get(&from) {
+        Some(x) => x.clone(),
         None => {
-            let used = granted.len() as u32;
-            if used == PEERS {
-                return Err(ServeError::Protocol(format!("{PEERS} peers are paired already")));
-            }
-            let first = used * sh.cfg.slots;
-            let range = first..first + want.clamp(1, sh.cfg.slots);
-            granted.insert(from, range.clone());
-            range
+            let range = 0..want.clamp(1, sh.cfg.slots);
+            let r = sh.mesh.register_new(sb * u64::from(range.end))?;
+            regions.insert(from, (r.clone(), range.clone()));
+            (r, range)
         }
     };
     Ok(ExecMsg::Paired {
@@ -391,9 +381,9 @@ async fn finish(sh: Arc<Shared>, mut done: mpsc::UnboundedReceiver<Finished<Tag>
             Tag::Run { reply, batch, split: Some(s), onward } => {
                 pass_on(&sh, reply, batch, s, onward, f.result, s.layers)
             }
-            Tag::Finish { reply, batch, slot, on_first, split } => {
+            Tag::Finish { reply, batch, peer, slot, on_first, split } => {
                 // The activation was copied out when the job was queued.
-                lock(&sh.busy).remove(&slot);
+                lock(&sh.busy).remove(&(peer, slot));
                 match split {
                     None => {
                         let answer = done_msg(batch, f.result, on_first);
