@@ -12,8 +12,9 @@
 //! A multicast target on a GPU lands its chunks in a host staging region (the transport's
 //! regions are host memory: tcp and shm place bytes with the CPU) and each layer is copied to
 //! the device once every chunk of it is crc-verified ([`upload_region`]); the device copy is
-//! then verified by reading it back ([`verify_on_device`]). This is not GPUDirect RDMA (a NIC
-//! writing device memory), which needs an RDMA NIC and `nvidia-peermem`.
+//! then verified by reading it back ([`ReadBack`], or [`verify_on_device`] for one check). This
+//! is not GPUDirect RDMA (a NIC writing device memory), which needs an RDMA NIC and
+//! `nvidia-peermem`.
 
 use std::any::Any;
 use std::sync::{Arc, Mutex};

@@ -327,12 +327,17 @@ impl Dispatcher {
 
     /// The old instance while a new one still loads (the one its split batches finish on).
     pub fn paired_old(&self) -> Option<u32> {
-        self.new.filter(|_| self.resident < self.cfg.layers).map(|_| self.cfg.old)
+        self.loading().map(|_| self.cfg.old)
+    }
+
+    /// The new instance while it still loads (it lacks some layers).
+    fn loading(&self) -> Option<u32> {
+        self.new.filter(|_| self.resident < self.cfg.layers)
     }
 
     /// The instances that take whole batches: every live one but a new one still loading.
     fn plain(&self) -> Vec<u32> {
-        let loading = self.new.filter(|_| self.resident < self.cfg.layers);
+        let loading = self.loading();
         let mut v: Vec<u32> =
             self.load.iter().filter(|(n, l)| l.alive && Some(**n) != loading).map(|(n, _)| *n).collect();
         v.sort_unstable();
