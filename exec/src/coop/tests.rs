@@ -81,31 +81,42 @@ fn replay(load: f64, x: &[u32], new_calls: &[f64], old_calls: &[f64]) -> Vec<f64
         .collect()
 }
 
-/// Runs `x` for real with emulated layers of `unit` and compares each batch's latency with
-/// [`replay`] of the same rules at the durations the layers really took: the worst batch's
-/// error, or the first batch more than 5% off.
+/// One real run of `x` with emulated layers of `unit`.
+struct Run {
+    /// The worst batch's error against [`replay`] at the measured layer times.
+    off_replay: f64,
+    /// The worst batch's error against the planner's prediction.
+    off_plan: f64,
+    /// New's mean layer time over `unit`: above 1 when the machine slowed the layers.
+    slowdown: f64,
+}
+
+/// Runs `x` for real with emulated layers of `unit`; an error names the first batch more than 5%
+/// off [`replay`] of the executor's rules at the durations the layers really took.
 ///
-/// Comparing with the replay rather than with the plan's units keeps the test about the
-/// executor: when the machine is loaded, every sleep overshoots a little, so the layers run
-/// slower than the plan assumes while the load schedule keeps its clock. More layers are then
-/// resident at each of new's decisions and the batches may rightly take new's layers in another
-/// order than planned (CI once saw batch 7 at 136 units against 129, three runs in a row). At
-/// the nominal durations the replay *is* the plan: [`replay_at_the_nominal_speed_is_the_plan`].
-fn run_once(inst: &Instance, x: &[u32], predicted: &[u64], unit: Duration) -> Result<(f64, f64), String> {
+/// The replay keeps the test about the executor when the machine is loaded: every sleep then
+/// overshoots a little, so the layers run slower than the plan assumes while the load schedule
+/// keeps its clock. More layers are resident at each of new's decisions and the batches may
+/// rightly take new's layers in another order than planned (CI once saw batch 7 at 136 units
+/// against 129, three runs in a row). At the nominal durations the replay *is* the plan
+/// ([`replay_at_the_nominal_speed_is_the_plan`]).
+fn run_once(inst: &Instance, x: &[u32], predicted: &[u64], unit: Duration) -> Result<Run, String> {
     let l = inst.layers as usize;
     let (new, old) = (Timed::new(Emulated::uniform(l, unit)), Timed::new(Emulated::uniform(l, unit)));
     let batches = (0..x.len()).map(|_| one_token()).collect();
     let out = run_cooperative(&new, &old, batches, x, Residency::LoadingEvery(unit * inst.load_ratio)).unwrap();
     let load = (unit * inst.load_ratio).as_secs_f64();
-    let want = replay(load, x, &new.calls(), &old.calls());
+    let new_calls = new.calls();
+    let want = replay(load, x, &new_calls, &old.calls());
     let u = unit.as_secs_f64();
-    let (mut worst, mut off_plan) = (0.0f64, 0.0f64);
+    let slowdown = new_calls.iter().sum::<f64>() / new_calls.len().max(1) as f64 / u;
+    let mut run = Run { off_replay: 0.0, off_plan: 0.0, slowdown };
     for (i, (((t, act), want), plan)) in out.iter().zip(&want).zip(predicted).enumerate() {
         assert_eq!(act.next_layer, l, "batch {i} ran every layer");
         let got = t.as_secs_f64();
         let err = (got - want).abs() / want;
-        worst = worst.max(err);
-        off_plan = off_plan.max((got / u - *plan as f64).abs() / *plan as f64);
+        run.off_replay = run.off_replay.max(err);
+        run.off_plan = run.off_plan.max((got / u - *plan as f64).abs() / *plan as f64);
         if err > 0.05 {
             let (g, w) = (got / u, want / u);
             return Err(format!(
@@ -114,32 +125,43 @@ fn run_once(inst: &Instance, x: &[u32], predicted: &[u64], unit: Duration) -> Re
             ));
         }
     }
-    Ok((worst, off_plan))
+    Ok(run)
 }
 
-/// [`run_once`] within 5% for every batch, in the best of up to three runs: the layers are real
-/// sleeps beside this binary's other tests (real candle compute among them) on two cores, and
-/// one delayed hand-over should not fail it; three runs off the replay do.
+/// The issue's target, "measured per-batch latencies within 5% of the planner's predictions",
+/// in the best of up to three runs: the layers are real sleeps beside this binary's other tests
+/// (real candle compute among them) on two cores, and one delayed wake-up should not fail it.
+///
+/// When no run meets the plan, the test still passes if one of them followed the executor's
+/// rules ([`run_once`]'s replay within 5%) while the machine measurably slowed its layers (new's
+/// mean layer 2% or more over the unit): the plan's premise did not hold, the executor did. Runs
+/// at full speed off the plan, or runs off the replay, fail.
 fn check(inst: &Instance, x: &[u32], predicted: &[u64], unit: Duration) {
-    let mut errors = Vec::new();
+    let mut missed = Vec::new();
     for _ in 0..3 {
-        match run_once(inst, x, predicted, unit) {
-            Ok((worst, off_plan)) => {
-                eprintln!(
-                    "L = {}, T = {}, x = {x:?}: worst batch {:.2}% off the replay, {:.2}% off the plan \
-                     ({} runs off before)",
-                    inst.layers,
-                    inst.load_ratio,
-                    worst * 100.0,
-                    off_plan * 100.0,
-                    errors.len()
-                );
-                return;
+        let run = match run_once(inst, x, predicted, unit) {
+            Ok(run) => run,
+            Err(e) => {
+                missed.push(format!("off the replay: {e}"));
+                continue;
             }
-            Err(e) => errors.push(e),
+        };
+        let (layers, ratio) = (inst.layers, inst.load_ratio);
+        let (plan, replay, slow) = (run.off_plan * 100.0, run.off_replay * 100.0, run.slowdown);
+        eprintln!(
+            "L = {layers}, T = {ratio}, x = {x:?}: worst batch {plan:.2}% off the plan, {replay:.2}% off the replay; \
+             layers at {slow:.3}x the unit"
+        );
+        if run.off_plan <= 0.05 {
+            return;
         }
+        if run.slowdown >= 1.02 {
+            eprintln!("x {x:?}: off the plan on a machine that slowed the layers, but by the executor's rules");
+            return;
+        }
+        missed.push(format!("{plan:.1}% off the plan with the layers at full speed ({slow:.3}x)"));
     }
-    panic!("x {x:?}: three runs off the replay: {errors:?}");
+    panic!("x {x:?}: three runs off: {missed:?}");
 }
 
 #[test]
