@@ -10,8 +10,9 @@
 //! * [`instance`] — plan files (TOML): explicit models or a generated zoo, and each planner's
 //!   parameters; what `epoch-plan` reads.
 //!
-//! Both planners work the same way, as the issue that introduced them asks: a greedy plan first —
-//! it is the fallback and the solver's warm start —, then the MILP on `good_lp` within a time
+//! Both planners work the same way, as the issue that introduced them asks: a heuristic plan
+//! first — greedy; Symphony's improved by local search, HERD's the better of greedy and sorted
+//! runs; it is the fallback and the solver's warm start —, then the MILP on `good_lp` within a time
 //! budget (pure-Rust `microlp` by default, CBC with the `cbc` feature), and every plan a solver
 //! returns is re-checked against every constraint before it is used: a solver that overruns,
 //! fails or returns garbage leaves the greedy plan in place, and [`Plan::note`] says why.
@@ -82,6 +83,9 @@ pub enum Source {
     Greedy,
     /// The greedy plan improved by local search (Symphony), the solver finding nothing better.
     LocalSearch,
+    /// HERD's sorted-runs construction found a better plan than greedy, the solver nothing
+    /// better.
+    Heuristic,
 }
 
 /// A planner's answer.

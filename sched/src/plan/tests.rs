@@ -134,6 +134,38 @@ fn herd_ilp_finds_the_optimum_of_small_instances() {
 }
 
 #[test]
+fn herd_runs_reach_the_optimum_where_greedy_spreads_the_large_streams() {
+    // Two large streams and six small ones in two groups: the optimum keeps the large ones
+    // together (they pay n = 4 in one group only).
+    let mut streams = vec![(4.0, 0.0, 0), (4.0, 0.0, 0)];
+    streams.extend([(0.5, 0.0, 0); 6]);
+    let p = herd(&streams, 16, 2, 16, 1.0);
+    let best = herd_brute(&p).unwrap();
+    let (a, s) = p.heuristic().unwrap();
+    let got = p.check(&a, &s).unwrap();
+    assert!((got - best).abs() < 1e-9, "heuristic {got} ({a:?}, {s:?}) vs brute force {best}");
+    let (ga, gs) = p.greedy().unwrap();
+    assert!(got >= p.check(&ga, &gs).unwrap() - 1e-9);
+
+    // The shipped 200-stream plan: greedy's minimum is 5.33; the runs reach the upper bound,
+    // so they are optimal, and the planner says where its plan came from.
+    let file = PlanFile::parse(include_str!("../../plans/herd_200x10.toml")).unwrap();
+    let p = file.herd().unwrap();
+    let (ga, gs) = p.greedy().unwrap();
+    let greedy = p.check(&ga, &gs).unwrap();
+    let (a, s) = p.heuristic().unwrap();
+    let got = p.check(&a, &s).unwrap();
+    assert!(
+        greedy < 5.4 && (got - p.upper_bound()).abs() < 1e-6,
+        "greedy {greedy}, runs {got}, bound {}",
+        p.upper_bound()
+    );
+    let plan = p.solve(SolverKind::Microlp, Duration::ZERO).unwrap();
+    assert_eq!(plan.source, Source::Heuristic, "{:?}", plan.note);
+    assert!((plan.objective - got).abs() < 1e-9 && (plan.greedy_objective - greedy).abs() < 1e-9);
+}
+
+#[test]
 fn herd_burst_tolerance_counts_the_rest_of_the_group() {
     let p = herd(&[(1.0, 0.0, 0), (3.0, 0.0, 0)], 8, 1, 8, 1.0);
     // One group of 8 GPUs, loads 1 + 3: stream 0 tolerates (8 − 3)/1, stream 1 (8 − 1)/3.
@@ -259,6 +291,14 @@ proptest! {
         let brute = herd_brute(&p);
         if let Some(best) = brute {
             prop_assert!(p.upper_bound() >= best - 1e-9, "bound {} below the optimum {best}", p.upper_bound());
+        }
+        // The heuristic plan is feasible, no worse than greedy, and no better than the optimum.
+        if let Some((a, s)) = p.heuristic() {
+            let o = p.check(&a, &s).unwrap();
+            prop_assert!(brute.is_some_and(|best| o <= best + 1e-9), "{o} beyond the optimum {brute:?}");
+            if let Some((ga, gs)) = p.greedy() {
+                prop_assert!(o >= p.check(&ga, &gs).unwrap() - 1e-9);
+            }
         }
         if let Ok(plan) = p.solve(SolverKind::Microlp, Duration::from_secs(2)) {
             let o = p.check(&plan.assignment, &plan.group_sizes).unwrap();
