@@ -15,16 +15,19 @@
 //! ILP (contiguity in n is not always optimal once memory binds), used beside the greedy plan;
 //! not from the paper.
 
+use std::time::Instant;
+
 use super::HerdProblem;
 
 /// Bisection steps on t: the interval shrinks by 2⁻⁴⁰, far below any difference a plan makes.
 const STEPS: usize = 40;
 
 impl HerdProblem {
-    /// The sorted-runs plan with the highest t the bisection reaches: a group per stream.
+    /// The sorted-runs plan with the highest t the bisection reaches by `deadline` (it stops
+    /// there with the best t so far; the two end points are always tried): a group per stream.
     /// `None` when not even the lowest t fits (more affinity sets than groups, a stream too large
     /// for one GPU's memory, or fewer GPUs than the runs need).
-    pub(crate) fn runs(&self) -> Option<Vec<usize>> {
+    pub(crate) fn runs(&self, deadline: Instant) -> Option<Vec<usize>> {
         let sets = self.affinity_sets();
         if sets.len() > self.groups {
             return None;
@@ -48,6 +51,9 @@ impl HerdProblem {
             return Some(at_hi);
         }
         for _ in 0..STEPS {
+            if Instant::now() >= deadline {
+                break;
+            }
             let mid = lo + (hi - lo) / 2.0;
             match self.runs_at(&members, mid) {
                 Some(plan) => {
