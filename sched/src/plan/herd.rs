@@ -322,17 +322,19 @@ impl HerdProblem {
     }
 
     /// Plans the epoch: the heuristic plan ([`HerdProblem::heuristic`], within half the
-    /// budget), then the ILP within the rest, warm-started from it. `Err` when neither finds a feasible plan.
+    /// budget), then the ILP within the rest, warm-started from it. `Err` when neither finds a
+    /// feasible plan. `greedy_objective` stays the greedy plan's; `source` is
+    /// [`Source::Heuristic`] when the sorted runs beat it and the solver found nothing better.
     pub fn solve(&self, solver: SolverKind, budget: std::time::Duration) -> Result<Plan, String> {
         self.validate()?;
         let started = Instant::now();
         let greedy_objective = self.greedy().and_then(|(a, s)| self.check(&a, &s).ok());
         // The constructions get half the budget, as Symphony's local search does; the solver
         // the rest.
-        let greedy = self.heuristic(budget / 2).and_then(|(a, s)| self.check(&a, &s).ok().map(|o| (a, s, o)));
+        let heuristic = self.heuristic(budget / 2).and_then(|(a, s)| self.check(&a, &s).ok().map(|o| (a, s, o)));
         let remaining = budget.saturating_sub(started.elapsed());
         let solved =
-            self.milp(greedy.as_ref().map(|(a, s, _)| (a.as_slice(), s.as_slice()))).and_then(|(milp, x, size)| {
+            self.milp(heuristic.as_ref().map(|(a, s, _)| (a.as_slice(), s.as_slice()))).and_then(|(milp, x, size)| {
                 let mut read = x.clone();
                 read.extend(&size);
                 let s = milp.solve(solver, remaining, &read)?;
@@ -349,7 +351,7 @@ impl HerdProblem {
                     .collect::<Result<Vec<u32>, String>>()?;
                 Ok((decode(xs, self.streams.len(), self.groups)?, sizes, s.status))
             });
-        let mut plan = choose(greedy, solved, |a, s| self.check(a, s), |g, o| g > o + 1e-9, started)?;
+        let mut plan = choose(heuristic, solved, |a, s| self.check(a, s), |g, o| g > o + 1e-9, started)?;
         match greedy_objective {
             Some(g) => {
                 if plan.source == Source::Greedy && plan.objective > g + 1e-9 {
