@@ -889,10 +889,14 @@ async fn a_lost_routers_reservations_are_freed() {
     assert_eq!(free().await, KV_PAGES - 8);
     fabric.set_link(0, 2, false);
     let cut = std::time::Instant::now();
+    // Reservations do not expire: without the drop they would be held for good. The bound only
+    // keeps a broken build from waiting forever; it is generous because the other tests of this
+    // binary compute beside this one on two cores.
     while free().await != KV_PAGES - 4 {
-        assert!(cut.elapsed() < Duration::from_millis(300), "node 0's pages still held: {} free", free().await);
+        assert!(cut.elapsed() < Duration::from_secs(5), "node 0's pages still held: {} free", free().await);
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
+    eprintln!("node 0's reservations freed {:?} after the cut", cut.elapsed());
 }
 
 /// Reserves `tokens` tokens of KV for `req` on node `on`, asked by node `by`.
