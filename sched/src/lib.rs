@@ -30,6 +30,7 @@
 
 pub mod arrival;
 pub mod autoscale;
+pub mod charged;
 pub mod clockwork;
 pub mod clockwork_real;
 pub mod flex;

@@ -89,6 +89,11 @@ pub struct Scenario {
     /// Nexus: seconds between re-plans.
     #[serde(default = "epoch")]
     pub nexus_epoch_s: f64,
+    /// Charge each scheduler callback its measured wall time × this on the virtual clock, one
+    /// dispatcher per part of a partitioned cluster ([`crate::charged`]; not deterministic).
+    /// Absent: deciding costs nothing, as before.
+    #[serde(default)]
+    pub charge_dispatch: Option<f64>,
     /// The models.
     pub models: Vec<ModelSpec>,
 }
@@ -183,6 +188,11 @@ impl Scenario {
         {
             return bad("delays must be finite and not negative".into());
         }
+        if let Some(c) = self.charge_dispatch {
+            if !(finite(c) && c >= 0.0) {
+                return bad(format!("charge_dispatch = {c}: must be finite and not negative"));
+            }
+        }
         for m in &self.models {
             for (what, v) in [("rate_rps", m.rate_rps), ("weight", m.weight)] {
                 if let Some(v) = v {
@@ -236,12 +246,20 @@ impl Scenario {
             let (base, (assign, gpus)) = split;
             let parted = crate::partition::Partitioned::new(&p, &assign, &gpus, |ps, g, ids| {
                 let sub_rates: Vec<f64> = ids.iter().map(|&m| rates[m]).collect();
-                self.one_scheduler(base, ps, g, &sub_rates).map_err(|e| e.to_string())
+                self.one_scheduler(base, ps, g, &sub_rates).map(|s| self.charged(s)).map_err(|e| e.to_string())
             })
             .map_err(ScenarioError::Invalid)?;
             return Ok(Box::new(parted));
         }
-        self.one_scheduler(name, &p, self.gpus, rates)
+        self.one_scheduler(name, &p, self.gpus, rates).map(|s| self.charged(s))
+    }
+
+    /// `s` as [`Scenario::charge_dispatch`] asks: charged for its computation, or as it is.
+    fn charged(&self, s: Box<dyn Scheduler>) -> Box<dyn Scheduler> {
+        match self.charge_dispatch {
+            Some(scale) => Box::new(crate::charged::Charged::new(s, scale)),
+            None => s,
+        }
     }
 
     /// `name`'s partition of `p` at `rates` when it names one: (the parts' scheduler, (part per
