@@ -38,7 +38,6 @@ pub struct Charged {
     scale: f64,
     busy_until: Ms,
     waiting: VecDeque<Waiting>,
-    waiting_arrivals: usize,
     charged_ms: f64,
 }
 
@@ -51,7 +50,6 @@ impl Charged {
             scale: scale.max(0.0),
             busy_until: f64::NEG_INFINITY,
             waiting: VecDeque::new(),
-            waiting_arrivals: 0,
             charged_ms: 0.0,
         }
     }
@@ -74,10 +72,7 @@ impl Charged {
         while self.busy_until <= now {
             let Some(ev) = self.waiting.pop_front() else { return };
             match ev {
-                Waiting::Arrival(r) => {
-                    self.waiting_arrivals -= 1;
-                    self.charge(now, |s, o| s.on_arrival(now, r, o), out);
-                }
+                Waiting::Arrival(r) => self.charge(now, |s, o| s.on_arrival(now, r, o), out),
                 Waiting::GpuFree(g) => self.charge(now, |s, o| s.on_gpu_free(now, g, o), out),
             }
         }
@@ -91,7 +86,6 @@ impl Scheduler for Charged {
 
     fn on_arrival(&mut self, now: Ms, req: Request, out: &mut Vec<Decision>) {
         self.waiting.push_back(Waiting::Arrival(req));
-        self.waiting_arrivals += 1;
         self.deliver(now, out);
     }
 
@@ -117,7 +111,7 @@ impl Scheduler for Charged {
     }
 
     fn queued(&self) -> usize {
-        self.inner.queued() + self.waiting_arrivals
+        self.inner.queued() + self.waiting.iter().filter(|w| matches!(w, Waiting::Arrival(_))).count()
     }
 }
 

@@ -308,16 +308,29 @@ impl HerdProblem {
     /// minimum burst tolerance is not one with more goodput when every rate grows (see the
     /// README's epoch-planning section, measured on `scale_64gpus.toml`).
     pub fn heuristic(&self, budget: std::time::Duration) -> Option<(Vec<usize>, Vec<u32>)> {
-        let deadline = Instant::now() + budget;
-        let greedy = self.greedy().and_then(|(a, s)| self.check(&a, &s).ok().map(|o| (a, s, o)));
+        self.or_runs(self.checked_greedy(), budget).map(|(a, s, _)| (a, s))
+    }
+
+    /// The greedy plan with its objective, when it is feasible.
+    fn checked_greedy(&self) -> Option<(Vec<usize>, Vec<u32>, f64)> {
+        self.greedy().and_then(|(a, s)| self.check(&a, &s).ok().map(|o| (a, s, o)))
+    }
+
+    /// [`HerdProblem::heuristic`] from a greedy plan already made: it, or the sorted-runs plan
+    /// when that is strictly better; with its objective.
+    fn or_runs(
+        &self,
+        greedy: Option<(Vec<usize>, Vec<u32>, f64)>,
+        budget: std::time::Duration,
+    ) -> Option<(Vec<usize>, Vec<u32>, f64)> {
         let runs = self
-            .runs(deadline)
+            .runs(Instant::now() + budget)
             .and_then(|a| self.sizes_for(&a).map(|s| (a, s)))
             .and_then(|(a, s)| self.check(&a, &s).ok().map(|o| (a, s, o)));
         match (greedy, runs) {
-            (Some(g), Some(r)) if r.2 > g.2 + 1e-9 => Some((r.0, r.1)),
-            (Some(g), _) => Some((g.0, g.1)),
-            (None, r) => r.map(|r| (r.0, r.1)),
+            (Some(g), Some(r)) if r.2 > g.2 + 1e-9 => Some(r),
+            (g @ Some(_), _) => g,
+            (None, r) => r,
         }
     }
 
@@ -328,10 +341,11 @@ impl HerdProblem {
     pub fn solve(&self, solver: SolverKind, budget: std::time::Duration) -> Result<Plan, String> {
         self.validate()?;
         let started = Instant::now();
-        let greedy_objective = self.greedy().and_then(|(a, s)| self.check(&a, &s).ok());
+        let greedy = self.checked_greedy();
+        let greedy_objective = greedy.as_ref().map(|g| g.2);
         // The constructions get half the budget, as Symphony's local search does; the solver
         // the rest.
-        let heuristic = self.heuristic(budget / 2).and_then(|(a, s)| self.check(&a, &s).ok().map(|o| (a, s, o)));
+        let heuristic = self.or_runs(greedy, budget / 2);
         let remaining = budget.saturating_sub(started.elapsed());
         let solved =
             self.milp(heuristic.as_ref().map(|(a, s, _)| (a.as_slice(), s.as_slice()))).and_then(|(milp, x, size)| {

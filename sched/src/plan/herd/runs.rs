@@ -70,11 +70,7 @@ impl HerdProblem {
     fn runs_at(&self, members: &[Vec<usize>], t: f64) -> Option<Vec<usize>> {
         let g_max = self.groups;
         // Per set: the fewest GPUs for its streams in g runs, and where each run starts.
-        let mut per_set: Vec<(Vec<f64>, Vec<Vec<usize>>)> = Vec::with_capacity(members.len());
-        for set in members {
-            let (cost, cuts) = self.cut(set, t);
-            per_set.push((cost, cuts));
-        }
+        let per_set: Vec<(Vec<f64>, Vec<Vec<usize>>)> = members.iter().map(|set| self.cut(set, t)).collect();
         // Knapsack over the sets: best[c][g] the fewest GPUs for sets 0..c in g groups.
         let inf = f64::INFINITY;
         let mut best = vec![vec![inf; g_max + 1]; per_set.len() + 1];
@@ -158,7 +154,7 @@ impl HerdProblem {
                 }
             }
         }
-        let cost = dp[k_len].clone();
+        let cost = dp.pop().unwrap_or_default();
         (cost, cuts)
     }
 }
