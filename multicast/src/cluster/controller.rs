@@ -265,14 +265,22 @@ impl Controller {
         }
         let mut prepared = BTreeMap::new();
         let mut crcs: Option<(Loc, Vec<u32>)> = None;
+        // After the first failure the other answers are still awaited: the run's release
+        // follows, and a Prepare a node handles after it would leave that node's region
+        // registered for good.
+        let mut failed: Option<ControlError> = None;
         while let Some(r) = set.join_next().await {
             let Ok((loc, r)) = r else { continue };
-            match r? {
-                Control::Prepared { region, key, crcs: c } => {
+            if failed.is_some() {
+                continue;
+            }
+            match r {
+                Ok(Control::Prepared { region, key, crcs: c }) => {
                     prepared.insert(loc, (region, key));
                     if let (Some(want), Some(got)) = (&spec.layout, &c) {
                         if &want.crcs != got {
-                            return Err(ControlError::SourceMismatch(loc));
+                            failed = Some(ControlError::SourceMismatch(loc));
+                            continue;
                         }
                     }
                     if let Some(c) = c {
@@ -283,10 +291,14 @@ impl Controller {
                         }
                     }
                 }
-                other => return Err(unexpected("prepare", loc.node, &other)),
+                Ok(other) => failed = Some(unexpected("prepare", loc.node, &other)),
+                Err(e) => failed = Some(e),
             }
         }
-        Ok((prepared, crcs.map(|(_, c)| c)))
+        match failed {
+            Some(e) => Err(e),
+            None => Ok((prepared, crcs.map(|(_, c)| c))),
+        }
     }
 
     async fn run_inner(
