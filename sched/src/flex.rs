@@ -10,6 +10,15 @@
 //! Departures: preemption is immediate (Shepherd stops at the model's next exit point, a few per
 //! cent of the batch's time, §6); requests that can no longer finish even alone are dropped when
 //! a BATCHGEN meets them at the head of their queue.
+//!
+//! Cost: BATCHGEN looks at every queue, and a queue's best window depends only on its contents
+//! and the time. Each queue's answer is therefore kept until the queue changes or the clock
+//! moves, so a burst of arrivals read at one instant costs one queue's window each, not every
+//! queue's (without it, a dispatcher that fell behind did more work per request the further it
+//! fell behind, and collapsed). Likewise the earliest end and the smallest size of the running
+//! batches are kept until a GPU's batch changes, so an arrival that no GPU would take (every
+//! GPU busy, no batch small enough to preempt) costs no scan of the GPUs. The decisions are the
+//! same as recomputing every time (tested).
 
 use std::collections::VecDeque;
 
@@ -33,6 +42,21 @@ pub struct Flex {
     running: Vec<Option<Running>>,
     delay: Delay,
     preempt: bool,
+    /// Per queue: the time its best window was computed at and that window (first, size);
+    /// `None` once the queue changed.
+    windows: Vec<Option<(Ms, usize, usize)>>,
+    /// The running batches' summary; `None` once a GPU's batch changed.
+    busy: Option<Busy>,
+    /// Off only in the test that checks the caches and the shortcut change no decision.
+    cache: bool,
+}
+
+/// Every GPU's batch, summarised: whether one has none, the earliest end, the smallest size.
+#[derive(Debug, Clone, Copy)]
+struct Busy {
+    any_idle: bool,
+    first_end: Ms,
+    smallest: usize,
 }
 
 impl Flex {
@@ -44,10 +68,14 @@ impl Flex {
             running: vec![None; gpus],
             delay,
             preempt,
+            windows: vec![None; profiles.len()],
+            busy: None,
+            cache: true,
         }
     }
 
     fn enqueue(&mut self, req: Request) {
+        self.windows[req.model] = None;
         let q = &mut self.queues[req.model];
         // Arrivals come in deadline order per model; re-queued requests are put in place.
         let at = q.partition_point(|r| r.deadline <= req.deadline);
@@ -60,12 +88,19 @@ impl Flex {
     fn batchgen(&mut self, now: Ms, out: &mut Vec<Decision>) -> Option<(ModelId, usize, usize)> {
         let mut best: Option<(usize, Ms, ModelId, usize)> = None;
         for (m, q) in self.queues.iter_mut().enumerate() {
-            let p = &self.profiles[m];
-            drop_expired(p, self.delay, now, q, out);
-            if q.is_empty() {
+            let (i, b) = match self.windows[m] {
+                Some((at, i, b)) if self.cache && at == now => (i, b),
+                _ => {
+                    let p = &self.profiles[m];
+                    drop_expired(p, self.delay, now, q, out);
+                    let w = best_window(p, self.delay, now, now, |k| q[k].deadline, q.len());
+                    self.windows[m] = Some((now, w.0, w.1));
+                    w
+                }
+            };
+            if b == 0 {
                 continue;
             }
-            let (i, b) = best_window(p, self.delay, now, now, |k| q[k].deadline, q.len());
             let dl = q[i].deadline;
             let better = match best {
                 None => true,
@@ -79,6 +114,8 @@ impl Flex {
     }
 
     fn execute(&mut self, now: Ms, gpu: GpuId, (m, i, b): (ModelId, usize, usize), out: &mut Vec<Decision>) {
+        self.windows[m] = None;
+        self.busy = None;
         let requests: Vec<Request> = self.queues[m].drain(i..i + b).collect();
         let start = now + self.delay.of(b);
         let end = start + self.profiles[m].latency(b);
@@ -91,6 +128,11 @@ impl Flex {
     /// queues change.
     fn offer(&mut self, now: Ms, out: &mut Vec<Decision>) {
         let mut cand = self.batchgen(now, out);
+        if let Some(c) = cand.filter(|_| self.cache) {
+            if !self.some_gpu_takes(now, c.2) {
+                return;
+            }
+        }
         let mut gpu = 0;
         while gpu < self.running.len() {
             let Some(c) = cand else { return };
@@ -125,6 +167,30 @@ impl Flex {
             gpu += 1;
         }
     }
+
+    /// Whether a GPU would take a batch of `size` at `now`: one is idle, or (FLEX) runs a batch
+    /// small enough to preempt. False means the scan of the GPUs in [`Flex::offer`] would do
+    /// nothing.
+    fn some_gpu_takes(&mut self, now: Ms, size: usize) -> bool {
+        let busy = match self.busy {
+            Some(b) => b,
+            _ => {
+                let mut b = Busy { any_idle: false, first_end: Ms::INFINITY, smallest: usize::MAX };
+                for r in &self.running {
+                    match r {
+                        None => b.any_idle = true,
+                        Some(r) => {
+                            b.first_end = b.first_end.min(r.end);
+                            b.smallest = b.smallest.min(r.requests.len());
+                        }
+                    }
+                }
+                self.busy = Some(b);
+                b
+            }
+        };
+        busy.any_idle || busy.first_end <= now || (self.preempt && size as f64 >= LAMBDA * busy.smallest as f64)
+    }
 }
 
 impl Scheduler for Flex {
@@ -144,6 +210,7 @@ impl Scheduler for Flex {
     fn on_gpu_free(&mut self, now: Ms, gpu: GpuId, out: &mut Vec<Decision>) {
         if self.running[gpu].as_ref().is_some_and(|r| r.end <= now) {
             self.running[gpu] = None;
+            self.busy = None;
         }
         if self.running[gpu].is_none() {
             if let Some(c) = self.batchgen(now, out) {
@@ -160,5 +227,55 @@ impl Scheduler for Flex {
 
     fn queued(&self) -> usize {
         self.queues.iter().map(VecDeque::len).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn profiles() -> Vec<Profile> {
+        vec![
+            Profile::new("a", 1.0, 4.0, 30.0, 16).unwrap(),
+            Profile::new("b", 2.5, 1.0, 25.0, 8).unwrap(),
+            Profile::new("c", 0.5, 8.0, 60.0, 32).unwrap(),
+        ]
+    }
+
+    proptest! {
+        /// Keeping each queue's best window until the queue changes or the clock moves makes
+        /// exactly the decisions that recomputing every queue at every BATCHGEN makes: many
+        /// events share an instant here, as arrivals read in one burst do.
+        #[test]
+        fn cached_windows_make_the_same_decisions(
+            events in proptest::collection::vec((0u8..4, 0u8..4, 0usize..3, 0usize..4), 1..400),
+            preempt in any::<bool>(),
+        ) {
+            let ps = profiles();
+            let delay = Delay { ctrl_ms: 0.5, data_ms: 0.1 };
+            let mut cached = Flex::new(&ps, 4, delay, preempt);
+            let mut fresh = Flex::new(&ps, 4, delay, preempt);
+            fresh.cache = false;
+            let (mut now, mut id) = (0.0, 0u64);
+            for (step, arrival, model, gpu) in events {
+                // Half the steps keep the clock where it is.
+                now += f64::from(step.saturating_sub(1));
+                let (mut a, mut b) = (Vec::new(), Vec::new());
+                // Three events in four are arrivals.
+                if arrival > 0 {
+                    id += 1;
+                    let r = Request { id, model, arrival: now, deadline: now + ps[model].slo_ms };
+                    cached.on_arrival(now, r, &mut a);
+                    fresh.on_arrival(now, r, &mut b);
+                } else {
+                    cached.on_gpu_free(now, gpu, &mut a);
+                    fresh.on_gpu_free(now, gpu, &mut b);
+                }
+                prop_assert_eq!(&a, &b);
+                prop_assert_eq!(cached.queued(), fresh.queued());
+            }
+        }
     }
 }
