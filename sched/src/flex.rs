@@ -42,13 +42,23 @@ pub struct Flex {
     running: Vec<Option<Running>>,
     delay: Delay,
     preempt: bool,
-    /// Per queue: the time its best window was computed at and that window (first, size);
+    /// Per queue: the time its best window was computed at, that window (first, size) and
+    /// its first request's deadline (kept here: reading it from a long queue is a cache miss);
     /// `None` once the queue changed.
-    windows: Vec<Option<(Ms, usize, usize)>>,
+    windows: Vec<Option<Window>>,
     /// The running batches' summary; `None` once a GPU's batch changed.
     busy: Option<Busy>,
     /// Off only in the test that checks the caches and the shortcut change no decision.
     cache: bool,
+}
+
+/// A queue's best window at a time.
+#[derive(Debug, Clone, Copy)]
+struct Window {
+    at: Ms,
+    first: usize,
+    size: usize,
+    deadline: Ms,
 }
 
 /// Every GPU's batch, summarised: whether one has none, the earliest end, the smallest size.
@@ -77,9 +87,15 @@ impl Flex {
     fn enqueue(&mut self, req: Request) {
         self.windows[req.model] = None;
         let q = &mut self.queues[req.model];
-        // Arrivals come in deadline order per model; re-queued requests are put in place.
-        let at = q.partition_point(|r| r.deadline <= req.deadline);
-        q.insert(at, req);
+        // Arrivals come in deadline order per model, so they go to the back without a search
+        // (a search of a long queue costs a cache miss per step); re-queued requests are put in
+        // place.
+        if q.back().is_none_or(|r| r.deadline <= req.deadline) {
+            q.push_back(req);
+        } else {
+            let at = q.partition_point(|r| r.deadline <= req.deadline);
+            q.insert(at, req);
+        }
     }
 
     /// BATCHGEN: the largest feasible batch across the queues — (model, first index, size) —
@@ -88,20 +104,22 @@ impl Flex {
     fn batchgen(&mut self, now: Ms, out: &mut Vec<Decision>) -> Option<(ModelId, usize, usize)> {
         let mut best: Option<(usize, Ms, ModelId, usize)> = None;
         for (m, q) in self.queues.iter_mut().enumerate() {
-            let (i, b) = match self.windows[m] {
-                Some((at, i, b)) if self.cache && at == now => (i, b),
+            let w = match self.windows[m] {
+                Some(w) if self.cache && w.at == now => w,
                 _ => {
                     let p = &self.profiles[m];
                     drop_expired(p, self.delay, now, q, out);
-                    let w = best_window(p, self.delay, now, now, |k| q[k].deadline, q.len());
-                    self.windows[m] = Some((now, w.0, w.1));
+                    let (first, size) = best_window(p, self.delay, now, now, |k| q[k].deadline, q.len());
+                    let deadline = q.get(first).map_or(Ms::INFINITY, |r| r.deadline);
+                    let w = Window { at: now, first, size, deadline };
+                    self.windows[m] = Some(w);
                     w
                 }
             };
+            let (i, b, dl) = (w.first, w.size, w.deadline);
             if b == 0 {
                 continue;
             }
-            let dl = q[i].deadline;
             let better = match best {
                 None => true,
                 Some((bb, d, _, _)) => b > bb || (b == bb && dl < d),
