@@ -5,6 +5,10 @@
 //!
 //! Departure: Clockwork itself also profiles and admits requests per worker with its own
 //! latency predictions; here every GPU runs every model and the profile is exact.
+//!
+//! Cost: the earliest time a GPU frees is kept, so an arrival while every GPU is busy costs no
+//! scan of the GPUs (on real threads at 400 GPUs that scan was most of the dispatcher's work
+//! under overload). The decisions are the same as scanning every time (tested).
 
 use std::collections::VecDeque;
 
@@ -17,7 +21,11 @@ pub struct Clockwork {
     profiles: Vec<Profile>,
     queues: Vec<VecDeque<Request>>,
     free_at: Vec<Ms>,
+    /// The earliest of `free_at`.
+    next_free: Ms,
     delay: Delay,
+    /// Off only in the test that checks the shortcut changes no decision.
+    shortcut: bool,
 }
 
 impl Clockwork {
@@ -27,12 +35,17 @@ impl Clockwork {
             profiles: profiles.to_vec(),
             queues: vec![VecDeque::new(); profiles.len()],
             free_at: vec![0.0; gpus],
+            next_free: if gpus == 0 { Ms::INFINITY } else { 0.0 },
             delay,
+            shortcut: true,
         }
     }
 
     fn dispatch(&mut self, now: Ms, out: &mut Vec<Decision>) {
         loop {
+            if self.shortcut && self.next_free > now {
+                return;
+            }
             let Some(gpu) = (0..self.free_at.len()).find(|g| self.free_at[*g] <= now) else { return };
             let Some((dl, m)) = earliest_deadline(&self.profiles, &mut self.queues, self.delay, now, out) else {
                 return;
@@ -43,6 +56,7 @@ impl Clockwork {
             let requests: Vec<Request> = q.drain(..b).collect();
             let start = now + self.delay.of(b);
             self.free_at[gpu] = start + p.latency(b);
+            self.next_free = self.free_at.iter().copied().fold(Ms::INFINITY, Ms::min);
             out.push(Decision::Dispatch { gpu, model: m, requests, start });
         }
     }
@@ -96,5 +110,48 @@ impl Scheduler for Clockwork {
 
     fn queued(&self) -> usize {
         self.queues.iter().map(VecDeque::len).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    proptest! {
+        /// Skipping the scan while no GPU is free (by the kept earliest free time) makes exactly
+        /// the decisions that scanning every time makes.
+        #[test]
+        fn the_shortcut_makes_the_same_decisions(
+            events in proptest::collection::vec((0u8..4, 0u8..4, 0usize..3, 0usize..3), 1..400),
+        ) {
+            let ps = vec![
+                Profile::new("a", 1.0, 4.0, 30.0, 16).unwrap(),
+                Profile::new("b", 2.5, 1.0, 25.0, 8).unwrap(),
+                Profile::new("c", 0.5, 8.0, 60.0, 32).unwrap(),
+            ];
+            let delay = Delay { ctrl_ms: 0.5, data_ms: 0.1 };
+            let mut fast = Clockwork::new(&ps, 3, delay);
+            let mut full = Clockwork::new(&ps, 3, delay);
+            full.shortcut = false;
+            let (mut now, mut id) = (0.0, 0u64);
+            for (step, arrival, model, gpu) in events {
+                // Half the steps keep the clock where it is; three events in four are arrivals.
+                now += f64::from(step.saturating_sub(1));
+                let (mut a, mut b) = (Vec::new(), Vec::new());
+                if arrival > 0 {
+                    id += 1;
+                    let r = Request { id, model, arrival: now, deadline: now + ps[model].slo_ms };
+                    fast.on_arrival(now, r, &mut a);
+                    full.on_arrival(now, r, &mut b);
+                } else {
+                    fast.on_gpu_free(now, gpu, &mut a);
+                    full.on_gpu_free(now, gpu, &mut b);
+                }
+                prop_assert_eq!(&a, &b);
+                prop_assert_eq!(fast.queued(), full.queued());
+            }
+        }
     }
 }
