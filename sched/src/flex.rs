@@ -15,10 +15,12 @@
 //! and the time. Each queue's answer is therefore kept until the queue changes or the clock
 //! moves, so a burst of arrivals read at one instant costs one queue's window each, not every
 //! queue's (without it, a dispatcher that fell behind did more work per request the further it
-//! fell behind, and collapsed). Likewise the earliest end and the smallest size of the running
-//! batches are kept until a GPU's batch changes, so an arrival that no GPU would take (every
-//! GPU busy, no batch small enough to preempt) costs no scan of the GPUs. The decisions are the
-//! same as recomputing every time (tested).
+//! fell behind, and collapsed). Likewise a summary of the running batches (whether a GPU may be
+//! idle, a lower bound on the earliest end and on the smallest size) is kept, widened in O(1)
+//! as batches start and end and made exact only by a scan that found no GPU, so an arrival that
+//! no GPU would take (every GPU busy, no batch small enough to preempt) costs no scan of the
+//! GPUs, and a light load pays no extra scan per batch. The decisions are the same as
+//! recomputing every time (tested).
 
 use std::collections::VecDeque;
 
@@ -46,7 +48,8 @@ pub struct Flex {
     /// its first request's deadline (kept here: reading it from a long queue is a cache miss);
     /// `None` once the queue changed.
     windows: Vec<Option<Window>>,
-    /// The running batches' summary; `None` once a GPU's batch changed.
+    /// The running batches' summary, never narrower than the truth (see [`Busy`]); `None`
+    /// before the first scan.
     busy: Option<Busy>,
     /// Off only in the test that checks the caches and the shortcut change no decision.
     cache: bool,
@@ -61,7 +64,8 @@ struct Window {
     deadline: Ms,
 }
 
-/// Every GPU's batch, summarised: whether one has none, the earliest end, the smallest size.
+/// Every GPU's batch, summarised on the safe side: `any_idle` is true if a GPU may have no
+/// batch, `first_end` and `smallest` are at most the earliest end and the smallest size.
 #[derive(Debug, Clone, Copy)]
 struct Busy {
     any_idle: bool,
@@ -133,10 +137,13 @@ impl Flex {
 
     fn execute(&mut self, now: Ms, gpu: GpuId, (m, i, b): (ModelId, usize, usize), out: &mut Vec<Decision>) {
         self.windows[m] = None;
-        self.busy = None;
         let requests: Vec<Request> = self.queues[m].drain(i..i + b).collect();
         let start = now + self.delay.of(b);
         let end = start + self.profiles[m].latency(b);
+        if let Some(busy) = &mut self.busy {
+            busy.first_end = busy.first_end.min(end);
+            busy.smallest = busy.smallest.min(b);
+        }
         self.running[gpu] = Some(Running { requests: requests.clone(), end });
         out.push(Decision::Dispatch { gpu, model: m, requests, start });
     }
@@ -184,6 +191,25 @@ impl Flex {
             }
             gpu += 1;
         }
+        if cand.is_some() {
+            // The scan ended with a batch no GPU took: it has paid for an exact summary.
+            self.busy = Some(self.summary());
+        }
+    }
+
+    /// The exact summary of the running batches.
+    fn summary(&self) -> Busy {
+        let mut b = Busy { any_idle: false, first_end: Ms::INFINITY, smallest: usize::MAX };
+        for r in &self.running {
+            match r {
+                None => b.any_idle = true,
+                Some(r) => {
+                    b.first_end = b.first_end.min(r.end);
+                    b.smallest = b.smallest.min(r.requests.len());
+                }
+            }
+        }
+        b
     }
 
     /// Whether a GPU would take a batch of `size` at `now`: one is idle, or (FLEX) runs a batch
@@ -192,17 +218,8 @@ impl Flex {
     fn some_gpu_takes(&mut self, now: Ms, size: usize) -> bool {
         let busy = match self.busy {
             Some(b) => b,
-            _ => {
-                let mut b = Busy { any_idle: false, first_end: Ms::INFINITY, smallest: usize::MAX };
-                for r in &self.running {
-                    match r {
-                        None => b.any_idle = true,
-                        Some(r) => {
-                            b.first_end = b.first_end.min(r.end);
-                            b.smallest = b.smallest.min(r.requests.len());
-                        }
-                    }
-                }
+            None => {
+                let b = self.summary();
                 self.busy = Some(b);
                 b
             }
@@ -228,7 +245,9 @@ impl Scheduler for Flex {
     fn on_gpu_free(&mut self, now: Ms, gpu: GpuId, out: &mut Vec<Decision>) {
         if self.running[gpu].as_ref().is_some_and(|r| r.end <= now) {
             self.running[gpu] = None;
-            self.busy = None;
+            if let Some(busy) = &mut self.busy {
+                busy.any_idle = true;
+            }
         }
         if self.running[gpu].is_none() {
             if let Some(c) = self.batchgen(now, out) {
