@@ -17,7 +17,7 @@
 //! queue's (without it, a dispatcher that fell behind did more work per request the further it
 //! fell behind, and collapsed). Likewise a summary of the running batches (whether a GPU may be
 //! idle, a lower bound on the earliest end and on the smallest size) is kept, widened in O(1)
-//! as batches start and end and made exact only by a scan that found no GPU, so an arrival that
+//! as batches start and end and made exact by the scan that found no GPU, so an arrival that
 //! no GPU would take (every GPU busy, no batch small enough to preempt) costs no scan of the
 //! GPUs, and a light load pays no extra scan per batch. The decisions are the same as
 //! recomputing every time (tested).
@@ -71,6 +71,22 @@ struct Busy {
     any_idle: bool,
     first_end: Ms,
     smallest: usize,
+}
+
+impl Busy {
+    /// The summary of no GPU.
+    const NONE: Busy = Busy { any_idle: false, first_end: Ms::INFINITY, smallest: usize::MAX };
+
+    /// Counts one more GPU, running `r`.
+    fn add(&mut self, r: Option<&Running>) {
+        match r {
+            None => self.any_idle = true,
+            Some(r) => {
+                self.first_end = self.first_end.min(r.end);
+                self.smallest = self.smallest.min(r.requests.len());
+            }
+        }
+    }
 }
 
 impl Flex {
@@ -159,6 +175,8 @@ impl Flex {
             }
         }
         let mut gpu = 0;
+        // The GPUs already passed, after their turn: exact if the scan ends with a batch left.
+        let mut passed = Busy::NONE;
         while gpu < self.running.len() {
             let Some(c) = cand else { return };
             let current = self.running[gpu].as_ref().filter(|r| r.end > now).map(|r| r.requests.len());
@@ -184,32 +202,19 @@ impl Flex {
                     cand = self.batchgen(now, out);
                     if requeued {
                         gpu = 0;
+                        passed = Busy::NONE;
                         continue;
                     }
                 }
                 Some(_) => {}
             }
+            passed.add(self.running[gpu].as_ref());
             gpu += 1;
         }
         if cand.is_some() {
-            // The scan ended with a batch no GPU took: it has paid for an exact summary.
-            self.busy = Some(self.summary());
+            // The scan ended with a batch no GPU took, and has seen every GPU as it is now.
+            self.busy = Some(passed);
         }
-    }
-
-    /// The exact summary of the running batches.
-    fn summary(&self) -> Busy {
-        let mut b = Busy { any_idle: false, first_end: Ms::INFINITY, smallest: usize::MAX };
-        for r in &self.running {
-            match r {
-                None => b.any_idle = true,
-                Some(r) => {
-                    b.first_end = b.first_end.min(r.end);
-                    b.smallest = b.smallest.min(r.requests.len());
-                }
-            }
-        }
-        b
     }
 
     /// Whether a GPU would take a batch of `size` at `now`: one is idle, or (FLEX) runs a batch
@@ -219,7 +224,8 @@ impl Flex {
         let busy = match self.busy {
             Some(b) => b,
             None => {
-                let b = self.summary();
+                let mut b = Busy::NONE;
+                self.running.iter().for_each(|r| b.add(r.as_ref()));
                 self.busy = Some(b);
                 b
             }
