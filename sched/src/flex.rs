@@ -13,9 +13,11 @@
 //!
 //! Cost: BATCHGEN looks at every queue, and a queue's best window depends only on its contents
 //! and the time. Each queue's answer is therefore kept until the queue changes or the clock
-//! moves, so a burst of arrivals read at one instant costs one queue's window each, not every
-//! queue's (without it, a dispatcher that fell behind did more work per request the further it
-//! fell behind, and collapsed). Likewise a summary of the running batches (whether a GPU may be
+//! moves, and so is BATCHGEN's answer, updated from the changed queues alone while the best
+//! queue is not among them; a full window stays when a request joins its queue's back. A burst
+//! of arrivals read at one instant then costs O(1) windows each, not every queue's (without it,
+//! a dispatcher that fell behind did more work per request the further it fell behind, and
+//! collapsed). Likewise a summary of the running batches (whether a GPU may be
 //! idle, a lower bound on the earliest end and on the smallest size) is kept, widened in O(1)
 //! as batches start and end and made exact by the scan that found no GPU, so an arrival that
 //! no GPU would take (every GPU busy, no batch small enough to preempt) costs no scan of the
@@ -48,6 +50,9 @@ pub struct Flex {
     /// its first request's deadline (kept here: reading it from a long queue is a cache miss);
     /// `None` once the queue changed.
     windows: Vec<Option<Window>>,
+    /// The last BATCHGEN's time and answer, and the queues whose windows changed since.
+    best: Option<(Ms, Option<Candidate>)>,
+    changed: Vec<ModelId>,
     /// The running batches' summary, never narrower than the truth (see [`Busy`]); `None`
     /// before the first scan.
     busy: Option<Busy>,
@@ -62,6 +67,32 @@ struct Window {
     first: usize,
     size: usize,
     deadline: Ms,
+}
+
+/// A queue's best window as BATCHGEN compares them.
+#[derive(Debug, Clone, Copy)]
+struct Candidate {
+    size: usize,
+    deadline: Ms,
+    model: ModelId,
+    first: usize,
+}
+
+impl Candidate {
+    /// The better of two: the larger batch, then the earlier deadline, then the lower model
+    /// (the first met in a pass over the queues in order).
+    fn better(a: Option<Candidate>, b: Option<Candidate>) -> Option<Candidate> {
+        match (a, b) {
+            (Some(x), Some(y)) => {
+                let y_wins = y.size > x.size
+                    || (y.size == x.size
+                        && (y.deadline < x.deadline || (y.deadline == x.deadline && y.model < x.model)));
+                Some(if y_wins { y } else { x })
+            }
+            (x, None) => x,
+            (None, y) => y,
+        }
+    }
 }
 
 /// Every GPU's batch, summarised on the safe side: `any_idle` is true if a GPU may have no
@@ -99,22 +130,30 @@ impl Flex {
             delay,
             preempt,
             windows: vec![None; profiles.len()],
+            best: None,
+            changed: Vec::new(),
             busy: None,
             cache: true,
         }
     }
 
     fn enqueue(&mut self, req: Request) {
-        self.windows[req.model] = None;
-        let q = &mut self.queues[req.model];
+        let m = req.model;
+        let q = &mut self.queues[m];
         // Arrivals come in deadline order per model, so they go to the back without a search
         // (a search of a long queue costs a cache miss per step); re-queued requests are put in
         // place.
         if q.back().is_none_or(|r| r.deadline <= req.deadline) {
             q.push_back(req);
+            // A full window stays the best one when a request joins the back: it cannot grow,
+            // and no earlier start has become feasible (the usual case of a backed-up queue).
+            if self.windows[m].is_some_and(|w| w.size < self.profiles[m].max_batch) {
+                self.changed(m);
+            }
         } else {
             let at = q.partition_point(|r| r.deadline <= req.deadline);
             q.insert(at, req);
+            self.changed(m);
         }
     }
 
@@ -122,37 +161,52 @@ impl Flex {
     /// ties to the earliest deadline. A queue's largest feasible batch is its largest window of
     /// consecutive requests that finish by their earliest deadline (see `best_window`).
     fn batchgen(&mut self, now: Ms, out: &mut Vec<Decision>) -> Option<(ModelId, usize, usize)> {
-        let mut best: Option<(usize, Ms, ModelId, usize)> = None;
-        for (m, q) in self.queues.iter_mut().enumerate() {
-            let w = match self.windows[m] {
-                Some(w) if self.cache && w.at == now => w,
-                _ => {
-                    let p = &self.profiles[m];
-                    drop_expired(p, self.delay, now, q, out);
-                    let (first, size) = best_window(p, self.delay, now, now, |k| q[k].deadline, q.len());
-                    let deadline = q.get(first).map_or(Ms::INFINITY, |r| r.deadline);
-                    let w = Window { at: now, first, size, deadline };
-                    self.windows[m] = Some(w);
-                    w
-                }
-            };
-            let (i, b, dl) = (w.first, w.size, w.deadline);
-            if b == 0 {
-                continue;
+        self.changed.sort_unstable();
+        self.changed.dedup();
+        let best = match self.best {
+            // Since the last full pass at this instant only the changed queues' windows moved,
+            // and the best one then is not among them: it is still at least every other.
+            Some((at, best))
+                if self.cache && at == now && best.is_none_or(|c| self.changed.binary_search(&c.model).is_err()) =>
+            {
+                let changed = std::mem::take(&mut self.changed);
+                let best = changed.iter().fold(best, |best, &m| Candidate::better(best, self.window(m, now, out)));
+                self.changed = changed;
+                best
             }
-            let better = match best {
-                None => true,
-                Some((bb, d, _, _)) => b > bb || (b == bb && dl < d),
-            };
-            if b > 0 && better {
-                best = Some((b, dl, m, i));
+            _ => (0..self.queues.len()).fold(None, |best, m| Candidate::better(best, self.window(m, now, out))),
+        };
+        self.changed.clear();
+        self.best = Some((now, best));
+        best.map(|c| (c.model, c.first, c.size))
+    }
+
+    /// Queue `m`'s best window at `now`, as a candidate (`None`: not even one request fits),
+    /// recomputed only if the queue changed or the clock moved since it was kept.
+    fn window(&mut self, m: ModelId, now: Ms, out: &mut Vec<Decision>) -> Option<Candidate> {
+        let w = match self.windows[m] {
+            Some(w) if self.cache && w.at == now => w,
+            _ => {
+                let (p, q) = (&self.profiles[m], &mut self.queues[m]);
+                drop_expired(p, self.delay, now, q, out);
+                let (first, size) = best_window(p, self.delay, now, now, |k| q[k].deadline, q.len());
+                let deadline = q.get(first).map_or(Ms::INFINITY, |r| r.deadline);
+                let w = Window { at: now, first, size, deadline };
+                self.windows[m] = Some(w);
+                w
             }
-        }
-        best.map(|(b, _, m, i)| (m, i, b))
+        };
+        (w.size > 0).then_some(Candidate { size: w.size, deadline: w.deadline, model: m, first: w.first })
+    }
+
+    /// Forgets queue `m`'s kept window.
+    fn changed(&mut self, m: ModelId) {
+        self.windows[m] = None;
+        self.changed.push(m);
     }
 
     fn execute(&mut self, now: Ms, gpu: GpuId, (m, i, b): (ModelId, usize, usize), out: &mut Vec<Decision>) {
-        self.windows[m] = None;
+        self.changed(m);
         let requests: Vec<Request> = self.queues[m].drain(i..i + b).collect();
         let start = now + self.delay.of(b);
         let end = start + self.profiles[m].latency(b);
