@@ -132,40 +132,18 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
+    use crate::scheduler::testing::{events, profiles, same_decisions, DELAY};
 
     proptest! {
         /// Skipping the scan while no GPU is free (by the kept earliest free time) makes exactly
         /// the decisions that scanning every time makes.
         #[test]
-        fn the_shortcut_makes_the_same_decisions(
-            events in proptest::collection::vec((0u8..4, 0u8..4, 0usize..3, 0usize..3), 1..400),
-        ) {
-            let ps = vec![
-                Profile::new("a", 1.0, 4.0, 30.0, 16).unwrap(),
-                Profile::new("b", 2.5, 1.0, 25.0, 8).unwrap(),
-                Profile::new("c", 0.5, 8.0, 60.0, 32).unwrap(),
-            ];
-            let delay = Delay { ctrl_ms: 0.5, data_ms: 0.1 };
-            let mut fast = Clockwork::new(&ps, 3, delay);
-            let mut full = Clockwork::new(&ps, 3, delay);
+        fn the_shortcut_makes_the_same_decisions(events in events(3)) {
+            let ps = profiles();
+            let mut fast = Clockwork::new(&ps, 3, DELAY);
+            let mut full = Clockwork::new(&ps, 3, DELAY);
             full.shortcut = false;
-            let (mut now, mut id) = (0.0, 0u64);
-            for (step, arrival, model, gpu) in events {
-                // Half the steps keep the clock where it is; three events in four are arrivals.
-                now += f64::from(step.saturating_sub(1));
-                let (mut a, mut b) = (Vec::new(), Vec::new());
-                if arrival > 0 {
-                    id += 1;
-                    let r = Request { id, model, arrival: now, deadline: now + ps[model].slo_ms };
-                    fast.on_arrival(now, r, &mut a);
-                    full.on_arrival(now, r, &mut b);
-                } else {
-                    fast.on_gpu_free(now, gpu, &mut a);
-                    full.on_gpu_free(now, gpu, &mut b);
-                }
-                prop_assert_eq!(&a, &b);
-                prop_assert_eq!(fast.queued(), full.queued());
-            }
+            same_decisions(&mut fast, &mut full, &ps, events)?;
         }
     }
 }

@@ -332,47 +332,19 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
-
-    fn profiles() -> Vec<Profile> {
-        vec![
-            Profile::new("a", 1.0, 4.0, 30.0, 16).unwrap(),
-            Profile::new("b", 2.5, 1.0, 25.0, 8).unwrap(),
-            Profile::new("c", 0.5, 8.0, 60.0, 32).unwrap(),
-        ]
-    }
+    use crate::scheduler::testing::{events, profiles, same_decisions, DELAY};
 
     proptest! {
-        /// Keeping each queue's best window until the queue changes or the clock moves makes
-        /// exactly the decisions that recomputing every queue at every BATCHGEN makes: many
-        /// events share an instant here, as arrivals read in one burst do.
+        /// Keeping each queue's best window, BATCHGEN's answer and the GPU summary makes
+        /// exactly the decisions that recomputing everything at every BATCHGEN and scanning
+        /// every GPU makes.
         #[test]
-        fn cached_windows_make_the_same_decisions(
-            events in proptest::collection::vec((0u8..4, 0u8..4, 0usize..3, 0usize..4), 1..400),
-            preempt in any::<bool>(),
-        ) {
+        fn cached_windows_make_the_same_decisions(events in events(4), preempt in any::<bool>()) {
             let ps = profiles();
-            let delay = Delay { ctrl_ms: 0.5, data_ms: 0.1 };
-            let mut cached = Flex::new(&ps, 4, delay, preempt);
-            let mut fresh = Flex::new(&ps, 4, delay, preempt);
+            let mut cached = Flex::new(&ps, 4, DELAY, preempt);
+            let mut fresh = Flex::new(&ps, 4, DELAY, preempt);
             fresh.cache = false;
-            let (mut now, mut id) = (0.0, 0u64);
-            for (step, arrival, model, gpu) in events {
-                // Half the steps keep the clock where it is.
-                now += f64::from(step.saturating_sub(1));
-                let (mut a, mut b) = (Vec::new(), Vec::new());
-                // Three events in four are arrivals.
-                if arrival > 0 {
-                    id += 1;
-                    let r = Request { id, model, arrival: now, deadline: now + ps[model].slo_ms };
-                    cached.on_arrival(now, r, &mut a);
-                    fresh.on_arrival(now, r, &mut b);
-                } else {
-                    cached.on_gpu_free(now, gpu, &mut a);
-                    fresh.on_gpu_free(now, gpu, &mut b);
-                }
-                prop_assert_eq!(&a, &b);
-                prop_assert_eq!(cached.queued(), fresh.queued());
-            }
+            same_decisions(&mut cached, &mut fresh, &ps, events)?;
         }
     }
 }

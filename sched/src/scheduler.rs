@@ -86,3 +86,57 @@ pub fn drop_expired(
         q.pop_front();
     }
 }
+
+/// Test support shared by the schedulers' tests.
+#[cfg(test)]
+pub(crate) mod testing {
+    use proptest::prelude::*;
+
+    use super::{GpuId, ModelId, Request, Scheduler};
+    use crate::profile::Profile;
+    use crate::time::Delay;
+
+    /// Three models of unlike shapes.
+    pub(crate) fn profiles() -> Vec<Profile> {
+        vec![
+            Profile::new("a", 1.0, 4.0, 30.0, 16).unwrap(),
+            Profile::new("b", 2.5, 1.0, 25.0, 8).unwrap(),
+            Profile::new("c", 0.5, 8.0, 60.0, 32).unwrap(),
+        ]
+    }
+
+    /// A small dispatch delay.
+    pub(crate) const DELAY: Delay = Delay { ctrl_ms: 0.5, data_ms: 0.1 };
+
+    /// Random events: (clock step, arrival unless 0, model, GPU). Half the steps keep the clock
+    /// where it is, as arrivals read in one burst do; three events in four are arrivals.
+    pub(crate) fn events(gpus: usize) -> impl Strategy<Value = Vec<(u8, u8, ModelId, GpuId)>> {
+        proptest::collection::vec((0u8..4, 0u8..4, 0usize..3, 0..gpus), 1..400)
+    }
+
+    /// Feeds `events` to both schedulers and checks they decide alike at every step.
+    pub(crate) fn same_decisions(
+        a: &mut dyn Scheduler,
+        b: &mut dyn Scheduler,
+        ps: &[Profile],
+        events: Vec<(u8, u8, ModelId, GpuId)>,
+    ) -> Result<(), TestCaseError> {
+        let (mut now, mut id) = (0.0, 0u64);
+        for (step, arrival, model, gpu) in events {
+            now += f64::from(step.saturating_sub(1));
+            let (mut da, mut db) = (Vec::new(), Vec::new());
+            if arrival > 0 {
+                id += 1;
+                let r = Request { id, model, arrival: now, deadline: now + ps[model].slo_ms };
+                a.on_arrival(now, r, &mut da);
+                b.on_arrival(now, r, &mut db);
+            } else {
+                a.on_gpu_free(now, gpu, &mut da);
+                b.on_gpu_free(now, gpu, &mut db);
+            }
+            prop_assert_eq!(&da, &db);
+            prop_assert_eq!(a.queued(), b.queued());
+        }
+        Ok(())
+    }
+}
