@@ -14,8 +14,9 @@
 //! Cost: BATCHGEN looks at every queue, and a queue's best window depends only on its contents
 //! and the time. Each queue's answer is therefore kept until the queue changes or the clock
 //! moves, and so is BATCHGEN's answer, updated from the changed queues alone while the best
-//! queue is not among them; a full window stays when a request joins its queue's back. A burst
-//! of arrivals read at one instant then costs O(1) windows each, not every queue's (without it,
+//! queue is not among them; a request joining its queue's back grows the kept window in place
+//! (`grow_window`: one deadline read unless it grows). A burst of arrivals read at one instant
+//! then costs O(1) windows each, not every queue's (without it,
 //! a dispatcher that fell behind did more work per request the further it fell behind, and
 //! collapsed). Likewise a summary of the running batches (whether a GPU may be
 //! idle, a lower bound on the earliest end and on the smallest size) is kept, widened in O(1)
@@ -26,7 +27,7 @@
 
 use std::collections::VecDeque;
 
-use crate::profile::{best_window, largest_batch, Profile};
+use crate::profile::{best_window, grow_window, largest_batch, Profile};
 use crate::scheduler::{drop_expired, Decision, GpuId, ModelId, Ms, Request, Scheduler};
 use crate::time::Delay;
 
@@ -145,10 +146,21 @@ impl Flex {
         // place.
         if q.back().is_none_or(|r| r.deadline <= req.deadline) {
             q.push_back(req);
-            // A full window stays the best one when a request joins the back: it cannot grow,
-            // and no earlier start has become feasible (the usual case of a backed-up queue).
-            if self.windows[m].is_some_and(|w| w.size < self.profiles[m].max_batch) {
-                self.changed(m);
+            // A request joining the back can only grow the kept window (at the time it was
+            // computed), by one, and so only improve BATCHGEN's kept answer at that time.
+            if let Some(w) = self.windows[m].filter(|_| self.cache) {
+                let p = &self.profiles[m];
+                let (first, size) =
+                    grow_window(p, self.delay, w.at, w.at, |k| q[k].deadline, q.len(), (w.first, w.size));
+                if size != w.size {
+                    let grown = Window { at: w.at, first, size, deadline: q[first].deadline };
+                    self.windows[m] = Some(grown);
+                    let cand = Candidate { size, deadline: grown.deadline, model: m, first };
+                    match &mut self.best {
+                        Some((at, best)) if *at == w.at => *best = Candidate::better(*best, Some(cand)),
+                        _ => self.changed.push(m),
+                    }
+                }
             }
         } else {
             let at = q.partition_point(|r| r.deadline <= req.deadline);

@@ -161,6 +161,47 @@ pub fn best_window(
     (a, best)
 }
 
+/// [`best_window`] of `n` requests, given `window`, its answer for the first `n − 1` (the same
+/// `now` and `gpu_free_at`), when the last request has the latest deadline: the usual case of
+/// an arrival joining a backed-up queue. The window grows by at most one request, and starts
+/// where it did or later, so this reads one deadline when it does not grow and searches forward
+/// from the old start (doubling steps, then halving) when it does, instead of two binary
+/// searches over the whole queue.
+pub fn grow_window(
+    p: &Profile,
+    delay: crate::time::Delay,
+    now: Ms,
+    gpu_free_at: Ms,
+    deadlines: impl Fn(usize) -> Ms,
+    n: usize,
+    window: (usize, usize),
+) -> (usize, usize) {
+    let (first, size) = window;
+    let fits = |i: usize| largest_batch(p, delay, now, gpu_free_at, deadlines(i), usize::MAX);
+    let want = size + 1;
+    // A window of size + 1 must start by n − want; fits grows with the start.
+    if n < want || size >= p.max_batch || fits(n - want) < want {
+        return window;
+    }
+    // Every start before `first` fits fewer than `size` requests, so none fits `want`.
+    let (mut lo, last) = (first, n - want);
+    let mut step = 1;
+    while lo + step <= last && fits(lo + step - 1) < want {
+        lo += step;
+        step *= 2;
+    }
+    let mut hi = (lo + step - 1).min(last);
+    while lo < hi {
+        let mid = (lo + hi) / 2;
+        if fits(mid) >= want {
+            hi = mid;
+        } else {
+            lo = mid + 1;
+        }
+    }
+    (lo, want)
+}
+
 /// One row of a profile table.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Row {
@@ -284,6 +325,28 @@ mod tests {
                 }
             }
             assert_eq!(got, want, "{ds:?}");
+        }
+    }
+
+    proptest::proptest! {
+        /// Growing the window one appended request at a time gives what `best_window` gives for
+        /// every prefix of a sorted queue.
+        #[test]
+        fn growing_the_window_matches_the_full_search(
+            mut ds in proptest::collection::vec(0u32..4000, 1..200),
+            now in 0u32..1000,
+            max_batch in 1usize..40,
+        ) {
+            let p = Profile::new("m", 0.7, 4.0, 30.0, max_batch).unwrap();
+            let d = crate::time::Delay { ctrl_ms: 0.5, data_ms: 0.1 };
+            ds.sort_unstable();
+            let dl = |i: usize| f64::from(ds[i]) / 100.0;
+            let now = f64::from(now) / 100.0;
+            let mut w = (0, 0);
+            for n in 1..=ds.len() {
+                w = grow_window(&p, d, now, now, dl, n, w);
+                proptest::prop_assert_eq!(w, best_window(&p, d, now, now, dl, n), "n = {}", n);
+            }
         }
     }
 
