@@ -150,8 +150,8 @@ impl Flex {
             // computed), by one, and so only improve BATCHGEN's kept answer at that time.
             if let Some(w) = self.windows[m].filter(|_| self.cache) {
                 let p = &self.profiles[m];
-                let (first, size) =
-                    grow_window(p, self.delay, w.at, w.at, |k| q[k].deadline, q.len(), (w.first, w.size));
+                let fits = |k: usize| largest_batch(p, self.delay, w.at, w.at, q[k].deadline, usize::MAX);
+                let (first, size) = grow_window(fits, p.max_batch, q.len(), (w.first, w.size));
                 if size != w.size {
                     let grown = Window { at: w.at, first, size, deadline: q[first].deadline };
                     self.windows[m] = Some(grown);

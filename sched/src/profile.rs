@@ -149,38 +149,40 @@ pub fn best_window(
         return (0, 0);
     }
     // The earliest start with that size: fits(i) ≥ best and n − i ≥ best.
-    let (mut a, mut b) = (0, n - best);
-    while a < b {
-        let mid = (a + b) / 2;
-        if fits(mid) >= best {
-            b = mid;
-        } else {
-            a = mid + 1;
-        }
-    }
-    (a, best)
+    (first_reaching(fits, 0, n - best, best), best)
 }
 
-/// [`best_window`] of `n` requests, given `window`, its answer for the first `n − 1` (the same
-/// `now` and `gpu_free_at`), when the last request has the latest deadline: the usual case of
-/// an arrival joining a backed-up queue. The window grows by at most one request, and starts
-/// where it did or later, so this reads one deadline when it does not grow and searches forward
-/// from the old start (doubling steps, then halving) when it does, instead of two binary
-/// searches over the whole queue.
+/// The first index in `lo..=hi` where the non-decreasing `fits` reaches `want`, knowing that it
+/// does at `hi`.
+fn first_reaching(fits: impl Fn(usize) -> usize, mut lo: usize, mut hi: usize, want: usize) -> usize {
+    while lo < hi {
+        let mid = (lo + hi) / 2;
+        if fits(mid) >= want {
+            hi = mid;
+        } else {
+            lo = mid + 1;
+        }
+    }
+    lo
+}
+
+/// [`best_window`] of `n` requests, given `window`, its answer for the first `n − 1`, when the
+/// last request has the latest deadline: the usual case of an arrival joining a backed-up
+/// queue. `fits(i)` is [`largest_batch`] at request i's deadline (uncapped but by the model's
+/// `max_batch`, at the same `now` and `gpu_free_at` as `window`). The window grows by at most
+/// one request, and starts where it did or later, so this reads one deadline when it does not
+/// grow and searches forward from the old start (doubling steps, then halving) when it does,
+/// instead of two binary searches over the whole queue.
 pub fn grow_window(
-    p: &Profile,
-    delay: crate::time::Delay,
-    now: Ms,
-    gpu_free_at: Ms,
-    deadlines: impl Fn(usize) -> Ms,
+    fits: impl Fn(usize) -> usize,
+    max_batch: usize,
     n: usize,
     window: (usize, usize),
 ) -> (usize, usize) {
     let (first, size) = window;
-    let fits = |i: usize| largest_batch(p, delay, now, gpu_free_at, deadlines(i), usize::MAX);
     let want = size + 1;
     // A window of size + 1 must start by n − want; fits grows with the start.
-    if n < want || size >= p.max_batch || fits(n - want) < want {
+    if n < want || size >= max_batch || fits(n - want) < want {
         return window;
     }
     // Every start before `first` fits fewer than `size` requests, so none fits `want`.
@@ -190,16 +192,7 @@ pub fn grow_window(
         lo += step;
         step *= 2;
     }
-    let mut hi = (lo + step - 1).min(last);
-    while lo < hi {
-        let mid = (lo + hi) / 2;
-        if fits(mid) >= want {
-            hi = mid;
-        } else {
-            lo = mid + 1;
-        }
-    }
-    (lo, want)
+    (first_reaching(fits, lo, (lo + step - 1).min(last), want), want)
 }
 
 /// One row of a profile table.
@@ -343,8 +336,9 @@ mod tests {
             let dl = |i: usize| f64::from(ds[i]) / 100.0;
             let now = f64::from(now) / 100.0;
             let mut w = (0, 0);
+            let fits = |i: usize| largest_batch(&p, d, now, now, dl(i), usize::MAX);
             for n in 1..=ds.len() {
-                w = grow_window(&p, d, now, now, dl, n, w);
+                w = grow_window(fits, max_batch, n, w);
                 proptest::prop_assert_eq!(w, best_window(&p, d, now, now, dl, n), "n = {}", n);
             }
         }
