@@ -16,14 +16,13 @@
 //! moves, and so is BATCHGEN's answer, updated from the changed queues alone while the best
 //! queue is not among them; a request joining its queue's back grows the kept window in place
 //! (`grow_window`: one deadline read unless it grows). A burst of arrivals read at one instant
-//! then costs O(1) windows each, not every queue's (without it,
-//! a dispatcher that fell behind did more work per request the further it fell behind, and
-//! collapsed). Likewise a summary of the running batches (whether a GPU may be
-//! idle, a lower bound on the earliest end and on the smallest size) is kept, widened in O(1)
-//! as batches start and end and made exact by the scan that found no GPU, so an arrival that
-//! no GPU would take (every GPU busy, no batch small enough to preempt) costs no scan of the
-//! GPUs, and a light load pays no extra scan per batch. The decisions are the same as
-//! recomputing every time (tested).
+//! then costs O(1) windows each, not every queue's (without it, a dispatcher that fell behind
+//! did more work per request the further it fell behind, and collapsed). Likewise a summary of
+//! the running batches (whether a GPU may be idle, a lower bound on the earliest end and on the
+//! smallest size) is kept, widened in O(1) as batches start and end and made exact by the scan
+//! that found no GPU, so an arrival that no GPU would take (every GPU busy, no batch small
+//! enough to preempt) costs no scan of the GPUs, and a light load pays no extra scan per batch.
+//! The decisions are the same as recomputing every time (tested).
 
 use std::collections::VecDeque;
 
@@ -173,22 +172,21 @@ impl Flex {
     /// ties to the earliest deadline. A queue's largest feasible batch is its largest window of
     /// consecutive requests that finish by their earliest deadline (see `best_window`).
     fn batchgen(&mut self, now: Ms, out: &mut Vec<Decision>) -> Option<(ModelId, usize, usize)> {
-        self.changed.sort_unstable();
-        self.changed.dedup();
+        let mut changed = std::mem::take(&mut self.changed);
+        changed.sort_unstable();
+        changed.dedup();
         let best = match self.best {
             // Since the last full pass at this instant only the changed queues' windows moved,
             // and the best one then is not among them: it is still at least every other.
             Some((at, best))
-                if self.cache && at == now && best.is_none_or(|c| self.changed.binary_search(&c.model).is_err()) =>
+                if self.cache && at == now && best.is_none_or(|c| changed.binary_search(&c.model).is_err()) =>
             {
-                let changed = std::mem::take(&mut self.changed);
-                let best = changed.iter().fold(best, |best, &m| Candidate::better(best, self.window(m, now, out)));
-                self.changed = changed;
-                best
+                changed.iter().fold(best, |best, &m| Candidate::better(best, self.window(m, now, out)))
             }
             _ => (0..self.queues.len()).fold(None, |best, m| Candidate::better(best, self.window(m, now, out))),
         };
-        self.changed.clear();
+        changed.clear();
+        self.changed = changed;
         self.best = Some((now, best));
         best.map(|c| (c.model, c.first, c.size))
     }
