@@ -49,5 +49,5 @@ pub mod time;
 
 pub use metrics::Report;
 pub use profile::Profile;
-pub use scenario::{Scenario, ScenarioError};
+pub use scenario::{Goodput, Probe, Scenario, ScenarioError};
 pub use scheduler::{Decision, GpuId, ModelId, Ms, Request, Scheduler, SCHEDULERS};

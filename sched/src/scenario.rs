@@ -242,10 +242,9 @@ impl Scenario {
     /// `flex/herd:G:GMAX`; see [`crate::partition`]).
     pub fn scheduler(&self, name: &str, rates: &[f64]) -> Result<Box<dyn Scheduler>, ScenarioError> {
         let p = self.profiles()?;
-        if let Some(split) = self.partition(name, &p, rates)? {
-            let (base, (assign, gpus)) = split;
-            let parted = crate::partition::Partitioned::new(&p, &assign, &gpus, |ps, g, ids| {
-                let sub_rates: Vec<f64> = ids.iter().map(|&m| rates[m]).collect();
+        if let Some((base, split)) = self.partition(name, &p, rates)? {
+            let parted = crate::partition::Partitioned::of_streams(&p, &split, |ps, g, ids| {
+                let sub_rates: Vec<f64> = ids.iter().map(|&(m, share)| rates[m] * share).collect();
                 self.one_scheduler(base, ps, g, &sub_rates).map(|s| self.charged(s)).map_err(|e| e.to_string())
             })
             .map_err(ScenarioError::Invalid)?;
@@ -262,16 +261,15 @@ impl Scenario {
         }
     }
 
-    /// `name`'s partition of `p` at `rates` when it names one: (the parts' scheduler, (part per
-    /// model, GPUs per part)).
-    #[allow(clippy::type_complexity)]
+    /// `name`'s partition of `p` at `rates` when it names one: (the parts' scheduler, the split;
+    /// see [`crate::partition::streams_by_name`]).
     pub fn partition(
         &self,
         name: &str,
         p: &[Profile],
         rates: &[f64],
-    ) -> Result<Option<(&'static str, (Vec<usize>, Vec<usize>))>, ScenarioError> {
-        crate::partition::split_by_name(name, p, rates, self.gpus)
+    ) -> Result<Option<(&'static str, crate::partition::Split)>, ScenarioError> {
+        crate::partition::streams_by_name(name, p, rates, self.gpus)
             .map_err(|why| ScenarioError::Invalid(format!("scheduler {name:?}: {why}")))
     }
 
@@ -331,10 +329,22 @@ impl Scenario {
     }
 
     /// Goodput (DESIGN.md): the highest total rate at which every model has ≥ 99% of its
-    /// requests within SLO, by bisection on the total rate (relative precision 1%). Returns the
-    /// rate and the run at it.
-    pub fn max_goodput(&self, scheduler: &str) -> Result<(f64, Report), ScenarioError> {
-        let ok = |r: &Report| r.per_model.iter().all(|m| m.requests == 0 || m.good_fraction >= 0.99);
+    /// requests within SLO, by bisection on the total rate (relative precision 1%): the rate, the
+    /// run at it, and every rate tried.
+    ///
+    /// The search assumes that a rate that fails is not followed by a higher one that passes.
+    /// That holds for the deterministic simulator; with the dispatchers charged
+    /// ([`Scenario::charge_dispatch`]) one slow callback can fail a low rate, and the search then
+    /// settles below it — [`Goodput::probes`] shows where and on which model.
+    pub fn max_goodput(&self, scheduler: &str) -> Result<Goodput, ScenarioError> {
+        let mut probes = Vec::new();
+        let mut probe = |rate: f64| -> Result<(bool, Report), ScenarioError> {
+            let r = self.run(scheduler, Some(rate))?;
+            let p = Probe::of(rate, &r);
+            let ok = p.ok;
+            probes.push(p);
+            Ok((ok, r))
+        };
         let start: f64 = self.rates(None).iter().sum::<f64>().max(1.0);
         // The search stays within what one simulation may generate.
         let ceiling = MAX_ARRIVALS / self.duration_s;
@@ -343,8 +353,8 @@ impl Scenario {
         let mut best: Option<(f64, Report)> = None;
         // Grow until it fails.
         loop {
-            let r = self.run(scheduler, Some(hi))?;
-            if !ok(&r) {
+            let (ok, r) = probe(hi)?;
+            if !ok {
                 break;
             }
             lo = hi;
@@ -356,17 +366,56 @@ impl Scenario {
         }
         while hi - lo > 0.01 * hi {
             let mid = (lo + hi) / 2.0;
-            let r = self.run(scheduler, Some(mid))?;
-            if ok(&r) {
+            let (ok, r) = probe(mid)?;
+            if ok {
                 lo = mid;
                 best = Some((mid, r));
             } else {
                 hi = mid;
             }
         }
-        match best {
-            Some(b) => Ok(b),
-            None => Ok((0.0, self.run(scheduler, Some(lo.max(1e-3)))?)),
+        let (rate_rps, report) = match best {
+            Some(b) => b,
+            None => (0.0, self.run(scheduler, Some(lo.max(1e-3)))?),
+        };
+        Ok(Goodput { rate_rps, report, probes })
+    }
+}
+
+/// What [`Scenario::max_goodput`] found.
+#[derive(Debug, Clone)]
+pub struct Goodput {
+    /// The goodput: the highest total rate found at which every model has ≥ 99% of its
+    /// requests within SLO (0 when none passed), requests/s.
+    pub rate_rps: f64,
+    /// The run at that rate.
+    pub report: Report,
+    /// Every rate the search tried, in order.
+    pub probes: Vec<Probe>,
+}
+
+/// One rate the goodput search tried.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Probe {
+    /// Total offered rate, requests/s.
+    pub rate_rps: f64,
+    /// Whether every model had ≥ 99% of its requests within SLO.
+    pub ok: bool,
+    /// The model with the smallest fraction of its requests within SLO (what fails first).
+    pub worst_model: String,
+    /// That model's fraction within SLO.
+    pub worst_good_fraction: f64,
+}
+
+impl Probe {
+    fn of(rate_rps: f64, r: &Report) -> Probe {
+        let measured = r.per_model.iter().filter(|m| m.requests > 0);
+        let worst = measured.min_by(|a, b| a.good_fraction.total_cmp(&b.good_fraction));
+        Probe {
+            rate_rps,
+            ok: worst.is_none_or(|m| m.good_fraction >= 0.99),
+            worst_model: worst.map(|m| m.name.clone()).unwrap_or_default(),
+            worst_good_fraction: worst.map_or(1.0, |m| m.good_fraction),
         }
     }
 }
@@ -401,5 +450,30 @@ mod tests {
         assert!(err.to_string().contains("limit"), "{err}");
         let err = scenario("100000000", "rate_rps = 1.0").unwrap_err().to_string();
         assert!(err.contains("at most 65536"), "{err}");
+    }
+
+    #[test]
+    fn the_goodput_search_reports_every_rate_it_tried() {
+        let text = "duration_s = 5.0\ngpus = 2\n\
+            [[models]]\nname = \"loose\"\nalpha_ms = 1.0\nbeta_ms = 1.0\nslo_ms = 200.0\nrate_rps = 50.0\n\
+            [[models]]\nname = \"tight\"\nalpha_ms = 1.0\nbeta_ms = 8.0\nslo_ms = 20.0\nrate_rps = 50.0\n";
+        let s: Scenario = toml::from_str(text).unwrap();
+        s.check().unwrap();
+        let g = s.max_goodput("clockwork").unwrap();
+        assert!(g.probes.len() >= 3, "{:?}", g.probes);
+        // The answer is the highest rate that passed, within 1% of the lowest that failed.
+        let passed = g.probes.iter().filter(|p| p.ok).map(|p| p.rate_rps).fold(0.0, f64::max);
+        let failed = g.probes.iter().filter(|p| !p.ok).map(|p| p.rate_rps).fold(f64::INFINITY, f64::min);
+        assert_eq!(g.rate_rps, passed);
+        assert!(failed > passed && failed - passed <= 0.01 * failed, "{passed} passed, {failed} failed");
+        // Each probe names the model furthest from its SLO, and passes exactly when it is ≥ 99%.
+        for p in &g.probes {
+            assert!(["loose", "tight"].contains(&p.worst_model.as_str()), "{p:?}");
+            assert_eq!(p.ok, p.worst_good_fraction >= 0.99, "{p:?}");
+        }
+        let at = Probe::of(g.rate_rps, &g.report);
+        let min = g.report.per_model.iter().map(|m| m.good_fraction).fold(1.0, f64::min);
+        assert!(at.ok && at.worst_good_fraction == min, "{at:?}");
+        assert_eq!(g.probes.iter().find(|p| p.rate_rps == g.rate_rps), Some(&at));
     }
 }

@@ -35,8 +35,10 @@ fn table4_symphony_near_staggered_execution_and_ahead_of_the_baselines() {
         let s = scenario(file, if floor < 0.9 { 40.0 } else { 10.0 });
         let bound = staggered(&s);
         assert!((bound - want).abs() / want < 0.01, "{file}: analytic {bound:.0}, paper {want}");
-        let g: Vec<(String, f64)> =
-            ["symphony", "nexus", "clockwork"].iter().map(|n| (n.to_string(), s.max_goodput(n).unwrap().0)).collect();
+        let g: Vec<(String, f64)> = ["symphony", "nexus", "clockwork"]
+            .iter()
+            .map(|n| (n.to_string(), s.max_goodput(n).unwrap().rate_rps))
+            .collect();
         eprintln!("{file}: bound {bound:.0} r/s; goodput {g:?}; symphony / bound {:.3}", g[0].1 / bound);
         assert!(g[0].1 >= floor * bound, "{file}: symphony {:.0} < {floor} × {bound:.0}", g[0].1);
         assert!(g[0].1 > g[1].1 && g[0].1 > g[2].1, "{file}: symphony beats nexus and clockwork: {g:?}");
@@ -46,7 +48,7 @@ fn table4_symphony_near_staggered_execution_and_ahead_of_the_baselines() {
 #[test]
 fn symphony_has_a_flat_top() {
     let s = scenario("table4_resnet50.toml", 10.0);
-    let (p, _) = s.max_goodput("symphony").unwrap();
+    let p = s.max_goodput("symphony").unwrap().rate_rps;
     let over = s.run("symphony", Some(2.0 * p)).unwrap();
     assert!(over.goodput_rps >= 0.95 * p, "at 2× the peak {p:.0}: {:.0} r/s within SLO", over.goodput_rps);
     let half = s.run("symphony", Some(0.5 * p)).unwrap();

@@ -2,7 +2,8 @@
 //! scenario (DESIGN.md's TOML format; see `cascade_sched::scenario`) under one scheduler and
 //! reports `scheduler, offered_rps, goodput_rps, bad_rate, gpu_idle_fraction, mean_batch,
 //! per_model[{name, goodput_rps, p99_ms, mean_batch}]` plus batch sizes, queueing delays and
-//! Symphony's autoscaling advice. `--charge-dispatch SCALE` charges the schedulers' own
+//! Symphony's autoscaling advice; with `--max-goodput`, `search`: every rate tried `{rate_rps, ok,
+//! worst_model, worst_good_fraction}`. `--charge-dispatch SCALE` charges the schedulers' own
 //! computation to the virtual clock (`cascade_sched::charged`).
 
 use std::path::PathBuf;
@@ -53,20 +54,20 @@ fn main() -> anyhow::Result<()> {
         }
     }
     let t = Instant::now();
-    let (rate, rep) = if c.max_goodput {
-        let (r, rep) = s.max_goodput(&c.scheduler)?;
-        (Some(r), rep)
+    let (rate, rep, probes) = if c.max_goodput {
+        let g = s.max_goodput(&c.scheduler)?;
+        (Some(g.rate_rps), g.report, g.probes)
     } else {
-        (c.rate, s.run(&c.scheduler, c.rate)?)
+        (c.rate, s.run(&c.scheduler, c.rate)?, Vec::new())
     };
     let wall = t.elapsed().as_secs_f64();
     let advice = autoscale::advise(s.gpus, rep.bad_rate, rep.gpu_idle_fraction, c.bad_threshold);
     let goodput = if c.max_goodput { rate.unwrap_or(0.0) } else { rep.goodput_rps };
-    // A partitioned cluster (`symphony/L`, `flex/herd:G:GMAX`): which part each model is on and
-    // each part's GPUs, as planned at the file's rates.
+    // A partitioned cluster (`symphony/L`, `flex/herd:G:GMAX`): each model's parts with its share
+    // on each, and each part's GPUs, as planned at the file's rates.
     let partition = s
         .partition(&c.scheduler, &s.profiles()?, &s.rates(None))?
-        .map(|(_, (parts, gpus))| json!({"part_of_model": parts, "gpus_per_part": gpus}));
+        .map(|(_, split)| json!({"parts_of_model": split.parts_of_model(), "gpus_per_part": split.gpus}));
     if c.json {
         println!(
             "{}",
@@ -76,12 +77,21 @@ fn main() -> anyhow::Result<()> {
                 "per_model": rep.per_model, "batch_histogram": rep.batch_histogram, "preemptions": rep.preemptions,
                 "lost": rep.lost, "autoscale": advice, "max_goodput_search": c.max_goodput, "wall_seconds": wall,
                 "charge_dispatch": s.charge_dispatch,
-                "partition": partition,
+                "partition": partition, "search": probes,
             })
         );
     } else {
         if c.max_goodput {
             println!("{}: goodput {:.0} requests/s (≥ 99% of every model's requests within SLO)", c.scheduler, goodput);
+            for p in &probes {
+                println!(
+                    "  tried {:>10.0} rps: {}  (worst: {} {:.4} within SLO)",
+                    p.rate_rps,
+                    if p.ok { "pass" } else { "fail" },
+                    p.worst_model,
+                    p.worst_good_fraction
+                );
+            }
         }
         println!(
             "{}: offered {:.0} rps, within SLO {:.0} rps, bad rate {:.4}, GPU idle {:.3}, mean batch {:.2}, lost {} ({:.2} s wall)",
