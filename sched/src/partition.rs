@@ -72,20 +72,6 @@ impl Split {
         Split { streams: (0..assign.len()).map(|m| (m, 1.0)).collect(), part_of_stream: assign, gpus }
     }
 
-    /// The part of each model when no model is split over parts (what the real-time engine
-    /// runs), else `None`.
-    pub fn part_per_model(&self) -> Option<Vec<usize>> {
-        let n = self.streams.iter().map(|&(m, _)| m + 1).max().unwrap_or(0);
-        let mut out = vec![usize::MAX; n];
-        for (&(m, _), &p) in self.streams.iter().zip(&self.part_of_stream) {
-            if out[m] != usize::MAX && out[m] != p {
-                return None;
-            }
-            out[m] = p;
-        }
-        Some(out)
-    }
-
     /// Each model's parts and its share on each (for reports).
     pub fn parts_of_model(&self) -> Vec<Vec<(usize, f64)>> {
         let n = self.streams.iter().map(|&(m, _)| m + 1).max().unwrap_or(0);
@@ -339,8 +325,8 @@ pub fn herd_split(
 
 /// HERD's groups as [`herd_split`] makes them, except that a model whose load needs more than
 /// half a group (n_i > Ḡ/2 GPUs) is first split into the fewest equal model-streams that each
-/// need at most that (but never more than G of them), placed like any other stream (so a model may be served by several groups,
-/// each arrival going to one of them in proportion).
+/// need at most that (but never more than G of them), placed like any other stream: a model may
+/// then be served by several groups, each arrival going to one of them in proportion.
 ///
 /// **Departure.** Shepherd §4 merges the streams of one model into one model-stream before
 /// solving, and each stream goes to one group. A merged stream that needs more GPUs than a
@@ -502,7 +488,6 @@ mod tests {
             part_of_stream: vec![0, 1, 1, 1],
             gpus: vec![2, 3],
         };
-        assert_eq!(split.part_per_model(), None);
         assert_eq!(split.parts_of_model(), vec![vec![(0, 0.75), (1, 0.125), (1, 0.125)], vec![(1, 1.0)]]);
         let mut seen = Vec::new();
         let mut p = Partitioned::of_streams(&profiles(2), &split, |_, g, ids| {
@@ -525,7 +510,7 @@ mod tests {
         p.on_arrival(0.0, Request { id: 9, model: 1, arrival: 0.0, deadline: 50.0 }, &mut out);
         assert!(matches!(out[..], [Decision::Dispatch { gpu: 2, model: 1, .. }]), "{out:?}");
         let whole = Split::whole(vec![1, 0], vec![1, 1]);
-        assert_eq!(whole.part_per_model(), Some(vec![1, 0]));
+        assert_eq!(whole.parts_of_model(), vec![vec![(1, 1.0)], vec![(0, 1.0)]]);
         let ok = |_: &[Profile], _: usize, _: &[(ModelId, f64)]| -> Result<Box<dyn Scheduler>, String> {
             Ok(Box::new(Immediate))
         };

@@ -332,10 +332,11 @@ impl Scenario {
     /// requests within SLO, by bisection on the total rate (relative precision 1%): the rate, the
     /// run at it, and every rate tried.
     ///
-    /// The search assumes that a rate that fails is not followed by a higher one that passes.
-    /// That holds for the deterministic simulator; with the dispatchers charged
-    /// ([`Scenario::charge_dispatch`]) one slow callback can fail a low rate, and the search then
-    /// settles below it — [`Goodput::probes`] shows where and on which model.
+    /// The search assumes that passing is monotone in the rate. Near the answer it is not quite
+    /// (runs at nearby rates draw different arrivals, so the 99% line is crossed more than
+    /// once), and with the dispatchers charged ([`Scenario::charge_dispatch`]) one slow callback
+    /// can fail a low rate and send the search far below — [`Goodput::probes`] shows where and on
+    /// which model.
     pub fn max_goodput(&self, scheduler: &str) -> Result<Goodput, ScenarioError> {
         let mut probes = Vec::new();
         let mut probe = |rate: f64| -> Result<(bool, Report), ScenarioError> {
