@@ -220,11 +220,10 @@ impl Flex {
         let requests: Vec<Request> = self.queues[m].drain(i..i + b).collect();
         let start = now + self.delay.of(b);
         let end = start + self.profiles[m].latency(b);
-        if let Some(busy) = &mut self.busy {
-            busy.first_end = busy.first_end.min(end);
-            busy.smallest = busy.smallest.min(b);
-        }
         self.running[gpu] = Some(Running { requests: requests.clone(), end });
+        if let Some(busy) = &mut self.busy {
+            busy.add(self.running[gpu].as_ref());
+        }
         out.push(Decision::Dispatch { gpu, model: m, requests, start });
     }
 
