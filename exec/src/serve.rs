@@ -114,6 +114,9 @@ pub enum ServeError {
     /// The transport failed.
     #[error(transparent)]
     Transport(#[from] TransportError),
+    /// The instance stopped (another may take the request).
+    #[error("the instance stopped")]
+    Stopped,
 }
 
 impl ServeError {

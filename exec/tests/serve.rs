@@ -227,12 +227,12 @@ async fn a_request_split_across_instances_equals_one_instance() {
     assert!(refused(ExecMsg::Run { batch: 12, texts, split: three, onward: one }).await);
     // A Finish whose activation never landed (no WRITE: the slot's bytes do not match its crc)
     // is refused, not computed on.
-    let ExecMsg::Paired { first, .. } =
+    let ExecMsg::Paired { region, first, .. } =
         mesh.call(2, &ExecMsg::Pair { slots: 1 }, Duration::from_secs(5)).await.unwrap()
     else {
         panic!("pairing refused")
     };
-    let finish = ExecMsg::Finish { batch: 13, slot: first, len: 4096, crc: 0x1234_5678, split: None };
+    let finish = ExecMsg::Finish { batch: 13, region, slot: first, len: 4096, crc: 0x1234_5678, split: None };
     match mesh.call(2, &finish, Duration::from_secs(5)).await.unwrap() {
         ExecMsg::Failed { message, .. } => assert!(message.contains("did not land"), "{message}"),
         other => panic!("a Finish without its bytes was answered {other:?}"),
@@ -491,4 +491,130 @@ async fn a_node_that_runs_an_instance_again_takes_batches_again() {
     let (stats, answers) = s.finish().await;
     assert!(stats.requeued <= 2, "one refusal marks node 1 down: {} batches requeued", stats.requeued);
     eprintln!("instance back: node 1 served {} of {}", answers.iter().filter(|a| a.to == 1).count(), answers.len());
+}
+
+/// Three nodes on a mem fabric (a test double whose links a test can cut and delay): node 0
+/// asks, nodes 1 and 2 serve held copies with `cfg`.
+struct MemPair {
+    fabric: MemFabric,
+    nodes: Vec<Arc<dyn Mesh>>,
+    model: ServedModel,
+    file: Vec<u8>,
+    cfg: InstanceConfig,
+    /// The instances on nodes 1 and 2.
+    instances: [Option<Instance>; 2],
+    /// Their nodes' multicast services (a node's, not an instance's).
+    multicast: [Option<Arc<MulticastNode>>; 2],
+    texts: Vec<String>,
+    whole: Vec<Vec<f32>>,
+}
+
+impl MemPair {
+    fn start(cfg: InstanceConfig) -> Option<MemPair> {
+        let dir = model_dir()?;
+        let (model, file) = ServedModel::from_dir(&dir).unwrap();
+        let fabric = MemFabric::new();
+        let nodes: Vec<Arc<dyn Mesh>> = (0..3).map(|i| Arc::new(fabric.add_node(i)) as Arc<dyn Mesh>).collect();
+        let texts = vec!["A pairing that heals.".to_string()];
+        let whole = Embedder::from_dir(&dir).unwrap().embed(&[texts[0].as_str()]).unwrap();
+        let mut p =
+            MemPair { fabric, nodes, model, file, cfg, instances: [None, None], multicast: [None, None], texts, whole };
+        p.serve_on(1);
+        p.serve_on(2);
+        Some(p)
+    }
+
+    fn serve_on(&mut self, node: usize) {
+        let mesh = self.nodes[node].clone();
+        let held = Source::Held(self.model.load(&*mesh, &self.file).unwrap());
+        let mc = self.multicast[node - 1]
+            .get_or_insert_with(|| MulticastNode::start(mesh.clone(), Duration::from_secs(10)).unwrap())
+            .clone();
+        self.instances[node - 1] = Some(Instance::start(mesh, self.model.clone(), held, mc, self.cfg).unwrap());
+    }
+
+    /// Node 0 asks `from` to embed the text with its first three layers and hand the batch over
+    /// to `then` for the rest; the answer (within 20 s).
+    async fn split(&self, from: u32, then: u32, batch: u64) -> ExecMsg {
+        use cascade_exec::serve::Split;
+        let msg =
+            ExecMsg::Run { batch, texts: self.texts.clone(), split: Some(Split { layers: 3, then }), onward: None };
+        self.nodes[0].call(from, &msg, Duration::from_secs(20)).await.unwrap()
+    }
+
+    async fn split_ok(&self, from: u32, then: u32, batch: u64, what: &str) {
+        match self.split(from, then, batch).await {
+            ExecMsg::Done { embeddings, on_first, .. } => {
+                assert_eq!(on_first, 3);
+                assert_eq!(embeddings, self.whole, "{what}: bit-identical to one process");
+            }
+            other => panic!("{what}: {other:?}"),
+        }
+    }
+
+    /// Until `cond` holds (10 s at most).
+    async fn until(&self, what: &str, cond: impl Fn(&MemPair) -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !cond(self) {
+            assert!(Instant::now() < deadline, "never: {what}");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+}
+
+/// A stopped instance takes no more requests (its node answers "no such service") and withdraws
+/// the activation regions it granted and the staging regions it wrote from; an instance started
+/// on the node again serves, and the peer that had paired with the stopped one pairs again on
+/// its next hand-over (its first WRITE refused: the region is gone) instead of failing it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_restarts_is_paired_again() {
+    let Some(mut p) = MemPair::start(InstanceConfig { max_batch: 4, max_tokens: 64, ..InstanceConfig::default() })
+    else {
+        return;
+    };
+    let base = p.nodes[1].regions().len();
+    p.split_ok(2, 1, 1, "node 2 to node 1").await;
+    p.split_ok(1, 2, 2, "node 1 to node 2").await;
+    assert_eq!(p.nodes[1].regions().len(), base + 2, "node 1 granted one region and writes from another");
+    p.instances[0].take().unwrap().stop();
+    p.until("node 1 withdraws its activation regions", |p| p.nodes[1].regions().len() == base).await;
+    let gone = p.nodes[0].call(1, &ExecMsg::Status, Duration::from_secs(5)).await;
+    assert!(
+        matches!(gone, Err(TransportError::Service { peer: 1, fault: ServiceFault::UnknownService, .. })),
+        "a stopped instance answers nothing: {gone:?}"
+    );
+    assert!(matches!(p.split(2, 1, 3).await, ExecMsg::Failed { retry: true, .. }), "node 1 runs no instance");
+    p.serve_on(1);
+    for b in 4..4 + u64::from(InstanceConfig::default().slots) + 2 {
+        p.split_ok(2, 1, b, "node 2 to node 1 after node 1's instance restarted").await;
+    }
+}
+
+/// Hand-overs that time out take their slots out of use (their WRITE may still land); once every
+/// slot is out, the next hand-over pairs again — in a new region, so that the late WRITEs and
+/// Finishes, which the mem fabric's delay lets overtake later messages, touch nothing it uses —
+/// instead of waiting for a slot forever; and so does one after the link was cut and restored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pairing_whose_slots_failed_is_renewed() {
+    use cascade_transport::mem::Fault;
+    let cfg =
+        InstanceConfig { max_batch: 4, max_tokens: 64, slots: 2, op_timeout: Duration::from_millis(300), core: None };
+    let Some(p) = MemPair::start(cfg) else { return };
+    p.split_ok(2, 1, 1, "before the faults").await;
+    p.fabric.set_fault(2, 1, Some(Fault::Delay(Duration::from_millis(700))));
+    for b in 2..4 {
+        match p.split(2, 1, b).await {
+            ExecMsg::Failed { message, retry: true } => assert!(message.contains("time"), "{message}"),
+            other => panic!("a hand-over past its time limit: {other:?}"),
+        }
+    }
+    p.fabric.set_fault(2, 1, None);
+    // The late WRITEs and Finishes arrive while these run: refused, or computed for no one.
+    p.split_ok(2, 1, 4, "after every slot timed out").await;
+    p.split_ok(2, 1, 5, "and again").await;
+    p.fabric.set_link(2, 1, false);
+    assert!(matches!(p.split(2, 1, 6).await, ExecMsg::Failed { retry: true, .. }), "the link is cut");
+    p.fabric.set_link(2, 1, true);
+    p.until("the link is back", |p| p.nodes[2].connected_to(1)).await;
+    p.split_ok(2, 1, 7, "after the link came back").await;
 }

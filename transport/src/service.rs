@@ -446,6 +446,12 @@ impl<M: Message> Inbox<M> {
         }
     }
 
+    /// Unsubscribes: messages from now on are answered [`ServiceFault::UnknownService`], while
+    /// those already queued can still be taken (with [`Inbox::try_recv`]) and answered.
+    pub fn close(&mut self) {
+        self.rx.close();
+    }
+
     /// The next message if one is queued, without waiting (for callers that poll).
     pub fn try_recv(&mut self) -> Option<Received<M>> {
         loop {

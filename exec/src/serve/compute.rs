@@ -25,6 +25,8 @@ pub(crate) enum Cmd<T, M> {
     Verified(Bytes),
     /// Run this with the model (a decoder's KV cache moves in and out this way).
     With(WithModel<M>),
+    /// Finish every job that can run, fail those waiting for a layer, and end the thread.
+    Stop,
 }
 
 /// A finished (or failed) job, with its tag.
@@ -102,6 +104,7 @@ fn run<T, M: Staged>(
     (resident, after_entry): (&AtomicU32, &AtomicU32),
 ) {
     let mut jobs: Vec<Pending<T>> = Vec::new();
+    let mut stopping = false;
     let publish = |m: &M| {
         let k = (1..m.layers()).take_while(|&s| m.is_loaded(s)).count();
         let n = if m.is_loaded(0) { 1 + k } else { 0 };
@@ -112,6 +115,13 @@ fn run<T, M: Staged>(
     loop {
         // Take what is queued; wait only when nothing can run.
         let runnable = |jobs: &[Pending<T>], m: &M| jobs.iter().position(|j| m.is_loaded(j.act.next_layer));
+        if stopping && runnable(&jobs, &model).is_none() {
+            for j in jobs.drain(..) {
+                let e = ExecError::Model(format!("the instance stopped before layer {} arrived", j.act.next_layer));
+                let _ = done.send(Finished { tag: j.tag, result: Err(e) });
+            }
+            return;
+        }
         let cmd = if runnable(&jobs, &model).is_some() {
             match rx.try_recv() {
                 Ok(c) => Some(c),
@@ -143,6 +153,10 @@ fn run<T, M: Staged>(
             }
             Some(Cmd::With(f)) => {
                 f(&mut model);
+                continue;
+            }
+            Some(Cmd::Stop) => {
+                stopping = true;
                 continue;
             }
             None => {}

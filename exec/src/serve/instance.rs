@@ -2,16 +2,14 @@
 //! here, hands a split batch's activation to its paired instance with a one-sided WRITE into the
 //! slot that instance granted, and runs the rest of batches handed to it the same way.
 
-use std::collections::{BTreeSet, HashMap};
-use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use cascade_multicast::cluster::MulticastNode;
 use cascade_transport::service::DEFAULT_INBOX;
-use cascade_transport::{Mesh, Op, Region, RemoteKey, RemoteRegion, ReplyTo, ServiceExt};
-use tokio::sync::{mpsc, Semaphore};
-use tracing::{debug, warn};
+use cascade_transport::{Mesh, Region, ReplyTo, ServiceExt};
+use tokio::sync::{mpsc, watch};
+use tracing::debug;
 
 use super::compute::{Cmd, Compute, Finished};
 use super::copy::Copy;
@@ -19,6 +17,12 @@ use super::proto::{ExecMsg, Split};
 use super::{ServeError, ServedModel};
 use crate::bert::{mean_pool_normalized, Bert};
 use crate::{Activation, ExecError};
+
+mod grants;
+mod pairs;
+
+use grants::{Grants, Held};
+use pairs::{Ask, Pairs};
 
 /// Where an instance's parameters come from.
 pub enum Source {
@@ -52,17 +56,6 @@ impl Default for InstanceConfig {
     }
 }
 
-/// Slots this instance holds in a peer's activation region.
-struct PeerSlots {
-    remote: RemoteRegion,
-    /// The local region the activations are written from, one slot per granted slot.
-    staging: Region,
-    first: u32,
-    slot_bytes: u64,
-    free: Mutex<Vec<u32>>,
-    permits: Semaphore,
-}
-
 /// Where a finished job's result goes.
 enum Tag {
     /// Answer the router (after the split's hand-over when there is one; `onward` is the
@@ -70,7 +63,7 @@ enum Tag {
     Run { reply: ReplyTo, batch: u64, split: Option<Split>, onward: Option<Split> },
     /// Free `peer`'s slot and answer it (it handed the batch over), after handing the batch on
     /// to `split.then` when there is a next segment.
-    Finish { reply: ReplyTo, batch: u64, peer: u32, slot: u32, on_first: u32, split: Option<Split> },
+    Finish { reply: ReplyTo, batch: u64, held: Held, on_first: u32, split: Option<Split> },
 }
 
 struct Shared {
@@ -78,13 +71,12 @@ struct Shared {
     model: ServedModel,
     cfg: InstanceConfig,
     compute: Compute<Tag, Bert>,
-    /// The activation region this node registered for each peer it paired with (on its first
-    /// pairing), and the slots of it granted to that peer: no cap on the peers over a life.
-    act_regions: Mutex<HashMap<u32, (Region, Range<u32>)>>,
-    /// Slots being served, by peer.
-    busy: Mutex<BTreeSet<(u32, u32)>>,
-    /// Slots held in each peer's region.
-    peers: tokio::sync::Mutex<HashMap<u32, Arc<PeerSlots>>>,
+    /// The activation slots granted to peers that hand batches over to this instance.
+    grants: Grants,
+    /// The slots this instance holds in the regions of the peers it hands batches over to.
+    pairs: Pairs,
+    /// Set to stop the instance.
+    stop: watch::Sender<bool>,
     /// The node's copy of the parameters.
     copy: Copy,
     /// The instance's series in the node's metrics.
@@ -120,7 +112,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// A running instance.
+/// A running instance. Dropping the handle stops it ([`Instance::stop`]).
 pub struct Instance {
     shared: Arc<Shared>,
 }
@@ -158,13 +150,13 @@ impl Instance {
             model,
             cfg,
             compute,
-            act_regions: Mutex::default(),
-            busy: Mutex::default(),
-            peers: tokio::sync::Mutex::default(),
+            grants: Grants::default(),
+            pairs: Pairs::default(),
+            stop: watch::Sender::new(false),
             copy,
             meters,
         });
-        tokio::spawn(serve(shared.clone(), inbox));
+        tokio::spawn(serve(shared.clone(), inbox, shared.stop.subscribe()));
         tokio::spawn(finish(shared.clone(), done_rx));
         Ok(Instance { shared })
     }
@@ -184,14 +176,36 @@ impl Instance {
     pub fn layers(&self) -> usize {
         self.shared.compute.layers()
     }
+
+    /// Stops the instance: it takes no more requests (the node answers them "no such service",
+    /// so a router stops sending there), the batches it holds are finished and answered — those
+    /// waiting for a layer that never arrived fail, to be sent elsewhere — and its activation
+    /// regions, granted and staging, are withdrawn. The node's copy of the parameters and its
+    /// multicast service are not the instance's and stay.
+    pub fn stop(&self) {
+        self.shared.stop.send_replace(true);
+    }
+}
+
+impl Drop for Instance {
+    fn drop(&mut self) {
+        self.stop();
+    }
 }
 
 fn slot_bytes(model: &ServedModel, cfg: &InstanceConfig) -> u64 {
     Activation::wire_len(cfg.max_batch, cfg.max_tokens, model.config.hidden_size, 0) as u64
 }
 
-async fn serve(sh: Arc<Shared>, mut inbox: cascade_transport::Inbox<ExecMsg>) {
-    while let Some(m) = inbox.recv().await {
+async fn serve(sh: Arc<Shared>, mut inbox: cascade_transport::Inbox<ExecMsg>, mut stop: watch::Receiver<bool>) {
+    loop {
+        let m = tokio::select! {
+            m = inbox.recv() => match m {
+                Some(m) => m,
+                None => break,
+            },
+            _ = stop.wait_for(|&s| s) => break,
+        };
         let from = m.from;
         let answer = match (m.msg, m.reply_to) {
             (ExecMsg::LayerReady { run, layer }, None) => {
@@ -214,6 +228,25 @@ async fn serve(sh: Arc<Shared>, mut inbox: cascade_transport::Inbox<ExecMsg>) {
             }
         }
     }
+    // Unsubscribed: requests from now on are answered "no such service"; those already queued
+    // are refused here, to be sent elsewhere.
+    inbox.close();
+    while let Some(m) = inbox.try_recv() {
+        if let Some(reply) = m.reply_to {
+            let _ = sh.mesh.reply(&reply, &ServeError::Stopped.to_failed());
+        }
+    }
+    sh.compute.send(Cmd::Stop);
+    sh.grants.withdraw(&*sh.mesh);
+    sh.pairs.withdraw(&*sh.mesh);
+    debug!(node = sh.mesh.node(), "instance stopped");
+}
+
+impl Shared {
+    /// What this instance asks of a peer it hands batches over to.
+    fn ask(&self, then: u32) -> Ask {
+        Ask { then, slots: self.cfg.slots, limit: self.cfg.op_timeout }
+    }
 }
 
 /// Handles a request: `Some` answers now, `None` answers when its job finishes.
@@ -222,8 +255,8 @@ fn handle(sh: &Arc<Shared>, from: u32, msg: ExecMsg, reply: ReplyTo) -> Result<O
         ExecMsg::PairWith { peer } => {
             let sh = sh.clone();
             tokio::spawn(async move {
-                let answer = match paired(&sh, peer).await {
-                    Ok(_) => ExecMsg::Ack,
+                let answer = match sh.pairs.pair(&*sh.mesh, &sh.ask(peer)).await {
+                    Ok(()) => ExecMsg::Ack,
                     Err(e) => e.to_failed(),
                 };
                 let _ = sh.mesh.reply(&reply, &answer);
@@ -265,42 +298,29 @@ fn handle(sh: &Arc<Shared>, from: u32, msg: ExecMsg, reply: ReplyTo) -> Result<O
             sh.compute.send(Cmd::Job { act, stop, tag: Tag::Run { reply, batch, split, onward }, urgent });
             Ok(None)
         }
-        ExecMsg::Finish { batch, slot, len, crc, split } => {
-            let sb = slot_bytes(&sh.model, &sh.cfg);
-            let region = lock(&sh.act_regions).get(&from).filter(|(_, r)| r.contains(&slot)).map(|(r, _)| r.clone());
-            let Some(region) = region.filter(|_| len <= sb) else {
-                return Err(ServeError::Protocol(format!("slot {slot} ({len} bytes) is not node {from}'s")));
+        ExecMsg::Finish { batch, region, slot, len, crc, split } => {
+            let (act, held) = sh.grants.take(from, (region, slot), (len, crc), slot_bytes(&sh.model, &sh.cfg))?;
+            let on_first = act.next_layer as u32;
+            let layers = sh.compute.layers();
+            let stop = match split {
+                Some(s) if s.layers <= on_first || s.layers as usize >= layers => {
+                    sh.grants.release(held);
+                    return Err(ServeError::Input(format!(
+                        "a hand-over after {} layers to run up to {} of {layers}",
+                        on_first, s.layers
+                    )));
+                }
+                Some(s) => s.layers as usize,
+                None => layers,
             };
-            if !lock(&sh.busy).insert((from, slot)) {
-                return Err(ServeError::Protocol(format!("slot {slot} of node {from} is already being served")));
-            }
-            match read_slot(&region, slot, sb, len, crc) {
-                Ok(act) => {
-                    let on_first = act.next_layer as u32;
-                    let layers = sh.compute.layers();
-                    let stop = match split {
-                        Some(s) if s.layers <= on_first || s.layers as usize >= layers => {
-                            lock(&sh.busy).remove(&(from, slot));
-                            return Err(ServeError::Input(format!(
-                                "a hand-over after {} layers to run up to {} of {layers}",
-                                on_first, s.layers
-                            )));
-                        }
-                        Some(s) => s.layers as usize,
-                        None => layers,
-                    };
-                    sh.meters.queued.inc();
-                    let tag = Tag::Finish { reply, batch, peer: from, slot, on_first, split };
-                    sh.compute.send(Cmd::Job { act, stop, tag, urgent: false });
-                    Ok(None)
-                }
-                Err(e) => {
-                    lock(&sh.busy).remove(&(from, slot));
-                    Err(e)
-                }
-            }
+            sh.meters.queued.inc();
+            let tag = Tag::Finish { reply, batch, held, on_first, split };
+            sh.compute.send(Cmd::Job { act, stop, tag, urgent: false });
+            Ok(None)
         }
-        ExecMsg::Pair { slots } => pair(sh, from, slots).map(Some),
+        ExecMsg::Pair { slots } => {
+            sh.grants.grant(&*sh.mesh, from, slots, sh.cfg.slots, slot_bytes(&sh.model, &sh.cfg)).map(Some)
+        }
         ExecMsg::Lend { run } => {
             sh.copy.lend(run, from)?;
             Ok(Some(ExecMsg::Ack))
@@ -316,47 +336,6 @@ fn handle(sh: &Arc<Shared>, from: u32, msg: ExecMsg, reply: ReplyTo) -> Result<O
         })),
         other => Err(ServeError::Protocol(format!("unexpected request {other:?}"))),
     }
-}
-
-/// The activation a peer wrote into `slot` of its region `r` (slots of `sb` bytes), checked
-/// against the crc its Finish carries.
-fn read_slot(r: &Region, slot: u32, sb: u64, len: u64, crc: u32) -> Result<Activation, ServeError> {
-    // SAFETY: the region is one peer's alone, and slot `slot` is marked busy for it: that peer
-    // WRITEs the slot only between our answer to its previous Finish on it and its next Finish;
-    // it posted this Finish behind its WRITE, which the link delivers after the bytes are placed,
-    // and we answer only after the bytes are copied out.
-    let bytes = unsafe { r.view(u64::from(slot) * sb, len) }?;
-    let got = crc32fast::hash(&bytes);
-    if got != crc {
-        return Err(ServeError::Protocol(format!(
-            "the activation in slot {slot} has crc32 {got:#010x}, not {crc:#010x}: its WRITE did not land"
-        )));
-    }
-    Ok(Activation::from_bytes(&bytes)?)
-}
-
-/// Grants `from` slots in an activation region of its own, registered on its first pairing
-/// (`want` slots, at most `cfg.slots`); a peer pairing again gets the same ones.
-fn pair(sh: &Arc<Shared>, from: u32, want: u32) -> Result<ExecMsg, ServeError> {
-    let sb = slot_bytes(&sh.model, &sh.cfg);
-    let mut regions = lock(&sh.act_regions);
-    let (r, range) = match regions.get(&from) {
-        Some(x) => x.clone(),
-        None => {
-            let range = 0..want.clamp(1, sh.cfg.slots);
-            let r = sh.mesh.register_new(sb * u64::from(range.end))?;
-            regions.insert(from, (r.clone(), range.clone()));
-            (r, range)
-        }
-    };
-    Ok(ExecMsg::Paired {
-        region: r.id().0,
-        key: r.key().0,
-        len: r.len(),
-        first: range.start,
-        slots: range.end - range.start,
-        slot_bytes: sb,
-    })
 }
 
 fn layer_ready(sh: &Arc<Shared>, run: u32, layer: u32) {
@@ -381,9 +360,9 @@ async fn finish(sh: Arc<Shared>, mut done: mpsc::UnboundedReceiver<Finished<Tag>
             Tag::Run { reply, batch, split: Some(s), onward } => {
                 pass_on(&sh, reply, batch, s, onward, f.result, s.layers)
             }
-            Tag::Finish { reply, batch, peer, slot, on_first, split } => {
+            Tag::Finish { reply, batch, held, on_first, split } => {
                 // The activation was copied out when the job was queued.
-                lock(&sh.busy).remove(&(peer, slot));
+                sh.grants.release(held);
                 match split {
                     None => {
                         let answer = done_msg(batch, f.result, on_first);
@@ -433,8 +412,8 @@ fn done_msg(batch: u64, r: Result<Activation, ExecError>, on_first: u32) -> Exec
     }
 }
 
-/// Pairs with `then` once (asking for slots in its activation region), then WRITEs the
-/// activation into a free slot and asks `then` to finish the batch.
+/// Hands the activation over to `s.then` (pairing first when this instance holds no trusted
+/// pairing with it) and asks it to finish the batch.
 async fn hand_over(
     sh: &Arc<Shared>,
     batch: u64,
@@ -442,72 +421,12 @@ async fn hand_over(
     onward: Option<Split>,
     act: Activation,
 ) -> Result<ExecMsg, ServeError> {
-    let peer = paired(sh, s.then).await?;
     let bytes = act.to_bytes()?;
-    if bytes.len() as u64 > peer.slot_bytes {
-        return Err(ServeError::Input(format!("an activation of {} bytes exceeds a slot", bytes.len())));
-    }
-    let permit = peer.permits.acquire().await.map_err(|_| ServeError::Protocol("pair closed".into()))?;
-    let slot = lock(&peer.free).pop().ok_or_else(|| ServeError::Protocol("no free slot".into()))?;
-    let r = write_and_finish(sh, &peer, slot, batch, (s, onward), &bytes).await;
-    if r.is_ok() {
-        lock(&peer.free).push(slot);
-    } else {
-        // A WRITE or Finish that failed (a time-out, a lost link) may still be landing or being
-        // read on the peer: the slot is never written again, and the pair has one slot fewer.
-        permit.forget();
-        warn!(peer = s.then, slot, "activation slot retired after a failed hand-over");
-    }
-    match r? {
+    let (len, crc) = (bytes.len() as u64, crc32fast::hash(&bytes));
+    let finish = |region, slot| ExecMsg::Finish { batch, region, slot, len, crc, split: onward };
+    match sh.pairs.hand_over(&*sh.mesh, &sh.ask(s.then), &bytes, finish).await? {
         done @ ExecMsg::Done { .. } => Ok(done),
         ExecMsg::Failed { message, .. } => Err(ServeError::Peer(message)),
         other => Err(ServeError::Protocol(format!("unexpected answer {other:?}"))),
     }
-}
-
-async fn write_and_finish(
-    sh: &Arc<Shared>,
-    peer: &PeerSlots,
-    slot: u32,
-    batch: u64,
-    (s, onward): (Split, Option<Split>),
-    bytes: &[u8],
-) -> Result<ExecMsg, ServeError> {
-    let idx = u64::from(slot - peer.first);
-    let local_off = idx * peer.slot_bytes;
-    // SAFETY: staging slot `idx` is this task's (it took the slot from the free list), and the
-    // WRITE that last read it completed before the slot went back on the list.
-    unsafe { peer.staging.write_local(local_off, bytes) }?;
-    let len = bytes.len() as u64;
-    let op = Op::write(&peer.staging, local_off, peer.remote, u64::from(slot) * peer.slot_bytes, len);
-    let t0 = std::time::Instant::now();
-    // The WRITE and, right behind its bytes, the request to finish the batch: one round trip.
-    let finish = ExecMsg::Finish { batch, slot, len, crc: crc32fast::hash(bytes), split: onward };
-    let answer = sh.mesh.call_after(s.then, vec![op], &finish, sh.cfg.op_timeout).await?;
-    debug!(batch, len, ms = t0.elapsed().as_secs_f64() * 1e3, "hand-over");
-    Ok(answer)
-}
-
-async fn paired(sh: &Arc<Shared>, then: u32) -> Result<Arc<PeerSlots>, ServeError> {
-    let mut peers = sh.peers.lock().await;
-    if let Some(p) = peers.get(&then) {
-        return Ok(p.clone());
-    }
-    let answer = sh.mesh.call(then, &ExecMsg::Pair { slots: sh.cfg.slots }, sh.cfg.op_timeout).await?;
-    let ExecMsg::Paired { region, key, len, first, slots, slot_bytes } = answer else {
-        return Err(ServeError::Protocol(format!("pairing with node {then}: {answer:?}")));
-    };
-    let slots = slots.min(sh.cfg.slots);
-    let staging = sh.mesh.register_new(slot_bytes * u64::from(slots))?;
-    let remote = RemoteRegion { node: then, id: cascade_transport::RegionId(region), key: RemoteKey(key), len };
-    let p = Arc::new(PeerSlots {
-        remote,
-        staging,
-        first,
-        slot_bytes,
-        free: Mutex::new((first..first + slots).rev().collect()),
-        permits: Semaphore::new(slots as usize),
-    });
-    peers.insert(then, p.clone());
-    Ok(p)
 }

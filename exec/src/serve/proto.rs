@@ -1,11 +1,11 @@
-//! The exec service's messages (service [`ServiceId::EXEC`], version 3), binary-encoded on the
+//! The exec service's messages (service [`ServiceId::EXEC`], version 4), binary-encoded on the
 //! typed control plane.
 //!
 //! ```text
 //! router -> instance  Run{batch, texts, split, onward}  ->  Done{batch, embeddings, on_first} | Failed
 //! router -> new       PairWith{old}                     ->  Ack | Failed
 //! new    -> old       Pair{slots}                       ->  Paired{region, key, len, slots, slot_bytes}
-//! new    -> old       Finish{batch, slot, len, crc, split} -> Done | Failed  (behind a WRITE into the slot)
+//! new    -> old       Finish{batch, region, slot, len, crc, split} -> Done | Failed  (behind a WRITE into the slot)
 //! ctrl   -> instance  LayerReady{run, layer}                (one-way: the multicast's event, forwarded)
 //! ctrl   -> instance  Lend{run} | Adopt{run}            ->  Ack | Failed
 //! router -> instance  Status                            ->  State{resident, layers, after_entry}
@@ -54,9 +54,11 @@ pub enum ExecMsg {
         /// Layers that ran on the instance the batch was sent to.
         on_first: u32,
     },
-    /// Reserve activation slots in the answering instance's registered activation region for
-    /// the asking one, which then owns them: it alone WRITEs them, each between the answer to its
-    /// previous [`ExecMsg::Finish`] on that slot and its next.
+    /// Reserve activation slots for the asking instance in an activation region the answering
+    /// one registers for it, which the asker then owns: it alone WRITEs them, each between the
+    /// answer to its previous [`ExecMsg::Finish`] on that slot and its next. Pairing again (the
+    /// asker no longer trusts its pairing) gets a new region and withdraws the old one: WRITEs
+    /// still in flight into it are refused and `Finish`es naming it are not computed.
     Pair {
         /// Slots wanted (the cap on this pair's pending cooperative batches).
         slots: u32,
@@ -89,6 +91,8 @@ pub enum ExecMsg {
     Finish {
         /// The batch.
         batch: u64,
+        /// The activation region of the pairing (its id in [`ExecMsg::Paired`]).
+        region: u32,
         /// The slot (of those granted).
         slot: u32,
         /// Bytes of the activation.
@@ -143,7 +147,7 @@ pub enum ExecMsg {
     },
 }
 
-binary_message!(ExecMsg, ServiceId::EXEC, 3);
+binary_message!(ExecMsg, ServiceId::EXEC, 4);
 
 #[cfg(test)]
 mod tests {
@@ -166,8 +170,8 @@ mod tests {
             ExecMsg::Pair { slots: 8 },
             ExecMsg::PairWith { peer: 1 },
             ExecMsg::Paired { region: 4, key: u64::MAX, len: 1 << 30, first: 8, slots: 8, slot_bytes: 1_581_092 },
-            ExecMsg::Finish { batch: 9, slot: 3, len: 172_964, crc: 0x1234_5678, split: None },
-            ExecMsg::Finish { batch: 9, slot: 3, len: 172_964, crc: u32::MAX, split },
+            ExecMsg::Finish { batch: 9, region: 4, slot: 3, len: 172_964, crc: 0x1234_5678, split: None },
+            ExecMsg::Finish { batch: 9, region: u32::MAX, slot: 3, len: 172_964, crc: u32::MAX, split },
             ExecMsg::LayerReady { run: 0xdead_beef, layer: 6 },
             ExecMsg::Lend { run: 1 },
             ExecMsg::Adopt { run: 2 },
