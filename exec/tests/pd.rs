@@ -24,7 +24,9 @@ use cascade_exec::serve::{load_packed, scale_out, DispatchConfig, LivePolicy, So
 use cascade_multicast::cluster::{Controller, MulticastNode};
 use cascade_multicast::Topology;
 use cascade_transport::mem::MemFabric;
-use cascade_transport::{test_access as ta, Endpoint, Mesh, Op, RegionId, RemoteKey, RemoteRegion, ServiceExt};
+use cascade_transport::{
+    test_access as ta, Endpoint, Mesh, Op, RegionId, RemoteKey, RemoteRegion, ServiceExt, ServiceFault, TransportError,
+};
 use common::{llm_reference, smollm2_dir};
 use tokio::sync::{mpsc, oneshot};
 
@@ -691,6 +693,61 @@ async fn a_decode_instance_dying_mid_stream_loses_nothing() {
         answers.iter().filter(|a| a.decode == 2).count(),
         answers.iter().filter(|a| a.decode == 3).count()
     );
+    for e in &c.eps {
+        e.shutdown();
+    }
+}
+
+/// A decode instance is stopped with requests decoding on it (`LlmInstance::stop`, as a
+/// scale-in would): it aborts them to the router, which redoes them elsewhere; every request is
+/// answered once, with the reference tokens; the stopped instance answers nothing more and its
+/// KV and staging regions are withdrawn, while its node stays up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_decode_instance_hands_its_requests_back() {
+    // 1: prefill; 2 and 3: decode.
+    let roles = [Some(Role::Prefill), Some(Role::Decode), Some(Role::Decode)];
+    let Some(c) = cluster(&roles, "pd-decode-stops").await else { return };
+    let base = c.meshes[3].regions().len();
+    let r = Routed::start(&c, router_cfg(&c, 1, vec![], vec![2, 3]));
+    let n = 16;
+    for i in 0..n {
+        r.send(i);
+    }
+    let Routed { mesh, want, req_tx, mut ans_rx, routing, .. } = r;
+    drop(req_tx);
+    let running = || async {
+        match mesh.call(3, &LlmMsg::Status, Duration::from_secs(10)).await {
+            Ok(LlmMsg::State { running, .. }) => running,
+            other => panic!("status of node 3: {other:?}"),
+        }
+    };
+    let t0 = std::time::Instant::now();
+    while running().await == 0 {
+        assert!(t0.elapsed() < Duration::from_secs(60), "nothing ever decoded on node 3");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    assert!(c.meshes[3].regions().len() > base, "node 3 registered its KV region");
+    c.instances[2].stop();
+    let stats = tokio::time::timeout(Duration::from_secs(120), routing)
+        .await
+        .expect("the router finished: it waited for no token from the stopped instance")
+        .unwrap()
+        .unwrap();
+    let answers: Vec<GenAnswer> = std::iter::from_fn(|| ans_rx.try_recv().ok()).collect();
+    check(&answers, n, &want);
+    assert_eq!((stats.answered, stats.failed), (n as u64, 0));
+    assert!(stats.requeued > 0, "a request was decoding on node 3 when it stopped");
+    let gone = mesh.call(3, &LlmMsg::Status, Duration::from_secs(5)).await;
+    assert!(
+        matches!(gone, Err(TransportError::Service { peer: 3, fault: ServiceFault::UnknownService, .. })),
+        "a stopped instance answers nothing: {gone:?}"
+    );
+    assert!(mesh.connected_to(3), "the node itself stays up");
+    let t0 = std::time::Instant::now();
+    while c.meshes[3].regions().len() != base {
+        assert!(t0.elapsed() < Duration::from_secs(10), "node 3 kept {} regions", c.meshes[3].regions().len() - base);
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     for e in &c.eps {
         e.shutdown();
     }

@@ -8,7 +8,7 @@ use std::time::Duration;
 use cascade_multicast::cluster::MulticastNode;
 use cascade_transport::service::DEFAULT_INBOX;
 use cascade_transport::{Inbox, Mesh, Region, ReplyTo, ServiceExt};
-use tokio::sync::{mpsc, oneshot, Notify};
+use tokio::sync::{mpsc, oneshot, watch, Notify};
 use tracing::debug;
 
 mod decode;
@@ -16,6 +16,7 @@ mod prefill;
 mod transfer;
 
 use decode::{decode_loop, drop_lost_routers, give_up, Away, Stop};
+
 use prefill::prefill;
 use transfer::admit;
 
@@ -112,15 +113,40 @@ struct Shared {
     adapter_in: Mutex<std::collections::HashMap<u32, Region>>,
     /// The last prefill's sequence id (see `prefill::prefill_seq`).
     prefills: std::sync::atomic::AtomicU64,
+    /// Set to stop the instance.
+    stop: watch::Sender<bool>,
+}
+
+impl Shared {
+    /// Resolves once the instance is told to stop.
+    async fn stopped(&self) {
+        let _ = self.stop.subscribe().wait_for(|&s| s).await;
+    }
+
+    /// Withdraws the instance's regions from its peers (it stopped): its KV region, its staging
+    /// region and those granted for adapter images. WRITEs into them are refused from now on.
+    fn withdraw_regions(&self) {
+        let regions = [lock(&self.kv).take().map(|(r, _)| r), lock(&self.staging).take()];
+        let adapters = lock(&self.adapter_in).drain().map(|(_, r)| r).collect::<Vec<_>>();
+        for r in regions.into_iter().flatten().chain(adapters) {
+            self.mesh.deregister(r.id());
+        }
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// A running LLM instance.
+/// A running LLM instance. Dropping the handle stops it ([`LlmInstance::stop`]).
 pub struct LlmInstance {
     shared: Arc<Shared>,
+}
+
+impl Drop for LlmInstance {
+    fn drop(&mut self) {
+        self.stop();
+    }
 }
 
 impl LlmInstance {
@@ -166,6 +192,7 @@ impl LlmInstance {
             adapters: Mutex::default(),
             adapter_in: Mutex::default(),
             prefills: std::sync::atomic::AtomicU64::new(0),
+            stop: watch::Sender::new(false),
         });
         // The instance's KV in the node's metrics, read at each scrape.
         let weak = Arc::downgrade(&shared);
@@ -193,6 +220,16 @@ impl LlmInstance {
     /// What it does now.
     pub fn role(&self) -> Role {
         *lock(&self.shared.role)
+    }
+
+    /// Stops the instance: it takes no more requests (its node answers them "no such
+    /// service"); those queued are refused, to be sent elsewhere; prefills under way finish;
+    /// the requests it decodes are aborted to their routers (which redo them elsewhere) once
+    /// the step in flight and any migration out are over; then its KV, staging and adapter
+    /// regions are withdrawn. The node's copy of the parameters and its multicast service stay.
+    pub fn stop(&self) {
+        self.shared.stop.send_replace(true);
+        self.shared.wake.notify_one();
     }
 
     /// Serves LoRA adapter `id` from now on (prefills and decodes of requests that name it).
@@ -243,7 +280,14 @@ async fn with_model<R: Send + 'static>(
 }
 
 async fn serve_exec(sh: Arc<Shared>, mut inbox: Inbox<ExecMsg>) {
-    while let Some(m) = inbox.recv().await {
+    loop {
+        let m = tokio::select! {
+            m = inbox.recv() => match m {
+                Some(m) => m,
+                None => return,
+            },
+            () = sh.stopped() => break,
+        };
         let answer = match m.msg {
             ExecMsg::LayerReady { run, layer } => {
                 if let Some(b) = sh.copy.arrived(&sh.model.manifest, run, layer) {
@@ -265,6 +309,12 @@ async fn serve_exec(sh: Arc<Shared>, mut inbox: Inbox<ExecMsg>) {
             let _ = sh.mesh.reply(&reply, &a);
         }
     }
+    inbox.close();
+    while let Some(m) = inbox.try_recv() {
+        if let Some(reply) = m.reply_to {
+            let _ = sh.mesh.reply(&reply, &ServeError::Stopped.to_failed());
+        }
+    }
 }
 
 fn failed(e: &ServeError) -> LlmMsg {
@@ -275,7 +325,14 @@ fn failed(e: &ServeError) -> LlmMsg {
 }
 
 async fn serve_llm(sh: Arc<Shared>, mut inbox: Inbox<LlmMsg>) {
-    while let Some(m) = inbox.recv().await {
+    loop {
+        let m = tokio::select! {
+            m = inbox.recv() => match m {
+                Some(m) => m,
+                None => return,
+            },
+            () = sh.stopped() => break,
+        };
         let Some(reply) = m.reply_to else {
             debug!(from = m.from, msg = ?m.msg, "one-way llm message ignored");
             continue;
@@ -333,6 +390,12 @@ async fn serve_llm(sh: Arc<Shared>, mut inbox: Inbox<LlmMsg>) {
         };
         if let Some(a) = now {
             let _ = sh.mesh.reply(&reply, &a.unwrap_or_else(|e| failed(&e)));
+        }
+    }
+    inbox.close();
+    while let Some(m) = inbox.try_recv() {
+        if let Some(reply) = m.reply_to {
+            let _ = sh.mesh.reply(&reply, &failed(&ServeError::Stopped));
         }
     }
 }

@@ -5,12 +5,13 @@ use std::sync::Arc;
 
 use cascade_transport::{PeerEvent, ServiceExt};
 use tokio::sync::broadcast;
-use tracing::warn;
+use tracing::{debug, warn};
 
 use super::transfer::hand_over;
 use super::{failed, lock, release, retire, run, Handover, Seq, Shared};
 use crate::llama::generate::argmax;
 use crate::pd::proto::LlmMsg;
+use crate::serve::compute::Cmd;
 use crate::serve::ServeError;
 use crate::Activation;
 
@@ -74,7 +75,11 @@ pub(super) fn give_up(sh: &Shared, req: u64, lease: u64) {
 pub(super) async fn drop_lost_routers(sh: Arc<Shared>) {
     let mut events = sh.mesh.peer_events();
     loop {
-        let peer = match events.recv().await {
+        let ev = tokio::select! {
+            ev = events.recv() => ev,
+            () = sh.stopped() => return,
+        };
+        let peer = match ev {
             Ok(PeerEvent::Down { peer, .. }) => peer,
             Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => continue,
             Err(broadcast::error::RecvError::Closed) => return,
@@ -105,6 +110,9 @@ pub(super) async fn decode_loop(sh: Arc<Shared>) {
     let layers = sh.compute.layers();
     let eos = sh.model.config.eos_token_id;
     loop {
+        if *sh.stop.borrow() {
+            return shut_down(&sh).await;
+        }
         // Between two steps: stop the requests a router gave up on or lost, freeing their pages
         // and cache while no step of theirs is in flight.
         let stops: Vec<Stop> = std::mem::take(&mut *lock(&sh.stops));
@@ -195,4 +203,30 @@ pub(super) async fn decode_loop(sh: Arc<Shared>) {
             retire(&sh, req, lease).await;
         }
     }
+}
+
+/// The decode loop's end when the instance stops: migrations out under way end first (each
+/// within its time limit; a request whose move failed comes back), then every request still
+/// here is aborted to its router, which redoes it elsewhere, and its pages and cache are freed;
+/// the compute thread ends once what it holds is done, and the regions are withdrawn.
+async fn shut_down(sh: &Arc<Shared>) {
+    let deadline = std::time::Instant::now() + sh.cfg.op_timeout * 2;
+    while !lock(&sh.away).is_empty() && std::time::Instant::now() < deadline {
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    for h in std::mem::take(&mut *lock(&sh.handovers)) {
+        let _ = sh.mesh.reply(&h.reply, &failed(&ServeError::Stopped));
+    }
+    let seqs: Vec<Seq> = std::mem::take(&mut *lock(&sh.running));
+    if !seqs.is_empty() {
+        warn!(requests = seqs.len(), "the instance stops: its requests are aborted to their routers");
+    }
+    for s in seqs {
+        let abort = LlmMsg::Abort { req: s.req, attempt: s.attempt, message: ServeError::Stopped.to_string() };
+        let _ = sh.mesh.post_oneway(s.router, &abort);
+        retire(sh, s.req, s.lease).await;
+    }
+    sh.compute.send(Cmd::Stop);
+    sh.withdraw_regions();
+    debug!(node = sh.mesh.node(), "LLM instance stopped");
 }
