@@ -271,6 +271,8 @@ async fn drive(
             },
         }),
         replace_lost_decode: a.replace_lost_decode,
+        // Past the longest migration the call time-out allows.
+        stall_after: Duration::from_secs(150),
     };
     let (req_tx, req_rx) = mpsc::unbounded_channel();
     let (cmd_tx, cmd_rx) = mpsc::unbounded_channel();
@@ -349,7 +351,7 @@ async fn drive(
     let decoded_by_mutated = answers.iter().filter(|x| x.decode == MUTATES).count();
     let report = serde_json::json!({
         "requests": a.requests, "answered": answers.len(), "lost": lost, "answered_twice": twice,
-        "not_equal_to_reference": wrong, "requeued": stats.requeued, "stale_tokens_dropped": stats.stale_tokens,
+        "not_equal_to_reference": wrong, "requeued": stats.requeued, "stale_tokens_dropped": stats.stale_tokens, "decodes_stalled": stats.stalled,
         "monitor_rounds": stats.monitor_rounds, "migrated": stats.migrated,
         "ttft_p50_ms": pct(&mut ttft.clone(), 0.5), "ttft_p99_ms": pct(&mut ttft.clone(), 0.99),
         "tbt_p50_ms": pct(&mut tbt.clone(), 0.5), "tbt_p99_ms": pct(&mut tbt.clone(), 0.99),

@@ -138,6 +138,7 @@ fn router_cfg(c: &Cluster, old: u32, more: Vec<u32>, decode: Vec<u32>) -> PdRout
         retry_after: Duration::from_millis(20),
         monitor: None,
         replace_lost_decode: false,
+        stall_after: Duration::from_secs(150),
     }
 }
 
@@ -751,6 +752,42 @@ async fn a_stopped_decode_instance_hands_its_requests_back() {
     for e in &c.eps {
         e.shutdown();
     }
+}
+
+/// A decode instance goes silent with its link up while it decodes (the mem fabric, a test
+/// double, swallows everything it sends the router: a hung process, tokens lost on the way):
+/// the router gives those requests up after `stall_after` without a token and redoes them; once
+/// the instance speaks again every request is answered once, with the reference tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_on_a_silent_decode_instance_are_redone() {
+    let roles = [Some(Role::Prefill), Some(Role::Decode), Some(Role::Decode)];
+    let Some((c, fabric)) = mem_cluster(&roles) else { return };
+    let stall = Duration::from_secs(2);
+    let cfg = PdRouterConfig {
+        stall_after: stall,
+        call_timeout: Duration::from_secs(10),
+        ..router_cfg(&c, 1, vec![], vec![2, 3])
+    };
+    let r = Routed::start(&c, cfg);
+    let n = 12;
+    (0..n).for_each(|i| r.send(i));
+    let t0 = std::time::Instant::now();
+    loop {
+        match r.mesh.call(3, &LlmMsg::Status, Duration::from_secs(10)).await {
+            Ok(LlmMsg::State { running, .. }) if running > 0 => break,
+            Ok(_) => {}
+            other => panic!("status of node 3: {other:?}"),
+        }
+        assert!(t0.elapsed() < Duration::from_secs(60), "nothing ever decoded on node 3");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    fabric.set_fault(3, 0, Some(cascade_transport::mem::Fault::Drop));
+    tokio::time::sleep(stall + Duration::from_secs(2)).await;
+    fabric.set_fault(3, 0, None);
+    let (stats, answers, want) = r.finish(Duration::from_secs(120)).await;
+    check(&answers, n, &want);
+    assert_eq!((stats.answered, stats.failed), (n as u64, 0));
+    assert!(stats.stalled > 0, "a request was decoding on the silent instance: {stats:?}");
 }
 
 /// The only decode instance dies: the requests it was decoding, and those still to come, are

@@ -151,6 +151,11 @@ pub struct PdRouterConfig {
     /// busy, as long as another such instance stays to prefill and never the old instance a
     /// loading one is paired with. One at a time; a failed switch is asked about and retried.
     pub replace_lost_decode: bool,
+    /// A request decoding that gets no token for this long is given up on there (its decode is
+    /// told to stop) and redone from its prompt: a decode instance that hangs with its link up
+    /// holds nothing for good. Longer than a migration between decode instances can take (a
+    /// moving request streams nothing meanwhile; `call_timeout` bounds it).
+    pub stall_after: Duration,
 }
 
 /// What the router counted.
@@ -170,6 +175,8 @@ pub struct RouterStats {
     pub migrated: u64,
     /// Tokens of attempts the router had given up on (dropped; their decodes told to stop).
     pub stale_tokens: u64,
+    /// Decodes given up on because no token came for [`PdRouterConfig::stall_after`].
+    pub stalled: u64,
     /// Prefill instances turned into decode ones to replace lost decode instances
     /// ([`PdRouterConfig::replace_lost_decode`]).
     pub decode_replaced: u64,

@@ -48,6 +48,10 @@ struct Pending {
     done_at: Option<u32>,
     prefill: (u32, u32),
     decode: u32,
+    /// The reservation its current attempt decodes under.
+    lease: u64,
+    /// When its current attempt last made progress (the prefill's answer, a token).
+    progress: Instant,
 }
 
 impl Pending {
@@ -57,6 +61,11 @@ impl Pending {
         self.first = None;
         self.tokens.clear();
         self.done_at = None;
+    }
+
+    /// Whether every token of its answer arrived.
+    fn complete(&self) -> bool {
+        self.first.is_some() && self.done_at.is_some_and(|last| (1..=last).all(|i| self.tokens.contains_key(&i)))
     }
 
     /// Its decoding is lost: it is queued again, to be redone from its prompt (its tokens so far
@@ -182,6 +191,8 @@ impl Routing {
             done_at: None,
             prefill: (0, 0),
             decode: 0,
+            lease: 0,
+            progress: Instant::now(),
         };
         self.pending.insert(p.req.id, p);
     }
@@ -223,7 +234,9 @@ impl Routing {
             LlmMsg::Token { req, attempt, lease, index, token, done } => match self.pending.get_mut(&req) {
                 Some(p) if p.current == Some(attempt) => {
                     p.decode = from;
-                    p.tokens.insert(index, (token, Instant::now()));
+                    p.lease = lease;
+                    p.progress = Instant::now();
+                    p.tokens.insert(index, (token, p.progress));
                     if done {
                         p.done_at = Some(index);
                     }
@@ -295,10 +308,12 @@ impl Routing {
                 }
                 self.redo_after(id, Duration::ZERO);
             }
-            Outcome::Done { first, decoding, on_first, node, .. } => {
+            Outcome::Done { first, decoding, on_first, node, lease } => {
                 self.d.done(id);
                 if let Some(p) = self.pending.get_mut(&id) {
-                    p.first = Some((first, Instant::now()));
+                    p.progress = Instant::now();
+                    p.lease = lease;
+                    p.first = Some((first, p.progress));
                     p.prefill.1 = on_first;
                     p.decode = node;
                     if !decoding {
@@ -488,14 +503,8 @@ impl Routing {
             }
             at > now
         });
-        let complete: Vec<u64> = self
-            .pending
-            .iter()
-            .filter(|(_, p)| {
-                p.first.is_some() && p.done_at.is_some_and(|last| (1..=last).all(|i| p.tokens.contains_key(&i)))
-            })
-            .map(|(&id, _)| id)
-            .collect();
+        self.give_up_silent_decodes(now);
+        let complete: Vec<u64> = self.pending.iter().filter(|(_, p)| p.complete()).map(|(&id, _)| id).collect();
         for id in complete {
             if let Some(p) = self.pending.remove(&id) {
                 self.stats.answered += 1;
@@ -503,6 +512,32 @@ impl Routing {
                 tokens.extend(p.tokens.values().map(|t| t.0));
                 let _ = self.answers.send(answer(p, Ok(tokens)));
             }
+        }
+    }
+
+    /// Requests whose decode sent nothing for [`PdRouterConfig::stall_after`] (an instance that
+    /// hangs with its link up; tokens lost on the way): their decode is told to stop and they are
+    /// redone from their prompts, as after an abort.
+    fn give_up_silent_decodes(&mut self, now: Instant) {
+        let stall = self.cfg.stall_after;
+        let silent: Vec<u64> = self
+            .pending
+            .iter()
+            .filter(|(_, p)| {
+                p.current.is_some()
+                    && p.first.is_some()
+                    && !p.complete()
+                    && now.saturating_duration_since(p.progress) >= stall
+            })
+            .map(|(&id, _)| id)
+            .collect();
+        for id in silent {
+            let Some(p) = self.pending.get_mut(&id) else { continue };
+            warn!(req = id, node = p.decode, after = ?stall, "no token from the decode: it is stopped and the request redone");
+            self.stats.stalled += 1;
+            let (node, lease) = (p.decode, p.lease);
+            p.redo(&mut self.d, &mut self.stats);
+            self.actions.push(Action::Stop { node, req: id, lease });
         }
     }
 
@@ -574,6 +609,7 @@ mod tests {
             retry_after: Duration::ZERO,
             monitor: None,
             replace_lost_decode: false,
+            stall_after: Duration::from_secs(30),
         };
         let (tx, rx) = mpsc::unbounded_channel();
         (Routing::new(cfg, tx), rx)
@@ -628,6 +664,37 @@ mod tests {
         // Late tokens of the answered request are stale too.
         r.message(2, token(5, 1, 3, 10, false));
         assert_eq!(r.stats.stale_tokens, 3);
+    }
+
+    #[test]
+    fn a_decode_that_goes_silent_is_stopped_and_its_request_redone() {
+        let (mut r, mut answers) = routing(vec![]);
+        request(&mut r, 1);
+        prefills(&mut r);
+        r.prefilled(1, 1, decoding(2, 1));
+        r.message(2, token(1, 1, 1, 8, false));
+        let stall = r.cfg.stall_after;
+        // Tokens keep it alive; a wait just short of the limit changes nothing.
+        r.after(Instant::now() + stall - Duration::from_millis(100));
+        assert_eq!((r.stats.stalled, r.stats.requeued), (0, 0));
+        r.after(Instant::now() + stall);
+        assert_eq!((r.stats.stalled, r.stats.requeued), (1, 1));
+        let stops = taken(&mut r, |a| match a {
+            Action::Stop { node, req, lease } => Some((node, req, lease)),
+            _ => None,
+        });
+        assert_eq!(stops, vec![(2, 1, 41)], "the silent decode is told to stop");
+        // Redone on node 3; a late token of the silent attempt does not count.
+        assert_eq!(prefills(&mut r), vec![(1, 2, 1)]);
+        r.prefilled(1, 2, decoding(3, 2));
+        r.message(2, token(1, 1, 2, 666, true));
+        r.message(3, token(1, 2, 1, 8, false));
+        r.message(3, token(1, 2, 2, 9, true));
+        r.after(Instant::now());
+        let a = answers.try_recv().unwrap();
+        assert_eq!((a.result, a.attempts), (Ok(vec![7, 8, 9]), 2));
+        // A complete answer waiting for nothing is never given up on.
+        assert_eq!(r.stats.stalled, 1);
     }
 
     #[test]
