@@ -31,6 +31,7 @@ use crate::ExecError;
 pub(crate) mod compute;
 pub(crate) mod copy;
 pub mod dispatch;
+pub(crate) mod inbox;
 mod instance;
 pub mod proto;
 pub mod router;

@@ -651,6 +651,20 @@ async fn rebalance_onto_a_joined_instance(by_monitor: bool, tag: &str) {
     }
 }
 
+/// Until decode instance `node` decodes something (60 s at most).
+async fn until_decoding(mesh: &Arc<dyn Mesh>, node: u32) {
+    let t0 = std::time::Instant::now();
+    loop {
+        match mesh.call(node, &LlmMsg::Status, Duration::from_secs(10)).await {
+            Ok(LlmMsg::State { running, .. }) if running > 0 => return,
+            Ok(_) => {}
+            other => panic!("status of node {node}: {other:?}"),
+        }
+        assert!(t0.elapsed() < Duration::from_secs(60), "nothing ever decoded on node {node}");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
 /// A decode instance dies with requests decoding on it: the router redoes them elsewhere from
 /// their prompts and sends nothing more there; every request is answered once, with the
 /// reference tokens, and the router does not wait for tokens that cannot come.
@@ -667,17 +681,7 @@ async fn a_decode_instance_dying_mid_stream_loses_nothing() {
     let Routed { mesh, want, req_tx, mut ans_rx, routing, .. } = r;
     drop(req_tx);
     // Node 3 goes once it decodes something.
-    let running = || async {
-        match mesh.call(3, &LlmMsg::Status, Duration::from_secs(10)).await {
-            Ok(LlmMsg::State { running, .. }) => running,
-            other => panic!("status of node 3: {other:?}"),
-        }
-    };
-    let t0 = std::time::Instant::now();
-    while running().await == 0 {
-        assert!(t0.elapsed() < Duration::from_secs(60), "nothing ever decoded on node 3");
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
+    until_decoding(&mesh, 3).await;
     c.eps[3].shutdown();
     let stats = tokio::time::timeout(Duration::from_secs(120), routing)
         .await
@@ -716,17 +720,7 @@ async fn a_stopped_decode_instance_hands_its_requests_back() {
     }
     let Routed { mesh, want, req_tx, mut ans_rx, routing, .. } = r;
     drop(req_tx);
-    let running = || async {
-        match mesh.call(3, &LlmMsg::Status, Duration::from_secs(10)).await {
-            Ok(LlmMsg::State { running, .. }) => running,
-            other => panic!("status of node 3: {other:?}"),
-        }
-    };
-    let t0 = std::time::Instant::now();
-    while running().await == 0 {
-        assert!(t0.elapsed() < Duration::from_secs(60), "nothing ever decoded on node 3");
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
+    until_decoding(&mesh, 3).await;
     assert!(c.meshes[3].regions().len() > base, "node 3 registered its KV region");
     c.instances[2].stop();
     let stats = tokio::time::timeout(Duration::from_secs(120), routing)
@@ -771,16 +765,7 @@ async fn requests_on_a_silent_decode_instance_are_redone() {
     let r = Routed::start(&c, cfg);
     let n = 12;
     (0..n).for_each(|i| r.send(i));
-    let t0 = std::time::Instant::now();
-    loop {
-        match r.mesh.call(3, &LlmMsg::Status, Duration::from_secs(10)).await {
-            Ok(LlmMsg::State { running, .. }) if running > 0 => break,
-            Ok(_) => {}
-            other => panic!("status of node 3: {other:?}"),
-        }
-        assert!(t0.elapsed() < Duration::from_secs(60), "nothing ever decoded on node 3");
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
+    until_decoding(&r.mesh, 3).await;
     fabric.set_fault(3, 0, Some(cascade_transport::mem::Fault::Drop));
     tokio::time::sleep(stall + Duration::from_secs(2)).await;
     fabric.set_fault(3, 0, None);

@@ -26,6 +26,7 @@ use super::PdModel;
 use crate::llama::{Llama, LoraAdapter};
 use crate::serve::compute::{Cmd, Compute, Finished};
 use crate::serve::copy::Copy;
+use crate::serve::inbox::{next, refuse_queued};
 use crate::serve::{ExecMsg, ServeError, Source};
 use crate::{Activation, ExecError};
 
@@ -280,14 +281,8 @@ async fn with_model<R: Send + 'static>(
 }
 
 async fn serve_exec(sh: Arc<Shared>, mut inbox: Inbox<ExecMsg>) {
-    loop {
-        let m = tokio::select! {
-            m = inbox.recv() => match m {
-                Some(m) => m,
-                None => return,
-            },
-            () = sh.stopped() => break,
-        };
+    let mut stop = sh.stop.subscribe();
+    while let Some(m) = next(&mut inbox, &mut stop).await {
         let answer = match m.msg {
             ExecMsg::LayerReady { run, layer } => {
                 if let Some(b) = sh.copy.arrived(&sh.model.manifest, run, layer) {
@@ -309,12 +304,7 @@ async fn serve_exec(sh: Arc<Shared>, mut inbox: Inbox<ExecMsg>) {
             let _ = sh.mesh.reply(&reply, &a);
         }
     }
-    inbox.close();
-    while let Some(m) = inbox.try_recv() {
-        if let Some(reply) = m.reply_to {
-            let _ = sh.mesh.reply(&reply, &ServeError::Stopped.to_failed());
-        }
-    }
+    refuse_queued(&*sh.mesh, inbox, &ServeError::Stopped.to_failed());
 }
 
 fn failed(e: &ServeError) -> LlmMsg {
@@ -325,14 +315,8 @@ fn failed(e: &ServeError) -> LlmMsg {
 }
 
 async fn serve_llm(sh: Arc<Shared>, mut inbox: Inbox<LlmMsg>) {
-    loop {
-        let m = tokio::select! {
-            m = inbox.recv() => match m {
-                Some(m) => m,
-                None => return,
-            },
-            () = sh.stopped() => break,
-        };
+    let mut stop = sh.stop.subscribe();
+    while let Some(m) = next(&mut inbox, &mut stop).await {
         let Some(reply) = m.reply_to else {
             debug!(from = m.from, msg = ?m.msg, "one-way llm message ignored");
             continue;
@@ -392,12 +376,7 @@ async fn serve_llm(sh: Arc<Shared>, mut inbox: Inbox<LlmMsg>) {
             let _ = sh.mesh.reply(&reply, &a.unwrap_or_else(|e| failed(&e)));
         }
     }
-    inbox.close();
-    while let Some(m) = inbox.try_recv() {
-        if let Some(reply) = m.reply_to {
-            let _ = sh.mesh.reply(&reply, &failed(&ServeError::Stopped));
-        }
-    }
+    refuse_queued(&*sh.mesh, inbox, &failed(&ServeError::Stopped));
 }
 
 fn state(sh: &Shared) -> LlmMsg {

@@ -198,14 +198,7 @@ fn slot_bytes(model: &ServedModel, cfg: &InstanceConfig) -> u64 {
 }
 
 async fn serve(sh: Arc<Shared>, mut inbox: cascade_transport::Inbox<ExecMsg>, mut stop: watch::Receiver<bool>) {
-    loop {
-        let m = tokio::select! {
-            m = inbox.recv() => match m {
-                Some(m) => m,
-                None => break,
-            },
-            _ = stop.wait_for(|&s| s) => break,
-        };
+    while let Some(m) = super::inbox::next(&mut inbox, &mut stop).await {
         let from = m.from;
         let answer = match (m.msg, m.reply_to) {
             (ExecMsg::LayerReady { run, layer }, None) => {
@@ -228,14 +221,7 @@ async fn serve(sh: Arc<Shared>, mut inbox: cascade_transport::Inbox<ExecMsg>, mu
             }
         }
     }
-    // Unsubscribed: requests from now on are answered "no such service"; those already queued
-    // are refused here, to be sent elsewhere.
-    inbox.close();
-    while let Some(m) = inbox.try_recv() {
-        if let Some(reply) = m.reply_to {
-            let _ = sh.mesh.reply(&reply, &ServeError::Stopped.to_failed());
-        }
-    }
+    super::inbox::refuse_queued(&*sh.mesh, inbox, &ServeError::Stopped.to_failed());
     sh.compute.send(Cmd::Stop);
     sh.grants.withdraw(&*sh.mesh);
     sh.pairs.withdraw(&*sh.mesh);
