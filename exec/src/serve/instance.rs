@@ -224,7 +224,7 @@ async fn serve(sh: Arc<Shared>, mut inbox: cascade_transport::Inbox<ExecMsg>, mu
     super::inbox::refuse_queued(&*sh.mesh, inbox, &ServeError::Stopped.to_failed());
     sh.compute.send(Cmd::Stop);
     sh.grants.withdraw(&*sh.mesh);
-    sh.pairs.withdraw(&*sh.mesh);
+    sh.pairs.withdraw(&*sh.mesh).await;
     debug!(node = sh.mesh.node(), "instance stopped");
 }
 

@@ -53,6 +53,8 @@ type Cell = Arc<tokio::sync::Mutex<Option<Arc<PeerSlots>>>>;
 #[derive(Default)]
 pub(super) struct Pairs {
     by_peer: Mutex<HashMap<u32, Cell>>,
+    /// Set when the instance stops: no pairing is made any more.
+    closed: AtomicBool,
 }
 
 /// What a hand-over asks of [`Pairs`].
@@ -72,6 +74,9 @@ impl Pairs {
         let mut held = cell.lock().await;
         if let Some(p) = held.as_ref().filter(|p| !p.stale.load(Ordering::Acquire)) {
             return Ok(p.clone());
+        }
+        if self.closed.load(Ordering::Acquire) {
+            return Err(ServeError::Stopped);
         }
         if let Some(old) = held.take() {
             // Hand-overs still on the old pairing fail on their own: the peer withdraws its
@@ -162,14 +167,16 @@ impl Pairs {
         Err(ServeError::Peer(format!("no usable pairing with node {}", ask.then)))
     }
 
-    /// Withdraws the staging regions of every pairing (the instance stops).
-    pub(super) fn withdraw(&self, mesh: &dyn Mesh) {
-        for (_, cell) in lock(&self.by_peer).drain() {
-            // A pairing being made or renewed right now is dropped with its cell.
-            if let Ok(mut held) = cell.try_lock() {
-                if let Some(p) = held.take() {
-                    mesh.deregister(p.staging.id());
-                }
+    /// Withdraws the staging regions of every pairing and makes no more (the instance stops).
+    /// A pairing being made now is waited for (its call's time limit at most), then withdrawn;
+    /// hand-overs on a pairing already made go on (their WRITEs read the staging region
+    /// locally).
+    pub(super) async fn withdraw(&self, mesh: &dyn Mesh) {
+        self.closed.store(true, Ordering::Release);
+        let cells: Vec<Cell> = lock(&self.by_peer).drain().map(|(_, c)| c).collect();
+        for cell in cells {
+            if let Some(p) = cell.lock().await.take() {
+                mesh.deregister(p.staging.id());
             }
         }
     }
