@@ -351,8 +351,8 @@ async fn drive(
     let decoded_by_mutated = answers.iter().filter(|x| x.decode == MUTATES).count();
     let report = serde_json::json!({
         "requests": a.requests, "answered": answers.len(), "lost": lost, "answered_twice": twice,
-        "not_equal_to_reference": wrong, "requeued": stats.requeued, "stale_tokens_dropped": stats.stale_tokens, "decodes_stalled": stats.stalled,
-        "monitor_rounds": stats.monitor_rounds, "migrated": stats.migrated,
+        "not_equal_to_reference": wrong, "requeued": stats.requeued, "stale_tokens_dropped": stats.stale_tokens,
+        "decodes_stalled": stats.stalled, "monitor_rounds": stats.monitor_rounds, "migrated": stats.migrated,
         "ttft_p50_ms": pct(&mut ttft.clone(), 0.5), "ttft_p99_ms": pct(&mut ttft.clone(), 0.99),
         "tbt_p50_ms": pct(&mut tbt.clone(), 0.5), "tbt_p99_ms": pct(&mut tbt.clone(), 0.99),
         "mutated_at_s": mutated_s, "scale_out_done_s": loaded_s, "multicast_s": scaled.run.report.seconds,

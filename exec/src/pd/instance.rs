@@ -16,7 +16,6 @@ mod prefill;
 mod transfer;
 
 use decode::{decode_loop, drop_lost_routers, give_up, Away, Stop};
-
 use prefill::prefill;
 use transfer::admit;
 
@@ -119,11 +118,6 @@ struct Shared {
 }
 
 impl Shared {
-    /// Resolves once the instance is told to stop.
-    async fn stopped(&self) {
-        let _ = self.stop.subscribe().wait_for(|&s| s).await;
-    }
-
     /// Withdraws the instance's regions from its peers (it stopped): its KV region, its staging
     /// region and those granted for adapter images. WRITEs into them are refused from now on.
     fn withdraw_regions(&self) {

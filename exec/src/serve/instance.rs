@@ -61,8 +61,8 @@ enum Tag {
     /// Answer the router (after the split's hand-over when there is one; `onward` is the
     /// segment after `split.then`'s).
     Run { reply: ReplyTo, batch: u64, split: Option<Split>, onward: Option<Split> },
-    /// Free `peer`'s slot and answer it (it handed the batch over), after handing the batch on
-    /// to `split.then` when there is a next segment.
+    /// Release the slot `held` (its peer handed the batch over) and answer the peer, after
+    /// handing the batch on to `split.then` when there is a next segment.
     Finish { reply: ReplyTo, batch: u64, held: Held, on_first: u32, split: Option<Split> },
 }
 

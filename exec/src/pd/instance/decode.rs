@@ -74,10 +74,11 @@ pub(super) fn give_up(sh: &Shared, req: u64, lease: u64) {
 /// `Start` for one of them is refused: it holds no pages).
 pub(super) async fn drop_lost_routers(sh: Arc<Shared>) {
     let mut events = sh.mesh.peer_events();
+    let mut stop = sh.stop.subscribe();
     loop {
         let ev = tokio::select! {
             ev = events.recv() => ev,
-            () = sh.stopped() => return,
+            _ = stop.wait_for(|&s| s) => return,
         };
         let peer = match ev {
             Ok(PeerEvent::Down { peer, .. }) => peer,

@@ -503,8 +503,17 @@ impl Routing {
             }
             at > now
         });
-        self.give_up_silent_decodes(now);
-        let complete: Vec<u64> = self.pending.iter().filter(|(_, p)| p.complete()).map(|(&id, _)| id).collect();
+        // One pass: the answers complete, and the decodes silent for `stall_after`.
+        let stall = self.cfg.stall_after;
+        let (mut complete, mut silent) = (Vec::new(), Vec::new());
+        for (&id, p) in &self.pending {
+            if p.complete() {
+                complete.push(id);
+            } else if p.current.is_some() && p.first.is_some() && now.saturating_duration_since(p.progress) >= stall {
+                silent.push(id);
+            }
+        }
+        self.give_up_silent_decodes(silent);
         for id in complete {
             if let Some(p) = self.pending.remove(&id) {
                 self.stats.answered += 1;
@@ -518,19 +527,8 @@ impl Routing {
     /// Requests whose decode sent nothing for [`PdRouterConfig::stall_after`] (an instance that
     /// hangs with its link up; tokens lost on the way): their decode is told to stop and they are
     /// redone from their prompts, as after an abort.
-    fn give_up_silent_decodes(&mut self, now: Instant) {
+    fn give_up_silent_decodes(&mut self, silent: Vec<u64>) {
         let stall = self.cfg.stall_after;
-        let silent: Vec<u64> = self
-            .pending
-            .iter()
-            .filter(|(_, p)| {
-                p.current.is_some()
-                    && p.first.is_some()
-                    && !p.complete()
-                    && now.saturating_duration_since(p.progress) >= stall
-            })
-            .map(|(&id, _)| id)
-            .collect();
         for id in silent {
             let Some(p) = self.pending.get_mut(&id) else { continue };
             warn!(req = id, node = p.decode, after = ?stall, "no token from the decode: it is stopped and the request redone");

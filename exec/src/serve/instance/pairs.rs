@@ -32,18 +32,20 @@ struct PeerSlots {
     slot_bytes: u64,
     free: Mutex<Vec<u32>>,
     /// One permit per usable slot: a hand-over holds one from taking its slot until it gives
-    /// it back. Closed when the pairing goes stale, so that no hand-over waits on it.
+    /// it back. Closed when the pairing is no longer trusted (stale): no hand-over waits on it,
+    /// and the next one renews it.
     permits: Semaphore,
     /// Slots out of use after a hand-over that failed but may still be landing.
     retired: AtomicU32,
-    /// Set when the pairing is no longer trusted: the next hand-over renews it.
-    stale: AtomicBool,
 }
 
 impl PeerSlots {
     fn go_stale(&self) {
-        self.stale.store(true, Ordering::Release);
         self.permits.close();
+    }
+
+    fn is_stale(&self) -> bool {
+        self.permits.is_closed()
     }
 }
 
@@ -72,7 +74,7 @@ impl Pairs {
     async fn get(&self, mesh: &dyn Mesh, ask: &Ask) -> Result<Arc<PeerSlots>, ServeError> {
         let cell = lock(&self.by_peer).entry(ask.then).or_default().clone();
         let mut held = cell.lock().await;
-        if let Some(p) = held.as_ref().filter(|p| !p.stale.load(Ordering::Acquire)) {
+        if let Some(p) = held.as_ref().filter(|p| !p.is_stale()) {
             return Ok(p.clone());
         }
         if self.closed.load(Ordering::Acquire) {
@@ -103,7 +105,6 @@ impl Pairs {
             free: Mutex::new((first..first + slots).rev().collect()),
             permits: Semaphore::new(slots as usize),
             retired: AtomicU32::new(0),
-            stale: AtomicBool::new(false),
         });
         *held = Some(p.clone());
         Ok(p)
