@@ -6,11 +6,64 @@
 //! ports. Nothing here is for production deployments.
 
 use std::net::{SocketAddr, TcpListener};
+use std::sync::atomic::{AtomicU32, Ordering};
 
 pub mod netns;
 
+/// The lowest port [`free_addrs`] hands out.
+const LOWEST_PORT: u32 = 10_000;
+
 /// Free loopback ports, reserved only for the moment of asking.
+///
+/// They come from below the kernel's ephemeral range (`net.ipv4.ip_local_port_range`), not from
+/// binding port 0: an ephemeral port, released here, could be taken as the local port of any
+/// outgoing connection on the machine before its user binds it (a CI run of the metrics test
+/// failed so, "Address already in use" on 42005). Successive calls in a process go on from where
+/// the last stopped, and processes start at different places (by pid), so that callers asking
+/// at once rarely meet; each port is checked free by binding it.
 pub fn free_addrs(n: usize) -> Vec<SocketAddr> {
-    let ls: Vec<_> = (0..n).filter_map(|_| TcpListener::bind("127.0.0.1:0").ok()).collect();
-    ls.iter().filter_map(|l| l.local_addr().ok()).collect()
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let top = ephemeral_start().max(LOWEST_PORT + 1_000);
+    let span = top - LOWEST_PORT;
+    let _ = NEXT.compare_exchange(
+        0,
+        std::process::id().wrapping_mul(7_919) % span + 1,
+        Ordering::AcqRel,
+        Ordering::Acquire,
+    );
+    let mut held = Vec::with_capacity(n);
+    for _ in 0..span {
+        if held.len() == n {
+            break;
+        }
+        let port = LOWEST_PORT + NEXT.fetch_add(1, Ordering::AcqRel) % span;
+        if let Ok(l) = TcpListener::bind(("127.0.0.1", port as u16)) {
+            held.push(l);
+        }
+    }
+    held.iter().filter_map(|l| l.local_addr().ok()).collect()
+}
+
+/// The first port of the kernel's ephemeral range (32768 where it cannot be read).
+fn ephemeral_start() -> u32 {
+    std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse().ok())
+        .unwrap_or(32_768)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn free_addrs_are_distinct_bindable_and_below_the_ephemeral_range() {
+        let a = free_addrs(8);
+        let b = free_addrs(8);
+        let all: std::collections::BTreeSet<u16> = a.iter().chain(&b).map(SocketAddr::port).collect();
+        assert_eq!(all.len(), 16, "{a:?} {b:?}");
+        let top = ephemeral_start().max(LOWEST_PORT + 1_000);
+        assert!(all.iter().all(|&p| u32::from(p) >= LOWEST_PORT && u32::from(p) < top), "{all:?}");
+        assert!(a.iter().all(|x| x.ip().is_loopback() && TcpListener::bind(x).is_ok()), "{a:?}");
+    }
 }
