@@ -167,7 +167,7 @@ pub(crate) struct InstanceArgs {
     max_tokens: usize,
 }
 
-/// Runs an instance until SIGINT/SIGTERM.
+/// Runs an instance until SIGINT/SIGTERM, then stops it gracefully ([`crate::stop_gracefully`]).
 pub(crate) async fn instance(a: InstanceArgs) -> anyhow::Result<()> {
     let (model, file) =
         ServedModel::from_dir(&a.model).with_context(|| format!("reading the model in {}", a.model.display()))?;
@@ -184,6 +184,9 @@ pub(crate) async fn instance(a: InstanceArgs) -> anyhow::Result<()> {
     .await?;
     tracing::info!(node = a.member.node, arriving = a.arriving, "instance serving");
     crate::shutdown_signal().await;
+    if let Some(i) = &held {
+        crate::stop_gracefully(a.member.node, crate::GRACE, i.stop_and_wait()).await;
+    }
     ep.shutdown();
     drop(held);
     Ok(())

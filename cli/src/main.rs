@@ -315,6 +315,28 @@ pub(crate) async fn join_with(
     Ok(ep)
 }
 
+/// How long a serving instance may take to stop on SIGINT/SIGTERM before its node leaves anyway.
+pub(crate) const GRACE: Duration = Duration::from_secs(60);
+
+/// An instance's graceful stop on SIGINT/SIGTERM, before its node leaves the cluster: `stop`
+/// (the instance's `stop_and_wait`) takes no more requests and answers those it took, within
+/// `grace`, or until a second signal. Says on stderr what it does, since an operator waits on it.
+pub(crate) async fn stop_gracefully(node: u32, grace: Duration, stop: impl std::future::Future<Output = ()>) {
+    eprintln!(
+        "node {node}: stopping: finishing the requests it holds (at most {} s; signal again to leave now)",
+        grace.as_secs()
+    );
+    let t0 = std::time::Instant::now();
+    tokio::select! {
+        r = tokio::time::timeout(grace, stop) => match r {
+            Ok(()) => eprintln!("node {node}: instance stopped in {:.2} s", t0.elapsed().as_secs_f64()),
+            Err(_) => eprintln!("node {node}: instance not stopped after {} s: leaving anyway", grace.as_secs()),
+        },
+        () = shutdown_signal() => eprintln!("node {node}: second signal: leaving now"),
+    }
+}
+
+/// Resolves on the first SIGINT or SIGTERM.
 pub(crate) async fn shutdown_signal() {
     let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
         Ok(s) => s,

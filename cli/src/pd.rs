@@ -68,7 +68,8 @@ pub(crate) struct LlmInstanceArgs {
     core: Option<usize>,
 }
 
-/// Runs an LLM instance until SIGINT/SIGTERM.
+/// Runs an LLM instance until SIGINT/SIGTERM, then stops it gracefully
+/// ([`crate::stop_gracefully`]).
 pub(crate) async fn instance(a: LlmInstanceArgs) -> anyhow::Result<()> {
     let (model, file) = PdModel::from_dir(&a.model).with_context(|| format!("reading {}", a.model.display()))?;
     let role = match a.role {
@@ -88,6 +89,9 @@ pub(crate) async fn instance(a: LlmInstanceArgs) -> anyhow::Result<()> {
     .await?;
     tracing::info!(node = a.member.node, arriving = a.arriving, "llm instance serving");
     crate::shutdown_signal().await;
+    if let Some(i) = &held {
+        crate::stop_gracefully(a.member.node, crate::GRACE, i.stop_and_wait()).await;
+    }
     ep.shutdown();
     drop(held);
     Ok(())

@@ -703,8 +703,8 @@ async fn a_decode_instance_dying_mid_stream_loses_nothing() {
     }
 }
 
-/// A decode instance is stopped with requests decoding on it (`LlmInstance::stop`, as a
-/// scale-in would): it aborts them to the router, which redoes them elsewhere; every request is
+/// A decode instance is stopped with requests decoding on it (`LlmInstance::stop_and_wait`, as
+/// a graceful scale-in does): it aborts them to the router, which redoes them elsewhere; every request is
 /// answered once, with the reference tokens; the stopped instance answers nothing more and its
 /// KV and staging regions are withdrawn, while its node stays up.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -722,7 +722,8 @@ async fn a_stopped_decode_instance_hands_its_requests_back() {
     drop(req_tx);
     until_decoding(&mesh, 3).await;
     assert!(c.meshes[3].regions().len() > base, "node 3 registered its KV region");
-    c.instances[2].stop();
+    c.instances[2].stop_and_wait().await;
+    assert_eq!(c.meshes[3].regions().len(), base, "node 3 withdrew its regions before it said it stopped");
     let stats = tokio::time::timeout(Duration::from_secs(120), routing)
         .await
         .expect("the router finished: it waited for no token from the stopped instance")
@@ -738,11 +739,6 @@ async fn a_stopped_decode_instance_hands_its_requests_back() {
         "a stopped instance answers nothing: {gone:?}"
     );
     assert!(mesh.connected_to(3), "the node itself stays up");
-    let t0 = std::time::Instant::now();
-    while c.meshes[3].regions().len() != base {
-        assert!(t0.elapsed() < Duration::from_secs(10), "node 3 kept {} regions", c.meshes[3].regions().len() - base);
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
     for e in &c.eps {
         e.shutdown();
     }

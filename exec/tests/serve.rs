@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 
 use cascade_exec::embed::Embedder;
 use cascade_exec::serve::router::{self, Answer, Request, RouterCmd, RouterConfig};
-use cascade_exec::serve::ExecMsg;
 use cascade_exec::serve::{scale_out, DispatchConfig, Instance, InstanceConfig, LivePolicy, ServedModel, Source};
+use cascade_exec::serve::{ExecMsg, ServeError};
 use cascade_multicast::cluster::{Controller, MulticastNode};
 use cascade_multicast::Topology;
 use cascade_transport::mem::MemFabric;
@@ -576,8 +576,8 @@ async fn a_peer_that_restarts_is_paired_again() {
     p.split_ok(2, 1, 1, "node 2 to node 1").await;
     p.split_ok(1, 2, 2, "node 1 to node 2").await;
     assert_eq!(p.nodes[1].regions().len(), base + 2, "node 1 granted one region and writes from another");
-    p.instances[0].take().unwrap().stop();
-    p.until("node 1 withdraws its activation regions", |p| p.nodes[1].regions().len() == base).await;
+    p.instances[0].take().unwrap().stop_and_wait().await;
+    assert_eq!(p.nodes[1].regions().len(), base, "node 1 withdrew its activation regions before it said it stopped");
     let gone = p.nodes[0].call(1, &ExecMsg::Status, Duration::from_secs(5)).await;
     assert!(
         matches!(gone, Err(TransportError::Service { peer: 1, fault: ServiceFault::UnknownService, .. })),
@@ -588,6 +588,51 @@ async fn a_peer_that_restarts_is_paired_again() {
     for b in 4..4 + u64::from(InstanceConfig::default().slots) + 2 {
         p.split_ok(2, 1, b, "node 2 to node 1 after node 1's instance restarted").await;
     }
+}
+
+/// An instance stopped with split batches queued on it (`Instance::stop_and_wait`, as a graceful
+/// scale-in does) finishes them — first layers here, the rest on its peer after the hand-over —
+/// and answers them all before it says it stopped; then its staging regions are gone. Requests
+/// that had not reached its compute thread yet are refused as "stopped", to be sent elsewhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_instance_answers_the_split_batches_it_held() {
+    use cascade_exec::serve::Split;
+    let Some(mut p) = MemPair::start(InstanceConfig { max_batch: 4, max_tokens: 64, ..InstanceConfig::default() })
+    else {
+        return;
+    };
+    let base = p.nodes[2].regions().len();
+    let (first_tx, mut first_rx) = tokio::sync::mpsc::unbounded_channel();
+    let calls: Vec<_> = (1..=8)
+        .map(|batch| {
+            let (mesh, first) = (p.nodes[0].clone(), first_tx.clone());
+            let msg =
+                ExecMsg::Run { batch, texts: p.texts.clone(), split: Some(Split { layers: 3, then: 1 }), onward: None };
+            tokio::spawn(async move {
+                let a = mesh.call(2, &msg, Duration::from_secs(20)).await.unwrap();
+                let _ = first.send(());
+                a
+            })
+        })
+        .collect();
+    // One batch came back: node 2's compute thread holds the others (each takes a millisecond
+    // or so to tokenise and queue, tens to compute).
+    first_rx.recv().await;
+    p.instances[1].take().unwrap().stop_and_wait().await;
+    assert_eq!(p.nodes[2].regions().len(), base, "node 2 withdrew its staging region before it said it stopped");
+    let mut done = 0;
+    for c in calls {
+        match c.await.unwrap() {
+            ExecMsg::Done { embeddings, on_first: 3, .. } => {
+                assert_eq!(embeddings, p.whole);
+                done += 1;
+            }
+            // Refused from the inbox; a batch it took and failed says more ("hand-over to …").
+            ExecMsg::Failed { message, retry: true } if message == ServeError::Stopped.to_string() => {}
+            other => panic!("a batch the instance took: {other:?}"),
+        }
+    }
+    assert!(done >= 2, "only {done} of 8 batches answered: those queued at the stop were not finished");
 }
 
 /// Hand-overs that time out take their slots out of use (their WRITE may still land); once every

@@ -115,6 +115,12 @@ struct Shared {
     prefills: std::sync::atomic::AtomicU64,
     /// Set to stop the instance.
     stop: watch::Sender<bool>,
+    /// Work under way: the request loop and every prefill or admission it started hold a
+    /// receiver, so `closed()` resolves once all of it is over (after a stop).
+    work: watch::Sender<()>,
+    /// Set once the instance has stopped: its requests answered or aborted, its regions
+    /// withdrawn.
+    stopped: watch::Sender<bool>,
 }
 
 impl Shared {
@@ -188,6 +194,8 @@ impl LlmInstance {
             adapter_in: Mutex::default(),
             prefills: std::sync::atomic::AtomicU64::new(0),
             stop: watch::Sender::new(false),
+            work: watch::Sender::new(()),
+            stopped: watch::Sender::new(false),
         });
         // The instance's KV in the node's metrics, read at each scrape.
         let weak = Arc::downgrade(&shared);
@@ -225,6 +233,17 @@ impl LlmInstance {
     pub fn stop(&self) {
         self.shared.stop.send_replace(true);
         self.shared.wake.notify_one();
+    }
+
+    /// Stops the instance ([`LlmInstance::stop`]) and waits until it has stopped: the prefills
+    /// and admissions under way are over and answered, the requests it decoded are aborted to
+    /// their routers, and its regions are withdrawn. A graceful scale-in calls this before the
+    /// node leaves the cluster. Bounded by the migrations' and transfers' time limits.
+    pub async fn stop_and_wait(&self) {
+        self.stop();
+        let mut stopped = self.shared.stopped.subscribe();
+        // The sender lives in `shared`, which `self` holds: the wait cannot see it dropped.
+        let _ = stopped.wait_for(|&s| s).await;
     }
 
     /// Serves LoRA adapter `id` from now on (prefills and decodes of requests that name it).
@@ -310,6 +329,7 @@ fn failed(e: &ServeError) -> LlmMsg {
 
 async fn serve_llm(sh: Arc<Shared>, mut inbox: Inbox<LlmMsg>) {
     let mut stop = sh.stop.subscribe();
+    let _working = sh.work.subscribe();
     while let Some(m) = next(&mut inbox, &mut stop).await {
         let Some(reply) = m.reply_to else {
             debug!(from = m.from, msg = ?m.msg, "one-way llm message ignored");
@@ -335,7 +355,9 @@ async fn serve_llm(sh: Arc<Shared>, mut inbox: Inbox<LlmMsg>) {
             }
             msg @ (LlmMsg::Prefill { .. } | LlmMsg::Continue { .. } | LlmMsg::Start { .. } | LlmMsg::Resume { .. }) => {
                 let sh = sh.clone();
+                let working = sh.work.subscribe();
                 tokio::spawn(async move {
+                    let _working = working;
                     let a = match msg {
                         LlmMsg::Start { req, attempt, lease, crcs, prompt_len, first, max_tokens, router, adapter } => {
                             let (pos, last, generated) = (prompt_len, first, 1);

@@ -77,6 +77,11 @@ struct Shared {
     pairs: Pairs,
     /// Set to stop the instance.
     stop: watch::Sender<bool>,
+    /// Work under way: the serve loop, the finish task and every hand-over hold a receiver, so
+    /// `closed()` resolves once all of it is over (after a stop).
+    work: watch::Sender<()>,
+    /// Set once the instance has stopped: every batch it took answered, its regions withdrawn.
+    stopped: watch::Sender<bool>,
     /// The node's copy of the parameters.
     copy: Copy,
     /// The instance's series in the node's metrics.
@@ -153,11 +158,13 @@ impl Instance {
             grants: Grants::default(),
             pairs: Pairs::default(),
             stop: watch::Sender::new(false),
+            work: watch::Sender::new(()),
+            stopped: watch::Sender::new(false),
             copy,
             meters,
         });
-        tokio::spawn(serve(shared.clone(), inbox, shared.stop.subscribe()));
-        tokio::spawn(finish(shared.clone(), done_rx));
+        tokio::spawn(serve(shared.clone(), inbox, shared.stop.subscribe(), shared.work.subscribe()));
+        tokio::spawn(finish(shared.clone(), done_rx, shared.work.subscribe()));
         Ok(Instance { shared })
     }
 
@@ -185,6 +192,17 @@ impl Instance {
     pub fn stop(&self) {
         self.shared.stop.send_replace(true);
     }
+
+    /// Stops the instance ([`Instance::stop`]) and waits until it has stopped: every batch it
+    /// took is answered — a split batch after its hand-over to the peer — and its regions are
+    /// withdrawn. A graceful scale-in calls this before the node leaves the cluster, so that
+    /// no batch it holds is lost with the node. Bounded by the hand-overs' time limit.
+    pub async fn stop_and_wait(&self) {
+        self.stop();
+        let mut stopped = self.shared.stopped.subscribe();
+        // The sender lives in `shared`, which `self` holds: the wait cannot see it dropped.
+        let _ = stopped.wait_for(|&s| s).await;
+    }
 }
 
 impl Drop for Instance {
@@ -197,7 +215,12 @@ fn slot_bytes(model: &ServedModel, cfg: &InstanceConfig) -> u64 {
     Activation::wire_len(cfg.max_batch, cfg.max_tokens, model.config.hidden_size, 0) as u64
 }
 
-async fn serve(sh: Arc<Shared>, mut inbox: cascade_transport::Inbox<ExecMsg>, mut stop: watch::Receiver<bool>) {
+async fn serve(
+    sh: Arc<Shared>,
+    mut inbox: cascade_transport::Inbox<ExecMsg>,
+    mut stop: watch::Receiver<bool>,
+    working: watch::Receiver<()>,
+) {
     while let Some(m) = super::inbox::next(&mut inbox, &mut stop).await {
         let from = m.from;
         let answer = match (m.msg, m.reply_to) {
@@ -223,8 +246,14 @@ async fn serve(sh: Arc<Shared>, mut inbox: cascade_transport::Inbox<ExecMsg>, mu
     }
     super::inbox::refuse_queued(&*sh.mesh, inbox, &ServeError::Stopped.to_failed());
     sh.compute.send(Cmd::Stop);
+    // No Finish comes any more (the inbox is closed): the granted regions can go now.
     sh.grants.withdraw(&*sh.mesh);
+    // The batches queued finish (the compute thread ends once they have) and those split hand
+    // their activations over before the staging regions go.
+    drop(working);
+    sh.work.closed().await;
     sh.pairs.withdraw(&*sh.mesh).await;
+    sh.stopped.send_replace(true);
     debug!(node = sh.mesh.node(), "instance stopped");
 }
 
@@ -331,7 +360,9 @@ fn layer_ready(sh: &Arc<Shared>, run: u32, layer: u32) {
 }
 
 /// Routes finished jobs: answers, or hands a split batch over to its paired instance.
-async fn finish(sh: Arc<Shared>, mut done: mpsc::UnboundedReceiver<Finished<Tag>>) {
+/// Answers the compute thread's finished jobs until it ends; `working` is its share of the
+/// instance's work under way.
+async fn finish(sh: Arc<Shared>, mut done: mpsc::UnboundedReceiver<Finished<Tag>>, _working: watch::Receiver<()>) {
     while let Some(f) = done.recv().await {
         sh.meters.queued.dec();
         match f.tag {
@@ -381,7 +412,9 @@ fn pass_on(
         }
     };
     let sh = sh.clone();
+    let working = sh.work.subscribe();
     tokio::spawn(async move {
+        let _working = working;
         let answer = match hand_over(&sh, batch, s, onward, act).await {
             Ok(ExecMsg::Done { batch, embeddings, .. }) => ExecMsg::Done { batch, embeddings, on_first },
             Ok(other) => other,

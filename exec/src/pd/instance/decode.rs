@@ -208,15 +208,14 @@ pub(super) async fn decode_loop(sh: Arc<Shared>) {
 
 /// The decode loop's end when the instance stops: migrations out under way end first (each
 /// within its time limit; a request whose move failed comes back), then every request still
-/// here is aborted to its router, which redoes it elsewhere, and its pages and cache are freed;
-/// the compute thread ends once what it holds is done, and the regions are withdrawn.
+/// here is aborted to its router, which redoes it elsewhere, and its pages and cache are freed
+/// (an admission that ends after the stop is refused instead: `admit`); prefills and admissions
+/// under way end and are answered, migrations asked for meanwhile are refused; the compute
+/// thread ends once what it holds is done, and the regions are withdrawn.
 async fn shut_down(sh: &Arc<Shared>) {
     let deadline = std::time::Instant::now() + sh.cfg.op_timeout * 2;
     while !lock(&sh.away).is_empty() && std::time::Instant::now() < deadline {
         tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-    }
-    for h in std::mem::take(&mut *lock(&sh.handovers)) {
-        let _ = sh.mesh.reply(&h.reply, &failed(&ServeError::Stopped));
     }
     let seqs: Vec<Seq> = std::mem::take(&mut *lock(&sh.running));
     if !seqs.is_empty() {
@@ -227,7 +226,16 @@ async fn shut_down(sh: &Arc<Shared>) {
         let _ = sh.mesh.post_oneway(s.router, &abort);
         retire(sh, s.req, s.lease).await;
     }
+    // The request loop holds a share of the work until it ends, so no migration is asked for
+    // after the wait.
+    if tokio::time::timeout(sh.cfg.op_timeout * 2, sh.work.closed()).await.is_err() {
+        warn!("the instance stops with prefills or admissions still under way");
+    }
+    for h in std::mem::take(&mut *lock(&sh.handovers)) {
+        let _ = sh.mesh.reply(&h.reply, &failed(&ServeError::Stopped));
+    }
     sh.compute.send(Cmd::Stop);
     sh.withdraw_regions();
+    sh.stopped.send_replace(true);
     debug!(node = sh.mesh.node(), "LLM instance stopped");
 }

@@ -280,7 +280,20 @@ pub(super) async fn admit(
         release(sh, req, lease);
         return Err(e);
     }
-    lock(&sh.running).push(seq);
+    // Under the lock the decode loop's shut-down takes the running set with: a request admitted
+    // before the stop is there to be aborted; one after it is refused, its pages and cache freed.
+    let stopping = {
+        let mut running = lock(&sh.running);
+        let stopping = *sh.stop.borrow();
+        if !stopping {
+            running.push(seq);
+        }
+        stopping
+    };
+    if stopping {
+        retire(sh, req, lease).await;
+        return Err(ServeError::Stopped);
+    }
     sh.wake.notify_one();
     Ok(LlmMsg::Ack)
 }
