@@ -139,13 +139,39 @@ fn cluster_name() -> String {
     format!("demo{}", std::process::id())
 }
 
-/// Stops the nodes a demo started (SIGKILL: they hold nothing to keep) and removes the same-host
-/// sockets they leave in `runtime_dir`, their `XDG_RUNTIME_DIR`: a killed node cannot remove its
-/// own, and each run's names differ, so they would pile up.
+/// How long the nodes a run started get to leave after SIGTERM before they are killed.
+const NODE_GRACE: Duration = Duration::from_secs(10);
+
+/// Stops the nodes a run started as an operator would: SIGTERM, so that each leaves the cluster
+/// cleanly (an instance stops first: `crate::stop_gracefully`), then SIGKILL for any still
+/// running after [`NODE_GRACE`], said on stderr. A child already reaped (one a run killed) is
+/// not signalled: its pid may belong to another process by now. Then removes the same-host
+/// sockets they leave in `runtime_dir`, their `XDG_RUNTIME_DIR` (a killed node cannot remove its
+/// own, and each run's names differ, so they would pile up).
 pub(crate) fn stop_nodes(children: impl IntoIterator<Item = std::process::Child>, runtime_dir: &Path) {
-    for mut c in children {
-        let _ = c.kill();
-        let _ = c.wait();
+    let mut children: Vec<_> =
+        children.into_iter().filter_map(|mut c| c.try_wait().ok()?.is_none().then_some(c)).collect();
+    for c in &children {
+        if let Ok(pid) = libc::pid_t::try_from(c.id()) {
+            // SAFETY: kill(2) on the pid of a child not reaped yet (so the pid is still its
+            // own) with a valid signal number; it touches no memory of this process.
+            unsafe { libc::kill(pid, libc::SIGTERM) };
+        }
+    }
+    let deadline = Instant::now() + NODE_GRACE;
+    for c in &mut children {
+        loop {
+            match c.try_wait() {
+                Ok(Some(_)) => break,
+                Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
+                _ => {
+                    eprintln!("a node (pid {}) still ran {} s after SIGTERM: killed", c.id(), NODE_GRACE.as_secs());
+                    let _ = c.kill();
+                    let _ = c.wait();
+                    break;
+                }
+            }
+        }
     }
     let prefix = format!("cascade-{}-", cluster_name());
     for e in std::fs::read_dir(runtime_dir).into_iter().flatten().flatten() {
