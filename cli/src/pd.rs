@@ -66,6 +66,11 @@ pub(crate) struct LlmInstanceArgs {
     /// Pin the compute thread to this core.
     #[arg(long)]
     core: Option<usize>,
+    /// On SIGTERM/SIGINT a decode instance keeps decoding this many seconds at most while the
+    /// routers move its requests, with their KV, to other decode instances; what is left then is
+    /// aborted and redone from its prompt. 0: abort at once.
+    #[arg(long, default_value_t = 10.0, value_parser = crate::seconds)]
+    drain_s: f64,
 }
 
 /// Runs an LLM instance until SIGINT/SIGTERM, then stops it gracefully
@@ -76,7 +81,7 @@ pub(crate) async fn instance(a: LlmInstanceArgs) -> anyhow::Result<()> {
         RoleArg::Prefill => Role::Prefill,
         RoleArg::Decode => Role::Decode,
     };
-    let cfg = LlmConfig { core: a.core, ..LlmConfig::default() };
+    let cfg = LlmConfig { core: a.core, drain: Duration::from_secs_f64(a.drain_s), ..LlmConfig::default() };
     let mut held = None;
     let ep = crate::join_with(&a.member, false, |ep| {
         let mesh: Arc<dyn Mesh> = ep.clone();
@@ -90,7 +95,9 @@ pub(crate) async fn instance(a: LlmInstanceArgs) -> anyhow::Result<()> {
     tracing::info!(node = a.member.node, arriving = a.arriving, "llm instance serving");
     crate::shutdown_signal().await;
     if let Some(i) = &held {
-        crate::stop_gracefully(a.member.node, crate::GRACE, i.stop_and_wait()).await;
+        // The drain window, and then the time to finish what it holds.
+        let grace = crate::GRACE.max(Duration::from_secs_f64(a.drain_s) + Duration::from_secs(30));
+        crate::stop_gracefully(a.member.node, grace, i.stop_and_wait()).await;
     }
     ep.shutdown();
     drop(held);
@@ -126,8 +133,13 @@ pub(crate) struct PdArgs {
     /// Kill the decode instance (node 3) with SIGKILL this many seconds into the burst, after
     /// the mutation gave the burst a second decode instance (so it must be later than
     /// `--scale-after-s`); its requests are redone from their prompts.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "stop_decode_at_s")]
     kill_decode_at_s: Option<f64>,
+    /// Stop the decode instance (node 3) with SIGTERM this many seconds into the burst, after
+    /// the mutation (a graceful scale-in): it leaves, the router moves the requests it decodes,
+    /// with their KV, to the mutated instance, and it exits.
+    #[arg(long)]
+    stop_decode_at_s: Option<f64>,
     /// Replace a lost decode instance: the router turns a prefill instance into a decode one
     /// once one holding every stage can be spared (after the scale-out). Off by default: on this
     /// demo it lowered the kill runs' TTFT p99 a little and raised their p50 (README).
@@ -172,10 +184,10 @@ pub(crate) fn run(a: PdArgs) -> anyhow::Result<()> {
     if a.requests == 0 || a.max_tokens == 0 || !a.rate.is_finite() || a.rate <= 0.0 {
         bail!("--requests, --max-tokens and --rate must be positive");
     }
-    if let Some(k) = a.kill_decode_at_s.filter(|&k| !(k.is_finite() && k > a.scale_after_s)) {
+    if let Some(k) = a.kill_decode_at_s.or(a.stop_decode_at_s).filter(|&k| !(k.is_finite() && k > a.scale_after_s)) {
         bail!(
-            "--kill-decode-at-s {k} must come after --scale-after-s {}: until the mutation node {DECODE} is the only \
-             decode instance",
+            "--kill-decode-at-s / --stop-decode-at-s {k} must come after --scale-after-s {}: until the mutation node \
+             {DECODE} is the only decode instance",
             a.scale_after_s
         );
     }
@@ -225,9 +237,23 @@ pub(crate) fn run(a: PdArgs) -> anyhow::Result<()> {
     std::env::set_var("CASCADE_SECRET", SECRET);
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let children = std::sync::Mutex::new(children);
-    let kill_decode = || -> anyhow::Result<()> {
+    // SIGKILL (a crash), or SIGTERM (a scale-in) when `graceful`.
+    let kill_decode = |graceful: bool| -> anyhow::Result<()> {
         let mut c = children.lock().map_err(|_| anyhow::anyhow!("the instance list is poisoned"))?;
-        c[DECODE as usize - 1].kill().context("killing the decode instance")
+        let c = &mut c[DECODE as usize - 1];
+        if !graceful {
+            return c.kill().context("killing the decode instance");
+        }
+        if c.try_wait()?.is_some() {
+            bail!("the decode instance exited before it was stopped");
+        }
+        let pid = libc::pid_t::try_from(c.id())?;
+        // SAFETY: kill(2) on the pid of a child not reaped yet (so the pid is still its own)
+        // with a valid signal number; it touches no memory of this process.
+        if unsafe { libc::kill(pid, libc::SIGTERM) } != 0 {
+            bail!("SIGTERM to the decode instance: {}", std::io::Error::last_os_error());
+        }
+        Ok(())
     };
     let res = rt.block_on(drive(&a, &cluster, &model, &prompts, &expected, &out, &kill_decode));
     crate::demo::stop_nodes(children.into_inner().unwrap_or_else(|e| e.into_inner()), &out);
@@ -246,7 +272,7 @@ async fn drive(
     prompts: &[Vec<u32>],
     expected: &[Vec<u32>],
     out: &Path,
-    kill_decode: &(dyn Fn() -> anyhow::Result<()> + Sync),
+    kill_decode: &(dyn Fn(bool) -> anyhow::Result<()> + Sync),
 ) -> anyhow::Result<()> {
     let ep = crate::join(&Member::driver(cluster), true).await?;
     let mesh: Arc<dyn Mesh> = ep.clone();
@@ -311,11 +337,16 @@ async fn drive(
     }
     // The kill, when asked for, runs beside the scale-out (its time may fall inside it).
     let killing = async {
-        let Some(at) = a.kill_decode_at_s else { return Ok(None) };
+        let graceful = a.stop_decode_at_s.is_some();
+        let Some(at) = a.kill_decode_at_s.or(a.stop_decode_at_s) else { return Ok(None) };
         tokio::time::sleep_until((start + Duration::from_secs_f64(at)).into()).await;
-        kill_decode()?;
+        kill_decode(graceful)?;
         let at = start.elapsed().as_secs_f64();
-        println!("killed the decode instance (node {DECODE}, SIGKILL) at {at:.1} s");
+        if graceful {
+            println!("stopped the decode instance (node {DECODE}, SIGTERM) at {at:.1} s");
+        } else {
+            println!("killed the decode instance (node {DECODE}, SIGKILL) at {at:.1} s");
+        }
         Ok::<_, anyhow::Error>(Some(at))
     };
     let scaling = async {
@@ -360,7 +391,9 @@ async fn drive(
         "ttft_p50_ms": pct(&mut ttft.clone(), 0.5), "ttft_p99_ms": pct(&mut ttft.clone(), 0.99),
         "tbt_p50_ms": pct(&mut tbt.clone(), 0.5), "tbt_p99_ms": pct(&mut tbt.clone(), 0.99),
         "mutated_at_s": mutated_s, "scale_out_done_s": loaded_s, "multicast_s": scaled.run.report.seconds,
-        "decode_killed_at_s": killed_s,
+        "decode_killed_at_s": killed_s.filter(|_| a.kill_decode_at_s.is_some()),
+        "decode_stopped_at_s": killed_s.filter(|_| a.stop_decode_at_s.is_some()),
+        "decode_left": stats.decode_left, "drain_moved": stats.drain_moved,
         "decode_replaced": stats.decode_replaced,
         "prefills": {"node1": on(OLD), "node2": on(MUTATES), "node4": on(NEW), "split": split},
         "decoded_by_mutated_instance": decoded_by_mutated,
@@ -386,7 +419,14 @@ async fn drive(
         on(NEW),
         out.join("report.json").display()
     );
-    if let Some(at) = killed_s {
+    if let (Some(at), Some(_)) = (killed_s, a.stop_decode_at_s) {
+        println!(
+            "node {DECODE} was stopped at {at:.1} s: {} of its requests moved with their KV to another decode \
+             instance; {} prefills redone",
+            stats.drain_moved, stats.requeued
+        );
+    }
+    if let (Some(at), Some(_)) = (killed_s, a.kill_decode_at_s) {
         println!(
             "node {DECODE} was killed at {at:.1} s: {} prefills redone (the requests it was decoding among them); \
              {} prefill instance(s) turned into decode ones in its place",

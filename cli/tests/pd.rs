@@ -1,7 +1,8 @@
 //! `cascade pd` end to end at a small size: SmolLM2 in four instance processes, a burst with a
 //! prefill→decode mutation and a live scale-out in its middle, then the first decode instance
-//! killed with SIGKILL; every answer equal to single-process greedy, none lost or answered twice.
-//! Skips, saying so, without the model.
+//! killed with SIGKILL — or stopped with SIGTERM, a scale-in whose requests move with their KV;
+//! every answer equal to single-process greedy, none lost or answered twice. Skips, saying so,
+//! without the model.
 #![allow(clippy::unwrap_used)]
 
 use std::path::PathBuf;
@@ -9,25 +10,27 @@ use std::process::Command;
 
 const CASCADE: &str = env!("CARGO_BIN_EXE_cascade");
 
-#[test]
-fn disaggregated_serving_answers_every_request_with_the_greedy_tokens() {
+/// Runs `cascade pd` with `args` into a directory of its own (`tag`); its report, its stdout
+/// and the directory (node logs), or `None` without the model.
+fn pd(tag: &str, args: &[&str]) -> Option<(serde_json::Value, String, PathBuf)> {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/models/smollm2-135m");
     if !root.join("SmolLM2-135M-Instruct.Q4_1.gguf").is_file() && !root.join("f32/model.safetensors").is_file() {
         eprintln!("SKIPPED: SmolLM2-135M-Instruct not in {} (run scripts/fetch-smollm2.sh)", root.display());
-        return;
+        return None;
     }
-    let out = std::env::temp_dir().join(format!("cascade-pd-{}", std::process::id()));
+    let out = std::env::temp_dir().join(format!("cascade-pd-{tag}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&out);
     let res = Command::new(CASCADE)
-        .args(["pd", "--requests", "10", "--rate", "10", "--max-tokens", "6", "--scale-after-s", "0.3"])
-        .args(["--kill-decode-at-s", "0.8", "--model"])
+        .args(["pd", "--requests", "10", "--rate", "10", "--scale-after-s", "0.3"])
+        .args(args)
+        .arg("--model")
         .arg(root.join("f32"))
         .arg("--out")
         .arg(&out)
         .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
         .output()
         .unwrap();
-    let stdout = String::from_utf8_lossy(&res.stdout);
+    let stdout = String::from_utf8_lossy(&res.stdout).into_owned();
     assert!(res.status.success(), "pd failed:\n{stdout}\n{}", String::from_utf8_lossy(&res.stderr));
     let r: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap()).unwrap();
@@ -36,9 +39,31 @@ fn disaggregated_serving_answers_every_request_with_the_greedy_tokens() {
         (Some(10), Some(0), Some(0))
     );
     assert_eq!(r["not_equal_to_reference"], 0);
-    assert!(r["decode_killed_at_s"].as_f64().is_some_and(|t| t >= 0.8), "{}", r["decode_killed_at_s"]);
-    assert!(stdout.contains("killed the decode instance"), "{stdout}");
     let rows = r["per_request"].as_array().unwrap();
     assert!(rows.iter().all(|x| x["equal_to_reference"] == true && x["ttft_ms"].as_f64().unwrap() > 0.0));
+    Some((r, stdout, out))
+}
+
+#[test]
+fn disaggregated_serving_answers_every_request_with_the_greedy_tokens() {
+    let Some((r, stdout, out)) = pd("kill", &["--max-tokens", "6", "--kill-decode-at-s", "0.8"]) else { return };
+    assert!(r["decode_killed_at_s"].as_f64().is_some_and(|t| t >= 0.8), "{}", r["decode_killed_at_s"]);
+    assert!(stdout.contains("killed the decode instance"), "{stdout}");
+    let _ = std::fs::remove_dir_all(&out);
+}
+
+/// SIGTERM to the decode instance while it decodes (its first requests decode from about 4 s on
+/// here, 24 tokens each): it leaves, the router moves its requests with their KV to the mutated
+/// instance, and the process exits once they are gone.
+#[test]
+fn a_decode_instance_told_to_terminate_hands_its_requests_over_with_their_kv() {
+    let Some((r, stdout, out)) = pd("stop", &["--max-tokens", "24", "--stop-decode-at-s", "5"]) else { return };
+    assert!(r["decode_stopped_at_s"].as_f64().is_some_and(|t| t >= 5.0), "{}", r["decode_stopped_at_s"]);
+    assert!(stdout.contains("stopped the decode instance"), "{stdout}");
+    assert_eq!(r["decode_left"], 1, "the router heard it leave:\n{stdout}");
+    assert!(r["drain_moved"].as_u64().is_some_and(|n| n > 0), "nothing moved:\n{stdout}");
+    let log = std::fs::read_to_string(out.join("node-3.log")).unwrap();
+    assert!(log.contains("node 3: instance stopped in"), "{log}");
+    eprintln!("{stdout}");
     let _ = std::fs::remove_dir_all(&out);
 }

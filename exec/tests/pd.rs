@@ -44,10 +44,15 @@ struct Cluster {
 
 /// Node 0 routes; `roles[i]` is node `i + 1`'s role, `None` for one that starts without a copy.
 async fn cluster(roles: &[Option<Role>], tag: &str) -> Option<Cluster> {
+    cluster_with(roles, tag, test_config()).await
+}
+
+/// [`cluster`] with the instances' own settings.
+async fn cluster_with(roles: &[Option<Role>], tag: &str, cfg: LlmConfig) -> Option<Cluster> {
     smollm2_dir()?;
     let eps = cascade_tests::loopback::endpoints(roles.len() as u32 + 1, tag, |_| {}).await.unwrap();
     let meshes = eps.iter().map(|e| e.clone() as Arc<dyn Mesh>).collect();
-    Some(with_instances(eps, meshes, roles, test_config()))
+    Some(with_instances(eps, meshes, roles, cfg))
 }
 
 /// The same nodes on a mem fabric (a test double whose links a test can cut).
@@ -703,15 +708,16 @@ async fn a_decode_instance_dying_mid_stream_loses_nothing() {
     }
 }
 
-/// A decode instance is stopped with requests decoding on it (`LlmInstance::stop_and_wait`, as
-/// a graceful scale-in does): it aborts them to the router, which redoes them elsewhere; every request is
-/// answered once, with the reference tokens; the stopped instance answers nothing more and its
-/// KV and staging regions are withdrawn, while its node stays up.
+/// A decode instance without a drain window is stopped with requests decoding on it
+/// (`LlmInstance::stop_and_wait`): it aborts them to the router, which redoes them elsewhere;
+/// every request is answered once, with the reference tokens; the stopped instance answers
+/// nothing more and its KV and staging regions are withdrawn, while its node stays up.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopped_decode_instance_hands_its_requests_back() {
     // 1: prefill; 2 and 3: decode.
     let roles = [Some(Role::Prefill), Some(Role::Decode), Some(Role::Decode)];
-    let Some(c) = cluster(&roles, "pd-decode-stops").await else { return };
+    let cfg = LlmConfig { drain: Duration::ZERO, ..test_config() };
+    let Some(c) = cluster_with(&roles, "pd-decode-stops", cfg).await else { return };
     let base = c.meshes[3].regions().len();
     let r = Routed::start(&c, router_cfg(&c, 1, vec![], vec![2, 3]));
     let n = 16;
@@ -739,6 +745,47 @@ async fn a_stopped_decode_instance_hands_its_requests_back() {
         "a stopped instance answers nothing: {gone:?}"
     );
     assert!(mesh.connected_to(3), "the node itself stays up");
+    for e in &c.eps {
+        e.shutdown();
+    }
+}
+
+/// A decode instance told to stop with a drain window (the default; a graceful scale-in, as
+/// SIGTERM to `cascade llm-instance` does) leaves: it says so to the router, which moves the
+/// requests decoding there, with their KV, to the other decode instance — none is redone from
+/// its prompt — and it stops once they are gone; every request is answered once, with the
+/// reference tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leaving_decode_instance_moves_its_requests_with_their_kv() {
+    let roles = [Some(Role::Prefill), Some(Role::Decode), Some(Role::Decode)];
+    let Some(c) = cluster(&roles, "pd-decode-leaves").await else { return };
+    let base = c.meshes[3].regions().len();
+    let r = Routed::start(&c, router_cfg(&c, 1, vec![], vec![2, 3]));
+    let n = 16;
+    for i in 0..n {
+        r.send(i);
+    }
+    let Routed { mesh, want, req_tx, mut ans_rx, routing, .. } = r;
+    drop(req_tx);
+    until_decoding(&mesh, 3).await;
+    let t0 = std::time::Instant::now();
+    c.instances[2].stop_and_wait().await;
+    let took = t0.elapsed();
+    assert_eq!(c.meshes[3].regions().len(), base, "node 3 withdrew its regions before it said it stopped");
+    let stats =
+        tokio::time::timeout(Duration::from_secs(120), routing).await.expect("the router finished").unwrap().unwrap();
+    let answers: Vec<GenAnswer> = std::iter::from_fn(|| ans_rx.try_recv().ok()).collect();
+    check(&answers, n, &want);
+    assert_eq!((stats.answered, stats.failed), (n as u64, 0));
+    assert_eq!(stats.decode_left, 1);
+    assert!(stats.drain_moved > 0, "the requests decoding on node 3 moved: {stats:?}");
+    assert!(took < test_config().drain, "node 3 stopped once its requests were gone, in {took:?}");
+    eprintln!(
+        "decode left: {} moved in {:.2} s, {} requeued (those whose prefill was under way for node 3)",
+        stats.drain_moved,
+        took.as_secs_f64(),
+        stats.requeued
+    );
     for e in &c.eps {
         e.shutdown();
     }

@@ -44,6 +44,10 @@ pub struct LlmConfig {
     pub op_timeout: Duration,
     /// Pin the compute thread to this CPU core.
     pub core: Option<usize>,
+    /// How long a decode instance told to stop keeps decoding while its routers move its
+    /// requests, with their KV, to other decode instances (`Leaving`): a scale-in that keeps
+    /// the work done. Zero: its requests are aborted at once, to be redone from their prompts.
+    pub drain: Duration,
 }
 
 impl Default for LlmConfig {
@@ -55,6 +59,7 @@ impl Default for LlmConfig {
             max_running: 16,
             op_timeout: Duration::from_secs(30),
             core: None,
+            drain: Duration::from_secs(10),
         }
     }
 }
@@ -115,6 +120,9 @@ struct Shared {
     prefills: std::sync::atomic::AtomicU64,
     /// Set to stop the instance.
     stop: watch::Sender<bool>,
+    /// Set when the instance was told to stop with a drain window: it takes no new request and
+    /// the decode loop sets `stop` once its requests are gone or the window is over.
+    leaving: std::sync::atomic::AtomicBool,
     /// Work under way: the request loop and every prefill or admission it started hold a
     /// receiver, so `closed()` resolves once all of it is over (after a stop).
     work: watch::Sender<()>,
@@ -124,6 +132,11 @@ struct Shared {
 }
 
 impl Shared {
+    /// It was told to stop and drains (see [`LlmInstance::stop`]).
+    fn leaving(&self) -> bool {
+        self.leaving.load(std::sync::atomic::Ordering::Acquire)
+    }
+
     /// Withdraws the instance's regions from its peers (it stopped): its KV region, its staging
     /// region and those granted for adapter images. WRITEs into them are refused from now on.
     fn withdraw_regions(&self) {
@@ -194,6 +207,7 @@ impl LlmInstance {
             adapter_in: Mutex::default(),
             prefills: std::sync::atomic::AtomicU64::new(0),
             stop: watch::Sender::new(false),
+            leaving: std::sync::atomic::AtomicBool::new(false),
             work: watch::Sender::new(()),
             stopped: watch::Sender::new(false),
         });
@@ -225,13 +239,21 @@ impl LlmInstance {
         *lock(&self.shared.role)
     }
 
-    /// Stops the instance: it takes no more requests (its node answers them "no such
-    /// service"); those queued are refused, to be sent elsewhere; prefills under way finish;
-    /// the requests it decodes are aborted to their routers (which redo them elsewhere) once
-    /// the step in flight and any migration out are over; then its KV, staging and adapter
+    /// Stops the instance. With a drain window ([`LlmConfig::drain`]) it first leaves: it
+    /// takes no new request (refused, to be sent elsewhere) but starts those whose KV pages it
+    /// reserved before, tells the routers whose requests it decodes (`Leaving`), and keeps
+    /// decoding and migrating until they have moved those requests away (and no reservation is
+    /// left) or the window is over. Then it stops: it takes no more requests (its node
+    /// answers them "no such service"); those queued are refused; prefills under way finish;
+    /// the requests it still decodes are aborted to their routers (which redo them elsewhere)
+    /// once the step in flight and any migration out are over; then its KV, staging and adapter
     /// regions are withdrawn. The node's copy of the parameters and its multicast service stay.
     pub fn stop(&self) {
-        self.shared.stop.send_replace(true);
+        if self.shared.cfg.drain.is_zero() {
+            self.shared.stop.send_replace(true);
+        } else {
+            self.shared.leaving.store(true, std::sync::atomic::Ordering::Release);
+        }
         self.shared.wake.notify_one();
     }
 
@@ -336,6 +358,18 @@ async fn serve_llm(sh: Arc<Shared>, mut inbox: Inbox<LlmMsg>) {
             continue;
         };
         let now = match m.msg {
+            // Leaving: no new request, no request moved here; a request whose pages were reserved
+            // before still starts (its prefill is done), to be moved away with the others.
+            LlmMsg::Reserve { .. }
+            | LlmMsg::ReserveAdapter { .. }
+            | LlmMsg::Mutate
+            | LlmMsg::Prefill { .. }
+            | LlmMsg::Continue { .. }
+            | LlmMsg::Resume { .. }
+                if sh.leaving() =>
+            {
+                Some(Err(ServeError::Stopped))
+            }
             LlmMsg::Reserve { req, tokens } => Some(reserve(&sh, m.from, req, tokens)),
             LlmMsg::Release { req, lease } => {
                 give_up(&sh, req, lease);

@@ -226,6 +226,16 @@ impl Pages {
         n
     }
 
+    /// The nodes (routers) that reserved the pages held now — decoding or waiting for their
+    /// start — with how many requests each.
+    pub fn holders(&self) -> std::collections::BTreeMap<u32, u32> {
+        let mut by = std::collections::BTreeMap::new();
+        for h in self.held.values() {
+            *by.entry(h.by).or_default() += 1;
+        }
+        by
+    }
+
     /// Requests holding pages.
     pub fn requests(&self) -> usize {
         self.held.len()
@@ -294,6 +304,9 @@ mod tests {
         assert_eq!(p.start(1, second), Ok(b.clone()));
         assert!(p.started(1, second) && !p.started(1, first));
         assert_eq!(p.reserved_by(9), vec![], "only reservations that did not start");
+        p.reserve(2, 7, 1).unwrap();
+        assert_eq!(p.holders(), [(7, 1), (9, 1)].into(), "decoding or waiting for their start");
+        assert_eq!(p.release(2, p.lease_of(2).unwrap()), 1);
         assert_eq!(p.start(1, second), Err(LeaseError::Started(1)), "a reservation starts once");
         // A started reservation is not replaced: the request decodes under it.
         assert!(p.reserve(1, 9, 2).is_none());

@@ -236,6 +236,114 @@ pub async fn rebalance(
     Ok(Rebalance { loads, decision, outcomes, seconds: t0.elapsed().as_secs_f64() })
 }
 
+/// A request a [`drain`] moved: where to, and the tokens generated before.
+pub type Moved = (NodeId, u32);
+
+/// What one [`drain`] did.
+#[derive(Debug, Clone)]
+pub struct Drain {
+    /// The instance that leaves.
+    pub from: NodeId,
+    /// Each request's outcome: where it went and the tokens generated before, or why it stayed
+    /// (it is then aborted when the instance stops, and redone from its prompt).
+    pub outcomes: Vec<(u64, Result<Moved, String>)>,
+    /// The whole drain.
+    pub seconds: f64,
+}
+
+impl Drain {
+    /// Requests moved.
+    pub fn moved(&self) -> usize {
+        self.outcomes.iter().filter(|(_, o)| o.is_ok()).count()
+    }
+}
+
+/// Moves every request decoding on `from`, an instance that leaves (`LlmMsg::Leaving`: a
+/// scale-in), to the decode instances `to`, with its KV (and its adapter when the new instance
+/// lacks it), the same way a co-migration moves one — so that the tokens generated so far are
+/// kept instead of being redone from the prompt. It follows the instance until it stops (its
+/// `Load` fails) or `until` has passed: a request whose reservation there starts meanwhile (its
+/// prefill was under way) moves too. Requests holding the most tokens go first (a redo would
+/// cost them most); each goes to the instance with the fewest requests (then the most free
+/// pages) that grants it room, the next one when it has none; each is tried once. `moved` hears
+/// of each move as it completes. An instance of `to` that does not answer `Load` is left out.
+/// Not in the papers: dLoRA migrates to balance load; this empties an instance with the same
+/// mechanism.
+pub async fn drain(
+    mesh: &Arc<dyn Mesh>,
+    (from, to): (NodeId, &[NodeId]),
+    (timeout, every, until): (Duration, Duration, Duration),
+    moved: impl Fn(u64, NodeId),
+) -> Drain {
+    let t0 = Instant::now();
+    let load = |node: NodeId| async move {
+        match mesh.call(node, &LlmMsg::Load, timeout).await? {
+            LlmMsg::Loads { requests, free_pages, .. } => Ok((requests, free_pages)),
+            other => Err(other.unexpected_from(node)),
+        }
+    };
+    let mut targets = Vec::new();
+    for &node in to.iter().filter(|&&n| n != from) {
+        match load(node).await {
+            Ok((r, free)) => targets.push(Target { node, running: r.len(), free_pages: free }),
+            Err(e) => tracing::warn!(node, error = %e, "a decode instance left out of the drain"),
+        }
+    }
+    let metrics = mesh.metrics();
+    let mut tried = std::collections::HashSet::new();
+    let mut outcomes = Vec::new();
+    while t0.elapsed() < until {
+        let Ok((requests, _)) = load(from).await else { break };
+        let mut fresh: Vec<ReqLoad> = requests.into_iter().filter(|r| !tried.contains(&r.req)).collect();
+        if fresh.is_empty() {
+            tokio::time::sleep(every).await;
+            continue;
+        }
+        fresh.sort_by(|a, b| b.tokens.cmp(&a.tokens).then(a.req.cmp(&b.req)));
+        for r in fresh {
+            tried.insert(r.req);
+            let mut last = String::from("no decode instance to move it to");
+            let mut went = None;
+            for i in order(&targets) {
+                let m =
+                    Move { req: r.req, adapter: r.adapter, from, to: targets[i].node, tokens: r.tokens + r.remaining };
+                match move_one(mesh, &m, timeout).await {
+                    Ok(tokens) => {
+                        targets[i].running += 1;
+                        moved(r.req, m.to);
+                        went = Some((m.to, tokens));
+                        break;
+                    }
+                    Err(e) => last = format!("to node {}: {e}", m.to),
+                }
+            }
+            let result = if went.is_some() { "moved" } else { "failed" };
+            metrics
+                .counter("cascade_llm_drained", "Requests moved off decode instances that left", &[("result", result)])
+                .inc();
+            outcomes.push((r.req, went.ok_or(last)));
+        }
+    }
+    Drain { from, outcomes, seconds: t0.elapsed().as_secs_f64() }
+}
+
+/// A decode instance a drain may move requests to, as its `Load` said and the drain's moves
+/// since.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Target {
+    node: NodeId,
+    running: usize,
+    free_pages: u32,
+}
+
+/// The order a drain tries `targets` in for its next request (indices): fewest requests first,
+/// then most free pages, then the lowest node.
+fn order(targets: &[Target]) -> Vec<usize> {
+    let mut o: Vec<usize> = (0..targets.len()).collect();
+    o.sort_by_key(|&i| (targets[i].running, std::cmp::Reverse(targets[i].free_pages), targets[i].node));
+    o
+}
+
 /// Pages on the new instance, then `Migrate` on the old one; the pages are released when the
 /// move fails.
 async fn move_one(mesh: &Arc<dyn Mesh>, m: &Move, timeout: Duration) -> Result<u32, ServeError> {
@@ -287,6 +395,14 @@ mod tests {
         assert!(d.trigger.contains("node 1 runs 4 requests"), "{}", d.trigger);
         assert!(!d.moves.is_empty() && d.objective_ms < d.stay_ms, "{d:?}");
         assert!(d.moves.iter().all(|m| m.from == 1 && m.to == 2 && m.tokens == 40));
+    }
+
+    #[test]
+    fn a_drain_fills_the_least_busy_instance_first() {
+        let t = |node, running, free_pages| Target { node, running, free_pages };
+        assert_eq!(order(&[t(2, 3, 10), t(3, 1, 5), t(4, 1, 9)]), [2, 1, 0]);
+        assert_eq!(order(&[t(5, 0, 9), t(4, 0, 9)]), [1, 0], "ties go to the lower node");
+        assert!(order(&[]).is_empty());
     }
 
     #[test]

@@ -1,4 +1,4 @@
-//! The LLM service's messages (service [`ServiceId::LLM`], version 4), binary-encoded on the
+//! The LLM service's messages (service [`ServiceId::LLM`], version 5), binary-encoded on the
 //! typed control plane.
 //!
 //! ```text
@@ -15,6 +15,7 @@
 //! router  -> decode   Migrate{req, kv}                             -> Migrated{req, tokens} | Failed
 //! decode  -> decode   ReserveAdapter{adapter, bytes}               -> AdapterGrant{..} | Ack (served there)
 //! decode  -> decode   Resume{req, attempt, lease, crcs, ..}        -> Ack | Failed  (after its WRITEs)
+//! decode  -> router   Leaving{running}                                (one-way: it stops; move its requests)
 //! ```
 //!
 //! Co-migration (dLoRA §5.2): a decode instance hands a running request to another one between
@@ -321,9 +322,17 @@ pub enum LlmMsg {
         /// Whether it may succeed elsewhere or later.
         retry: bool,
     },
+    /// The decode instance stops (a scale-in): it takes no new request and, for its drain
+    /// window ([`crate::pd::LlmConfig::drain`]), keeps decoding and serves `Load` and `Migrate`
+    /// so that the router can move its requests, with their KV, to other decode instances;
+    /// those still there at the window's end are aborted (`Abort`) and redone.
+    Leaving {
+        /// The router's requests decoding there when it said so.
+        running: u32,
+    },
 }
 
-binary_message!(LlmMsg, ServiceId::LLM, 4);
+binary_message!(LlmMsg, ServiceId::LLM, 5);
 
 impl LlmMsg {
     /// The error for an answer from `node` that its call did not expect: its refusal (`Failed`)
@@ -410,6 +419,7 @@ mod tests {
             },
             LlmMsg::Token { req: 1, attempt: 2, lease: 12, index: 3, token: 198, done: false },
             LlmMsg::Abort { req: 1, attempt: 2, message: "gone".into() },
+            LlmMsg::Leaving { running: 3 },
             LlmMsg::Mutate,
             LlmMsg::Status,
             LlmMsg::State { role: Role::Decode, resident: 32, layers: 32, running: 2, free_pages: 100 },

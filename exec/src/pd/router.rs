@@ -48,7 +48,7 @@ use tokio::task::JoinSet;
 mod calls;
 mod state;
 
-use super::migrate::{rebalance, Rebalance, RebalanceConfig};
+use super::migrate::{drain, rebalance, Drain, Rebalance, RebalanceConfig};
 use super::proto::LlmMsg;
 use crate::serve::{DispatchConfig, ServeError};
 use state::{Action, Prefilled, Routing};
@@ -180,6 +180,10 @@ pub struct RouterStats {
     /// Prefill instances turned into decode ones to replace lost decode instances
     /// ([`PdRouterConfig::replace_lost_decode`]).
     pub decode_replaced: u64,
+    /// Decode instances that left (stopped with a drain window: `LlmMsg::Leaving`).
+    pub decode_left: u64,
+    /// Requests moved, with their KV, off decode instances that left.
+    pub drain_moved: u64,
 }
 
 /// Runs the router until `requests` closes and every request is answered.
@@ -226,6 +230,8 @@ pub async fn run(
                 Report::Mutated(node, x, done) => r.mutated(node, x, done),
                 Report::Resident(node, resident) => r.resident(node, resident),
                 Report::Back(node, state) => r.back(node, state),
+                Report::Moved { req, from, to } => r.moved(req, from, to),
+                Report::Drained(x) => r.drained(x),
             },
             ev = events.recv(), if watching => match ev {
                 Ok(ev) => r.peer_event(ev),
@@ -249,6 +255,10 @@ enum Report {
     Resident(u32, u32),
     /// A gone node can serve again, in this state.
     Back(u32, LlmMsg),
+    /// A request on a leaving instance moved to another decode instance.
+    Moved { req: u64, from: u32, to: u32 },
+    /// A leaving instance stopped; its drain is over.
+    Drained(Drain),
 }
 
 /// Starts `a` in a task of its own (`(call timeout, poll interval)` from the config).
@@ -286,6 +296,14 @@ fn act(
                     other => Err(format!("{other:?}")),
                 };
                 let _ = tx.send(Report::Mutated(node, r, done));
+            });
+        }
+        Action::Drain { from, to, until } => {
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                let moved = |req, to| drop(tx.send(Report::Moved { req, from, to }));
+                let d = drain(&mesh, (from, &to), (timeout, every, until), moved).await;
+                let _ = tx.send(Report::Drained(d));
             });
         }
         Action::Rebalance { nodes, config, done } => {

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use cascade_transport::{PeerEvent, ServiceExt};
 use tokio::sync::broadcast;
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 use super::transfer::hand_over;
 use super::{failed, lock, release, retire, run, Handover, Seq, Shared};
@@ -110,9 +110,14 @@ pub(super) async fn drop_lost_routers(sh: Arc<Shared>) {
 pub(super) async fn decode_loop(sh: Arc<Shared>) {
     let layers = sh.compute.layers();
     let eos = sh.model.config.eos_token_id;
+    let mut drain_until = None;
     loop {
         if *sh.stop.borrow() {
             return shut_down(&sh).await;
+        }
+        if sh.leaving() && drained(&sh, &mut drain_until) {
+            sh.stop.send_replace(true);
+            continue;
         }
         // Between two steps: stop the requests a router gave up on or lost, freeing their pages
         // and cache while no step of theirs is in flight.
@@ -156,7 +161,12 @@ pub(super) async fn decode_loop(sh: Arc<Shared>) {
         let (batch, adapters): (Vec<_>, Vec<u32>) =
             lock(&sh.running).iter().map(|s| ((s.req, s.pos, vec![s.last]), s.adapter)).unzip();
         if batch.is_empty() {
-            sh.wake.notified().await;
+            if drain_until.is_some() {
+                // Leaving: the requests away may come back, or the window end, unannounced.
+                let _ = tokio::time::timeout(std::time::Duration::from_millis(20), sh.wake.notified()).await;
+            } else {
+                sh.wake.notified().await;
+            }
             continue;
         }
         let result = match Activation::packed(&batch).and_then(|a| a.with_adapters(&adapters)) {
@@ -204,6 +214,40 @@ pub(super) async fn decode_loop(sh: Arc<Shared>) {
             retire(&sh, req, lease).await;
         }
     }
+}
+
+/// Whether a leaving instance may stop: nothing decodes here any more (every request moved away
+/// or finished, none being handed over, no reservation waiting for its start), or the drain
+/// window is over. The first call starts the window and tells each router whose requests decode
+/// here that the instance leaves.
+fn drained(sh: &Shared, until: &mut Option<std::time::Instant>) -> bool {
+    let until = *until.get_or_insert_with(|| {
+        // The routers of the requests decoding here and of those whose pages are reserved here.
+        let mut routers = lock(&sh.kv).as_ref().map(|(_, pages)| pages.holders()).unwrap_or_default();
+        for s in lock(&sh.running).iter() {
+            routers.entry(s.router).or_insert(1);
+        }
+        let n: u32 = routers.values().sum();
+        if n > 0 {
+            info!(requests = n, window = ?sh.cfg.drain, "leaving: the routers are asked to move its requests");
+        }
+        for (router, running) in routers {
+            if let Err(e) = sh.mesh.post_oneway(router, &LlmMsg::Leaving { running }) {
+                warn!(router, error = %e, "cannot tell the router the instance leaves");
+            }
+        }
+        std::time::Instant::now() + sh.cfg.drain
+    });
+    let running = lock(&sh.running).len();
+    let away = lock(&sh.away).len();
+    // Those decoding here and away hold pages too; the rest wait for their start.
+    let holding = lock(&sh.kv).as_ref().map_or(0, |(_, pages)| pages.requests());
+    let empty = running == 0 && away == 0 && holding == 0 && lock(&sh.handovers).is_empty();
+    if !empty && std::time::Instant::now() >= until {
+        warn!(requests = running + away, "leaving: the drain window is over; what still decodes here is aborted");
+        return true;
+    }
+    empty
 }
 
 /// The decode loop's end when the instance stops: migrations out under way end first (each

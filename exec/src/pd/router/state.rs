@@ -11,7 +11,7 @@ use tokio::sync::{mpsc, oneshot};
 use tracing::{debug, info, warn};
 
 use super::{GenAnswer, GenRequest, PdCmd, PdRouterConfig, RouterStats};
-use crate::pd::migrate::{Rebalance, RebalanceConfig};
+use crate::pd::migrate::{Drain, Rebalance, RebalanceConfig};
 use crate::pd::proto::{LlmMsg, Role, Split};
 use crate::serve::{Dispatcher, ServeError};
 
@@ -32,6 +32,10 @@ pub(super) enum Action {
     /// A co-migration round over `nodes`: for a command (`done` told its outcome), or the
     /// monitor's (`done` is `None`; its outcome comes back as [`Routing::round_done`]).
     Rebalance { nodes: Vec<u32>, config: RebalanceConfig, done: Option<oneshot::Sender<Result<Rebalance, String>>> },
+    /// Move the requests decoding on `from`, which leaves, to the decode instances `to`, until it
+    /// stops or `until` has passed; each move comes back as [`Routing::moved`], the end as
+    /// [`Routing::drained`].
+    Drain { from: u32, to: Vec<u32>, until: Duration },
 }
 
 /// A request not answered yet.
@@ -263,7 +267,49 @@ impl Routing {
                 }
                 _ => debug!(req, attempt, %message, "an attempt given up on aborted"),
             },
+            LlmMsg::Leaving { running } => self.leaving(from, running),
             other => debug!(?other, "unexpected llm message at the router"),
+        }
+    }
+
+    /// Decode instance `node` leaves (a scale-in; it decodes `running` of this router's
+    /// requests): no new request goes there, the router keeps one decode instance fewer, and the
+    /// requests there move, with their KV, to the other decode instances.
+    fn leaving(&mut self, node: u32, running: u32) {
+        if self.decode.contains(&node) {
+            self.decode.retain(|&n| n != node);
+            self.decode_target = self.decode_target.saturating_sub(1);
+        }
+        self.d.down(node);
+        self.stats.decode_left += 1;
+        info!(node, running, to = ?self.decode, "a decode instance leaves: its requests move");
+        if !self.decode.is_empty() {
+            // As long as a request may go silent: the requests moving stream nothing meanwhile.
+            let until = self.cfg.stall_after;
+            self.actions.push(Action::Drain { from: node, to: self.decode.clone(), until });
+        }
+    }
+
+    /// Request `req` moved from leaving `from` to `to`: it decodes there now, before its first
+    /// token from there says so (the leaving node may be lost first, and what decoded there
+    /// would be redone).
+    /// (A drain moves another router's requests on the instance too: not counted here.)
+    pub(super) fn moved(&mut self, req: u64, from: u32, to: u32) {
+        if let Some(p) = self.pending.get_mut(&req) {
+            self.stats.drain_moved += 1;
+            if p.decode == from {
+                p.decode = to;
+            }
+        }
+    }
+
+    /// A drain ended (the leaving instance stopped): those it could not move were aborted when
+    /// it stopped, and are redone.
+    pub(super) fn drained(&mut self, d: Drain) {
+        let failed: Vec<_> = d.outcomes.iter().filter_map(|(req, o)| o.as_ref().err().map(|e| (req, e))).collect();
+        info!(from = d.from, moved = d.moved(), failed = failed.len(), seconds = d.seconds, "drain over");
+        for (req, e) in failed {
+            debug!(req, from = d.from, error = %e, "not moved: redone");
         }
     }
 
@@ -561,6 +607,10 @@ impl Routing {
         count("cascade_llm_router_stale_tokens", help, &[], s.stale_tokens - was.stale_tokens);
         let help = "Prefill instances the LLM router turned into decode ones in place of lost decode instances";
         count("cascade_llm_router_decode_replaced", help, &[], s.decode_replaced - was.decode_replaced);
+        let help = "Decode instances that left (a scale-in) while decoding the LLM router's requests";
+        count("cascade_llm_router_decode_left", help, &[], s.decode_left - was.decode_left);
+        let help = "Requests the LLM router moved off decode instances that left";
+        count("cascade_llm_router_drain_moved", help, &[], s.drain_moved - was.drain_moved);
         m.gauge("cascade_llm_router_pending", "Requests the LLM router holds, not answered yet", &[]).set(now.1 as f64);
         self.published = now;
     }
@@ -637,6 +687,41 @@ mod tests {
 
     fn decoding(node: u32, attempt: u32) -> Outcome {
         Outcome::Done { first: 7, decoding: true, on_first: 0, node, lease: 40 + u64::from(attempt) }
+    }
+
+    /// A decode instance that leaves gets no new request, its requests are moved to the other
+    /// decode instance, and a moved request counts as decoding there even before its first token
+    /// from there: losing the leaving node then redoes nothing.
+    #[test]
+    fn a_leaving_decode_instance_is_drained_into_the_others() {
+        let (mut r, mut answers) = routing(vec![]);
+        request(&mut r, 5);
+        assert_eq!(prefills(&mut r), vec![(5, 1, 1)]);
+        r.prefilled(5, 1, decoding(3, 1));
+        r.message(3, token(5, 1, 1, 8, false));
+        r.message(3, LlmMsg::Leaving { running: 1 });
+        let drains = taken(&mut r, |a| match a {
+            Action::Drain { from, to, .. } => Some((from, to)),
+            _ => None,
+        });
+        assert_eq!(drains, vec![(3, vec![2])]);
+        assert_eq!((r.decode.clone(), r.decode_target, r.stats.decode_left), (vec![2], 1, 1));
+        // A new request reserves its KV on node 2 only.
+        request(&mut r, 6);
+        r.dispatch();
+        let orders = taken(&mut r, |a| match a {
+            Action::Prefill { order, .. } => Some(order),
+            _ => None,
+        });
+        assert_eq!(orders, vec![vec![2]]);
+        r.moved(5, 3, 2);
+        assert_eq!(r.stats.drain_moved, 1);
+        r.peer_event(PeerEvent::Down { peer: 3, reason: "it stopped".into() });
+        r.message(2, token(5, 1, 2, 9, true));
+        r.after(Instant::now());
+        let a = answers.try_recv().unwrap();
+        assert_eq!((a.result, a.decode, a.attempts), (Ok(vec![7, 8, 9]), 2, 1));
+        assert_eq!(r.stats.requeued, 0);
     }
 
     #[test]
