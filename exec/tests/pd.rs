@@ -818,6 +818,29 @@ async fn requests_on_a_silent_decode_instance_are_redone() {
     assert!(stats.stalled > 0, "a request was decoding on the silent instance: {stats:?}");
 }
 
+/// A leaving decode instance cannot reach the other one for a moment (the mem fabric, a test
+/// double, cuts their link as the drain begins): the moves fail and are tried again once it is
+/// back, so its requests still move with their KV instead of being redone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drain_whose_target_is_briefly_unreachable_tries_again() {
+    let roles = [Some(Role::Prefill), Some(Role::Decode), Some(Role::Decode)];
+    let Some((c, fabric)) = mem_cluster(&roles) else { return };
+    let r = Routed::start(&c, router_cfg(&c, 1, vec![], vec![2, 3]));
+    let n = 12;
+    (0..n).for_each(|i| r.send(i));
+    until_decoding(&r.mesh, 3).await;
+    fabric.set_link(3, 2, false);
+    c.instances[2].stop();
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    fabric.set_link(3, 2, true);
+    c.instances[2].stop_and_wait().await;
+    let (stats, answers, want) = r.finish(Duration::from_secs(120)).await;
+    check(&answers, n, &want);
+    assert_eq!((stats.answered, stats.failed), (n as u64, 0));
+    assert!(stats.drain_moved > 0, "the requests on node 3 moved once node 2 was back: {stats:?}");
+    eprintln!("drain through a cut link: {} moved, {} requeued", stats.drain_moved, stats.requeued);
+}
+
 /// The only decode instance dies: the requests it was decoding, and those still to come, are
 /// answered with an error once their attempts run out — the router ends, nothing waits forever.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

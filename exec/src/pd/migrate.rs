@@ -265,7 +265,8 @@ impl Drain {
 /// `Load` fails) or `until` has passed: a request whose reservation there starts meanwhile (its
 /// prefill was under way) moves too. Requests holding the most tokens go first (a redo would
 /// cost them most); each goes to the instance with the fewest requests (then the most free
-/// pages) that grants it room, the next one when it has none; each is tried once. `moved` hears
+/// pages) that grants it room, the next one when it has none; a request none took is tried
+/// again a little later (a target briefly unreachable), a few times at most. `moved` hears
 /// of each move as it completes. An instance of `to` that does not answer `Load` is left out.
 /// Not in the papers: dLoRA migrates to balance load; this empties an instance with the same
 /// mechanism.
@@ -290,18 +291,27 @@ pub async fn drain(
         }
     }
     let metrics = mesh.metrics();
-    let mut tried = std::collections::HashSet::new();
-    let mut outcomes = Vec::new();
+    // A request moved is done; one whose move failed (its target briefly unreachable, no room
+    // yet) is tried again after RETRY_AFTER, MOVE_TRIES times at most.
+    let mut tried: std::collections::HashMap<u64, (u32, Instant)> = std::collections::HashMap::new();
+    let mut outcomes: std::collections::BTreeMap<u64, Result<Moved, String>> = std::collections::BTreeMap::new();
     while t0.elapsed() < until {
         let Ok((requests, _)) = load(from).await else { break };
-        let mut fresh: Vec<ReqLoad> = requests.into_iter().filter(|r| !tried.contains(&r.req)).collect();
+        let now = Instant::now();
+        let due = |r: &ReqLoad| match (outcomes.get(&r.req), tried.get(&r.req)) {
+            (Some(Ok(_)), _) => false,
+            (_, Some(&(n, at))) => n < MOVE_TRIES && now >= at,
+            _ => true,
+        };
+        let mut fresh: Vec<ReqLoad> = requests.into_iter().filter(|r| due(r)).collect();
         if fresh.is_empty() {
             tokio::time::sleep(every).await;
             continue;
         }
         fresh.sort_by(|a, b| b.tokens.cmp(&a.tokens).then(a.req.cmp(&b.req)));
         for r in fresh {
-            tried.insert(r.req);
+            let n = tried.get(&r.req).map_or(0, |t| t.0) + 1;
+            tried.insert(r.req, (n, Instant::now() + RETRY_AFTER));
             let mut last = String::from("no decode instance to move it to");
             let mut went = None;
             for i in order(&targets) {
@@ -314,18 +324,23 @@ pub async fn drain(
                         went = Some((m.to, tokens));
                         break;
                     }
-                    Err(e) => last = format!("to node {}: {e}", m.to),
+                    Err(e) => last = format!("to node {}: {e} (try {n} of {MOVE_TRIES})", m.to),
                 }
             }
             let result = if went.is_some() { "moved" } else { "failed" };
-            metrics
-                .counter("cascade_llm_drained", "Requests moved off decode instances that left", &[("result", result)])
-                .inc();
-            outcomes.push((r.req, went.ok_or(last)));
+            let help = "Moves of requests off decode instances that left, by result (a failed one is tried again)";
+            metrics.counter("cascade_llm_drained", help, &[("result", result)]).inc();
+            outcomes.insert(r.req, went.ok_or(last));
         }
     }
+    let outcomes = outcomes.into_iter().collect();
     Drain { from, outcomes, seconds: t0.elapsed().as_secs_f64() }
 }
+
+/// How many times a drain tries to move one request.
+const MOVE_TRIES: u32 = 5;
+/// How long a drain waits before it tries a failed move again.
+const RETRY_AFTER: Duration = Duration::from_millis(250);
 
 /// A decode instance a drain may move requests to, as its `Load` said and the drain's moves
 /// since.
