@@ -762,19 +762,13 @@ async fn a_leaving_decode_instance_moves_its_requests_with_their_kv() {
     let base = c.meshes[3].regions().len();
     let r = Routed::start(&c, router_cfg(&c, 1, vec![], vec![2, 3]));
     let n = 16;
-    for i in 0..n {
-        r.send(i);
-    }
-    let Routed { mesh, want, req_tx, mut ans_rx, routing, .. } = r;
-    drop(req_tx);
-    until_decoding(&mesh, 3).await;
+    (0..n).for_each(|i| r.send(i));
+    until_decoding(&r.mesh, 3).await;
     let t0 = std::time::Instant::now();
     c.instances[2].stop_and_wait().await;
     let took = t0.elapsed();
     assert_eq!(c.meshes[3].regions().len(), base, "node 3 withdrew its regions before it said it stopped");
-    let stats =
-        tokio::time::timeout(Duration::from_secs(120), routing).await.expect("the router finished").unwrap().unwrap();
-    let answers: Vec<GenAnswer> = std::iter::from_fn(|| ans_rx.try_recv().ok()).collect();
+    let (stats, answers, want) = r.finish(Duration::from_secs(120)).await;
     check(&answers, n, &want);
     assert_eq!((stats.answered, stats.failed), (n as u64, 0));
     assert_eq!(stats.decode_left, 1);
