@@ -139,6 +139,21 @@ fn cluster_name() -> String {
     format!("demo{}", std::process::id())
 }
 
+/// Sends SIGTERM to `child` unless it has exited (its pid may be another process's by then):
+/// whether it was signalled.
+pub(crate) fn terminate(child: &mut std::process::Child) -> std::io::Result<bool> {
+    if child.try_wait()?.is_some() {
+        return Ok(false);
+    }
+    let pid = libc::pid_t::try_from(child.id()).map_err(std::io::Error::other)?;
+    // SAFETY: kill(2) on the pid of a child not reaped yet (so the pid is still its own) with a
+    // valid signal number; it touches no memory of this process.
+    if unsafe { libc::kill(pid, libc::SIGTERM) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(true)
+}
+
 /// How long the nodes a run started get to leave after SIGTERM before they are killed.
 const NODE_GRACE: Duration = Duration::from_secs(10);
 
@@ -149,15 +164,9 @@ const NODE_GRACE: Duration = Duration::from_secs(10);
 /// sockets they leave in `runtime_dir`, their `XDG_RUNTIME_DIR` (a killed node cannot remove its
 /// own, and each run's names differ, so they would pile up).
 pub(crate) fn stop_nodes(children: impl IntoIterator<Item = std::process::Child>, runtime_dir: &Path) {
+    // Those that exited are left out; one that could not be signalled is killed after the grace.
     let mut children: Vec<_> =
-        children.into_iter().filter_map(|mut c| c.try_wait().ok()?.is_none().then_some(c)).collect();
-    for c in &children {
-        if let Ok(pid) = libc::pid_t::try_from(c.id()) {
-            // SAFETY: kill(2) on the pid of a child not reaped yet (so the pid is still its
-            // own) with a valid signal number; it touches no memory of this process.
-            unsafe { libc::kill(pid, libc::SIGTERM) };
-        }
-    }
+        children.into_iter().filter_map(|mut c| (!matches!(terminate(&mut c), Ok(false))).then_some(c)).collect();
     let deadline = Instant::now() + NODE_GRACE;
     for c in &mut children {
         loop {

@@ -244,14 +244,8 @@ pub(crate) fn run(a: PdArgs) -> anyhow::Result<()> {
         if !graceful {
             return c.kill().context("killing the decode instance");
         }
-        if c.try_wait()?.is_some() {
+        if !crate::demo::terminate(c).context("SIGTERM to the decode instance")? {
             bail!("the decode instance exited before it was stopped");
-        }
-        let pid = libc::pid_t::try_from(c.id())?;
-        // SAFETY: kill(2) on the pid of a child not reaped yet (so the pid is still its own)
-        // with a valid signal number; it touches no memory of this process.
-        if unsafe { libc::kill(pid, libc::SIGTERM) } != 0 {
-            bail!("SIGTERM to the decode instance: {}", std::io::Error::last_os_error());
         }
         Ok(())
     };

@@ -210,12 +210,7 @@ pub async fn rebalance(
     let t0 = Instant::now();
     let mut loads = Vec::with_capacity(decode.len());
     for &node in decode {
-        match mesh.call(node, &LlmMsg::Load, timeout).await? {
-            LlmMsg::Loads { requests, adapters, kv_pages, free_pages } => {
-                loads.push(InstanceLoad { node, requests, adapters, kv_pages, free_pages })
-            }
-            other => return Err(ServeError::Protocol(format!("node {node} answered Load with {other:?}"))),
-        }
+        loads.push(load(mesh, node, timeout).await?);
     }
     let decision = plan(&loads, &rc.cluster, &rc.cost, &rc.layout);
     let metrics = mesh.metrics();
@@ -277,16 +272,10 @@ pub async fn drain(
     moved: impl Fn(u64, NodeId),
 ) -> Drain {
     let t0 = Instant::now();
-    let load = |node: NodeId| async move {
-        match mesh.call(node, &LlmMsg::Load, timeout).await? {
-            LlmMsg::Loads { requests, free_pages, .. } => Ok((requests, free_pages)),
-            other => Err(other.unexpected_from(node)),
-        }
-    };
     let mut targets = Vec::new();
     for &node in to.iter().filter(|&&n| n != from) {
-        match load(node).await {
-            Ok((r, free)) => targets.push(Target { node, running: r.len(), free_pages: free }),
+        match load(mesh, node, timeout).await {
+            Ok(l) => targets.push(Target { node, running: l.requests.len(), free_pages: l.free_pages }),
             Err(e) => tracing::warn!(node, error = %e, "a decode instance left out of the drain"),
         }
     }
@@ -296,7 +285,7 @@ pub async fn drain(
     let mut tried: std::collections::HashMap<u64, (u32, Instant)> = std::collections::HashMap::new();
     let mut outcomes: std::collections::BTreeMap<u64, Result<Moved, String>> = std::collections::BTreeMap::new();
     while t0.elapsed() < until {
-        let Ok((requests, _)) = load(from).await else { break };
+        let Ok(InstanceLoad { requests, .. }) = load(mesh, from, timeout).await else { break };
         let now = Instant::now();
         let due = |r: &ReqLoad| match (outcomes.get(&r.req), tried.get(&r.req)) {
             (Some(Ok(_)), _) => false,
@@ -357,6 +346,16 @@ fn order(targets: &[Target]) -> Vec<usize> {
     let mut o: Vec<usize> = (0..targets.len()).collect();
     o.sort_by_key(|&i| (targets[i].running, std::cmp::Reverse(targets[i].free_pages), targets[i].node));
     o
+}
+
+/// Decode instance `node`'s load (`Load`).
+async fn load(mesh: &Arc<dyn Mesh>, node: NodeId, timeout: Duration) -> Result<InstanceLoad, ServeError> {
+    match mesh.call(node, &LlmMsg::Load, timeout).await? {
+        LlmMsg::Loads { requests, adapters, kv_pages, free_pages } => {
+            Ok(InstanceLoad { node, requests, adapters, kv_pages, free_pages })
+        }
+        other => Err(ServeError::Protocol(format!("node {node} answered Load with {other:?}"))),
+    }
 }
 
 /// Pages on the new instance, then `Migrate` on the old one; the pages are released when the

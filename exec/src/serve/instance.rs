@@ -77,7 +77,7 @@ struct Shared {
     pairs: Pairs,
     /// Set to stop the instance.
     stop: watch::Sender<bool>,
-    /// Work under way: the serve loop, the finish task and every hand-over hold a receiver, so
+    /// Work under way: the finish task and every hand-over hold a receiver, so
     /// `closed()` resolves once all of it is over (after a stop).
     work: watch::Sender<()>,
     /// Set once the instance has stopped: every batch it took answered, its regions withdrawn.
@@ -163,7 +163,7 @@ impl Instance {
             copy,
             meters,
         });
-        tokio::spawn(serve(shared.clone(), inbox, shared.stop.subscribe(), shared.work.subscribe()));
+        tokio::spawn(serve(shared.clone(), inbox, shared.stop.subscribe()));
         tokio::spawn(finish(shared.clone(), done_rx, shared.work.subscribe()));
         Ok(Instance { shared })
     }
@@ -215,12 +215,7 @@ fn slot_bytes(model: &ServedModel, cfg: &InstanceConfig) -> u64 {
     Activation::wire_len(cfg.max_batch, cfg.max_tokens, model.config.hidden_size, 0) as u64
 }
 
-async fn serve(
-    sh: Arc<Shared>,
-    mut inbox: cascade_transport::Inbox<ExecMsg>,
-    mut stop: watch::Receiver<bool>,
-    working: watch::Receiver<()>,
-) {
+async fn serve(sh: Arc<Shared>, mut inbox: cascade_transport::Inbox<ExecMsg>, mut stop: watch::Receiver<bool>) {
     while let Some(m) = super::inbox::next(&mut inbox, &mut stop).await {
         let from = m.from;
         let answer = match (m.msg, m.reply_to) {
@@ -250,7 +245,6 @@ async fn serve(
     sh.grants.withdraw(&*sh.mesh);
     // The batches queued finish (the compute thread ends once they have) and those split hand
     // their activations over before the staging regions go.
-    drop(working);
     sh.work.closed().await;
     sh.pairs.withdraw(&*sh.mesh).await;
     sh.stopped.send_replace(true);
