@@ -408,6 +408,52 @@ async fn a_kv_move_that_fails_leaves_no_staging_region_registered() {
     assert_eq!(meshes[1].regions().len(), registered, "no staging region leaked");
 }
 
+/// A prefill instance told to mutate allocates its KV region (here 1 GiB of shared memory,
+/// pre-faulted) off the runtime's workers: its node goes on serving its links meanwhile. Before,
+/// the allocation ran on a worker and in `cascade pd` (188 MB on two loaded cores) held it for
+/// up to 3 s: the node sent no keepalive, its peers declared it down and the router redid every
+/// request it held. One runtime thread here, so that a blocked worker shows as a gap in the
+/// ticks of a task beside it.
+#[tokio::test(flavor = "current_thread")]
+async fn a_mutation_allocates_its_kv_region_off_the_runtime() {
+    let Some(dir) = smollm2_dir() else { return };
+    let (model, file) = PdModel::from_dir(&dir).unwrap();
+    let page = KvLayout::new(&model.config, 16).page_bytes();
+    let cfg = LlmConfig { kv_pages: ((1u64 << 30) / page) as u32, ..test_config() };
+    let eps = cascade_tests::loopback::endpoints(2, "pd-mutate-off-runtime", |c| c.shm = true).await.unwrap();
+    let meshes: Vec<Arc<dyn Mesh>> = eps.iter().map(|e| e.clone() as Arc<dyn Mesh>).collect();
+    // Packing the model's copy is slow too (a debug build): off the one runtime thread as well.
+    let c = tokio::task::spawn_blocking(move || with_instances(eps, meshes, &[Some(Role::Prefill)], cfg))
+        .await
+        .unwrap();
+    let (stop, mut stopped) = tokio::sync::watch::channel(false);
+    let ticker = tokio::spawn(async move {
+        let (mut worst, mut last) = (Duration::ZERO, std::time::Instant::now());
+        while !*stopped.borrow_and_update() {
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_millis(5)) => {}
+                _ = stopped.changed() => {}
+            }
+            worst = worst.max(last.elapsed());
+            last = std::time::Instant::now();
+        }
+        worst
+    });
+    let t = std::time::Instant::now();
+    let answer = c.meshes[0].call(1, &LlmMsg::Mutate, Duration::from_secs(60)).await;
+    let took = t.elapsed();
+    stop.send_replace(true);
+    let worst = ticker.await.unwrap();
+    eprintln!("mutation {took:?}, longest runtime gap {worst:?}");
+    assert!(matches!(answer, Ok(LlmMsg::Ack)), "{answer:?}");
+    assert_eq!(c.instances[0].role(), Role::Decode);
+    assert!(
+        worst < Duration::from_millis(100) || worst * 2 < took,
+        "the runtime stood still for {worst:?} of the mutation's {took:?}"
+    );
+    assert!(c.meshes[1].regions().len() >= 2, "the model's copy and the KV region are registered");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_burst_survives_a_mutation_and_a_live_scale_out() {
     // 1, 2: prefill (held); 3: decode; 4: prefill, arriving by multicast from 1.

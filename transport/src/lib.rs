@@ -59,7 +59,7 @@ pub use endpoint::{Endpoint, MeshReport, PeerEvent, PeerStats};
 pub use error::{HandshakeError, Result, TransportError};
 pub use handshake::Caps;
 pub use link::{run_batch, BackendKind, Completion, Link, Op, OpHandle};
-pub use mesh::{BoxFuture, Mesh};
+pub use mesh::{register_new_blocking, BoxFuture, Mesh};
 pub use metrics::Metrics;
 #[cfg(any(test, feature = "test-access"))]
 pub use region::test_access;

@@ -61,6 +61,20 @@ pub trait Mesh: Send + Sync + 'static {
     fn metrics(&self) -> &Arc<crate::Metrics>;
 }
 
+/// [`Mesh::register_new`] on a blocking thread, for async code.
+///
+/// Allocating a shared region pre-faults it: every page is zeroed before it returns, which on a
+/// loaded host holds the calling thread for seconds (188 MB of KV pages took 1.8–3 s of a runtime
+/// worker in `cascade pd`). Done on a runtime worker, it stalls more than that task: the
+/// runtime's I/O driver and timers are not polled meanwhile, the node's links send no
+/// keepalive, and its peers declare it down.
+pub async fn register_new_blocking(mesh: Arc<dyn Mesh>, len: u64) -> Result<Region> {
+    tokio::task::spawn_blocking(move || mesh.register_new(len)).await.map_err(|e| crate::TransportError::Protocol {
+        peer: None,
+        detail: format!("allocating a {len}-byte region failed: {e}"),
+    })?
+}
+
 impl Mesh for crate::Endpoint {
     fn node(&self) -> NodeId {
         crate::Endpoint::node(self)

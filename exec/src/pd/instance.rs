@@ -9,18 +9,20 @@ use cascade_multicast::cluster::MulticastNode;
 use cascade_transport::service::DEFAULT_INBOX;
 use cascade_transport::{Inbox, Mesh, Region, ReplyTo, ServiceExt};
 use tokio::sync::{mpsc, oneshot, watch, Notify};
-use tracing::debug;
+use tracing::{debug, warn};
 
 mod decode;
+mod grants;
 mod prefill;
 mod transfer;
 
 use decode::{decode_loop, drop_lost_routers, give_up, Away, Stop};
+use grants::{ensure_kv, kv_pending, reserve, reserve_adapter};
 use prefill::prefill;
 use transfer::admit;
 
 use super::kv::{KvLayout, Pages};
-use super::proto::{KvGrant, LlmMsg, RegionGrant, ReqLoad, Role};
+use super::proto::{KvGrant, LlmMsg, ReqLoad, Role};
 use super::PdModel;
 use crate::llama::{Llama, LoraAdapter};
 use crate::serve::compute::{Cmd, Compute, Finished};
@@ -32,7 +34,8 @@ use crate::{Activation, ExecError};
 /// An LLM instance's limits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LlmConfig {
-    /// Pages of the KV region (allocated and registered when the instance first decodes).
+    /// Pages of the KV region (allocated and registered when the instance becomes a decode
+    /// instance: at its start or when it mutates).
     pub kv_pages: u32,
     /// Tokens per KV page.
     pub page_tokens: u32,
@@ -101,6 +104,8 @@ struct Shared {
     role: Mutex<Role>,
     /// The KV region (decode) and its pages.
     kv: Mutex<Option<(Region, Pages)>>,
+    /// Held while the KV region is allocated (`grants::ensure_kv`).
+    kv_alloc: tokio::sync::Mutex<()>,
     /// A spare staging region for the KV a move WRITEs (each move takes it, or a new one, for
     /// itself, and gives it back when its WRITEs completed).
     staging: Mutex<Option<Region>>,
@@ -197,6 +202,7 @@ impl LlmInstance {
             copy,
             role: Mutex::new(role),
             kv: Mutex::new(None),
+            kv_alloc: tokio::sync::Mutex::new(()),
             staging: Mutex::new(None),
             running: Mutex::default(),
             wake: Notify::new(),
@@ -226,6 +232,16 @@ impl LlmInstance {
         tokio::spawn(serve_exec(shared.clone(), exec_inbox));
         tokio::spawn(decode_loop(shared.clone()));
         tokio::spawn(drop_lost_routers(shared.clone()));
+        if role == Role::Decode {
+            // Its KV region is allocated now rather than by the first reservation.
+            let (sh, working) = (shared.clone(), shared.work.subscribe());
+            tokio::spawn(async move {
+                let _working = working;
+                if let Err(e) = ensure_kv(&sh).await {
+                    warn!(error = %e, "cannot allocate the KV region (each reservation tries again)");
+                }
+            });
+        }
         Ok(LlmInstance { shared })
     }
 
@@ -370,18 +386,34 @@ async fn serve_llm(sh: Arc<Shared>, mut inbox: Inbox<LlmMsg>) {
             {
                 Some(Err(ServeError::Stopped))
             }
+            LlmMsg::Reserve { req, tokens } if kv_pending(&sh) => {
+                let from = m.from;
+                answer_later(&sh, reply, move |sh| async move {
+                    ensure_kv(&sh).await?;
+                    reserve(&sh, from, req, tokens)
+                });
+                None
+            }
             LlmMsg::Reserve { req, tokens } => Some(reserve(&sh, m.from, req, tokens)),
             LlmMsg::Release { req, lease } => {
                 give_up(&sh, req, lease);
                 Some(Ok(LlmMsg::Ack))
             }
+            // A decode instance from the answer on: its KV region is allocated first.
             LlmMsg::Mutate => {
-                *lock(&sh.role) = Role::Decode;
-                Some(Ok(LlmMsg::Ack))
+                answer_later(&sh, reply, |sh| async move {
+                    ensure_kv(&sh).await?;
+                    *lock(&sh.role) = Role::Decode;
+                    Ok(LlmMsg::Ack)
+                });
+                None
             }
             LlmMsg::Status => Some(Ok(state(&sh))),
             LlmMsg::Load => Some(Ok(load(&sh))),
-            LlmMsg::ReserveAdapter { adapter, bytes } => Some(reserve_adapter(&sh, adapter, bytes)),
+            LlmMsg::ReserveAdapter { adapter, bytes } => {
+                answer_later(&sh, reply, move |sh| async move { reserve_adapter(&sh, adapter, bytes).await });
+                None
+            }
             LlmMsg::Migrate { req, kv } => {
                 lock(&sh.handovers).push(Handover { req, kv, reply });
                 sh.wake.notify_one();
@@ -429,6 +461,23 @@ async fn serve_llm(sh: Arc<Shared>, mut inbox: Inbox<LlmMsg>) {
     refuse_queued(&*sh.mesh, inbox, &failed(&ServeError::Stopped));
 }
 
+/// Answers `reply` with what `work` returns, from a task of its own that holds a share of the
+/// instance's work (a stop waits for it), so that the request loop goes on meanwhile.
+fn answer_later<F, W>(sh: &Arc<Shared>, reply: ReplyTo, work: W)
+where
+    W: FnOnce(Arc<Shared>) -> F,
+    F: std::future::Future<Output = Result<LlmMsg, ServeError>> + Send + 'static,
+{
+    let working = sh.work.subscribe();
+    let answer = work(sh.clone());
+    let sh = sh.clone();
+    tokio::spawn(async move {
+        let _working = working;
+        let a = answer.await;
+        let _ = sh.mesh.reply(&reply, &a.unwrap_or_else(|e| failed(&e)));
+    });
+}
+
 fn state(sh: &Shared) -> LlmMsg {
     // Those being handed over count: they may come back. (Locked in the running set's order.)
     let running = {
@@ -456,57 +505,6 @@ fn load(sh: &Shared) -> LlmMsg {
         .collect();
     let (kv_pages, free_pages) = lock(&sh.kv).as_ref().map_or((0, 0), |(_, p)| (sh.cfg.kv_pages, p.available() as u32));
     LlmMsg::Loads { requests, adapters: lock(&sh.adapters).iter().copied().collect(), kv_pages, free_pages }
-}
-
-/// Room for adapter `adapter`'s image, unless it is served here already (`Ack`).
-fn reserve_adapter(sh: &Shared, adapter: u32, bytes: u64) -> Result<LlmMsg, ServeError> {
-    if adapter == 0 || lock(&sh.adapters).contains(&adapter) {
-        return Ok(LlmMsg::Ack);
-    }
-    if bytes == 0 || bytes > 1 << 30 {
-        return Err(ServeError::Input(format!("an adapter image of {bytes} bytes")));
-    }
-    let mut granted = lock(&sh.adapter_in);
-    // A grant no migration used yet (one that failed) is reused when large enough.
-    let reuse = granted.get(&adapter).is_some_and(|r| r.len() >= bytes);
-    if !reuse {
-        if let Some(old) = granted.insert(adapter, sh.mesh.register_new(bytes)?) {
-            sh.mesh.deregister(old.id());
-        }
-    }
-    let region = granted.get(&adapter).ok_or_else(|| ServeError::Protocol("no adapter region".into()))?;
-    let grant = RegionGrant { node: sh.mesh.node(), region: region.id().0, key: region.key().0, len: region.len() };
-    Ok(LlmMsg::AdapterGrant { grant })
-}
-
-/// Reserves `req`'s pages for `from` (its router: when its link fails they are freed, see
-/// [`drop_lost_routers`]).
-fn reserve(sh: &Shared, from: u32, req: u64, tokens: u32) -> Result<LlmMsg, ServeError> {
-    if *lock(&sh.role) != Role::Decode {
-        return Err(ServeError::Peer("not a decode instance".into()));
-    }
-    let mut kv = lock(&sh.kv);
-    if kv.is_none() {
-        let region = sh.mesh.register_new(sh.layout.page_bytes() * u64::from(sh.cfg.kv_pages))?;
-        *kv = Some((region, Pages::new(sh.cfg.kv_pages)));
-    }
-    let (region, pages) = kv.as_mut().ok_or_else(|| ServeError::Protocol("no KV region".into()))?;
-    if pages.requests() >= sh.cfg.max_running {
-        return Err(ServeError::Peer(format!("{} requests hold KV here already", sh.cfg.max_running)));
-    }
-    let n = sh.layout.pages_for(tokens as usize);
-    if n > sh.cfg.kv_pages as usize {
-        return Err(ServeError::Input(format!(
-            "{tokens} tokens need {n} KV pages; an instance has {}",
-            sh.cfg.kv_pages
-        )));
-    }
-    let (lease, got) = pages.reserve(req, from, n).ok_or_else(|| match pages.lease_of(req) {
-        Some(_) => ServeError::Peer(format!("request {req} holds KV pages here already")),
-        None => ServeError::Peer(format!("{n} KV pages wanted, {} free", pages.available())),
-    })?;
-    let (node, region, key, len) = (sh.mesh.node(), region.id().0, region.key().0, region.len());
-    Ok(LlmMsg::Reserved { grant: KvGrant { node, region, key, len, pages: got, lease } })
 }
 
 /// Frees `req`'s pages if it holds them under `lease`.

@@ -6,7 +6,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use cascade_transport::service::DEFAULT_INBOX;
-use cascade_transport::{Inbox, Mesh, PeerEvent, Prefault, Received, Region, ServiceExt, TransportError};
+use cascade_transport::{
+    register_new_blocking, Inbox, Mesh, PeerEvent, Prefault, Received, Region, ServiceExt, TransportError,
+};
 use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 
@@ -346,8 +348,7 @@ impl MulticastNode {
                 return Ok(Control::Prepared { region: region.id().0, key: region.key().0, crcs: Some(crcs) });
             }
             Fill::Synthetic { seed } => {
-                let mesh = self.mesh.clone();
-                let region = blocking(move || mesh.register_new(bytes)).await?;
+                let region = register_new_blocking(self.mesh.clone(), bytes).await?;
                 let r2 = region.clone();
                 let done = blocking(move || {
                     // SAFETY: the region is new: no peer knows its key before the reply below.
@@ -367,8 +368,7 @@ impl MulticastNode {
             Fill::Target => {
                 // Allocating (and pre-faulting) a large region takes long: not on the node's
                 // async workers, whose links would miss their keepalives meanwhile.
-                let mesh = self.mesh.clone();
-                (blocking(move || mesh.register_new(bytes)).await?, None)
+                (register_new_blocking(self.mesh.clone(), bytes).await?, None)
             }
             Fill::TargetInBackground => {
                 let region = self.mesh.alloc_prefault(bytes, Prefault::Background)?;

@@ -5,7 +5,7 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use cascade_transport::{Mesh, NodeId, Op, Region, RemoteKey, RemoteRegion, ServiceExt};
+use cascade_transport::{register_new_blocking, Mesh, NodeId, Op, Region, RemoteKey, RemoteRegion, ServiceExt};
 use tracing::{debug, warn};
 
 use super::{failed, install_adapter, lock, release, retire, with_model, Handover, Seq, Shared};
@@ -86,7 +86,7 @@ pub(super) async fn stage_kv(
         // Every block's pages at once, sized for the longest prompt in every block; a migrated
         // request's KV can be longer, and grows it.
         let need = (per_block.max(layout.pages_for(sh.cfg.max_prompt as usize)) * layout.blocks.max(nb)) as u64 * bp;
-        let st = staged.region.insert(take_staging(sh, need)?).clone();
+        let st = staged.region.insert(take_staging(sh, need).await?).clone();
         let remote = RemoteRegion {
             node: kv.node,
             id: cascade_transport::RegionId(kv.region),
@@ -120,14 +120,15 @@ pub(super) async fn stage_kv(
 /// A registered staging region of at least `need` bytes for one move: the instance's spare
 /// when it is large enough (a smaller one is deregistered), otherwise a new one. Two moves at
 /// once each get their own.
-fn take_staging(sh: &Shared, need: u64) -> Result<Region, ServeError> {
-    match lock(&sh.staging).take() {
+async fn take_staging(sh: &Shared, need: u64) -> Result<Region, ServeError> {
+    let spare = lock(&sh.staging).take();
+    match spare {
         Some(r) if r.len() >= need => Ok(r),
         small => {
             if let Some(r) = small {
                 sh.mesh.deregister(r.id());
             }
-            Ok(sh.mesh.register_new(need)?)
+            Ok(register_new_blocking(sh.mesh.clone(), need).await?)
         }
     }
 }
@@ -453,7 +454,7 @@ async fn bring_adapter(
     if n > g.len || g.node != to {
         return Err(ServeError::Protocol(format!("a grant of {} bytes on node {} for {n} on {to}", g.len, g.node)));
     }
-    let staging = sh.mesh.register_new(n)?;
+    let staging = register_new_blocking(sh.mesh.clone(), n).await?;
     // SAFETY: the region was just registered by this task and no operation uses it yet.
     unsafe { staging.write_local(0, &image) }?;
     let remote =

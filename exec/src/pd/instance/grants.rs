@@ -1,0 +1,92 @@
+//! The regions an instance grants its peers: its KV pages (a decode instance) and room for the
+//! adapter images migrations bring.
+//!
+//! A region is allocated off the runtime's workers ([`register_new_blocking`]): pre-faulting the
+//! KV region (188 MB for SmolLM2 at the defaults) held a worker for 1.8–3 s on the 2-core
+//! development machine, the node's links sent no keepalive meanwhile, and its peers declared it
+//! down — the router then redid every request the instance held.
+
+use std::sync::Arc;
+
+use cascade_transport::register_new_blocking;
+
+use super::{lock, Shared};
+use crate::pd::kv::Pages;
+use crate::pd::proto::{KvGrant, LlmMsg, RegionGrant, Role};
+use crate::serve::ServeError;
+
+/// Allocates the KV region unless it exists (one allocation at a time; the first caller's
+/// allocation serves those that waited for it).
+pub(super) async fn ensure_kv(sh: &Shared) -> Result<(), ServeError> {
+    let _one = sh.kv_alloc.lock().await;
+    if lock(&sh.kv).is_some() {
+        return Ok(());
+    }
+    let region = register_new_blocking(sh.mesh.clone(), sh.layout.page_bytes() * u64::from(sh.cfg.kv_pages)).await?;
+    *lock(&sh.kv) = Some((region, Pages::new(sh.cfg.kv_pages)));
+    Ok(())
+}
+
+/// Whether a reservation must wait for the KV region's allocation ([`ensure_kv`]) first.
+pub(super) fn kv_pending(sh: &Shared) -> bool {
+    *lock(&sh.role) == Role::Decode && lock(&sh.kv).is_none()
+}
+
+/// Reserves `req`'s pages for `from` (its router: when its link fails they are freed, see
+/// `decode::drop_lost_routers`).
+pub(super) fn reserve(sh: &Shared, from: u32, req: u64, tokens: u32) -> Result<LlmMsg, ServeError> {
+    if *lock(&sh.role) != Role::Decode {
+        return Err(ServeError::Peer("not a decode instance".into()));
+    }
+    let mut kv = lock(&sh.kv);
+    let (region, pages) = kv.as_mut().ok_or_else(|| ServeError::Peer("the KV region is not allocated (yet)".into()))?;
+    if pages.requests() >= sh.cfg.max_running {
+        return Err(ServeError::Peer(format!("{} requests hold KV here already", sh.cfg.max_running)));
+    }
+    let n = sh.layout.pages_for(tokens as usize);
+    if n > sh.cfg.kv_pages as usize {
+        return Err(ServeError::Input(format!(
+            "{tokens} tokens need {n} KV pages; an instance has {}",
+            sh.cfg.kv_pages
+        )));
+    }
+    let (lease, got) = pages.reserve(req, from, n).ok_or_else(|| match pages.lease_of(req) {
+        Some(_) => ServeError::Peer(format!("request {req} holds KV pages here already")),
+        None => ServeError::Peer(format!("{n} KV pages wanted, {} free", pages.available())),
+    })?;
+    let (node, region, key, len) = (sh.mesh.node(), region.id().0, region.key().0, region.len());
+    Ok(LlmMsg::Reserved { grant: KvGrant { node, region, key, len, pages: got, lease } })
+}
+
+/// Room for adapter `adapter`'s image, unless it is served here already (`Ack`). A grant no
+/// migration used yet (one that failed) is reused when large enough.
+pub(super) async fn reserve_adapter(sh: &Arc<Shared>, adapter: u32, bytes: u64) -> Result<LlmMsg, ServeError> {
+    if adapter == 0 || lock(&sh.adapters).contains(&adapter) {
+        return Ok(LlmMsg::Ack);
+    }
+    if bytes == 0 || bytes > 1 << 30 {
+        return Err(ServeError::Input(format!("an adapter image of {bytes} bytes")));
+    }
+    let fits = |granted: &std::collections::HashMap<u32, cascade_transport::Region>| {
+        granted.get(&adapter).filter(|r| r.len() >= bytes).map(grant_of(sh))
+    };
+    if let Some(grant) = fits(&lock(&sh.adapter_in)) {
+        return Ok(LlmMsg::AdapterGrant { grant });
+    }
+    let new = register_new_blocking(sh.mesh.clone(), bytes).await?;
+    let mut granted = lock(&sh.adapter_in);
+    // Another reservation of the same adapter may have been granted meanwhile.
+    if let Some(grant) = fits(&granted) {
+        sh.mesh.deregister(new.id());
+        return Ok(LlmMsg::AdapterGrant { grant });
+    }
+    let grant = grant_of(sh)(&new);
+    if let Some(old) = granted.insert(adapter, new) {
+        sh.mesh.deregister(old.id());
+    }
+    Ok(LlmMsg::AdapterGrant { grant })
+}
+
+fn grant_of(sh: &Shared) -> impl Fn(&cascade_transport::Region) -> RegionGrant + '_ {
+    |r| RegionGrant { node: sh.mesh.node(), region: r.id().0, key: r.key().0, len: r.len() }
+}
