@@ -11,7 +11,7 @@ use anyhow::{bail, Context};
 use cascade_multicast::cluster::{Controller, RunSpec};
 use cascade_multicast::{Event, Loc, MeshRates, PlannerKind, Topology};
 use cascade_param_pool::node::start_services;
-use cascade_transport::{ClusterSpec, Endpoint, EndpointConfig};
+use cascade_transport::{ClusterSpec, Endpoint, EndpointConfig, StallWatch};
 use clap::{Args, Parser, Subcommand};
 
 mod demo;
@@ -294,6 +294,7 @@ pub(crate) async fn join_with(
     cfg.shm = !m.no_shm;
     cfg.memory_limit = m.memory_limit_mib.map(|mib| mib << 20);
     let ep = Arc::new(Endpoint::bind(cfg).await?);
+    watch_stalls(ep.metrics());
     if let Some(addr) = m.metrics {
         let bound = cascade_transport::metrics::spawn_metrics_server(addr, ep.metrics().clone()).await?;
         // One line a supervisor (or a test) can read the address from, port 0 included.
@@ -313,6 +314,22 @@ pub(crate) async fn join_with(
         "joined the cluster"
     );
     Ok(ep)
+}
+
+/// A runtime standing still this long is reported (a third of the keepalive's default limit).
+const STALL_REPORTED: Duration = Duration::from_secs(1);
+
+/// Starts the process's [`StallWatch`] (once: one runtime per process here), so that a node whose
+/// async runtime stands still says so in its log and metrics before its peers declare it down.
+fn watch_stalls(metrics: &Arc<cascade_transport::metrics::Metrics>) {
+    static WATCH: std::sync::OnceLock<Option<StallWatch>> = std::sync::OnceLock::new();
+    WATCH.get_or_init(|| match StallWatch::start(STALL_REPORTED, Some(metrics.clone())) {
+        Ok(w) => Some(w),
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot start the runtime's stall watch");
+            None
+        }
+    });
 }
 
 /// How long a serving instance may take to stop on SIGINT/SIGTERM before its node leaves anyway.

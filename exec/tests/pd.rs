@@ -423,9 +423,8 @@ async fn a_mutation_allocates_its_kv_region_off_the_runtime() {
     let eps = cascade_tests::loopback::endpoints(2, "pd-mutate-off-runtime", |c| c.shm = true).await.unwrap();
     let meshes: Vec<Arc<dyn Mesh>> = eps.iter().map(|e| e.clone() as Arc<dyn Mesh>).collect();
     // Packing the model's copy is slow too (a debug build): off the one runtime thread as well.
-    let c = tokio::task::spawn_blocking(move || with_instances(eps, meshes, &[Some(Role::Prefill)], cfg))
-        .await
-        .unwrap();
+    let c =
+        tokio::task::spawn_blocking(move || with_instances(eps, meshes, &[Some(Role::Prefill)], cfg)).await.unwrap();
     let (stop, mut stopped) = tokio::sync::watch::channel(false);
     let ticker = tokio::spawn(async move {
         let (mut worst, mut last) = (Duration::ZERO, std::time::Instant::now());
