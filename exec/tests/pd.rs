@@ -417,7 +417,7 @@ async fn a_kv_move_that_fails_leaves_no_staging_region_registered() {
 #[tokio::test(flavor = "current_thread")]
 async fn a_mutation_allocates_its_kv_region_off_the_runtime() {
     let Some(dir) = smollm2_dir() else { return };
-    let (model, file) = PdModel::from_dir(&dir).unwrap();
+    let (model, _) = PdModel::from_dir(&dir).unwrap();
     let page = KvLayout::new(&model.config, 16).page_bytes();
     let cfg = LlmConfig { kv_pages: ((1u64 << 30) / page) as u32, ..test_config() };
     let eps = cascade_tests::loopback::endpoints(2, "pd-mutate-off-runtime", |c| c.shm = true).await.unwrap();

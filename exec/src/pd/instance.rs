@@ -9,7 +9,7 @@ use cascade_multicast::cluster::MulticastNode;
 use cascade_transport::service::DEFAULT_INBOX;
 use cascade_transport::{Inbox, Mesh, Region, ReplyTo, ServiceExt};
 use tokio::sync::{mpsc, oneshot, watch, Notify};
-use tracing::{debug, warn};
+use tracing::debug;
 
 mod decode;
 mod grants;
@@ -34,8 +34,8 @@ use crate::{Activation, ExecError};
 /// An LLM instance's limits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LlmConfig {
-    /// Pages of the KV region (allocated and registered when the instance becomes a decode
-    /// instance: at its start or when it mutates).
+    /// Pages of the KV region (allocated and registered when a prefill instance mutates, or at
+    /// a decode instance's first reservation).
     pub kv_pages: u32,
     /// Tokens per KV page.
     pub page_tokens: u32,
@@ -232,16 +232,6 @@ impl LlmInstance {
         tokio::spawn(serve_exec(shared.clone(), exec_inbox));
         tokio::spawn(decode_loop(shared.clone()));
         tokio::spawn(drop_lost_routers(shared.clone()));
-        if role == Role::Decode {
-            // Its KV region is allocated now rather than by the first reservation.
-            let (sh, working) = (shared.clone(), shared.work.subscribe());
-            tokio::spawn(async move {
-                let _working = working;
-                if let Err(e) = ensure_kv(&sh).await {
-                    warn!(error = %e, "cannot allocate the KV region (each reservation tries again)");
-                }
-            });
-        }
         Ok(LlmInstance { shared })
     }
 
@@ -501,6 +491,7 @@ fn load(sh: &Shared) -> LlmMsg {
             adapter: s.adapter,
             tokens: s.pos,
             remaining: s.max_tokens.saturating_sub(s.generated),
+            router: s.router,
         })
         .collect();
     let (kv_pages, free_pages) = lock(&sh.kv).as_ref().map_or((0, 0), |(_, p)| (sh.cfg.kv_pages, p.available() as u32));

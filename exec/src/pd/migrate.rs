@@ -107,8 +107,15 @@ pub fn trigger(loads: &[InstanceLoad], c: &ClusterConfig) -> Option<String> {
 
 /// The monitor's decision for `loads`, or `None` when no trigger fires. `layout` sizes KV in
 /// bytes; `cost` gives the step time, the migration bandwidth and the adapter's size and load
-/// time.
-pub fn plan(loads: &[InstanceLoad], c: &ClusterConfig, cost: &CostModel, layout: &KvLayout) -> Option<Decision> {
+/// time. With `router`, only that router's requests move; the others' count as load where they
+/// are (dLoRA has one cluster-wide monitor; a router here moves only what its own state follows).
+pub fn plan(
+    loads: &[InstanceLoad],
+    c: &ClusterConfig,
+    cost: &CostModel,
+    layout: &KvLayout,
+    router: Option<NodeId>,
+) -> Option<Decision> {
     let why = trigger(loads, c)?;
     let n = loads.len();
     let step_ms = |running: usize| cost.base_ms / running.max(1) as f64 + cost.per_seq_ms;
@@ -129,7 +136,7 @@ pub fn plan(loads: &[InstanceLoad], c: &ClusterConfig, cost: &CostModel, layout:
         for r in &l.requests {
             let exec_ms = f64::from(r.remaining) * step_ms(l.requests.len());
             let mem = kv_bytes(r.tokens + r.remaining);
-            if over.contains(&j) {
+            if over.contains(&j) && router.is_none_or(|me| r.router == me) {
                 let move_ms = kv_bytes(r.tokens) / cost.migrate_bytes_per_ms;
                 requests.push(MigRequest { adapter: r.adapter, from: pi, exec_ms, mem_bytes: mem, move_ms });
                 ids.push((j, r));
@@ -198,8 +205,8 @@ pub struct Rebalance {
     pub seconds: f64,
 }
 
-/// One monitor round over the decode instances `decode`: loads, [`plan`], and the moves, one
-/// after another. The solver's time and each move's outcome go to the router node's metrics
+/// One monitor round over the decode instances `decode`: loads, [`plan`] (moving this router's
+/// requests only), and the moves, one after another. The solver's time and each move's outcome go to the router node's metrics
 /// (`cascade_lora_migration_solve_seconds`, `cascade_lora_migrations_total{result}`).
 pub async fn rebalance(
     mesh: &Arc<dyn Mesh>,
@@ -212,7 +219,7 @@ pub async fn rebalance(
     for &node in decode {
         loads.push(load(mesh, node, timeout).await?);
     }
-    let decision = plan(&loads, &rc.cluster, &rc.cost, &rc.layout);
+    let decision = plan(&loads, &rc.cluster, &rc.cost, &rc.layout, Some(mesh.node()));
     let metrics = mesh.metrics();
     let mut outcomes = Vec::new();
     if let Some(d) = &decision {
@@ -263,6 +270,8 @@ impl Drain {
 /// pages) that grants it room, the next one when it has none; a request none took is tried
 /// again a little later (a target briefly unreachable), a few times at most. `moved` hears
 /// of each move as it completes. An instance of `to` that does not answer `Load` is left out.
+/// Only this router's requests move (`ReqLoad::router`): each router the instance told it
+/// leaves drains its own, whose state follows the move.
 /// Not in the papers: dLoRA migrates to balance load; this empties an instance with the same
 /// mechanism.
 pub async fn drain(
@@ -292,7 +301,8 @@ pub async fn drain(
             (_, Some(&(n, at))) => n < MOVE_TRIES && now >= at,
             _ => true,
         };
-        let mut fresh: Vec<ReqLoad> = requests.into_iter().filter(|r| due(r)).collect();
+        let mine = mesh.node();
+        let mut fresh: Vec<ReqLoad> = requests.into_iter().filter(|r| r.router == mine && due(r)).collect();
         if fresh.is_empty() {
             tokio::time::sleep(every).await;
             continue;
@@ -382,11 +392,15 @@ async fn move_one(mesh: &Arc<dyn Mesh>, m: &Move, timeout: Duration) -> Result<u
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::pd::proto::KvGrant;
 
     fn load(node: NodeId, reqs: &[(u64, u32)], adapters: &[u32]) -> InstanceLoad {
         InstanceLoad {
             node,
-            requests: reqs.iter().map(|&(req, adapter)| ReqLoad { req, adapter, tokens: 20, remaining: 20 }).collect(),
+            requests: reqs
+                .iter()
+                .map(|&(req, adapter)| ReqLoad { req, adapter, tokens: 20, remaining: 20, router: 0 })
+                .collect(),
             adapters: adapters.to_vec(),
             kv_pages: 64,
             free_pages: 64 - 2 * reqs.len() as u32,
@@ -403,12 +417,80 @@ mod tests {
         let cost = CostModel::cpu_smollm2();
         let even = [load(1, &[(1, 1), (2, 2)], &[1, 2]), load(2, &[(3, 1), (4, 2)], &[1, 2])];
         assert_eq!(trigger(&even, &c), None);
-        assert!(plan(&even, &c, &cost, &layout()).is_none());
+        assert!(plan(&even, &c, &cost, &layout(), None).is_none());
         let skewed = [load(1, &[(1, 1), (2, 2), (3, 1), (4, 2)], &[1, 2]), load(2, &[], &[])];
-        let d = plan(&skewed, &c, &cost, &layout()).unwrap();
+        let d = plan(&skewed, &c, &cost, &layout(), None).unwrap();
         assert!(d.trigger.contains("node 1 runs 4 requests"), "{}", d.trigger);
         assert!(!d.moves.is_empty() && d.objective_ms < d.stay_ms, "{d:?}");
         assert!(d.moves.iter().all(|m| m.from == 1 && m.to == 2 && m.tokens == 40));
+    }
+
+    /// A leaving instance holds requests of two routers: router 0's drain moves its own and
+    /// leaves router 9's, whose state would not follow the move (router 9 drains those itself).
+    /// Fakes answer for the instances on the mem fabric (a test double): node 1 leaves, node 2
+    /// grants pages.
+    #[tokio::test]
+    async fn a_drain_moves_only_the_draining_routers_requests() {
+        use cascade_transport::mem::MemFabric;
+        use cascade_transport::service::DEFAULT_INBOX;
+        use cascade_transport::ServiceExt;
+        use std::sync::Mutex;
+
+        let fabric = MemFabric::new();
+        let nodes: Vec<Arc<dyn Mesh>> = (0..3).map(|i| Arc::new(fabric.add_node(i)) as Arc<dyn Mesh>).collect();
+        let req = |req, router| ReqLoad { req, adapter: 0, tokens: 10, remaining: 5, router };
+        let running = Arc::new(Mutex::new(vec![req(1, 0), req(2, 9), req(3, 0)]));
+        let asked = Arc::new(Mutex::new(Vec::new()));
+        for node in [1, 2] {
+            let (mesh, running, asked) = (nodes[node].clone(), running.clone(), asked.clone());
+            let mut inbox = mesh.subscribe::<LlmMsg>(DEFAULT_INBOX).unwrap();
+            tokio::spawn(async move {
+                while let Some(m) = inbox.recv().await {
+                    let answer = match m.msg {
+                        LlmMsg::Load => LlmMsg::Loads {
+                            requests: if node == 1 { running.lock().unwrap().clone() } else { Vec::new() },
+                            adapters: Vec::new(),
+                            kv_pages: 64,
+                            free_pages: 64,
+                        },
+                        LlmMsg::Reserve { .. } => LlmMsg::Reserved {
+                            grant: KvGrant { node: 2, region: 1, key: 1, len: 1 << 20, pages: vec![0], lease: 1 },
+                        },
+                        LlmMsg::Migrate { req, .. } => {
+                            asked.lock().unwrap().push(req);
+                            running.lock().unwrap().retain(|r| r.req != req);
+                            LlmMsg::Migrated { req, tokens: 3 }
+                        }
+                        other => LlmMsg::Failed { message: format!("unexpected {other:?}"), retry: false },
+                    };
+                    let _ = mesh.reply(&m.reply_to.unwrap(), &answer);
+                }
+            });
+        }
+        let timing = (Duration::from_secs(5), Duration::from_millis(10), Duration::from_millis(300));
+        let d = drain(&nodes[0], (1, &[2]), timing, |_, _| {}).await;
+        let moved: Vec<u64> = d.outcomes.iter().filter(|(_, o)| o.is_ok()).map(|(r, _)| *r).collect();
+        assert_eq!(moved, [1, 3], "{:?}", d.outcomes);
+        assert_eq!(*asked.lock().unwrap(), [1, 3], "router 9's request was left where it is");
+        assert_eq!(running.lock().unwrap().iter().map(|r| r.req).collect::<Vec<_>>(), [2]);
+    }
+
+    /// With a router named, the plan moves only that router's requests off the busy instance:
+    /// the requests a plan for every router moves are given to router 9, and router 0's plan
+    /// moves none of them.
+    #[test]
+    fn a_routers_plan_moves_only_its_own_requests() {
+        let c = ClusterConfig { queue_trigger: 2, ..ClusterConfig::default() };
+        let cost = CostModel::cpu_smollm2();
+        let mut skewed = [load(1, &[(1, 1), (2, 2), (3, 1), (4, 2), (5, 1), (6, 2)], &[1, 2]), load(2, &[], &[])];
+        let all = plan(&skewed, &c, &cost, &layout(), None).unwrap();
+        let theirs: Vec<u64> = all.moves.iter().map(|m| m.req).collect();
+        assert!(!theirs.is_empty() && theirs.len() < 6, "{all:?}");
+        for r in skewed[0].requests.iter_mut().filter(|r| theirs.contains(&r.req)) {
+            r.router = 9;
+        }
+        let mine = plan(&skewed, &c, &cost, &layout(), Some(0)).unwrap();
+        assert!(mine.moves.iter().all(|m| !theirs.contains(&m.req)), "router 9's {theirs:?} moved: {:?}", mine.moves);
     }
 
     #[test]

@@ -1,4 +1,4 @@
-//! The LLM service's messages (service [`ServiceId::LLM`], version 5), binary-encoded on the
+//! The LLM service's messages (service [`ServiceId::LLM`], version 6), binary-encoded on the
 //! typed control plane.
 //!
 //! ```text
@@ -101,6 +101,9 @@ pub struct ReqLoad {
     pub tokens: u32,
     /// Tokens it still generates at most.
     pub remaining: u32,
+    /// The router whose request it is (its tokens go there). Only that router moves it: another
+    /// router's state would not follow the move.
+    pub router: u32,
 }
 
 /// What an instance does now.
@@ -332,7 +335,7 @@ pub enum LlmMsg {
     },
 }
 
-binary_message!(LlmMsg, ServiceId::LLM, 5);
+binary_message!(LlmMsg, ServiceId::LLM, 6);
 
 impl LlmMsg {
     /// The error for an answer from `node` that its call did not expect: its refusal (`Failed`)
@@ -392,7 +395,7 @@ mod tests {
             },
             LlmMsg::Load,
             LlmMsg::Loads {
-                requests: vec![ReqLoad { req: 4, adapter: 1, tokens: 17, remaining: 9 }],
+                requests: vec![ReqLoad { req: 4, adapter: 1, tokens: 17, remaining: 9, router: 3 }],
                 adapters: vec![1, 3],
                 kv_pages: 64,
                 free_pages: 60,
