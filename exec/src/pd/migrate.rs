@@ -206,8 +206,9 @@ pub struct Rebalance {
 }
 
 /// One monitor round over the decode instances `decode`: loads, [`plan`] (moving this router's
-/// requests only), and the moves, one after another. The solver's time and each move's outcome go to the router node's metrics
-/// (`cascade_lora_migration_solve_seconds`, `cascade_lora_migrations_total{result}`).
+/// requests only), and the moves, one after another. The solver's time and each move's outcome
+/// go to the router node's metrics (`cascade_lora_migration_solve_seconds`,
+/// `cascade_lora_migrations_total{result}`).
 pub async fn rebalance(
     mesh: &Arc<dyn Mesh>,
     decode: &[NodeId],
@@ -293,6 +294,7 @@ pub async fn drain(
     // yet) is tried again after RETRY_AFTER, MOVE_TRIES times at most.
     let mut tried: std::collections::HashMap<u64, (u32, Instant)> = std::collections::HashMap::new();
     let mut outcomes: std::collections::BTreeMap<u64, Result<Moved, String>> = std::collections::BTreeMap::new();
+    let mine = mesh.node();
     while t0.elapsed() < until {
         let Ok(InstanceLoad { requests, .. }) = load(mesh, from, timeout).await else { break };
         let now = Instant::now();
@@ -301,7 +303,6 @@ pub async fn drain(
             (_, Some(&(n, at))) => n < MOVE_TRIES && now >= at,
             _ => true,
         };
-        let mine = mesh.node();
         let mut fresh: Vec<ReqLoad> = requests.into_iter().filter(|r| r.router == mine && due(r)).collect();
         if fresh.is_empty() {
             tokio::time::sleep(every).await;
@@ -364,7 +365,7 @@ async fn load(mesh: &Arc<dyn Mesh>, node: NodeId, timeout: Duration) -> Result<I
         LlmMsg::Loads { requests, adapters, kv_pages, free_pages } => {
             Ok(InstanceLoad { node, requests, adapters, kv_pages, free_pages })
         }
-        other => Err(ServeError::Protocol(format!("node {node} answered Load with {other:?}"))),
+        other => Err(other.unexpected_from(node)),
     }
 }
 

@@ -68,7 +68,7 @@ pub(super) async fn reserve_adapter(sh: &Arc<Shared>, adapter: u32, bytes: u64) 
         return Err(ServeError::Input(format!("an adapter image of {bytes} bytes")));
     }
     let fits = |granted: &std::collections::HashMap<u32, cascade_transport::Region>| {
-        granted.get(&adapter).filter(|r| r.len() >= bytes).map(grant_of(sh))
+        granted.get(&adapter).filter(|r| r.len() >= bytes).map(|r| grant_of(sh, r))
     };
     if let Some(grant) = fits(&lock(&sh.adapter_in)) {
         return Ok(LlmMsg::AdapterGrant { grant });
@@ -80,13 +80,14 @@ pub(super) async fn reserve_adapter(sh: &Arc<Shared>, adapter: u32, bytes: u64) 
         sh.mesh.deregister(new.id());
         return Ok(LlmMsg::AdapterGrant { grant });
     }
-    let grant = grant_of(sh)(&new);
+    let grant = grant_of(sh, &new);
     if let Some(old) = granted.insert(adapter, new) {
         sh.mesh.deregister(old.id());
     }
     Ok(LlmMsg::AdapterGrant { grant })
 }
 
-fn grant_of(sh: &Shared) -> impl Fn(&cascade_transport::Region) -> RegionGrant + '_ {
-    |r| RegionGrant { node: sh.mesh.node(), region: r.id().0, key: r.key().0, len: r.len() }
+/// The grant a peer WRITEs an adapter image into `r` with.
+fn grant_of(sh: &Shared, r: &cascade_transport::Region) -> RegionGrant {
+    RegionGrant { node: sh.mesh.node(), region: r.id().0, key: r.key().0, len: r.len() }
 }
