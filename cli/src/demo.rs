@@ -111,7 +111,7 @@ pub(crate) fn run(a: DemoArgs) -> anyhow::Result<()> {
         }
         c.arg("--pids").arg(pids.iter().map(|p| p.to_string()).collect::<Vec<_>>().join(","));
         let status = c.status().context("running the demo driver in its namespace")?;
-        drop(net);
+        stop_hosts(&mut net, &logs);
         if !status.success() {
             bail!("the demo failed (node logs in {})", logs.display());
         }
@@ -139,49 +139,28 @@ fn cluster_name() -> String {
     format!("demo{}", std::process::id())
 }
 
-/// Sends SIGTERM to `child` unless it has exited (its pid may be another process's by then):
-/// whether it was signalled.
-pub(crate) fn terminate(child: &mut std::process::Child) -> std::io::Result<bool> {
-    if child.try_wait()?.is_some() {
-        return Ok(false);
-    }
-    let pid = libc::pid_t::try_from(child.id()).map_err(std::io::Error::other)?;
-    // SAFETY: kill(2) on the pid of a child not reaped yet (so the pid is still its own) with a
-    // valid signal number; it touches no memory of this process.
-    if unsafe { libc::kill(pid, libc::SIGTERM) } != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(true)
-}
-
 /// How long the nodes a run started get to leave after SIGTERM before they are killed.
-const NODE_GRACE: Duration = Duration::from_secs(10);
+pub(crate) const NODE_GRACE: Duration = Duration::from_secs(10);
 
 /// Stops the nodes a run started as an operator would: SIGTERM, so that each leaves the cluster
 /// cleanly (an instance stops first: `crate::stop_gracefully`), then SIGKILL for any still
-/// running after [`NODE_GRACE`], said on stderr. A child already reaped (one a run killed) is
-/// not signalled: its pid may belong to another process by now. Then removes the same-host
-/// sockets they leave in `runtime_dir`, their `XDG_RUNTIME_DIR` (a killed node cannot remove its
-/// own, and each run's names differ, so they would pile up).
+/// running after [`NODE_GRACE`] ([`cascade_devcluster::process::stop_processes`]). Then removes
+/// the same-host sockets left in `runtime_dir` ([`remove_sockets`]).
 pub(crate) fn stop_nodes(children: impl IntoIterator<Item = std::process::Child>, runtime_dir: &Path) {
-    // Those that exited are left out; one that could not be signalled is killed after the grace.
-    let mut children: Vec<_> =
-        children.into_iter().filter_map(|mut c| (!matches!(terminate(&mut c), Ok(false))).then_some(c)).collect();
-    let deadline = Instant::now() + NODE_GRACE;
-    for c in &mut children {
-        loop {
-            match c.try_wait() {
-                Ok(Some(_)) => break,
-                Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
-                _ => {
-                    eprintln!("a node (pid {}) still ran {} s after SIGTERM: killed", c.id(), NODE_GRACE.as_secs());
-                    let _ = c.kill();
-                    let _ = c.wait();
-                    break;
-                }
-            }
-        }
-    }
+    cascade_devcluster::process::stop_processes(children, NODE_GRACE);
+    remove_sockets(runtime_dir);
+}
+
+/// [`stop_nodes`] for nodes started in network namespaces.
+pub(crate) fn stop_hosts(net: &mut Netns, runtime_dir: &Path) {
+    net.stop(NODE_GRACE);
+    remove_sockets(runtime_dir);
+}
+
+/// Removes the same-host sockets this process's clusters' nodes left in `runtime_dir`, their
+/// `XDG_RUNTIME_DIR`: a killed node cannot remove its own, and each run's names differ, so they
+/// would pile up.
+fn remove_sockets(runtime_dir: &Path) {
     let prefix = format!("cascade-{}-", cluster_name());
     for e in std::fs::read_dir(runtime_dir).into_iter().flatten().flatten() {
         let name = e.file_name();

@@ -302,7 +302,7 @@ fn run_policy(a: &LiveArgs, policy: LivePolicy, round: usize) -> anyhow::Result<
         driver_args(&mut c, a);
         c.env("CASCADE_SECRET", SECRET);
         let status = c.status().context("running the driver in its namespace")?;
-        drop(net);
+        crate::demo::stop_hosts(&mut net, &dir);
         if !status.success() {
             bail!("{} failed (logs in {})", policy.name(), dir.display());
         }

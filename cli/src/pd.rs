@@ -244,7 +244,7 @@ pub(crate) fn run(a: PdArgs) -> anyhow::Result<()> {
         if !graceful {
             return c.kill().context("killing the decode instance");
         }
-        if !crate::demo::terminate(c).context("SIGTERM to the decode instance")? {
+        if !cascade_devcluster::process::terminate(c).context("SIGTERM to the decode instance")? {
             bail!("the decode instance exited before it was stopped");
         }
         Ok(())

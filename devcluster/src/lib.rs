@@ -3,12 +3,14 @@
 //! Clusters for development and benchmarks on one machine, used at run time by `cascade demo`,
 //! the multicast benchmark and the integration tests: [`netns::Netns`] makes N hosts as network
 //! namespaces on a bridge with shaped links (root needed), [`free_addrs`] finds free loopback
-//! ports. Nothing here is for production deployments.
+//! ports, [`process::stop_processes`] stops the nodes they run (SIGTERM, then SIGKILL after a
+//! grace). Nothing here is for production deployments.
 
 use std::net::{SocketAddr, TcpListener};
 use std::sync::atomic::{AtomicU32, Ordering};
 
 pub mod netns;
+pub mod process;
 
 /// The lowest port [`free_addrs`] hands out.
 const LOWEST_PORT: u32 = 10_000;

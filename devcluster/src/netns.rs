@@ -150,13 +150,21 @@ impl Netns {
         c
     }
 
-    /// Starts a command built by [`command`](Self::command); it is killed on drop. Returns its
-    /// process id.
+    /// Starts a command built by [`command`](Self::command); it is stopped by [`stop`](Self::stop)
+    /// or killed on drop. Returns its process id.
     pub fn spawn(&mut self, mut cmd: Command) -> anyhow::Result<u32> {
         let child = cmd.spawn().context("starting a process in a namespace")?;
         let pid = child.id();
         self.children.push(child);
         Ok(pid)
+    }
+
+    /// Stops the processes [`spawn`](Self::spawn) started, as an operator would: SIGTERM, then
+    /// SIGKILL for any still running after `grace` ([`crate::process::stop_processes`]). Dropping
+    /// the hosts instead kills them at once (a test that panicked should not wait). Returns how
+    /// many had to be killed.
+    pub fn stop(&mut self, grace: std::time::Duration) -> usize {
+        crate::process::stop_processes(self.children.drain(..), grace)
     }
 }
 

@@ -1,0 +1,75 @@
+//! Stopping the node processes a development cluster started, as an operator would.
+
+use std::process::Child;
+use std::time::{Duration, Instant};
+
+/// Sends SIGTERM to `child` unless it has exited (its pid may be another process's by then):
+/// whether it was signalled.
+pub fn terminate(child: &mut Child) -> std::io::Result<bool> {
+    if child.try_wait()?.is_some() {
+        return Ok(false);
+    }
+    let pid = libc::pid_t::try_from(child.id()).map_err(std::io::Error::other)?;
+    // SAFETY: kill(2) on the pid of a child not reaped yet (so the pid is still its own) with a
+    // valid signal number; it touches no memory of this process.
+    if unsafe { libc::kill(pid, libc::SIGTERM) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(true)
+}
+
+/// Stops `children`: SIGTERM to each still running, so that it can leave its cluster cleanly
+/// (and remove what it made, such as its same-host socket), then SIGKILL for any still running
+/// after `grace`, said on stderr. A child already reaped (one a run killed) is not signalled.
+/// Returns how many had to be killed.
+pub fn stop_processes(children: impl IntoIterator<Item = Child>, grace: Duration) -> usize {
+    // Those that exited are left out; one that could not be signalled is killed after the grace.
+    let mut children: Vec<_> =
+        children.into_iter().filter_map(|mut c| (!matches!(terminate(&mut c), Ok(false))).then_some(c)).collect();
+    let deadline = Instant::now() + grace;
+    let mut killed = 0;
+    for c in &mut children {
+        loop {
+            match c.try_wait() {
+                Ok(Some(_)) => break,
+                Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
+                _ => {
+                    eprintln!("a node (pid {}) still ran {:.0?} after SIGTERM: killed", c.id(), grace);
+                    let _ = c.kill();
+                    let _ = c.wait();
+                    killed += 1;
+                    break;
+                }
+            }
+        }
+    }
+    killed
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::process::Command;
+
+    #[test]
+    fn a_process_that_leaves_on_sigterm_is_not_killed_and_one_that_ignores_it_is() {
+        let polite = Command::new("sleep").arg("30").spawn().expect("sleep");
+        let t = Instant::now();
+        assert_eq!(stop_processes([polite], Duration::from_secs(10)), 0);
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+        let stubborn = Command::new("sh").args(["-c", "trap '' TERM; sleep 30"]).spawn().expect("sh");
+        // Give the shell time to install its trap before the signal.
+        std::thread::sleep(Duration::from_millis(300));
+        let t = Instant::now();
+        assert_eq!(stop_processes([stubborn], Duration::from_millis(500)), 1);
+        assert!(t.elapsed() >= Duration::from_millis(500), "{:?}", t.elapsed());
+    }
+
+    #[test]
+    fn a_reaped_child_is_not_signalled() {
+        let mut c = Command::new("true").spawn().expect("true");
+        c.wait().expect("wait");
+        assert!(!terminate(&mut c).expect("terminate"));
+        assert_eq!(stop_processes([c], Duration::from_secs(1)), 0);
+    }
+}
