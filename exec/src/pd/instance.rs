@@ -17,7 +17,7 @@ mod prefill;
 mod transfer;
 
 use decode::{decode_loop, drop_lost_routers, give_up, Away, Stop};
-use grants::{ensure_kv, kv_pending, reserve, reserve_adapter};
+use grants::{ensure_kv, reserve, reserve_adapter};
 use prefill::prefill;
 use transfer::admit;
 
@@ -104,8 +104,6 @@ struct Shared {
     role: Mutex<Role>,
     /// The KV region (decode) and its pages.
     kv: Mutex<Option<(Region, Pages)>>,
-    /// Held while the KV region is allocated (`grants::ensure_kv`).
-    kv_alloc: tokio::sync::Mutex<()>,
     /// A spare staging region for the KV a move WRITEs (each move takes it, or a new one, for
     /// itself, and gives it back when its WRITEs completed).
     staging: Mutex<Option<Region>>,
@@ -202,7 +200,6 @@ impl LlmInstance {
             copy,
             role: Mutex::new(role),
             kv: Mutex::new(None),
-            kv_alloc: tokio::sync::Mutex::new(()),
             staging: Mutex::new(None),
             running: Mutex::default(),
             wake: Notify::new(),
@@ -376,28 +373,16 @@ async fn serve_llm(sh: Arc<Shared>, mut inbox: Inbox<LlmMsg>) {
             {
                 Some(Err(ServeError::Stopped))
             }
-            LlmMsg::Reserve { req, tokens } if kv_pending(&sh) => {
-                let from = m.from;
-                answer_later(&sh, reply, move |sh| async move {
-                    ensure_kv(&sh).await?;
-                    reserve(&sh, from, req, tokens)
-                });
-                None
-            }
             LlmMsg::Reserve { req, tokens } => Some(reserve(&sh, m.from, req, tokens)),
             LlmMsg::Release { req, lease } => {
                 give_up(&sh, req, lease);
                 Some(Ok(LlmMsg::Ack))
             }
             // A decode instance from the answer on: its KV region is allocated first.
-            LlmMsg::Mutate => {
-                answer_later(&sh, reply, |sh| async move {
-                    ensure_kv(&sh).await?;
-                    *lock(&sh.role) = Role::Decode;
-                    Ok(LlmMsg::Ack)
-                });
-                None
-            }
+            LlmMsg::Mutate => Some(ensure_kv(&sh).map(|()| {
+                *lock(&sh.role) = Role::Decode;
+                LlmMsg::Ack
+            })),
             LlmMsg::Status => Some(Ok(state(&sh))),
             LlmMsg::Load => Some(Ok(load(&sh))),
             LlmMsg::ReserveAdapter { adapter, bytes } => {

@@ -1,35 +1,34 @@
 //! The regions an instance grants its peers: its KV pages (a decode instance) and room for the
 //! adapter images migrations bring.
 //!
-//! A region is allocated off the runtime's workers ([`register_new_blocking`]): pre-faulting the
-//! KV region (188 MB for SmolLM2 at the defaults) held a worker for 1.8–3 s on the 2-core
-//! development machine, the node's links sent no keepalive meanwhile, and its peers declared it
-//! down — the router then redid every request the instance held.
+//! No region's pages are faulted in on the runtime's workers: pre-faulting the KV region (188 MB
+//! for SmolLM2 at the defaults) held a worker for 1.8–3 s on the 2-core development machine, the
+//! node's links sent no keepalive meanwhile, and its peers declared it down — the router then
+//! redid every request the instance held. The KV region is mapped at once and pre-faulted on a
+//! thread of its own while it is already granted ([`Prefault::Background`]: pages are reserved
+//! from the front and faulted from the back), so a mutation is answered without waiting for
+//! it; adapter rooms are allocated whole on a blocking thread ([`register_new_blocking`]).
 
 use std::sync::Arc;
 
-use cascade_transport::register_new_blocking;
+use cascade_transport::{register_new_blocking, Prefault};
 
 use super::{lock, Shared};
 use crate::pd::kv::Pages;
 use crate::pd::proto::{KvGrant, LlmMsg, RegionGrant, Role};
 use crate::serve::ServeError;
 
-/// Allocates the KV region unless it exists (one allocation at a time; the first caller's
-/// allocation serves those that waited for it).
-pub(super) async fn ensure_kv(sh: &Shared) -> Result<(), ServeError> {
-    let _one = sh.kv_alloc.lock().await;
-    if lock(&sh.kv).is_some() {
-        return Ok(());
+/// Allocates the KV region unless it exists. Quick: the region is mapped, not faulted in (see
+/// the module's docs).
+pub(super) fn ensure_kv(sh: &Shared) -> Result<(), ServeError> {
+    let mut kv = lock(&sh.kv);
+    if kv.is_none() {
+        let len = sh.layout.page_bytes() * u64::from(sh.cfg.kv_pages);
+        let region = sh.mesh.alloc_prefault(len, Prefault::Background)?;
+        sh.mesh.register(&region)?;
+        *kv = Some((region, Pages::new(sh.cfg.kv_pages)));
     }
-    let region = register_new_blocking(sh.mesh.clone(), sh.layout.page_bytes() * u64::from(sh.cfg.kv_pages)).await?;
-    *lock(&sh.kv) = Some((region, Pages::new(sh.cfg.kv_pages)));
     Ok(())
-}
-
-/// Whether a reservation must wait for the KV region's allocation ([`ensure_kv`]) first.
-pub(super) fn kv_pending(sh: &Shared) -> bool {
-    *lock(&sh.role) == Role::Decode && lock(&sh.kv).is_none()
 }
 
 /// Reserves `req`'s pages for `from` (its router: when its link fails they are freed, see
@@ -38,8 +37,10 @@ pub(super) fn reserve(sh: &Shared, from: u32, req: u64, tokens: u32) -> Result<L
     if *lock(&sh.role) != Role::Decode {
         return Err(ServeError::Peer("not a decode instance".into()));
     }
+    // A decode instance from the start maps its region at its first reservation.
+    ensure_kv(sh)?;
     let mut kv = lock(&sh.kv);
-    let (region, pages) = kv.as_mut().ok_or_else(|| ServeError::Peer("the KV region is not allocated (yet)".into()))?;
+    let (region, pages) = kv.as_mut().ok_or_else(|| ServeError::Peer("the KV region is not allocated".into()))?;
     if pages.requests() >= sh.cfg.max_running {
         return Err(ServeError::Peer(format!("{} requests hold KV here already", sh.cfg.max_running)));
     }
