@@ -49,6 +49,15 @@ pub trait Mesh: Send + Sync + 'static {
         self.register(&r)?;
         Ok(r)
     }
+    /// Allocates a region whose pages a thread of its own faults in, from the last page back
+    /// ([`Prefault::Background`](crate::Prefault)), and registers it: quick enough for an async
+    /// worker, and usable at once (a write that gets ahead of the thread faults its pages in
+    /// itself). On a node whose registration pins memory (RDMA), registering still faults it in.
+    fn register_new_background(&self, len: u64) -> Result<Region> {
+        let r = self.alloc_prefault(len, crate::Prefault::Background)?;
+        self.register(&r)?;
+        Ok(r)
+    }
     /// Peer up/down events from now on.
     fn peer_events(&self) -> tokio::sync::broadcast::Receiver<PeerEvent>;
     /// Whether a live link to `peer` exists now.

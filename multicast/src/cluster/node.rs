@@ -6,9 +6,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use cascade_transport::service::DEFAULT_INBOX;
-use cascade_transport::{
-    register_new_blocking, Inbox, Mesh, PeerEvent, Prefault, Received, Region, ServiceExt, TransportError,
-};
+use cascade_transport::{register_new_blocking, Inbox, Mesh, PeerEvent, Received, Region, ServiceExt, TransportError};
 use tokio::sync::mpsc;
 use tracing::{debug, info, warn};
 
@@ -370,11 +368,7 @@ impl MulticastNode {
                 // async workers, whose links would miss their keepalives meanwhile.
                 (register_new_blocking(self.mesh.clone(), bytes).await?, None)
             }
-            Fill::TargetInBackground => {
-                let region = self.mesh.alloc_prefault(bytes, Prefault::Background)?;
-                self.mesh.register(&region)?;
-                (region, None)
-            }
+            Fill::TargetInBackground => (self.mesh.register_new_background(bytes)?, None),
         };
         let reply = Control::Prepared { region: region.id().0, key: region.key().0, crcs };
         let mut st = self.state();

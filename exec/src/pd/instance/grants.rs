@@ -5,13 +5,13 @@
 //! for SmolLM2 at the defaults) held a worker for 1.8–3 s on the 2-core development machine, the
 //! node's links sent no keepalive meanwhile, and its peers declared it down — the router then
 //! redid every request the instance held. The KV region is mapped at once and pre-faulted on a
-//! thread of its own while it is already granted ([`Prefault::Background`]: pages are reserved
+//! thread of its own while it is already granted (`Mesh::register_new_background`: pages are reserved
 //! from the front and faulted from the back), so a mutation is answered without waiting for
 //! it; adapter rooms are allocated whole on a blocking thread ([`register_new_blocking`]).
 
 use std::sync::Arc;
 
-use cascade_transport::{register_new_blocking, Prefault};
+use cascade_transport::register_new_blocking;
 
 use super::{lock, Shared};
 use crate::pd::kv::Pages;
@@ -24,8 +24,7 @@ pub(super) fn ensure_kv(sh: &Shared) -> Result<(), ServeError> {
     let mut kv = lock(&sh.kv);
     if kv.is_none() {
         let len = sh.layout.page_bytes() * u64::from(sh.cfg.kv_pages);
-        let region = sh.mesh.alloc_prefault(len, Prefault::Background)?;
-        sh.mesh.register(&region)?;
+        let region = sh.mesh.register_new_background(len)?;
         *kv = Some((region, Pages::new(sh.cfg.kv_pages)));
     }
     Ok(())

@@ -45,7 +45,8 @@ impl Grants {
         slot_bytes: u64,
     ) -> Result<ExecMsg, ServeError> {
         let range = 0..want.clamp(1, cap);
-        let r = mesh.register_new(slot_bytes * u64::from(range.end))?;
+        // Faulted in by a thread of its own: this runs on the request loop.
+        let r = mesh.register_new_background(slot_bytes * u64::from(range.end))?;
         if let Some((old, _)) = lock(&self.regions).insert(from, (r.clone(), range.clone())) {
             mesh.deregister(old.id());
         }

@@ -94,7 +94,7 @@ impl Pairs {
         if slots == 0 {
             return Err(ServeError::Protocol(format!("node {} granted no slot", ask.then)));
         }
-        let staging = mesh.register_new(slot_bytes * u64::from(slots))?;
+        let staging = mesh.register_new_background(slot_bytes * u64::from(slots))?;
         let remote = RemoteRegion { node: ask.then, id: cascade_transport::RegionId(region), key: RemoteKey(key), len };
         let p = Arc::new(PeerSlots {
             remote,
