@@ -5,9 +5,10 @@
 //! for SmolLM2 at the defaults) held a worker for 1.8–3 s on the 2-core development machine, the
 //! node's links sent no keepalive meanwhile, and its peers declared it down — the router then
 //! redid every request the instance held. The KV region is mapped at once and pre-faulted on a
-//! thread of its own while it is already granted (`Mesh::register_new_background`: pages are reserved
-//! from the front and faulted from the back), so a mutation is answered without waiting for
-//! it; adapter rooms are allocated whole on a blocking thread ([`register_new_blocking`]).
+//! thread of its own while it is already granted (`Mesh::register_new_background`: pages are
+//! reserved from the front and faulted from the back), so a mutation is answered without
+//! waiting for it; adapter rooms are allocated whole on a blocking thread
+//! ([`register_new_blocking`]).
 
 use std::sync::Arc;
 
