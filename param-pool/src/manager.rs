@@ -584,12 +584,12 @@ impl<S: MetaStore + 'static> Manager<S> {
         self.pool().copies().filter(|c| c.model == model && c.state == CopyState::Ready && pick(c)).count()
     }
 
-    /// Deploys `model` on GPU 0 of each of `nodes` at once: one multicast.
+    /// Deploys `model` on GPU 0 of each of `nodes` at once: one multicast. All or none: a node
+    /// the pool refuses (dead, full, unknown) refuses the whole scale-out and nothing starts
+    /// (deploying node by node left the copies of the nodes before it loading, with nobody to
+    /// make them). One metadata record for all the nodes.
     pub async fn scale_out(&mut self, model: ModelId, nodes: &[NodeId]) -> Result<(), ManagerError> {
-        let mut actions = Vec::new();
-        for &n in nodes {
-            actions.extend(self.apply(Event::Deploy { model, node: n, gpu: 0 }).await?);
-        }
+        let actions = self.apply(Event::DeployAll { model, nodes: nodes.to_vec(), gpu: 0 }).await?;
         self.drive(actions).await
     }
 

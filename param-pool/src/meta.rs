@@ -390,6 +390,15 @@ pub enum Event {
         /// GPU.
         gpu: u32,
     },
+    /// [`Pool::deploy_all`]: a scale-out, one record (and one fsync) for all its nodes.
+    DeployAll {
+        /// Model.
+        model: ModelId,
+        /// Nodes.
+        nodes: Vec<NodeId>,
+        /// GPU on each.
+        gpu: u32,
+    },
     /// [`Pool::copy_ready`].
     CopyReady(CopyId),
     /// [`Pool::copy_failed`].
@@ -459,6 +468,7 @@ fn apply(state: &mut State, e: &Event) -> Result<Vec<Action>, PoolError> {
         }
         Event::Register { model, bytes, file_reachable } => pool.register(model, bytes, file_reachable),
         Event::Deploy { model, node, gpu } => pool.deploy(model, node, gpu),
+        Event::DeployAll { model, ref nodes, gpu } => pool.deploy_all(model, nodes, gpu),
         Event::CopyReady(c) => pool.copy_ready(c),
         Event::CopyFailed(c) => pool.copy_failed(c),
         Event::Reclaim(c) => pool.reclaim(c),

@@ -381,6 +381,18 @@ impl Pool {
         Ok(vec![Action::Create { copy, from }])
     }
 
+    /// [`deploy`](Self::deploy) on each of `nodes` (a scale-out), all or none: when one node is
+    /// refused the pool is left as it was and the error names that node's refusal.
+    pub fn deploy_all(&mut self, model: ModelId, nodes: &[NodeId], gpu: u32) -> Result<Vec<Action>, PoolError> {
+        let mut next = self.clone();
+        let mut actions = Vec::with_capacity(nodes.len());
+        for &node in nodes {
+            actions.extend(next.deploy(model, node, gpu)?);
+        }
+        *self = next;
+        Ok(actions)
+    }
+
     /// A copy is complete and verified: evictions it was waiting for can proceed.
     pub fn copy_ready(&mut self, id: CopyId) -> Result<Vec<Action>, PoolError> {
         let c = self.copies.get_mut(&id).ok_or(PoolError::UnknownCopy(id))?;

@@ -504,6 +504,22 @@ async fn a_deploy_that_cannot_be_made_is_an_error() {
     m.deploy(1, 2, 0).await.unwrap();
 }
 
+/// A scale-out with one node the pool refuses (one it does not know) starts nothing: no copy is
+/// left loading on the nodes it would have accepted. A valid one makes every instance.
+#[tokio::test(start_paused = true)]
+async fn a_scale_out_with_a_refused_node_starts_nothing() {
+    let c = MemCluster::new(3, 1, "scale-refused");
+    let (mut m, _) = c.registered(1).await;
+    let before = m.pool().copies().count();
+    let err = m.scale_out(1, &[2, 3, 9]).await.unwrap_err().to_string();
+    assert!(err.contains('9'), "{err}");
+    assert_eq!(m.pool().copies().count(), before, "a refused scale-out left copies behind");
+    m.scale_out(1, &[2, 3]).await.unwrap();
+    let ready =
+        m.pool().copies().filter(|x| x.model == 1 && x.kind == CopyKind::Gpu(0) && x.state == CopyState::Ready).count();
+    assert_eq!(ready, 2);
+}
+
 /// An epoch plan moves model 1 from sub-cluster 0 (nodes 1, 2) to sub-cluster 1 (nodes 3, 4):
 /// instances appear on 3 and 4 through the pool, those on 1 and 2 go, and the pool stays whole.
 #[tokio::test(start_paused = true)]

@@ -218,3 +218,19 @@ fn copies_go_only_where_they_fit_and_a_register_without_room_is_refused() {
     assert!(acts.iter().all(|a| !matches!(a, Action::Create { .. })), "{acts:?}");
     assert!(!p.check().is_empty());
 }
+
+#[test]
+fn a_scale_out_deploys_on_every_node_or_on_none() {
+    let mut p = Pool::new(2, 0..5);
+    let a = p.register(1, 100, true).unwrap();
+    settle(&mut p, a);
+    let a = p.node_down(4);
+    settle(&mut p, a);
+    let before = p.copies().count();
+    assert_eq!(p.deploy_all(1, &[2, 3, 4], 0), Err(PoolError::NoSuchNode(4)));
+    assert_eq!(p.copies().count(), before, "a refused scale-out left no copy behind");
+    let a = p.deploy_all(1, &[2, 3], 0).unwrap();
+    let made: Vec<(NodeId, CopyKind)> = creates(&a).iter().map(|c| (c.node, c.kind)).collect();
+    assert_eq!(made, vec![(2, CopyKind::Gpu(0)), (3, CopyKind::Gpu(0))]);
+    assert_eq!(p.copies().count(), before + 2);
+}
