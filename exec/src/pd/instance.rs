@@ -379,10 +379,14 @@ async fn serve_llm(sh: Arc<Shared>, mut inbox: Inbox<LlmMsg>) {
                 Some(Ok(LlmMsg::Ack))
             }
             // A decode instance from the answer on: its KV region is allocated first.
-            LlmMsg::Mutate => Some(ensure_kv(&sh).map(|()| {
-                *lock(&sh.role) = Role::Decode;
-                LlmMsg::Ack
-            })),
+            LlmMsg::Mutate => {
+                // The KV lock goes at the end of this statement, before the role's is taken.
+                let mapped = ensure_kv(&sh, &mut lock(&sh.kv)).map(drop);
+                Some(mapped.map(|()| {
+                    *lock(&sh.role) = Role::Decode;
+                    LlmMsg::Ack
+                }))
+            }
             LlmMsg::Status => Some(Ok(state(&sh))),
             LlmMsg::Load => Some(Ok(load(&sh))),
             LlmMsg::ReserveAdapter { adapter, bytes } => {

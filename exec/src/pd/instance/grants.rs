@@ -12,23 +12,27 @@
 
 use std::sync::Arc;
 
-use cascade_transport::register_new_blocking;
+use cascade_transport::{register_new_blocking, Region};
 
 use super::{lock, Shared};
 use crate::pd::kv::Pages;
 use crate::pd::proto::{KvGrant, LlmMsg, RegionGrant, Role};
 use crate::serve::ServeError;
 
-/// Allocates the KV region unless it exists. Quick: the region is mapped, not faulted in (see
-/// the module's docs).
-pub(super) fn ensure_kv(sh: &Shared) -> Result<(), ServeError> {
-    let mut kv = lock(&sh.kv);
-    if kv.is_none() {
-        let len = sh.layout.page_bytes() * u64::from(sh.cfg.kv_pages);
-        let region = sh.mesh.register_new_background(len)?;
-        *kv = Some((region, Pages::new(sh.cfg.kv_pages)));
+/// The KV region and its pages in `slot` (the instance's `kv`, locked), allocated there first
+/// unless they exist. Quick: the region is mapped, not faulted in (see the module's docs).
+pub(super) fn ensure_kv<'a>(
+    sh: &Shared,
+    slot: &'a mut Option<(Region, Pages)>,
+) -> Result<&'a mut (Region, Pages), ServeError> {
+    match slot {
+        Some(kv) => Ok(kv),
+        None => {
+            let len = sh.layout.page_bytes() * u64::from(sh.cfg.kv_pages);
+            let region = sh.mesh.register_new_background(len)?;
+            Ok(slot.insert((region, Pages::new(sh.cfg.kv_pages))))
+        }
     }
-    Ok(())
 }
 
 /// Reserves `req`'s pages for `from` (its router: when its link fails they are freed, see
@@ -38,9 +42,8 @@ pub(super) fn reserve(sh: &Shared, from: u32, req: u64, tokens: u32) -> Result<L
         return Err(ServeError::Peer("not a decode instance".into()));
     }
     // A decode instance from the start maps its region at its first reservation.
-    ensure_kv(sh)?;
     let mut kv = lock(&sh.kv);
-    let (region, pages) = kv.as_mut().ok_or_else(|| ServeError::Peer("the KV region is not allocated".into()))?;
+    let (region, pages) = ensure_kv(sh, &mut kv)?;
     if pages.requests() >= sh.cfg.max_running {
         return Err(ServeError::Peer(format!("{} requests hold KV here already", sh.cfg.max_running)));
     }
