@@ -520,12 +520,23 @@ pub enum Prefault {
 /// shm mapping: short enough that the process's memory-map lock is never held for long.
 pub(crate) const POPULATE_SLICE: usize = 32 << 20;
 
-/// [`Prefault::Background`]'s thread: slices from the end, while the region lives.
+/// The slice [`Prefault::Background`]'s thread populates at a time. Much smaller than
+/// [`POPULATE_SLICE`]: the thread runs while the region's process serves, on a host that may
+/// have fewer cores than busy threads; descheduled in the middle of a slice, it holds the
+/// memory-map lock that every allocation of its process waits for. With 32 MiB slices a
+/// `cascade demo` scale-out's targets took 25–40 ms to answer `Start` (an allocation each,
+/// behind six pre-fault threads on two cores); with 2 MiB, 1–2 ms.
+const BACKGROUND_SLICE: usize = 2 << 20;
+
+/// [`Prefault::Background`]'s thread: slices from the end, while the region lives. It runs at
+/// the default priority: at nice 19 the pages came too late for the transfer filling the
+/// region, which then faulted them itself (`cascade demo`'s scale-out 0.33–0.36 s against
+/// 0.30–0.33 s, 2026-11-28).
 fn prefault_backwards(region: &std::sync::Weak<Inner>, len: u64) {
     let mut end = len;
     while end > 0 {
         let Some(inner) = region.upgrade() else { return };
-        let start = end.saturating_sub(POPULATE_SLICE as u64);
+        let start = end.saturating_sub(BACKGROUND_SLICE as u64);
         Region(inner).prefault_range(start, end - start);
         end = start;
     }
