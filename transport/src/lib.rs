@@ -22,6 +22,7 @@
 //! closes only its own connection; operations on a dead peer fail within the keepalive deadline.
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
+pub mod background;
 mod budget;
 mod config;
 pub mod device;

@@ -50,8 +50,10 @@ pub struct RunSpec {
     /// the caller then releases it with [`Controller::release`].
     pub hold: bool,
     /// What the sources must hold (chunk size, crcs, layers): a source whose chunk crcs differ
-    /// fails the run before anything moves. `None`: the planner's chunk size, the first
-    /// source's crcs and `layers`.
+    /// fails the run ([`ControlError::SourceMismatch`]) — before anything moves, or, for a
+    /// lent source of a run that starts at once, when its crc pass beside the transfer ends
+    /// (every target accepts only chunks whose crc matches the layout meanwhile). `None`: the
+    /// planner's chunk size, the first source's crcs and `layers`.
     pub layout: Option<Layout>,
     /// Receives every event as it happens, with its time since the transfer started.
     pub progress: Option<mpsc::UnboundedSender<(f64, Event)>>,
@@ -90,6 +92,20 @@ impl RunSpec {
 
     fn members(&self) -> Vec<Loc> {
         self.sources.iter().chain(self.targets.iter()).copied().collect()
+    }
+
+    /// Whether lent sources are checked beside the transfer rather than before it: when the
+    /// run starts at once and the layout's crcs are known beforehand.
+    pub(crate) fn checks_beside(&self) -> bool {
+        self.start_at_once && self.layout.is_some()
+    }
+
+    /// The lent sources this run checks beside the transfer.
+    fn checked_beside(&self) -> BTreeSet<Loc> {
+        if !self.checks_beside() {
+            return BTreeSet::new();
+        }
+        self.sources.iter().filter(|l| self.lent.contains(l)).copied().collect()
     }
 }
 
@@ -254,6 +270,7 @@ impl Controller {
         let mut set = JoinSet::new();
         for loc in spec.members() {
             let fill = match (spec.sources.contains(&loc), spec.lent.contains(&loc)) {
+                (true, true) if spec.checks_beside() => Fill::LentCheckBeside,
                 (true, true) => Fill::Lent,
                 (true, false) => Fill::Synthetic { seed: spec.seed },
                 (false, _) if spec.start_at_once => Fill::TargetInBackground,
@@ -301,6 +318,44 @@ impl Controller {
         }
     }
 
+    /// Waits for the crc passes of lent sources that had not reported when the transfer ended
+    /// (a transfer faster than a pass over the source): the run succeeds only once every such
+    /// source is known to hold its layout's bytes, or its node went down (its targets verified
+    /// every chunk they hold; there is nothing left to check against).
+    pub(crate) async fn await_checks(
+        &self,
+        run: u32,
+        layout: &Layout,
+        mut checking: BTreeSet<Loc>,
+        reports: &mut mpsc::UnboundedReceiver<ToCoord>,
+        down: &mut tokio::sync::broadcast::Receiver<PeerEvent>,
+    ) -> Result<(), ControlError> {
+        let give_up = tokio::time::Instant::now() + SETUP;
+        let mut inbox_open = true;
+        while let Some(first) = checking.first().copied() {
+            tokio::select! {
+                m = reports.recv() => match m {
+                    Some(ToCoord::SourceChecked { loc, crcs }) => source_checked(layout, &mut checking, loc, &crcs)?,
+                    Some(_) => {}
+                    None => return Err(ControlError::Node { what: "check a source", node: first.node, message: "the controller's report table closed".into() }),
+                },
+                open = self.pump(), if inbox_open => inbox_open = open,
+                ev = down.recv() => if let Ok(PeerEvent::Down { peer, reason }) = ev {
+                    if checking.iter().any(|l| l.node == peer) {
+                        warn!(run, peer, %reason, "a lent source's node went down before its check ended");
+                        checking.retain(|l| l.node != peer);
+                    }
+                },
+                _ = tokio::time::sleep_until(give_up) => return Err(ControlError::Node {
+                    what: "check a source",
+                    node: first.node,
+                    message: format!("run {run}: no crc pass reported within {SETUP:?}"),
+                }),
+            }
+        }
+        Ok(())
+    }
+
     async fn run_inner(
         &self,
         spec: &RunSpec,
@@ -336,6 +391,8 @@ impl Controller {
             children.entry(e.from).or_default().push(specs[&e.to]);
         }
         let mut coord = Coordinator::new(&spec.topology, &plan, specs.clone());
+        // Lent sources whose crc pass runs beside the transfer and has not reported yet.
+        let mut checking = spec.checked_beside();
         for group in [&spec.targets, &spec.sources] {
             let mut set = JoinSet::new();
             for &loc in group {
@@ -382,6 +439,10 @@ impl Controller {
                     out
                 },
                 m = reports.recv() => match m {
+                    Some(ToCoord::SourceChecked { loc, crcs }) => {
+                        source_checked(&layout, &mut checking, loc, &crcs)?;
+                        vec![]
+                    }
                     Some(msg) => coord.on_report(msg),
                     None => coord.on_deadline("the controller's report table closed"),
                 },
@@ -425,6 +486,7 @@ impl Controller {
                 }
             }
         }
+        self.await_checks(run, &layout, checking, &mut reports, &mut down).await?;
         let report = coord.report(0, started.elapsed().as_secs_f64());
         // 4. Every completed target checked each chunk's crc32 against the layout (the sources'
         // bytes at prepare time) as it landed, and asked its sender again for a chunk that did
@@ -434,6 +496,19 @@ impl Controller {
         let mismatched = Vec::new();
         Ok(RunOutcome { run, plan, report, transfer_seconds: last_done, setup_seconds, verified, mismatched, events })
     }
+}
+
+/// Takes a lent source's crc pass (beside the transfer): a mismatch fails the run.
+fn source_checked(layout: &Layout, checking: &mut BTreeSet<Loc>, loc: Loc, crcs: &[u32]) -> Result<(), ControlError> {
+    if !checking.remove(&loc) {
+        return Ok(());
+    }
+    if crcs != layout.crcs {
+        warn!(%loc, "a lent source does not hold the bytes its layout describes");
+        return Err(ControlError::SourceMismatch(loc));
+    }
+    tracing::debug!(%loc, "lent source checked beside the transfer");
+    Ok(())
 }
 
 /// One request to a node's multicast service; `Failed` becomes [`ControlError::Node`].

@@ -5,6 +5,7 @@ use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use cascade_transport::background;
 use cascade_transport::service::DEFAULT_INBOX;
 use cascade_transport::{register_new_blocking, Inbox, Mesh, PeerEvent, Received, Region, ServiceExt, TransportError};
 use tokio::sync::mpsc;
@@ -31,6 +32,8 @@ struct NodeRun {
     resent: Arc<AtomicU64>,
     /// Device copies of GPU targets on this node (freed with the run).
     devices: BTreeMap<Loc, Arc<DeviceTarget>>,
+    /// Lent sources whose crc pass runs once they start ([`Fill::LentCheckBeside`]).
+    check_beside: BTreeSet<Loc>,
 }
 
 impl NodeRun {
@@ -43,6 +46,7 @@ impl NodeRun {
             cmds: BTreeMap::new(),
             resent: Arc::default(),
             devices: BTreeMap::new(),
+            check_beside: BTreeSet::new(),
         }
     }
 }
@@ -150,7 +154,10 @@ impl MulticastNode {
     }
 
     /// Lends `region` (a copy a higher layer holds) to run `run` as the source at `loc`, for the
-    /// controller `controller`. The run reads it and never deregisters it.
+    /// controller `controller`. The run reads it and never deregisters it; the lender must not
+    /// write it while lent, nor after a run that checks it beside the transfer
+    /// ([`Fill::LentCheckBeside`]) until that pass ends (it holds a clone of the region, so the
+    /// region stays mapped; a held copy is never written again, only dropped).
     pub fn lend(&self, run: u32, loc: Loc, region: Region, controller: NodeId) -> Result<(), TransportError> {
         let mut st = self.state();
         if st.released.contains(&run) {
@@ -233,6 +240,10 @@ impl MulticastNode {
             Control::Start { run, loc, layout, source, children, ready_first } => {
                 let bytes = layout.bytes;
                 let (ctx, inbox, rx) = self.member(run, loc, layout, source)?;
+                let check = self.state().runs.get_mut(&run).is_some_and(|r| r.check_beside.remove(&loc));
+                if check {
+                    check_beside(&ctx);
+                }
                 // Otherwise the first WRITE to each child looks its region up, and each copy maps
                 // the pages it writes (allocated by then, or by the copy itself).
                 if ready_first {
@@ -317,6 +328,20 @@ impl MulticastNode {
         Ok((ctx, inbox, rx))
     }
 
+    /// The region lent to `run` at `loc`, if it holds `bytes`.
+    fn lent_region(&self, run: u32, loc: Loc, bytes: u64) -> Result<Region, TransportError> {
+        let region = {
+            let st = self.state();
+            let r = st.runs.get(&run).filter(|r| r.lent.contains(&loc));
+            r.and_then(|r| r.regions.get(&loc).cloned())
+                .ok_or_else(|| protocol(format!("no region was lent to run {run} at {loc}")))?
+        };
+        if region.len() < bytes {
+            return Err(protocol(format!("the lent region has {} bytes, the run moves {bytes}", region.len())));
+        }
+        Ok(region)
+    }
+
     async fn prepare(
         &self,
         from: NodeId,
@@ -331,19 +356,21 @@ impl MulticastNode {
         }
         let (region, crcs) = match fill {
             Fill::Lent => {
-                let region = {
-                    let st = self.state();
-                    let r = st.runs.get(&run).filter(|r| r.lent.contains(&loc));
-                    r.and_then(|r| r.regions.get(&loc).cloned())
-                        .ok_or_else(|| protocol(format!("no region was lent to run {run} at {loc}")))?
-                };
-                if region.len() < bytes {
-                    return Err(protocol(format!("the lent region has {} bytes, the run moves {bytes}", region.len())));
-                }
+                let region = self.lent_region(run, loc, bytes)?;
                 let r2 = region.clone();
                 // SAFETY: a lent region is a held copy: complete, and written by nobody while lent.
                 let crcs = blocking(move || unsafe { chunk_crcs(&r2, bytes, chunk) }).await?;
                 return Ok(Control::Prepared { region: region.id().0, key: region.key().0, crcs: Some(crcs) });
+            }
+            Fill::LentCheckBeside => {
+                let region = self.lent_region(run, loc, bytes)?;
+                // The pass starts with the source (`Start`): the targets' start-up, on the same
+                // cores, does not wait behind it.
+                let mut st = self.state();
+                if let Some(r) = st.runs.get_mut(&run) {
+                    r.check_beside.insert(loc);
+                }
+                return Ok(Control::Prepared { region: region.id().0, key: region.key().0, crcs: None });
             }
             Fill::Synthetic { seed } => {
                 let region = register_new_blocking(self.mesh.clone(), bytes).await?;
@@ -385,6 +412,29 @@ impl MulticastNode {
         }
         Ok(reply)
     }
+}
+
+/// Runs a lent source's crc pass beside the transfer and reports it to the run's controller
+/// ([`ToCoord::SourceChecked`]; no crcs when the pass failed).
+fn check_beside(ctx: &MemberCtx) {
+    let (region, coord, loc, run) = (ctx.region.clone(), ctx.coord.clone(), ctx.me, ctx.run);
+    let (bytes, chunk) = (ctx.layout.bytes, ctx.layout.chunk);
+    tokio::spawn(async move {
+        // At background priority: the transfer it runs beside comes first on a busy host.
+        let pass = background::run_in_background("cascade-crc-pass", move || {
+            // SAFETY: a lent region is a held copy, never written again (the contract of
+            // `lend`); the run's members only read it too, and the clone keeps it mapped.
+            unsafe { chunk_crcs(&region, bytes, chunk) }
+        });
+        let crcs = match pass.await {
+            Some(Ok(crcs)) => crcs,
+            failed => {
+                warn!(run, %loc, error = ?failed.map(|r| r.err()), "the lent source's crc pass failed");
+                Vec::new()
+            }
+        };
+        coord.send(ToCoord::SourceChecked { loc, crcs });
+    });
 }
 
 /// Readies the links to a member's children on other nodes for its first chunk: each

@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! service            request (controller -> node)              reply
-//! multicast          Prepare{run, loc, bytes, chunk, source}    Prepared{region, key, crcs}
+//! multicast          Prepare{run, loc, bytes, chunk, fill}      Prepared{region, key, crcs}
 //!                    Start{run, loc, layout, source, children,  Ack
 //!                          ready_first}
 //!                    AddChild{run, loc, child}                  Ack
@@ -40,6 +40,13 @@ pub enum Fill {
     /// fills it from the front ([`Prefault::Background`](cascade_transport::Prefault)): the
     /// transfer starts without waiting for the allocation.
     TargetInBackground,
+    /// A lent source whose crc32 pass runs beside the transfer: the node answers at once, starts
+    /// the pass with the source's `Start` and reports the chunks' crcs to the controller when
+    /// it ends ([`ToCoord::SourceChecked`]). For runs whose layout is known beforehand: every target
+    /// checks each chunk against that layout as it lands, so a corrupt source's bytes are never
+    /// accepted meanwhile, and the run fails with
+    /// [`ControlError::SourceMismatch`](super::ControlError::SourceMismatch) once the pass shows it.
+    LentCheckBeside,
 }
 
 /// Requests of the multicast control service, and their replies.
@@ -121,7 +128,8 @@ pub enum Control {
 }
 
 // Version 3: `ChildSpec` carries the layers the child holds (a re-plan's new sender skips them).
-cascade_transport::binary_message!(Control, ServiceId::MULTICAST, 3);
+// Version 4: `Fill::LentCheckBeside`.
+cascade_transport::binary_message!(Control, ServiceId::MULTICAST, 4);
 
 /// A member's report to its run's controller.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -132,4 +140,5 @@ pub struct Report {
     pub msg: ToCoord,
 }
 
-cascade_transport::binary_message!(Report, ServiceId::MULTICAST_REPORT, 1);
+// Version 2: `ToCoord::SourceChecked`.
+cascade_transport::binary_message!(Report, ServiceId::MULTICAST_REPORT, 2);

@@ -87,6 +87,10 @@ fn control_messages_match_their_golden_bytes() {
             Control::Prepare { run: 7, loc: Loc::gpu(3, 1), bytes: 1 << 20, chunk: 1 << 16, fill: Fill::Target },
         ),
         ("prepare_lent", Control::Prepare { run: 7, loc: Loc::host(2), bytes: 300, chunk: 100, fill: Fill::Lent }),
+        (
+            "prepare_lent_beside",
+            Control::Prepare { run: 7, loc: Loc::host(2), bytes: 300, chunk: 100, fill: Fill::LentCheckBeside },
+        ),
         ("prepared", Control::Prepared { region: 9, key: 11, crcs: Some(vec![1, 2]) }),
         ("verify", Control::Verify { run: 7, loc: Loc::host(2) }),
         ("verified", Control::Verified { crc: 0xdeadbeef }),
@@ -101,6 +105,9 @@ fn control_messages_match_their_golden_bytes() {
     assert!(Control::decode_body(1, b"{not binary").is_err());
     let r = Report { run: 5, msg: crate::executor::ToCoord::LayerReady { loc: Loc::host(1), layer: 2 } };
     assert_eq!(hex(&r.encode_body()), golden["report_layer_ready"]);
+    let r = Report { run: 5, msg: crate::executor::ToCoord::SourceChecked { loc: Loc::host(1), crcs: vec![1, 300] } };
+    assert_eq!(hex(&r.encode_body()), golden["report_source_checked"]);
+    assert_eq!(Report::decode_body(2, &r.encode_body()).unwrap(), r);
 }
 
 #[test]
@@ -167,6 +174,96 @@ async fn lent_sources_serve_and_verified_targets_are_detached() {
     let err = ctl.run(&missing).await.unwrap_err();
     assert!(matches!(err, ControlError::Node { node: 1, .. }), "{err}");
     assert!(err.to_string().contains("no region was lent"), "{err}");
+}
+
+/// A run that starts at once checks its lent sources beside the transfer: the node answers
+/// `Prepare` before its crc pass and reports the pass to the controller; a corrupt source still
+/// fails the run, and no target keeps any of its bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lent_source_checked_beside_the_transfer_still_fails_a_run_when_corrupt() {
+    let (eps, nodes) = cluster(4, "beside").await;
+    let bytes = 3 << 20;
+    let r = eps[1].register_new(bytes).unwrap();
+    fill(&r, bytes, 9);
+    let crcs: Vec<u32> = (0..3).map(|i| ta::crc32(&r, i << 20, 1 << 20).unwrap()).collect();
+    let layout = Layout::new(bytes, 1 << 20, crcs.clone(), vec![]).unwrap();
+    // The protocol: Prepared carries no crcs; the pass runs once the source starts and its
+    // report goes to the controller.
+    let mut reports = eps[0].subscribe::<Report>(cascade_transport::service::DEFAULT_INBOX).unwrap();
+    nodes[0].lend(600, Loc::host(1), r.clone(), 0).unwrap();
+    let m = Control::Prepare { run: 600, loc: Loc::host(1), bytes, chunk: 1 << 20, fill: Fill::LentCheckBeside };
+    let got = eps[0].call(1, &m, Duration::from_secs(5)).await.unwrap();
+    assert!(matches!(got, Control::Prepared { crcs: None, .. }), "{got:?}");
+    let quiet = tokio::time::timeout(Duration::from_millis(200), reports.recv()).await;
+    assert!(quiet.is_err(), "the pass waits for the source's Start: {quiet:?}");
+    let start = Control::Start {
+        run: 600,
+        loc: Loc::host(1),
+        layout: layout.clone(),
+        source: true,
+        children: vec![],
+        ready_first: false,
+    };
+    assert_eq!(eps[0].call(1, &start, Duration::from_secs(5)).await.unwrap(), Control::Ack);
+    let rep = tokio::time::timeout(Duration::from_secs(5), reports.recv()).await.unwrap().unwrap();
+    assert_eq!(rep.msg.run, 600);
+    assert_eq!(rep.msg.msg, crate::executor::ToCoord::SourceChecked { loc: Loc::host(1), crcs });
+    drop(reports);
+    let release = Control::Release { run: 600 };
+    assert_eq!(eps[0].call(1, &release, Duration::from_secs(5)).await.unwrap(), Control::Ack);
+    // Through the controller: a sound source serves, a corrupt one fails the run.
+    let ctl = Controller::new(eps[0].clone()).unwrap();
+    let spec = |run: u32| {
+        let mut s = RunSpec::synthetic(topo(4), bytes, vec![Loc::host(1)], vec![Loc::host(2), Loc::host(3)], 1);
+        s.lent = BTreeSet::from([Loc::host(1)]);
+        s.run = Some(run);
+        s.layout = Some(layout.clone());
+        s.start_at_once = true;
+        s.deadline = Duration::from_secs(30);
+        s
+    };
+    assert!(spec(0).checks_beside());
+    nodes[0].lend(601, Loc::host(1), r.clone(), 0).unwrap();
+    let out = ctl.run(&spec(601)).await.unwrap();
+    assert_eq!(out.verified.len(), 2);
+    // Corrupt the last chunk: the first two may arrive, the last never verifies.
+    ta::fill(&r, 2 << 20, 1 << 20, 0xab).unwrap();
+    nodes[0].lend(602, Loc::host(1), r.clone(), 0).unwrap();
+    let err = ctl.run(&spec(602)).await.unwrap_err();
+    assert!(matches!(err, ControlError::SourceMismatch(l) if l == Loc::host(1)), "{err}");
+    for n in [2, 3] {
+        assert!(eps[n].regions().is_empty(), "the failed run's target region on node {n} was released");
+        assert!(nodes[n - 1].detach(602, Loc::host(n as u32)).is_err(), "nothing to adopt on node {n}");
+    }
+    assert_eq!(eps[1].regions().len(), 1, "the lent region is not released with the run");
+}
+
+/// A transfer that ends before a lent source's crc pass does not end the run: it waits for the
+/// pass, and a mismatch still fails it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_waits_for_the_checks_still_running_when_its_transfer_ends() {
+    let (eps, _nodes) = cluster(2, "await-checks").await;
+    let ctl = Controller::new(eps[0].clone()).unwrap();
+    let layout = Layout::new(2, 1, vec![7, 8], vec![]).unwrap();
+    for (crcs, ok) in [(vec![7, 8], true), (vec![7, 9], false)] {
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let mut down = cascade_transport::Mesh::peer_events(eps[0].as_ref());
+        let late = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let _ = tx.send(crate::executor::ToCoord::Done(Loc::host(2)));
+            let _ = tx.send(crate::executor::ToCoord::SourceChecked { loc: Loc::host(1), crcs });
+            tx
+        });
+        let t = std::time::Instant::now();
+        let checking = BTreeSet::from([Loc::host(1)]);
+        let res = ctl.await_checks(9, &layout, checking, &mut rx, &mut down).await;
+        assert!(t.elapsed() >= Duration::from_millis(90), "it returned before the report came");
+        assert_eq!(res.is_ok(), ok, "{res:?}");
+        if !ok {
+            assert!(matches!(res, Err(ControlError::SourceMismatch(l)) if l == Loc::host(1)));
+        }
+        drop(late.await.unwrap());
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

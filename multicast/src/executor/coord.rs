@@ -96,6 +96,8 @@ impl Coordinator {
                 vec![Action::Emit(Event::LayerReady { target: loc, layer })]
             }
             ToCoord::ChildLost { parent, child, reason } => self.on_broken(parent, child, &reason),
+            // The controller compares a source's check; nothing in the plan changes.
+            ToCoord::SourceChecked { .. } => vec![],
         }
     }
 

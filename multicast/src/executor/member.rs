@@ -84,6 +84,16 @@ pub enum ToCoord {
         /// The error.
         reason: String,
     },
+    /// A lent source's node finished the crc32 pass over its region that runs beside the
+    /// transfer ([`Fill::LentCheckBeside`](crate::cluster::Fill::LentCheckBeside)): the
+    /// controller compares these with the layout's. Not a member's report; the coordinator
+    /// ignores it.
+    SourceChecked {
+        /// The source.
+        loc: Loc,
+        /// Its chunks' crc32, in order (empty: the pass failed).
+        crcs: Vec<u32>,
+    },
 }
 
 /// Where members send their reports (a channel in-process, the controller's link in a daemon).
