@@ -7,6 +7,7 @@ use std::path::Path;
 use cascade_param_pool::manager::Notice;
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
 use serde::Serialize;
 
 /// One sample: at `t` seconds, `node` holds `bytes`.
@@ -169,11 +170,15 @@ impl Timeline {
                 .label(format!("node {node}"))
                 .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
         }
-        for (i, m) in self.marks.iter().enumerate() {
+        // The plot area is about 1,000 px wide; a 14 px label character about 7.5 px.
+        let places = label_places(&self.marks, tmax, tmax * 7.5 / 1000.0);
+        for (m, (row, left)) in self.marks.iter().zip(places) {
             chart.draw_series(LineSeries::new(vec![(m.t, 0.0), (m.t, ymax)], BLACK.stroke_width(1)))?;
-            // Staggered, so labels of close marks do not overlap.
-            let y = ymax * (0.97 - 0.05 * (i % 3) as f64);
-            chart.draw_series(std::iter::once(Text::new(format!(" {}", m.what), (m.t, y), ("sans-serif", 14))))?;
+            let y = ymax * (0.97 - 0.05 * row as f64);
+            let (text, h) =
+                if left { (format!("{} ", m.what), HPos::Right) } else { (format!(" {}", m.what), HPos::Left) };
+            let style = TextStyle::from(("sans-serif", 14).into_font()).pos(Pos::new(h, VPos::Top));
+            chart.draw_series(std::iter::once(Text::new(text, (m.t, y), style)))?;
         }
         chart
             .configure_series_labels()
@@ -184,5 +189,74 @@ impl Timeline {
             .draw()?;
         root.present()?;
         Ok(())
+    }
+}
+
+/// The most label rows below the plot's top; more crowded marks share them again.
+const LABEL_ROWS: usize = 8;
+
+/// Where each mark's label goes: its row (0 at the top) and whether it is drawn left of its line
+/// (it would run past `tmax` otherwise). Labels take, in time order, the first row where they
+/// overlap no label before them, each `chars + 1` times `s_per_char` seconds wide.
+fn label_places(marks: &[Mark], tmax: f64, s_per_char: f64) -> Vec<(usize, bool)> {
+    let mut order: Vec<usize> = (0..marks.len()).collect();
+    order.sort_by(|a, b| marks[*a].t.total_cmp(&marks[*b].t));
+    let mut row_end: Vec<f64> = Vec::new();
+    let mut out = vec![(0, false); marks.len()];
+    for i in order {
+        let m = &marks[i];
+        let w = (m.what.chars().count() + 1) as f64 * s_per_char;
+        let left = m.t + w > tmax;
+        let (start, end) = if left { (m.t - w, m.t) } else { (m.t, m.t + w) };
+        let row = match row_end.iter().position(|&e| e <= start) {
+            Some(r) => r,
+            None if row_end.len() < LABEL_ROWS => {
+                row_end.push(f64::NEG_INFINITY);
+                row_end.len() - 1
+            }
+            // Every row is taken here: the one that frees first.
+            None => row_end.iter().enumerate().min_by(|a, b| a.1.total_cmp(b.1)).map_or(0, |(r, _)| r),
+        };
+        row_end[row] = end;
+        out[i] = (row, left);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn mark(t: f64, what: &str) -> Mark {
+        Mark { t, what: what.into() }
+    }
+
+    #[test]
+    fn close_labels_take_rows_of_their_own_and_edge_labels_go_left() {
+        // The demo's repair: four marks within 11 ms near the plot's right edge, after two that
+        // are far apart.
+        let marks = vec![
+            mark(0.53, "scale-out"),
+            mark(0.87, "kill -9 node 4"),
+            mark(1.889, "node 4 dead"),
+            mark(1.894, "multicast moving bytes (set-up 4 ms)"),
+            mark(1.8945, "multicast moving bytes (set-up 4 ms)"),
+            mark(1.899, "multicast moving bytes (set-up 6 ms)"),
+        ];
+        let places = label_places(&marks, 2.2, 0.017);
+        assert_eq!(places[0], (0, false));
+        assert_eq!(places[1], (0, false), "a label that starts after the last one ends shares its row");
+        let rows: std::collections::BTreeSet<usize> = places[2..].iter().map(|p| p.0).collect();
+        assert_eq!(rows.len(), 4, "{places:?}");
+        assert!(places[3..].iter().all(|p| p.1), "labels that would run past the edge go left: {places:?}");
+        assert!(!places[2].1, "a short label that fits stays right of its line");
+    }
+
+    #[test]
+    fn crowded_labels_reuse_rows_after_the_last_one() {
+        let marks: Vec<Mark> = (0..20).map(|i| mark(i as f64 * 0.001, "a long label text")).collect();
+        let places = label_places(&marks, 100.0, 0.1);
+        assert!(places.iter().all(|p| p.0 < LABEL_ROWS && !p.1), "{places:?}");
+        assert_eq!(places[LABEL_ROWS].0, 0, "the row that frees first is reused");
     }
 }
