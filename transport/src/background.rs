@@ -39,12 +39,9 @@ mod tests {
     #[tokio::test]
     async fn background_threads_run_at_nice_19() {
         let nice = run_in_background("nice-test", || {
-            // SAFETY: getpriority has no preconditions; errno is cleared first since -1 is a
-            // valid answer.
-            unsafe {
-                *libc::__errno_location() = 0;
-                libc::getpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t)
-            }
+            // SAFETY: getpriority and gettid have no preconditions (an error reads as -1, which
+            // the assertion below refuses).
+            unsafe { libc::getpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t) }
         })
         .await;
         assert_eq!(nice, Some(19));

@@ -320,8 +320,10 @@ impl Controller {
 
     /// Waits for the crc passes of lent sources that had not reported when the transfer ended
     /// (a transfer faster than a pass over the source): the run succeeds only once every such
-    /// source is known to hold its layout's bytes, or its node went down (its targets verified
-    /// every chunk they hold; there is nothing left to check against).
+    /// source is known to hold its layout's bytes, or its node is down (its targets verified
+    /// every chunk they hold; there is nothing left to check against). A node that went down
+    /// during the transfer — its event already taken by the run's loop — is seen from its link,
+    /// at once and on every watch tick.
     pub(crate) async fn await_checks(
         &self,
         run: u32,
@@ -332,8 +334,18 @@ impl Controller {
     ) -> Result<(), ControlError> {
         let give_up = tokio::time::Instant::now() + SETUP;
         let mut inbox_open = true;
-        while let Some(first) = checking.first().copied() {
+        let mut watch = tokio::time::interval(WATCH_EVERY);
+        let me = self.mesh.node();
+        loop {
+            let gone: Vec<Loc> =
+                checking.iter().filter(|l| l.node != me && !self.mesh.connected_to(l.node)).copied().collect();
+            for l in gone {
+                warn!(run, %l, "a lent source's node is down before its check ended");
+                checking.remove(&l);
+            }
+            let Some(first) = checking.first().copied() else { return Ok(()) };
             tokio::select! {
+                _ = watch.tick() => {},
                 m = reports.recv() => match m {
                     Some(ToCoord::SourceChecked { loc, crcs }) => source_checked(layout, &mut checking, loc, &crcs)?,
                     Some(_) => {}
@@ -353,7 +365,6 @@ impl Controller {
                 }),
             }
         }
-        Ok(())
     }
 
     async fn run_inner(

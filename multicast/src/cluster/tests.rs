@@ -264,6 +264,14 @@ async fn a_run_waits_for_the_checks_still_running_when_its_transfer_ends() {
         }
         drop(late.await.unwrap());
     }
+    // A source whose node is not (or no longer) connected has nothing left to check: its
+    // down event may have gone to the run's loop before the wait began.
+    let (_tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let mut down = cascade_transport::Mesh::peer_events(eps[0].as_ref());
+    let t = std::time::Instant::now();
+    let res = ctl.await_checks(9, &layout, BTreeSet::from([Loc::host(7)]), &mut rx, &mut down).await;
+    assert!(res.is_ok(), "{res:?}");
+    assert!(t.elapsed() < Duration::from_secs(5), "it waited for a node that is gone");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
