@@ -28,6 +28,8 @@ fn staggered(s: &Scenario) -> f64 {
 /// Target: Symphony ≥ 0.90× the staggered bound. ResNet50 meets it (0.92–0.93 over seeds 1–3);
 /// InceptionResNetV2 reaches 0.889–0.902 over seeds 1–5 (0.902 with the file's seed), so its
 /// check is the measured floor, 0.88 — the README reports the target as not reliably met.
+/// The paper's ordering symphony > nexus > clockwork holds with `clockwork-real` (the real
+/// Clockwork's controller, which the paper measured); the `clockwork`-like policy beats nexus.
 #[test]
 fn table4_symphony_near_staggered_execution_and_ahead_of_the_baselines() {
     for (file, want, floor) in [("table4_resnet50.toml", 5839.0, 0.90), ("table4_inceptionresnetv2.toml", 1083.0, 0.88)]
@@ -35,13 +37,14 @@ fn table4_symphony_near_staggered_execution_and_ahead_of_the_baselines() {
         let s = scenario(file, if floor < 0.9 { 40.0 } else { 10.0 });
         let bound = staggered(&s);
         assert!((bound - want).abs() / want < 0.01, "{file}: analytic {bound:.0}, paper {want}");
-        let g: Vec<(String, f64)> = ["symphony", "nexus", "clockwork"]
+        let g: Vec<(String, f64)> = ["symphony", "nexus", "clockwork", "clockwork-real"]
             .iter()
             .map(|n| (n.to_string(), s.max_goodput(n).unwrap().rate_rps))
             .collect();
         eprintln!("{file}: bound {bound:.0} r/s; goodput {g:?}; symphony / bound {:.3}", g[0].1 / bound);
         assert!(g[0].1 >= floor * bound, "{file}: symphony {:.0} < {floor} × {bound:.0}", g[0].1);
-        assert!(g[0].1 > g[1].1 && g[0].1 > g[2].1, "{file}: symphony beats nexus and clockwork: {g:?}");
+        assert!(g[1..].iter().all(|x| g[0].1 > x.1), "{file}: symphony beats every baseline: {g:?}");
+        assert!(g[1].1 > g[3].1, "{file}: nexus beats clockwork-real, as in the paper: {g:?}");
     }
 }
 

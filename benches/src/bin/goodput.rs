@@ -20,7 +20,8 @@ struct Cli {
     /// Scenario file (TOML).
     #[arg(long)]
     scenario: PathBuf,
-    /// symphony, symphony-wc, clockwork, nexus, flex or flex-np.
+    /// symphony, symphony-wc, clockwork, clockwork-real, nexus, flex or flex-np (or a
+    /// partitioned cluster: symphony/L, flex/herd:G:GMAX).
     #[arg(long)]
     scheduler: String,
     /// Total offered rate, requests/s, split by the models' weights (default: the file's rates).
