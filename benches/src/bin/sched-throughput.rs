@@ -39,7 +39,7 @@ struct Cli {
     #[arg(long, default_value_t = 1)]
     sub_clusters: usize,
     /// The scheduler: `symphony` (its engine: ModelThreads and a RankThread), or `flex`,
-    /// `flex-np`, `clockwork` (a dispatcher thread on the wall clock), or `flex/herd:G:GMAX`
+    /// `flex-np`, `clockwork`, `clockwork-real` (a dispatcher thread on the wall clock), or `flex/herd:G:GMAX`
     /// (HERD's groups, at most G of at most GMAX GPUs, a FLEX dispatcher thread each).
     #[arg(long, default_value = "symphony")]
     scheduler: String,
@@ -51,12 +51,18 @@ struct Cli {
 /// A dispatcher's scheduler by name.
 fn one(name: &str, delay: Delay) -> anyhow::Result<Box<MakeScheduler<'static>>> {
     let name = name.to_string();
-    if !["flex", "flex-np", "clockwork"].contains(&name.as_str()) {
-        bail!("unknown scheduler {name:?}: symphony, flex, flex-np, clockwork or flex/herd:G:GMAX");
+    if !["flex", "flex-np", "clockwork", "clockwork-real"].contains(&name.as_str()) {
+        bail!("unknown scheduler {name:?}: symphony, flex, flex-np, clockwork, clockwork-real or flex/herd:G:GMAX");
     }
     Ok(Box::new(move |ps: &[Profile], g: usize, _: &[usize]| -> Result<Box<dyn Scheduler>, String> {
         Ok(match name.as_str() {
             "clockwork" => Box::new(cascade_sched::clockwork::Clockwork::new(ps, g, delay)),
+            "clockwork-real" => Box::new(cascade_sched::clockwork_real::ClockworkReal::new(
+                ps,
+                g,
+                delay,
+                cascade_sched::clockwork_real::DEFAULT_AHEAD_MS,
+            )),
             other => Box::new(cascade_sched::flex::Flex::new(ps, g, delay, other == "flex")),
         })
     }))
