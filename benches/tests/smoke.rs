@@ -66,7 +66,7 @@ fn multicast_prints_the_contract_fields() {
 #[test]
 fn goodput_prints_the_contract_fields() {
     let scenario = concat!(env!("CARGO_MANIFEST_DIR"), "/../sched/scenarios/table4_resnet50.toml");
-    for sched in ["symphony", "clockwork", "nexus", "flex"] {
+    for sched in ["symphony", "clockwork", "clockwork-real", "nexus", "flex"] {
         let v = run(
             env!("CARGO_BIN_EXE_goodput"),
             &["--scenario", scenario, "--scheduler", sched, "--rate", "3000", "--json"],
@@ -80,6 +80,18 @@ fn goodput_prints_the_contract_fields() {
         }
         assert_eq!(v["lost"], 0);
     }
+    // --seed replaces the file's seed (1): other arrivals, and the same ones again for the same seed.
+    let seeded = |seed: &str| {
+        run(
+            env!("CARGO_BIN_EXE_goodput"),
+            &["--scenario", scenario, "--scheduler", "symphony", "--rate", "3000", "--seed", seed, "--json"],
+        )
+    };
+    let (one, two, again) = (seeded("1"), seeded("2"), seeded("2"));
+    assert_eq!((one["seed"].as_u64(), two["seed"].as_u64()), (Some(1), Some(2)));
+    assert_ne!(one["offered_rps"], two["offered_rps"], "seed 2 draws other arrivals");
+    assert_eq!(two["offered_rps"], again["offered_rps"]);
+    assert_eq!(two["goodput_rps"], again["goodput_rps"]);
     let out = Command::new(env!("CARGO_BIN_EXE_goodput"))
         .args(["--scenario", scenario, "--scheduler", "fifo"])
         .output()

@@ -34,6 +34,9 @@ struct Cli {
     /// dispatcher per part of a partitioned cluster; results then vary slightly run to run).
     #[arg(long)]
     charge_dispatch: Option<f64>,
+    /// The arrivals' seed (default: the file's `seed`); a run is deterministic for its seed.
+    #[arg(long)]
+    seed: Option<u64>,
     /// Bad rate above which the autoscaling advice adds GPUs.
     #[arg(long, default_value_t = 0.01)]
     bad_threshold: f64,
@@ -45,6 +48,9 @@ struct Cli {
 fn main() -> anyhow::Result<()> {
     let c = Cli::parse();
     let mut s = Scenario::load(&c.scenario).with_context(|| format!("scenario {}", c.scenario.display()))?;
+    if let Some(seed) = c.seed {
+        s.seed = seed;
+    }
     if c.charge_dispatch.is_some() {
         s.charge_dispatch = c.charge_dispatch;
         s.check()?;
@@ -77,7 +83,7 @@ fn main() -> anyhow::Result<()> {
                 "bad_rate": rep.bad_rate, "gpu_idle_fraction": rep.gpu_idle_fraction, "mean_batch": rep.mean_batch,
                 "per_model": rep.per_model, "batch_histogram": rep.batch_histogram, "preemptions": rep.preemptions,
                 "lost": rep.lost, "autoscale": advice, "max_goodput_search": c.max_goodput, "wall_seconds": wall,
-                "charge_dispatch": s.charge_dispatch,
+                "charge_dispatch": s.charge_dispatch, "seed": s.seed,
                 "partition": partition, "search": probes,
             })
         );
