@@ -78,7 +78,7 @@ impl Clockwork {
 
 /// Drops every queue's fronts that cannot finish even alone, started now, and returns the
 /// earliest deadline left at a queue's front and its model (Clockwork's next model).
-pub(crate) fn earliest_deadline(
+fn earliest_deadline(
     profiles: &[Profile],
     queues: &mut [VecDeque<Request>],
     delay: Delay,

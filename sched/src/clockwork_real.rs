@@ -212,13 +212,10 @@ impl ClockworkReal {
         }
     }
 
-    /// Drops the requests at the front of model `m`'s queue whose deadline is before `t`.
-    fn drop_before(&mut self, m: usize, t: Ms, strict: bool, out: &mut Vec<Decision>) {
+    /// Drops the requests at the front of model `m`'s queue while `drop` holds for them.
+    fn drop_front_while(&mut self, m: usize, out: &mut Vec<Decision>, drop: impl Fn(&Queued) -> bool) {
         let q = &mut self.models[m].q;
-        while let Some(x) = q.front() {
-            if x.dl > t || (strict && x.dl == t) {
-                return;
-            }
+        while let Some(x) = q.front().filter(|x| drop(x)) {
             out.push(Decision::Drop(x.req));
             q.pop_front();
         }
@@ -235,7 +232,7 @@ impl ClockworkReal {
             return Tried::Late;
         }
         // Requests that cannot even start in time.
-        self.drop_before(m, exec_at, true, out);
+        self.drop_front_while(m, out, |x| x.dl < exec_at);
         let mq = &self.models[m];
         if mq.q.len() < b {
             return Tried::Failed;
@@ -273,14 +270,8 @@ impl ClockworkReal {
             (b, completion) = (candidate, c);
         }
         // Requests ahead of this one that cannot be included.
+        self.drop_front_while(m, out, |x| x.seq != seq && x.dl < completion);
         let q = &mut self.models[m].q;
-        while let Some(x) = q.front() {
-            if x.seq == seq || x.dl >= completion {
-                break;
-            }
-            out.push(Decision::Drop(x.req));
-            q.pop_front();
-        }
         if q.len() < b {
             return Tried::Failed;
         }
@@ -354,7 +345,7 @@ impl ClockworkReal {
     fn dispatch(&mut self, now: Ms, out: &mut Vec<Decision>) {
         self.now = now;
         for m in 0..self.models.len() {
-            self.drop_before(m, now, false, out);
+            self.drop_front_while(m, out, |x| x.dl <= now);
         }
         let mut open: Vec<GpuId> = (0..self.gpus.len())
             .filter(|&g| self.gpus[g].has_work() && self.gpus[g].free_at - self.ahead_ms <= now)
