@@ -281,20 +281,17 @@ impl Scenario {
         rates: &[f64],
     ) -> Result<Box<dyn Scheduler>, ScenarioError> {
         let d = self.delay();
-        Ok(match name {
-            "symphony" => Box::new(crate::symphony::Symphony::new(p, g, d, false)),
-            "symphony-wc" => Box::new(crate::symphony::Symphony::new(p, g, d, true)),
-            "clockwork" => Box::new(crate::clockwork::Clockwork::new(p, g, d)),
-            "clockwork-real" => {
-                Box::new(crate::clockwork_real::ClockworkReal::new(p, g, d, crate::clockwork_real::DEFAULT_AHEAD_MS))
-            }
-            "nexus" => {
-                Box::new(crate::nexus::Nexus::new(p, g, d, rates, self.nexus_frontends, self.nexus_epoch_s * 1000.0))
-            }
-            "flex" => Box::new(crate::flex::Flex::new(p, g, d, true)),
-            "flex-np" => Box::new(crate::flex::Flex::new(p, g, d, false)),
-            other => return Err(ScenarioError::UnknownScheduler(other.to_string())),
-        })
+        if name == "nexus" {
+            return Ok(Box::new(crate::nexus::Nexus::new(
+                p,
+                g,
+                d,
+                rates,
+                self.nexus_frontends,
+                self.nexus_epoch_s * 1000.0,
+            )));
+        }
+        scheduler_by_name(name, p, g, d).ok_or_else(|| ScenarioError::UnknownScheduler(name.to_string()))
     }
 
     /// Simulates `scheduler` at `total` requests/s (None: the rates in the file).
@@ -419,6 +416,23 @@ impl Probe {
             worst_good_fraction: worst.map_or(1.0, |m| m.good_fraction),
         }
     }
+}
+
+/// A fresh scheduler `name` that needs nothing but the profiles, the GPUs and the dispatch
+/// delay: `symphony`, `symphony-wc`, `clockwork`, `clockwork-real`, `flex` or `flex-np` (not
+/// `nexus`, which plans from the rates). `None` for any other name.
+pub fn scheduler_by_name(name: &str, p: &[Profile], g: usize, d: Delay) -> Option<Box<dyn Scheduler>> {
+    Some(match name {
+        "symphony" => Box::new(crate::symphony::Symphony::new(p, g, d, false)),
+        "symphony-wc" => Box::new(crate::symphony::Symphony::new(p, g, d, true)),
+        "clockwork" => Box::new(crate::clockwork::Clockwork::new(p, g, d)),
+        "clockwork-real" => {
+            Box::new(crate::clockwork_real::ClockworkReal::new(p, g, d, crate::clockwork_real::DEFAULT_AHEAD_MS))
+        }
+        "flex" => Box::new(crate::flex::Flex::new(p, g, d, true)),
+        "flex-np" => Box::new(crate::flex::Flex::new(p, g, d, false)),
+        _ => return None,
+    })
 }
 
 #[cfg(test)]

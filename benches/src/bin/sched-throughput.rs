@@ -11,6 +11,7 @@ use anyhow::bail;
 use cascade_sched::partition::{parts, split_by_name, symphony_split};
 use cascade_sched::profile::{parse_table, Profile, TABLES};
 use cascade_sched::realtime::{run, run_any, run_parts, run_sub_clusters, EngineConfig, MakeScheduler};
+use cascade_sched::scenario::scheduler_by_name;
 use cascade_sched::time::Delay;
 use cascade_sched::Scheduler;
 use clap::Parser;
@@ -55,16 +56,7 @@ fn one(name: &str, delay: Delay) -> anyhow::Result<Box<MakeScheduler<'static>>> 
         bail!("unknown scheduler {name:?}: symphony, flex, flex-np, clockwork, clockwork-real or flex/herd:G:GMAX");
     }
     Ok(Box::new(move |ps: &[Profile], g: usize, _: &[usize]| -> Result<Box<dyn Scheduler>, String> {
-        Ok(match name.as_str() {
-            "clockwork" => Box::new(cascade_sched::clockwork::Clockwork::new(ps, g, delay)),
-            "clockwork-real" => Box::new(cascade_sched::clockwork_real::ClockworkReal::new(
-                ps,
-                g,
-                delay,
-                cascade_sched::clockwork_real::DEFAULT_AHEAD_MS,
-            )),
-            other => Box::new(cascade_sched::flex::Flex::new(ps, g, delay, other == "flex")),
-        })
+        scheduler_by_name(&name, ps, g, delay).ok_or_else(|| format!("unknown scheduler {name:?}"))
     }))
 }
 
