@@ -38,48 +38,25 @@ pub use autoscale::UTILISATION;
 pub use context::OverContext;
 pub use report::{Histogram, SimReport, TimelinePoint};
 
-/// How a system loads parameters and whether it scales live (see the module docs).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum System {
-    /// Network multicast from the pool, live scaling, P→D mutation.
-    Blitz,
-    /// ServerlessLLM-like: host cache with keep-alive, SSD on a miss.
-    Sllm,
-    /// Every host caches every model.
-    Allcache,
-    /// Blitz's network loading, stop-the-world.
-    Stop,
-    /// A bound, not a system: every load takes no time and an instance needs no start-up, under
-    /// the same load monitor — what an infinitely fast data plane would give. The gap between a
-    /// system and it is what loading costs that system; what is left is the monitor's and the
-    /// cluster's.
-    Instant,
-}
-
-impl System {
-    /// Every system, in report order.
-    pub const ALL: [System; 5] = [System::Blitz, System::Sllm, System::Allcache, System::Stop, System::Instant];
-
-    /// Its name on the command line.
-    pub fn name(self) -> &'static str {
-        match self {
-            System::Blitz => "blitz",
-            System::Sllm => "sllm",
-            System::Allcache => "allcache",
-            System::Stop => "stop",
-            System::Instant => "instant",
-        }
-    }
-}
-
-impl std::str::FromStr for System {
-    type Err = String;
-    fn from_str(s: &str) -> Result<System, String> {
-        System::ALL.into_iter().find(|x| x.name() == s).ok_or_else(|| {
-            let names: Vec<&str> = System::ALL.iter().map(|x| x.name()).collect();
-            format!("unknown system {s:?} ({})", names.join(", "))
-        })
+cascade_sched::named_enum! {
+    /// How a system loads parameters and whether it scales live (see the module docs); `ALL` is
+    /// the report order.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, serde::Serialize)]
+    #[serde(rename_all = "lowercase")]
+    pub enum System("system") {
+        /// Network multicast from the pool, live scaling, P→D mutation.
+        Blitz = "blitz",
+        /// ServerlessLLM-like: host cache with keep-alive, SSD on a miss.
+        Sllm = "sllm",
+        /// Every host caches every model.
+        Allcache = "allcache",
+        /// Blitz's network loading, stop-the-world.
+        Stop = "stop",
+        /// A bound, not a system: every load takes no time and an instance needs no start-up,
+        /// under the same load monitor — what an infinitely fast data plane would give. The gap
+        /// between a system and it is what loading costs that system; what is left is the
+        /// monitor's and the cluster's.
+        Instant = "instant",
     }
 }
 

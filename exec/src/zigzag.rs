@@ -28,8 +28,6 @@
 //! queued at `t = 0`, while only layer 1 is resident, all get `x = 1`; [`simulate`] then gives
 //! their latencies (old waits for new where C2/C3 do not hold).
 
-use std::fmt;
-
 /// One planning problem.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Instance {
@@ -119,32 +117,14 @@ impl Schedule {
     }
 }
 
-/// The policies [`plan`] knows.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Policy {
-    /// The exact optimum of the model.
-    Zigzag,
-    /// The paper's baseline: each batch's split fixed when it is scheduled.
-    BestEffort,
-}
-
-impl fmt::Display for Policy {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Policy::Zigzag => "zigzag",
-            Policy::BestEffort => "best-effort",
-        })
-    }
-}
-
-impl std::str::FromStr for Policy {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "zigzag" => Ok(Policy::Zigzag),
-            "best-effort" => Ok(Policy::BestEffort),
-            other => Err(format!("unknown policy {other:?} (zigzag or best-effort)")),
-        }
+cascade_sched::named_enum! {
+    /// The policies [`plan`] knows.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum Policy("policy") {
+        /// The exact optimum of the model.
+        Zigzag = "zigzag",
+        /// The paper's baseline: each batch's split fixed when it is scheduled.
+        BestEffort = "best-effort",
     }
 }
 

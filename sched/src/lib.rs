@@ -24,6 +24,7 @@
 //!   `good_lp`/`microlp`), and the `lora-sim` simulator.
 //! * [`partition`] — a cluster split by an epoch plan, one scheduler per part (`symphony/L`,
 //!   `flex/herd:G:GMAX`), itself a [`Scheduler`];
+//! * [`named_enum!`] — enums whose variants are chosen by name on the command line;
 //! * [`plan`] — epoch-scale planning: Symphony's sub-cluster partitioning MILP (§4.7, Appendix A)
 //!   and Shepherd's HERD groups (§4), each with a greedy fallback and a checked solver answer.
 #![cfg_attr(test, allow(clippy::unwrap_used))]
@@ -36,6 +37,7 @@ pub mod clockwork_real;
 pub mod flex;
 pub mod lora;
 pub mod metrics;
+mod named;
 pub mod nexus;
 pub mod partition;
 pub mod plan;

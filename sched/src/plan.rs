@@ -28,36 +28,19 @@ use std::time::{Duration, Instant};
 use good_lp::solvers::{SolutionStatus, WithInitialSolution, WithTimeLimit};
 use good_lp::{Constraint, Expression, ProblemVariables, Solution, SolverModel, Variable};
 
-/// Which MILP solver `good_lp` drives.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum SolverKind {
-    /// `microlp`: pure Rust, always built.
-    Microlp,
-    /// COIN-OR CBC (`coin_cbc`, Debian `coinor-libcbc-dev`): only with the `cbc` cargo feature.
-    Cbc,
-}
-
-impl std::str::FromStr for SolverKind {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "microlp" => Ok(SolverKind::Microlp),
-            "cbc" => Ok(SolverKind::Cbc),
-            other => Err(format!("unknown solver {other:?}: microlp or cbc")),
-        }
+crate::named_enum! {
+    /// Which MILP solver `good_lp` drives.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+    #[serde(rename_all = "snake_case")]
+    pub enum SolverKind("solver") {
+        /// `microlp`: pure Rust, always built.
+        Microlp = "microlp",
+        /// COIN-OR CBC (`coin_cbc`, Debian `coinor-libcbc-dev`): only with the `cbc` cargo feature.
+        Cbc = "cbc",
     }
 }
 
 impl SolverKind {
-    /// The solver's name as the command line spells it.
-    pub fn name(self) -> &'static str {
-        match self {
-            SolverKind::Microlp => "microlp",
-            SolverKind::Cbc => "cbc",
-        }
-    }
-
     /// The time limit to give the solver itself so that its answer arrives within `budget`:
     /// microlp overruns by ~20% at 1 s (90% of the budget), CBC checks its clock only between
     /// branch-and-bound nodes and then spends ~2.5 s winding down on HERD 1,000 (measured: a

@@ -12,40 +12,18 @@
 
 use super::TraceRequest;
 
-/// What becomes of a request whose prompt and output exceed the context window.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum OverContext {
-    /// The prompt is cut to the window less the output (its end kept); the request is served.
-    #[default]
-    Clip,
-    /// The request is refused on arrival: never served, counted as missing its SLO.
-    Refuse,
-    /// Served whole, as if the window were larger (not what the named model can do).
-    Keep,
-}
-
-impl OverContext {
-    /// Every choice, for help texts.
-    pub const ALL: [OverContext; 3] = [OverContext::Clip, OverContext::Refuse, OverContext::Keep];
-
-    /// Its name on the command line.
-    pub fn name(self) -> &'static str {
-        match self {
-            OverContext::Clip => "clip",
-            OverContext::Refuse => "refuse",
-            OverContext::Keep => "keep",
-        }
-    }
-}
-
-impl std::str::FromStr for OverContext {
-    type Err = String;
-    fn from_str(s: &str) -> Result<OverContext, String> {
-        OverContext::ALL.into_iter().find(|x| x.name() == s).ok_or_else(|| {
-            let names: Vec<&str> = OverContext::ALL.iter().map(|x| x.name()).collect();
-            format!("unknown --over-context {s:?} ({})", names.join(", "))
-        })
+cascade_sched::named_enum! {
+    /// What becomes of a request whose prompt and output exceed the context window.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+    #[serde(rename_all = "lowercase")]
+    pub enum OverContext("--over-context") {
+        /// The prompt is cut to the window less the output (its end kept); the request is served.
+        #[default]
+        Clip = "clip",
+        /// The request is refused on arrival: never served, counted as missing its SLO.
+        Refuse = "refuse",
+        /// Served whole, as if the window were larger (not what the named model can do).
+        Keep = "keep",
     }
 }
 

@@ -37,46 +37,19 @@ use crate::zigzag::{self, Instance as Plan};
 
 use super::proto::Split;
 
-/// How batches are split while the new instance loads.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum LivePolicy {
-    /// The new instance serves only once fully loaded.
-    StopTheWorld,
-    /// Each batch's split fixed at dispatch: the resident layers, at most half.
-    BestEffort,
-    /// The batches queued when cooperation begins planned together (zigzag), later ones
-    /// best-effort.
-    Zigzag,
-}
-
-impl LivePolicy {
-    /// Every policy, in the order a comparison runs them.
-    pub const ALL: [LivePolicy; 3] = [LivePolicy::StopTheWorld, LivePolicy::BestEffort, LivePolicy::Zigzag];
-
-    /// The policy's name (what [`std::str::FromStr`] reads).
-    pub fn name(self) -> &'static str {
-        match self {
-            LivePolicy::StopTheWorld => "stop-the-world",
-            LivePolicy::BestEffort => "best-effort",
-            LivePolicy::Zigzag => "zigzag",
-        }
-    }
-}
-
-impl std::fmt::Display for LivePolicy {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl std::str::FromStr for LivePolicy {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        LivePolicy::ALL
-            .into_iter()
-            .find(|p| p.name() == s)
-            .ok_or_else(|| format!("unknown policy {s:?} (stop-the-world, best-effort, zigzag)"))
+cascade_sched::named_enum! {
+    /// How batches are split while the new instance loads (`ALL` is the order a comparison
+    /// runs them in).
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+    #[serde(rename_all = "kebab-case")]
+    pub enum LivePolicy("policy") {
+        /// The new instance serves only once fully loaded.
+        StopTheWorld = "stop-the-world",
+        /// Each batch's split fixed at dispatch: the resident layers, at most half.
+        BestEffort = "best-effort",
+        /// The batches queued when cooperation begins planned together (zigzag), later ones
+        /// best-effort.
+        Zigzag = "zigzag",
     }
 }
 

@@ -97,42 +97,19 @@ use serde::{Deserialize, Serialize};
 
 use super::{AdapterId, CostModel, Mode};
 
-/// A batching policy.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Policy {
-    /// dLoRA: dynamic merged/unmerged batching with adaptive thresholds and credits.
-    Dlora,
-    /// Always merged: one adapter at a time, the oldest request's.
-    MergedOnly,
-    /// Always unmerged, FCFS.
-    UnmergedOnly,
-    /// S-LoRA-like: always unmerged, FCFS with adapter clustering.
-    Slora,
-}
-
-impl Policy {
-    /// Every policy.
-    pub const ALL: [Policy; 4] = [Policy::Dlora, Policy::MergedOnly, Policy::UnmergedOnly, Policy::Slora];
-
-    /// Its name on the command line.
-    pub fn name(self) -> &'static str {
-        match self {
-            Policy::Dlora => "dlora",
-            Policy::MergedOnly => "merged-only",
-            Policy::UnmergedOnly => "unmerged-only",
-            Policy::Slora => "slora",
-        }
-    }
-}
-
-impl std::str::FromStr for Policy {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Policy, String> {
-        Policy::ALL
-            .into_iter()
-            .find(|p| p.name() == s)
-            .ok_or_else(|| format!("unknown policy {s:?} (dlora, merged-only, unmerged-only, slora)"))
+crate::named_enum! {
+    /// A batching policy.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+    #[serde(rename_all = "kebab-case")]
+    pub enum Policy("policy") {
+        /// dLoRA: dynamic merged/unmerged batching with adaptive thresholds and credits.
+        Dlora = "dlora",
+        /// Always merged: one adapter at a time, the oldest request's.
+        MergedOnly = "merged-only",
+        /// Always unmerged, FCFS.
+        UnmergedOnly = "unmerged-only",
+        /// S-LoRA-like: always unmerged, FCFS with adapter clustering.
+        Slora = "slora",
     }
 }
 

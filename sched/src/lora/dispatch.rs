@@ -20,39 +20,17 @@ use serde::{Deserialize, Serialize};
 
 use super::{AdapterId, CostModel};
 
-/// How requests are routed across replicas.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Dispatch {
-    /// Round-robin over the replicas preloaded with the adapter.
-    Rr,
-    /// Shortest estimated pending time, loading adapters where needed; no migration.
-    Proactive,
-    /// `proactive` plus reactive request–adapter co-migration (§5.2).
-    Dlora,
-}
-
-impl Dispatch {
-    /// Every dispatch.
-    pub const ALL: [Dispatch; 3] = [Dispatch::Rr, Dispatch::Proactive, Dispatch::Dlora];
-
-    /// Its name.
-    pub fn name(self) -> &'static str {
-        match self {
-            Dispatch::Rr => "rr",
-            Dispatch::Proactive => "proactive",
-            Dispatch::Dlora => "dlora",
-        }
-    }
-}
-
-impl std::str::FromStr for Dispatch {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Dispatch, String> {
-        Dispatch::ALL
-            .into_iter()
-            .find(|d| d.name() == s)
-            .ok_or_else(|| format!("unknown dispatch {s:?} (rr, proactive, dlora)"))
+crate::named_enum! {
+    /// How requests are routed across replicas.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+    #[serde(rename_all = "lowercase")]
+    pub enum Dispatch("dispatch") {
+        /// Round-robin over the replicas preloaded with the adapter.
+        Rr = "rr",
+        /// Shortest estimated pending time, loading adapters where needed; no migration.
+        Proactive = "proactive",
+        /// `proactive` plus reactive request–adapter co-migration (§5.2).
+        Dlora = "dlora",
     }
 }
 
