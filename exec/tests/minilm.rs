@@ -39,6 +39,37 @@ fn embeddings_match_the_independent_reference() {
     assert!(cosine(&alone[0], &got[3]) >= 0.99999);
 }
 
+/// Texts longer than `tokenizer.json`'s cut (128) are embedded from their first 256 tokens, as
+/// sentence-transformers does with this model (`sentence_bert_config.json`), and match the
+/// independent reference cut the same way; the one past 256 is reported as cut.
+#[test]
+fn long_texts_are_cut_where_sentence_transformers_cuts_them() {
+    let Some(dir) = model_dir() else { return };
+    assert!(
+        dir.join("sentence_bert_config.json").is_file(),
+        "{} lacks sentence_bert_config.json: run scripts/fetch-minilm.sh (or .ci/run) again",
+        dir.display()
+    );
+    let e = Embedder::from_dir(&dir).unwrap();
+    assert_eq!(e.max_tokens(), Some(256));
+    let refs = common::reference_long();
+    let texts: Vec<&str> = refs.iter().map(|r| r.text.as_str()).collect();
+    let batch = e.batch(&texts).unwrap();
+    let ids = batch.ids.to_vec2::<u32>().unwrap();
+    let mask = batch.mask.to_vec2::<u32>().unwrap();
+    for (r, (row, m)) in refs.iter().zip(ids.iter().zip(&mask)) {
+        let n = m.iter().filter(|&&x| x == 1).count();
+        assert!(n > 128, "longer than tokenizer.json's own cut: {n} tokens");
+        assert_eq!(&row[..n], r.ids.as_slice(), "the reference's tokens, cut at the same place");
+    }
+    assert_eq!(e.truncated(&texts).unwrap(), [false, true]);
+    for (r, g) in refs.iter().zip(e.embed(&texts).unwrap()) {
+        let c = cosine(&g, &r.embedding);
+        eprintln!("{} tokens: cosine {c:.7} with the reference", r.ids.len());
+        assert!(c >= 0.9999, "cosine {c}");
+    }
+}
+
 #[test]
 fn a_split_run_is_bit_identical_to_the_whole_run() {
     let Some(dir) = model_dir() else { return };

@@ -21,8 +21,19 @@ pub struct Reference {
     pub embedding: Vec<f32>,
 }
 
+/// The short sentences of `testdata/minilm_reference.json` (what the demonstrations send).
 pub fn reference() -> Vec<Reference> {
-    let v: serde_json::Value = serde_json::from_str(include_str!("../../testdata/minilm_reference.json")).unwrap();
+    parse_reference(include_str!("../../testdata/minilm_reference.json"))
+}
+
+/// The texts of `testdata/minilm_reference_long.json`, longer than `tokenizer.json`'s own cut
+/// (one past sentence-transformers' 256 tokens too), with their ids as cut.
+pub fn reference_long() -> Vec<Reference> {
+    parse_reference(include_str!("../../testdata/minilm_reference_long.json"))
+}
+
+fn parse_reference(json: &str) -> Vec<Reference> {
+    let v: serde_json::Value = serde_json::from_str(json).unwrap();
     v["sentences"]
         .as_array()
         .unwrap()
