@@ -12,6 +12,22 @@ use cascade_exec::embed::Embedder;
 use cascade_exec::weights::Weights;
 use cascade_exec::{Activation, ExecError, LayerExec};
 
+/// Checks that `texts`, tokenised as one batch, give the references' ids once the padding is
+/// left out; returns each text's token count.
+fn assert_reference_ids(e: &Embedder, refs: &[common::Reference], texts: &[&str]) -> Vec<usize> {
+    let batch = e.batch(texts).unwrap();
+    let ids = batch.ids.to_vec2::<u32>().unwrap();
+    let mask = batch.mask.to_vec2::<u32>().unwrap();
+    refs.iter()
+        .zip(ids.iter().zip(&mask))
+        .map(|(r, (row, m))| {
+            let n = m.iter().filter(|&&x| x == 1).count();
+            assert_eq!(&row[..n], r.ids.as_slice(), "{}", r.text);
+            n
+        })
+        .collect()
+}
+
 #[test]
 fn embeddings_match_the_independent_reference() {
     let Some(dir) = model_dir() else { return };
@@ -19,13 +35,7 @@ fn embeddings_match_the_independent_reference() {
     let refs = reference();
     let texts: Vec<&str> = refs.iter().map(|r| r.text.as_str()).collect();
     // Tokens: the batch's unpadded ids are the reference tokenizer's.
-    let batch = e.batch(&texts).unwrap();
-    let ids = batch.ids.to_vec2::<u32>().unwrap();
-    let mask = batch.mask.to_vec2::<u32>().unwrap();
-    for (r, (row, m)) in refs.iter().zip(ids.iter().zip(&mask)) {
-        let n = m.iter().filter(|&&x| x == 1).count();
-        assert_eq!(&row[..n], r.ids.as_slice(), "{}", r.text);
-    }
+    assert_reference_ids(&e, &refs, &texts);
     // One batch, padded to the longest sentence: padding must not change any embedding.
     let got = e.embed(&texts).unwrap();
     for (r, g) in refs.iter().zip(&got) {
@@ -54,13 +64,9 @@ fn long_texts_are_cut_where_sentence_transformers_cuts_them() {
     assert_eq!(e.max_tokens(), Some(256));
     let refs = common::reference_long();
     let texts: Vec<&str> = refs.iter().map(|r| r.text.as_str()).collect();
-    let batch = e.batch(&texts).unwrap();
-    let ids = batch.ids.to_vec2::<u32>().unwrap();
-    let mask = batch.mask.to_vec2::<u32>().unwrap();
-    for (r, (row, m)) in refs.iter().zip(ids.iter().zip(&mask)) {
-        let n = m.iter().filter(|&&x| x == 1).count();
+    // The reference's tokens, cut at the same place, past tokenizer.json's own cut.
+    for n in assert_reference_ids(&e, &refs, &texts) {
         assert!(n > 128, "longer than tokenizer.json's own cut: {n} tokens");
-        assert_eq!(&row[..n], r.ids.as_slice(), "the reference's tokens, cut at the same place");
     }
     assert_eq!(e.truncated(&texts).unwrap(), [false, true]);
     for (r, g) in refs.iter().zip(e.embed(&texts).unwrap()) {
