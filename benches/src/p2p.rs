@@ -75,9 +75,18 @@ pub async fn run(a: P2pArgs, quiet: bool) -> anyhow::Result<Value> {
         "iters": a.iters, "samples_s": samples, "verify": a.verify,
         "link": link.kind().to_string(), "mesh_setup_ms": rep.setup.as_secs_f64() * 1e3,
     });
+    // The nodes stop before the reference runs: it takes seconds of blocking work (iperf3 for
+    // 5 s, memcpy of the whole size five times), during which a live endpoint would miss its
+    // keepalives and its peer would declare it down.
+    ep.shutdown();
+    drop(cluster);
     if a.compare {
         out["reference"] = json!(if shm { "memcpy single core" } else { "iperf3 single stream loopback" });
-        match if shm { memcpy_gbit(a.bytes) } else { iperf3_gbit() } {
+        let bytes = a.bytes;
+        let reference = tokio::task::spawn_blocking(move || if shm { memcpy_gbit(bytes) } else { iperf3_gbit() })
+            .await
+            .context("the reference measurement panicked")?;
+        match reference {
             Ok(reference) => {
                 out["reference_gbit_per_s"] = json!(reference);
                 out["ratio"] = json!(gbit / reference);
