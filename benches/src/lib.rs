@@ -178,17 +178,26 @@ pub fn main_or_peer<F>(peer: &PeerArgs, threads: usize, bench: impl FnOnce() -> 
 where
     F: std::future::Future<Output = anyhow::Result<()>>,
 {
-    init_logging();
     if peer.role == "peer" {
+        // A harness peer's warnings are its fellow peers leaving at teardown (they all stop at
+        // once); a failure during the measurement surfaces in the measuring process, which
+        // logs at `warn`. RUST_LOG still applies to both.
+        init_logging_at("error");
         // Peers serve on one thread: on a small machine, fewer runnable threads means less jitter.
         return tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(run_peer(peer));
     }
+    init_logging();
     incast::runtime(threads)?.block_on(bench())
 }
 
-/// Logging to stderr, quiet unless RUST_LOG says otherwise.
+/// Logging to stderr, warnings and errors unless RUST_LOG says otherwise.
 pub fn init_logging() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into());
+    init_logging_at("warn");
+}
+
+/// Logging to stderr at `level` unless RUST_LOG says otherwise.
+fn init_logging_at(level: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| level.into());
     let _ = tracing_subscriber::fmt().with_writer(std::io::stderr).with_env_filter(filter).try_init();
 }
 
