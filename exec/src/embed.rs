@@ -196,3 +196,28 @@ pub fn reference_sentences() -> Result<Vec<(String, Vec<f32>)>, ExecError> {
         .map_err(|e| ExecError::Model(format!("reference sentences: {e}")))?;
     Ok(f.sentences.into_iter().map(|s| (s.text, s.embedding)).collect())
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::max_seq_length;
+
+    /// The cut comes from `sentence_bert_config.json` when the directory has one; an absent file
+    /// leaves `tokenizer.json`'s, a cut that leaves no token or a malformed file is refused.
+    #[test]
+    fn max_seq_length_is_read_checked_or_absent() {
+        let dir = std::env::temp_dir().join(format!("cascade-embed-cfg-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let cfg = dir.join("sentence_bert_config.json");
+        let _ = std::fs::remove_file(&cfg);
+        assert_eq!(max_seq_length(&dir).unwrap(), None);
+        std::fs::write(&cfg, r#"{"max_seq_length": 256, "do_lower_case": false}"#).unwrap();
+        assert_eq!(max_seq_length(&dir).unwrap(), Some(256));
+        std::fs::write(&cfg, r#"{"max_seq_length": 1}"#).unwrap();
+        assert!(max_seq_length(&dir).unwrap_err().to_string().contains("no room"));
+        std::fs::write(&cfg, r#"{"do_lower_case": false}"#).unwrap();
+        assert!(max_seq_length(&dir).unwrap_err().to_string().contains("max_seq_length"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
