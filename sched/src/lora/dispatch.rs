@@ -10,6 +10,15 @@
 //! * **Routing** ([`route`]): to the replica with the shortest estimated pending time — its
 //!   queued work plus the adapter's load time where it is not resident (`proactive`, `dlora`);
 //!   or round-robin over the replicas the placement preloaded with the adapter (`rr`).
+//!   *Variant* (`route_cost = "artifact"`, [`RouteCost::Artifact`]): the public artifact's
+//!   cost instead of the pending time (`EngineManager.get_engine_req_model_cnt`,
+//!   `LLMServe/dLoRA-artifact`): per replica, Σ over its adapters of ⌊n_a / B⌋ · 0.6 (a full
+//!   merged batch at 60% of an unmerged one's time) plus ⌊Σ_a (n_a mod B) / B⌋, with n_a the
+//!   adapter's requests there and B the largest batch, plus the adapter's load time in seconds
+//!   where it is not resident; the lowest cost wins, the first replica on ties. Below B
+//!   requests per replica every cost is 0, so the first candidate takes everything — the
+//!   imbalance the artifact's periodic migration then corrects. Kept beside ours to compare
+//!   against what the paper measured, not as a recommendation.
 //! * **Swapping** ([`AdapterSet`]): at most `max_adapters_per_replica` adapters on a replica
 //!   (16 in the artifact); loading one evicts the least recently used adapter no queued request
 //!   needs.
@@ -34,12 +43,27 @@ crate::named_enum! {
     }
 }
 
+crate::named_enum! {
+    /// What `proactive` and `dlora` routing minimise (see the module docs).
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+    #[serde(rename_all = "lowercase")]
+    pub enum RouteCost("route cost") {
+        /// The estimated pending time (ours).
+        #[default]
+        Pending = "pending",
+        /// The public artifact's batch-count cost.
+        Artifact = "artifact",
+    }
+}
+
 /// Dispatch and migration parameters.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ClusterConfig {
     /// How requests are routed.
     pub dispatch: Dispatch,
+    /// What `proactive` and `dlora` routing minimise.
+    pub route_cost: RouteCost,
     /// Most adapters resident on one replica.
     pub max_adapters_per_replica: usize,
     /// The monitor's period, ms.
@@ -68,6 +92,7 @@ impl Default for ClusterConfig {
     fn default() -> ClusterConfig {
         ClusterConfig {
             dispatch: Dispatch::Dlora,
+            route_cost: RouteCost::Pending,
             max_adapters_per_replica: 16,
             monitor_ms: 200.0,
             kv_trigger: 0.9,
@@ -152,6 +177,31 @@ pub fn route(pending_ms: &[f64], resident: &[bool], loadable: &[bool], load_ms: 
         let t = |j: usize| pending_ms[j] + if resident[j] { 0.0 } else { load_ms };
         t(a).total_cmp(&t(b)).then(a.cmp(&b))
     })
+}
+
+/// The artifact's cost of a replica whose requests per adapter are `counts`, with batches of at
+/// most `max_batch` (see the module docs).
+pub fn artifact_cost(counts: impl IntoIterator<Item = usize>, max_batch: usize) -> f64 {
+    let b = max_batch.max(1);
+    let (mut cost, mut rest) = (0.0, 0);
+    for n in counts {
+        cost += (n / b) as f64 * 0.6;
+        rest += n % b;
+    }
+    cost + (rest / b) as f64
+}
+
+/// The replica of lowest `cost[j]` (plus `load` where the adapter is not resident) among those
+/// where it is resident or can be loaded; the first on ties, as the artifact's strict `<` picks.
+pub fn route_by_cost(cost: &[f64], resident: &[bool], loadable: &[bool], load: f64) -> Option<usize> {
+    let mut best: Option<(usize, f64)> = None;
+    for j in (0..cost.len()).filter(|&j| resident[j] || loadable[j]) {
+        let c = cost[j] + if resident[j] { 0.0 } else { load };
+        if best.is_none_or(|(_, b)| c < b) {
+            best = Some((j, c));
+        }
+    }
+    best.map(|(j, _)| j)
 }
 
 /// A replica's resident adapters, bounded, least recently used evicted first.

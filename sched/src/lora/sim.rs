@@ -21,12 +21,13 @@
 //! when the simulation stops (20× the arrival span, plus ten minutes) count with the latency they
 //! had then — a lower bound — and are reported as `unfinished`.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use serde::Serialize;
 
 use super::batcher::{adapters_of, Batcher, Policy, Runnable};
-use super::dispatch::{place, route, AdapterSet, Dispatch};
+use super::dispatch::{artifact_cost, place, route, route_by_cost, AdapterSet, Dispatch, RouteCost};
 use super::migrate::{MigProblem, MigReplica, MigRequest, PlanSource};
 use super::workload::{LoraRequest, LoraScenario};
 use super::{AdapterId, CostModel, Mode};
@@ -263,6 +264,15 @@ impl Sim<'_> {
         current + r.queue.iter().map(|l| self.remaining_ms(l)).sum::<f64>()
     }
 
+    /// The artifact's routing cost of replica `j` (`RouteCost::Artifact`).
+    fn artifact_cost(&self, j: usize) -> f64 {
+        let mut counts: BTreeMap<AdapterId, usize> = BTreeMap::new();
+        for l in &self.reps[j].queue {
+            *counts.entry(l.req.adapter).or_default() += 1;
+        }
+        artifact_cost(counts.into_values(), self.s.batch.max_batch)
+    }
+
     fn load_adapter(&mut self, j: usize, a: AdapterId) {
         let rep = &mut self.reps[j];
         if rep.adapters.contains(a) {
@@ -287,7 +297,14 @@ impl Sim<'_> {
                     holders[k % holders.len()]
                 }
                 Dispatch::Proactive | Dispatch::Dlora => {
-                    let pending: Vec<f64> = (0..self.reps.len()).map(|j| self.pending_ms(j)).collect();
+                    let pending: Vec<f64> = match self.s.cluster.route_cost {
+                        RouteCost::Pending => (0..self.reps.len()).map(|j| self.pending_ms(j)).collect(),
+                        RouteCost::Artifact => (0..self.reps.len()).map(|j| self.artifact_cost(j)).collect(),
+                    };
+                    let load = match self.s.cluster.route_cost {
+                        RouteCost::Pending => self.cost.adapter_load_ms,
+                        RouteCost::Artifact => self.cost.adapter_load_ms / 1000.0,
+                    };
                     let resident: Vec<bool> = self.reps.iter().map(|r| r.adapters.contains(a)).collect();
                     let loadable: Vec<bool> = self
                         .reps
@@ -297,7 +314,11 @@ impl Sim<'_> {
                             r.adapters.can_load(|k| needed.binary_search(&k).is_ok())
                         })
                         .collect();
-                    route(&pending, &resident, &loadable, self.cost.adapter_load_ms).unwrap_or_else(|| {
+                    let chosen = match self.s.cluster.route_cost {
+                        RouteCost::Pending => route(&pending, &resident, &loadable, load),
+                        RouteCost::Artifact => route_by_cost(&pending, &resident, &loadable, load),
+                    };
+                    chosen.unwrap_or_else(|| {
                         (0..pending.len()).min_by(|&x, &y| pending[x].total_cmp(&pending[y])).unwrap_or(0)
                     })
                 }

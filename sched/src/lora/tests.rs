@@ -3,7 +3,7 @@ use std::time::Duration;
 use proptest::prelude::*;
 
 use super::batcher::{BatchConfig, Batcher, Policy, Runnable};
-use super::dispatch::{place, route, AdapterSet, Dispatch};
+use super::dispatch::{artifact_cost, place, route, route_by_cost, AdapterSet, Dispatch, RouteCost};
 use super::migrate::{MigProblem, MigReplica, MigRequest, PlanSource};
 use super::sim::simulate;
 use super::workload::LoraScenario;
@@ -459,4 +459,48 @@ fn the_cluster_migrates_only_under_dlora_dispatch() {
             assert_eq!(r.migrations, 0);
         }
     }
+}
+
+#[test]
+fn the_artifacts_route_cost_counts_batches_and_picks_the_first_on_ties() {
+    // Batches of 256: 300 requests of one adapter are one full merged batch (0.6) and 44 left;
+    // with 10 and 250 of two others the leftovers (304) make one unmerged batch more.
+    assert!((artifact_cost([300, 10, 250], 256) - 1.6).abs() < 1e-12);
+    // Below a batch per replica every cost is 0.
+    assert_eq!(artifact_cost([100, 100], 256), 0.0);
+    // Ties go to the first candidate; a lower cost wins; loading adds its cost.
+    let yes = [true, true, true];
+    assert_eq!(route_by_cost(&[0.0, 0.0, 0.0], &yes, &yes, 0.5), Some(0));
+    assert_eq!(route_by_cost(&[1.0, 0.6, 0.6], &yes, &yes, 0.5), Some(1));
+    assert_eq!(route_by_cost(&[1.0, 0.0, 0.6], &[true, false, true], &yes, 0.5), Some(1));
+    assert_eq!(route_by_cost(&[1.0, 0.6, 0.6], &[true, false, true], &yes, 0.5), Some(2));
+    assert_eq!(route_by_cost(&[0.0], &[false], &[false], 0.5), None);
+}
+
+#[test]
+fn with_the_artifacts_cost_proactive_dispatch_piles_up_and_migration_spreads_it() {
+    // Four replicas, moderate load: every cost is 0, so each adapter's requests go to its first
+    // holder; migration moves them out and queues far less.
+    let text = "duration_s = 20\nrate_rps = 30\nadapters = 32\nskewness = 8\nreplicas = 4\n\
+                [batch]\nmax_batch = 256\n[cluster]\nroute_cost = \"artifact\"\nswap_bytes_per_ms = 1000.0\n";
+    let mut s = scenario(text);
+    assert_eq!(s.cluster.route_cost, RouteCost::Artifact);
+    s.cluster.dispatch = Dispatch::Proactive;
+    let piled = simulate(&s, Policy::Dlora).unwrap();
+    s.cluster.dispatch = Dispatch::Dlora;
+    let moved = simulate(&s, Policy::Dlora).unwrap();
+    s.cluster.route_cost = RouteCost::Pending;
+    s.cluster.dispatch = Dispatch::Proactive;
+    let ours = simulate(&s, Policy::Dlora).unwrap();
+    for r in [&piled, &moved, &ours] {
+        assert_eq!(r.finished, r.requests);
+    }
+    assert!(moved.migrations > 0);
+    assert!(
+        piled.avg_queue_s > 2.0 * moved.avg_queue_s && piled.avg_queue_s > 2.0 * ours.avg_queue_s,
+        "artifact proactive {} s, with migration {} s, ours {} s",
+        piled.avg_queue_s,
+        moved.avg_queue_s,
+        ours.avg_queue_s
+    );
 }
