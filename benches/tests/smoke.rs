@@ -100,6 +100,35 @@ fn goodput_prints_the_contract_fields() {
 }
 
 #[test]
+fn lora_sim_prints_the_contract_fields_and_takes_a_seed_and_route_cost() {
+    let scenario = concat!(env!("CARGO_MANIFEST_DIR"), "/../sched/scenarios/lora_8gpu.toml");
+    let sim = |extra: &[&str]| {
+        let mut args = vec!["--scenario", scenario, "--dispatch", "proactive", "--rate", "20", "--json"];
+        args.extend_from_slice(extra);
+        run(env!("CARGO_BIN_EXE_lora-sim"), &args)
+    };
+    let one = sim(&["--seed", "1"]);
+    for k in ["policy", "requests", "avg_latency_s", "p90_latency_s", "throughput_rps", "mode_switches", "migrations"] {
+        assert!(!one[k].is_null(), "missing {k} in {one}");
+    }
+    assert!(!one["max_wait_iterations"].is_null() && !one["avg_queue_s"].is_null());
+    // --seed replaces the file's (1): other requests, and the same ones again for the same seed.
+    let (two, again) = (sim(&["--seed", "2"]), sim(&["--seed", "2"]));
+    assert_ne!(one["requests"], two["requests"], "seed 2 draws other arrivals");
+    assert_eq!(two, again, "a run is deterministic for its seed");
+    assert_eq!(sim(&[]), one, "the file's seed is 1");
+    // The artifact's routing cost piles each adapter's requests on its first holder.
+    let piled = sim(&["--seed", "1", "--route-cost", "artifact"]);
+    let (ours, art) = (one["avg_queue_s"].as_f64().unwrap(), piled["avg_queue_s"].as_f64().unwrap());
+    assert!(art > 2.0 * ours, "artifact routing {art} s against ours {ours} s");
+    let out = Command::new(env!("CARGO_BIN_EXE_lora-sim"))
+        .args(["--scenario", scenario, "--route-cost", "shortest"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("pending, artifact"));
+}
+
+#[test]
 fn sched_throughput_prints_the_contract_fields() {
     let v = run(
         env!("CARGO_BIN_EXE_sched-throughput"),

@@ -4,13 +4,13 @@
 //! `lora-sim --scenario sched/scenarios/lora_1gpu.toml --policy dlora --json`
 //!
 //! `--policy all` runs the four policies on the same requests; `--skewness`, `--rate`,
-//! `--dispatch` and `--scale` override the scenario, so that Figures 10, 11 and 14 are sweeps of
-//! one file (README).
+//! `--dispatch`, `--route-cost`, `--scale` and `--seed` override the scenario, so that Figures 10,
+//! 11 and 14 are sweeps of one file (README).
 
 use std::path::PathBuf;
 
 use anyhow::Context;
-use cascade_sched::lora::dispatch::Dispatch;
+use cascade_sched::lora::dispatch::{Dispatch, RouteCost};
 use cascade_sched::lora::sim::{simulate, LoraReport};
 use cascade_sched::lora::workload::LoraScenario;
 use cascade_sched::lora::Policy;
@@ -40,6 +40,14 @@ struct Cli {
     /// Override the length scale (Figure 11(b)'s ratio).
     #[arg(long)]
     scale: Option<f64>,
+    /// Override what proactive and dlora routing minimise (pending, ours; artifact, the public
+    /// artifact's batch-count cost).
+    #[arg(long)]
+    route_cost: Option<RouteCost>,
+    /// Override the scenario's seed (the arrivals, lengths and adapters drawn); a run is
+    /// deterministic for its seed.
+    #[arg(long)]
+    seed: Option<u64>,
     /// Print one JSON object per policy.
     #[arg(long)]
     json: bool,
@@ -62,6 +70,12 @@ fn main() -> anyhow::Result<()> {
     }
     if let Some(x) = c.scale {
         s.lengths.scale = x;
+    }
+    if let Some(r) = c.route_cost {
+        s.cluster.route_cost = r;
+    }
+    if let Some(k) = c.seed {
+        s.seed = k;
     }
     s.validate().map_err(anyhow::Error::msg).context("the scenario with the overrides")?;
     let policies: Vec<Policy> =
