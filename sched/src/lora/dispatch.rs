@@ -169,12 +169,14 @@ pub fn place(
     Ok(on)
 }
 
-/// The replica with the shortest estimated pending time for a request of an adapter:
-/// `pending_ms[j]`, plus `load_ms` where the adapter is not resident. Only replicas where it is
-/// resident or can be loaded (`loadable`) are candidates; `None` when there is none.
-pub fn route(pending_ms: &[f64], resident: &[bool], loadable: &[bool], load_ms: f64) -> Option<usize> {
-    (0..pending_ms.len()).filter(|&j| resident[j] || loadable[j]).min_by(|&a, &b| {
-        let t = |j: usize| pending_ms[j] + if resident[j] { 0.0 } else { load_ms };
+/// The replica of lowest cost for a request of an adapter: `cost[j]` (ours: the estimated
+/// pending time, ms; or the artifact's cost, [`artifact_cost`]), plus `load` where the adapter is
+/// not resident. Only replicas where it is resident or can be loaded (`loadable`) are
+/// candidates, the first of them on ties (as the artifact's strict `<` picks); `None` when there
+/// is none.
+pub fn route(cost: &[f64], resident: &[bool], loadable: &[bool], load: f64) -> Option<usize> {
+    (0..cost.len()).filter(|&j| resident[j] || loadable[j]).min_by(|&a, &b| {
+        let t = |j: usize| cost[j] + if resident[j] { 0.0 } else { load };
         t(a).total_cmp(&t(b)).then(a.cmp(&b))
     })
 }
@@ -189,19 +191,6 @@ pub fn artifact_cost(counts: impl IntoIterator<Item = usize>, max_batch: usize) 
         rest += n % b;
     }
     cost + (rest / b) as f64
-}
-
-/// The replica of lowest `cost[j]` (plus `load` where the adapter is not resident) among those
-/// where it is resident or can be loaded; the first on ties, as the artifact's strict `<` picks.
-pub fn route_by_cost(cost: &[f64], resident: &[bool], loadable: &[bool], load: f64) -> Option<usize> {
-    let mut best: Option<(usize, f64)> = None;
-    for j in (0..cost.len()).filter(|&j| resident[j] || loadable[j]) {
-        let c = cost[j] + if resident[j] { 0.0 } else { load };
-        if best.is_none_or(|(_, b)| c < b) {
-            best = Some((j, c));
-        }
-    }
-    best.map(|(j, _)| j)
 }
 
 /// A replica's resident adapters, bounded, least recently used evicted first.

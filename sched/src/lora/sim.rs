@@ -27,7 +27,7 @@ use std::time::Duration;
 use serde::Serialize;
 
 use super::batcher::{adapters_of, Batcher, Policy, Runnable};
-use super::dispatch::{artifact_cost, place, route, route_by_cost, AdapterSet, Dispatch, RouteCost};
+use super::dispatch::{artifact_cost, place, route, AdapterSet, Dispatch, RouteCost};
 use super::migrate::{MigProblem, MigReplica, MigRequest, PlanSource};
 use super::workload::{LoraRequest, LoraScenario};
 use super::{AdapterId, CostModel, Mode};
@@ -297,13 +297,15 @@ impl Sim<'_> {
                     holders[k % holders.len()]
                 }
                 Dispatch::Proactive | Dispatch::Dlora => {
-                    let pending: Vec<f64> = match self.s.cluster.route_cost {
-                        RouteCost::Pending => (0..self.reps.len()).map(|j| self.pending_ms(j)).collect(),
-                        RouteCost::Artifact => (0..self.reps.len()).map(|j| self.artifact_cost(j)).collect(),
-                    };
-                    let load = match self.s.cluster.route_cost {
-                        RouteCost::Pending => self.cost.adapter_load_ms,
-                        RouteCost::Artifact => self.cost.adapter_load_ms / 1000.0,
+                    // The artifact's cost counts batches and its load time in seconds.
+                    let (cost, load): (Vec<f64>, f64) = match self.s.cluster.route_cost {
+                        RouteCost::Pending => {
+                            ((0..self.reps.len()).map(|j| self.pending_ms(j)).collect(), self.cost.adapter_load_ms)
+                        }
+                        RouteCost::Artifact => (
+                            (0..self.reps.len()).map(|j| self.artifact_cost(j)).collect(),
+                            self.cost.adapter_load_ms / 1000.0,
+                        ),
                     };
                     let resident: Vec<bool> = self.reps.iter().map(|r| r.adapters.contains(a)).collect();
                     let loadable: Vec<bool> = self
@@ -314,13 +316,8 @@ impl Sim<'_> {
                             r.adapters.can_load(|k| needed.binary_search(&k).is_ok())
                         })
                         .collect();
-                    let chosen = match self.s.cluster.route_cost {
-                        RouteCost::Pending => route(&pending, &resident, &loadable, load),
-                        RouteCost::Artifact => route_by_cost(&pending, &resident, &loadable, load),
-                    };
-                    chosen.unwrap_or_else(|| {
-                        (0..pending.len()).min_by(|&x, &y| pending[x].total_cmp(&pending[y])).unwrap_or(0)
-                    })
+                    route(&cost, &resident, &loadable, load)
+                        .unwrap_or_else(|| (0..cost.len()).min_by(|&x, &y| cost[x].total_cmp(&cost[y])).unwrap_or(0))
                 }
             }
         };

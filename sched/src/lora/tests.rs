@@ -3,7 +3,7 @@ use std::time::Duration;
 use proptest::prelude::*;
 
 use super::batcher::{BatchConfig, Batcher, Policy, Runnable};
-use super::dispatch::{artifact_cost, place, route, route_by_cost, AdapterSet, Dispatch, RouteCost};
+use super::dispatch::{artifact_cost, place, route, AdapterSet, Dispatch, RouteCost};
 use super::migrate::{MigProblem, MigReplica, MigRequest, PlanSource};
 use super::sim::simulate;
 use super::workload::LoraScenario;
@@ -470,11 +470,11 @@ fn the_artifacts_route_cost_counts_batches_and_picks_the_first_on_ties() {
     assert_eq!(artifact_cost([100, 100], 256), 0.0);
     // Ties go to the first candidate; a lower cost wins; loading adds its cost.
     let yes = [true, true, true];
-    assert_eq!(route_by_cost(&[0.0, 0.0, 0.0], &yes, &yes, 0.5), Some(0));
-    assert_eq!(route_by_cost(&[1.0, 0.6, 0.6], &yes, &yes, 0.5), Some(1));
-    assert_eq!(route_by_cost(&[1.0, 0.0, 0.6], &[true, false, true], &yes, 0.5), Some(1));
-    assert_eq!(route_by_cost(&[1.0, 0.6, 0.6], &[true, false, true], &yes, 0.5), Some(2));
-    assert_eq!(route_by_cost(&[0.0], &[false], &[false], 0.5), None);
+    assert_eq!(route(&[0.0, 0.0, 0.0], &yes, &yes, 0.5), Some(0));
+    assert_eq!(route(&[1.0, 0.6, 0.6], &yes, &yes, 0.5), Some(1));
+    assert_eq!(route(&[1.0, 0.0, 0.6], &[true, false, true], &yes, 0.5), Some(1));
+    assert_eq!(route(&[1.0, 0.6, 0.6], &[true, false, true], &yes, 0.5), Some(2));
+    assert_eq!(route(&[0.0], &[false], &[false], 0.5), None);
 }
 
 #[test]
