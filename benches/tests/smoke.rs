@@ -100,7 +100,7 @@ fn goodput_prints_the_contract_fields() {
 }
 
 #[test]
-fn lora_sim_prints_the_contract_fields_and_takes_a_seed_and_route_cost() {
+fn lora_sim_prints_the_contract_fields_and_takes_a_seed_route_cost_and_placement() {
     let scenario = concat!(env!("CARGO_MANIFEST_DIR"), "/../sched/scenarios/lora_8gpu.toml");
     let sim = |extra: &[&str]| {
         let mut args = vec!["--scenario", scenario, "--dispatch", "proactive", "--rate", "20", "--json"];
@@ -112,6 +112,7 @@ fn lora_sim_prints_the_contract_fields_and_takes_a_seed_and_route_cost() {
         assert!(!one[k].is_null(), "missing {k} in {one}");
     }
     assert!(!one["max_wait_iterations"].is_null() && !one["avg_queue_s"].is_null());
+    assert!(one["avg_queue_per_token_s"].as_f64().unwrap() < one["avg_queue_s"].as_f64().unwrap());
     // --seed replaces the file's (1): other requests, and the same ones again for the same seed.
     let (two, again) = (sim(&["--seed", "2"]), sim(&["--seed", "2"]));
     assert_ne!(one["requests"], two["requests"], "seed 2 draws other arrivals");
@@ -126,6 +127,18 @@ fn lora_sim_prints_the_contract_fields_and_takes_a_seed_and_route_cost() {
         .output()
         .unwrap();
     assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("pending, artifact"));
+    // The artifact's blind placement leaves the hot adapter one holder, which round-robin swamps.
+    let rr = |placement: &str| {
+        let args = ["--scenario", scenario, "--dispatch", "rr", "--rate", "20", "--placement", placement, "--json"];
+        run(env!("CARGO_BIN_EXE_lora-sim"), &args)["avg_queue_s"].as_f64().unwrap()
+    };
+    let (aware, blind) = (rr("burst"), rr("artifact"));
+    assert!(blind > 10.0 * aware, "blind placement {blind} s against burst tolerance {aware} s");
+    let out = Command::new(env!("CARGO_BIN_EXE_lora-sim"))
+        .args(["--scenario", scenario, "--placement", "random"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("burst, artifact"));
 }
 
 #[test]

@@ -4,13 +4,13 @@
 //! `lora-sim --scenario sched/scenarios/lora_1gpu.toml --policy dlora --json`
 //!
 //! `--policy all` runs the four policies on the same requests; `--skewness`, `--rate`,
-//! `--dispatch`, `--route-cost`, `--scale` and `--seed` override the scenario, so that Figures 10,
+//! `--dispatch`, `--route-cost`, `--placement`, `--scale` and `--seed` override the scenario, so that Figures 10,
 //! 11 and 14 are sweeps of one file (README).
 
 use std::path::PathBuf;
 
 use anyhow::Context;
-use cascade_sched::lora::dispatch::{Dispatch, RouteCost};
+use cascade_sched::lora::dispatch::{Dispatch, Placement, RouteCost};
 use cascade_sched::lora::sim::{simulate, LoraReport};
 use cascade_sched::lora::workload::LoraScenario;
 use cascade_sched::lora::Policy;
@@ -44,6 +44,10 @@ struct Cli {
     /// artifact's batch-count cost).
     #[arg(long)]
     route_cost: Option<RouteCost>,
+    /// Override where adapters start (burst, the paper's burst-tolerance placement; artifact,
+    /// the public artifact's workload-blind start).
+    #[arg(long)]
+    placement: Option<Placement>,
     /// Override the scenario's seed (the arrivals, lengths and adapters drawn); a run is
     /// deterministic for its seed.
     #[arg(long)]
@@ -73,6 +77,9 @@ fn main() -> anyhow::Result<()> {
     }
     if let Some(r) = c.route_cost {
         s.cluster.route_cost = r;
+    }
+    if let Some(p) = c.placement {
+        s.cluster.placement = p;
     }
     if let Some(k) = c.seed {
         s.seed = k;

@@ -19,6 +19,22 @@
 //!   requests per replica every cost is 0, so the first candidate takes everything — the
 //!   imbalance the artifact's periodic migration then corrects. Kept beside ours to compare
 //!   against what the paper measured, not as a recommendation.
+//!   Under that cost the candidates are the artifact's too (`select_engine`): the replicas
+//!   holding the adapter, and under `proactive` (its `DISPATCH_MIG` mode) also a replica that
+//!   holds another adapter with no request queued there and a replica elsewhere, which it swaps
+//!   out for the request's (the lowest such id; the artifact takes the first in its mapping's
+//!   order); `dlora` (its `PERIOD_MIG`) routes to holders only and leaves the rest to
+//!   migration. With no holder, the replica with fewest requests.
+//! * **Artifact placement** ([`Placement::Artifact`], [`place_artifact`]): the public
+//!   artifact's start (`find_best_lora_weight_schedule(is_init=True)`), which does not know the
+//!   workload: the greedy above over *equal* shares — each adapter once, adapter `a` on replica
+//!   `a mod G` — then replicas added until there are `G + M − 1` of them (G replicas, M
+//!   adapters): round-robin over replicas and adapters in its dispatch-only and substitution
+//!   modes (adapters 1, 2, … gain a second replica), every one of one adapter drawn at random in
+//!   its periodic-migration mode. The paper calls its placement workload-aware; the artifact's
+//!   learns the workload only from the requests it sees and re-places after a migration, which
+//!   the variant does not model (its migration loads adapters where the plan moves requests).
+//!   A replica takes at most `min(max_adapters_per_replica, M)` adapters (the artifact: M).
 //! * **Swapping** ([`AdapterSet`]): at most `max_adapters_per_replica` adapters on a replica
 //!   (16 in the artifact); loading one evicts the least recently used adapter no queued request
 //!   needs.
@@ -56,6 +72,30 @@ crate::named_enum! {
     }
 }
 
+crate::named_enum! {
+    /// Where adapters start (see the module docs).
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+    #[serde(rename_all = "lowercase")]
+    pub enum Placement("placement") {
+        /// Burst-tolerance placement over the workload's shares ([`place`], §5.1).
+        #[default]
+        Burst = "burst",
+        /// The public artifact's start, blind to the workload ([`place_artifact`]).
+        Artifact = "artifact",
+    }
+}
+
+/// How [`place_artifact`] adds replicas beyond one per adapter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ArtifactFill {
+    /// Round-robin over replicas and adapters (the artifact's dispatch-only and
+    /// dispatch-with-substitution modes).
+    Sequential,
+    /// Every further replica is of this adapter (its periodic-migration mode, which draws the
+    /// adapter at random).
+    Spread(AdapterId),
+}
+
 /// Dispatch and migration parameters.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -64,6 +104,8 @@ pub struct ClusterConfig {
     pub dispatch: Dispatch,
     /// What `proactive` and `dlora` routing minimise.
     pub route_cost: RouteCost,
+    /// Where adapters start.
+    pub placement: Placement,
     /// Most adapters resident on one replica.
     pub max_adapters_per_replica: usize,
     /// The monitor's period, ms.
@@ -93,6 +135,7 @@ impl Default for ClusterConfig {
         ClusterConfig {
             dispatch: Dispatch::Dlora,
             route_cost: RouteCost::Pending,
+            placement: Placement::Burst,
             max_adapters_per_replica: 16,
             monitor_ms: 200.0,
             kv_trigger: 0.9,
@@ -169,6 +212,51 @@ pub fn place(
     Ok(on)
 }
 
+/// The public artifact's initial placement of `adapters` adapters on `replicas` replicas of at
+/// most `cap` adapters each (see the module docs).
+pub fn place_artifact(
+    adapters: usize,
+    replicas: usize,
+    cap: usize,
+    fill: ArtifactFill,
+) -> Result<Vec<Vec<AdapterId>>, String> {
+    if adapters > replicas * cap || replicas == 0 {
+        return Err(format!("{adapters} adapters do not fit {replicas} replicas of {cap} adapters"));
+    }
+    if let ArtifactFill::Spread(x) = fill {
+        if x as usize >= adapters {
+            return Err(format!("adapter {x} to spread is not one of the {adapters} adapters"));
+        }
+    }
+    let mut on: Vec<Vec<AdapterId>> = vec![Vec::new(); replicas];
+    for a in 0..adapters {
+        on[a % replicas].push(a as AdapterId);
+    }
+    let room = cap.min(adapters);
+    let target = (replicas + adapters).saturating_sub(1);
+    let (mut j, mut next) = (0, 0);
+    for _ in adapters..target {
+        let spread = match fill {
+            ArtifactFill::Spread(x) => Some(x),
+            ArtifactFill::Sequential => None,
+        };
+        let fits = |k: usize| on[k].len() < room && spread.is_none_or(|x| !on[k].contains(&x));
+        let Some(k) = (0..replicas).map(|d| (j + d) % replicas).find(|&k| fits(k)) else { break };
+        // A replica with room lacks some adapter, since it holds fewer than all of them.
+        let a = match spread {
+            Some(x) => x,
+            None => match (0..adapters).map(|d| ((next + d) % adapters) as AdapterId).find(|a| !on[k].contains(a)) {
+                Some(a) => a,
+                None => break,
+            },
+        };
+        on[k].push(a);
+        j = (k + 1) % replicas;
+        next = (a as usize + 1) % adapters;
+    }
+    Ok(on)
+}
+
 /// The replica of lowest cost for a request of an adapter: `cost[j]` (ours: the estimated
 /// pending time, ms; or the artifact's cost, [`artifact_cost`]), plus `load` where the adapter is
 /// not resident. Only replicas where it is resident or can be loaded (`loadable`) are
@@ -178,6 +266,19 @@ pub fn route(cost: &[f64], resident: &[bool], loadable: &[bool], load: f64) -> O
     (0..cost.len()).filter(|&j| resident[j] || loadable[j]).min_by(|&a, &b| {
         let t = |j: usize| cost[j] + if resident[j] { 0.0 } else { load };
         t(a).total_cmp(&t(b)).then(a.cmp(&b))
+    })
+}
+
+/// The artifact's substitution on replica `j` for a request of adapter `a` (`DISPATCH_MIG`; see
+/// the module docs): an adapter resident there (`resident[j]`) other than `a`, with no request
+/// queued there (`needed[j]`, sorted) and resident on another replica too — the lowest such id.
+pub fn substitute(resident: &[Vec<AdapterId>], needed: &[Vec<AdapterId>], j: usize, a: AdapterId) -> Option<AdapterId> {
+    let mut on = resident.get(j)?.clone();
+    on.sort_unstable();
+    on.into_iter().find(|&b| {
+        b != a
+            && needed.get(j).is_none_or(|n| n.binary_search(&b).is_err())
+            && resident.iter().enumerate().any(|(k, r)| k != j && r.contains(&b))
     })
 }
 
@@ -227,6 +328,11 @@ impl AdapterSet {
         if let Some(v) = self.on.get_mut(&a) {
             v.0 = v.0.max(now);
         }
+    }
+
+    /// Drops `a` (the artifact's substitution); whether it was resident.
+    pub fn remove(&mut self, a: AdapterId) -> bool {
+        self.on.remove(&a).is_some()
     }
 
     /// Whether `a` could be loaded now: room, or an adapter `needed` says no request needs.

@@ -26,8 +26,12 @@ use std::time::Duration;
 
 use serde::Serialize;
 
+use crate::arrival::Rng;
+
 use super::batcher::{adapters_of, Batcher, Policy, Runnable};
-use super::dispatch::{artifact_cost, place, route, AdapterSet, Dispatch, RouteCost};
+use super::dispatch::{
+    artifact_cost, place, place_artifact, route, substitute, AdapterSet, ArtifactFill, Dispatch, Placement, RouteCost,
+};
 use super::migrate::{MigProblem, MigReplica, MigRequest, PlanSource};
 use super::workload::{LoraRequest, LoraScenario};
 use super::{AdapterId, CostModel, Mode};
@@ -57,6 +61,10 @@ pub struct LoraReport {
     pub p90_e2e_s: f64,
     /// Mean queueing delay (latency minus the iterations the request ran in), s.
     pub avg_queue_s: f64,
+    /// Mean over requests of the queueing delay per output token, s: what the public artifact
+    /// reports as Figure 11's queueing delay (`wait_time_per_output_token` in
+    /// `vllm/engine/llm_engine.py`, averaged by `ae_scripts/parse_log.sh`).
+    pub avg_queue_per_token_s: f64,
     /// Finished requests per second of simulated time.
     pub throughput_rps: f64,
     /// Iterations that began with a merge or un-merge, all replicas.
@@ -172,7 +180,20 @@ pub fn simulate(s: &LoraScenario, policy: Policy) -> Result<LoraReport, String> 
         }
         vec![(0..s.adapters).collect()]
     } else {
-        place(&shares, s.replicas, s.cluster.max_adapters_per_replica, &cost, mean_tokens)?
+        let cap = s.cluster.max_adapters_per_replica;
+        match s.cluster.placement {
+            Placement::Burst => place(&shares, s.replicas, cap, &cost, mean_tokens)?,
+            Placement::Artifact => {
+                let fill = if s.cluster.dispatch == Dispatch::Dlora {
+                    // The artifact draws the adapter with Python's `random`; here from the seed.
+                    let mut rng = Rng::new(s.seed ^ 0x5eed_a11a);
+                    ArtifactFill::Spread((rng.next_u64() % u64::from(s.adapters)) as AdapterId)
+                } else {
+                    ArtifactFill::Sequential
+                };
+                place_artifact(s.adapters as usize, s.replicas, cap, fill)?
+            }
+        }
     };
     let reps = placement
         .iter()
@@ -273,6 +294,28 @@ impl Sim<'_> {
         artifact_cost(counts.into_values(), self.s.batch.max_batch)
     }
 
+    /// The artifact's `select_engine` for a request of `a` (module docs of `dispatch`): the
+    /// holders, under `proactive` also the replicas where an adapter can be swapped out for it
+    /// (done here when one is chosen); with no candidate, the replica with fewest requests.
+    fn artifact_route(&mut self, a: AdapterId, cost: &[f64], resident: &[bool], load: f64) -> usize {
+        let swapping = self.s.cluster.dispatch == Dispatch::Proactive;
+        let on: Vec<Vec<AdapterId>> = self.reps.iter().map(|r| r.adapters.adapters()).collect();
+        let needed: Vec<Vec<AdapterId>> = self.reps.iter().map(Rep::needed).collect();
+        let swap: Vec<Option<AdapterId>> = (0..self.reps.len())
+            .map(|j| if resident[j] || !swapping { None } else { substitute(&on, &needed, j, a) })
+            .collect();
+        let loadable: Vec<bool> = swap.iter().map(Option::is_some).collect();
+        match route(cost, resident, &loadable, load) {
+            Some(j) => {
+                if let Some(b) = swap[j] {
+                    self.reps[j].adapters.remove(b);
+                }
+                j
+            }
+            None => (0..self.reps.len()).min_by_key(|&j| (self.reps[j].queue.len(), j)).unwrap_or(0),
+        }
+    }
+
     fn load_adapter(&mut self, j: usize, a: AdapterId) {
         let rep = &mut self.reps[j];
         if rep.adapters.contains(a) {
@@ -308,16 +351,21 @@ impl Sim<'_> {
                         ),
                     };
                     let resident: Vec<bool> = self.reps.iter().map(|r| r.adapters.contains(a)).collect();
-                    let loadable: Vec<bool> = self
-                        .reps
-                        .iter()
-                        .map(|r| {
-                            let needed = r.needed();
-                            r.adapters.can_load(|k| needed.binary_search(&k).is_ok())
+                    if self.s.cluster.route_cost == RouteCost::Artifact {
+                        self.artifact_route(a, &cost, &resident, load)
+                    } else {
+                        let loadable: Vec<bool> = self
+                            .reps
+                            .iter()
+                            .map(|r| {
+                                let needed = r.needed();
+                                r.adapters.can_load(|k| needed.binary_search(&k).is_ok())
+                            })
+                            .collect();
+                        route(&cost, &resident, &loadable, load).unwrap_or_else(|| {
+                            (0..cost.len()).min_by(|&x, &y| cost[x].total_cmp(&cost[y])).unwrap_or(0)
                         })
-                        .collect();
-                    route(&cost, &resident, &loadable, load)
-                        .unwrap_or_else(|| (0..cost.len()).min_by(|&x, &y| cost[x].total_cmp(&cost[y])).unwrap_or(0))
+                    }
                 }
             }
         };
@@ -560,6 +608,7 @@ impl Sim<'_> {
             avg_e2e_s: e2e.iter().sum::<f64>() / n,
             p90_e2e_s: p90(&mut e2e),
             avg_queue_s: all.iter().map(|d| (d.0 - d.2) / 1e3).sum::<f64>() / n,
+            avg_queue_per_token_s: all.iter().map(|d| (d.0 - d.2) / 1e3 / f64::from(d.1.max(1))).sum::<f64>() / n,
             throughput_rps: self.done.len() as f64 / (self.now / 1e3).max(1e-9),
             mode_switches: sum(|s| s.mode_switches),
             switch_ops: sum(|s| s.switch_ops),

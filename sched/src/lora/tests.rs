@@ -3,7 +3,9 @@ use std::time::Duration;
 use proptest::prelude::*;
 
 use super::batcher::{BatchConfig, Batcher, Policy, Runnable};
-use super::dispatch::{artifact_cost, place, route, AdapterSet, Dispatch, RouteCost};
+use super::dispatch::{
+    artifact_cost, place, place_artifact, route, substitute, AdapterSet, ArtifactFill, Dispatch, Placement, RouteCost,
+};
 use super::migrate::{MigProblem, MigReplica, MigRequest, PlanSource};
 use super::sim::simulate;
 use super::workload::LoraScenario;
@@ -503,4 +505,75 @@ fn with_the_artifacts_cost_proactive_dispatch_piles_up_and_migration_spreads_it(
         moved.avg_queue_s,
         ours.avg_queue_s
     );
+}
+
+#[test]
+fn the_artifacts_placement_is_blind_to_the_workload_and_fills_to_g_plus_m_minus_one() {
+    // 8 replicas, 32 adapters: adapter a on replica a mod 8, then 7 more replicas.
+    let seq = place_artifact(32, 8, 16, ArtifactFill::Sequential).unwrap();
+    for (j, on) in seq.iter().enumerate() {
+        let mut want: Vec<u32> = (0..4).map(|k| j as u32 + 8 * k).collect();
+        if j < 7 {
+            // Round-robin over replicas and adapters, skipping what a replica holds: replica 0
+            // skips adapter 0 and takes 1, replica 1 then takes 2, and so on.
+            want.push(j as u32 + 1);
+        }
+        assert_eq!(on, &want, "replica {j}");
+    }
+    // The periodic-migration mode spreads one adapter to every replica.
+    let spread = place_artifact(32, 8, 16, ArtifactFill::Spread(5)).unwrap();
+    assert_eq!(spread.iter().map(Vec::len).sum::<usize>(), 39);
+    assert!(spread.iter().all(|on| on.contains(&5)));
+    assert_eq!(spread.iter().filter(|on| on.len() == 5).count(), 7);
+    // One adapter on three replicas: it is everywhere (G + M − 1 = 3).
+    assert_eq!(place_artifact(1, 3, 16, ArtifactFill::Sequential).unwrap(), vec![vec![0], vec![0], vec![0]]);
+    // A replica holds at most `cap`: with 2 per replica, 4 adapters on 2 replicas are full.
+    assert_eq!(place_artifact(4, 2, 2, ArtifactFill::Sequential).unwrap(), vec![vec![0, 2], vec![1, 3]]);
+    assert!(place_artifact(5, 2, 2, ArtifactFill::Sequential).is_err());
+    assert!(place_artifact(4, 2, 4, ArtifactFill::Spread(4)).is_err());
+}
+
+#[test]
+fn the_artifacts_substitution_swaps_an_idle_adapter_held_elsewhere_too() {
+    let on = vec![vec![0, 1], vec![1, 2], vec![3]];
+    let none: Vec<Vec<u32>> = vec![vec![], vec![], vec![]];
+    // Replica 1 can give up adapter 1 (also on replica 0), not 2 (only there).
+    assert_eq!(substitute(&on, &none, 1, 0), Some(1));
+    // Not while a request of adapter 1 waits there.
+    assert_eq!(substitute(&on, &[vec![], vec![1], vec![]], 1, 0), None);
+    // Replica 2's only adapter has no other replica; replica 0 swaps 1 (lowest id held elsewhere).
+    assert_eq!(substitute(&on, &none, 2, 0), None);
+    assert_eq!(substitute(&on, &none, 0, 3), Some(1));
+    // Never the request's own adapter.
+    assert_eq!(substitute(&on, &none, 0, 1), None);
+}
+
+#[test]
+fn under_the_artifacts_routing_rr_piles_on_one_holder_dlora_keeps_to_holders_and_proactive_swaps() {
+    // Four replicas, 8 adapters, adapter 0 half the load; batches of 8 so the artifact's cost
+    // (batches queued) grows within the run; a load the aware placement queues 0.3 s under.
+    let text = "duration_s = 20\nrate_rps = 2\nadapters = 8\nskewness = 16\nfunctions = 256\nreplicas = 4\n\
+                [batch]\nmax_batch = 8\n[cluster]\nroute_cost = \"artifact\"\nplacement = \"artifact\"\n\
+                monitor_ms = 1e9\n";
+    let mut s = scenario(text);
+    assert_eq!(s.cluster.placement, Placement::Artifact);
+    let run = |s: &LoraScenario, d: Dispatch| {
+        let mut s = s.clone();
+        s.cluster.dispatch = d;
+        let r = simulate(&s, Policy::Dlora).unwrap();
+        assert_eq!(r.finished, r.requests, "{d:?}");
+        r
+    };
+    let rr = run(&s, Dispatch::Rr);
+    let holders = run(&s, Dispatch::Dlora);
+    let swapping = run(&s, Dispatch::Proactive);
+    assert_eq!(rr.adapter_loads, 0);
+    // The monitor never fires, so dlora's only loads would be routing's: none.
+    assert_eq!((holders.adapter_loads, holders.migrations), (0, 0));
+    assert!(swapping.adapter_loads > 0);
+    // Adapter 0's one holder carries half the load under round-robin; the burst-tolerance
+    // placement gives it replicas and queues far less.
+    s.cluster.placement = Placement::Burst;
+    let aware = run(&s, Dispatch::Rr);
+    assert!(rr.avg_queue_s > 2.0 * aware.avg_queue_s, "blind {} s, aware {} s", rr.avg_queue_s, aware.avg_queue_s);
 }
