@@ -11,6 +11,13 @@ fn run(bin: &str, args: &[&str]) -> serde_json::Value {
     serde_json::from_str(line.trim()).unwrap_or_else(|e| panic!("{bin} printed {line:?}: {e}"))
 }
 
+/// Runs `bin` with `args`, which it must refuse with a message containing `says`.
+fn refused(bin: &str, args: &[&str], says: &str) {
+    let out = Command::new(bin).args(args).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains(says), "{bin} {args:?}: {stderr}");
+}
+
 #[test]
 fn p2p_prints_the_contract_fields() {
     for backend in ["tcp", "shm"] {
@@ -43,9 +50,7 @@ fn incast_prints_the_contract_fields() {
 
 #[test]
 fn bad_arguments_are_refused_clearly() {
-    let out = Command::new(env!("CARGO_BIN_EXE_p2p")).args(["--backend", "carrier-pigeon", "--json"]).output().unwrap();
-    assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown backend"));
+    refused(env!("CARGO_BIN_EXE_p2p"), &["--backend", "carrier-pigeon", "--json"], "unknown backend");
 }
 
 #[test]
@@ -92,11 +97,7 @@ fn goodput_prints_the_contract_fields() {
     assert_ne!(one["offered_rps"], two["offered_rps"], "seed 2 draws other arrivals");
     assert_eq!(two["offered_rps"], again["offered_rps"]);
     assert_eq!(two["goodput_rps"], again["goodput_rps"]);
-    let out = Command::new(env!("CARGO_BIN_EXE_goodput"))
-        .args(["--scenario", scenario, "--scheduler", "fifo"])
-        .output()
-        .unwrap();
-    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("unknown scheduler"));
+    refused(env!("CARGO_BIN_EXE_goodput"), &["--scenario", scenario, "--scheduler", "fifo"], "unknown scheduler");
 }
 
 #[test]
@@ -122,11 +123,7 @@ fn lora_sim_prints_the_contract_fields_and_takes_a_seed_route_cost_and_placement
     let piled = sim(&["--seed", "1", "--route-cost", "artifact"]);
     let (ours, art) = (one["avg_queue_s"].as_f64().unwrap(), piled["avg_queue_s"].as_f64().unwrap());
     assert!(art > 2.0 * ours, "artifact routing {art} s against ours {ours} s");
-    let out = Command::new(env!("CARGO_BIN_EXE_lora-sim"))
-        .args(["--scenario", scenario, "--route-cost", "shortest"])
-        .output()
-        .unwrap();
-    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("pending, artifact"));
+    refused(env!("CARGO_BIN_EXE_lora-sim"), &["--scenario", scenario, "--route-cost", "shortest"], "pending, artifact");
     // The artifact's blind placement leaves the hot adapter one holder, which round-robin swamps.
     let rr = |placement: &str| {
         let args = ["--scenario", scenario, "--dispatch", "rr", "--rate", "20", "--placement", placement, "--json"];
@@ -134,11 +131,7 @@ fn lora_sim_prints_the_contract_fields_and_takes_a_seed_route_cost_and_placement
     };
     let (aware, blind) = (rr("burst"), rr("artifact"));
     assert!(blind > 10.0 * aware, "blind placement {blind} s against burst tolerance {aware} s");
-    let out = Command::new(env!("CARGO_BIN_EXE_lora-sim"))
-        .args(["--scenario", scenario, "--placement", "random"])
-        .output()
-        .unwrap();
-    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("burst, artifact"));
+    refused(env!("CARGO_BIN_EXE_lora-sim"), &["--scenario", scenario, "--placement", "random"], "burst, artifact");
 }
 
 #[test]
@@ -178,13 +171,8 @@ fn serve_sim_prints_the_contract_fields() {
         assert_eq!(v["system"], system);
         assert_eq!(v["requests"], 63, "the trace's first two minutes");
     }
-    let out = Command::new(env!("CARGO_BIN_EXE_serve-sim")).args(["--system", "vllm", "--json"]).output().unwrap();
-    assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown system"));
-    let out =
-        Command::new(env!("CARGO_BIN_EXE_serve-sim")).args(["--over-context", "truncate", "--json"]).output().unwrap();
-    assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("clip, refuse, keep"));
+    refused(env!("CARGO_BIN_EXE_serve-sim"), &["--system", "vllm", "--json"], "unknown system");
+    refused(env!("CARGO_BIN_EXE_serve-sim"), &["--over-context", "truncate", "--json"], "clip, refuse, keep");
 }
 
 #[test]
