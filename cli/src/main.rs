@@ -122,9 +122,8 @@ fn embed(a: EmbedArgs) -> anyhow::Result<()> {
     let loaded = t.elapsed();
     let texts: Vec<&str> = a.text.iter().map(String::as_str).collect();
     let t = std::time::Instant::now();
-    let out = e.embed(&texts)?;
+    let (out, cut) = e.embed_noting_cuts(&texts)?;
     let ran = t.elapsed();
-    let cut = e.truncated(&texts)?;
     for ((text, v), cut) in texts.iter().zip(&out).zip(cut) {
         if a.json {
             println!("{}", serde_json::json!({ "text": text, "dim": v.len(), "embedding": v, "truncated": cut }));

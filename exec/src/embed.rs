@@ -64,11 +64,7 @@ impl Embedder {
     /// Whether each text is longer than [`Embedder::max_tokens`] and so embedded from its start
     /// only.
     pub fn truncated(&self, texts: &[&str]) -> Result<Vec<bool>, ExecError> {
-        let enc = self
-            .tokenizer
-            .encode_batch(texts.to_vec(), true)
-            .map_err(|e| ExecError::Input(format!("tokenising: {e}")))?;
-        Ok(enc.iter().map(|e| !e.get_overflowing().is_empty()).collect())
+        encode(&self.tokenizer, texts).map(|(_, cut)| cut)
     }
 
     /// `texts` as a batch before its first layer (padded to the longest, mask 0 on padding).
@@ -78,8 +74,15 @@ impl Embedder {
 
     /// One unit-length embedding per text.
     pub fn embed(&self, texts: &[&str]) -> Result<Vec<Vec<f32>>, ExecError> {
-        let act = self.model.run(0..self.model.layers(), self.batch(texts)?)?;
-        mean_pool_normalized(&act)
+        self.embed_noting_cuts(texts).map(|(v, _)| v)
+    }
+
+    /// One unit-length embedding per text, and whether each text was cut
+    /// ([`Embedder::truncated`]), from one tokenisation.
+    pub fn embed_noting_cuts(&self, texts: &[&str]) -> Result<(Vec<Vec<f32>>, Vec<bool>), ExecError> {
+        let (batch, cut) = encode(&self.tokenizer, texts)?;
+        let act = self.model.run(0..self.model.layers(), batch)?;
+        Ok((mean_pool_normalized(&act)?, cut))
     }
 }
 
@@ -164,6 +167,11 @@ pub(crate) fn read_dir(dir: &Path) -> Result<(BertConfig, Tokenizer, Manifest, V
 
 /// `texts` tokenised into a batch (see [`Embedder::batch`]).
 pub fn tokenize(tokenizer: &Tokenizer, texts: &[&str]) -> Result<Activation, ExecError> {
+    encode(tokenizer, texts).map(|(batch, _)| batch)
+}
+
+/// `texts` tokenised into a batch, and whether the tokenizer cut each one.
+fn encode(tokenizer: &Tokenizer, texts: &[&str]) -> Result<(Activation, Vec<bool>), ExecError> {
     if texts.is_empty() {
         return Err(ExecError::Input("no text to embed".into()));
     }
@@ -176,7 +184,8 @@ pub fn tokenize(tokenizer: &Tokenizer, texts: &[&str]) -> Result<Activation, Exe
     };
     let ids = enc.iter().map(|e| pad(e.get_ids())).collect();
     let mask = enc.iter().map(|e| pad(e.get_attention_mask())).collect();
-    Activation::new(ids, mask)
+    let cut = enc.iter().map(|e| !e.get_overflowing().is_empty()).collect();
+    Ok((Activation::new(ids, mask)?, cut))
 }
 
 /// The sentences of `testdata/minilm_reference.json` with their reference embeddings, computed
