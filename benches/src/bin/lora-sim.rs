@@ -97,26 +97,39 @@ fn main() -> anyhow::Result<()> {
     }
     if !c.json {
         println!(
-            "{} requests, {} adapters, skewness {} (top adapter {:.0}%), {} replica(s), dispatch {}",
+            "{} requests, {} adapters, skewness {} (top adapter {:.0}%), {} replica(s), dispatch {} \
+             (route cost {}, placement {})",
             reports[0].requests,
             s.adapters,
             s.skewness,
             reports[0].top_adapter_share * 100.0,
             s.replicas,
-            s.cluster.dispatch.name()
+            s.cluster.dispatch.name(),
+            s.cluster.route_cost.name(),
+            s.cluster.placement.name()
         );
         println!(
-            "{:<14} {:>10} {:>10} {:>9} {:>9} {:>9} {:>8} {:>9} {:>10}",
-            "policy", "avg s/tok", "p90 s/tok", "e2e s", "queue s", "req/s", "switches", "migrated", "max wait"
+            "{:<14} {:>10} {:>10} {:>9} {:>9} {:>11} {:>9} {:>8} {:>9} {:>10}",
+            "policy",
+            "avg s/tok",
+            "p90 s/tok",
+            "e2e s",
+            "queue s",
+            "queue s/tok",
+            "req/s",
+            "switches",
+            "migrated",
+            "max wait"
         );
         for r in &reports {
             println!(
-                "{:<14} {:>10.4} {:>10.4} {:>9.2} {:>9.2} {:>9.2} {:>8} {:>9} {:>10}",
+                "{:<14} {:>10.4} {:>10.4} {:>9.2} {:>9.2} {:>11.4} {:>9.2} {:>8} {:>9} {:>10}",
                 r.policy.name(),
                 r.avg_latency_s,
                 r.p90_latency_s,
                 r.avg_e2e_s,
                 r.avg_queue_s,
+                r.avg_queue_per_token_s,
                 r.throughput_rps,
                 r.mode_switches,
                 r.migrations,
