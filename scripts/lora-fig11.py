@@ -17,7 +17,9 @@ if it never does: widen `--rates` until every dispatch crosses), the medians ove
 and dlora's ratio to the other two. The paper's SLO is 0.5 s (§7.1, ten decoding iterations),
 its latency metric per output token: the artifact's saved Figure 11 outputs, read this way at
 0.5 s per output token, give its 3.6x and 1.4x (README, Figure 11). `--placement` and
-`--route-cost` override the scenario's `[cluster]` (lora-sim's flags of the same names).
+`--route-cost` override the scenario's `[cluster]` (lora-sim's flags of the same names);
+`--rr-route-cost pending` makes rr a rotation over the adapter's holders while the others keep
+the scenario's routing.
 """
 import argparse
 import json
@@ -37,7 +39,8 @@ def queue_s(args, dispatch, rate, seed):
     """The run's queueing delay in the chosen metric."""
     cmd = [SIM, "--scenario", args.scenario, "--dispatch", dispatch, "--rate", str(rate), "--seed", str(seed),
            "--json"]
-    for flag, value in (("--placement", args.placement), ("--route-cost", args.route_cost), ("--scale", args.scale)):
+    route_cost = args.rr_route_cost if dispatch == "rr" and args.rr_route_cost else args.route_cost
+    for flag, value in (("--placement", args.placement), ("--route-cost", route_cost), ("--scale", args.scale)):
         if value is not None:
             cmd += [flag, str(value)]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
@@ -69,6 +72,8 @@ def main():
     p.add_argument("--objectives", default="0.1,0.2,0.5,1", help="mean queueing objectives, s")
     p.add_argument("--placement")
     p.add_argument("--route-cost")
+    p.add_argument("--rr-route-cost", help="the route cost of the rr runs only (pending: a rotation over the "
+                   "holders, the paper's words; under the artifact's cost rr is its dispatch-only mode)")
     p.add_argument("--scale")
     args = p.parse_args()
     rates = [float(r) if "." in r else int(r) for r in args.rates.split(",")]

@@ -20,11 +20,13 @@
 //!   imbalance the artifact's periodic migration then corrects. Kept beside ours to compare
 //!   against what the paper measured, not as a recommendation.
 //!   Under that cost the candidates are the artifact's too (`select_engine`): the replicas
-//!   holding the adapter, and under `proactive` (its `DISPATCH_MIG` mode) also a replica that
-//!   holds another adapter with no request queued there and a replica elsewhere, which it swaps
-//!   out for the request's (the lowest such id; the artifact takes the first in its mapping's
-//!   order); `dlora` (its `PERIOD_MIG`) routes to holders only and leaves the rest to
-//!   migration. With no holder, the replica with fewest requests.
+//!   holding the adapter (`rr` is then its `DISPATCH_ONLY` mode, which its Figure 11 runs as
+//!   round-robin: the cost over the holders, not a rotation), and under `proactive` (its
+//!   `DISPATCH_MIG` mode) also a replica that holds another adapter with no request queued
+//!   there and a replica elsewhere, which it swaps out for the request's (the lowest such id;
+//!   the artifact takes the first in its mapping's order); `dlora` (its `PERIOD_MIG`) routes to
+//!   holders only and leaves the rest to migration. With no holder, the replica with fewest
+//!   requests.
 //! * **Artifact placement** ([`Placement::Artifact`], [`place_artifact`]): the public
 //!   artifact's start (`find_best_lora_weight_schedule(is_init=True)`), which does not know the
 //!   workload: the greedy above over *equal* shares — each adapter once, adapter `a` on replica
@@ -50,7 +52,8 @@ crate::named_enum! {
     #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
     #[serde(rename_all = "lowercase")]
     pub enum Dispatch("dispatch") {
-        /// Round-robin over the replicas preloaded with the adapter.
+        /// Round-robin over the replicas preloaded with the adapter (under the artifact's
+        /// routing cost, its dispatch-only mode: the cheapest of them).
         Rr = "rr",
         /// Shortest estimated pending time, loading adapters where needed; no migration.
         Proactive = "proactive",

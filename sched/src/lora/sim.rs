@@ -332,14 +332,16 @@ impl Sim<'_> {
             0
         } else {
             match self.s.cluster.dispatch {
-                Dispatch::Rr => {
+                Dispatch::Rr if self.s.cluster.route_cost == RouteCost::Pending => {
                     let holders: Vec<usize> =
                         (0..self.reps.len()).filter(|&j| self.placement[j].contains(&a)).collect();
                     let k = self.rr_next[a as usize];
                     self.rr_next[a as usize] += 1;
                     holders[k % holders.len()]
                 }
-                Dispatch::Proactive | Dispatch::Dlora => {
+                // Under the artifact's routing, `rr` is its dispatch-only mode (what its Figure 11
+                // ran as RR): its cost over the holders, which never change.
+                Dispatch::Rr | Dispatch::Proactive | Dispatch::Dlora => {
                     // The artifact's cost counts batches and its load time in seconds.
                     let (cost, load): (Vec<f64>, f64) = match self.s.cluster.route_cost {
                         RouteCost::Pending => {

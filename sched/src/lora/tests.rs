@@ -577,3 +577,24 @@ fn under_the_artifacts_routing_rr_piles_on_one_holder_dlora_keeps_to_holders_and
     let aware = run(&s, Dispatch::Rr);
     assert!(rr.avg_queue_s > 2.0 * aware.avg_queue_s, "blind {} s, aware {} s", rr.avg_queue_s, aware.avg_queue_s);
 }
+
+#[test]
+fn under_the_artifacts_routing_rr_is_its_dispatch_only_mode() {
+    // The artifact's Figure 11 setting. Its blind placement gives adapter 1 (10% of the load) a
+    // second replica on replica 0 beside adapter 0 (37%). Round-robin splits adapter 1 between
+    // its holders; the artifact's dispatch-only mode sends it to the first holder (every cost is
+    // 0 below 256 requests a replica), which saturates replica 0 at 16 req/s.
+    let path = std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/scenarios/lora_8gpu_artifact.toml"));
+    let mut s = LoraScenario::load(path).unwrap();
+    (s.rate_rps, s.cluster.dispatch) = (16.0, Dispatch::Rr);
+    let artifact = simulate(&s, Policy::UnmergedOnly).unwrap();
+    s.cluster.route_cost = RouteCost::Pending;
+    let rotation = simulate(&s, Policy::UnmergedOnly).unwrap();
+    assert_eq!((artifact.adapter_loads, rotation.adapter_loads), (0, 0));
+    assert!(
+        artifact.avg_queue_s > 10.0 * rotation.avg_queue_s,
+        "dispatch-only {} s, round-robin {} s",
+        artifact.avg_queue_s,
+        rotation.avg_queue_s
+    );
+}
