@@ -237,12 +237,12 @@ pub fn place_artifact(
     }
     let room = cap.min(adapters);
     let target = (replicas + adapters).saturating_sub(1);
+    let spread = match fill {
+        ArtifactFill::Spread(x) => Some(x),
+        ArtifactFill::Sequential => None,
+    };
     let (mut j, mut next) = (0, 0);
     for _ in adapters..target {
-        let spread = match fill {
-            ArtifactFill::Spread(x) => Some(x),
-            ArtifactFill::Sequential => None,
-        };
         let fits = |k: usize| on[k].len() < room && spread.is_none_or(|x| !on[k].contains(&x));
         let Some(k) = (0..replicas).map(|d| (j + d) % replicas).find(|&k| fits(k)) else { break };
         // A replica with room lacks some adapter, since it holds fewer than all of them.
@@ -276,13 +276,16 @@ pub fn route(cost: &[f64], resident: &[bool], loadable: &[bool], load: f64) -> O
 /// the module docs): an adapter resident there (`resident[j]`) other than `a`, with no request
 /// queued there (`needed[j]`, sorted) and resident on another replica too — the lowest such id.
 pub fn substitute(resident: &[Vec<AdapterId>], needed: &[Vec<AdapterId>], j: usize, a: AdapterId) -> Option<AdapterId> {
-    let mut on = resident.get(j)?.clone();
-    on.sort_unstable();
-    on.into_iter().find(|&b| {
-        b != a
-            && needed.get(j).is_none_or(|n| n.binary_search(&b).is_err())
-            && resident.iter().enumerate().any(|(k, r)| k != j && r.contains(&b))
-    })
+    resident
+        .get(j)?
+        .iter()
+        .copied()
+        .filter(|&b| {
+            b != a
+                && needed.get(j).is_none_or(|n| n.binary_search(&b).is_err())
+                && resident.iter().enumerate().any(|(k, r)| k != j && r.contains(&b))
+        })
+        .min()
 }
 
 /// The artifact's cost of a replica whose requests per adapter are `counts`, with batches of at

@@ -294,25 +294,56 @@ impl Sim<'_> {
         artifact_cost(counts.into_values(), self.s.batch.max_batch)
     }
 
-    /// The artifact's `select_engine` for a request of `a` (module docs of `dispatch`): the
-    /// holders, under `proactive` also the replicas where an adapter can be swapped out for it
-    /// (done here when one is chosen); with no candidate, the replica with fewest requests.
-    fn artifact_route(&mut self, a: AdapterId, cost: &[f64], resident: &[bool], load: f64) -> usize {
-        let swapping = self.s.cluster.dispatch == Dispatch::Proactive;
-        let on: Vec<Vec<AdapterId>> = self.reps.iter().map(|r| r.adapters.adapters()).collect();
-        let needed: Vec<Vec<AdapterId>> = self.reps.iter().map(Rep::needed).collect();
-        let swap: Vec<Option<AdapterId>> = (0..self.reps.len())
-            .map(|j| if resident[j] || !swapping { None } else { substitute(&on, &needed, j, a) })
+    /// Round-robin over the replicas the placement preloaded with `a` (`rr`, our routing).
+    fn rotate(&mut self, a: AdapterId) -> usize {
+        let holders: Vec<usize> = (0..self.reps.len()).filter(|&j| self.placement[j].contains(&a)).collect();
+        let k = self.rr_next[a as usize];
+        self.rr_next[a as usize] += 1;
+        holders[k % holders.len()]
+    }
+
+    /// The replica with the shortest estimated pending time for a request of `a`, its load time
+    /// counted where it is not resident (`proactive`, `dlora`, our routing).
+    fn pending_route(&self, a: AdapterId) -> usize {
+        let pending: Vec<f64> = (0..self.reps.len()).map(|j| self.pending_ms(j)).collect();
+        let resident: Vec<bool> = self.reps.iter().map(|r| r.adapters.contains(a)).collect();
+        let loadable: Vec<bool> = self
+            .reps
+            .iter()
+            .map(|r| {
+                let needed = r.needed();
+                r.adapters.can_load(|k| needed.binary_search(&k).is_ok())
+            })
             .collect();
+        route(&pending, &resident, &loadable, self.cost.adapter_load_ms)
+            .unwrap_or_else(|| (0..pending.len()).min_by(|&x, &y| pending[x].total_cmp(&pending[y])).unwrap_or(0))
+    }
+
+    /// The artifact's `select_engine` for a request of `a` (module docs of `dispatch`): its cost
+    /// over the holders (which counts batches, and the load time in seconds); under `proactive`
+    /// also the replicas where an adapter can be swapped out for it (done here when one is
+    /// chosen); with no candidate, the replica with fewest requests. Under this routing `rr` is
+    /// the artifact's dispatch-only mode, the one its Figure 11 ran as RR.
+    fn artifact_route(&mut self, a: AdapterId) -> usize {
+        let n = self.reps.len();
+        let cost: Vec<f64> = (0..n).map(|j| self.artifact_cost(j)).collect();
+        let resident: Vec<bool> = self.reps.iter().map(|r| r.adapters.contains(a)).collect();
+        let swap: Vec<Option<AdapterId>> = if self.s.cluster.dispatch == Dispatch::Proactive {
+            let on: Vec<Vec<AdapterId>> = self.reps.iter().map(|r| r.adapters.adapters()).collect();
+            let needed: Vec<Vec<AdapterId>> = self.reps.iter().map(Rep::needed).collect();
+            (0..n).map(|j| if resident[j] { None } else { substitute(&on, &needed, j, a) }).collect()
+        } else {
+            vec![None; n]
+        };
         let loadable: Vec<bool> = swap.iter().map(Option::is_some).collect();
-        match route(cost, resident, &loadable, load) {
+        match route(&cost, &resident, &loadable, self.cost.adapter_load_ms / 1000.0) {
             Some(j) => {
                 if let Some(b) = swap[j] {
                     self.reps[j].adapters.remove(b);
                 }
                 j
             }
-            None => (0..self.reps.len()).min_by_key(|&j| (self.reps[j].queue.len(), j)).unwrap_or(0),
+            None => (0..n).min_by_key(|&j| (self.reps[j].queue.len(), j)).unwrap_or(0),
         }
     }
 
@@ -331,44 +362,10 @@ impl Sim<'_> {
         let j = if self.reps.len() == 1 {
             0
         } else {
-            match self.s.cluster.dispatch {
-                Dispatch::Rr if self.s.cluster.route_cost == RouteCost::Pending => {
-                    let holders: Vec<usize> =
-                        (0..self.reps.len()).filter(|&j| self.placement[j].contains(&a)).collect();
-                    let k = self.rr_next[a as usize];
-                    self.rr_next[a as usize] += 1;
-                    holders[k % holders.len()]
-                }
-                // Under the artifact's routing, `rr` is its dispatch-only mode (what its Figure 11
-                // ran as RR): its cost over the holders, which never change.
-                Dispatch::Rr | Dispatch::Proactive | Dispatch::Dlora => {
-                    // The artifact's cost counts batches and its load time in seconds.
-                    let (cost, load): (Vec<f64>, f64) = match self.s.cluster.route_cost {
-                        RouteCost::Pending => {
-                            ((0..self.reps.len()).map(|j| self.pending_ms(j)).collect(), self.cost.adapter_load_ms)
-                        }
-                        RouteCost::Artifact => (
-                            (0..self.reps.len()).map(|j| self.artifact_cost(j)).collect(),
-                            self.cost.adapter_load_ms / 1000.0,
-                        ),
-                    };
-                    let resident: Vec<bool> = self.reps.iter().map(|r| r.adapters.contains(a)).collect();
-                    if self.s.cluster.route_cost == RouteCost::Artifact {
-                        self.artifact_route(a, &cost, &resident, load)
-                    } else {
-                        let loadable: Vec<bool> = self
-                            .reps
-                            .iter()
-                            .map(|r| {
-                                let needed = r.needed();
-                                r.adapters.can_load(|k| needed.binary_search(&k).is_ok())
-                            })
-                            .collect();
-                        route(&cost, &resident, &loadable, load).unwrap_or_else(|| {
-                            (0..cost.len()).min_by(|&x, &y| cost[x].total_cmp(&cost[y])).unwrap_or(0)
-                        })
-                    }
-                }
+            match (self.s.cluster.route_cost, self.s.cluster.dispatch) {
+                (RouteCost::Artifact, _) => self.artifact_route(a),
+                (RouteCost::Pending, Dispatch::Rr) => self.rotate(a),
+                (RouteCost::Pending, Dispatch::Proactive | Dispatch::Dlora) => self.pending_route(a),
             }
         };
         self.load_adapter(j, a);
