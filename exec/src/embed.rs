@@ -107,17 +107,22 @@ pub(crate) fn read_files(dir: &Path) -> Result<ModelFiles, ExecError> {
             .with_truncation(Some(cut))
             .map_err(|e| ExecError::Model(format!("truncation to {max} tokens: {e}")))?;
     }
-    let config = match std::fs::read_to_string(dir.join("config.json")) {
-        Ok(text) => Some(text),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
-        Err(e) => return Err(ExecError::Model(format!("config.json: {e}"))),
-    };
+    let config = read_optional(&dir.join("config.json"))?;
     let bytes = std::fs::read(&weights_path)
         .map_err(|e| ExecError::Model(format!("reading {}: {e}", weights_path.display())))?;
     let name = dir.file_name().map_or("model".into(), |n| n.to_string_lossy().into_owned());
     let manifest = Manifest::from_bytes(&bytes, &name, 1 << 20, &weights_path.to_string_lossy())
         .map_err(|e| ExecError::Model(format!("{}: {e}", weights_path.display())))?;
     Ok(ModelFiles { config, tokenizer, manifest, bytes })
+}
+
+/// The text of an optional file of a model directory: `None` when it is not there.
+fn read_optional(path: &Path) -> Result<Option<String>, ExecError> {
+    match std::fs::read_to_string(path) {
+        Ok(text) => Ok(Some(text)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(ExecError::Model(format!("{}: {e}", path.display()))),
+    }
 }
 
 /// `max_seq_length` of `dir/sentence_bert_config.json`, if the file is there.
@@ -127,11 +132,7 @@ fn max_seq_length(dir: &Path) -> Result<Option<usize>, ExecError> {
         max_seq_length: usize,
     }
     let path = dir.join("sentence_bert_config.json");
-    let text = match std::fs::read_to_string(&path) {
-        Ok(text) => text,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(ExecError::Model(format!("{}: {e}", path.display()))),
-    };
+    let Some(text) = read_optional(&path)? else { return Ok(None) };
     let c: SentenceBertConfig =
         serde_json::from_str(&text).map_err(|e| ExecError::Model(format!("{}: {e}", path.display())))?;
     if c.max_seq_length < 2 {
