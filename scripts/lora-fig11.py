@@ -17,7 +17,8 @@ if it never does: widen `--rates` until every dispatch crosses), the medians ove
 and dlora's ratio to the other two. The paper's SLO is 0.5 s (§7.1, ten decoding iterations),
 its latency metric per output token: the artifact's saved Figure 11 outputs, read this way at
 0.5 s per output token, give its 3.6x and 1.4x (README, Figure 11). `--placement` and
-`--route-cost` override the scenario's `[cluster]` (lora-sim's flags of the same names);
+`--route-cost` override the scenario's `[cluster]` and `--drift-sigma`, `--drift-phase-s` its
+`[drift]` (lora-sim's flags of the same names);
 `--rr-route-cost pending` makes rr a rotation over the adapter's holders while the others keep
 the scenario's routing.
 """
@@ -40,7 +41,8 @@ def queue_s(args, dispatch, rate, seed):
     cmd = [SIM, "--scenario", args.scenario, "--dispatch", dispatch, "--rate", str(rate), "--seed", str(seed),
            "--json"]
     route_cost = args.rr_route_cost if dispatch == "rr" and args.rr_route_cost else args.route_cost
-    for flag, value in (("--placement", args.placement), ("--route-cost", route_cost), ("--scale", args.scale)):
+    for flag, value in (("--placement", args.placement), ("--route-cost", route_cost), ("--scale", args.scale),
+                        ("--drift-sigma", args.drift_sigma), ("--drift-phase-s", args.drift_phase_s)):
         if value is not None:
             cmd += [flag, str(value)]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
@@ -75,6 +77,9 @@ def main():
     p.add_argument("--rr-route-cost", help="the route cost of the rr runs only (pending: a rotation over the "
                    "holders, the paper's words; under the artifact's cost rr is its dispatch-only mode)")
     p.add_argument("--scale")
+    p.add_argument("--drift-sigma", help="redraw adapter popularity every phase with this log-normal sigma "
+                   "(lora-sim's flag; a stand-in for the artifact's hourly trace phases)")
+    p.add_argument("--drift-phase-s", help="the drift's phase length, s (lora-sim's flag; 20 by default)")
     args = p.parse_args()
     rates = [float(r) if "." in r else int(r) for r in args.rates.split(",")]
     seeds = [int(s) for s in args.seeds.split(",")]

@@ -101,7 +101,7 @@ fn goodput_prints_the_contract_fields() {
 }
 
 #[test]
-fn lora_sim_prints_the_contract_fields_and_takes_a_seed_route_cost_and_placement() {
+fn lora_sim_prints_the_contract_fields_and_takes_a_seed_route_cost_placement_and_drift() {
     let scenario = concat!(env!("CARGO_MANIFEST_DIR"), "/../sched/scenarios/lora_8gpu.toml");
     let sim = |extra: &[&str]| {
         let mut args = vec!["--scenario", scenario, "--dispatch", "proactive", "--rate", "20", "--json"];
@@ -132,6 +132,12 @@ fn lora_sim_prints_the_contract_fields_and_takes_a_seed_route_cost_and_placement
     let (aware, blind) = (rr("burst"), rr("artifact"));
     assert!(blind > 10.0 * aware, "blind placement {blind} s against burst tolerance {aware} s");
     refused(env!("CARGO_BIN_EXE_lora-sim"), &["--scenario", scenario, "--placement", "random"], "burst, artifact");
+    // --drift-sigma redraws the adapters' popularity every phase: the same arrivals, other adapters.
+    let drifted = sim(&["--seed", "1", "--drift-sigma", "1.5"]);
+    assert_eq!(drifted["requests"], one["requests"]);
+    assert_ne!(drifted["avg_queue_s"], one["avg_queue_s"]);
+    refused(env!("CARGO_BIN_EXE_lora-sim"), &["--scenario", scenario, "--drift-phase-s", "10"], "needs a drift");
+    refused(env!("CARGO_BIN_EXE_lora-sim"), &["--scenario", scenario, "--drift-sigma=-1"], "sigma");
 }
 
 #[test]

@@ -4,7 +4,8 @@
 //! `lora-sim --scenario sched/scenarios/lora_1gpu.toml --policy dlora --json`
 //!
 //! `--policy all` runs the four policies on the same requests; `--skewness`, `--rate`,
-//! `--dispatch`, `--route-cost`, `--placement`, `--scale` and `--seed` override the scenario, so that Figures 10,
+//! `--dispatch`, `--route-cost`, `--placement`, `--scale`, `--drift-sigma`, `--drift-phase-s` and
+//! `--seed` override the scenario, so that Figures 10,
 //! 11 and 14 are sweeps of one file (README).
 
 use std::path::PathBuf;
@@ -12,7 +13,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use cascade_sched::lora::dispatch::{Dispatch, Placement, RouteCost};
 use cascade_sched::lora::sim::{simulate, LoraReport};
-use cascade_sched::lora::workload::LoraScenario;
+use cascade_sched::lora::workload::{Drift, LoraScenario};
 use cascade_sched::lora::Policy;
 use clap::Parser;
 
@@ -48,6 +49,13 @@ struct Cli {
     /// the public artifact's workload-blind start).
     #[arg(long)]
     placement: Option<Placement>,
+    /// Redraw adapter popularity every phase with this log-normal σ (the scenario's `[drift]`;
+    /// 0 keeps the static law's shares per phase).
+    #[arg(long)]
+    drift_sigma: Option<f64>,
+    /// The drift's phase length, s (20 unless the scenario says; needs a drift).
+    #[arg(long)]
+    drift_phase_s: Option<f64>,
     /// Override the scenario's seed (the arrivals, lengths and adapters drawn); a run is
     /// deterministic for its seed.
     #[arg(long)]
@@ -84,6 +92,16 @@ fn main() -> anyhow::Result<()> {
     if let Some(k) = c.seed {
         s.seed = k;
     }
+    if let Some(sigma) = c.drift_sigma {
+        let phase_s = s.drift.as_ref().map_or(20.0, |d| d.phase_s);
+        s.drift = Some(Drift { phase_s, sigma });
+    }
+    if let Some(p) = c.drift_phase_s {
+        match s.drift.as_mut() {
+            Some(d) => d.phase_s = p,
+            None => anyhow::bail!("--drift-phase-s needs a drift: give --drift-sigma or a [drift] table"),
+        }
+    }
     s.validate().map_err(anyhow::Error::msg).context("the scenario with the overrides")?;
     let policies: Vec<Policy> =
         if c.policy == "all" { Policy::ALL.to_vec() } else { vec![c.policy.parse().map_err(anyhow::Error::msg)?] };
@@ -97,12 +115,16 @@ fn main() -> anyhow::Result<()> {
     }
     if !c.json {
         println!(
-            "{} requests, {} adapters, skewness {} (top adapter {:.0}%), {} replica(s), dispatch {} \
+            "{} requests, {} adapters, skewness {} (top adapter {:.0}%{}), {} replica(s), dispatch {} \
              (route cost {}, placement {})",
             reports[0].requests,
             s.adapters,
             s.skewness,
             reports[0].top_adapter_share * 100.0,
+            s.drift.as_ref().map_or(String::new(), |d| format!(
+                " over the run; popularity redrawn every {} s, sigma {}",
+                d.phase_s, d.sigma
+            )),
             s.replicas,
             s.cluster.dispatch.name(),
             s.cluster.route_cost.name(),

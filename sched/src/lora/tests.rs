@@ -414,6 +414,52 @@ fn scenarios_are_checked_and_skewness_concentrates_the_load() {
 }
 
 #[test]
+fn drifting_popularity_moves_the_shares_each_phase_and_sigma_zero_is_the_static_law() {
+    let base = "duration_s = 60\nrate_rps = 50\nadapters = 8\nskewness = 8\n";
+    let fixed = scenario(base);
+    let still = scenario(&format!("{base}[drift]\nphase_s = 20\nsigma = 0\n"));
+    let moving = scenario(&format!("{base}[drift]\nphase_s = 20\nsigma = 1.5\n"));
+    assert_eq!((fixed.phase_count(), still.phase_count(), moving.phase_count()), (1, 3, 3));
+    // σ = 0: every phase has the static law's shares, and the same requests are drawn.
+    for p in still.phase_shares() {
+        assert_eq!(p, fixed.adapter_shares());
+    }
+    assert_eq!(still.requests(), fixed.requests());
+    // σ > 0: each phase's shares sum to one and differ from the others'; the mean is what a
+    // placement is given.
+    let phases = moving.phase_shares();
+    let l1 = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(x, y)| (x - y).abs()).sum::<f64>();
+    for p in &phases {
+        assert!((p.iter().sum::<f64>() - 1.0).abs() < 1e-9, "{p:?}");
+    }
+    assert!(l1(&phases[0], &phases[1]) > 0.2 && l1(&phases[1], &phases[2]) > 0.2, "{phases:?}");
+    let mean = moving.adapter_shares();
+    for a in 0..8 {
+        let m = phases.iter().map(|p| p[a]).sum::<f64>() / 3.0;
+        assert!((mean[a] - m).abs() < 1e-12);
+    }
+    // The requests follow their phase's shares (1,000 per phase: within 0.05 of each share), and
+    // keep the static law's arrival times and lengths: the drift has generators of its own.
+    let reqs = moving.requests();
+    for (k, p) in phases.iter().enumerate() {
+        let of_phase: Vec<_> = reqs.iter().filter(|r| (r.arrival_ms / 20_000.0) as usize == k).collect();
+        for (a, share) in p.iter().enumerate() {
+            let seen = of_phase.iter().filter(|r| r.adapter as usize == a).count() as f64 / of_phase.len() as f64;
+            assert!((seen - share).abs() < 0.05, "phase {k}, adapter {a}: {seen} drawn against {share}");
+        }
+    }
+    let when =
+        |v: &[super::workload::LoraRequest]| v.iter().map(|r| (r.arrival_ms, r.input, r.output)).collect::<Vec<_>>();
+    assert_eq!(when(&reqs), when(&fixed.requests()));
+    assert_eq!(reqs, moving.requests(), "not deterministic");
+    // Bad drifts are refused.
+    for bad in ["phase_s = 0\nsigma = 1", "phase_s = 20\nsigma = -1"] {
+        let s: LoraScenario = toml::from_str(&format!("{base}[drift]\n{bad}\n")).unwrap();
+        assert!(s.validate().unwrap_err().contains("drift"), "{bad}");
+    }
+}
+
+#[test]
 fn a_replica_whose_kv_cache_fills_preempts_the_newest_and_recomputes_them() {
     // Room for about four requests' prompts and outputs (161 + 338 tokens, lengths within ~30%
     // of that, so that no request alone outgrows it), eight decoding at once: the decode steps

@@ -25,6 +25,25 @@
 //! departure, stated); the mapping is the paper's. Lengths follow ShareGPT's means as vLLM's paper
 //! reports them (161 prompt and 338 output tokens), log-normal with `sigma`, scaled by `scale`
 //! (Figure 11(b)'s ratio) and clamped to `max_tokens`.
+//!
+//! **Popularity that moves (optional `[drift]`), a second stated stand-in.** The public artifact's
+//! Figure 11 runs (`ae_scripts/fig11a.sh`, `vllm/workload_generator/trace.py`) replay six hours of
+//! the 2021 trace as six phases of equal request counts, each adapter's rate in a phase its
+//! functions' share of that hour: about 20 s of replay per trace hour at its rates, so adapter
+//! popularity shifts every ~20 s. A static Zipf law has no such shifts, and shifts are what a
+//! placement made once cannot follow. Without the trace, `[drift]` draws each function's weight
+//! anew every `phase_s` seconds as its Zipf weight times a log-normal factor
+//! `exp(σ·z − σ²/2)` (mean 1, `z` standard normal, independent per function and phase, from the
+//! seed): `sigma = 0` is the static law; larger `sigma` moves more of the popularity each phase.
+//! How far the real trace's hourly shares move is not known here, so README reports several
+//! `sigma`. The placement, which the paper makes from the long-term pattern (§5.1), is given
+//! the mean of the phases' shares.
+//!
+//! ```toml
+//! [drift]
+//! phase_s = 20.0
+//! sigma = 1.0
+//! ```
 
 use std::path::Path;
 
@@ -57,6 +76,17 @@ impl Default for Lengths {
     }
 }
 
+/// Adapter popularity redrawn every phase (see the module docs).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Drift {
+    /// Length of one phase, s.
+    #[serde(default = "twenty")]
+    pub phase_s: f64,
+    /// σ of each function's log-normal popularity factor, drawn anew every phase.
+    pub sigma: f64,
+}
+
 /// A `lora-sim` scenario.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -87,6 +117,9 @@ pub struct LoraScenario {
     /// Or every cost given (wins over `cost`).
     #[serde(default)]
     pub cost_model: Option<CostModel>,
+    /// Popularity that moves during the run (absent: the static law).
+    #[serde(default)]
+    pub drift: Option<Drift>,
     /// Request lengths.
     #[serde(default)]
     pub lengths: Lengths,
@@ -109,6 +142,9 @@ fn one_usize() -> usize {
 }
 fn functions() -> u32 {
     1024
+}
+fn twenty() -> f64 {
+    20.0
 }
 fn paper() -> String {
     "paper-7b".into()
@@ -146,6 +182,11 @@ impl LoraScenario {
         if self.adapters == 0 || self.skewness == 0 || self.functions == 0 || self.replicas == 0 {
             return Err("adapters, skewness, functions and replicas must be ≥ 1".into());
         }
+        if let Some(d) = &self.drift {
+            if !(d.phase_s > 0.0 && d.phase_s.is_finite() && d.sigma >= 0.0 && d.sigma.is_finite()) {
+                return Err(format!("drift: need phase_s > 0 and sigma ≥ 0, got {} and {}", d.phase_s, d.sigma));
+            }
+        }
         let l = &self.lengths;
         if !(l.input_mean >= 1.0 && l.output_mean >= 1.0 && l.sigma >= 0.0 && l.scale > 0.0 && l.max_tokens >= 1) {
             return Err("lengths: need means ≥ 1, sigma ≥ 0, scale > 0, max_tokens ≥ 1".into());
@@ -164,10 +205,44 @@ impl LoraScenario {
     }
 
     /// Each adapter's share of the requests: functions ranked by Zipf popularity, mapped to
-    /// adapters in blocks of `skewness`.
+    /// adapters in blocks of `skewness`; with `[drift]`, the mean of the phases' shares.
     pub fn adapter_shares(&self) -> Vec<f64> {
+        let phases = self.phase_shares();
+        if phases.len() == 1 {
+            return phases.into_iter().next().unwrap_or_default();
+        }
+        let n = phases.len() as f64;
+        (0..self.adapters as usize).map(|a| phases.iter().map(|p| p[a]).sum::<f64>() / n).collect()
+    }
+
+    /// The phases of the run: one without `[drift]`, else one per `phase_s` of `duration_s`.
+    pub fn phase_count(&self) -> usize {
+        match &self.drift {
+            Some(d) => ((self.duration_s / d.phase_s).ceil() as usize).max(1),
+            None => 1,
+        }
+    }
+
+    /// Each phase's adapter shares (one phase without `[drift]`).
+    pub fn phase_shares(&self) -> Vec<Vec<f64>> {
+        let zipf: Vec<f64> = (1..=self.functions).map(|r| 1.0 / (r as f64).powf(self.zipf_s)).collect();
+        let Some(d) = &self.drift else {
+            return vec![self.shares_of(&zipf)];
+        };
+        (0..self.phase_count())
+            .map(|p| {
+                // Its own generator per phase, so the arrivals' draws are those of the static law.
+                let mut rng = Rng::new(self.seed ^ 0xd21f_7a5e ^ (p as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+                let moved: Vec<f64> =
+                    zipf.iter().map(|w| w * (d.sigma * rng.normal() - d.sigma * d.sigma / 2.0).exp()).collect();
+                self.shares_of(&moved)
+            })
+            .collect()
+    }
+
+    /// Function weights (rank order) mapped to adapters in blocks of `skewness`, normalised.
+    fn shares_of(&self, weights: &[f64]) -> Vec<f64> {
         let mut share = vec![0.0; self.adapters as usize];
-        let weights: Vec<f64> = (1..=self.functions).map(|r| 1.0 / (r as f64).powf(self.zipf_s)).collect();
         let total: f64 = weights.iter().sum();
         for (f, w) in weights.iter().enumerate() {
             share[(f as u32 / self.skewness % self.adapters) as usize] += w / total;
@@ -178,13 +253,21 @@ impl LoraScenario {
     /// The requests, in arrival order (deterministic from `seed`).
     pub fn requests(&self) -> Vec<LoraRequest> {
         let mut rng = Rng::new(self.seed);
-        let shares = self.adapter_shares();
-        let mut cdf = Vec::with_capacity(shares.len());
-        let mut acc = 0.0;
-        for s in &shares {
-            acc += s;
-            cdf.push(acc);
-        }
+        let cdfs: Vec<Vec<f64>> = self
+            .phase_shares()
+            .iter()
+            .map(|shares| {
+                let mut acc = 0.0;
+                shares
+                    .iter()
+                    .map(|s| {
+                        acc += s;
+                        acc
+                    })
+                    .collect()
+            })
+            .collect();
+        let phase_ms = self.drift.as_ref().map_or(f64::INFINITY, |d| d.phase_s * 1000.0);
         let l = &self.lengths;
         let draw = |rng: &mut Rng, mean: f64| {
             let mu = (mean * l.scale).ln() - l.sigma * l.sigma / 2.0;
@@ -198,8 +281,10 @@ impl LoraScenario {
             if t >= end {
                 break;
             }
+            let cdf = &cdfs[((t / phase_ms) as usize).min(cdfs.len() - 1)];
+            let acc = cdf.last().copied().unwrap_or(1.0);
             let u = rng.unit() * acc;
-            let adapter = cdf.iter().position(|&c| u <= c).unwrap_or(shares.len() - 1) as AdapterId;
+            let adapter = cdf.iter().position(|&c| u <= c).unwrap_or(cdf.len() - 1) as AdapterId;
             let input = draw(&mut rng, l.input_mean);
             let output = draw(&mut rng, l.output_mean);
             out.push(LoraRequest { id: out.len() as u64, adapter, arrival_ms: t, input, output });
