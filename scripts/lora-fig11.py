@@ -42,7 +42,8 @@ def queue_s(args, dispatch, rate, seed):
            "--json"]
     route_cost = args.rr_route_cost if dispatch == "rr" and args.rr_route_cost else args.route_cost
     for flag, value in (("--placement", args.placement), ("--route-cost", route_cost), ("--scale", args.scale),
-                        ("--drift-sigma", args.drift_sigma), ("--drift-phase-s", args.drift_phase_s)):
+                        ("--drift-sigma", args.drift_sigma), ("--drift-phase-s", args.drift_phase_s),
+                        ("--skewness", args.skewness)):
         if value is not None:
             cmd += [flag, str(value)]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
@@ -77,6 +78,7 @@ def main():
     p.add_argument("--rr-route-cost", help="the route cost of the rr runs only (pending: a rotation over the "
                    "holders, the paper's words; under the artifact's cost rr is its dispatch-only mode)")
     p.add_argument("--scale")
+    p.add_argument("--skewness", help="functions per adapter block (lora-sim's flag): sets the hot adapter's share")
     p.add_argument("--drift-sigma", help="redraw adapter popularity every phase with this log-normal sigma "
                    "(lora-sim's flag; a stand-in for the artifact's hourly trace phases)")
     p.add_argument("--drift-phase-s", help="the drift's phase length, s (lora-sim's flag; 20 by default)")
