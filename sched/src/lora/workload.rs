@@ -208,9 +208,6 @@ impl LoraScenario {
     /// adapters in blocks of `skewness`; with `[drift]`, the mean of the phases' shares.
     pub fn adapter_shares(&self) -> Vec<f64> {
         let phases = self.phase_shares();
-        if phases.len() == 1 {
-            return phases.into_iter().next().unwrap_or_default();
-        }
         let n = phases.len() as f64;
         (0..self.adapters as usize).map(|a| phases.iter().map(|p| p[a]).sum::<f64>() / n).collect()
     }
