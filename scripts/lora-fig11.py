@@ -18,7 +18,7 @@ and dlora's ratio to the other two. The paper's SLO is 0.5 s (§7.1, ten decodin
 its latency metric per output token: the artifact's saved Figure 11 outputs, read this way at
 0.5 s per output token, give its 3.6x and 1.4x (README, Figure 11). `--placement` and
 `--route-cost` override the scenario's `[cluster]` and `--drift-sigma`, `--drift-phase-s` its
-`[drift]` (lora-sim's flags of the same names);
+`[drift]`, `--skewness` its skewness (lora-sim's flags of the same names);
 `--rr-route-cost pending` makes rr a rotation over the adapter's holders while the others keep
 the scenario's routing.
 """

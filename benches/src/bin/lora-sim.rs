@@ -93,7 +93,7 @@ fn main() -> anyhow::Result<()> {
         s.seed = k;
     }
     if let Some(sigma) = c.drift_sigma {
-        let phase_s = s.drift.as_ref().map_or(20.0, |d| d.phase_s);
+        let phase_s = s.drift.as_ref().map_or(Drift::DEFAULT_PHASE_S, |d| d.phase_s);
         s.drift = Some(Drift { phase_s, sigma });
     }
     if let Some(p) = c.drift_phase_s {

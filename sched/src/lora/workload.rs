@@ -80,11 +80,16 @@ impl Default for Lengths {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Drift {
-    /// Length of one phase, s.
-    #[serde(default = "twenty")]
+    /// Length of one phase, s ([`Drift::DEFAULT_PHASE_S`] unless given).
+    #[serde(default = "default_phase_s")]
     pub phase_s: f64,
     /// σ of each function's log-normal popularity factor, drawn anew every phase.
     pub sigma: f64,
+}
+
+impl Drift {
+    /// The phase length when none is given: about what the artifact's runs replay per trace hour.
+    pub const DEFAULT_PHASE_S: f64 = 20.0;
 }
 
 /// A `lora-sim` scenario.
@@ -143,8 +148,8 @@ fn one_usize() -> usize {
 fn functions() -> u32 {
     1024
 }
-fn twenty() -> f64 {
-    20.0
+fn default_phase_s() -> f64 {
+    Drift::DEFAULT_PHASE_S
 }
 fn paper() -> String {
     "paper-7b".into()
