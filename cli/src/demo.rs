@@ -407,31 +407,34 @@ async fn driver(a: DemoArgs, cluster_file: PathBuf, pids: Vec<u32>) -> anyhow::R
     }
     print!("{restored}");
 
-    let tl = tl.lock().unwrap_or_else(|e| e.into_inner());
-    let report = json!({
-        "cluster": { "nodes": a.nodes, "netns": a.netns, "link_mbit": a.netns.then_some(a.link_mbit), "k": a.k },
-        "model": { "name": model_name, "what": model_what, "bytes": manifest.bytes, "layers": manifest.layers.len(),
-                   "content_hash": manifest.content_hash },
-        "tenants": tenants.len(),
-        "register": { "seconds": register_s, "copies_from_file": holders.len() },
-        "scale_out": { "targets": targets.len(), "seconds": scale_s, "delivered_gbit_per_s": agg_gbps, "ready_copies": serving,
-                       "transfer_began_after_s": began },
-        "failure": { "node": victim, "lost_bytes": lost_bytes, "lost_copies": victim_copies, "restore_seconds": restore_s,
-                     "bound_seconds": bound_s, "within_bound": restore_s <= bound_s },
-        "check": check,
-        "final": restored,
-        "marks": tl.marks,
-        "timeline": tl.samples,
-    });
-    let report_path = a.out.join("report.json");
-    std::fs::write(&report_path, serde_json::to_string_pretty(&report)?)?;
-    let png = a.out.join("timeline.png");
-    let title = format!("cascade demo: bytes held per node ({where_})");
-    match tl.plot(&png, &a.font, &title) {
-        Ok(()) => println!("report: {}\ntimeline: {}", report_path.display(), png.display()),
-        Err(e) => println!("report: {}\ntimeline not drawn: {e:#}", report_path.display()),
+    {
+        // The timeline's lock is held only while the report is written and drawn.
+        let tl = tl.lock().unwrap_or_else(|e| e.into_inner());
+        let report = json!({
+            "cluster": { "nodes": a.nodes, "netns": a.netns, "link_mbit": a.netns.then_some(a.link_mbit), "k": a.k },
+            "model": { "name": model_name, "what": model_what, "bytes": manifest.bytes, "layers": manifest.layers.len(),
+                       "content_hash": manifest.content_hash },
+            "tenants": tenants.len(),
+            "register": { "seconds": register_s, "copies_from_file": holders.len() },
+            "scale_out": { "targets": targets.len(), "seconds": scale_s, "delivered_gbit_per_s": agg_gbps, "ready_copies": serving,
+                           "transfer_began_after_s": began },
+            "failure": { "node": victim, "lost_bytes": lost_bytes, "lost_copies": victim_copies, "restore_seconds": restore_s,
+                         "bound_seconds": bound_s, "within_bound": restore_s <= bound_s },
+            "check": check,
+            "final": restored,
+            "marks": tl.marks,
+            "timeline": tl.samples,
+        });
+        let report_path = a.out.join("report.json");
+        std::fs::write(&report_path, serde_json::to_string_pretty(&report)?)?;
+        let png = a.out.join("timeline.png");
+        let title = format!("cascade demo: bytes held per node ({where_})");
+        match tl.plot(&png, &a.font, &title) {
+            Ok(()) => println!("report: {}\ntimeline: {}", report_path.display(), png.display()),
+            Err(e) => println!("report: {}\ntimeline not drawn: {e:#}", report_path.display()),
+        }
     }
-    ep.shutdown();
+    ep.leave().await;
     if !check.healthy {
         bail!("the pool is not healthy after the repair");
     }

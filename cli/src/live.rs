@@ -187,7 +187,7 @@ pub(crate) async fn instance(a: InstanceArgs) -> anyhow::Result<()> {
     if let Some(i) = &held {
         crate::stop_gracefully(a.member.node, crate::GRACE, i.stop_and_wait()).await;
     }
-    ep.shutdown();
+    ep.leave().await;
     drop(held);
     Ok(())
 }

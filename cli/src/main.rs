@@ -389,7 +389,7 @@ async fn node(a: NodeArgs) -> anyhow::Result<()> {
     .await?;
     shutdown_signal().await;
     tracing::info!("shutting down");
-    ep.shutdown();
+    ep.leave().await;
     Ok(())
 }
 
@@ -423,7 +423,7 @@ async fn multicast(a: MulticastArgs) -> anyhow::Result<()> {
         Ok(ctl) => ctl.run(&spec).await.map_err(anyhow::Error::from),
         Err(e) => Err(e),
     };
-    ep.shutdown();
+    ep.leave().await;
     let out = match out {
         Ok(out) => out,
         // A run that could not even finish still answers in the format asked for.

@@ -99,7 +99,7 @@ pub(crate) async fn instance(a: LlmInstanceArgs) -> anyhow::Result<()> {
         let grace = crate::GRACE.max(Duration::from_secs_f64(a.drain_s) + Duration::from_secs(30));
         crate::stop_gracefully(a.member.node, grace, i.stop_and_wait()).await;
     }
-    ep.shutdown();
+    ep.leave().await;
     drop(held);
     Ok(())
 }
@@ -433,7 +433,7 @@ async fn drive(
             stats.monitor_rounds, stats.monitor_failed, stats.migrated
         );
     }
-    ep.shutdown();
+    ep.leave().await;
     if lost > 0 || twice > 0 || wrong > 0 {
         bail!("{lost} lost, {twice} answered twice, {wrong} not equal to the reference");
     }

@@ -256,7 +256,7 @@ async fn serve_with<S: cascade_param_pool::MetaStore + 'static>(
         r = m.run(rx) => r?,
         _ = shutdown_signal() => tracing::info!("shutting down"),
     }
-    ep.shutdown();
+    ep.leave().await;
     Ok(())
 }
 

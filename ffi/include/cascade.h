@@ -226,8 +226,10 @@ int32_t cascade_endpoint_wait_ready(const cascade_endpoint *ep, uint32_t timeout
 // `ep` is a live endpoint; `node` is writable.
 int32_t cascade_endpoint_node(const cascade_endpoint *ep, uint32_t *node);
 
-// Closes every link, stops the endpoint's runtime and frees it. Regions registered with it
-// must be deregistered first (their handles are not freed here). Null is accepted.
+// Says goodbye to every peer (waiting at most half a second for each to be written, so its
+// peers report a departure, not a failure), closes every link, stops the endpoint's runtime and
+// frees it. Regions registered with it must be deregistered first (their handles are not freed
+// here). Null is accepted.
 //
 // # Safety
 // `ep` is null or a live endpoint, not used again after this call.

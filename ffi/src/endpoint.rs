@@ -210,8 +210,10 @@ pub unsafe extern "C" fn cascade_endpoint_node(ep: *const cascade_endpoint, node
     })
 }
 
-/// Closes every link, stops the endpoint's runtime and frees it. Regions registered with it
-/// must be deregistered first (their handles are not freed here). Null is accepted.
+/// Says goodbye to every peer (waiting at most half a second for each to be written, so its
+/// peers report a departure, not a failure), closes every link, stops the endpoint's runtime and
+/// frees it. Regions registered with it must be deregistered first (their handles are not freed
+/// here). Null is accepted.
 ///
 /// # Safety
 /// `ep` is null or a live endpoint, not used again after this call.
@@ -223,7 +225,7 @@ pub unsafe extern "C" fn cascade_endpoint_destroy(ep: *mut cascade_endpoint) -> 
         }
         // SAFETY: made by `Box::into_raw` in create/join; the caller gives it up.
         let e = unsafe { Box::from_raw(ep) };
-        e.ep.shutdown();
+        e.rt.block_on(e.ep.leave());
         let cascade_endpoint { rt, ep, services, controller, .. } = *e;
         drop((services, controller));
         drop(ep);

@@ -10,7 +10,10 @@
 //!
 //! Every link runs a keepalive; a silent or broken link is closed, its operations fail with
 //! `PeerDown`, a [`PeerEvent::Down`] is published, and the dialing side reconnects with exponential
-//! backoff (the accepting side takes the new connection when it comes).
+//! backoff (the accepting side takes the new connection when it comes). A node that shuts its
+//! endpoint down says goodbye on every link first, so its peers report a departure
+//! (`Down { graceful: true, .. }`) rather than a failure; [`Endpoint::leave`] waits until the
+//! goodbyes are out.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -31,7 +34,7 @@ use crate::region::{Region, RegionTable};
 use crate::service::Services;
 use crate::shm::{FdReader, FdWriter};
 use crate::stats::StatsSnapshot;
-use crate::stream::{LinkCtx, StreamLink, Timing};
+use crate::stream::{Closed, LinkCtx, StreamLink, Timing};
 use crate::NodeId;
 
 /// A change in a peer's reachability.
@@ -44,12 +47,16 @@ pub enum PeerEvent {
         /// Its backend.
         backend: BackendKind,
     },
-    /// The link to the peer failed; its pending operations failed with `PeerDown`.
+    /// The link to the peer closed; its pending operations failed with `PeerDown`.
     Down {
         /// The peer.
         peer: NodeId,
         /// Why.
         reason: String,
+        /// True when the peer said goodbye first (it shut its endpoint down on purpose); false
+        /// when the link failed (connection lost, peer silent, protocol broken). Either way what
+        /// the peer held is out of reach until it comes back.
+        graceful: bool,
     },
 }
 
@@ -119,7 +126,7 @@ impl Endpoint {
         cfg.validate()?;
         let me =
             cfg.cluster.node(cfg.node).cloned().ok_or_else(|| TransportError::Config("node not in cluster".into()))?;
-        let mut caps = Caps::TCP;
+        let mut caps = Caps::TCP.with(Caps::GOODBYE);
         if cfg.shm {
             caps = caps.with(Caps::SHM);
         }
@@ -355,18 +362,34 @@ impl Endpoint {
         v
     }
 
-    /// Closes every link and stops listening.
+    /// Closes every link and stops listening. Each link says goodbye to its peer first, from
+    /// its own task: a process about to exit should call [`leave`](Self::leave) instead, which
+    /// waits until they are out.
     pub fn shutdown(&self) {
-        let _ = self.inner.shutdown.send(true);
+        self.shutdown_links();
+    }
+
+    /// Says goodbye to every peer, closes every link and stops listening, as
+    /// [`shutdown`](Self::shutdown), then waits until every link's goodbye is written (each at
+    /// most half a second; a peer that does not read in time sees a failure instead).
+    pub async fn leave(&self) {
+        for link in self.shutdown_links() {
+            link.writer_stopped().await;
+        }
+    }
+
+    fn shutdown_links(&self) -> Vec<Arc<StreamLink>> {
+        self.inner.shutdown.send_replace(true);
         self.inner.services.close();
         let links: Vec<Entry> =
             self.inner.links.lock().unwrap_or_else(|e| e.into_inner()).drain().map(|(_, e)| e).collect();
-        for e in links {
-            e.link.close("endpoint shut down");
+        for e in &links {
+            e.link.leave("endpoint shut down");
         }
         if self.inner.cfg.shm {
             let _ = std::fs::remove_file(self.inner.cfg.socket_path(self.inner.cfg.node));
         }
+        links.into_iter().map(|e| e.link).collect()
     }
 }
 
@@ -388,7 +411,7 @@ impl Inner {
     }
 
     /// Installs an authenticated same-host connection as a shm link.
-    fn install_shm(self: &Arc<Self>, peer: NodeId, s: UnixStream, closed: Option<oneshot::Sender<String>>) {
+    fn install_shm(self: &Arc<Self>, peer: &PeerInfo, s: UnixStream, closed: Option<oneshot::Sender<String>>) {
         let (r, w) = s.into_split();
         let shm = OneSided::new(Arc::new(crate::shm::ShmEngine));
         self.install(peer, BackendKind::Shm, Some(shm), FdReader::new(r), FdWriter(w), closed);
@@ -403,7 +426,7 @@ impl Inner {
     ) -> Result<()> {
         let (kind, one_sided) = self.maybe_rdma(&mut s, peer).await?;
         let (r, w) = s.into_split();
-        self.install(peer.node, kind, one_sided, r, w, closed);
+        self.install(peer, kind, one_sided, r, w, closed);
         Ok(())
     }
 
@@ -437,7 +460,7 @@ impl Inner {
     /// Installs a fresh link to `peer`, replacing any older one. `closed` fires when it closes.
     fn install<R, W>(
         self: &Arc<Self>,
-        peer: NodeId,
+        info: &PeerInfo,
         kind: BackendKind,
         one_sided: Option<OneSided>,
         r: R,
@@ -450,14 +473,15 @@ impl Inner {
         if *self.shutdown.borrow() {
             return;
         }
+        let peer = info.node;
         let generation = self.generation.fetch_add(1, Ordering::SeqCst) + 1;
         let weak = Arc::downgrade(self);
-        let on_close = Box::new(move |reason: String| {
+        let on_close = Box::new(move |c: Closed| {
             if let Some(inner) = weak.upgrade() {
-                inner.closed(peer, generation, &reason);
+                inner.closed(peer, generation, &c.reason, c.graceful);
             }
             if let Some(tx) = closed {
-                let _ = tx.send(reason);
+                let _ = tx.send(c.reason);
             }
         });
         let ctx = LinkCtx {
@@ -469,6 +493,7 @@ impl Inner {
             services: self.services.clone(),
             timing: self.timing(),
             on_close,
+            goodbye: info.caps.has(Caps::GOODBYE),
         };
         let link = StreamLink::spawn(ctx, r, w);
         #[cfg(test)]
@@ -480,7 +505,7 @@ impl Inner {
             // would otherwise stay alive (keepalives and all) on an endpoint that shut down.
             if *self.shutdown.borrow() {
                 drop(links);
-                link.close("endpoint shut down");
+                link.leave("endpoint shut down");
                 return;
             }
             let old = links.insert(peer, Entry { link: link.clone(), metered, generation });
@@ -495,11 +520,11 @@ impl Inner {
         // A link that closed between its spawn and its entry found no entry to remove; remove it
         // now (`closed` is idempotent per generation).
         if !link.is_alive() {
-            self.closed(peer, generation, "link closed while it was installed");
+            self.closed(peer, generation, "link closed while it was installed", false);
         }
     }
 
-    fn closed(&self, peer: NodeId, generation: u64, reason: &str) {
+    fn closed(&self, peer: NodeId, generation: u64, reason: &str, graceful: bool) {
         let removed = {
             let mut links = self.links.lock().unwrap_or_else(|e| e.into_inner());
             match links.get(&peer) {
@@ -508,9 +533,16 @@ impl Inner {
             }
         };
         if removed.is_some() {
-            warn!(node = self.cfg.node, peer, reason, "peer down");
+            if graceful {
+                info!(node = self.cfg.node, peer, reason, "peer left");
+            } else {
+                warn!(node = self.cfg.node, peer, reason, "peer down");
+            }
+            let how = if graceful { "left" } else { "failed" };
+            let help = "Links to peers that closed, by how: left (the peer said goodbye) or failed";
+            self.metrics.counter("cascade_mesh_peer_losses", help, &[("how", how)]).inc();
             self.services.peer_down(peer, reason);
-            let _ = self.events.send(PeerEvent::Down { peer, reason: reason.to_string() });
+            let _ = self.events.send(PeerEvent::Down { peer, reason: reason.to_string(), graceful });
             self.changed.send_modify(|g| *g += 1);
         }
         drop(removed);
@@ -585,7 +617,7 @@ async fn dial_shm(inner: &Arc<Inner>, peer: &NodeSpec) -> Result<Option<oneshot:
                 .map_err(|e| hs_error(format!("node {}", peer.id), e))?;
             check_info(&info, peer.id)?;
             let (tx, rx) = oneshot::channel();
-            inner.install_shm(peer.id, s, Some(tx));
+            inner.install_shm(&info, s, Some(tx));
             Ok(Some(rx))
         }
         Ok(Err(e)) => {
@@ -685,7 +717,7 @@ async fn accept_unix(weak: Weak<Inner>, l: UnixListener, mut stop: watch::Receiv
         tokio::spawn(async move {
             let hcfg = inner.handshake_cfg();
             match handshake::accept(&mut s, &hcfg, |n| inner.is_member(n)).await {
-                Ok(info) => inner.install_shm(info.node, s, None),
+                Ok(info) => inner.install_shm(&info, s, None),
                 Err(e) => {
                     warn!(node = inner.cfg.node, error = %hs_error("a local peer".into(), e), "refused a connection")
                 }

@@ -42,6 +42,9 @@ impl Caps {
     pub const SHM: Caps = Caps(2);
     /// An opened RDMA device.
     pub const RDMA: Caps = Caps(4);
+    /// Understands [`Opcode::Goodbye`](crate::wire::Opcode::Goodbye): told when this node's
+    /// peer closes a link on purpose, it reports a departure rather than a failure.
+    pub const GOODBYE: Caps = Caps(8);
 
     /// True if all bits of `other` are set.
     pub fn has(self, other: Caps) -> bool {

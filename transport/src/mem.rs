@@ -168,7 +168,7 @@ impl MemFabric {
         for (n, s, ev) in &others {
             if *n != id {
                 s.peer_down(id, reason);
-                let _ = ev.send(PeerEvent::Down { peer: id, reason: reason.into() });
+                let _ = ev.send(PeerEvent::Down { peer: id, reason: reason.into(), graceful: false });
             }
         }
         // The killed node's own services stop, as its process would.
@@ -210,7 +210,7 @@ impl MemFabric {
                 let _ = events.send(PeerEvent::Up { peer, backend: BackendKind::Mem });
             } else {
                 services.peer_down(peer, reason);
-                let _ = events.send(PeerEvent::Down { peer, reason: reason.into() });
+                let _ = events.send(PeerEvent::Down { peer, reason: reason.into(), graceful: false });
             }
         }
     }

@@ -6,7 +6,8 @@
 //! `cascade_transfer_ops_total{op,backend,peer}`, `cascade_transfer_bytes_total{op,backend,peer}`
 //! (payload bytes of successful operations), `cascade_transfer_latency_seconds{op,backend}`
 //! (post to completion) and `cascade_transfer_errors_total{op,backend,kind}`; at each render,
-//! `cascade_mesh_peers_up{backend}`. Other crates add their own families to the same registry
+//! `cascade_mesh_peers_up{backend}`; and `cascade_mesh_peer_losses_total{how}` for every link that
+//! closed (`left`: the peer said goodbye; `failed`: anything else). Other crates add their own families to the same registry
 //! through [`Metrics::counter`], [`Metrics::gauge`] and [`Metrics::histogram`] (the multicast's
 //! runs, the pool's copies and repairs), so one scrape shows the whole node.
 

@@ -9,6 +9,11 @@
 //! What the reader does with each frame is decided by a pure state machine (`machine.rs`); the
 //! reader only executes its steps. A malformed frame, an unknown request id or a dead peer closes only this link: every pending
 //! operation fails with `PeerDown` and the owner is told through `on_close`.
+//!
+//! A node that closes a link on purpose ([`StreamLink::leave`]) first sends a goodbye frame when
+//! the peer understands one: the writer finishes the frame in flight (for at most
+//! [`GOODBYE_FLUSH`]), writes the goodbye and its reason, and stops. The peer's reader then
+//! closes its end as a *departure* ([`Closed::graceful`]); every other close is a failure.
 
 use std::collections::HashMap;
 use std::io;
@@ -35,6 +40,10 @@ use machine::{LinkTables, Step};
 /// Payload bytes read per socket call while landing data (also the liveness granularity).
 const CHUNK: usize = 1 << 20;
 
+/// How long a leaving link's writer may spend finishing the frame in flight and writing its
+/// goodbye; past it the link closes without one (the peer then sees a failure).
+pub(crate) const GOODBYE_FLUSH: Duration = Duration::from_millis(500);
+
 /// Timing settings of a link.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Timing {
@@ -47,8 +56,17 @@ pub(crate) async fn stopped(rx: &mut watch::Receiver<bool>) {
     let _ = rx.wait_for(|v| *v).await;
 }
 
-/// Called once when the link closes, with the reason.
-pub(crate) type OnClose = Box<dyn FnOnce(String) + Send>;
+/// How a link closed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Closed {
+    /// Why, in words.
+    pub(crate) reason: String,
+    /// True when the link was closed on purpose: the peer said goodbye, or this side left.
+    pub(crate) graceful: bool,
+}
+
+/// Called once when the link closes.
+pub(crate) type OnClose = Box<dyn FnOnce(Closed) + Send>;
 
 /// One of our operations, waiting for the peer's answer.
 enum Pending {
@@ -71,6 +89,12 @@ pub(crate) struct Shared {
     last_tx_ms: AtomicU64,
     shutdown: watch::Sender<bool>,
     on_close: Mutex<Option<OnClose>>,
+    /// The peer understands a goodbye (`Caps::GOODBYE`).
+    peer_hears_goodbye: bool,
+    /// Our goodbye's reason, once this side leaves and the peer understands one.
+    goodbye: Mutex<Option<String>>,
+    /// Set when the writer task has ended (after its goodbye, if any).
+    writer_done: watch::Sender<bool>,
     /// Answer the peer's one-sided lookups of local regions, one per engine this node serves.
     servers: Vec<Arc<dyn LookupServer>>,
     /// Frames for the writer: control (headers, messages, acks) and bulk (region data).
@@ -230,6 +254,11 @@ impl Shared {
         }
     }
 
+    /// True once this side leaves with a goodbye still to write.
+    fn says_goodbye(&self) -> bool {
+        self.goodbye.lock().unwrap_or_else(|e| e.into_inner()).is_some()
+    }
+
     fn now_ms(&self) -> u64 {
         self.start.elapsed().as_millis() as u64
     }
@@ -263,19 +292,36 @@ impl Shared {
         self.tx.send(out)
     }
 
-    /// Closes the link once: fails every pending operation and tells the owner.
+    /// Closes the link once as a failure: fails every pending operation and tells the owner.
     pub(crate) fn close(&self, reason: &str) {
+        self.close_as(reason, false, false);
+    }
+
+    /// Closes the link on purpose: the writer says goodbye (when the peer understands one)
+    /// before it stops; pending operations fail as on any close.
+    pub(crate) fn leave(&self, reason: &str) {
+        self.close_as(reason, true, self.peer_hears_goodbye);
+    }
+
+    /// Closes the link once; `goodbye`: the writer is to say goodbye with `reason` (decided
+    /// by whichever close came first, so a failure racing a leave never says goodbye).
+    fn close_as(&self, reason: &str, graceful: bool, goodbye: bool) {
         if self.closed.swap(true, Ordering::SeqCst) {
             return;
         }
-        debug!(peer = self.peer, kind = %self.kind, reason, "link closed");
+        debug!(peer = self.peer, kind = %self.kind, reason, graceful, "link closed");
+        if goodbye {
+            *self.goodbye.lock().unwrap_or_else(|e| e.into_inner()) = Some(reason.to_string());
+        }
         let drained = self.pending.lock().unwrap_or_else(|e| e.into_inner()).take();
         for (_, p) in drained.into_iter().flatten() {
             self.fail(p, reason);
         }
-        let _ = self.shutdown.send(true);
+        // `send_replace`: the value must stick even before the link's tasks first ran and subscribed
+        // (`send` stores nothing while there is no receiver).
+        self.shutdown.send_replace(true);
         if let Some(f) = self.on_close.lock().unwrap_or_else(|e| e.into_inner()).take() {
-            f(reason.to_string());
+            f(Closed { reason: reason.to_string(), graceful });
         }
     }
 
@@ -331,6 +377,8 @@ pub(crate) struct LinkCtx {
     pub(crate) services: Arc<Services>,
     pub(crate) timing: Timing,
     pub(crate) on_close: OnClose,
+    /// The peer understands a goodbye (it advertised `Caps::GOODBYE`).
+    pub(crate) goodbye: bool,
 }
 
 /// A link over a byte stream.
@@ -343,7 +391,7 @@ pub(crate) struct StreamLink {
 impl StreamLink {
     /// Starts the reader, writer and watchdog tasks on the current runtime.
     pub(crate) fn spawn<R: FrameSource, W: FrameSink>(ctx: LinkCtx, reader: R, writer: W) -> Arc<StreamLink> {
-        let LinkCtx { one_sided, servers, peer, kind, regions, services, timing, on_close } = ctx;
+        let LinkCtx { one_sided, servers, peer, kind, regions, services, timing, on_close, goodbye } = ctx;
         let one_sided = one_sided.map(Arc::new);
         let mut withdrawn = regions.withdrawn();
         let (tx, control_rx, bulk_rx) = Lanes::new();
@@ -361,19 +409,20 @@ impl StreamLink {
             last_tx_ms: AtomicU64::new(0),
             shutdown,
             on_close: Mutex::new(Some(on_close)),
+            peer_hears_goodbye: goodbye,
+            goodbye: Mutex::new(None),
+            writer_done: watch::channel(false).0,
             servers,
             tx,
         });
         let s = shared.clone();
         tokio::spawn(async move {
-            let mut stop = s.shutdown.subscribe();
-            let r = tokio::select! {
-                r = write_loop(&s, writer, (control_rx, bulk_rx), timing) => r,
-                _ = crate::stream::stopped(&mut stop) => Ok(()),
-            };
-            if let Err(e) = r {
+            // The writer watches the stop signal itself, so that a leaving link can finish its
+            // frame in flight and say goodbye.
+            if let Err(e) = write_loop(&s, writer, (control_rx, bulk_rx), timing).await {
                 s.close(&format!("send failed: {e}"));
             }
+            s.writer_done.send_replace(true);
         });
         let s = shared.clone();
         let os = one_sided.clone();
@@ -381,10 +430,12 @@ impl StreamLink {
             let mut stop = s.shutdown.subscribe();
             let r = tokio::select! {
                 r = read_loop(&s, reader, &services, os.as_deref(), timing) => r,
-                _ = crate::stream::stopped(&mut stop) => Ok(()),
+                _ = crate::stream::stopped(&mut stop) => Ok(None),
             };
-            if let Err(e) = r {
-                s.close(&e.to_string());
+            match r {
+                Ok(Some(why)) => s.close_as(&format!("node {} left: {why}", s.peer), true, false),
+                Ok(None) => {}
+                Err(e) => s.close(&e.to_string()),
             }
         });
         if matches!(kind, BackendKind::Shm | BackendKind::Rdma) {
@@ -427,6 +478,18 @@ impl StreamLink {
             }
         });
         Arc::new(StreamLink { shared, one_sided })
+    }
+
+    /// Closes the link on purpose, saying goodbye to a peer that understands one (see the
+    /// module docs); [`writer_stopped`](Self::writer_stopped) tells when it is out.
+    pub(crate) fn leave(&self, reason: &str) {
+        self.shared.leave(reason);
+    }
+
+    /// Resolves once the writer task has ended (after its goodbye, if it sent one).
+    pub(crate) async fn writer_stopped(&self) {
+        let mut rx = self.shared.writer_done.subscribe();
+        let _ = rx.wait_for(|v| *v).await;
     }
 }
 
@@ -476,30 +539,84 @@ async fn write_loop<W: FrameSink>(
     (mut control, mut bulk): (mpsc::UnboundedReceiver<Out>, mpsc::UnboundedReceiver<Out>),
     timing: Timing,
 ) -> io::Result<()> {
+    let mut stop = s.shutdown.subscribe();
     let mut w = BufWriter::with_capacity(64 << 10, w);
     let mut tick = tokio::time::interval(timing.keepalive);
     loop {
+        // `None`: a keepalive is due.
         let out = tokio::select! {
             biased;
-            out = control.recv() => match out { Some(o) => o, None => return Ok(()) },
-            out = bulk.recv() => match out { Some(o) => o, None => return Ok(()) },
+            _ = stopped(&mut stop) => return say_goodbye(s, &mut w).await,
+            out = control.recv() => match out { Some(o) => Some(o), None => return Ok(()) },
+            out = bulk.recv() => match out { Some(o) => Some(o), None => return Ok(()) },
             _ = tick.tick() => {
                 let idle = s.now_ms().saturating_sub(s.last_tx_ms.load(Ordering::Relaxed));
-                if idle >= timing.keepalive.as_millis() as u64 {
-                    w.write_all(&Header::new(Opcode::Ping).encode()).await?;
-                    w.flush().await?;
-                    s.last_tx_ms.store(s.now_ms(), Ordering::Relaxed);
+                if idle < timing.keepalive.as_millis() as u64 {
+                    continue;
                 }
-                continue;
+                None
             }
         };
-        write_one(s, &mut w, out).await?;
-        // Coalesce whatever else is queued, control first after every frame, then flush once.
-        while let Ok(out) = control.try_recv().or_else(|_| bulk.try_recv()) {
-            write_one(s, &mut w, out).await?;
+        // Every write below races the stop signal: a peer that stopped reading must not hold a
+        // closing link's writer.
+        let finished = {
+            let batch = async {
+                let Some(out) = out else {
+                    w.write_all(&Header::new(Opcode::Ping).encode()).await?;
+                    return w.flush().await;
+                };
+                write_one(s, &mut w, out).await?;
+                // Coalesce whatever else is queued, control first after every frame, then
+                // flush once.
+                while let Ok(out) = control.try_recv().or_else(|_| bulk.try_recv()) {
+                    write_one(s, &mut w, out).await?;
+                }
+                w.flush().await
+            };
+            tokio::pin!(batch);
+            tokio::select! {
+                r = &mut batch => { r?; true }
+                // Stopped mid-frame: a goodbye can follow only a whole frame, so a leaving
+                // link finishes what it is writing first (bounded); a failed one stops here.
+                _ = stopped(&mut stop) => {
+                    if !s.says_goodbye() {
+                        return Ok(());
+                    }
+                    match tokio::time::timeout(GOODBYE_FLUSH, &mut batch).await {
+                        Ok(r) => { r?; false }
+                        Err(_) => return Ok(()),
+                    }
+                }
+            }
+        };
+        if !finished {
+            return say_goodbye(s, &mut w).await;
         }
-        w.flush().await?;
         s.last_tx_ms.store(s.now_ms(), Ordering::Relaxed);
+    }
+}
+
+/// Writes this side's goodbye, if it leaves and the peer understands one, within
+/// [`GOODBYE_FLUSH`]. A goodbye that cannot be written in time is dropped: the peer sees a
+/// failure, as it would have without one.
+async fn say_goodbye<W: FrameSink>(s: &Shared, w: &mut BufWriter<W>) -> io::Result<()> {
+    let Some(reason) = s.goodbye.lock().unwrap_or_else(|e| e.into_inner()).take() else { return Ok(()) };
+    let mut cut = reason.len().min(crate::wire::MAX_GOODBYE as usize);
+    while !reason.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    let header = Header { len: cut as u64, ..Header::new(Opcode::Goodbye) };
+    let write = async {
+        w.write_all(&header.encode()).await?;
+        w.write_all(&reason.as_bytes()[..cut]).await?;
+        w.flush().await
+    };
+    match tokio::time::timeout(GOODBYE_FLUSH, write).await {
+        Ok(r) => r,
+        Err(_) => {
+            debug!(peer = s.peer, "goodbye not written in time");
+            Ok(())
+        }
     }
 }
 
@@ -576,14 +693,15 @@ async fn drain<R: FrameSource>(s: &Shared, r: &mut R, mut len: u64) -> io::Resul
     Ok(())
 }
 
-/// Reads frames and executes the steps the link machine ([`machine`]) decides on.
+/// Reads frames and executes the steps the link machine ([`machine`]) decides on, until the
+/// link fails (`Err`) or the peer says goodbye (`Ok` with its reason).
 async fn read_loop<R: FrameSource>(
     s: &Arc<Shared>,
     mut r: R,
     services: &Services,
     one_sided: Option<&OneSided>,
     timing: Timing,
-) -> Result<()> {
+) -> Result<Option<String>> {
     let peer = s.peer;
     let io_err = |e: io::Error| {
         if e.kind() == io::ErrorKind::UnexpectedEof {
@@ -635,6 +753,11 @@ async fn read_loop<R: FrameSource>(
                         os.forget(region);
                     }
                     break;
+                }
+                Step::Goodbye { len } => {
+                    let mut why = vec![0u8; len as usize];
+                    r.read_exact(&mut why).await.map_err(io_err)?;
+                    return Ok(Some(String::from_utf8_lossy(&why).into_owned()));
                 }
                 Step::DecodeLookup { done, engine, header } => {
                     machine::decode_lookup(peer, done, &engine, &header, r.take_fd())

@@ -22,6 +22,8 @@ pub const MAGIC: u32 = u32::from_le_bytes(*b"CSCD");
 pub const HEADER_LEN: usize = 56;
 /// Largest SEND message accepted (64 MiB); larger ones are refused before any byte is read.
 pub const MAX_MESSAGE: u64 = 64 << 20;
+/// Longest reason a [`Opcode::Goodbye`] may carry (1 KiB); a longer one is refused.
+pub const MAX_GOODBYE: u64 = 1 << 10;
 /// Flag: the `crc` field holds the crc32 of the data.
 pub const FLAG_CRC: u8 = 1;
 
@@ -52,6 +54,10 @@ pub enum Opcode {
     Written = 9,
     /// The owner withdrew `region`: drop any mapping or key cached for it (no answer).
     Forget = 10,
+    /// The sender is closing this link on purpose (its endpoint is shutting down): `len` bytes
+    /// of UTF-8 reason follow, and nothing after them. Sent only to peers that advertised
+    /// `Caps::GOODBYE` in the handshake; a peer that closes without it has failed.
+    Goodbye = 11,
 }
 
 /// Names a one-sided engine in a [`Opcode::LookupReq`]: each engine's file declares its own.
@@ -71,6 +77,7 @@ impl Opcode {
             8 => Opcode::LookupResp,
             9 => Opcode::Written,
             10 => Opcode::Forget,
+            11 => Opcode::Goodbye,
             _ => return None,
         })
     }
@@ -138,7 +145,7 @@ pub enum FrameError {
     /// Flag bits that this version does not define.
     #[error("unknown flags {0:#04x}")]
     UnknownFlags(u8),
-    /// A SEND larger than [`MAX_MESSAGE`].
+    /// A SEND larger than [`MAX_MESSAGE`], or a goodbye longer than [`MAX_GOODBYE`].
     #[error("message of {0} bytes exceeds the limit")]
     TooLarge(u64),
     /// Fewer bytes than a header.
@@ -178,7 +185,7 @@ impl Header {
     /// Number of payload bytes that follow this header on the wire.
     pub fn payload_len(&self) -> u64 {
         match self.op {
-            Opcode::Write | Opcode::Send => self.len,
+            Opcode::Write | Opcode::Send | Opcode::Goodbye => self.len,
             Opcode::ReadResp if self.status == Status::Ok => self.len,
             _ => 0,
         }
@@ -268,7 +275,7 @@ impl Header {
             offset: u64_at(32),
             len: u64_at(40),
         };
-        if h.op == Opcode::Send && h.len > MAX_MESSAGE {
+        if (h.op == Opcode::Send && h.len > MAX_MESSAGE) || (h.op == Opcode::Goodbye && h.len > MAX_GOODBYE) {
             return Err(FrameError::TooLarge(h.len));
         }
         Ok(h)

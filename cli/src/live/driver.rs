@@ -210,7 +210,7 @@ pub(crate) async fn drive(a: &LiveArgs, cluster: &Path, policy: LivePolicy, roun
     };
     let path = run_dir(&a.out, round, policy).join("run.json");
     std::fs::write(&path, serde_json::to_vec(&run)?).with_context(|| format!("writing {}", path.display()))?;
-    ep.shutdown();
+    ep.leave().await;
     Ok(())
 }
 

@@ -352,7 +352,7 @@ impl Controller {
                     None => return Err(ControlError::Node { what: "check a source", node: first.node, message: "the controller's report table closed".into() }),
                 },
                 open = self.pump(), if inbox_open => inbox_open = open,
-                ev = down.recv() => if let Ok(PeerEvent::Down { peer, reason }) = ev {
+                ev = down.recv() => if let Ok(PeerEvent::Down { peer, reason, .. }) = ev {
                     if checking.iter().any(|l| l.node == peer) {
                         warn!(run, peer, %reason, "a lent source's node went down before its check ended");
                         checking.retain(|l| l.node != peer);
@@ -462,7 +462,7 @@ impl Controller {
                     if open { vec![] } else { coord.on_deadline("the controller's node shut down") }
                 },
                 ev = down.recv() => match ev {
-                    Ok(PeerEvent::Down { peer, reason }) => coord.on_node_down(peer, &reason),
+                    Ok(PeerEvent::Down { peer, reason, .. }) => coord.on_node_down(peer, &reason),
                     _ => vec![],
                 },
                 _ = tokio::time::sleep_until(deadline) => coord.on_deadline(&format!("not complete within {:?}", spec.deadline)),

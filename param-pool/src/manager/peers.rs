@@ -67,11 +67,14 @@ impl<S: MetaStore + 'static> Manager<S> {
     fn note_peer(&mut self, ev: PeerEvent) {
         let now = tokio::time::Instant::now();
         match ev {
-            PeerEvent::Down { peer, reason } => {
+            PeerEvent::Down { peer, reason, graceful } => {
+                // A node that said goodbye is suspected like one whose link failed: it may be
+                // restarting, and the detector's wait tells the two apart; the history says which.
+                let how = if graceful { "left" } else { "link down" };
                 if self.pool().live_nodes().any(|x| x == peer) {
-                    info!(node = peer, %reason, "link to a pool node went down");
+                    info!(node = peer, %reason, graceful, "link to a pool node went down");
                     self.detector.link_down(now, peer);
-                    self.remember(peer, format!("link down: {reason}"));
+                    self.remember(peer, format!("{how}: {reason}"));
                 } else if self.is_dead_member(peer) {
                     self.detector.dead_link_down(peer);
                     self.remember(peer, format!("link down again before re-admission: {reason}"));

@@ -80,7 +80,7 @@ async fn main() -> anyhow::Result<()> {
         };
         say(reply);
     }
-    ep.shutdown();
+    ep.leave().await;
     Ok(())
 }
 

@@ -491,3 +491,126 @@ async fn a_link_that_closes_while_installed_is_reported_down() {
     );
     assert!(matches!(a.link(1), Err(TransportError::NotConnected { peer: 1 })));
 }
+
+/// The next `Down` on `ev`, whole.
+async fn next_down_event(ev: &mut broadcast::Receiver<PeerEvent>, within: Duration) -> PeerEvent {
+    tokio::time::timeout(within, async {
+        loop {
+            match ev.recv().await {
+                Ok(d @ PeerEvent::Down { .. }) => return d,
+                Ok(_) | Err(broadcast::error::RecvError::Lagged(_)) => {}
+                Err(broadcast::error::RecvError::Closed) => panic!("events closed"),
+            }
+        }
+    })
+    .await
+    .expect("no Down")
+}
+
+/// A node that leaves (`Endpoint::leave`) is reported by its peers as a departure, over tcp and
+/// shm; its peers' pending operations and later calls fail as for any lost peer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_that_leaves_is_reported_as_a_departure() {
+    for shm in [false, true] {
+        let eps = mesh(2, shm, if shm { "leave-shm" } else { "leave-tcp" }).await;
+        let mut ev = eps[0].events();
+        eps[1].leave().await;
+        match next_down_event(&mut ev, Duration::from_secs(5)).await {
+            PeerEvent::Down { peer, reason, graceful } => {
+                assert_eq!(peer, 1);
+                assert!(graceful, "shm {shm}: {reason}");
+                assert_eq!(reason, "node 1 left: endpoint shut down");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(eps[0].link(1), Err(TransportError::NotConnected { peer: 1 })));
+        let text = eps[0].metrics().render();
+        assert!(text.contains("cascade_mesh_peer_losses_total{how=\"left\"} 1"), "{text}");
+        assert!(!text.contains("how=\"failed\""), "{text}");
+    }
+}
+
+/// Goodbyes on the wire, seen from a raw peer: an endpoint says goodbye when it shuts down only
+/// to a peer that advertised `Caps::GOODBYE`, and a peer that vanishes without one, or falls
+/// silent, is reported as a failure.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn goodbyes_go_only_to_peers_that_understand_them_and_silence_is_a_failure() {
+    use tokio::io::AsyncReadExt;
+    let raw_peer = |c: &ClusterSpec, caps: Caps| {
+        let (addr, hcfg) = (
+            c.node(0).unwrap().addr,
+            HandshakeConfig {
+                version: PROTOCOL_VERSION,
+                node: 2,
+                caps,
+                secret: Arc::from(&b"s"[..]),
+                timeout: Duration::from_secs(5),
+            },
+        );
+        async move {
+            let mut raw = TcpStream::connect(addr).await.unwrap();
+            handshake::dial(&mut raw, &hcfg, 0).await.unwrap();
+            raw
+        }
+    };
+    // Until EOF: the opcodes node 0 sent (keepalives aside) and the payload of each.
+    async fn frames(raw: &mut TcpStream) -> Vec<(crate::wire::Opcode, Vec<u8>)> {
+        let mut got = Vec::new();
+        let mut hb = [0u8; crate::wire::HEADER_LEN];
+        while tokio::time::timeout(Duration::from_secs(5), raw.read_exact(&mut hb)).await.unwrap().is_ok() {
+            let h = crate::wire::Header::decode(&hb).unwrap();
+            let mut payload = vec![0u8; h.payload_len() as usize];
+            raw.read_exact(&mut payload).await.unwrap();
+            if h.op != crate::wire::Opcode::Ping {
+                got.push((h.op, payload));
+            }
+        }
+        got
+    }
+    for hears in [true, false] {
+        let c = cluster(3, if hears { "bye-hears" } else { "bye-deaf" });
+        // The raw peer sends no keepalives: node 0 must not declare it silent meanwhile.
+        let mut cfg = fast(EndpointConfig::new(0, c.clone(), b"s"), false);
+        cfg.dead_after = Duration::from_secs(30);
+        let a = Endpoint::start(cfg).await.unwrap();
+        let caps = if hears { Caps::TCP.with(Caps::GOODBYE) } else { Caps::TCP };
+        let mut raw = raw_peer(&c, caps).await;
+        tokio::time::timeout(Duration::from_secs(5), async {
+            while a.link(2).is_err() {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await
+        .unwrap();
+        a.leave().await;
+        let want = if hears { vec![(crate::wire::Opcode::Goodbye, b"endpoint shut down".to_vec())] } else { vec![] };
+        assert_eq!(frames(&mut raw).await, want, "peer that hears goodbyes: {hears}");
+    }
+    // A peer that vanishes without a goodbye has failed.
+    let c = cluster(3, "bye-vanish");
+    let a = Endpoint::start(fast(EndpointConfig::new(0, c.clone(), b"s"), false)).await.unwrap();
+    let mut ev = a.events();
+    let raw = raw_peer(&c, Caps::TCP.with(Caps::GOODBYE)).await;
+    tokio::time::timeout(Duration::from_secs(5), async {
+        while a.link(2).is_err() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .unwrap();
+    drop(raw);
+    match next_down_event(&mut ev, Duration::from_secs(5)).await {
+        PeerEvent::Down { peer: 2, graceful, reason } => assert!(!graceful, "{reason}"),
+        other => panic!("{other:?}"),
+    }
+    // So has one that stays connected but says nothing past `dead_after` (0.6 s).
+    let _silent = raw_peer(&c, Caps::TCP.with(Caps::GOODBYE)).await;
+    match next_down_event(&mut ev, Duration::from_secs(10)).await {
+        PeerEvent::Down { peer: 2, graceful, reason } => {
+            assert!(!graceful && reason.contains("keepalive"), "{reason}")
+        }
+        other => panic!("{other:?}"),
+    }
+    let text = a.metrics().render();
+    assert!(text.contains("cascade_mesh_peer_losses_total{how=\"failed\"} 2"), "{text}");
+}

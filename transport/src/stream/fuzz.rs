@@ -22,7 +22,7 @@ use crate::mesh::BoxFuture;
 use crate::onesided::{LookupServer, Move, OneSidedEngine, PeerAccess};
 use crate::region::{Region, RegionOptions, RegionTable};
 use crate::stats::LinkStats;
-use crate::wire::{EngineTag, Header, Opcode, Status, MAX_MESSAGE};
+use crate::wire::{EngineTag, Header, Opcode, Status, MAX_GOODBYE, MAX_MESSAGE};
 use crate::NodeId;
 
 const PEER: NodeId = 7;
@@ -206,6 +206,15 @@ impl Harness {
                     let _ = done.send(found);
                     break;
                 }
+                Step::Goodbye { len } => {
+                    assert_eq!(h.op, Opcode::Goodbye, "only a goodbye ends the link as a departure");
+                    assert!(len <= MAX_GOODBYE);
+                    if input.take(len).is_none() {
+                        return false;
+                    }
+                    assert_eq!(len, h.payload_len(), "the goodbye's reason is its payload");
+                    return false; // nothing follows a goodbye: the real link closes
+                }
                 Step::Close { .. } => {
                     assert!(is_answer(h.op), "{:?} closed the link", h.op);
                     return false;
@@ -221,17 +230,21 @@ impl Harness {
     /// A frame header drawn from the input, biased towards pending ids, registered regions,
     /// right keys and ranges near the bounds.
     fn header(&self, input: &mut Input) -> Option<Header> {
-        let op = match input.byte()? % 10 {
-            0 => Opcode::Write,
-            1 => Opcode::WriteAck,
-            2 => Opcode::ReadReq,
-            3 => Opcode::ReadResp,
-            4 => Opcode::Send,
-            5 => Opcode::Ping,
-            6 => Opcode::LookupReq,
-            7 => Opcode::LookupResp,
-            8 => Opcode::Forget,
-            _ => Opcode::Written,
+        let op = match input.byte()? {
+            // Rare: a goodbye ends the session.
+            255 => Opcode::Goodbye,
+            b => match b % 10 {
+                0 => Opcode::Write,
+                1 => Opcode::WriteAck,
+                2 => Opcode::ReadReq,
+                3 => Opcode::ReadResp,
+                4 => Opcode::Send,
+                5 => Opcode::Ping,
+                6 => Opcode::LookupReq,
+                7 => Opcode::LookupResp,
+                8 => Opcode::Forget,
+                _ => Opcode::Written,
+            },
         };
         let status = match input.byte()? % 8 {
             0..=2 => Status::Ok,

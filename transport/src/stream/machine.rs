@@ -58,6 +58,9 @@ pub(crate) enum Step {
     Message { len: u64 },
     /// The peer withdrew its region `region`: drop what the one-sided engine cached for it.
     Forget { region: RegionId },
+    /// The peer is leaving on purpose: read its `len`-byte reason, then close the link as a
+    /// departure (not a failure).
+    Goodbye { len: u64 },
     /// Complete one of our operations.
     Complete { done: Done, result: Result<Completion> },
     /// Decode the answer to our lookup with `engine` (a descriptor may have come with it).
@@ -87,6 +90,7 @@ pub(crate) fn on_header(t: &impl LinkTables, h: Header) -> Step {
     match h.op {
         Opcode::Ping => Step::Nothing,
         Opcode::Forget => Step::Forget { region: RegionId(h.region) },
+        Opcode::Goodbye => Step::Goodbye { len: h.len },
         Opcode::Write => match access(h.offset, h.len) {
             Ok(region) => {
                 let ack = reply(&h, Opcode::WriteAck, Status::Ok);

@@ -29,6 +29,17 @@ impl FrameSink for WriteHalf<DuplexStream> {
 }
 
 fn link(peer: NodeId, io: DuplexStream, regions: RegionTable, rkeys: Option<RkeyResolver>) -> Arc<StreamLink> {
+    link_with(peer, io, regions, rkeys, true, Box::new(|_| {}))
+}
+
+fn link_with(
+    peer: NodeId,
+    io: DuplexStream,
+    regions: RegionTable,
+    rkeys: Option<RkeyResolver>,
+    goodbye: bool,
+    on_close: OnClose,
+) -> Arc<StreamLink> {
     let (r, w) = tokio::io::split(io);
     let servers: Vec<Arc<dyn LookupServer>> =
         rkeys.into_iter().map(|f| Arc::new(RdmaLookups(f)) as Arc<dyn LookupServer>).collect();
@@ -40,7 +51,8 @@ fn link(peer: NodeId, io: DuplexStream, regions: RegionTable, rkeys: Option<Rkey
         regions,
         services: crate::service::Services::new(2),
         timing: Timing { keepalive: Duration::from_millis(100), dead_after: Duration::from_secs(5) },
-        on_close: Box::new(|_| {}),
+        on_close,
+        goodbye,
     };
     StreamLink::spawn(ctx, r, w)
 }
@@ -154,4 +166,71 @@ fn a_batch_keeps_its_sends_behind_its_bulk_frames() {
     // Separately posted, a SEND takes the control lane again.
     assert!(lanes.send(frame(Opcode::Send, 0)));
     assert_eq!(drain(&mut control), [(Opcode::Send, 0)]);
+}
+
+/// A link whose close is reported on the returned channel.
+fn watched(
+    peer: NodeId,
+    io: DuplexStream,
+    regions: RegionTable,
+    goodbye: bool,
+) -> (Arc<StreamLink>, tokio::sync::oneshot::Receiver<Closed>) {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let on_close: OnClose = Box::new(move |c| {
+        let _ = tx.send(c);
+    });
+    (link_with(peer, io, regions, None, goodbye, on_close), rx)
+}
+
+async fn closed_within(rx: tokio::sync::oneshot::Receiver<Closed>) -> Closed {
+    tokio::time::timeout(Duration::from_secs(5), rx).await.expect("the link did not close").unwrap()
+}
+
+/// A side that leaves says goodbye: the peer closes as a departure, with the reason; a side that
+/// closes for a failure, or whose peer does not understand a goodbye, is seen as a failure.
+#[tokio::test]
+async fn a_leaving_link_says_goodbye_and_a_failed_one_does_not() {
+    for (leaves, hears, graceful) in [(true, true, true), (false, true, false), (true, false, false)] {
+        let (a_io, b_io) = tokio::io::duplex(1 << 16);
+        // `a` is node 1's link to node 0; `hears` is whether node 0 advertised the goodbye.
+        let (a, a_closed) = watched(0, a_io, RegionTable::new(), hears);
+        let (b, b_closed) = watched(1, b_io, RegionTable::new(), true);
+        if leaves {
+            a.leave("scaled in");
+        } else {
+            a.close("boom");
+        }
+        let mine = closed_within(a_closed).await;
+        assert_eq!(mine.graceful, leaves, "{mine:?}");
+        let theirs = closed_within(b_closed).await;
+        assert_eq!(theirs.graceful, graceful, "leaves {leaves}, hears {hears}: {theirs:?}");
+        if graceful {
+            assert_eq!(theirs.reason, "node 1 left: scaled in");
+        }
+        assert!(!b.is_alive());
+        tokio::time::timeout(Duration::from_secs(5), a.writer_stopped()).await.expect("writer still running");
+    }
+}
+
+/// A link that leaves while a large WRITE is on the wire finishes that frame first, so the peer
+/// reads a whole frame and then the goodbye (the stream stays in step), not a broken frame.
+#[tokio::test]
+async fn a_goodbye_follows_the_frame_in_flight() {
+    let (a_io, b_io) = tokio::io::duplex(1 << 16);
+    let b_regions = RegionTable::new();
+    let dst = Region::alloc(4 << 20, Default::default()).unwrap();
+    b_regions.register(&dst);
+    let (a, _a_closed) = watched(0, a_io, RegionTable::new(), true);
+    let (_b, b_closed) = watched(1, b_io, b_regions, true);
+    let src = Region::alloc(4 << 20, Default::default()).unwrap();
+    let h = a.post(vec![Op::write(&src, 0, dst.remote(0), 0, 4 << 20)]);
+    // Let the writer start on the frame (the 64 KiB duplex makes it take many reads).
+    tokio::task::yield_now().await;
+    a.leave("done");
+    let theirs = closed_within(b_closed).await;
+    assert!(theirs.graceful, "the peer saw a failure: {theirs:?}");
+    // The WRITE itself fails: its ack can no longer come back on a closed link.
+    for r in h {
+        assert!(matches!(r.await, Err(TransportError::PeerDown { .. })));
+    }
 }

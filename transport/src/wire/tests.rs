@@ -2,7 +2,7 @@ use super::*;
 use proptest::prelude::*;
 
 fn any_op() -> impl Strategy<Value = Opcode> {
-    (1u8..=10).prop_map(|v| Opcode::from_u8(v).unwrap())
+    (1u8..=11).prop_map(|v| Opcode::from_u8(v).unwrap())
 }
 
 fn any_status() -> impl Strategy<Value = Status> {
@@ -12,6 +12,8 @@ fn any_status() -> impl Strategy<Value = Status> {
 prop_compose! {
     fn any_header()(op in any_op(), status in any_status(), req_id: u64, region: u32,
                     crc: Option<u32>, key: u64, offset: u64, len in 0..=MAX_MESSAGE) -> Header {
+        // A goodbye's reason is short (the decoder refuses longer ones, tested below).
+        let len = if op == Opcode::Goodbye { len % (MAX_GOODBYE + 1) } else { len };
         Header { op, flags: 0, status, req_id, region, crc: 0, key, offset, len }.with_crc(crc)
     }
 }
@@ -51,6 +53,16 @@ fn oversized_send_is_refused() {
     let mut h = Header::new(Opcode::Send);
     h.len = MAX_MESSAGE + 1;
     assert_eq!(Header::decode(&h.encode()), Err(FrameError::TooLarge(MAX_MESSAGE + 1)));
+}
+
+#[test]
+fn oversized_goodbye_is_refused_and_its_reason_is_its_payload() {
+    let mut h = Header::new(Opcode::Goodbye);
+    h.len = MAX_GOODBYE;
+    assert_eq!(Header::decode(&h.encode()), Ok(h));
+    assert_eq!(h.payload_len(), MAX_GOODBYE);
+    h.len = MAX_GOODBYE + 1;
+    assert_eq!(Header::decode(&h.encode()), Err(FrameError::TooLarge(MAX_GOODBYE + 1)));
 }
 
 #[test]

@@ -716,7 +716,7 @@ mod tests {
         assert_eq!(orders, vec![vec![2]]);
         r.moved(5, 3, 2);
         assert_eq!(r.stats.drain_moved, 1);
-        r.peer_event(PeerEvent::Down { peer: 3, reason: "it stopped".into() });
+        r.peer_event(PeerEvent::Down { peer: 3, reason: "it stopped".into(), graceful: false });
         r.message(2, token(5, 1, 2, 9, true));
         r.after(Instant::now());
         let a = answers.try_recv().unwrap();
@@ -849,7 +849,7 @@ mod tests {
     }
 
     fn lost(peer: u32) -> PeerEvent {
-        PeerEvent::Down { peer, reason: "killed".into() }
+        PeerEvent::Down { peer, reason: "killed".into(), graceful: false }
     }
 
     #[test]
