@@ -16,13 +16,10 @@
 //! closes its end as a *departure* ([`Closed::graceful`]); every other close is a failure.
 
 use std::collections::HashMap;
-use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use bytes::{Bytes, BytesMut};
-use tokio::io::{AsyncReadExt, AsyncWriteExt, BufWriter};
 use tokio::sync::{mpsc, watch};
 use tracing::{debug, warn};
 
@@ -33,9 +30,11 @@ use crate::onesided::{LookupServer, OneSided, OneSidedEngine, PeerAccess};
 use crate::region::{Region, RegionId, RegionTable, RemoteKey, RemoteRegion};
 use crate::service::Services;
 use crate::stats::{LinkStats, StatsSnapshot};
-use crate::wire::{EngineTag, Header, Opcode, FLAG_CRC, HEADER_LEN};
+use crate::wire::{EngineTag, Header, Opcode, FLAG_CRC};
 use crate::NodeId;
-use machine::{LinkTables, Step};
+use machine::LinkTables;
+use reader::read_loop;
+use writer::write_loop;
 
 /// Payload bytes read per socket call while landing data (also the liveness granularity).
 const CHUNK: usize = 1 << 20;
@@ -533,267 +532,12 @@ impl Drop for StreamLink {
     }
 }
 
-async fn write_loop<W: FrameSink>(
-    s: &Shared,
-    w: W,
-    (mut control, mut bulk): (mpsc::UnboundedReceiver<Out>, mpsc::UnboundedReceiver<Out>),
-    timing: Timing,
-) -> io::Result<()> {
-    let mut stop = s.shutdown.subscribe();
-    let mut w = BufWriter::with_capacity(64 << 10, w);
-    let mut tick = tokio::time::interval(timing.keepalive);
-    loop {
-        // `None`: a keepalive is due.
-        let out = tokio::select! {
-            biased;
-            _ = stopped(&mut stop) => return say_goodbye(s, &mut w).await,
-            out = control.recv() => match out { Some(o) => Some(o), None => return Ok(()) },
-            out = bulk.recv() => match out { Some(o) => Some(o), None => return Ok(()) },
-            _ = tick.tick() => {
-                let idle = s.now_ms().saturating_sub(s.last_tx_ms.load(Ordering::Relaxed));
-                if idle < timing.keepalive.as_millis() as u64 {
-                    continue;
-                }
-                None
-            }
-        };
-        // Every write below races the stop signal: a peer that stopped reading must not hold a
-        // closing link's writer.
-        let finished = {
-            let batch = async {
-                let Some(out) = out else {
-                    w.write_all(&Header::new(Opcode::Ping).encode()).await?;
-                    return w.flush().await;
-                };
-                write_one(s, &mut w, out).await?;
-                // Coalesce whatever else is queued, control first after every frame, then
-                // flush once.
-                while let Ok(out) = control.try_recv().or_else(|_| bulk.try_recv()) {
-                    write_one(s, &mut w, out).await?;
-                }
-                w.flush().await
-            };
-            tokio::pin!(batch);
-            tokio::select! {
-                r = &mut batch => { r?; true }
-                // Stopped mid-frame: a goodbye can follow only a whole frame, so a leaving
-                // link finishes what it is writing first (bounded); a failed one stops here.
-                _ = stopped(&mut stop) => {
-                    if !s.says_goodbye() {
-                        return Ok(());
-                    }
-                    match tokio::time::timeout(GOODBYE_FLUSH, &mut batch).await {
-                        Ok(r) => { r?; false }
-                        Err(_) => return Ok(()),
-                    }
-                }
-            }
-        };
-        if !finished {
-            return say_goodbye(s, &mut w).await;
-        }
-        s.last_tx_ms.store(s.now_ms(), Ordering::Relaxed);
-    }
-}
-
-/// Writes this side's goodbye, if it leaves and the peer understands one, within
-/// [`GOODBYE_FLUSH`]. A goodbye that cannot be written in time is dropped: the peer sees a
-/// failure, as it would have without one.
-async fn say_goodbye<W: FrameSink>(s: &Shared, w: &mut BufWriter<W>) -> io::Result<()> {
-    let Some(reason) = s.goodbye.lock().unwrap_or_else(|e| e.into_inner()).take() else { return Ok(()) };
-    let mut cut = reason.len().min(crate::wire::MAX_GOODBYE as usize);
-    while !reason.is_char_boundary(cut) {
-        cut -= 1;
-    }
-    let header = Header { len: cut as u64, ..Header::new(Opcode::Goodbye) };
-    let write = async {
-        w.write_all(&header.encode()).await?;
-        w.write_all(&reason.as_bytes()[..cut]).await?;
-        w.flush().await
-    };
-    match tokio::time::timeout(GOODBYE_FLUSH, write).await {
-        Ok(r) => r,
-        Err(_) => {
-            debug!(peer = s.peer, "goodbye not written in time");
-            Ok(())
-        }
-    }
-}
-
-async fn write_one<W: FrameSink>(s: &Shared, w: &mut BufWriter<W>, out: Out) -> io::Result<()> {
-    match out {
-        Out::Frame { header, payload, done } => {
-            w.write_all(&header.encode()).await?;
-            match payload {
-                Payload::None => {}
-                Payload::Bytes(b) => w.write_all(&b).await?,
-                Payload::Region { region, offset, len } => {
-                    // SAFETY: the range was bounds-checked when the operation was posted/served,
-                    // `region` is kept alive by this scope, and the region contract makes the
-                    // owner responsible for not changing bytes that are being sent.
-                    let data = unsafe { region.slice(offset, len) };
-                    w.write_all(data).await?;
-                }
-            }
-            s.stats.tx(header.payload_len());
-            if let Some((done, len)) = done {
-                s.finish_op(done, Ok(Completion::moved(len)));
-            }
-        }
-        Out::WithFd { header, fd } => {
-            w.flush().await?;
-            w.get_mut().send_fd(&header.encode(), &fd).await?;
-        }
-    }
-    Ok(())
-}
-
-/// Reads `len` bytes into `region[offset..]`, in chunks, returning the crc32 when asked.
-async fn land<R: FrameSource>(
-    s: &Shared,
-    r: &mut R,
-    region: &Region,
-    offset: u64,
-    len: u64,
-    crc: bool,
-) -> io::Result<Option<u32>> {
-    // SAFETY: the caller bounds-checked the range against `region`, which outlives this call; the
-    // bytes belong to an operation the owner exposed to the peer (region contract).
-    let dst = unsafe { region.slice_mut(offset, len) };
-    let mut hasher = crc.then(crc32fast::Hasher::new);
-    let mut pos = 0;
-    while pos < dst.len() {
-        let end = (pos + CHUNK).min(dst.len());
-        let n = r.read(&mut dst[pos..end]).await?;
-        if n == 0 {
-            return Err(io::ErrorKind::UnexpectedEof.into());
-        }
-        if let Some(h) = hasher.as_mut() {
-            h.update(&dst[pos..pos + n]);
-        }
-        pos += n;
-        s.touch_rx();
-    }
-    s.stats.rx(len);
-    Ok(hasher.map(|h| h.finalize()))
-}
-
-/// Reads and discards `len` bytes (the payload of a refused WRITE), keeping the stream in step.
-async fn drain<R: FrameSource>(s: &Shared, r: &mut R, mut len: u64) -> io::Result<()> {
-    let mut scratch = vec![0u8; 64 << 10];
-    while len > 0 {
-        let want = len.min(scratch.len() as u64) as usize;
-        let n = r.read(&mut scratch[..want]).await?;
-        if n == 0 {
-            return Err(io::ErrorKind::UnexpectedEof.into());
-        }
-        len -= n as u64;
-        s.touch_rx();
-    }
-    Ok(())
-}
-
-/// Reads frames and executes the steps the link machine ([`machine`]) decides on, until the
-/// link fails (`Err`) or the peer says goodbye (`Ok` with its reason).
-async fn read_loop<R: FrameSource>(
-    s: &Arc<Shared>,
-    mut r: R,
-    services: &Services,
-    one_sided: Option<&OneSided>,
-    timing: Timing,
-) -> Result<Option<String>> {
-    let peer = s.peer;
-    let io_err = |e: io::Error| {
-        if e.kind() == io::ErrorKind::UnexpectedEof {
-            TransportError::PeerDown { peer, reason: "connection closed by peer".into() }
-        } else {
-            TransportError::io(format!("receiving from node {peer}"), e)
-        }
-    };
-    let mut hb = [0u8; HEADER_LEN];
-    loop {
-        r.read_exact(&mut hb).await.map_err(io_err)?;
-        s.touch_rx();
-        let h = Header::decode(&hb).map_err(|source| TransportError::Frame { peer: Some(peer), source })?;
-        let mut step = machine::on_header(&**s, h);
-        loop {
-            step = match step {
-                Step::Nothing => break,
-                Step::Send(out) => {
-                    s.send(out);
-                    break;
-                }
-                Step::Land { region, offset, len, crc, then } => {
-                    let got = land(s, &mut r, &region, offset, len, crc).await.map_err(io_err)?;
-                    machine::on_landed(&**s, then, got)
-                }
-                Step::Drain { len, ack } => {
-                    drain(s, &mut r, len).await.map_err(io_err)?;
-                    Step::Send(Out::Frame { header: ack, payload: Payload::None, done: None })
-                }
-                Step::Message { len } => {
-                    let mut buf = BytesMut::zeroed(len as usize);
-                    r.read_exact(&mut buf).await.map_err(io_err)?;
-                    s.touch_rx();
-                    s.stats.rx(len);
-                    match deliver(s, services, buf.freeze(), timing).await {
-                        Some(back) => {
-                            let h = Header { len: back.len() as u64, ..Header::new(Opcode::Send) };
-                            Step::Send(Out::Frame { header: h, payload: Payload::Bytes(back), done: None })
-                        }
-                        None => break,
-                    }
-                }
-                Step::Complete { done, result } => {
-                    s.finish_op(done, result);
-                    break;
-                }
-                Step::Forget { region } => {
-                    if let Some(os) = one_sided {
-                        os.forget(region);
-                    }
-                    break;
-                }
-                Step::Goodbye { len } => {
-                    let mut why = vec![0u8; len as usize];
-                    r.read_exact(&mut why).await.map_err(io_err)?;
-                    return Ok(Some(String::from_utf8_lossy(&why).into_owned()));
-                }
-                Step::DecodeLookup { done, engine, header } => {
-                    machine::decode_lookup(peer, done, &engine, &header, r.take_fd())
-                }
-                Step::Looked { done, found } => {
-                    let _ = done.send(found);
-                    break;
-                }
-                Step::Close { error, taken } => {
-                    if let Some(p) = taken {
-                        s.fail(p, &error.to_string());
-                    }
-                    return Err(error);
-                }
-            }
-        }
-    }
-}
-
-/// Hands a received message to the node's services. A full inbox holds this link's reader (the
-/// peer is alive: its message is in hand), so the wait keeps the keepalive watchdog quiet.
-async fn deliver(s: &Shared, services: &Services, payload: Bytes, timing: Timing) -> Option<Bytes> {
-    let fut = services.deliver(s.peer, payload);
-    tokio::pin!(fut);
-    loop {
-        tokio::select! {
-            back = &mut fut => return back,
-            _ = tokio::time::sleep(timing.keepalive / 2) => s.touch_rx(),
-        }
-    }
-}
-
 #[cfg(any(test, feature = "fuzzing"))]
 pub(crate) mod fuzz;
 mod machine;
 mod one_sided;
+mod reader;
+mod writer;
 
 #[cfg(test)]
 mod tests;

@@ -1,5 +1,6 @@
 //! Link-level tests over an in-memory duplex stream (no sockets, no device).
 
+use std::io;
 use std::os::fd::OwnedFd;
 use std::pin::Pin;
 use std::time::Duration;
