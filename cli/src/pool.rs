@@ -55,6 +55,24 @@ pub(crate) enum PoolCmd {
         #[arg(long, default_value_t = 0)]
         gpu: u32,
     },
+    /// Take a node out of service without ever dropping below k copies: every copy it holds is
+    /// made elsewhere first, then dropped there; nothing new is placed on it. Exits 0 once it
+    /// holds nothing (stop it then), 1 if some copies could not be moved.
+    Drain {
+        #[command(flatten)]
+        admin: Admin,
+        /// Node.
+        #[arg(long)]
+        node: u32,
+    },
+    /// Take a drained node back: copies may be placed on it again.
+    Undrain {
+        #[command(flatten)]
+        admin: Admin,
+        /// Node.
+        #[arg(long)]
+        node: u32,
+    },
     /// Carry out an epoch plan (`epoch-plan --json` of the sched benches): every model whose
     /// sub-cluster changed gets instances (GPU 0) on the nodes of its new sub-cluster by one
     /// multicast through the pool, then its instances on the old one go.
@@ -390,6 +408,33 @@ pub(crate) async fn run(cmd: PoolCmd) -> anyhow::Result<()> {
                 }
                 println!("{n} model(s) moved");
             }
+            Ok(())
+        }
+        PoolCmd::Drain { admin, node } => {
+            let v = admin.call(AdminRequest::Drain { node }).await?;
+            let rep: cascade_param_pool::manager::DrainReport = serde_json::from_value(v.clone())?;
+            if admin.json {
+                println!("{v}");
+            } else if rep.drained {
+                println!(
+                    "node {node} drained: {} copies ({} bytes) made elsewhere, {} dropped there, in {:.2} s; it may be stopped",
+                    rep.copies_made, rep.bytes_made, rep.copies_dropped, rep.seconds
+                );
+            } else {
+                println!(
+                    "node {node} NOT drained: copies {:?} are still there (their replacements could not be made; \
+                     see the manager's log); nothing new goes there",
+                    rep.left
+                );
+            }
+            if !rep.drained {
+                std::process::exit(1);
+            }
+            Ok(())
+        }
+        PoolCmd::Undrain { admin, node } => {
+            admin.call(AdminRequest::Undrain { node }).await?;
+            println!("node {node} takes copies again");
             Ok(())
         }
         PoolCmd::Deploy { admin, model, node, gpu } => {

@@ -46,6 +46,21 @@ impl Proc {
         let _ = self.child.wait();
     }
 
+    /// SIGTERM, and waits for the process to end (at most 20 s).
+    fn terminate(&mut self) -> std::process::ExitStatus {
+        let pid = self.child.id() as i32;
+        // SAFETY: kill(2) with a child's pid and a valid signal number; it touches no memory.
+        assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
+        let t = Instant::now();
+        loop {
+            if let Some(st) = self.child.try_wait().unwrap() {
+                return st;
+            }
+            assert!(t.elapsed() < Duration::from_secs(20), "no exit within 20 s of SIGTERM: {}", self.log());
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
     fn saw(&self, what: &str) -> bool {
         self.log.lock().unwrap().iter().any(|l| l.contains(what))
     }
@@ -165,8 +180,14 @@ impl PoolCluster {
 
     /// `cascade pool <what>`'s exit status and output.
     fn tool(&self, what: &str) -> (bool, String) {
+        self.tool_with(what, &[])
+    }
+
+    /// `cascade pool <what> <args>`'s exit status and output.
+    fn tool_with(&self, what: &str, args: &[&str]) -> (bool, String) {
         let out = Command::new(CASCADE)
             .args(["pool", what, "--admin", &self.admin.to_string()])
+            .args(args)
             .env("CASCADE_SECRET", "pool-secret")
             .output()
             .unwrap();
@@ -252,6 +273,60 @@ fn killing_a_node_restores_the_pool_within_the_bound() {
         let (ok, out) = c.tool("repair");
         assert!(ok && out.starts_with("healthy"), "pool repair on a healthy pool:\n{out}");
     }
+}
+
+/// The planned way out: `cascade pool drain` moves the node's copies while every model keeps k
+/// whole copies, after which stopping the node (SIGTERM: it says goodbye) repairs nothing.
+#[test]
+fn a_drained_node_stops_without_a_repair() {
+    let k = 2;
+    let mut c = PoolCluster::start(k, "drain");
+    c.register_models();
+    let (victim, bytes) = busiest(&c.status());
+    let (ok, out) = c.tool_with("drain", &["--node", &victim.to_string()]);
+    assert!(ok && out.contains(&format!("node {victim} drained")), "{out}\n{}", c.manager_log());
+    eprintln!("{}", out.trim());
+    let s = c.status();
+    assert!(s.healthy, "{s}");
+    assert_whole(&s, k);
+    assert!(s.nodes.iter().any(|n| n.id == victim && n.draining && n.copies == 0 && n.bytes == 0), "{s}");
+    assert!(s.copies.iter().all(|x| x.node != victim), "{s}");
+    let (ok, out) = c.check();
+    assert!(ok, "check after the drain: {out}");
+    let (_, nodes) = c.tool("nodes");
+    assert!(
+        nodes.lines().any(|l| l.split_whitespace().take(2).eq([victim.to_string().as_str(), "drained"])),
+        "{nodes}"
+    );
+    // Stopped: a departure, declared dead after --dead-after-s, and nothing made again.
+    let st = c.nodes[victim as usize - 1].terminate();
+    assert!(st.success(), "the node's exit on SIGTERM: {st}");
+    let t = Instant::now();
+    while !c.manager.as_ref().unwrap().saw("a drained node is gone") {
+        assert!(t.elapsed() < Duration::from_secs(20), "never declared gone: {}", c.manager_log());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let log = c.manager_log();
+    assert!(log.contains("peer left"), "the node said goodbye: {log}");
+    assert!(!log.contains("repairing the pool"), "a drained node's departure repaired the pool: {log}");
+    let s = c.status();
+    assert!(s.healthy, "{s}");
+    assert_whole(&s, k);
+    // Drain refused: with k = 2, draining all but one node cannot be honoured.
+    let others: Vec<u32> = (1..=NODES).filter(|n| *n != victim).collect();
+    let mut refused = None;
+    for n in &others {
+        let (ok, out) = c.tool_with("drain", &["--node", &n.to_string()]);
+        if !ok {
+            refused = Some((*n, out));
+            break;
+        }
+    }
+    let (n, why) = refused.unwrap_or_else(|| panic!("every node drained with k = {k}: {}", c.status()));
+    // Five live nodes: three drain, the fourth would leave one.
+    assert_eq!(n, others[others.len() - 2], "the drain refused was not the one that would leave one node");
+    assert!(c.status().healthy, "{why}");
+    eprintln!("drained node {victim} ({bytes} bytes) and stopped it without a repair");
 }
 
 #[test]

@@ -45,6 +45,7 @@ use crate::pool::{Action, CopyId, CopyKind, CopyState, ModelCopy, ModelId, NodeI
 mod admin;
 mod check;
 mod detector;
+mod drain;
 pub mod epoch;
 pub mod exec;
 mod peers;
@@ -56,6 +57,7 @@ pub use admin::{
     MAX_LINE,
 };
 pub use detector::Detector;
+pub use drain::DrainReport;
 pub use report::{CheckReport, CopyStatus, ForeignCopy, ModelStatus, NodeReport, NodeStatus, Status};
 
 /// Why a manager operation failed.
@@ -402,6 +404,12 @@ impl<S: MetaStore + 'static> Manager<S> {
                     }
                 } else if self.detector.suspects().contains_key(&n) {
                     "suspect"
+                } else if self.pool().is_draining(n) {
+                    if self.pool().copies().any(|c| c.node == n) {
+                        "draining"
+                    } else {
+                        "drained"
+                    }
                 } else {
                     "live"
                 };
@@ -410,6 +418,7 @@ impl<S: MetaStore + 'static> Manager<S> {
                     state: state.into(),
                     bytes: bytes.get(&n).copied().unwrap_or(0),
                     copies: self.pool().copies().filter(|c| c.node == n).count(),
+                    draining: self.pool().is_draining(n),
                     history: self.history.get(&n).map(|h| h.iter().cloned().collect()).unwrap_or_default(),
                 }
             })
@@ -813,6 +822,11 @@ impl<S: MetaStore + 'static> Manager<S> {
                 self.reclaim(copy).await?;
                 Ok(serde_json::json!({}))
             }
+            AdminRequest::Drain { node } => Ok(to_json(&self.drain(node).await?)),
+            AdminRequest::Undrain { node } => {
+                self.undrain(node).await?;
+                Ok(serde_json::json!({}))
+            }
             AdminRequest::ApplyEpoch { moves } => {
                 self.apply_epoch(&moves).await?;
                 Ok(serde_json::json!({ "moved": moves.len() }))
@@ -865,5 +879,7 @@ fn set_pool_metrics(m: &cascade_transport::Metrics, s: &Status) {
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_drain;
 #[cfg(test)]
 mod tests_mem;

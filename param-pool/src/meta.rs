@@ -409,6 +409,10 @@ pub enum Event {
     NodeDown(NodeId),
     /// [`Pool::node_up`].
     NodeUp(NodeId),
+    /// [`Pool::drain`].
+    Drain(NodeId),
+    /// [`Pool::undrain`].
+    Undrain(NodeId),
     /// [`Pool::set_file_reachable`].
     FileReachable {
         /// Model.
@@ -478,6 +482,8 @@ fn apply(state: &mut State, e: &Event) -> Result<Vec<Action>, PoolError> {
             Ok(Vec::new())
         }
         Event::NodeUp(n) => Ok(pool.node_up(n)),
+        Event::Drain(n) => pool.drain(n),
+        Event::Undrain(n) => pool.undrain(n),
         Event::FileReachable { model, reachable } => pool.set_file_reachable(model, reachable).map(|_| Vec::new()),
     }
 }

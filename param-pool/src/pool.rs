@@ -98,6 +98,9 @@ pub enum PoolError {
     /// Unknown or dead node.
     #[error("node {0} is not a live member")]
     NoSuchNode(NodeId),
+    /// The node is being drained: nothing new goes there until it is undrained.
+    #[error("node {0} is drained: nothing new is placed there (`cascade pool undrain` takes it back)")]
+    Draining(NodeId),
     /// The model is registered already.
     #[error("model {0} is registered already")]
     Duplicate(ModelId),
@@ -124,11 +127,11 @@ pub enum PoolError {
 /// A broken invariant, as [`Pool::check`] reports it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Violation {
-    /// A model with fewer ready copies on distinct live nodes than `k`.
+    /// A model with fewer whole (ready or evicting) copies on distinct live nodes than `k`.
     TooFewCopies {
         /// The model.
         model: ModelId,
-        /// Ready copies on distinct live nodes.
+        /// Whole copies on distinct live nodes.
         have: usize,
     },
     /// A copy recorded on a dead node.
@@ -157,6 +160,9 @@ pub struct Pool {
     /// replay places copies exactly as the first run did.
     #[serde(default)]
     capacity: BTreeMap<NodeId, u64>,
+    /// Nodes the operator drains (or drained): nothing new is placed there ([`Pool::drain`]).
+    #[serde(default)]
+    draining: BTreeSet<NodeId>,
 }
 
 impl Pool {
@@ -169,6 +175,7 @@ impl Pool {
             copies: BTreeMap::new(),
             next_copy: 1,
             capacity: BTreeMap::new(),
+            draining: BTreeSet::new(),
         }
     }
 
@@ -209,6 +216,11 @@ impl Pool {
         self.nodes.iter().filter(|(_, a)| **a).map(|(n, _)| *n)
     }
 
+    /// Live nodes that new copies may go to: not draining.
+    fn placeable_nodes(&self) -> impl Iterator<Item = NodeId> + '_ {
+        self.live_nodes().filter(|n| !self.draining.contains(n))
+    }
+
     /// Sets the copies required per model (at least 1). Only a new pool's first event does this:
     /// k is part of the pool, not of a manager's configuration.
     pub fn set_k(&mut self, k: usize) {
@@ -245,6 +257,15 @@ impl Pool {
         self.copies
             .values()
             .filter(|c| c.model == model && c.state == CopyState::Ready && self.alive(c.node))
+            .map(|c| c.node)
+            .collect()
+    }
+
+    /// Ready or evicting (so still whole) copies of `model` on distinct live nodes.
+    fn whole_nodes(&self, model: ModelId) -> BTreeSet<NodeId> {
+        self.copies
+            .values()
+            .filter(|c| c.model == model && c.state != CopyState::Loading && self.alive(c.node))
             .map(|c| c.node)
             .collect()
     }
@@ -320,7 +341,12 @@ impl Pool {
                 .collect();
             let Some(node) = loads
                 .iter()
-                .filter(|(n, _)| !used.contains(n) && !evicting.contains(n) && self.fits(&loads, **n, m.bytes))
+                .filter(|(n, _)| {
+                    !used.contains(n)
+                        && !evicting.contains(n)
+                        && !self.draining.contains(n)
+                        && self.fits(&loads, **n, m.bytes)
+                })
                 .min_by_key(|(n, b)| (**b, **n))
                 .map(|(n, _)| *n)
             else {
@@ -334,13 +360,14 @@ impl Pool {
     }
 
     /// Whether a new model of `bytes` could get its `k` copies: enough live nodes, with room.
+    /// Draining nodes do not count.
     pub fn can_place(&self, bytes: u64) -> Result<(), PoolError> {
-        let live = self.live_nodes().count();
+        let live = self.placeable_nodes().count();
         if live < self.k {
             return Err(PoolError::TooFewNodes { have: live, k: self.k });
         }
         let loads = self.bytes_per_node();
-        let room = self.live_nodes().filter(|n| self.fits(&loads, *n, bytes)).count();
+        let room = self.placeable_nodes().filter(|n| self.fits(&loads, *n, bytes)).count();
         if room < self.k {
             return Err(PoolError::NoRoom { bytes, have: room, k: self.k });
         }
@@ -371,6 +398,9 @@ impl Pool {
         }
         if !self.alive(node) {
             return Err(PoolError::NoSuchNode(node));
+        }
+        if self.draining.contains(&node) {
+            return Err(PoolError::Draining(node));
         }
         let bytes = self.models.get(&model).map_or(0, |m| m.bytes);
         if !self.fits(&self.bytes_per_node(), node, bytes) {
@@ -424,11 +454,19 @@ impl Pool {
             .collect();
         let (loads, bytes) = (self.bytes_per_node(), self.models.get(&model).map_or(0, |m| m.bytes));
         let free =
-            self.live_nodes().filter(|n| *n != node && !used.contains(n) && self.fits(&loads, *n, bytes)).count();
+            self.placeable_nodes().filter(|n| *n != node && !used.contains(n) && self.fits(&loads, *n, bytes)).count();
         if used.len() + free < self.k {
             return Err(PoolError::TooFewNodes { have: used.len() + free, k: self.k });
         }
         let c = self.copies.get_mut(&id).ok_or(PoolError::UnknownCopy(id))?;
+        if c.state == CopyState::Loading {
+            // Nothing serves from a copy still being filled: it goes at once (an evicting copy
+            // is a source of its replacement, which a half-filled one cannot be).
+            self.copies.remove(&id);
+            let mut out = vec![Action::Drop { copy: id }];
+            out.extend(self.top_up(model));
+            return Ok(out);
+        }
         c.state = CopyState::Evicting;
         let mut out = self.top_up(model);
         out.extend(self.finish_evictions(model));
@@ -484,7 +522,8 @@ impl Pool {
         let mut v = Vec::new();
         let live = self.live_nodes().count();
         for (&m, info) in &self.models {
-            let have = self.ready_nodes(m).len();
+            // An evicting copy is whole until its replacement is ready: it still counts.
+            let have = self.whole_nodes(m).len();
             if !info.lost && have < self.k.min(live) {
                 v.push(Violation::TooFewCopies { model: m, have });
             }
@@ -497,6 +536,8 @@ impl Pool {
         v
     }
 }
+
+mod drain;
 
 #[cfg(test)]
 mod tests;

@@ -67,6 +67,17 @@ pub enum AdminRequest {
         /// Copy.
         copy: CopyId,
     },
+    /// Drain a node: its copies are made elsewhere first, then dropped; nothing new goes there
+    /// (`cascade pool drain`). Answers with a [`DrainReport`](super::DrainReport).
+    Drain {
+        /// Node.
+        node: NodeId,
+    },
+    /// Take a drained node back (`cascade pool undrain`).
+    Undrain {
+        /// Node.
+        node: NodeId,
+    },
     /// Carry out an epoch plan's moves (`cascade pool apply-epoch`): each moved model gets
     /// instances on its new sub-cluster before its old ones go.
     ApplyEpoch {

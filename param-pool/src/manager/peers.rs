@@ -17,13 +17,21 @@ impl<S: MetaStore + 'static> Manager<S> {
     }
 
     /// Declares node `n` dead: the pool replaces its copies (the actions returned).
+    /// A drained node that holds nothing is simply gone: nothing to repair.
     pub(super) async fn declare_dead(&mut self, n: NodeId) -> Result<Vec<Action>, ManagerError> {
-        warn!(node = n, after = ?self.cfg.dead_after, "declaring the node dead; repairing the pool");
-        self.count_repair("node_down");
+        let drained = self.pool().is_draining(n) && !self.pool().copies().any(|c| c.node == n);
+        if drained {
+            info!(node = n, after = ?self.cfg.dead_after, "a drained node is gone: nothing to repair");
+        } else {
+            warn!(node = n, after = ?self.cfg.dead_after, "declaring the node dead; repairing the pool");
+            self.count_repair("node_down");
+        }
         self.detector.forget(n);
         self.notice(Notice::NodeDown { node: n });
         let actions = self.apply(Event::NodeDown(n)).await?;
-        self.remember(n, "declared dead; its copies were replaced".into());
+        let what =
+            if drained { "gone after its drain; nothing to repair" } else { "declared dead; its copies were replaced" };
+        self.remember(n, what.into());
         Ok(actions)
     }
 

@@ -58,6 +58,9 @@ pub struct NodeStatus {
     pub bytes: u64,
     /// Copies it holds or fills.
     pub copies: usize,
+    /// Drained or draining: nothing new is placed there.
+    #[serde(default)]
+    pub draining: bool,
 }
 
 /// The pool at a glance (`cascade pool status`).
@@ -88,13 +91,17 @@ pub struct Status {
 pub struct NodeReport {
     /// The node.
     pub id: NodeId,
-    /// `live`, `suspect` (link down, not yet declared dead), `dead`, or `returning` (declared
-    /// dead, link back, waiting to be re-admitted).
+    /// `live`, `suspect` (link down, not yet declared dead), `dead`, `returning` (declared
+    /// dead, link back, waiting to be re-admitted), `draining` (its copies being moved away) or
+    /// `drained` (live, holding nothing, taking nothing new).
     pub state: String,
     /// Bytes of copies it holds for the pool.
     pub bytes: u64,
     /// Copies it holds for the pool.
     pub copies: usize,
+    /// Drained or draining (also while dead): nothing new is placed there until undrained.
+    #[serde(default)]
+    pub draining: bool,
     /// What happened to it: seconds since the manager started, and what.
     pub history: Vec<(f64, String)>,
 }
@@ -171,6 +178,7 @@ impl Status {
                 unreachable: suspects.contains_key(n),
                 bytes: *b,
                 copies: copies.iter().filter(|c| c.node == *n).count(),
+                draining: pool.is_draining(*n),
             })
             .collect();
         let mut violations: Vec<String> = pool.check().iter().map(describe).collect();
@@ -222,7 +230,12 @@ impl fmt::Display for Status {
         }
         writeln!(f, "{:>5}  {:>14}  {:>6}", "node", "bytes", "copies")?;
         for n in &self.nodes {
-            let note = if n.unreachable { "  (unreachable)" } else { "" };
+            let note = match (n.unreachable, n.draining) {
+                (true, _) => "  (unreachable)",
+                (false, true) if n.copies > 0 => "  (draining)",
+                (false, true) => "  (drained)",
+                (false, false) => "",
+            };
             writeln!(f, "{:>5}  {:>14}  {:>6}{note}", n.id, n.bytes, n.copies)?;
         }
         for v in &self.violations {

@@ -15,18 +15,18 @@ use super::*;
 use crate::meta::EmbeddedStore;
 use crate::node::start_services;
 
-const DEAD_AFTER: Duration = Duration::from_millis(500);
+pub(super) const DEAD_AFTER: Duration = Duration::from_millis(500);
 
-struct MemCluster {
-    fabric: MemFabric,
+pub(super) struct MemCluster {
+    pub(super) fabric: MemFabric,
     nodes: u32,
-    dir: PathBuf,
-    models: Vec<PathBuf>,
+    pub(super) dir: PathBuf,
+    pub(super) models: Vec<PathBuf>,
 }
 
 impl MemCluster {
     /// Node 0 is the manager's, nodes 1..=n serve the pool; `models` model files of 1–3 MiB.
-    fn new(n: u32, models: usize, tag: &str) -> MemCluster {
+    pub(super) fn new(n: u32, models: usize, tag: &str) -> MemCluster {
         Self::with_limits(n, models, tag, &[])
     }
 
@@ -53,7 +53,10 @@ impl MemCluster {
     }
 
     /// A started manager with every model registered, and its notices.
-    async fn registered(&self, k: usize) -> (Manager<EmbeddedStore>, mpsc::UnboundedReceiver<(f64, Notice)>) {
+    pub(super) async fn registered(
+        &self,
+        k: usize,
+    ) -> (Manager<EmbeddedStore>, mpsc::UnboundedReceiver<(f64, Notice)>) {
         let mut m = self.manager(k);
         let (tx, notices) = mpsc::unbounded_channel();
         m.notify(tx, std::time::Instant::now());
@@ -74,7 +77,7 @@ impl MemCluster {
     }
 
     /// A manager on a fresh node 0 (a restarted manager process), on the cluster's store.
-    fn manager(&self, k: usize) -> Manager<EmbeddedStore> {
+    pub(super) fn manager(&self, k: usize) -> Manager<EmbeddedStore> {
         let mesh: Arc<MemNode> = Arc::new(self.fabric.add_node(0));
         let mut cfg = ManagerConfig::new((1..=self.nodes).collect());
         cfg.k = k;
@@ -91,7 +94,7 @@ impl Drop for MemCluster {
 }
 
 /// Exactly k ready copies of every model, none on `dead`, and every copy's crcs match.
-async fn assert_whole(m: &mut Manager<EmbeddedStore>, k: usize, models: usize, dead: &[NodeId]) {
+pub(super) async fn assert_whole(m: &mut Manager<EmbeddedStore>, k: usize, models: usize, dead: &[NodeId]) {
     let s = m.status_handle().lock().unwrap().clone();
     assert!(s.healthy, "{s}");
     assert_eq!(s.copies.len(), models * k, "exactly k copies of every model:\n{s}");
@@ -101,7 +104,10 @@ async fn assert_whole(m: &mut Manager<EmbeddedStore>, k: usize, models: usize, d
 }
 
 /// Waits (virtually) for a notice that `f` accepts.
-async fn notice_where(rx: &mut mpsc::UnboundedReceiver<(f64, Notice)>, f: impl Fn(&Notice) -> bool) -> Notice {
+pub(super) async fn notice_where(
+    rx: &mut mpsc::UnboundedReceiver<(f64, Notice)>,
+    f: impl Fn(&Notice) -> bool,
+) -> Notice {
     loop {
         let (_, n) = rx.recv().await.expect("the manager stopped sending notices");
         if f(&n) {
@@ -116,7 +122,7 @@ async fn settle() {
     tokio::time::sleep(Duration::from_millis(1)).await;
 }
 
-async fn healthy_without(status: &Arc<Mutex<Status>>, dead: &[NodeId]) {
+pub(super) async fn healthy_without(status: &Arc<Mutex<Status>>, dead: &[NodeId]) {
     let t = Instant::now();
     loop {
         {
@@ -404,7 +410,7 @@ async fn live_again(status: &Arc<Mutex<Status>>, node: NodeId) {
     }
 }
 
-async fn nodes(admin: &mpsc::Sender<AdminCall>) -> Vec<NodeReport> {
+pub(super) async fn nodes(admin: &mpsc::Sender<AdminCall>) -> Vec<NodeReport> {
     let (tx, rx) = tokio::sync::oneshot::channel();
     admin.send(AdminCall { request: AdminRequest::Nodes, caller: Caller::Operator, reply: tx }).await.unwrap();
     serde_json::from_value(rx.await.unwrap().unwrap()).unwrap()

@@ -122,6 +122,8 @@ enum Op {
     Fail(usize),
     Down(u32),
     Up(u32),
+    Drain(u32),
+    Undrain(u32),
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -132,17 +134,20 @@ fn op() -> impl Strategy<Value = Op> {
         any::<usize>().prop_map(Op::Fail),
         (0u32..6).prop_map(Op::Down),
         (0u32..6).prop_map(Op::Up),
+        (0u32..6).prop_map(Op::Drain),
+        (0u32..6).prop_map(Op::Undrain),
     ]
 }
 
 proptest! {
-    /// With k ≥ 2, at most one node lost between settles and enough nodes alive, the invariant is
-    /// restored after every settle and no model is ever lost.
+    /// With k ≥ 2, at most one node lost between settles and enough undrained nodes alive, the
+    /// invariant is restored after every settle, no model is ever lost, and a drained node holds
+    /// nothing once its replacements are ready.
     #[test]
     fn invariant_survives_random_operations_and_failures(k in 2usize..4, ops in proptest::collection::vec(op(), 1..60)) {
         let mut p = Pool::new(k, 0..6);
         for o in ops {
-            let live = p.live_nodes().count();
+            let live = p.live_nodes().filter(|n| !p.is_draining(*n)).count();
             let actions = match o {
                 Op::Register(m, b, f) => p.register(m, b, f).unwrap_or_default(),
                 Op::Deploy(m, n) => p.deploy(m, n, 0).unwrap_or_default(),
@@ -164,6 +169,12 @@ proptest! {
                 Op::Down(n) if live > k => p.node_down(n),
                 Op::Down(_) => vec![],
                 Op::Up(n) => p.node_up(n),
+                // Refused only when the other nodes could not hold k copies of what it holds.
+                Op::Drain(n) => p.drain(n).unwrap_or_else(|e| {
+                    assert!(matches!(e, PoolError::TooFewNodes { .. } | PoolError::NoSuchNode(_)), "{e}");
+                    vec![]
+                }),
+                Op::Undrain(n) => p.undrain(n).unwrap_or_default(),
             };
             prop_assert!(!actions.iter().any(|a| matches!(a, Action::Lost { .. })), "{actions:?}");
             // Pending copies complete (the daemons), then the invariant must hold.
@@ -176,6 +187,7 @@ proptest! {
             prop_assert!(p.check().is_empty(), "{:?}", p.check());
             for c in p.copies() {
                 prop_assert!(p.live_nodes().any(|n| n == c.node));
+                prop_assert!(!p.is_draining(c.node), "copy {c:?} still on a drained node");
             }
         }
     }
