@@ -6,8 +6,9 @@
 //! wheel or extracted file is found, otherwise a synthetic model with Llama-2-7B's structure,
 //! saying which) next to a few small tenant models, scales the model from its first copy to
 //! every node through the blitz planner with progress bars, kills a node with SIGKILL, lets the
-//! pool repair itself, checks every copy's crcs, and writes `report.json` and `timeline.png`
-//! (bytes held by each node over time) to `--out`.
+//! pool repair itself, drains another node (its copies made elsewhere first) and stops it with
+//! SIGTERM (no repair follows), checks every copy's crcs, and writes `report.json` and
+//! `timeline.png` (bytes held by each node over time) to `--out`.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -17,7 +18,9 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use cascade_devcluster::netns::Netns;
 use cascade_multicast::MeshRates;
-use cascade_param_pool::manager::{AdminCall, AdminRequest, Caller, CheckReport, Manager, ManagerConfig, Status};
+use cascade_param_pool::manager::{
+    AdminCall, AdminRequest, Caller, CheckReport, DrainReport, Manager, ManagerConfig, Status,
+};
 use cascade_param_pool::{EmbeddedStore, Manifest, DEFAULT_CHUNK};
 use cascade_transport::{ClusterSpec, Endpoint, EndpointConfig};
 use clap::Args;
@@ -384,7 +387,10 @@ async fn driver(a: DemoArgs, cluster_file: PathBuf, pids: Vec<u32>) -> anyhow::R
         "   pool restored in {restore_s:.2} s (declared dead after 1 s; bound (lost bytes / link) x 1.5 + 2 s = {bound_s:.2} s)"
     ));
 
-    // 4. Check every copy against its manifest.
+    // 4. Drain the busiest survivor (the planned way out), then stop it: no repair follows.
+    let drain = drain_and_stop(&a, &restored, &calls, &status_h, &pids, epoch, &tl).await?;
+
+    // 5. Check every copy against its manifest.
     let (reply, answer) = tokio::sync::oneshot::channel();
     calls
         .send(AdminCall { request: AdminRequest::Check, caller: Caller::Operator, reply })
@@ -396,8 +402,9 @@ async fn driver(a: DemoArgs, cluster_file: PathBuf, pids: Vec<u32>) -> anyhow::R
     drop(calls);
     mgr.await??;
     let _ = follower.await;
+    let restored = status_h.lock().unwrap_or_else(|e| e.into_inner()).clone();
     say(format!(
-        "4. pool check: {} — {} copies, {} verified chunk by chunk against their manifests",
+        "5. pool check: {} — {} copies, {} verified chunk by chunk against their manifests",
         if check.healthy { "healthy" } else { "NOT healthy" },
         check.copies_checked,
         mb(check.bytes_checked)
@@ -420,6 +427,7 @@ async fn driver(a: DemoArgs, cluster_file: PathBuf, pids: Vec<u32>) -> anyhow::R
                            "transfer_began_after_s": began },
             "failure": { "node": victim, "lost_bytes": lost_bytes, "lost_copies": victim_copies, "restore_seconds": restore_s,
                          "bound_seconds": bound_s, "within_bound": restore_s <= bound_s },
+            "drain": drain,
             "check": check,
             "final": restored,
             "marks": tl.marks,
@@ -439,6 +447,96 @@ async fn driver(a: DemoArgs, cluster_file: PathBuf, pids: Vec<u32>) -> anyhow::R
         bail!("the pool is not healthy after the repair");
     }
     Ok(())
+}
+
+/// Step 4 of the demo: `cascade pool drain` on the survivor holding the most bytes, watched
+/// every 5 ms for the fewest whole (ready or evicting) copies of any model; then SIGTERM to the
+/// node and a wait for the manager to call it gone. Returns the step's report (`null` when
+/// k leaves no room for a drain after the kill).
+async fn drain_and_stop(
+    a: &DemoArgs,
+    s: &Status,
+    calls: &tokio::sync::mpsc::Sender<AdminCall>,
+    status_h: &Arc<std::sync::Mutex<Status>>,
+    pids: &[u32],
+    epoch: Instant,
+    tl: &Arc<std::sync::Mutex<Timeline>>,
+) -> anyhow::Result<serde_json::Value> {
+    let say = |line: String| tl.lock().unwrap_or_else(|e| e.into_inner()).println(&line);
+    if s.nodes.len() <= a.k {
+        say(format!("4. no drain: {} nodes are left and k = {} needs them all", s.nodes.len(), a.k));
+        return Ok(serde_json::Value::Null);
+    }
+    let (node, bytes) = s.nodes.iter().map(|n| (n.id, n.bytes)).max_by_key(|x| x.1).context("no nodes")?;
+    let copies = s.copies.iter().filter(|c| c.node == node).count();
+    // A pause, so that the timeline shows the repair and the drain apart (not part of either).
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    say(format!("4. cascade pool drain --node {node}, which holds {copies} copies, {}; then stop it", mb(bytes)));
+    tl.lock().unwrap_or_else(|e| e.into_inner()).mark(epoch.elapsed().as_secs_f64(), format!("drain node {node}"));
+    let (reply, answer) = tokio::sync::oneshot::channel();
+    calls
+        .send(AdminCall { request: AdminRequest::Drain { node }, caller: Caller::Operator, reply })
+        .await
+        .ok()
+        .context("manager stopped")?;
+    let whole = |s: &Status| {
+        s.models
+            .iter()
+            .map(|m| {
+                let on: std::collections::BTreeSet<u32> =
+                    s.copies.iter().filter(|c| c.model == m.id && c.state != "loading").map(|c| c.node).collect();
+                on.len()
+            })
+            .min()
+            .unwrap_or(0)
+    };
+    let mut fewest = usize::MAX;
+    let answer = tokio::spawn(answer);
+    while !answer.is_finished() {
+        fewest = fewest.min(whole(&status_h.lock().unwrap_or_else(|e| e.into_inner())));
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let rep: DrainReport =
+        serde_json::from_value(answer.await??.map_err(|e| anyhow::anyhow!("{e}"))?).context("drain report")?;
+    fewest = fewest.min(whole(&status_h.lock().unwrap_or_else(|e| e.into_inner())));
+    if !rep.drained {
+        bail!("the drain of node {node} left copies {:?} there", rep.left);
+    }
+    say(format!(
+        "   drained in {:.2} s: {} copies ({}) made elsewhere first, then its {} copies dropped (a model with \
+         more than k copies elsewhere needs no replacement); fewest whole copies of any model meanwhile: \
+         {fewest} (k = {}, polled every 5 ms)",
+        rep.seconds,
+        rep.copies_made,
+        mb(rep.bytes_made),
+        rep.copies_dropped,
+        a.k
+    ));
+    let pid = *pids.get(node as usize - 1).context("no pid for the drained node")?;
+    tl.lock().unwrap_or_else(|e| e.into_inner()).mark(epoch.elapsed().as_secs_f64(), format!("stop node {node}"));
+    let ok = Command::new("kill").args(["-TERM", &pid.to_string()]).status().is_ok_and(|s| s.success());
+    if !ok {
+        bail!("could not stop node {node} (pid {pid})");
+    }
+    let t = Instant::now();
+    let gone = loop {
+        let s = status_h.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        if s.nodes.iter().all(|n| n.id != node) {
+            break s;
+        }
+        if t.elapsed() > Duration::from_secs(60) {
+            bail!("node {node} was not declared gone within 60 s of SIGTERM:\n{s}");
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    let gone_s = t.elapsed().as_secs_f64();
+    say(format!(
+        "   node {node} stopped (SIGTERM: it said goodbye) and declared gone after {gone_s:.2} s; nothing to repair, \
+         pool {}",
+        if gone.healthy { "healthy" } else { "NOT healthy" }
+    ));
+    Ok(json!({ "node": node, "bytes": bytes, "copies": copies, "report": rep, "fewest_whole_copies": fewest,
+               "gone_after_s": gone_s, "healthy_after": gone.healthy }))
 }
 
 fn status<S: cascade_param_pool::MetaStore>(m: &Manager<S>) -> Status {

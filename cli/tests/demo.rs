@@ -27,7 +27,15 @@ fn demo(tag: &str, extra: &[&str]) -> serde_json::Value {
         .unwrap();
     let stdout = String::from_utf8_lossy(&res.stdout);
     assert!(res.status.success(), "demo failed:\n{stdout}\n{}", String::from_utf8_lossy(&res.stderr));
-    for step in ["1. registered", "2. scaling", "3. kill -9 node", "pool restored in", "4. pool check: healthy"] {
+    let steps = [
+        "1. registered",
+        "2. scaling",
+        "3. kill -9 node",
+        "pool restored in",
+        "4. cascade pool drain",
+        "5. pool check: healthy",
+    ];
+    for step in steps {
         assert!(stdout.contains(step), "missing {step:?} in:\n{stdout}");
     }
     let report: serde_json::Value =
@@ -45,6 +53,13 @@ fn check(r: &serde_json::Value) {
     let final_copies = r["final"]["copies"].as_array().unwrap();
     let victim = r["failure"]["node"].as_u64().unwrap();
     assert!(final_copies.iter().all(|c| c["node"].as_u64() != Some(victim)));
+    // The drain: done, never below k, and the stopped node left nothing to repair.
+    let d = &r["drain"];
+    assert_eq!(d["report"]["drained"], true, "{d:#}");
+    assert!(d["fewest_whole_copies"].as_u64().unwrap() >= r["cluster"]["k"].as_u64().unwrap(), "{d:#}");
+    assert_eq!(d["healthy_after"], true, "{d:#}");
+    let drained = d["node"].as_u64().unwrap();
+    assert!(final_copies.iter().all(|c| c["node"].as_u64() != Some(drained)), "{r:#}");
 }
 
 #[test]
