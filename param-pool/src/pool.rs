@@ -254,27 +254,24 @@ impl Pool {
 
     /// Ready copies of `model` on distinct live nodes (evicting ones do not count).
     pub fn ready_nodes(&self, model: ModelId) -> BTreeSet<NodeId> {
-        self.copies
-            .values()
-            .filter(|c| c.model == model && c.state == CopyState::Ready && self.alive(c.node))
-            .map(|c| c.node)
-            .collect()
+        self.nodes_with(model, |s| s == CopyState::Ready)
     }
 
     /// Ready or evicting (so still whole) copies of `model` on distinct live nodes.
     fn whole_nodes(&self, model: ModelId) -> BTreeSet<NodeId> {
-        self.copies
-            .values()
-            .filter(|c| c.model == model && c.state != CopyState::Loading && self.alive(c.node))
-            .map(|c| c.node)
-            .collect()
+        self.nodes_with(model, |s| s != CopyState::Loading)
     }
 
     /// Nodes holding or filling a copy of `model`.
     fn used_nodes(&self, model: ModelId) -> BTreeSet<NodeId> {
+        self.nodes_with(model, |s| s != CopyState::Evicting)
+    }
+
+    /// Live nodes holding a copy of `model` whose state `pick` accepts.
+    fn nodes_with(&self, model: ModelId, pick: impl Fn(CopyState) -> bool) -> BTreeSet<NodeId> {
         self.copies
             .values()
-            .filter(|c| c.model == model && c.state != CopyState::Evicting && self.alive(c.node))
+            .filter(|c| c.model == model && pick(c.state) && self.alive(c.node))
             .map(|c| c.node)
             .collect()
     }
