@@ -14,6 +14,16 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use cascade_transport::{ClusterSpec, Endpoint, EndpointConfig, NodeSpec, RegionId, RemoteKey, RemoteRegion};
 
+/// Lets a closed stdout end the process quietly, killed by SIGPIPE as Unix tools are (`| head`),
+/// instead of panicking in `println!`. Only for binaries that open no socket: with SIGPIPE at
+/// its default, a write to a peer that reset its connection would kill the process too, where
+/// the transport expects EPIPE as an error. Call it first in `main`, before any thread exists.
+pub fn exit_quietly_on_closed_stdout() {
+    // SAFETY: restores a signal's default disposition; called at start-up before any thread
+    // exists, so no other thread is changing or relying on the disposition meanwhile.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+}
+
 /// Secret the benchmark clusters share.
 pub const SECRET: &[u8] = b"cascade-bench";
 

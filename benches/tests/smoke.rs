@@ -208,3 +208,29 @@ fn lora_cost_prints_its_fields() {
         assert!(it[k].as_f64().is_some_and(|x| x > 0.0), "missing {k} in {it}");
     }
 }
+
+/// A simulator whose reader goes away (`| head`) ends quietly, killed by SIGPIPE as Unix tools
+/// are, instead of panicking in `println!` ("failed printing to stdout: Broken pipe").
+#[test]
+fn a_simulator_whose_reader_goes_away_ends_without_a_panic() {
+    use std::io::Read;
+    use std::os::unix::process::ExitStatusExt;
+    use std::process::Stdio;
+    let trace = concat!(env!("CARGO_MANIFEST_DIR"), "/../sched/data/AzureLLMInferenceTrace_code.csv");
+    let runs: [(&str, &[&str]); 2] = [
+        (env!("CARGO_BIN_EXE_serve-sim"), &["--trace", trace, "--system", "all", "--duration-s", "120"]),
+        (
+            env!("CARGO_BIN_EXE_sched-throughput"),
+            &["--models", "8", "--gpus", "32", "--rate", "100000", "--seconds", "0.3"],
+        ),
+    ];
+    for (bin, args) in runs {
+        let mut child = Command::new(bin).args(args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+        drop(child.stdout.take()); // the reader is gone before the first line
+        let mut err = String::new();
+        child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+        let st = child.wait().unwrap();
+        assert!(!err.contains("panicked"), "{bin}: {err}");
+        assert_eq!(st.signal(), Some(libc::SIGPIPE), "{bin} ended with {st}: {err}");
+    }
+}

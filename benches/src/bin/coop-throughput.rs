@@ -44,6 +44,8 @@ fn main() -> anyhow::Result<()> {
         // SAFETY: set before any thread exists (the first thing main does).
         std::env::set_var("RAYON_NUM_THREADS", "1");
     }
+    // Opens no socket: a closed stdout may end it quietly.
+    cascade_benches::exit_quietly_on_closed_stdout();
     let c = Cli::parse();
     let (embedder, emulated);
     let (exec, first): (&dyn LayerExec, Activation) = match c.executor.as_str() {

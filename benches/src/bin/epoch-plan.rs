@@ -54,6 +54,8 @@ struct Cli {
 }
 
 fn main() -> anyhow::Result<()> {
+    // Opens no socket: a closed stdout may end it quietly.
+    cascade_benches::exit_quietly_on_closed_stdout();
     let c = Cli::parse();
     if !(c.time_limit.is_finite() && c.time_limit >= 0.0) {
         anyhow::bail!("--time-limit {} must be a number of seconds ≥ 0", c.time_limit);

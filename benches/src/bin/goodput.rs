@@ -46,6 +46,8 @@ struct Cli {
 }
 
 fn main() -> anyhow::Result<()> {
+    // Opens no socket: a closed stdout may end it quietly.
+    cascade_benches::exit_quietly_on_closed_stdout();
     let c = Cli::parse();
     let mut s = Scenario::load(&c.scenario).with_context(|| format!("scenario {}", c.scenario.display()))?;
     if let Some(seed) = c.seed {

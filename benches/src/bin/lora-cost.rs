@@ -66,6 +66,8 @@ fn iteration_ms(m: &Llama, b: usize, iters: usize, adapter: impl Fn(usize) -> u3
 }
 
 fn main() -> anyhow::Result<()> {
+    // Opens no socket: a closed stdout may end it quietly.
+    cascade_benches::exit_quietly_on_closed_stdout();
     let c = Cli::parse();
     let g = Generator::from_dir(&c.model).with_context(|| {
         format!("loading {} (scripts/fetch-smollm2.sh, then cascade model import)", c.model.display())

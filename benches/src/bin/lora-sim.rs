@@ -66,6 +66,8 @@ struct Cli {
 }
 
 fn main() -> anyhow::Result<()> {
+    // Opens no socket: a closed stdout may end it quietly.
+    cascade_benches::exit_quietly_on_closed_stdout();
     let c = Cli::parse();
     let mut s = LoraScenario::load(&c.scenario).map_err(anyhow::Error::msg)?;
     if let Some(d) = c.dispatch {

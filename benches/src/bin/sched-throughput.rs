@@ -61,6 +61,8 @@ fn one(name: &str, delay: Delay) -> anyhow::Result<Box<MakeScheduler<'static>>> 
 }
 
 fn main() -> anyhow::Result<()> {
+    // Opens no socket: a closed stdout may end it quietly.
+    cascade_benches::exit_quietly_on_closed_stdout();
     let c = Cli::parse();
     let positive = |x: f64| x.is_finite() && x > 0.0;
     if c.models == 0 || c.gpus == 0 || c.shards == 0 || !positive(c.rate) || !positive(c.seconds) {

@@ -74,6 +74,8 @@ fn config(c: &Cli, system: System) -> anyhow::Result<SimConfig> {
 }
 
 fn main() -> anyhow::Result<()> {
+    // Opens no socket: a closed stdout may end it quietly.
+    cascade_benches::exit_quietly_on_closed_stdout();
     let c = Cli::parse();
     let systems: Vec<System> =
         if c.system == "all" { System::ALL.to_vec() } else { vec![c.system.parse().map_err(anyhow::Error::msg)?] };
