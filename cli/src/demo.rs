@@ -371,16 +371,10 @@ async fn driver(a: DemoArgs, cluster_file: PathBuf, pids: Vec<u32>) -> anyhow::R
     if !ok {
         bail!("could not kill node {victim} (pid {pid})");
     }
-    let restored = loop {
-        let s = status_h.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        if s.healthy && s.nodes.iter().all(|n| n.id != victim) {
-            break s;
-        }
-        if t.elapsed() > Duration::from_secs(300) {
-            bail!("the pool was not restored within 300 s:\n{s}");
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    };
+    let restored = wait_for(&status_h, Duration::from_secs(300), "the pool was not restored", |s| {
+        s.healthy && s.nodes.iter().all(|n| n.id != victim)
+    })
+    .await?;
     let restore_s = t.elapsed().as_secs_f64();
     let bound_s = lost_bytes as f64 * 8.0 / (gbps * 1e9) * 1.5 + 2.0;
     say(format!(
@@ -519,16 +513,8 @@ async fn drain_and_stop(
         bail!("could not stop node {node} (pid {pid})");
     }
     let t = Instant::now();
-    let gone = loop {
-        let s = status_h.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        if s.nodes.iter().all(|n| n.id != node) {
-            break s;
-        }
-        if t.elapsed() > Duration::from_secs(60) {
-            bail!("node {node} was not declared gone within 60 s of SIGTERM:\n{s}");
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    };
+    let why = format!("node {node} was not declared gone after SIGTERM");
+    let gone = wait_for(status_h, Duration::from_secs(60), &why, |s| s.nodes.iter().all(|n| n.id != node)).await?;
     let gone_s = t.elapsed().as_secs_f64();
     say(format!(
         "   node {node} stopped (SIGTERM: it said goodbye) and declared gone after {gone_s:.2} s; nothing to repair, \
@@ -537,6 +523,27 @@ async fn drain_and_stop(
     ));
     Ok(json!({ "node": node, "bytes": bytes, "copies": copies, "report": rep, "fewest_whole_copies": fewest,
                "gone_after_s": gone_s, "healthy_after": gone.healthy }))
+}
+
+/// Polls the manager's status every 10 ms until `done` accepts it; after `limit`, fails with
+/// `what` and the last status.
+async fn wait_for(
+    status_h: &std::sync::Mutex<Status>,
+    limit: Duration,
+    what: &str,
+    done: impl Fn(&Status) -> bool,
+) -> anyhow::Result<Status> {
+    let t = Instant::now();
+    loop {
+        let s = status_h.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        if done(&s) {
+            return Ok(s);
+        }
+        if t.elapsed() > limit {
+            bail!("{what} within {} s:\n{s}", limit.as_secs());
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 }
 
 fn status<S: cascade_param_pool::MetaStore>(m: &Manager<S>) -> Status {

@@ -20,8 +20,8 @@ pub(super) const DEAD_AFTER: Duration = Duration::from_millis(500);
 pub(super) struct MemCluster {
     pub(super) fabric: MemFabric,
     nodes: u32,
-    pub(super) dir: PathBuf,
-    pub(super) models: Vec<PathBuf>,
+    dir: PathBuf,
+    models: Vec<PathBuf>,
 }
 
 impl MemCluster {
