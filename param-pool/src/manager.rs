@@ -121,6 +121,8 @@ pub enum Notice {
     NodeDown {
         /// The node.
         node: NodeId,
+        /// It had been drained and held nothing: it left, and nothing is repaired.
+        drained: bool,
     },
     /// A copy is being made.
     Creating {

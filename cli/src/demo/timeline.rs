@@ -126,10 +126,10 @@ impl Timeline {
                 self.copies.remove(&copy);
                 self.sample(t, node);
             }
-            Notice::NodeDown { node } => {
+            Notice::NodeDown { node, drained } => {
                 self.copies.retain(|_, (n, _)| *n != node);
                 self.sample(t, node);
-                self.mark(t, format!("node {node} dead"));
+                self.mark(t, if drained { format!("node {node} left (drained)") } else { format!("node {node} dead") });
             }
             Notice::Lost { model, reason } => self.mark(t, format!("model {model} lost: {reason}")),
             Notice::Transferring { setup_seconds, .. } => {

@@ -5,7 +5,7 @@
 //! without the pool ever holding fewer than k whole copies of a model. A node stopped without a
 //! drain costs a repair after the failure detector's wait, a copy short until then.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
@@ -13,7 +13,7 @@ use tracing::{info, warn};
 
 use super::{Manager, ManagerError};
 use crate::meta::{Event, MetaStore};
-use crate::pool::{CopyId, CopyState, NodeId};
+use crate::pool::{CopyId, CopyState, ModelId, NodeId};
 
 /// What a drain did (`cascade pool drain`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -22,7 +22,8 @@ pub struct DrainReport {
     pub node: NodeId,
     /// The node holds nothing for the pool any more: it may be stopped.
     pub drained: bool,
-    /// Copies made elsewhere to replace the node's.
+    /// Copies made elsewhere to replace the node's (new ready copies of its models, at most as
+    /// many per model as it held: copies a concurrent repair made are not counted beyond that).
     pub copies_made: usize,
     /// Their bytes.
     pub bytes_made: u64,
@@ -34,6 +35,13 @@ pub struct DrainReport {
     pub seconds: f64,
 }
 
+/// The drain's replacements among the new ready copies (`new`, by model): at most as many of
+/// each model as the node held (`held`). A repair running meanwhile for another node may have
+/// made copies too, of these models or of others, and they are not the drain's.
+fn replacements(mut held: BTreeMap<ModelId, usize>, new: impl Iterator<Item = ModelId>) -> Vec<ModelId> {
+    new.filter(|m| held.get_mut(m).and_then(|room| room.checked_sub(1).map(|r| *room = r)).is_some()).collect()
+}
+
 impl<S: MetaStore + 'static> Manager<S> {
     /// Drains `node` and waits until its copies are replaced and dropped. Refused, with nothing
     /// written, when the other nodes could not hold k copies of every model it holds.
@@ -42,23 +50,26 @@ impl<S: MetaStore + 'static> Manager<S> {
         self.pool().clone().drain(node).map_err(|e| ManagerError::Refused(format!("draining node {node}: {e}")))?;
         let t = Instant::now();
         let held: BTreeSet<CopyId> = self.pool().copies().filter(|c| c.node == node).map(|c| c.id).collect();
+        // How many of each model's copies the node holds: the most the drain replaces of it.
+        let mut to_replace = BTreeMap::new();
+        for c in self.pool().copies().filter(|c| c.node == node) {
+            *to_replace.entry(c.model).or_default() += 1;
+        }
         let before: BTreeSet<CopyId> = self.pool().copies().map(|c| c.id).collect();
         info!(node, copies = held.len(), "draining the node: its copies are made elsewhere first");
         self.remember(node, format!("draining: {} copies to move", held.len()));
         let actions = self.apply(Event::Drain(node)).await?;
         self.drive(actions).await?;
-        let made: Vec<_> = self
-            .pool()
-            .copies()
-            .filter(|c| !before.contains(&c.id) && c.state == CopyState::Ready)
-            .map(|c| (c.id, c.model))
-            .collect();
+        let made = replacements(
+            to_replace,
+            self.pool().copies().filter(|c| !before.contains(&c.id) && c.state == CopyState::Ready).map(|c| c.model),
+        );
         let left: Vec<CopyId> = self.pool().copies().filter(|c| c.node == node).map(|c| c.id).collect();
         let report = DrainReport {
             node,
             drained: left.is_empty(),
             copies_made: made.len(),
-            bytes_made: made.iter().map(|(_, m)| self.model_bytes(*m)).sum(),
+            bytes_made: made.iter().map(|m| self.model_bytes(*m)).sum(),
             copies_dropped: held.iter().filter(|c| !left.contains(c)).count(),
             left,
             seconds: t.elapsed().as_secs_f64(),
@@ -96,5 +107,19 @@ impl<S: MetaStore + 'static> Manager<S> {
         info!(node, "undrained: copies may be placed on the node again");
         self.remember(node, "undrained".into());
         self.drive(actions).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_node_s_models_count_as_its_replacements_and_no_more_than_it_held() {
+        let held = BTreeMap::from([(1, 2), (2, 1)]);
+        // Model 3's copy and the second extra copy of model 2 come from a concurrent repair.
+        assert_eq!(replacements(held.clone(), [1, 3, 2, 1, 2].into_iter()), vec![1, 2, 1]);
+        assert_eq!(replacements(held, [1].into_iter()), vec![1], "a replacement not yet ready is not counted");
+        assert!(replacements(BTreeMap::new(), [1, 2].into_iter()).is_empty());
     }
 }

@@ -27,7 +27,7 @@ impl<S: MetaStore + 'static> Manager<S> {
             self.count_repair("node_down");
         }
         self.detector.forget(n);
-        self.notice(Notice::NodeDown { node: n });
+        self.notice(Notice::NodeDown { node: n, drained });
         let actions = self.apply(Event::NodeDown(n)).await?;
         let what =
             if drained { "gone after its drain; nothing to repair" } else { "declared dead; its copies were replaced" };

@@ -24,7 +24,7 @@ fn replay_never_below_k(
         let (copy, delta) = match n {
             Notice::Ready { copy, .. } => (*copy, 1i64),
             Notice::Dropped { copy, .. } => (*copy, -1),
-            Notice::NodeDown { node } => panic!("node {node} declared dead during a drain"),
+            Notice::NodeDown { node, .. } => panic!("node {node} declared dead during a drain"),
             _ => continue,
         };
         let model = of[&copy];
@@ -79,7 +79,8 @@ async fn a_drained_node_holds_nothing_and_its_departure_needs_no_repair() {
     let _task = tokio::spawn(m.run(rx));
     assert_eq!(nodes(&admin).await.iter().find(|n| n.id == victim).unwrap().state, "drained");
     c.fabric.kill(victim);
-    notice_where(&mut notices, |n| matches!(n, Notice::NodeDown { .. })).await;
+    let gone = notice_where(&mut notices, |n| matches!(n, Notice::NodeDown { .. })).await;
+    assert_eq!(gone, Notice::NodeDown { node: victim, drained: true });
     tokio::time::sleep(DEAD_AFTER).await;
     while let Ok((_, n)) = notices.try_recv() {
         assert!(!matches!(n, Notice::Creating { .. }), "a drained node's departure repaired something: {n:?}");

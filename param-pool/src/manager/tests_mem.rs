@@ -224,7 +224,7 @@ async fn a_flapping_link_is_not_a_death_but_a_long_cut_is() {
     let t0 = Instant::now();
     c.fabric.set_link(0, 2, false);
     let n = notice_where(&mut notices, |n| matches!(n, Notice::NodeDown { .. })).await;
-    assert_eq!(n, Notice::NodeDown { node: 2 });
+    assert_eq!(n, Notice::NodeDown { node: 2, drained: false });
     assert_eq!(t0.elapsed(), DEAD_AFTER, "declared dead after exactly dead_after (virtual time)");
     healthy_without(&status, &[2]).await;
     let s = status.lock().unwrap().clone();
@@ -429,7 +429,7 @@ async fn a_node_declared_dead_that_comes_back_is_readmitted() {
     let task = tokio::spawn(m.run(rx));
     while notices.try_recv().is_ok() {}
     c.fabric.set_link(0, 2, false);
-    notice_where(&mut notices, |n| matches!(n, Notice::NodeDown { node: 2 })).await;
+    notice_where(&mut notices, |n| matches!(n, Notice::NodeDown { node: 2, .. })).await;
     healthy_without(&status, &[2]).await;
     assert_eq!(nodes(&admin).await.iter().find(|n| n.id == 2).unwrap().state, "dead");
     // Back, briefly: a flap before dead_after does not re-admit it.
@@ -450,7 +450,7 @@ async fn a_node_declared_dead_that_comes_back_is_readmitted() {
 
     // Dead again, and the manager restarts while the node is away and after it is back.
     c.fabric.set_link(0, 2, false);
-    notice_where(&mut notices, |n| matches!(n, Notice::NodeDown { node: 2 })).await;
+    notice_where(&mut notices, |n| matches!(n, Notice::NodeDown { node: 2, .. })).await;
     healthy_without(&status, &[2]).await;
     drop(admin);
     task.await.unwrap().unwrap();
