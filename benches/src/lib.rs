@@ -24,6 +24,27 @@ pub fn exit_quietly_on_closed_stdout() {
     unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
 }
 
+/// For binaries that open sockets, where SIGPIPE must stay ignored: a closed stdout (`| head`)
+/// makes `println!` panic, and this hook keeps that panic quiet — no message, no backtrace —
+/// while it unwinds as any panic does, so the peers are stopped and the temporary directory is
+/// removed on the way out (exit status 101). Any other panic is reported as before. Call it
+/// first in `main`.
+pub fn quiet_panic_on_closed_stdout() {
+    let report = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let p = info.payload();
+        let msg = p.downcast_ref::<String>().map(String::as_str).or_else(|| p.downcast_ref::<&str>().copied());
+        if !msg.is_some_and(is_closed_stdout) {
+            report(info);
+        }
+    }));
+}
+
+/// Whether a panic message is `println!`'s on a closed stdout.
+fn is_closed_stdout(msg: &str) -> bool {
+    msg.starts_with("failed printing to stdout") && msg.contains("Broken pipe")
+}
+
 /// Secret the benchmark clusters share.
 pub const SECRET: &[u8] = b"cascade-bench";
 

@@ -234,3 +234,27 @@ fn a_simulator_whose_reader_goes_away_ends_without_a_panic() {
         assert_eq!(st.signal(), Some(libc::SIGPIPE), "{bin} ended with {st}: {err}");
     }
 }
+
+/// A benchmark that opens sockets keeps SIGPIPE ignored (the transport expects EPIPE from a
+/// reset peer), so a closed stdout makes `println!` panic: that panic ends it quietly, without
+/// a message, and its peers and temporary directory go with it.
+#[test]
+fn a_socket_benchmark_whose_reader_goes_away_ends_quietly_and_cleans_up() {
+    use std::io::Read;
+    use std::process::Stdio;
+    let bin = env!("CARGO_BIN_EXE_p2p");
+    let mut child = Command::new(bin)
+        .args(["--backend", "tcp", "--bytes", "1048576", "--iters", "2", "--json"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take()); // the reader is gone before the first line
+    let mut err = String::new();
+    child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    let st = child.wait().unwrap();
+    assert!(!err.contains("panicked") && !err.contains("Broken pipe"), "{err}");
+    assert_eq!(st.code(), Some(101), "ended with {st}: {err}");
+    let dir = std::env::temp_dir().join(format!("cascade-bench{}", child.id()));
+    assert!(!dir.exists(), "{} was left behind", dir.display());
+}

@@ -15,6 +15,7 @@ struct Cli {
 }
 
 fn main() -> anyhow::Result<()> {
+    cascade_benches::quiet_panic_on_closed_stdout();
     let c = Cli::parse();
     let threads = c.args.threads;
     main_or_peer(&c.peer, threads, || async move { incast::run(c.args, false).await.map(drop) })

@@ -69,6 +69,7 @@ fn fio(path: &std::path::Path, bs: u64, depth: u32) -> anyhow::Result<f64> {
 }
 
 fn main() -> anyhow::Result<()> {
+    cascade_benches::quiet_panic_on_closed_stdout();
     cascade_benches::init_logging();
     let c = Cli::parse();
     if let Some(b) = c.make_synthetic {

@@ -49,6 +49,7 @@ struct Cli {
 const PLANNERS: [PlannerKind; 4] = [PlannerKind::Blitz, PlannerKind::Chain, PlannerKind::Tree, PlannerKind::Star];
 
 fn main() -> anyhow::Result<()> {
+    cascade_benches::quiet_panic_on_closed_stdout();
     cascade_benches::init_logging();
     let c = Cli::parse();
     if run_role(&c.role)? {

@@ -25,6 +25,7 @@ struct Cli {
 }
 
 fn main() -> anyhow::Result<()> {
+    cascade_benches::quiet_panic_on_closed_stdout();
     cascade_benches::init_logging();
     let c = Cli::parse();
     if run_role(&c.role)? {

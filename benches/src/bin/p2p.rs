@@ -14,6 +14,7 @@ struct Cli {
 }
 
 fn main() -> anyhow::Result<()> {
+    cascade_benches::quiet_panic_on_closed_stdout();
     let c = Cli::parse();
     main_or_peer(&c.peer, 2, || async move { p2p::run(c.args, false).await.map(drop) })
 }

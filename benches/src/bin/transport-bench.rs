@@ -120,6 +120,7 @@ async fn bench(quick: bool, json: Option<PathBuf>) -> anyhow::Result<()> {
 }
 
 fn main() -> anyhow::Result<()> {
+    cascade_benches::quiet_panic_on_closed_stdout();
     let c = Cli::parse();
     if run_role(&c.role)? {
         return Ok(());
