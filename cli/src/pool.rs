@@ -14,6 +14,8 @@ use clap::{Args, Subcommand};
 
 use crate::{join, shutdown_signal, Member};
 
+pub(crate) mod progress;
+
 #[derive(Subcommand)]
 pub(crate) enum PoolCmd {
     /// Run the pool manager: a cluster member that keeps every model at k copies and repairs the
@@ -385,10 +387,12 @@ pub(crate) async fn run(cmd: PoolCmd) -> anyhow::Result<()> {
             Ok(())
         }
         PoolCmd::Check(a) => print_check(&serde_json::from_value(a.call(AdminRequest::Check).await?)?, a.json),
-        PoolCmd::Repair(a) => print_check(&serde_json::from_value(a.call(AdminRequest::Repair).await?)?, a.json),
+        PoolCmd::Repair(a) => {
+            print_check(&serde_json::from_value(a.call_with_progress(AdminRequest::Repair).await?)?, a.json)
+        }
         PoolCmd::Register { admin, name, file } => {
             let file = std::fs::canonicalize(&file).with_context(|| format!("{}", file.display()))?;
-            let v = admin.call(AdminRequest::Register { name, path: file.display().to_string() }).await?;
+            let v = admin.call_with_progress(AdminRequest::Register { name, path: file.display().to_string() }).await?;
             println!("{}", if admin.json { v.to_string() } else { format!("registered model {}", v["model"]) });
             Ok(())
         }
@@ -399,7 +403,7 @@ pub(crate) async fn run(cmd: PoolCmd) -> anyhow::Result<()> {
             let previous = previous.as_deref().map(read_assignment).transpose()?;
             let moves = moves_from_plans(&models, previous.as_deref(), &next, &nodes_of).map_err(anyhow::Error::msg)?;
             let n = moves.len();
-            let v = admin.call(AdminRequest::ApplyEpoch { moves: moves.clone() }).await?;
+            let v = admin.call_with_progress(AdminRequest::ApplyEpoch { moves: moves.clone() }).await?;
             if admin.json {
                 println!("{}", serde_json::json!({ "moves": moves, "result": v }));
             } else {
@@ -411,7 +415,7 @@ pub(crate) async fn run(cmd: PoolCmd) -> anyhow::Result<()> {
             Ok(())
         }
         PoolCmd::Drain { admin, node } => {
-            let v = admin.call(AdminRequest::Drain { node }).await?;
+            let v = admin.call_with_progress(AdminRequest::Drain { node }).await?;
             let rep: cascade_param_pool::manager::DrainReport = serde_json::from_value(v.clone())?;
             if admin.json {
                 println!("{v}");
@@ -433,12 +437,12 @@ pub(crate) async fn run(cmd: PoolCmd) -> anyhow::Result<()> {
             Ok(())
         }
         PoolCmd::Undrain { admin, node } => {
-            admin.call(AdminRequest::Undrain { node }).await?;
+            admin.call_with_progress(AdminRequest::Undrain { node }).await?;
             println!("node {node} takes copies again");
             Ok(())
         }
         PoolCmd::Deploy { admin, model, node, gpu } => {
-            admin.call(AdminRequest::Deploy { model, node, gpu }).await?;
+            admin.call_with_progress(AdminRequest::Deploy { model, node, gpu }).await?;
             println!("model {model} serving on node {node} gpu{gpu}");
             Ok(())
         }

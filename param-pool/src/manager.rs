@@ -246,7 +246,9 @@ impl<S: MetaStore + 'static> Manager<S> {
         }
         let ctl = Controller::new(mesh.clone())
             .map_err(|e| ManagerError::Refused(format!("starting the multicast controller: {e}")))?;
+        let status: Arc<Mutex<Status>> = Arc::default();
         let io = exec::Io {
+            status: status.clone(),
             ctl: Arc::new(ctl),
             nodes: cfg.nodes.clone(),
             rates: cfg.rates,
@@ -270,7 +272,7 @@ impl<S: MetaStore + 'static> Manager<S> {
             since: Instant::now(),
             verified: BTreeSet::new(),
             bad: BTreeSet::new(),
-            status: Arc::default(),
+            status,
         };
         m.publish();
         Ok(m)
@@ -355,7 +357,14 @@ impl<S: MetaStore + 'static> Manager<S> {
             .flat_map(|(n, v)| v.iter().map(|(p, c)| report::ForeignCopy { node: *n, pool: p.clone(), copy: *c }))
             .collect();
         self.publish_metrics(&s);
-        *self.status.lock().unwrap_or_else(|e| e.into_inner()) = s;
+        let mut published = self.status.lock().unwrap_or_else(|e| e.into_inner());
+        // A loading copy keeps the progress its multicast reported (written by `Io::notice`).
+        let progress: BTreeMap<CopyId, u64> =
+            published.copies.iter().filter_map(|c| Some((c.id, c.in_place?))).collect();
+        for c in s.copies.iter_mut().filter(|c| c.state == "loading") {
+            c.in_place = progress.get(&c.id).copied();
+        }
+        *published = s;
     }
 
     /// Writes `e` ahead (fsync on a blocking thread) and applies it.

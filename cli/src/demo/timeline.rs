@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use cascade_param_pool::manager::Notice;
-use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
+use indicatif::{MultiProgress, ProgressBar};
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 use serde::Serialize;
@@ -84,10 +84,7 @@ impl Timeline {
     pub(crate) fn on(&mut self, t: f64, n: Notice) {
         match n {
             Notice::Creating { copy, model, node, from, bytes } => {
-                let style =
-                    ProgressStyle::with_template("{prefix:>8} {bar:36.cyan/blue} {bytes:>10}/{total_bytes:<10} {msg}")
-                        .unwrap_or_else(|_| ProgressStyle::default_bar())
-                        .progress_chars("=> ");
+                let style = crate::pool::progress::copy_bar_style();
                 let bar = self.bars.add(ProgressBar::new(bytes).with_style(style));
                 bar.set_prefix(format!("node {node}"));
                 let name = self.names.get(&model).cloned().unwrap_or_else(|| format!("model {model}"));

@@ -3,7 +3,7 @@
 //! handle and its [`Job`]), so jobs of different models run concurrently.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use cascade_multicast::cluster::{Controller, RunSpec};
@@ -14,7 +14,7 @@ use tokio::sync::mpsc;
 use tracing::{info, warn};
 
 use super::plan::Job;
-use super::Notice;
+use super::{Notice, Status};
 use crate::node::PoolMsg;
 use crate::pool::{CopyId, ModelCopy, ModelId, NodeId};
 
@@ -48,6 +48,9 @@ pub struct Io {
     pub epoch: Instant,
     /// The pool's id: every request names it, and reaches only its copies.
     pub pool: String,
+    /// The manager's published status: a copy's progress is written into it as it arrives, so
+    /// `status` shows how far each loading copy is while the manager is busy driving it.
+    pub status: Arc<Mutex<Status>>,
 }
 
 /// What the nodes hold: this pool's copies, and other pools' (never touched).
@@ -78,6 +81,12 @@ impl Io {
             .metrics()
             .counter("cascade_pool_events", "What the pool manager did, by event", &[("event", event)])
             .inc();
+        if let Notice::Progress { copy, bytes, .. } = &n {
+            let mut s = self.status.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(c) = s.copies.iter_mut().find(|c| c.id == *copy && c.state == "loading") {
+                c.in_place = Some(*bytes);
+            }
+        }
         if let Some(tx) = &self.notices {
             let _ = tx.send((self.epoch.elapsed().as_secs_f64(), n));
         }

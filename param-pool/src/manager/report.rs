@@ -43,6 +43,11 @@ pub struct CopyStatus {
     /// The last check found it missing on its node or different from its manifest.
     #[serde(default)]
     pub bad: bool,
+    /// Of a loading copy: its bytes verified in place so far, as its multicast reports them
+    /// layer by layer (`None` until the first layer lands, and for a load from the file, which
+    /// reports only its end).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub in_place: Option<u64>,
 }
 
 /// One node in [`Status`].
@@ -167,6 +172,7 @@ impl Status {
                 state: state(c.state),
                 verified: false,
                 bad: false,
+                in_place: None,
             })
             .collect();
         let bytes = pool.bytes_per_node();
@@ -219,7 +225,12 @@ impl fmt::Display for Status {
                     } else {
                         ""
                     };
-                    format!("{}:{}:{}{mark}", c.node, c.kind, c.state)
+                    // A loading copy's progress, `loading(40%)`, once its first layer landed.
+                    let pct = match c.in_place {
+                        Some(b) if c.state == "loading" && m.bytes > 0 => format!("({}%)", b * 100 / m.bytes),
+                        _ => String::new(),
+                    };
+                    format!("{}:{}:{}{pct}{mark}", c.node, c.kind, c.state)
                 })
                 .collect();
             let name = m.name.escape_debug().to_string();

@@ -130,3 +130,51 @@ async fn a_drain_the_pool_cannot_honour_is_refused_and_an_undrained_node_takes_c
     let m = c.manager(k);
     assert!(m.pool().is_draining(other));
 }
+
+/// While a drain's replacements are multicast, the published status — what `cascade pool
+/// status` reads while the manager is busy — shows each loading copy's bytes in place as its
+/// layers land (the progress `cascade pool drain` draws), and nothing once it is ready.
+#[tokio::test(start_paused = true)]
+async fn the_status_shows_how_far_each_loading_copy_is_while_the_manager_drains() {
+    let (k, models) = (2, 4);
+    let c = MemCluster::new(4, models, "drain-progress");
+    let (mut m, mut notices) = c.registered(k).await;
+    while notices.try_recv().is_ok() {}
+    let status = m.status_handle();
+    let victim = status.lock().unwrap().nodes.iter().max_by_key(|n| n.bytes).unwrap().id;
+    let watch = async {
+        let (mut seen_loading, mut progress) = (0, 0);
+        while let Some((_, n)) = notices.recv().await {
+            let Notice::Progress { copy, bytes, total, .. } = n else { continue };
+            progress += 1;
+            let s = status.lock().unwrap().clone();
+            let c = s.copies.iter().find(|c| c.id == copy).unwrap_or_else(|| panic!("copy {copy} not in {s}"));
+            match c.state.as_str() {
+                // Later layers may have landed since the notice was sent, none fewer.
+                "loading" => {
+                    let at = c.in_place.unwrap_or_else(|| panic!("loading copy {copy} shows no progress: {s}"));
+                    assert!(bytes <= at && at <= total, "copy {copy}: {at} of {total} after {bytes}");
+                    let shown = format!("{}:{}:loading({}%)", c.node, c.kind, at * 100 / total);
+                    assert!(s.to_string().contains(&shown), "{shown} not in\n{s}");
+                    seen_loading += 1;
+                }
+                "ready" => assert_eq!(c.in_place, None, "a ready copy shows no progress"),
+                other => panic!("copy {copy} is {other} while it loads"),
+            }
+        }
+        (seen_loading, progress)
+    };
+    let (rep, (seen_loading, progress)) = tokio::join!(
+        async {
+            let rep = m.drain(victim).await.unwrap();
+            drop(m); // the notices end with the manager
+            rep
+        },
+        watch
+    );
+    assert!(rep.drained && rep.copies_made >= 2, "{rep:?}");
+    assert!(progress >= rep.copies_made, "every replacement reports its layers: {progress} notices");
+    assert!(seen_loading > 0, "no progress notice found its copy still loading ({progress} notices)");
+    let s = status.lock().unwrap().clone();
+    assert!(s.copies.iter().all(|c| c.in_place.is_none()), "{s}");
+}

@@ -1,0 +1,148 @@
+//! Progress of the pool's long admin calls (`cascade pool register|repair|drain|undrain|deploy|
+//! apply-epoch`): while the call runs, the manager's status is read on a second connection
+//! (answered while the manager is busy) and each copy it is making gets a bar on stderr, with
+//! the bytes its multicast verified so far. Nothing is drawn when stderr is not a terminal.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use cascade_param_pool::manager::{AdminRequest, Status};
+use cascade_param_pool::pool::CopyId;
+use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
+
+use super::Admin;
+
+/// How often the status is read while a call runs.
+const POLL: Duration = Duration::from_millis(250);
+
+/// The style of a copy's bar, shared with the demo's timeline.
+pub(crate) fn copy_bar_style() -> ProgressStyle {
+    ProgressStyle::with_template("{prefix:>8} {bar:36.cyan/blue} {bytes:>10}/{total_bytes:<10} {msg}")
+        .unwrap_or_else(|_| ProgressStyle::default_bar())
+        .progress_chars("=> ")
+}
+
+/// One bar per copy the pool is loading, updated from successive statuses.
+pub(super) struct CopyBars {
+    bars: MultiProgress,
+    open: BTreeMap<CopyId, ProgressBar>,
+}
+
+impl CopyBars {
+    /// Bars drawn on `bars`.
+    pub(super) fn new(bars: MultiProgress) -> CopyBars {
+        CopyBars { bars, open: BTreeMap::new() }
+    }
+
+    /// Shows `s`: a bar for each loading copy (its bytes in place, when its multicast reported
+    /// them), a finished one for a copy that became ready, an abandoned one for a copy that
+    /// went without becoming ready (its load failed, or it was dropped).
+    pub(super) fn update(&mut self, s: &Status) {
+        self.open.retain(|id, bar| {
+            match s.copies.iter().find(|c| c.id == *id).map(|c| c.state.as_str()) {
+                Some("loading") => return true,
+                Some("ready") => {
+                    bar.set_position(bar.length().unwrap_or(0));
+                    bar.finish_with_message(format!("{} ready", bar.message()));
+                }
+                _ => bar.abandon_with_message(format!("{}: gone before it was ready", bar.message())),
+            }
+            false
+        });
+        for c in s.copies.iter().filter(|c| c.state == "loading") {
+            let bar = self.open.entry(c.id).or_insert_with(|| {
+                let model = s.models.iter().find(|m| m.id == c.model);
+                let bar = self.bars.add(ProgressBar::new(model.map_or(0, |m| m.bytes)).with_style(copy_bar_style()));
+                bar.set_prefix(format!("node {}", c.node));
+                let name = model.map_or_else(|| format!("model {}", c.model), |m| m.name.escape_debug().to_string());
+                bar.set_message(format!("{name} (copy {}, {})", c.id, c.kind));
+                bar
+            });
+            if let Some(b) = c.in_place {
+                bar.set_position(b);
+            }
+        }
+    }
+
+    /// The bars still open, by copy.
+    #[cfg(test)]
+    fn open(&self) -> &BTreeMap<CopyId, ProgressBar> {
+        &self.open
+    }
+}
+
+impl Admin {
+    /// Makes a call that may take long, with a bar per copy the pool makes meanwhile (on a
+    /// terminal only; a failing status read only stops the bars, never the call).
+    pub(super) async fn call_with_progress(&self, req: AdminRequest) -> anyhow::Result<serde_json::Value> {
+        let bars = MultiProgress::new();
+        if bars.is_hidden() || self.json {
+            return self.call(req).await;
+        }
+        let mut view = CopyBars::new(bars.clone());
+        let call = self.call(req);
+        tokio::pin!(call);
+        let mut tick = tokio::time::interval(POLL);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut polling = true;
+        let r = loop {
+            tokio::select! {
+                r = &mut call => break r,
+                _ = tick.tick(), if polling => {
+                    match self.call(AdminRequest::Status).await.map(serde_json::from_value::<Status>) {
+                        Ok(Ok(s)) => view.update(&s),
+                        _ => polling = false,
+                    }
+                }
+            }
+        };
+        // The copies' last state, then the bars make way for the answer.
+        if let Ok(Ok(s)) = self.call(AdminRequest::Status).await.map(serde_json::from_value::<Status>) {
+            view.update(&s);
+        }
+        let _ = bars.clear();
+        r
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use cascade_param_pool::manager::{CopyStatus, ModelStatus};
+    use indicatif::ProgressDrawTarget;
+
+    use super::*;
+
+    fn copy(id: CopyId, state: &str, in_place: Option<u64>) -> CopyStatus {
+        serde_json::from_value(serde_json::json!({
+            "id": id, "model": 1, "node": 3, "kind": "host", "state": state, "in_place": in_place,
+        }))
+        .unwrap()
+    }
+
+    fn status(copies: Vec<CopyStatus>) -> Status {
+        let model: ModelStatus =
+            serde_json::from_value(serde_json::json!({ "id": 1, "name": "m", "bytes": 1000, "ready": 1 })).unwrap();
+        serde_json::from_value(serde_json::json!({
+            "k": 2, "models": [model], "copies": copies, "nodes": [], "violations": [], "healthy": false,
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn a_copy_s_bar_follows_its_bytes_and_closes_when_it_is_ready_or_gone() {
+        let mut v = CopyBars::new(MultiProgress::with_draw_target(ProgressDrawTarget::hidden()));
+        v.update(&status(vec![copy(7, "ready", None), copy(8, "loading", None), copy(9, "loading", Some(250))]));
+        assert_eq!(v.open().keys().copied().collect::<Vec<_>>(), vec![8, 9], "ready copies get no bar");
+        assert_eq!((v.open()[&8].position(), v.open()[&8].length()), (0, Some(1000)), "a file load: no bytes yet");
+        assert_eq!(v.open()[&9].position(), 250);
+        assert!(v.open()[&9].message().contains("m (copy 9, host)"), "{}", v.open()[&9].message());
+        v.update(&status(vec![copy(8, "loading", Some(600)), copy(9, "loading", Some(500))]));
+        assert_eq!((v.open()[&8].position(), v.open()[&9].position()), (600, 500));
+        let (b8, b9) = (v.open()[&8].clone(), v.open()[&9].clone());
+        // 8 is ready; 9 failed (it is no longer in the pool).
+        v.update(&status(vec![copy(8, "ready", None)]));
+        assert!(v.open().is_empty());
+        assert!(b8.is_finished() && b8.position() == 1000 && b8.message().ends_with("ready"), "{}", b8.message());
+        assert!(b9.is_finished() && b9.position() == 500 && b9.message().contains("gone"), "{}", b9.message());
+    }
+}
