@@ -29,7 +29,7 @@ pub mod synthetic;
 #[cfg(test)]
 mod test_util;
 
-pub use loader::{load, LoadError, LoadMode, LoadOptions, LoadReport};
+pub use loader::{load, load_counting, LoadError, LoadMode, LoadOptions, LoadProgress, LoadReport};
 pub use manifest::{classify, LayerEntry, LayerKind, Manifest, ManifestError, TensorEntry, DEFAULT_CHUNK};
 #[cfg(feature = "etcd")]
 pub use meta::EtcdStore;

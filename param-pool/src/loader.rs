@@ -16,6 +16,7 @@ use std::fs::File;
 use std::io;
 use std::os::fd::AsRawFd;
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
 use cascade_transport::{Region, RegionOptions};
@@ -129,6 +130,31 @@ pub unsafe fn load(
     region: &Region,
     opts: LoadOptions,
 ) -> Result<LoadReport, LoadError> {
+    // SAFETY: the caller's promise, passed on.
+    unsafe { load_counting(manifest, path, region, opts, &LoadProgress::default()) }
+}
+
+/// How far a load is, readable from another thread while it runs: bytes of tensor data placed
+/// in the region, then bytes whose crcs were verified.
+#[derive(Debug, Default)]
+pub struct LoadProgress {
+    /// Bytes placed so far (`manifest.bytes` once every read is done).
+    pub placed: AtomicU64,
+    /// Bytes verified against the manifest's chunk crcs so far.
+    pub verified: AtomicU64,
+}
+
+/// [`load`], counting its progress into `progress` as it goes.
+///
+/// # Safety
+/// As for [`load`].
+pub unsafe fn load_counting(
+    manifest: &Manifest,
+    path: &Path,
+    region: &Region,
+    opts: LoadOptions,
+    progress: &LoadProgress,
+) -> Result<LoadReport, LoadError> {
     if opts.queue_depth == 0 || opts.block == 0 || !opts.block.is_multiple_of(ALIGN) || opts.block > (1 << 30) {
         return Err(LoadError::Options("queue depth > 0 and block a multiple of 4096 up to 1 GiB"));
     }
@@ -164,13 +190,13 @@ pub unsafe fn load(
     let mode = match direct {
         Some(f) => {
             // SAFETY: the caller keeps everyone else off the region.
-            unsafe { load_direct(&f, &pieces, region, opts, &shown)? };
+            unsafe { load_direct(&f, &pieces, region, opts, &shown, &progress.placed)? };
             LoadMode::Direct
         }
         None => {
             let f = crate::files::open_regular(path, 0).map_err(io_err(format!("opening {shown}")))?;
             // SAFETY: as above.
-            unsafe { load_buffered(&f, &pieces, region, opts, &shown)? };
+            unsafe { load_buffered(&f, &pieces, region, opts, &shown, &progress.placed)? };
             LoadMode::Buffered
         }
     };
@@ -182,6 +208,7 @@ pub unsafe fn load(
             let n = manifest.chunk.min(manifest.bytes - off);
             // SAFETY: the reads completed (the rings are gone) and the caller keeps peers off.
             let got = unsafe { region.crc32(off, n)? };
+            progress.verified.fetch_add(n, Ordering::Relaxed);
             if got != *want {
                 return Err(LoadError::Changed {
                     path: shown,
@@ -198,19 +225,22 @@ pub unsafe fn load(
     })
 }
 
-/// Copies the parts of `pieces` inside file range `[start, start+n)` from `buf` into the region.
+/// Copies the parts of `pieces` inside file range `[start, start+n)` from `buf` into the region;
+/// returns how many bytes it placed.
 ///
 /// # Safety
 /// Nobody else may access the region's destination ranges meanwhile.
-unsafe fn scatter(pieces: &[Piece], start: u64, buf: &[u8], region: &Region) -> Result<(), LoadError> {
+unsafe fn scatter(pieces: &[Piece], start: u64, buf: &[u8], region: &Region) -> Result<u64, LoadError> {
     let end = start + buf.len() as u64;
     let first = pieces.partition_point(|p| p.end <= start);
+    let mut placed = 0;
     for p in pieces[first..].iter().take_while(|p| p.file < end) {
         let (a, b) = (p.file.max(start), p.end.min(end));
         // SAFETY: the caller keeps everyone else off the region.
         unsafe { region.write_local(p.dst + (a - p.file), &buf[(a - start) as usize..(b - start) as usize])? };
+        placed += b - a;
     }
-    Ok(())
+    Ok(placed)
 }
 
 thread_local! {
@@ -336,6 +366,7 @@ unsafe fn load_direct(
     region: &Region,
     opts: LoadOptions,
     path: &str,
+    placed: &AtomicU64,
 ) -> Result<(), LoadError> {
     let (Some(first), Some(last)) = (pieces.first(), pieces.iter().map(|p| p.end).max()) else { return Ok(()) };
     // Blocks on block-size boundaries of the file, as a plain sequential reader issues them.
@@ -383,7 +414,8 @@ unsafe fn load_direct(
             // load; no read is in flight into it until `refill` below.
             let buf = unsafe { staging[b].view(0, n)? };
             // SAFETY: `load`'s caller keeps everyone else off the region.
-            unsafe { scatter(pieces, off, &buf, region)? };
+            let now = unsafe { scatter(pieces, off, &buf, region)? };
+            placed.fetch_add(now, Ordering::Relaxed);
             drop(buf);
             done += 1;
             // Keep the device busy: the buffer goes straight back into the ring.
@@ -402,6 +434,7 @@ unsafe fn load_buffered(
     region: &Region,
     opts: LoadOptions,
     path: &str,
+    placed: &AtomicU64,
 ) -> Result<(), LoadError> {
     // Split every tensor into reads of at most one block, straight to its packed offset.
     let mut queue: std::collections::VecDeque<(u64, u64, u64)> = std::collections::VecDeque::new(); // (file, len, dst)
@@ -440,6 +473,7 @@ unsafe fn load_buffered(
             if got < n {
                 queue.push_front((off + got, n - got, dst + got)); // short read: the rest again
             }
+            placed.fetch_add(got.min(n), Ordering::Relaxed);
         }
     }
     Ok(())

@@ -88,9 +88,12 @@ pub struct ManagerConfig {
     pub rates: MeshRates,
     /// Snapshot the store after this many events.
     pub snapshot_every: usize,
-    /// How long a node may take to answer a request (a load or a checksum); a multicast's own
-    /// limit is this plus the time its bytes take at the assumed rate.
+    /// How long a node may take to answer a request (a checksum, a listing); a multicast's own
+    /// limit is this plus the time its bytes take at the assumed rate. A load from the file may
+    /// take longer as long as it keeps going: it is given up after this long without progress.
     pub request_timeout: Duration,
+    /// How often a running load from the file is asked how far it is (its progress notices).
+    pub load_poll: Duration,
     /// How long to wait for the nodes at start-up; a node still missing is declared dead.
     pub ready_timeout: Duration,
     /// Make a new pool in an empty store (`--init`) instead of opening the one it holds.
@@ -107,6 +110,7 @@ impl ManagerConfig {
             rates: MeshRates { nic_gbps: 25.0, tcp_gbps: 25.0, shm_gbps: 100.0, machine_gbps: None },
             snapshot_every: 256,
             request_timeout: Duration::from_secs(120),
+            load_poll: exec::LOAD_POLL,
             ready_timeout: Duration::from_secs(30),
             init: false,
         }
@@ -137,7 +141,8 @@ pub enum Notice {
         /// Bytes of the model.
         bytes: u64,
     },
-    /// Layers `0..=layer` of a copy arrived (multicast only).
+    /// Part of a copy is in place: layers `0..=layer` of a multicast arrived and were verified,
+    /// or a load from the file placed `bytes` so far.
     Progress {
         /// The copy.
         copy: CopyId,
@@ -253,6 +258,7 @@ impl<S: MetaStore + 'static> Manager<S> {
             nodes: cfg.nodes.clone(),
             rates: cfg.rates,
             request_timeout: cfg.request_timeout,
+            load_poll: cfg.load_poll,
             notices: None,
             epoch: Instant::now(),
             pool: pool.id().to_string(),
@@ -892,5 +898,7 @@ fn set_pool_metrics(m: &cascade_transport::Metrics, s: &Status) {
 mod tests;
 #[cfg(test)]
 mod tests_drain;
+#[cfg(test)]
+mod tests_load;
 #[cfg(test)]
 mod tests_mem;

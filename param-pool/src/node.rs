@@ -22,6 +22,7 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex};
 
 use cascade_multicast::cluster::{chunk_crcs, MulticastNode};
@@ -31,7 +32,7 @@ use cascade_transport::{Inbox, Mesh, Received, Region, ServiceExt, TransportErro
 use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
 
-use crate::loader::{load, LoadOptions};
+use crate::loader::{load_counting, LoadOptions, LoadProgress};
 use crate::manifest::Manifest;
 
 /// Requests of the pool service, and their replies.
@@ -126,6 +127,21 @@ pub enum PoolMsg {
         /// Why.
         message: String,
     },
+    /// How far the node's load of copy `copy` is (asked while a `Load` runs). Added after the
+    /// messages above, at the end, so that a node built before it refuses only this request
+    /// (as a body it cannot decode) and the manager then waits for its loads without progress.
+    LoadProgress {
+        /// The pool.
+        pool: String,
+        /// The copy.
+        copy: u64,
+    },
+    /// The answer to `LoadProgress`.
+    LoadAt {
+        /// Bytes placed and bytes verified so far; `None` when no such load runs on the node
+        /// (not yet started, or over).
+        progress: Option<(u64, u64)>,
+    },
 }
 
 cascade_transport::binary_message!(PoolMsg, ServiceId::POOL, 2);
@@ -173,6 +189,8 @@ pub struct PoolNode {
     mesh: Arc<dyn Mesh>,
     multicast: Arc<MulticastNode>,
     held: HeldCopies,
+    /// The loads running, by pool id and copy id.
+    loading: Mutex<BTreeMap<(String, u64), Arc<LoadProgress>>>,
 }
 
 impl PoolNode {
@@ -180,7 +198,7 @@ impl PoolNode {
     /// inbox now and serves it on a task until the node's service table closes.
     pub fn start(mesh: Arc<dyn Mesh>, multicast: Arc<MulticastNode>) -> Result<Arc<PoolNode>, TransportError> {
         let inbox = mesh.subscribe::<PoolMsg>(DEFAULT_INBOX)?;
-        let node = Arc::new(PoolNode { mesh, multicast, held: HeldCopies::default() });
+        let node = Arc::new(PoolNode { mesh, multicast, held: HeldCopies::default(), loading: Mutex::default() });
         tokio::spawn(node.clone().serve(inbox));
         Ok(node)
     }
@@ -216,6 +234,11 @@ impl PoolNode {
             PoolMsg::Load { pool, copy, path, manifest } => {
                 let me = self.clone();
                 blocking(move || Ok(me.load(&pool, copy, &path, &manifest))).await
+            }
+            PoolMsg::LoadProgress { pool, copy } => {
+                let loads = self.loading.lock().unwrap_or_else(|e| e.into_inner());
+                let progress = loads.get(&(pool, copy)).map(|p| (p.placed.load(Relaxed), p.verified.load(Relaxed)));
+                Ok(PoolMsg::LoadAt { progress })
             }
             PoolMsg::Drop { pool, copy } => {
                 if let Some(r) = self.held.remove(&pool, copy) {
@@ -260,9 +283,12 @@ impl PoolNode {
     /// once it holds the verified bytes.
     fn load(&self, pool: &str, copy: u64, path: &str, manifest: &Manifest) -> PoolMsg {
         let file_missing = !Path::new(path).exists();
+        let key = (pool.to_string(), copy);
+        let progress = Arc::new(LoadProgress::default());
+        self.loading.lock().unwrap_or_else(|e| e.into_inner()).insert(key.clone(), progress.clone());
         let result = self.mesh.alloc(manifest.bytes).map_err(|e| e.to_string()).and_then(|region| {
             // SAFETY: the region was just allocated and is not registered: nobody else reaches it.
-            let rep = unsafe { load(manifest, Path::new(path), &region, LoadOptions::default()) };
+            let rep = unsafe { load_counting(manifest, Path::new(path), &region, LoadOptions::default(), &progress) };
             let rep = rep.map_err(|e| e.to_string())?;
             self.mesh.register(&region).map_err(|e| e.to_string())?;
             if let Some(old) = self.held.insert(pool, copy, region) {
@@ -271,6 +297,12 @@ impl PoolNode {
             info!(pool, copy, path, seconds = rep.seconds, mode = ?rep.mode, "loaded a copy from its file");
             Ok(rep.seconds)
         });
+        let mut loads = self.loading.lock().unwrap_or_else(|e| e.into_inner());
+        // Only this load's entry: a manager restarted meanwhile may have re-issued the copy.
+        if loads.get(&key).is_some_and(|p| Arc::ptr_eq(p, &progress)) {
+            loads.remove(&key);
+        }
+        drop(loads);
         PoolMsg::Loaded { result, file_missing }
     }
 }

@@ -43,7 +43,12 @@ fn check(tag: &str, opts: LoadOptions, want_mode: Option<LoadMode>) {
     let path = model_file(&dir, tag, 20);
     let m = Manifest::from_file(&path, "m", 1 << 20).unwrap();
     let region = Region::alloc(m.bytes, Default::default()).unwrap();
-    let rep = load_private(&m, &path, &region, opts).unwrap();
+    let progress = LoadProgress::default();
+    // SAFETY: the region is private to the test.
+    let rep = unsafe { load_counting(&m, &path, &region, opts, &progress) }.unwrap();
+    // Every byte counted once as placed, and once as verified when the load verifies.
+    assert_eq!(progress.placed.load(Ordering::Relaxed), m.bytes, "{opts:?}");
+    assert_eq!(progress.verified.load(Ordering::Relaxed), if opts.verify { m.bytes } else { 0 }, "{opts:?}");
     if let Some(mode) = want_mode {
         assert_eq!(rep.mode, mode);
     }

@@ -40,8 +40,10 @@ pub struct Io {
     pub nodes: Vec<NodeId>,
     /// Rates the planner assumes.
     pub rates: MeshRates,
-    /// How long a node may take to answer one request.
+    /// How long a node may take to answer one request (a load: without progress).
     pub request_timeout: Duration,
+    /// How often a running load is asked how far it is.
+    pub load_poll: Duration,
     /// Where notices go, with their time since `epoch`.
     pub notices: Option<mpsc::UnboundedSender<(f64, Notice)>>,
     /// Time zero of the notices.
@@ -52,6 +54,11 @@ pub struct Io {
     /// `status` shows how far each loading copy is while the manager is busy driving it.
     pub status: Arc<Mutex<Status>>,
 }
+
+/// How often a running load's progress is asked for, by default.
+pub const LOAD_POLL: Duration = Duration::from_millis(500);
+/// The most a load from the file may take in all while it keeps making progress.
+const LOAD_LIMIT: Duration = Duration::from_secs(24 * 3600);
 
 /// What the nodes hold: this pool's copies, and other pools' (never touched).
 #[derive(Debug, Default)]
@@ -121,6 +128,68 @@ impl Io {
         }
         out.sort_by_key(|(i, _)| *i);
         out.into_iter().map(|(_, r)| r).collect()
+    }
+
+    /// Loads copies from the file on their nodes at once (`asks`: each copy's node and its
+    /// `Load`), reporting each one's progress; the answers come in the order asked, as from
+    /// [`Io::ask_all`].
+    async fn load_all(&self, asks: Vec<(NodeId, PoolMsg)>, total: u64) -> Vec<Result<PoolMsg, String>> {
+        let n = asks.len();
+        let mut set = tokio::task::JoinSet::new();
+        for (i, (node, m)) in asks.into_iter().enumerate() {
+            let io = self.clone();
+            set.spawn(async move { (i, io.load_one(node, m, total).await) });
+        }
+        let mut out: Vec<Result<PoolMsg, String>> = (0..n).map(|_| Err("the load's task failed".into())).collect();
+        while let Some(r) = set.join_next().await {
+            match r {
+                Ok((i, r)) => out[i] = r,
+                Err(e) => warn!(error = %e, "a load task failed"),
+            }
+        }
+        out
+    }
+
+    /// One `Load` on `node`, its progress asked for every `load_poll` and published as
+    /// [`Notice::Progress`] (the bytes placed). A load may take as long as it keeps going: it is
+    /// given up once `request_timeout` passes without a byte placed or verified — which is also
+    /// how long a node that cannot say how far it is (one built before `LoadProgress`) or one
+    /// that stopped answering gets in all.
+    pub(super) async fn load_one(&self, node: NodeId, m: PoolMsg, total: u64) -> Result<PoolMsg, String> {
+        let PoolMsg::Load { copy, .. } = &m else { return Err(format!("not a load: {m:?}")) };
+        let copy = *copy;
+        let call = self.mesh.call(node, &m, LOAD_LIMIT);
+        tokio::pin!(call);
+        let mut tick = tokio::time::interval(self.load_poll);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tick.reset(); // the first ask after one period, not at once
+        let (mut last, mut moved) = ((0, 0), tokio::time::Instant::now());
+        loop {
+            tokio::select! {
+                r = &mut call => return match r {
+                    Ok(PoolMsg::Failed { message }) => Err(message),
+                    Ok(r) => Ok(r),
+                    Err(e) => Err(e.to_string()),
+                },
+                _ = tick.tick() => {
+                    let ask = PoolMsg::LoadProgress { pool: self.pool.clone(), copy };
+                    if let Ok(PoolMsg::LoadAt { progress: Some(p) }) = self.mesh.call(node, &ask, self.load_poll.max(LOAD_POLL) * 4).await {
+                        if p.0 > last.0 {
+                            self.notice(Notice::Progress { copy, node, bytes: p.0.min(total), total });
+                        }
+                        if p != last {
+                            (last, moved) = (p, tokio::time::Instant::now());
+                        }
+                    }
+                    if moved.elapsed() >= self.request_timeout {
+                        return Err(format!(
+                            "the load on node {node} made no progress for {:?} ({} of {total} bytes placed, {} verified)",
+                            self.request_timeout, last.0, last.1
+                        ));
+                    }
+                }
+            }
+        }
     }
 
     /// Drops copies on their nodes and waits for the answers (a later request never sees them).
@@ -195,7 +264,7 @@ impl Io {
             };
             asks.push((c.node, m));
         }
-        let answers = self.ask_all(asks).await;
+        let answers = self.load_all(asks, bytes).await;
         let file_missing = answers.iter().any(|r| matches!(r, Ok(PoolMsg::Loaded { file_missing: true, .. })));
         let mut out = Vec::new();
         for (c, r) in copies.iter().zip(answers) {

@@ -43,9 +43,9 @@ pub struct CopyStatus {
     /// The last check found it missing on its node or different from its manifest.
     #[serde(default)]
     pub bad: bool,
-    /// Of a loading copy: its bytes verified in place so far, as its multicast reports them
-    /// layer by layer (`None` until the first layer lands, and for a load from the file, which
-    /// reports only its end).
+    /// Of a loading copy: its bytes in place so far, as its multicast reports them layer by
+    /// layer (verified) or its load from the file as the node is asked (placed; verified at the
+    /// end). `None` until the first report.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub in_place: Option<u64>,
 }
