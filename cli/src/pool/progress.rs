@@ -116,16 +116,17 @@ mod tests {
         serde_json::from_value(serde_json::json!({
             "id": id, "model": 1, "node": 3, "kind": "host", "state": state, "in_place": in_place,
         }))
-        .unwrap()
+        .expect("a copy's status")
     }
 
     fn status(copies: Vec<CopyStatus>) -> Status {
         let model: ModelStatus =
-            serde_json::from_value(serde_json::json!({ "id": 1, "name": "m", "bytes": 1000, "ready": 1 })).unwrap();
+            serde_json::from_value(serde_json::json!({ "id": 1, "name": "m", "bytes": 1000, "ready": 1 }))
+                .expect("a model's status");
         serde_json::from_value(serde_json::json!({
             "k": 2, "models": [model], "copies": copies, "nodes": [], "violations": [], "healthy": false,
         }))
-        .unwrap()
+        .expect("a status")
     }
 
     #[test]
