@@ -60,6 +60,29 @@ pub const LOAD_POLL: Duration = Duration::from_millis(500);
 /// The most a load from the file may take in all while it keeps making progress.
 const LOAD_LIMIT: Duration = Duration::from_secs(24 * 3600);
 
+/// Runs `f` on every item at once, each on a task of its own; the answers come in the order of
+/// the items, and an item whose task failed (panicked) answers an `Err` in its own place.
+async fn in_order<T, F, Fut>(items: Vec<T>, f: F) -> Vec<Result<PoolMsg, String>>
+where
+    F: Fn(T) -> Fut,
+    Fut: std::future::Future<Output = Result<PoolMsg, String>> + Send + 'static,
+{
+    let n = items.len();
+    let mut set = tokio::task::JoinSet::new();
+    for (i, item) in items.into_iter().enumerate() {
+        let fut = f(item);
+        set.spawn(async move { (i, fut.await) });
+    }
+    let mut out: Vec<Result<PoolMsg, String>> = (0..n).map(|_| Err("its request's task failed".into())).collect();
+    while let Some(r) = set.join_next().await {
+        match r {
+            Ok((i, r)) => out[i] = r,
+            Err(e) => warn!(error = %e, "a request task failed"),
+        }
+    }
+    out
+}
+
 /// What the nodes hold: this pool's copies, and other pools' (never touched).
 #[derive(Debug, Default)]
 pub struct Listing {
@@ -107,47 +130,29 @@ impl Io {
     /// Asks several nodes' pool services at once; the answers come in the order asked. A
     /// `Failed` answer or a transport error is an `Err` with its text.
     pub async fn ask_all(&self, asks: Vec<(NodeId, PoolMsg)>) -> Vec<Result<PoolMsg, String>> {
-        let mut set = tokio::task::JoinSet::new();
-        for (i, (node, m)) in asks.into_iter().enumerate() {
-            let (mesh, limit) = (self.mesh.clone(), self.request_timeout);
-            set.spawn(async move {
-                let r = match mesh.call(node, &m, limit).await {
+        let limit = self.request_timeout;
+        in_order(asks, |(node, m)| {
+            let mesh = self.mesh.clone();
+            async move {
+                match mesh.call(node, &m, limit).await {
                     Ok(PoolMsg::Failed { message }) => Err(message),
                     Ok(r) => Ok(r),
                     Err(e) => Err(e.to_string()),
-                };
-                (i, r)
-            });
-        }
-        let mut out: Vec<(usize, Result<PoolMsg, String>)> = Vec::new();
-        while let Some(r) = set.join_next().await {
-            match r {
-                Ok(x) => out.push(x),
-                Err(e) => warn!(error = %e, "a request task failed"),
+                }
             }
-        }
-        out.sort_by_key(|(i, _)| *i);
-        out.into_iter().map(|(_, r)| r).collect()
+        })
+        .await
     }
 
     /// Loads copies from the file on their nodes at once (`asks`: each copy's node and its
     /// `Load`), reporting each one's progress; the answers come in the order asked, as from
     /// [`Io::ask_all`].
     async fn load_all(&self, asks: Vec<(NodeId, PoolMsg)>, total: u64) -> Vec<Result<PoolMsg, String>> {
-        let n = asks.len();
-        let mut set = tokio::task::JoinSet::new();
-        for (i, (node, m)) in asks.into_iter().enumerate() {
+        in_order(asks, |(node, m)| {
             let io = self.clone();
-            set.spawn(async move { (i, io.load_one(node, m, total).await) });
-        }
-        let mut out: Vec<Result<PoolMsg, String>> = (0..n).map(|_| Err("the load's task failed".into())).collect();
-        while let Some(r) = set.join_next().await {
-            match r {
-                Ok((i, r)) => out[i] = r,
-                Err(e) => warn!(error = %e, "a load task failed"),
-            }
-        }
-        out
+            async move { io.load_one(node, m, total).await }
+        })
+        .await
     }
 
     /// One `Load` on `node`, its progress asked for every `load_poll` and published as
@@ -403,5 +408,27 @@ impl Io {
             })
             .collect();
         Outcome { model, copies, file_missing: false }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn answers_keep_their_place_even_when_a_task_fails() {
+        // Item 1 panics, and item 0 answers last: each answer still lands in its own place.
+        let out = in_order(vec![0u64, 1, 2], |i| async move {
+            tokio::time::sleep(Duration::from_millis(10 * (3 - i))).await;
+            if i == 1 {
+                panic!("a request task that fails (this panic is the test's)");
+            }
+            Ok(PoolMsg::Loaded { result: Ok(i as f64), file_missing: false })
+        })
+        .await;
+        assert_eq!(out.len(), 3);
+        assert!(matches!(out[0], Ok(PoolMsg::Loaded { result: Ok(x), .. }) if x == 0.0), "{out:?}");
+        assert!(out[1].as_ref().is_err_and(|e| e.contains("task failed")), "{out:?}");
+        assert!(matches!(out[2], Ok(PoolMsg::Loaded { result: Ok(x), .. }) if x == 2.0), "{out:?}");
     }
 }
