@@ -1,7 +1,8 @@
 //! Progress of the pool's long admin calls (`cascade pool register|repair|drain|undrain|deploy|
 //! apply-epoch`): while the call runs, the manager's status is read on a second connection
 //! (answered while the manager is busy) and each copy it is making gets a bar on stderr, with
-//! the bytes its multicast verified so far. Nothing is drawn when stderr is not a terminal.
+//! the bytes in place so far (verified by its multicast, or placed by its load from the file).
+//! Nothing is drawn when stderr is not a terminal.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -88,20 +89,23 @@ impl Admin {
         let r = loop {
             tokio::select! {
                 r = &mut call => break r,
-                _ = tick.tick(), if polling => {
-                    match self.call(AdminRequest::Status).await.map(serde_json::from_value::<Status>) {
-                        Ok(Ok(s)) => view.update(&s),
-                        _ => polling = false,
-                    }
-                }
+                _ = tick.tick(), if polling => match self.status().await {
+                    Some(s) => view.update(&s),
+                    None => polling = false,
+                },
             }
         };
         // The copies' last state, then the bars make way for the answer.
-        if let Ok(Ok(s)) = self.call(AdminRequest::Status).await.map(serde_json::from_value::<Status>) {
+        if let Some(s) = self.status().await {
             view.update(&s);
         }
         let _ = bars.clear();
         r
+    }
+
+    /// The manager's status, if it can be read.
+    async fn status(&self) -> Option<Status> {
+        serde_json::from_value(self.call(AdminRequest::Status).await.ok()?).ok()
     }
 }
 

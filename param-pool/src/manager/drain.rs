@@ -49,10 +49,10 @@ impl<S: MetaStore + 'static> Manager<S> {
         // Tried on a copy first: a drain the pool refuses is not written ahead.
         self.pool().clone().drain(node).map_err(|e| ManagerError::Refused(format!("draining node {node}: {e}")))?;
         let t = Instant::now();
-        let held: BTreeSet<CopyId> = self.pool().copies().filter(|c| c.node == node).map(|c| c.id).collect();
-        // How many of each model's copies the node holds: the most the drain replaces of it.
-        let mut to_replace = BTreeMap::new();
+        // The node's copies, and how many of each model it holds: the most the drain replaces.
+        let (mut held, mut to_replace) = (BTreeSet::new(), BTreeMap::new());
         for c in self.pool().copies().filter(|c| c.node == node) {
+            held.insert(c.id);
             *to_replace.entry(c.model).or_default() += 1;
         }
         let before: BTreeSet<CopyId> = self.pool().copies().map(|c| c.id).collect();

@@ -60,6 +60,16 @@ pub const LOAD_POLL: Duration = Duration::from_millis(500);
 /// The most a load from the file may take in all while it keeps making progress.
 const LOAD_LIMIT: Duration = Duration::from_secs(24 * 3600);
 
+/// A node's answer as the manager's jobs take it: a `Failed` answer or a transport error is an
+/// `Err` with its text.
+fn answer(r: Result<PoolMsg, cascade_transport::TransportError>) -> Result<PoolMsg, String> {
+    match r {
+        Ok(PoolMsg::Failed { message }) => Err(message),
+        Ok(r) => Ok(r),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
 /// Runs `f` on every item at once, each on a task of its own; the answers come in the order of
 /// the items, and an item whose task failed (panicked) answers an `Err` in its own place.
 async fn in_order<T, F, Fut>(items: Vec<T>, f: F) -> Vec<Result<PoolMsg, String>>
@@ -133,13 +143,7 @@ impl Io {
         let limit = self.request_timeout;
         in_order(asks, |(node, m)| {
             let mesh = self.mesh.clone();
-            async move {
-                match mesh.call(node, &m, limit).await {
-                    Ok(PoolMsg::Failed { message }) => Err(message),
-                    Ok(r) => Ok(r),
-                    Err(e) => Err(e.to_string()),
-                }
-            }
+            async move { answer(mesh.call(node, &m, limit).await) }
         })
         .await
     }
@@ -171,13 +175,10 @@ impl Io {
         let (mut last, mut moved) = ((0, 0), tokio::time::Instant::now());
         loop {
             tokio::select! {
-                r = &mut call => return match r {
-                    Ok(PoolMsg::Failed { message }) => Err(message),
-                    Ok(r) => Ok(r),
-                    Err(e) => Err(e.to_string()),
-                },
+                r = &mut call => return answer(r),
                 _ = tick.tick() => {
                     let ask = PoolMsg::LoadProgress { pool: self.pool.clone(), copy };
+                    // The ask's own limit: a few default periods, even when polling faster.
                     if let Ok(PoolMsg::LoadAt { progress: Some(p) }) = self.mesh.call(node, &ask, self.load_poll.max(LOAD_POLL) * 4).await {
                         if p.0 > last.0 {
                             self.notice(Notice::Progress { copy, node, bytes: p.0.min(total), total });
