@@ -1,6 +1,6 @@
 //! The CLI says what really happened: bad numbers are refused with a message (no panic), a
-//! mistyped data directory is refused instead of starting an empty pool, and a tool whose reader
-//! goes away ends quietly.
+//! mistyped data directory is refused instead of starting an empty pool, a tool whose reader
+//! goes away ends quietly, and an error names each of its causes once.
 #![allow(clippy::unwrap_used)]
 
 use std::io::Read;
@@ -89,6 +89,28 @@ fn a_tool_whose_reader_goes_away_ends_without_a_panic() {
     child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
     child.wait().unwrap();
     assert!(!err.contains("panicked"), "{err}");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// An error prints each cause once: the OS's words for a missing file, one "configuration:" for
+/// a bad file (with the file's name), not the same text again as a numbered cause.
+#[test]
+fn an_error_names_each_cause_once() {
+    let d = scratch("chain");
+    let missing = d.join("nonexistent.toml");
+    let out = Command::new(CASCADE).arg("check-cluster").arg(&missing).env_remove("RUST_BACKTRACE").output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert_eq!(err.matches("No such file or directory").count(), 1, "{err}");
+    assert!(err.contains(&missing.display().to_string()), "{err}");
+
+    let bad = d.join("bad.toml");
+    std::fs::write(&bad, "[[nodes]]\nid = \"zero\"\n").unwrap();
+    let out = Command::new(CASCADE).arg("check-cluster").arg(&bad).env_remove("RUST_BACKTRACE").output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert_eq!(err.matches("configuration").count(), 1, "{err}");
+    assert!(err.contains(&bad.display().to_string()), "{err}");
     let _ = std::fs::remove_dir_all(&d);
 }
 

@@ -113,7 +113,13 @@ pub enum ExecError {
     /// The input is unusable.
     #[error("input: {0}")]
     Input(String),
-    /// The tensor library failed.
+    /// The tensor library failed (its error is in the message, not a `source()`: a chain prints it once).
     #[error("compute: {0}")]
-    Compute(#[from] candle_core::Error),
+    Compute(candle_core::Error),
+}
+
+impl From<candle_core::Error> for ExecError {
+    fn from(e: candle_core::Error) -> Self {
+        ExecError::Compute(e)
+    }
 }

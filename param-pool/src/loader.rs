@@ -73,13 +73,12 @@ pub struct LoadReport {
 #[non_exhaustive]
 pub enum LoadError {
     /// An I/O call failed.
-    #[error("{context}: {source}")]
+    #[error("{context}: {error}")]
     Io {
         /// What was being done.
         context: String,
-        /// The error.
-        #[source]
-        source: io::Error,
+        /// The error. Part of the message, not a `source()`, so an error chain prints it once.
+        error: io::Error,
     },
     /// The region cannot hold the model.
     #[error("region of {have} bytes cannot hold the {want}-byte model")]
@@ -100,14 +99,20 @@ pub enum LoadError {
     /// Options out of range.
     #[error("invalid load options: {0}")]
     Options(&'static str),
-    /// Placing bytes in the region failed.
+    /// Placing bytes in the region failed (in the message, not a `source()`: a chain prints it once).
     #[error("writing the region: {0}")]
-    Region(#[from] cascade_transport::TransportError),
+    Region(cascade_transport::TransportError),
+}
+
+impl From<cascade_transport::TransportError> for LoadError {
+    fn from(e: cascade_transport::TransportError) -> Self {
+        LoadError::Region(e)
+    }
 }
 
 fn io_err(context: impl Into<String>) -> impl FnOnce(io::Error) -> LoadError {
     let context = context.into();
-    move |source| LoadError::Io { context, source }
+    move |error| LoadError::Io { context, error }
 }
 
 /// One tensor's bytes: where they are in the file and where they go in the region.
@@ -299,7 +304,7 @@ impl Ring {
         // the ring has room because no more reads are queued than its depth.
         unsafe { self.ring.submission().push(&e) }.map_err(|_| LoadError::Io {
             context: "io_uring submission queue full".into(),
-            source: io::ErrorKind::Other.into(),
+            error: io::ErrorKind::Other.into(),
         })?;
         debug_assert!(!self.targets.contains_key(&tag), "tag {tag} is in flight already");
         self.targets.insert(tag, region.clone());
@@ -376,7 +381,7 @@ unsafe fn load_direct(
     // Page-aligned staging buffers (a Region is page-aligned memory, private to this load).
     let staging: Vec<Region> =
         (0..depth).map(|_| Region::alloc(opts.block, RegionOptions::default())).collect::<Result<_, _>>().map_err(
-            |e| LoadError::Io { context: "allocating staging buffers".into(), source: io::Error::other(e.to_string()) },
+            |e| LoadError::Io { context: "allocating staging buffers".into(), error: io::Error::other(e.to_string()) },
         )?;
     let mut ring = Ring::new(depth)?;
     let fd = f.as_raw_fd();
@@ -403,7 +408,7 @@ unsafe fn load_direct(
             if res < 0 {
                 return Err(LoadError::Io {
                     context: format!("O_DIRECT read of {path} at {off}"),
-                    source: io::Error::from_raw_os_error(-res),
+                    error: io::Error::from_raw_os_error(-res),
                 });
             }
             let n = res as u64;
@@ -463,7 +468,7 @@ unsafe fn load_buffered(
             if res < 0 {
                 return Err(LoadError::Io {
                     context: format!("reading {path} at {off}"),
-                    source: io::Error::from_raw_os_error(-res),
+                    error: io::Error::from_raw_os_error(-res),
                 });
             }
             let got = res as u64;

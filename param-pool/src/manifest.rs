@@ -28,13 +28,12 @@ pub const DEFAULT_CHUNK: u64 = 1 << 20;
 #[non_exhaustive]
 pub enum ManifestError {
     /// The file could not be opened or mapped.
-    #[error("{path}: {source}")]
+    #[error("{path}: {error}")]
     Io {
         /// The file.
         path: String,
-        /// The error.
-        #[source]
-        source: std::io::Error,
+        /// The error. Part of the message, not a `source()`, so an error chain prints it once.
+        error: std::io::Error,
     },
     /// The file is not a valid safetensors file.
     #[error("{path}: not a valid safetensors file: {detail}")]
@@ -170,13 +169,13 @@ impl Manifest {
     pub fn from_file(path: &Path, name: &str, chunk: u64) -> Result<Manifest, ManifestError> {
         let shown = path.display().to_string();
         let file =
-            crate::files::open_regular(path, 0).map_err(|source| ManifestError::Io { path: shown.clone(), source })?;
+            crate::files::open_regular(path, 0).map_err(|error| ManifestError::Io { path: shown.clone(), error })?;
         // SAFETY: the mapping is read-only and lives only for this call. Model files must not be
         // modified while they are read (the pool publishes new models under new names): a
         // concurrent write would only change the checksums recorded, but a concurrent truncation
         // would raise SIGBUS, as with any mapped file.
         let map =
-            unsafe { memmap2::Mmap::map(&file) }.map_err(|source| ManifestError::Io { path: shown.clone(), source })?;
+            unsafe { memmap2::Mmap::map(&file) }.map_err(|error| ManifestError::Io { path: shown.clone(), error })?;
         Self::from_bytes(&map, name, chunk, &shown)
     }
 

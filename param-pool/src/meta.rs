@@ -42,13 +42,12 @@ use crate::pool::{Action, CopyId, ModelId, NodeId, Pool, PoolError};
 #[non_exhaustive]
 pub enum MetaError {
     /// A file operation failed.
-    #[error("{context}: {source}")]
+    #[error("{context}: {error}")]
     Io {
         /// What was being done.
         context: String,
-        /// The error.
-        #[source]
-        source: std::io::Error,
+        /// The error. Part of the message, not a `source()`, so an error chain prints it once.
+        error: std::io::Error,
     },
     /// A record or snapshot did not decode.
     #[error("{0}")]
@@ -85,7 +84,7 @@ pub enum MetaError {
 
 fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> MetaError {
     let context = context.into();
-    move |source| MetaError::Io { context, source }
+    move |error| MetaError::Io { context, error }
 }
 
 /// What recovery found.
@@ -519,7 +518,7 @@ impl<S: MetaStore> DurablePool<S> {
         let mut b = [0u8; 16];
         getrandom::fill(&mut b).map_err(|e| MetaError::Io {
             context: "drawing a pool id".into(),
-            source: std::io::Error::other(e.to_string()),
+            error: std::io::Error::other(e.to_string()),
         })?;
         let id = crate::manifest::hex(&b);
         let k = pool.state.pool.k();

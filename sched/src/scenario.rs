@@ -130,9 +130,15 @@ pub enum ScenarioError {
     /// Unknown scheduler.
     #[error("unknown scheduler {0:?} (have {list}, or partitioned: symphony/L, flex/herd:G:GMAX)", list = crate::scheduler::SCHEDULERS.join(", "))]
     UnknownScheduler(String),
-    /// The simulator refused a scheduler's decision.
+    /// The simulator refused a scheduler's decision (in the message, not a `source()`: a chain prints it once).
     #[error("simulation: {0}")]
-    Sim(#[from] crate::sim::SimError),
+    Sim(crate::sim::SimError),
+}
+
+impl From<crate::sim::SimError> for ScenarioError {
+    fn from(e: crate::sim::SimError) -> Self {
+        ScenarioError::Sim(e)
+    }
 }
 
 impl Scenario {

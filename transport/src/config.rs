@@ -75,7 +75,11 @@ impl ClusterSpec {
     pub fn load(path: &Path) -> Result<ClusterSpec> {
         let text = std::fs::read_to_string(path)
             .map_err(|e| TransportError::io(format!("reading cluster file {}", path.display()), e))?;
-        Self::from_toml(&text).map_err(|e| TransportError::Config(format!("{}: {e}", path.display())))
+        Self::from_toml(&text).map_err(|e| match e {
+            // Name the file inside the one "configuration:" the message has.
+            TransportError::Config(why) => TransportError::Config(format!("{}: {why}", path.display())),
+            other => other,
+        })
     }
 
     /// Checks ids and addresses are unique and the name is usable in a file name.

@@ -572,7 +572,7 @@ async fn bind(addr: std::net::SocketAddr, patience: Duration) -> Result<TcpListe
 
 fn hs_error(peer: String, e: DriveError) -> TransportError {
     match e {
-        DriveError::Handshake(source) => TransportError::Handshake { peer, source },
+        DriveError::Handshake(error) => TransportError::Handshake { peer, error },
         DriveError::Io(source) => TransportError::io(format!("handshake with {peer}"), source),
     }
 }

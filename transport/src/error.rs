@@ -129,22 +129,20 @@ pub enum TransportError {
         detail: String,
     },
     /// A frame could not be decoded.
-    #[error("bad frame from node {peer:?}: {source}")]
+    #[error("bad frame from node {peer:?}: {error}")]
     Frame {
         /// The peer, when known.
         peer: Option<NodeId>,
-        /// The decoding error.
-        #[source]
-        source: FrameError,
+        /// The decoding error. Part of the message, not a `source()`, so an error chain prints it once.
+        error: FrameError,
     },
     /// The connection handshake failed.
-    #[error("handshake with {peer} failed: {source}")]
+    #[error("handshake with {peer} failed: {error}")]
     Handshake {
         /// Address or node id of the peer.
         peer: String,
-        /// Why.
-        #[source]
-        source: HandshakeError,
+        /// Why. Part of the message, not a `source()`, so an error chain prints it once.
+        error: HandshakeError,
     },
     /// A node's service table could not deliver a control message (see `service`).
     #[error("node {peer}, {service} service: {fault}")]
@@ -179,13 +177,12 @@ pub enum TransportError {
     #[error("device memory: {0}")]
     Device(String),
     /// An operating-system call failed.
-    #[error("{context}: {source}")]
+    #[error("{context}: {error}")]
     Io {
         /// What was being done.
         context: String,
-        /// The underlying error.
-        #[source]
-        source: std::io::Error,
+        /// The underlying error. Part of the message, not a `source()`, so an error chain prints it once.
+        error: std::io::Error,
     },
 }
 
@@ -224,7 +221,7 @@ impl TransportError {
     }
 
     /// Wraps an I/O error with what was being done.
-    pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
-        TransportError::Io { context: context.into(), source }
+    pub fn io(context: impl Into<String>, error: std::io::Error) -> Self {
+        TransportError::Io { context: context.into(), error }
     }
 }

@@ -143,13 +143,12 @@ pub enum ControlError {
     #[error(transparent)]
     Layout(#[from] LayoutError),
     /// A node could not be reached or did not answer.
-    #[error("{what}: {source}")]
+    #[error("{what}: {error}")]
     Transport {
         /// The step.
         what: &'static str,
-        /// The transport's error.
-        #[source]
-        source: TransportError,
+        /// The transport's error. Part of the message, not a `source()`, so an error chain prints it once.
+        error: TransportError,
     },
     /// A node refused a request.
     #[error("{what} at node {node}: {message}")]
@@ -527,7 +526,7 @@ async fn ask(mesh: &Arc<dyn Mesh>, what: &'static str, node: NodeId, msg: Contro
     match mesh.call(node, &msg, SETUP).await {
         Ok(Control::Failed { message }) => Err(ControlError::Node { what, node, message }),
         Ok(r) => Ok(r),
-        Err(source) => Err(ControlError::Transport { what, source }),
+        Err(error) => Err(ControlError::Transport { what, error }),
     }
 }
 

@@ -388,13 +388,12 @@ async fn requests<R: AsyncBufRead + Unpin, W: AsyncWrite + Unpin>(
 #[non_exhaustive]
 pub enum AdminError {
     /// The manager could not be reached or the exchange broke off.
-    #[error("{context}: {source}")]
+    #[error("{context}: {error}")]
     Io {
         /// What was being done.
         context: String,
-        /// The error.
-        #[source]
-        source: std::io::Error,
+        /// The error. Part of the message, not a `source()`, so an error chain prints it once.
+        error: std::io::Error,
     },
     /// The manager's answer is not an answer.
     #[error("the pool manager's answer is malformed: {0}")]
@@ -407,7 +406,7 @@ pub enum AdminError {
 /// Sends one request to the manager at `addr` and returns its result; a TCP address needs the
 /// cluster `secret`.
 pub async fn admin_call(addr: &AdminAddr, secret: &[u8], req: &AdminRequest) -> Result<serde_json::Value, AdminError> {
-    let io = |context: String| move |source| AdminError::Io { context, source };
+    let io = |context: String| move |error| AdminError::Io { context, error };
     let connecting = format!("connecting to the pool manager at {addr}");
     let (r, mut w): (Box<dyn AsyncBufRead + Unpin + Send>, Box<dyn AsyncWrite + Unpin + Send>) = match addr {
         AdminAddr::Unix(p) => {

@@ -258,7 +258,7 @@ impl crate::meta::MetaStore for FlakyStore {
         if self.full.load(std::sync::atomic::Ordering::SeqCst) {
             return Err(crate::meta::MetaError::Io {
                 context: "appending to the WAL".into(),
-                source: std::io::Error::from_raw_os_error(libc::ENOSPC),
+                error: std::io::Error::from_raw_os_error(libc::ENOSPC),
             });
         }
         self.inner.append(record)

@@ -154,7 +154,7 @@ impl EtcdStore {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
-            .map_err(|e| MetaError::Io { context: "starting the etcd client's runtime".into(), source: e })?;
+            .map_err(|e| MetaError::Io { context: "starting the etcd client's runtime".into(), error: e })?;
         let opts = ConnectOptions::new().with_connect_timeout(timeout).with_timeout(timeout);
         let eps = endpoints.to_vec();
         let (ready_tx, ready_rx) = std_mpsc::sync_channel(1);
@@ -189,7 +189,7 @@ impl EtcdStore {
                     }
                 })
             })
-            .map_err(|e| MetaError::Io { context: "starting the etcd client's thread".into(), source: e })?;
+            .map_err(|e| MetaError::Io { context: "starting the etcd client's thread".into(), error: e })?;
         ready_rx.recv().map_err(|_| MetaError::Corrupt("etcd: the client thread stopped".into()))??;
         Ok(EtcdStore { calls, at: format!("etcd {} under {prefix_shown}", endpoints.join(",")) })
     }

@@ -58,3 +58,20 @@ fn backend_selection() {
         assert_eq!(select_backend(x, all, y, all), select_backend(y, all, x, all));
     }
 }
+
+#[test]
+fn a_file_error_names_the_file_and_each_cause_once() {
+    use std::error::Error as _;
+    let dir = std::env::temp_dir().join(format!("cascade-config-chain-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let missing = ClusterSpec::load(&dir.join("absent.toml")).unwrap_err();
+    assert!(missing.to_string().contains("absent.toml"), "{missing}");
+    assert!(missing.to_string().contains("No such file"), "{missing}");
+    assert!(missing.source().is_none(), "the OS error is in the message already");
+    let bad = dir.join("bad.toml");
+    std::fs::write(&bad, "nodes = []\n").unwrap();
+    let e = ClusterSpec::load(&bad).unwrap_err().to_string();
+    assert_eq!(e.matches("configuration").count(), 1, "{e}");
+    assert!(e.contains("bad.toml") && e.contains("no nodes"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

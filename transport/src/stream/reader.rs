@@ -81,7 +81,7 @@ pub(super) async fn read_loop<R: FrameSource>(
     loop {
         r.read_exact(&mut hb).await.map_err(io_err)?;
         s.touch_rx();
-        let h = Header::decode(&hb).map_err(|source| TransportError::Frame { peer: Some(peer), source })?;
+        let h = Header::decode(&hb).map_err(|error| TransportError::Frame { peer: Some(peer), error })?;
         let mut step = machine::on_header(&**s, h);
         loop {
             step = match step {
