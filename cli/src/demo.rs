@@ -317,9 +317,9 @@ async fn driver(a: DemoArgs, cluster_file: PathBuf, pids: Vec<u32>) -> anyhow::R
     let s = status(&m);
     let holders: Vec<u32> = s.copies.iter().filter(|c| c.model == id).map(|c| c.node).collect();
     say(format!(
-        "1. registered {model_name}: {} copies loaded from the file (io_uring) on nodes {holders:?} in {register_s:.2} s; \
+        "1. registered {model_name}: {} loaded from the file (io_uring) on nodes {holders:?} in {register_s:.2} s; \
          {} tenant models placed",
-        holders.len(),
+        crate::copies(holders.len()),
         tenants.len()
     ));
 
@@ -363,7 +363,11 @@ async fn driver(a: DemoArgs, cluster_file: PathBuf, pids: Vec<u32>) -> anyhow::R
     let (calls, calls_rx) = tokio::sync::mpsc::channel(4);
     let mgr = tokio::spawn(m.run(calls_rx));
     let pid = *pids.get(victim as usize - 1).context("no pid for the victim")?;
-    say(format!("3. kill -9 node {victim} (pid {pid}), which holds {victim_copies} copies, {}", mb(lost_bytes)));
+    say(format!(
+        "3. kill -9 node {victim} (pid {pid}), which holds {}, {}",
+        crate::copies(victim_copies),
+        mb(lost_bytes)
+    ));
     let killed_at = epoch.elapsed().as_secs_f64();
     tl.lock().unwrap_or_else(|e| e.into_inner()).mark(killed_at, format!("kill -9 node {victim}"));
     let t = Instant::now();
@@ -398,9 +402,9 @@ async fn driver(a: DemoArgs, cluster_file: PathBuf, pids: Vec<u32>) -> anyhow::R
     let _ = follower.await;
     let restored = status_h.lock().unwrap_or_else(|e| e.into_inner()).clone();
     say(format!(
-        "5. pool check: {} — {} copies, {} verified chunk by chunk against their manifests",
+        "5. pool check: {} — {}, {} verified chunk by chunk against their manifests",
         if check.healthy { "healthy" } else { "NOT healthy" },
-        check.copies_checked,
+        crate::copies(check.copies_checked),
         mb(check.bytes_checked)
     ));
     for p in &check.problems {
@@ -465,7 +469,11 @@ async fn drain_and_stop(
     let copies = s.copies.iter().filter(|c| c.node == node).count();
     // A pause, so that the timeline shows the repair and the drain apart (not part of either).
     tokio::time::sleep(Duration::from_millis(400)).await;
-    say(format!("4. cascade pool drain --node {node}, which holds {copies} copies, {}; then stop it", mb(bytes)));
+    say(format!(
+        "4. cascade pool drain --node {node}, which holds {}, {}; then stop it",
+        crate::copies(copies),
+        mb(bytes)
+    ));
     tl.lock().unwrap_or_else(|e| e.into_inner()).mark(epoch.elapsed().as_secs_f64(), format!("drain node {node}"));
     let (reply, answer) = tokio::sync::oneshot::channel();
     calls
@@ -497,13 +505,13 @@ async fn drain_and_stop(
         bail!("the drain of node {node} left copies {:?} there", rep.left);
     }
     say(format!(
-        "   drained in {:.2} s: {} copies ({}) made elsewhere first, then its {} copies dropped (a model with \
+        "   drained in {:.2} s: {} ({}) made elsewhere first, then its {} dropped (a model with \
          more than k copies elsewhere needs no replacement); fewest whole copies of any model meanwhile: \
          {fewest} (k = {}, polled every 5 ms)",
         rep.seconds,
-        rep.copies_made,
+        crate::copies(rep.copies_made),
         mb(rep.bytes_made),
-        rep.copies_dropped,
+        crate::copies(rep.copies_dropped),
         a.k
     ));
     let pid = *pids.get(node as usize - 1).context("no pid for the drained node")?;

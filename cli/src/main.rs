@@ -484,6 +484,15 @@ async fn multicast(a: MulticastArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `n` copies in words: "1 copy", "3 copies".
+pub(crate) fn copies(n: usize) -> String {
+    if n == 1 {
+        "1 copy".into()
+    } else {
+        format!("{n} copies")
+    }
+}
+
 /// A number of seconds: finite and not negative (NaN, inf and -1 are refused at parse time).
 pub(crate) fn seconds(s: &str) -> Result<f64, String> {
     let v: f64 = s.parse().map_err(|e| format!("{s:?} is not a number: {e}"))?;

@@ -421,8 +421,11 @@ pub(crate) async fn run(cmd: PoolCmd) -> anyhow::Result<()> {
                 println!("{v}");
             } else if rep.drained {
                 println!(
-                    "node {node} drained: {} copies ({} bytes) made elsewhere, {} dropped there, in {:.2} s; it may be stopped",
-                    rep.copies_made, rep.bytes_made, rep.copies_dropped, rep.seconds
+                    "node {node} drained: {} ({} bytes) made elsewhere, {} dropped there, in {:.2} s; it may be stopped",
+                    crate::copies(rep.copies_made),
+                    rep.bytes_made,
+                    crate::copies(rep.copies_dropped),
+                    rep.seconds
                 );
             } else {
                 println!(

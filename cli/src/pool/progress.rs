@@ -2,7 +2,9 @@
 //! apply-epoch`): while the call runs, the manager's status is read on a second connection
 //! (answered while the manager is busy) and each copy it is making gets a bar on stderr, with
 //! the bytes in place so far (verified by its multicast, or placed by its load from the file).
-//! Nothing is drawn when stderr is not a terminal.
+//! When stderr is not a terminal (a log, a pipe) the same goes there as plain lines instead: one
+//! when a copy starts, one every [`LINE_EVERY`] while it is made, one when it is ready or gone.
+//! `--json` callers get neither.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -15,6 +17,9 @@ use super::Admin;
 
 /// How often the status is read while a call runs.
 const POLL: Duration = Duration::from_millis(250);
+
+/// How often a copy still being made gets a line, off a terminal.
+const LINE_EVERY: Duration = Duration::from_secs(10);
 
 /// The style of a copy's bar, shared with the demo's timeline.
 pub(crate) fn copy_bar_style() -> ProgressStyle {
@@ -55,8 +60,7 @@ impl CopyBars {
                 let model = s.models.iter().find(|m| m.id == c.model);
                 let bar = self.bars.add(ProgressBar::new(model.map_or(0, |m| m.bytes)).with_style(copy_bar_style()));
                 bar.set_prefix(format!("node {}", c.node));
-                let name = model.map_or_else(|| format!("model {}", c.model), |m| m.name.escape_debug().to_string());
-                bar.set_message(format!("{name} (copy {}, {})", c.id, c.kind));
+                bar.set_message(copy_label(s, c));
                 bar
             });
             if let Some(b) = c.in_place {
@@ -72,15 +76,75 @@ impl CopyBars {
     }
 }
 
+/// A copy's name in progress output: its model, id and kind.
+fn copy_label(s: &Status, c: &cascade_param_pool::manager::CopyStatus) -> String {
+    let name = s
+        .models
+        .iter()
+        .find(|m| m.id == c.model)
+        .map_or_else(|| format!("model {}", c.model), |m| m.name.escape_debug().to_string());
+    format!("{name} (copy {}, {})", c.id, c.kind)
+}
+
+/// The same as [`CopyBars`] as plain lines, for stderr that is not a terminal (sans-IO: the
+/// caller says when it is and prints the lines).
+pub(super) struct CopyLines {
+    /// Each copy being made: its line's prefix and when it last had a line.
+    open: BTreeMap<CopyId, (String, std::time::Instant)>,
+}
+
+impl CopyLines {
+    /// Nothing seen yet.
+    pub(super) fn new() -> CopyLines {
+        CopyLines { open: BTreeMap::new() }
+    }
+
+    /// The lines `s`, seen at `now`, calls for: a copy that started, one still loading whose
+    /// last line is [`LINE_EVERY`] old, one that became ready or went.
+    pub(super) fn update(&mut self, s: &Status, now: std::time::Instant) -> Vec<String> {
+        let mut lines = Vec::new();
+        self.open.retain(|id, (label, _)| {
+            match s.copies.iter().find(|c| c.id == *id).map(|c| c.state.as_str()) {
+                Some("loading") => return true,
+                Some("ready") => lines.push(format!("{label}: ready")),
+                _ => lines.push(format!("{label}: gone before it was ready")),
+            }
+            false
+        });
+        for c in s.copies.iter().filter(|c| c.state == "loading") {
+            let total = s.models.iter().find(|m| m.id == c.model).map_or(0, |m| m.bytes);
+            let at = match c.in_place {
+                Some(b) => format!("{b} of {total} bytes in place"),
+                None => format!("{total} bytes to place"),
+            };
+            match self.open.get_mut(&c.id) {
+                None => {
+                    let label = format!("node {}: {}", c.node, copy_label(s, c));
+                    lines.push(format!("{label}: started, {at}"));
+                    self.open.insert(c.id, (label, now));
+                }
+                Some((label, last)) if now.duration_since(*last) >= LINE_EVERY => {
+                    lines.push(format!("{label}: {at}"));
+                    *last = now;
+                }
+                Some(_) => {}
+            }
+        }
+        lines
+    }
+}
+
 impl Admin {
-    /// Makes a call that may take long, with a bar per copy the pool makes meanwhile (on a
-    /// terminal only; a failing status read only stops the bars, never the call).
+    /// Makes a call that may take long, showing each copy the pool makes meanwhile: a bar on a
+    /// terminal, plain lines on stderr otherwise, nothing with `--json` (a failing status read
+    /// only stops the progress, never the call).
     pub(super) async fn call_with_progress(&self, req: AdminRequest) -> anyhow::Result<serde_json::Value> {
-        let bars = MultiProgress::new();
-        if bars.is_hidden() || self.json {
+        if self.json {
             return self.call(req).await;
         }
-        let mut view = CopyBars::new(bars.clone());
+        let bars = MultiProgress::new();
+        let mut view =
+            if bars.is_hidden() { View::Lines(CopyLines::new()) } else { View::Bars(CopyBars::new(bars.clone())) };
         let call = self.call(req);
         tokio::pin!(call);
         let mut tick = tokio::time::interval(POLL);
@@ -90,14 +154,14 @@ impl Admin {
             tokio::select! {
                 r = &mut call => break r,
                 _ = tick.tick(), if polling => match self.status().await {
-                    Some(s) => view.update(&s),
+                    Some(s) => view.show(&s),
                     None => polling = false,
                 },
             }
         };
         // The copies' last state, then the bars make way for the answer.
         if let Some(s) = self.status().await {
-            view.update(&s);
+            view.show(&s);
         }
         let _ = bars.clear();
         r
@@ -106,6 +170,27 @@ impl Admin {
     /// The manager's status, if it can be read.
     async fn status(&self) -> Option<Status> {
         serde_json::from_value(self.call(AdminRequest::Status).await.ok()?).ok()
+    }
+}
+
+/// Where progress goes.
+enum View {
+    /// Bars, on a terminal.
+    Bars(CopyBars),
+    /// Lines, on stderr that is not one.
+    Lines(CopyLines),
+}
+
+impl View {
+    fn show(&mut self, s: &Status) {
+        match self {
+            View::Bars(b) => b.update(s),
+            View::Lines(l) => {
+                for line in l.update(s, std::time::Instant::now()) {
+                    eprintln!("{line}");
+                }
+            }
+        }
     }
 }
 
@@ -149,5 +234,32 @@ mod tests {
         assert!(v.open().is_empty());
         assert!(b8.is_finished() && b8.position() == 1000 && b8.message().ends_with("ready"), "{}", b8.message());
         assert!(b9.is_finished() && b9.position() == 500 && b9.message().contains("gone"), "{}", b9.message());
+    }
+
+    #[test]
+    fn off_a_terminal_a_copy_gets_a_line_when_it_starts_every_ten_seconds_and_when_it_ends() {
+        let mut v = CopyLines::new();
+        let t0 = std::time::Instant::now();
+        let lines = v.update(&status(vec![copy(7, "ready", None), copy(8, "loading", None)]), t0);
+        assert_eq!(lines, vec!["node 3: m (copy 8, host): started, 1000 bytes to place".to_string()]);
+        assert!(v.update(&status(vec![copy(8, "loading", Some(300))]), t0 + Duration::from_secs(4)).is_empty());
+        let lines =
+            v.update(&status(vec![copy(8, "loading", Some(600)), copy(9, "loading", Some(0))]), t0 + LINE_EVERY);
+        assert_eq!(
+            lines,
+            vec![
+                "node 3: m (copy 8, host): 600 of 1000 bytes in place".to_string(),
+                "node 3: m (copy 9, host): started, 0 of 1000 bytes in place".to_string(),
+            ]
+        );
+        let lines = v.update(&status(vec![copy(8, "ready", None)]), t0 + LINE_EVERY + Duration::from_secs(1));
+        assert_eq!(
+            lines,
+            vec![
+                "node 3: m (copy 8, host): ready".to_string(),
+                "node 3: m (copy 9, host): gone before it was ready".to_string()
+            ]
+        );
+        assert!(v.update(&status(vec![copy(8, "ready", None)]), t0 + 3 * LINE_EVERY).is_empty(), "nothing open");
     }
 }
