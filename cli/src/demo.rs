@@ -481,17 +481,7 @@ async fn drain_and_stop(
         .await
         .ok()
         .context("manager stopped")?;
-    let whole = |s: &Status| {
-        s.models
-            .iter()
-            .map(|m| {
-                let on: std::collections::BTreeSet<u32> =
-                    s.copies.iter().filter(|c| c.model == m.id && c.state != "loading").map(|c| c.node).collect();
-                on.len()
-            })
-            .min()
-            .unwrap_or(0)
-    };
+    let whole = |s: &Status| s.models.iter().map(|m| m.whole).min().unwrap_or(0);
     let mut fewest = usize::MAX;
     let answer = tokio::spawn(answer);
     while !answer.is_finished() {

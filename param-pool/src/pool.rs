@@ -257,8 +257,9 @@ impl Pool {
         self.nodes_with(model, |s| s == CopyState::Ready)
     }
 
-    /// Ready or evicting (so still whole) copies of `model` on distinct live nodes.
-    fn whole_nodes(&self, model: ModelId) -> BTreeSet<NodeId> {
+    /// Ready or evicting (so still whole) copies of `model` on distinct live nodes: what a drain
+    /// never lets fall below k.
+    pub fn whole_nodes(&self, model: ModelId) -> BTreeSet<NodeId> {
         self.nodes_with(model, |s| s != CopyState::Loading)
     }
 

@@ -19,6 +19,10 @@ pub struct ModelStatus {
     pub bytes: u64,
     /// Ready copies on distinct live nodes.
     pub ready: usize,
+    /// Whole copies — ready, or evicting and still readable — on distinct live nodes
+    /// ([`Pool::whole_nodes`]); absent from an older manager's answer, read as 0.
+    #[serde(default)]
+    pub whole: usize,
     /// Why it is lost, if it is.
     pub lost: Option<String>,
 }
@@ -159,6 +163,7 @@ impl Status {
                 name: e.manifest.name.clone(),
                 bytes: e.manifest.bytes,
                 ready: pool.ready_nodes(*id).len(),
+                whole: pool.whole_nodes(*id).len(),
                 lost: lost.get(id).cloned(),
             })
             .collect();

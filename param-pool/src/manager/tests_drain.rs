@@ -72,6 +72,7 @@ async fn a_drained_node_holds_nothing_and_its_departure_needs_no_repair() {
     let s = m.status_handle().lock().unwrap().clone();
     assert!(s.nodes.iter().any(|n| n.id == victim && n.draining && n.copies == 0), "{s}");
     assert!(s.to_string().contains("(drained)"), "{s}");
+    assert!(s.models.iter().all(|x| x.whole == x.ready && x.whole >= k), "nothing evicting is left: {s:?}");
 
     // The node stops: declared dead after dead_after, and nothing is made again.
     let status = m.status_handle();
@@ -149,6 +150,10 @@ async fn the_status_shows_how_far_each_loading_copy_is_while_the_manager_drains(
             progress += 1;
             let s = status.lock().unwrap().clone();
             let c = s.copies.iter().find(|c| c.id == copy).unwrap_or_else(|| panic!("copy {copy} not in {s}"));
+            assert!(
+                s.models.iter().all(|m| m.whole >= k && m.whole >= m.ready),
+                "the status shows a model short: {s:?}"
+            );
             match c.state.as_str() {
                 // Later layers may have landed since the notice was sent, none fewer.
                 "loading" => {
