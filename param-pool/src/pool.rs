@@ -115,7 +115,7 @@ pub enum PoolError {
         k: usize,
     },
     /// Fewer live nodes than the invariant needs.
-    #[error("{have} live nodes cannot hold {k} copies on distinct nodes")]
+    #[error("k = {k} copies on distinct nodes need {k} live {}; live now: {have}", if *k == 1 { "node" } else { "nodes" })]
     TooFewNodes {
         /// Live nodes.
         have: usize,

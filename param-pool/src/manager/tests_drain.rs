@@ -109,7 +109,11 @@ async fn a_drain_the_pool_cannot_honour_is_refused_and_an_undrained_node_takes_c
     let task = tokio::spawn(m.run(rx));
     let other = (1..=3).find(|n| *n != free).unwrap();
     let err = call(&admin, AdminRequest::Drain { node: other }).await.unwrap_err();
-    assert!(err.contains(&format!("draining node {other}")) && err.contains("cannot hold 2 copies"), "{err}");
+    assert!(
+        err.contains(&format!("draining node {other}"))
+            && err.contains("k = 2 copies on distinct nodes need 2 live nodes; live now: 1"),
+        "{err}"
+    );
     let err = call(&admin, AdminRequest::Drain { node: 9 }).await.unwrap_err();
     assert!(err.contains("node 9 is not a live member"), "{err}");
     let err = call(&admin, AdminRequest::Deploy { model: 1, node: free, gpu: 0 }).await.unwrap_err();

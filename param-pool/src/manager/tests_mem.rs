@@ -239,7 +239,7 @@ async fn a_refused_register_leaves_nothing_behind() {
     let mut m = c.manager(3);
     m.start().await.unwrap();
     let err = m.register("m0", &c.models[0]).await.unwrap_err().to_string();
-    assert!(err.contains("2 live nodes cannot hold 3 copies"), "{err}");
+    assert!(err.contains("k = 3 copies on distinct nodes need 3 live nodes; live now: 2"), "{err}");
     let err = m.register("bad\u{1b}[2Jname", &c.models[0]).await.unwrap_err().to_string();
     assert!(err.contains("control characters") && !err.contains('\u{1b}'), "{err}");
     assert!(m.catalog().is_empty(), "a refused register left a catalog entry");
