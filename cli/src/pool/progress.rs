@@ -9,7 +9,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use cascade_param_pool::manager::{AdminRequest, Status};
+use cascade_param_pool::manager::{AdminRequest, CopyStatus, Status};
 use cascade_param_pool::pool::CopyId;
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 
@@ -45,20 +45,19 @@ impl CopyBars {
     /// went without becoming ready (its load failed, or it was dropped).
     pub(super) fn update(&mut self, s: &Status) {
         self.open.retain(|id, bar| {
-            match s.copies.iter().find(|c| c.id == *id).map(|c| c.state.as_str()) {
-                Some("loading") => return true,
-                Some("ready") => {
+            match ended(s, *id) {
+                None => return true,
+                Some(Ended::Ready) => {
                     bar.set_position(bar.length().unwrap_or(0));
                     bar.finish_with_message(format!("{} ready", bar.message()));
                 }
-                _ => bar.abandon_with_message(format!("{}: gone before it was ready", bar.message())),
+                Some(Ended::Gone) => bar.abandon_with_message(format!("{}: gone before it was ready", bar.message())),
             }
             false
         });
-        for c in s.copies.iter().filter(|c| c.state == "loading") {
+        for (c, total) in loading(s) {
             let bar = self.open.entry(c.id).or_insert_with(|| {
-                let model = s.models.iter().find(|m| m.id == c.model);
-                let bar = self.bars.add(ProgressBar::new(model.map_or(0, |m| m.bytes)).with_style(copy_bar_style()));
+                let bar = self.bars.add(ProgressBar::new(total).with_style(copy_bar_style()));
                 bar.set_prefix(format!("node {}", c.node));
                 bar.set_message(copy_label(s, c));
                 bar
@@ -76,8 +75,33 @@ impl CopyBars {
     }
 }
 
+/// What became of a copy that was loading, as `s` shows it.
+enum Ended {
+    /// It is ready.
+    Ready,
+    /// It went without becoming ready (its load failed, or it was dropped).
+    Gone,
+}
+
+/// What became of copy `id`, or `None` while `s` shows it loading.
+fn ended(s: &Status, id: CopyId) -> Option<Ended> {
+    match s.copies.iter().find(|c| c.id == id).map(|c| c.state.as_str()) {
+        Some("loading") => None,
+        Some("ready") => Some(Ended::Ready),
+        _ => Some(Ended::Gone),
+    }
+}
+
+/// The copies `s` shows loading, each with its model's size in bytes (0 if `s` lacks the model).
+fn loading(s: &Status) -> impl Iterator<Item = (&CopyStatus, u64)> {
+    s.copies
+        .iter()
+        .filter(|c| c.state == "loading")
+        .map(|c| (c, s.models.iter().find(|m| m.id == c.model).map_or(0, |m| m.bytes)))
+}
+
 /// A copy's name in progress output: its model, id and kind.
-fn copy_label(s: &Status, c: &cascade_param_pool::manager::CopyStatus) -> String {
+fn copy_label(s: &Status, c: &CopyStatus) -> String {
     let name = s
         .models
         .iter()
@@ -104,27 +128,26 @@ impl CopyLines {
     pub(super) fn update(&mut self, s: &Status, now: std::time::Instant) -> Vec<String> {
         let mut lines = Vec::new();
         self.open.retain(|id, (label, _)| {
-            match s.copies.iter().find(|c| c.id == *id).map(|c| c.state.as_str()) {
-                Some("loading") => return true,
-                Some("ready") => lines.push(format!("{label}: ready")),
-                _ => lines.push(format!("{label}: gone before it was ready")),
+            match ended(s, *id) {
+                None => return true,
+                Some(Ended::Ready) => lines.push(format!("{label}: ready")),
+                Some(Ended::Gone) => lines.push(format!("{label}: gone before it was ready")),
             }
             false
         });
-        for c in s.copies.iter().filter(|c| c.state == "loading") {
-            let total = s.models.iter().find(|m| m.id == c.model).map_or(0, |m| m.bytes);
-            let at = match c.in_place {
+        for (c, total) in loading(s) {
+            let at = || match c.in_place {
                 Some(b) => format!("{b} of {total} bytes in place"),
                 None => format!("{total} bytes to place"),
             };
             match self.open.get_mut(&c.id) {
                 None => {
                     let label = format!("node {}: {}", c.node, copy_label(s, c));
-                    lines.push(format!("{label}: started, {at}"));
+                    lines.push(format!("{label}: started, {}", at()));
                     self.open.insert(c.id, (label, now));
                 }
                 Some((label, last)) if now.duration_since(*last) >= LINE_EVERY => {
-                    lines.push(format!("{label}: {at}"));
+                    lines.push(format!("{label}: {}", at()));
                     *last = now;
                 }
                 Some(_) => {}
@@ -196,7 +219,7 @@ impl View {
 
 #[cfg(test)]
 mod tests {
-    use cascade_param_pool::manager::{CopyStatus, ModelStatus};
+    use cascade_param_pool::manager::ModelStatus;
     use indicatif::ProgressDrawTarget;
 
     use super::*;
