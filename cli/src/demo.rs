@@ -357,8 +357,8 @@ async fn driver(a: DemoArgs, cluster_file: PathBuf, pids: Vec<u32>) -> anyhow::R
     }
 
     // 3. Kill the node holding the most bytes; the manager's loop declares it dead and repairs.
-    let (victim, lost_bytes) = s.nodes.iter().map(|n| (n.id, n.bytes)).max_by_key(|x| x.1).context("no nodes")?;
-    let victim_copies = s.copies.iter().filter(|c| c.node == victim).count();
+    let (victim, lost_bytes, victim_copies) =
+        s.nodes.iter().map(|n| (n.id, n.bytes, n.copies)).max_by_key(|x| x.1).context("no nodes")?;
     let status_h = m.status_handle();
     let (calls, calls_rx) = tokio::sync::mpsc::channel(4);
     let mgr = tokio::spawn(m.run(calls_rx));
@@ -465,8 +465,8 @@ async fn drain_and_stop(
         say(format!("4. no drain: {} nodes are left and k = {} needs them all", s.nodes.len(), a.k));
         return Ok(serde_json::Value::Null);
     }
-    let (node, bytes) = s.nodes.iter().map(|n| (n.id, n.bytes)).max_by_key(|x| x.1).context("no nodes")?;
-    let copies = s.copies.iter().filter(|c| c.node == node).count();
+    let (node, bytes, copies) =
+        s.nodes.iter().map(|n| (n.id, n.bytes, n.copies)).max_by_key(|x| x.1).context("no nodes")?;
     // A pause, so that the timeline shows the repair and the drain apart (not part of either).
     tokio::time::sleep(Duration::from_millis(400)).await;
     say(format!(
