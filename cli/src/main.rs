@@ -138,10 +138,10 @@ fn embed(a: EmbedArgs) -> anyhow::Result<()> {
     }
     if !a.json {
         println!(
-            "({} layers on the CPU; model loaded in {:.0} ms, {} texts embedded in {:.0} ms)",
-            e.model().config().num_hidden_layers + 1,
+            "({} and the embedding stage on the CPU; model loaded in {:.0} ms, {} embedded in {:.0} ms)",
+            count(e.model().config().num_hidden_layers, "encoder layer", "encoder layers"),
             loaded.as_secs_f64() * 1e3,
-            texts.len(),
+            count(texts.len(), "text", "texts"),
             ran.as_secs_f64() * 1e3
         );
     }
@@ -486,11 +486,12 @@ async fn multicast(a: MulticastArgs) -> anyhow::Result<()> {
 
 /// `n` copies in words: "1 copy", "3 copies".
 pub(crate) fn copies(n: usize) -> String {
-    if n == 1 {
-        "1 copy".into()
-    } else {
-        format!("{n} copies")
-    }
+    count(n, "copy", "copies")
+}
+
+/// `n` things in words, singular for one: `count(1, "text", "texts")` is "1 text".
+pub(crate) fn count(n: usize, one: &str, many: &str) -> String {
+    format!("{n} {}", if n == 1 { one } else { many })
 }
 
 /// A number of seconds: finite and not negative (NaN, inf and -1 are refused at parse time).
@@ -528,7 +529,8 @@ fn main() -> anyhow::Result<()> {
     });
     match cli.cmd {
         Cmd::CheckCluster { file } => {
-            let c = ClusterSpec::load(&file).with_context(|| format!("checking {}", file.display()))?;
+            // The error names the file already.
+            let c = ClusterSpec::load(&file)?;
             println!("cluster {:?}: {} nodes", c.name, c.nodes.len());
             for n in &c.nodes {
                 println!("  node {:>4}  {}  host {}", n.id, n.addr, n.host_key());

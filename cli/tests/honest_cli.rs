@@ -102,7 +102,7 @@ fn an_error_names_each_cause_once() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert_eq!(err.matches("No such file or directory").count(), 1, "{err}");
-    assert!(err.contains(&missing.display().to_string()), "{err}");
+    assert_eq!(err.matches(&missing.display().to_string()).count(), 1, "the path once: {err}");
 
     let bad = d.join("bad.toml");
     std::fs::write(&bad, "[[nodes]]\nid = \"zero\"\n").unwrap();
@@ -110,7 +110,8 @@ fn an_error_names_each_cause_once() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert_eq!(err.matches("configuration").count(), 1, "{err}");
-    assert!(err.contains(&bad.display().to_string()), "{err}");
+    assert_eq!(err.matches(&bad.display().to_string()).count(), 1, "the path once: {err}");
+    assert!(err.contains(&format!("cluster file {}: ", bad.display())), "{err}");
     let _ = std::fs::remove_dir_all(&d);
 }
 

@@ -77,7 +77,10 @@ impl ClusterSpec {
             .map_err(|e| TransportError::io(format!("reading cluster file {}", path.display()), e))?;
         Self::from_toml(&text).map_err(|e| match e {
             // Name the file inside the one "configuration:" the message has.
-            TransportError::Config(why) => TransportError::Config(format!("{}: {why}", path.display())),
+            TransportError::Config(why) => {
+                let why = why.strip_prefix("cluster file: ").unwrap_or(&why);
+                TransportError::Config(format!("cluster file {}: {why}", path.display()))
+            }
             other => other,
         })
     }
