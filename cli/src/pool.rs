@@ -410,7 +410,7 @@ pub(crate) async fn run(cmd: PoolCmd) -> anyhow::Result<()> {
                 for m in &moves {
                     println!("model {}: nodes {:?} -> {:?}", m.model, m.from, m.to);
                 }
-                println!("{n} model(s) moved");
+                println!("{} moved", crate::count(n, "model", "models"));
             }
             Ok(())
         }

@@ -185,13 +185,20 @@ impl PoolCluster {
 
     /// `cascade pool <what> <args>`'s exit status and output.
     fn tool_with(&self, what: &str, args: &[&str]) -> (bool, String) {
+        let (ok, out, _) = self.tool_stderr(what, args);
+        (ok, out)
+    }
+
+    /// `cascade pool <what> <args>`'s exit status, output and stderr (a pipe: progress as lines).
+    fn tool_stderr(&self, what: &str, args: &[&str]) -> (bool, String, String) {
         let out = Command::new(CASCADE)
             .args(["pool", what, "--admin", &self.admin.to_string()])
             .args(args)
             .env("CASCADE_SECRET", "pool-secret")
             .output()
             .unwrap();
-        (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned())
+        let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+        (out.status.success(), text(&out.stdout), text(&out.stderr))
     }
 
     fn register_models(&self) {
@@ -283,9 +290,20 @@ fn a_drained_node_stops_without_a_repair() {
     let mut c = PoolCluster::start(k, "drain");
     c.register_models();
     let (victim, bytes) = busiest(&c.status());
-    let (ok, out) = c.tool_with("drain", &["--node", &victim.to_string()]);
+    let (ok, out, progress) = c.tool_stderr("drain", &["--node", &victim.to_string()]);
     assert!(ok && out.contains(&format!("node {victim} drained")), "{out}\n{}", c.manager_log());
-    eprintln!("{}", out.trim());
+    eprintln!("{}\n{}", progress.trim(), out.trim());
+    // Off a terminal each copy made gets a line when it is ready, even one made between two of
+    // the progress's status reads (these models are small: most are).
+    let made: usize = out
+        .split("drained: ")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no count of copies made in {out:?}"));
+    assert!(made > 0, "{out}");
+    let ready = progress.lines().filter(|l| l.ends_with(": ready") || l.contains(": ready (")).count();
+    assert_eq!(ready, made, "a ready line per copy made: {progress}");
     let s = c.status();
     assert!(s.healthy, "{s}");
     assert_whole(&s, k);

@@ -4,9 +4,10 @@
 //! the bytes in place so far (verified by its multicast, or placed by its load from the file).
 //! When stderr is not a terminal (a log, a pipe) the same goes there as plain lines instead: one
 //! when a copy starts, one every [`LINE_EVERY`] while it is made, one when it is ready or gone.
-//! `--json` callers get neither.
+//! `--json` callers get neither. A copy made between two reads of the status, never seen
+//! loading, still gets its line (or a full bar) when it is first seen ready.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use cascade_param_pool::manager::{AdminRequest, CopyStatus, Status};
@@ -28,22 +29,54 @@ pub(crate) fn copy_bar_style() -> ProgressStyle {
         .progress_chars("=> ")
 }
 
+/// The copies a call's progress has seen, to tell a copy made between two reads of the status
+/// (first seen ready) from one that was there before the call.
+#[derive(Default)]
+struct Seen(Option<BTreeSet<CopyId>>);
+
+impl Seen {
+    /// The copies of `s` that are ready and new since the last status: none in the first status
+    /// (the baseline: what the pool held before the call), then each copy seen for the first
+    /// time already ready.
+    fn new_ready<'s>(&mut self, s: &'s Status) -> Vec<&'s CopyStatus> {
+        let first = self.0.is_none();
+        let known = self.0.get_or_insert_with(BTreeSet::new);
+        s.copies.iter().filter(|c| known.insert(c.id) && !first && c.state == "ready").collect()
+    }
+}
+
 /// One bar per copy the pool is loading, updated from successive statuses.
 pub(super) struct CopyBars {
     bars: MultiProgress,
     open: BTreeMap<CopyId, ProgressBar>,
+    seen: Seen,
 }
 
 impl CopyBars {
     /// Bars drawn on `bars`.
     pub(super) fn new(bars: MultiProgress) -> CopyBars {
-        CopyBars { bars, open: BTreeMap::new() }
+        CopyBars { bars, open: BTreeMap::new(), seen: Seen::default() }
+    }
+
+    /// A bar for copy `c`, of `total` bytes.
+    fn bar(&self, s: &Status, c: &CopyStatus, total: u64) -> ProgressBar {
+        let bar = self.bars.add(ProgressBar::new(total).with_style(copy_bar_style()));
+        bar.set_prefix(format!("node {}", c.node));
+        bar.set_message(copy_label(s, c));
+        bar
     }
 
     /// Shows `s`: a bar for each loading copy (its bytes in place, when its multicast reported
-    /// them), a finished one for a copy that became ready, an abandoned one for a copy that
-    /// went without becoming ready (its load failed, or it was dropped).
+    /// them), a finished one for a copy that became ready (also for one never seen loading), an
+    /// abandoned one for a copy that went without becoming ready (its load failed, or it was
+    /// dropped).
     pub(super) fn update(&mut self, s: &Status) {
+        for c in self.seen.new_ready(s) {
+            let total = size(s, c);
+            let bar = self.bar(s, c, total);
+            bar.set_position(total);
+            bar.finish_with_message(format!("{} ready", bar.message()));
+        }
         self.open.retain(|id, bar| {
             match ended(s, *id) {
                 None => return true,
@@ -56,12 +89,11 @@ impl CopyBars {
             false
         });
         for (c, total) in loading(s) {
-            let bar = self.open.entry(c.id).or_insert_with(|| {
-                let bar = self.bars.add(ProgressBar::new(total).with_style(copy_bar_style()));
-                bar.set_prefix(format!("node {}", c.node));
-                bar.set_message(copy_label(s, c));
-                bar
-            });
+            if !self.open.contains_key(&c.id) {
+                let bar = self.bar(s, c, total);
+                self.open.insert(c.id, bar);
+            }
+            let bar = &self.open[&c.id];
             if let Some(b) = c.in_place {
                 bar.set_position(b);
             }
@@ -92,12 +124,14 @@ fn ended(s: &Status, id: CopyId) -> Option<Ended> {
     }
 }
 
-/// The copies `s` shows loading, each with its model's size in bytes (0 if `s` lacks the model).
+/// The copies `s` shows loading, each with its model's size in bytes.
 fn loading(s: &Status) -> impl Iterator<Item = (&CopyStatus, u64)> {
-    s.copies
-        .iter()
-        .filter(|c| c.state == "loading")
-        .map(|c| (c, s.models.iter().find(|m| m.id == c.model).map_or(0, |m| m.bytes)))
+    s.copies.iter().filter(|c| c.state == "loading").map(|c| (c, size(s, c)))
+}
+
+/// Copy `c`'s model's size in bytes (0 if `s` lacks the model).
+fn size(s: &Status, c: &CopyStatus) -> u64 {
+    s.models.iter().find(|m| m.id == c.model).map_or(0, |m| m.bytes)
 }
 
 /// A copy's name in progress output: its model, id and kind.
@@ -115,18 +149,22 @@ fn copy_label(s: &Status, c: &CopyStatus) -> String {
 pub(super) struct CopyLines {
     /// Each copy being made: its line's prefix and when it last had a line.
     open: BTreeMap<CopyId, (String, std::time::Instant)>,
+    seen: Seen,
 }
 
 impl CopyLines {
     /// Nothing seen yet.
     pub(super) fn new() -> CopyLines {
-        CopyLines { open: BTreeMap::new() }
+        CopyLines { open: BTreeMap::new(), seen: Seen::default() }
     }
 
     /// The lines `s`, seen at `now`, calls for: a copy that started, one still loading whose
-    /// last line is [`LINE_EVERY`] old, one that became ready or went.
+    /// last line is [`LINE_EVERY`] old, one that became ready or went, one made since the
+    /// last status without being seen loading.
     pub(super) fn update(&mut self, s: &Status, now: std::time::Instant) -> Vec<String> {
-        let mut lines = Vec::new();
+        let mut lines: Vec<String> = (self.seen.new_ready(s).into_iter())
+            .map(|c| format!("node {}: {}: ready ({} bytes)", c.node, copy_label(s, c), size(s, c)))
+            .collect();
         self.open.retain(|id, (label, _)| {
             match ended(s, *id) {
                 None => return true,
@@ -168,6 +206,10 @@ impl Admin {
         let bars = MultiProgress::new();
         let mut view =
             if bars.is_hidden() { View::Lines(CopyLines::new()) } else { View::Bars(CopyBars::new(bars.clone())) };
+        // What the pool holds before the call: the copies that are not its work.
+        if let Some(s) = self.status().await {
+            view.show(&s);
+        }
         let call = self.call(req);
         tokio::pin!(call);
         let mut tick = tokio::time::interval(POLL);
@@ -284,5 +326,15 @@ mod tests {
             ]
         );
         assert!(v.update(&status(vec![copy(8, "ready", None)]), t0 + 3 * LINE_EVERY).is_empty(), "nothing open");
+    }
+
+    #[test]
+    fn a_copy_made_between_two_reads_gets_its_line_and_the_pool_before_the_call_none() {
+        let mut v = CopyLines::new();
+        let t0 = std::time::Instant::now();
+        assert!(v.update(&status(vec![copy(7, "ready", None)]), t0).is_empty(), "the pool before the call");
+        let lines = v.update(&status(vec![copy(7, "ready", None), copy(8, "ready", None)]), t0);
+        assert_eq!(lines, vec!["node 3: m (copy 8, host): ready (1000 bytes)".to_string()]);
+        assert!(v.update(&status(vec![copy(7, "ready", None), copy(8, "ready", None)]), t0).is_empty(), "once");
     }
 }
