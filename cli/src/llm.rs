@@ -53,7 +53,8 @@ pub(crate) fn model(cmd: ModelCmd) -> anyhow::Result<()> {
         bar.set_position(i as u64);
         bar.set_message(name.to_string());
     })
-    .with_context(|| format!("importing {}", a.gguf.display()))?;
+    // The error names the GGUF file; the directory is this call's.
+    .with_context(|| format!("importing into {}", a.out.display()))?;
     bar.finish_and_clear();
     let c = &out.config;
     println!(

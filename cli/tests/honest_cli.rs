@@ -112,6 +112,20 @@ fn an_error_names_each_cause_once() {
     assert_eq!(err.matches("configuration").count(), 1, "{err}");
     assert_eq!(err.matches(&bad.display().to_string()).count(), 1, "the path once: {err}");
     assert!(err.contains(&format!("cluster file {}: ", bad.display())), "{err}");
+
+    // A file that is not GGUF: named once, and said so.
+    let out = Command::new(CASCADE)
+        .args(["model", "import", "--gguf"])
+        .arg(&bad)
+        .arg("--out")
+        .arg(d.join("imported"))
+        .env_remove("RUST_BACKTRACE")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert_eq!(err.matches(&bad.display().to_string()).count(), 1, "the path once: {err}");
+    assert!(err.contains("does not read as GGUF"), "{err}");
     let _ = std::fs::remove_dir_all(&d);
 }
 

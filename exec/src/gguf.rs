@@ -197,8 +197,10 @@ pub fn import(
     if !matches!(dtype, DType::F32 | DType::F16) {
         return Err(bad(format!("{dtype:?}: only f32 and f16 are written")));
     }
-    let mut r = BufReader::new(File::open(gguf).map_err(|e| bad(format!("{}: {e}", gguf.display())))?);
-    let c = Content::read(&mut r).map_err(|e| bad(format!("{}: {e}", gguf.display())))?;
+    let mut r =
+        BufReader::new(File::open(gguf).map_err(|e| ExecError::Model(format!("GGUF file {}: {e}", gguf.display())))?);
+    let c = Content::read(&mut r)
+        .map_err(|e| ExecError::Model(format!("GGUF file {} does not read as GGUF: {e}", gguf.display())))?;
     let cfg = config(&c)?;
     let tok = tokenizer_json(&c)?;
     // Parse it back before writing anything: the file we write must load.
