@@ -44,9 +44,15 @@ struct Cli {
     /// Keep only the first this many seconds of the (rescaled) trace.
     #[arg(long)]
     duration_s: Option<f64>,
-    /// Hosts of the simulated cluster (8 GPUs each).
+    /// Hosts of the simulated cluster (`--gpus-per-host` GPUs each).
     #[arg(long, default_value_t = 4)]
     hosts: usize,
+    /// GPUs per host: NVLink joins a host's GPUs and its host cache serves them over PCIe;
+    /// between hosts there is RDMA only. 8 is cluster A's physical layout; the paper's 7B and
+    /// 8B runs group 1 GPU per *logical* host ("allowing us to simulate a larger cluster with 32
+    /// and 16 hosts", §6), its 70B runs 4.
+    #[arg(long, default_value_t = 8)]
+    gpus_per_host: usize,
     /// Print one JSON object per system.
     #[arg(long)]
     json: bool,
@@ -64,10 +70,11 @@ struct Cli {
 
 fn config(c: &Cli, system: System) -> anyhow::Result<SimConfig> {
     let mut cfg = SimConfig::new(system, Profile::by_name(&c.model).map_err(anyhow::Error::msg)?);
-    if c.hosts == 0 {
-        bail!("--hosts must be at least 1");
+    if c.hosts == 0 || c.gpus_per_host == 0 {
+        bail!("--hosts and --gpus-per-host must be at least 1");
     }
     cfg.hardware.hosts = c.hosts;
+    cfg.hardware.gpus_per_host = c.gpus_per_host;
     cfg.over_context = c.over_context;
     cfg.prefill_utilisation = c.utilisation;
     Ok(cfg)
@@ -111,19 +118,20 @@ fn main() -> anyhow::Result<()> {
 fn table(c: &Cli, trace: &[TraceRequest], outs: &[SimOutcome]) {
     let span = trace.last().map_or(0.0, |r| r.at_ms / 1e3);
     println!(
-        "{} requests over {span:.0} s ({} ×{}), {}, {} hosts × 8 GPUs",
+        "{} requests over {span:.0} s ({} ×{}), {}, {} hosts × {} GPUs",
         trace.len(),
         c.trace.file_name().map_or(String::new(), |n| n.to_string_lossy().into_owned()),
         c.rate_scale,
         c.model,
-        c.hosts
+        c.hosts,
+        c.gpus_per_host
     );
-    println!("| system | TTFT p50 | TTFT p99 | TTFT mean | TBT p50 | TBT p99 | SLO met | GPU·s | host cache (copies) | scale events (mutations) | load mean |");
-    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+    println!("| system | TTFT p50 | TTFT p99 | TTFT mean | TBT p50 | TBT p99 | SLO met | GPU·s | peak GPUs | host cache (copies) | scale events (mutations) | load mean |");
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
     for o in outs {
         let r = &o.report;
         println!(
-            "| {} | {:.0} ms | {:.0} ms | {:.0} ms | {:.1} ms | {:.1} ms | {:.1}% | {:.0} | {:.1} GB ({:.2}) | {} ({}) | {:.2} s |",
+            "| {} | {:.0} ms | {:.0} ms | {:.0} ms | {:.1} ms | {:.1} ms | {:.1}% | {:.0} | {} of {} | {:.1} GB ({:.2}) | {} ({}) | {:.2} s |",
             r.system.name(),
             r.ttft_p50_ms,
             r.ttft_p99_ms,
@@ -132,6 +140,8 @@ fn table(c: &Cli, trace: &[TraceRequest], outs: &[SimOutcome]) {
             r.tbt_p99_ms,
             100.0 * r.slo_attainment,
             r.gpu_seconds,
+            r.peak_gpus,
+            r.gpus,
             r.host_cache_gb_avg,
             r.host_cache_copies_avg,
             r.scale_events,

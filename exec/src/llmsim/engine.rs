@@ -80,6 +80,7 @@ pub(super) struct Sim<'a> {
     tbt: Histogram,
     slo_met: usize,
     gpu_ms: f64,
+    peak_gpus: usize,
     cache_copy_ms: f64,
     last_account: f64,
     scale_events: usize,
@@ -145,6 +146,7 @@ impl<'a> Sim<'a> {
             tbt: Histogram::default(),
             slo_met: 0,
             gpu_ms: 0.0,
+            peak_gpus: 0,
             cache_copy_ms: 0.0,
             last_account: 0.0,
             scale_events: 0,
@@ -270,6 +272,7 @@ impl<'a> Sim<'a> {
         if dt > 0.0 {
             let gpus: usize = self.live().map(|(_, i)| i.gpus.len()).sum();
             self.gpu_ms += dt * gpus as f64;
+            self.peak_gpus = self.peak_gpus.max(gpus);
             let copies = (0..self.cfg.hardware.hosts).filter(|&h| self.cache_alive(h)).count();
             self.cache_copy_ms += dt * copies as f64;
         }
@@ -674,6 +677,8 @@ impl<'a> Sim<'a> {
             tbt_mean_ms: self.tbt.mean(),
             slo_attainment: self.slo_met as f64 / arrived.max(1) as f64,
             gpu_seconds: self.gpu_ms / 1e3,
+            peak_gpus: self.peak_gpus,
+            gpus: self.cfg.hardware.hosts * self.cfg.hardware.gpus_per_host,
             host_cache_gb_avg: copies * hosts_gb,
             host_cache_copies_avg: copies,
             scale_events: self.scale_events,

@@ -115,6 +115,12 @@ pub struct SimReport {
     pub slo_attainment: f64,
     /// GPU time held by instances (loading or serving), seconds.
     pub gpu_seconds: f64,
+    /// The most GPUs held at once (loading or serving) over a stretch of time. The paper rescales
+    /// each trace "such that the peak incoming rate can be handled by all the instances" (§6.1):
+    /// with that rescaling the peak is near [`gpus`](Self::gpus).
+    pub peak_gpus: usize,
+    /// GPUs in the cluster.
+    pub gpus: usize,
     /// Host memory used to cache the model, time-averaged, GB.
     pub host_cache_gb_avg: f64,
     /// Host memory used to cache the model, time-averaged, in copies of the model.

@@ -127,6 +127,34 @@ fn sllm_loads_from_ssd_on_a_miss_and_the_cache_expires() {
 }
 
 #[test]
+fn one_gpu_per_host_has_no_nvlink_and_a_cache_per_gpu() {
+    // The paper's 7B layout (§6: one GPU per logical host, 32 hosts) against cluster A's
+    // physical one (4 hosts of 8), under the same burst.
+    let trace = burst(&Profile::llama2_7b(), 6.0);
+    let logical = |c: &mut SimConfig| {
+        c.hardware.hosts = 32;
+        c.hardware.gpus_per_host = 1;
+    };
+    for s in System::ALL {
+        let r = run(s, &trace, logical);
+        assert_eq!(r.requests, trace.len(), "{s:?}");
+        assert_eq!(r.gpus, 32);
+        assert!(r.peak_gpus > 1 && r.peak_gpus <= r.gpus, "{s:?}: peak {}", r.peak_gpus);
+    }
+    // The network's copies come from another GPU over RDMA only: never faster than the model
+    // over one link (stop: blitz's loading without live scaling).
+    let (p, hw) = (Profile::llama2_7b(), Hardware::default());
+    let rdma_s = p.param_bytes as f64 * 8.0 / (hw.rdma_gbps * 1e9);
+    let (stop, packed) = (run(System::Stop, &trace, logical), run(System::Stop, &trace, |_| {}));
+    assert!(stop.load_s_mean >= rdma_s - 1e-9, "{} s against {rdma_s} s over RDMA", stop.load_s_mean);
+    assert!(stop.load_s_mean > packed.load_s_mean, "NVLink within a host of 8 is faster");
+    // A host's cache serves only its own GPU: sllm misses more, and holds more copies.
+    let (sllm, sllm8) = (run(System::Sllm, &trace, logical), run(System::Sllm, &trace, |_| {}));
+    assert!(sllm.cache_misses > sllm8.cache_misses, "{} vs {}", sllm.cache_misses, sllm8.cache_misses);
+    assert!(sllm.host_cache_copies_avg > sllm8.host_cache_copies_avg);
+}
+
+#[test]
 fn live_scaling_serves_while_a_slow_load_runs() {
     // Slow links (a few seconds per load): the paired old instance runs faster while the new one
     // holds part of the layers.
