@@ -23,6 +23,12 @@
 //! on that prefix sum and `x_i`. No ILP solver is needed. The property tests check the optimum
 //! against an exhaustive search over the exact event [`simulate`] on small instances.
 //!
+//! **Its size.** The program has `N · (N·(L − 1) + 1)` cells and up to `L` steps a cell
+//! ([`dp_steps`]): quadratic in the batches. [`zigzag`] refuses, before it allocates anything, an
+//! instance over [`MAX_DP_CELLS`] cells or [`MAX_DP_STEPS`] steps ([`ZigzagError::TooLarge`]);
+//! a caller with a long queue plans its first [`batches_within`] batches and splits the rest
+//! otherwise (the router splits them best-effort at dispatch).
+//!
 //! **Best effort** (the paper's Figure 12(a)) fixes each batch's split when the batch is
 //! scheduled: as many layers on new as are resident at that moment, at most `⌊L/2⌋`. Batches
 //! queued at `t = 0`, while only layer 1 is resident, all get `x = 1`; [`simulate`] then gives
@@ -74,6 +80,40 @@ impl Instance {
 pub const MAX_BATCHES: usize = 4096;
 /// Most layers a plan takes.
 pub const MAX_LAYERS: u32 = 4096;
+/// Most cells of [`zigzag`]'s dynamic program (2 bytes each: 128 MiB).
+pub const MAX_DP_CELLS: u64 = 1 << 26;
+/// Most steps of [`zigzag`]'s dynamic program (0.3 s at 32 layers on one core here, release build).
+pub const MAX_DP_STEPS: u64 = 1 << 30;
+
+/// Cells of [`zigzag`]'s dynamic program for `batches` batches over `layers` layers: one per
+/// batch and prefix sum `Σ_{j<i} x_j ∈ [0, N·(L − 1)]`.
+pub fn dp_cells(layers: u32, batches: usize) -> u64 {
+    let (n, l) = (batches as u64, u64::from(layers));
+    n.saturating_mul(n.saturating_mul(l.saturating_sub(1)).saturating_add(1))
+}
+
+/// An upper bound on the steps of [`zigzag`]'s dynamic program: every cell tries up to `L` splits.
+pub fn dp_steps(layers: u32, batches: usize) -> u64 {
+    dp_cells(layers, batches).saturating_mul(u64::from(layers))
+}
+
+/// The most batches (at most [`MAX_BATCHES`]) that [`zigzag`] plans over `layers` layers within
+/// `steps` steps of its dynamic program, and within [`MAX_DP_CELLS`] and [`MAX_DP_STEPS`]: the
+/// longest prefix of a queue worth planning exactly.
+pub fn batches_within(layers: u32, steps: u64) -> usize {
+    let fits = |n: usize| dp_cells(layers, n) <= MAX_DP_CELLS && dp_steps(layers, n) <= steps.min(MAX_DP_STEPS);
+    // Both grow with n: the largest n that fits, by bisection on [0, MAX_BATCHES].
+    let (mut lo, mut hi) = (0, MAX_BATCHES);
+    while lo < hi {
+        let mid = (lo + hi).div_ceil(2);
+        if fits(mid) {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    lo
+}
 
 /// Why a plan could not be made.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -88,6 +128,27 @@ pub enum ZigzagError {
         x: Vec<u32>,
         /// What is wrong.
         why: String,
+    },
+    /// The exact plan would take more memory or time than the planner allows itself.
+    #[error(
+        "{batches} batches over {layers} layers: the exact plan needs {cells} cells and up to {steps} steps \
+         (at most {max_cells} and {max_steps}); plan the first {fits} batches and split the rest otherwise"
+    )]
+    TooLarge {
+        /// Batches asked for.
+        batches: usize,
+        /// Layers of the model.
+        layers: u32,
+        /// Cells the dynamic program would need.
+        cells: u64,
+        /// Steps it could take.
+        steps: u64,
+        /// [`MAX_DP_CELLS`].
+        max_cells: u64,
+        /// [`MAX_DP_STEPS`].
+        max_steps: u64,
+        /// The most batches that fit ([`batches_within`]).
+        fits: usize,
     },
 }
 
@@ -144,12 +205,24 @@ pub fn zigzag(inst: &Instance) -> Result<Schedule, ZigzagError> {
     if n == 0 {
         return Ok(Schedule { x: vec![], latencies: vec![] });
     }
+    let (cells, steps) = (dp_cells(inst.layers, n), dp_steps(inst.layers, n));
+    if cells > MAX_DP_CELLS || steps > MAX_DP_STEPS {
+        return Err(ZigzagError::TooLarge {
+            batches: n,
+            layers: inst.layers,
+            cells,
+            steps,
+            max_cells: MAX_DP_CELLS,
+            max_steps: MAX_DP_STEPS,
+            fits: batches_within(inst.layers, MAX_DP_STEPS),
+        });
+    }
     let max_sum = n as u64 * (l - 1);
     let width = max_sum as usize + 1;
     // cost[i][X]: least weighted latency of batches i.. given Σ_{j<i} x_j = X (∞ if infeasible);
-    // choice[i][X]: the x_i that achieves it.
+    // choice[i][X]: the x_i that achieves it (x < L ≤ MAX_LAYERS fits 16 bits).
     let mut next = vec![0.0f64; width];
-    let mut choice = vec![vec![0u32; width]; n];
+    let mut choice = vec![vec![0u16; width]; n];
     for i in (0..n).rev() {
         let mut cost = vec![f64::INFINITY; width];
         let before = i as u64 * l; // Σ_{j<i} L
@@ -158,7 +231,7 @@ pub fn zigzag(inst: &Instance) -> Result<Schedule, ZigzagError> {
                 break;
             }
             let start = before - big_x; // S_i
-            let mut best = (f64::INFINITY, 0u32);
+            let mut best = (f64::INFINITY, 0u16);
             for x in 0..l {
                 if big_x + x > start {
                     break; // C2, and larger x only worse
@@ -169,7 +242,7 @@ pub fn zigzag(inst: &Instance) -> Result<Schedule, ZigzagError> {
                 let latency = (start + l - x) as f64;
                 let c = inst.weights[i] * latency + next[(big_x + x) as usize];
                 if c < best.0 {
-                    best = (c, x as u32);
+                    best = (c, x as u16);
                 }
             }
             cost[big_x as usize] = best.0;
@@ -181,8 +254,8 @@ pub fn zigzag(inst: &Instance) -> Result<Schedule, ZigzagError> {
     let mut big_x = 0usize;
     for row in &choice {
         let xi = row[big_x];
-        x.push(xi);
-        big_x += xi as usize;
+        x.push(u32::from(xi));
+        big_x += usize::from(xi);
     }
     let latencies = model_latencies(inst, &x);
     Ok(Schedule { x, latencies })

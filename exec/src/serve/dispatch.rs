@@ -12,7 +12,11 @@
 //!    * **zigzag** — when step 2 begins, the batches queued then are planned together by
 //!      [`crate::zigzag::zigzag`] (the paper's setting: `N` batches queued at `t = 0`).
 //!      *Departure:* the paper does not say how batches arriving later are split; here they are
-//!      split best-effort at dispatch.
+//!      split best-effort at dispatch. So are the queued batches beyond the first
+//!      [`zigzag::batches_within`]`(L, `[`PLAN_STEPS`]`)`: the exact program grows with the square
+//!      of the batches and runs on the router's loop, so a long queue (an overload, exactly when
+//!      an instance is scaled) must not hold the router for seconds — 4,096 queued batches of a
+//!      32-stage model would take 5.2·10⁸ cells and 1.7·10¹⁰ steps.
 //! 3. Once new holds every layer, batches go whole to whichever instance has fewer outstanding.
 //!
 //! **The entry stage on old** (a departure, for copies packed with their embeddings last, see
@@ -52,6 +56,11 @@ cascade_sched::named_enum! {
         Zigzag = "zigzag",
     }
 }
+
+/// Steps of the exact plan ([`zigzag::dp_steps`]) the router allows itself when cooperation
+/// begins: a few milliseconds on one core. At 7 layers that plans the first 315 queued batches, at
+/// 32 layers the first 65; the rest are split best-effort at dispatch.
+pub const PLAN_STEPS: u64 = 1 << 22;
 
 /// Where a batch goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -335,7 +344,8 @@ impl Dispatcher {
         if self.cfg.policy != LivePolicy::Zigzag || self.queue.is_empty() || layers < 2 {
             return;
         }
-        let weights = self.queue.iter().map(|b| self.weights.get(b).copied().unwrap_or(1.0)).collect();
+        let horizon = zigzag::batches_within(layers, PLAN_STEPS);
+        let weights = self.queue.iter().take(horizon).map(|b| self.weights.get(b).copied().unwrap_or(1.0)).collect();
         let inst = Plan { layers, load_ratio: self.cfg.load_ratio.max(1), weights };
         match zigzag::zigzag(&inst) {
             Ok(s) => {

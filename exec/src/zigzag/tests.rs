@@ -29,6 +29,49 @@ fn bad_input_is_refused() {
 }
 
 #[test]
+fn an_instance_too_large_to_plan_exactly_is_refused_before_anything_is_allocated() {
+    // 4,096 batches over 4,096 layers: 6.9·10¹⁰ cells, 137 GB of choices. Before the bound the
+    // planner tried to allocate them and the process aborted.
+    let big = Instance::uniform(MAX_LAYERS, 1, MAX_BATCHES);
+    let fits = batches_within(MAX_LAYERS, MAX_DP_STEPS);
+    let e = zigzag(&big).expect_err("refused");
+    let text = e.to_string();
+    let ZigzagError::TooLarge { batches, layers, cells, steps, fits: f, .. } = e else {
+        panic!("expected TooLarge: {e:?}")
+    };
+    assert_eq!((batches, layers, f), (MAX_BATCHES, MAX_LAYERS, fits));
+    assert_eq!((cells, steps), (dp_cells(MAX_LAYERS, MAX_BATCHES), dp_steps(MAX_LAYERS, MAX_BATCHES)));
+    assert!(cells > MAX_DP_CELLS && steps > MAX_DP_STEPS);
+    assert!(
+        text.contains("4096 batches over 4096 layers") && text.contains(&format!("plan the first {fits} batches")),
+        "{text}"
+    );
+    // Many batches of a small model, too: 4,096 over 32 layers is 5.2·10⁸ cells.
+    assert!(matches!(zigzag(&Instance::uniform(32, 4, MAX_BATCHES)), Err(ZigzagError::TooLarge { .. })));
+    // The planner-speed cases are well inside the bounds.
+    assert!(batches_within(32, MAX_DP_STEPS) >= 12 && batches_within(80, MAX_DP_STEPS) >= 16);
+    assert!(zigzag(&Instance::uniform(80, 4, 16)).is_ok());
+}
+
+#[test]
+fn batches_within_is_the_longest_prefix_whose_program_fits() {
+    for layers in [1, 2, 7, 32, 80, MAX_LAYERS] {
+        for budget in [0, 1, 100, 10_000, 1 << 22, MAX_DP_STEPS, u64::MAX] {
+            let n = batches_within(layers, budget);
+            let fits =
+                |n: usize| dp_steps(layers, n) <= budget.min(MAX_DP_STEPS) && dp_cells(layers, n) <= MAX_DP_CELLS;
+            assert!(fits(n), "L = {layers}, budget {budget}: {n} batches do not fit");
+            assert!(n == MAX_BATCHES || !fits(n + 1), "L = {layers}, budget {budget}: {} batches fit too", n + 1);
+        }
+    }
+    // A prefix that fits a small budget is planned, and its optimum is the exhaustive one.
+    let n = batches_within(4, 600); // 6 · 19 · 4 = 456 steps; 7 batches take 616
+    assert_eq!(n, 6);
+    let inst = Instance::uniform(4, 2, n);
+    assert_eq!(zigzag(&inst).unwrap().weighted(&inst.weights), exhaustive(&inst));
+}
+
+#[test]
 fn one_layer_models_run_on_old_only() {
     let z = zigzag(&Instance::uniform(1, 3, 3)).unwrap();
     assert_eq!(z.x, [0, 0, 0]);

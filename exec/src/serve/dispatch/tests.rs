@@ -41,6 +41,29 @@ fn zigzag_plans_the_queue_when_the_first_layer_lands() {
 }
 
 #[test]
+fn zigzag_plans_the_longest_prefix_of_a_long_queue_its_budget_allows_and_the_rest_best_effort() {
+    // An overload: 5,000 batches of a 32-stage model queued when the first stage lands. Planned
+    // whole, the program would need 7.8·10⁸ cells (refused above MAX_BATCHES; below it, seconds
+    // on the router's loop); the router plans the first `horizon` and splits the rest as
+    // best-effort does.
+    let layers = 32;
+    let horizon = zigzag::batches_within(layers, PLAN_STEPS);
+    assert!((12..200).contains(&horizon), "{horizon}");
+    let mut d =
+        Dispatcher::new(DispatchConfig { layers, max_coop: usize::MAX, load_ratio: 4, ..cfg(LivePolicy::Zigzag) });
+    d.scaling(2);
+    d.resident(1);
+    (0..5000).for_each(|b| d.arrive(b));
+    let out = drain(&mut d);
+    assert_eq!(out.len(), 5000);
+    let xs: Vec<u32> = out.iter().map(|x| x.split.map_or(0, |s| s.layers)).collect();
+    let plan = zigzag::zigzag(&Plan::uniform(layers, 4, horizon)).unwrap().x;
+    assert_eq!(xs[..horizon], plan[..]);
+    assert!(plan.contains(&0) && plan.iter().any(|&x| x > 1), "the plan differs from best-effort's: {plan:?}");
+    assert!(xs[horizon..].iter().all(|&x| x == 1), "one stage resident: best-effort gives the rest x = 1");
+}
+
+#[test]
 fn best_effort_splits_by_what_is_resident_at_dispatch() {
     let mut d = Dispatcher::new(cfg(LivePolicy::BestEffort));
     d.scaling(2);
