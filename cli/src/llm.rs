@@ -121,9 +121,19 @@ pub(crate) fn generate(a: GenerateArgs) -> anyhow::Result<()> {
     for (prompt, o) in a.prompt.iter().zip(&out) {
         let text = g.decode(&o.tokens)?;
         if a.json {
-            println!("{}", serde_json::json!({"prompt_tokens": o.prompt_tokens, "tokens": o.tokens, "text": text}));
+            let v = serde_json::json!({"prompt_tokens": o.prompt_tokens, "tokens": o.tokens, "text": text, "at_window": o.at_window});
+            println!("{v}");
         } else {
             println!("{:?} → {text:?}", crate::shorten(prompt));
+        }
+        if o.at_window {
+            eprintln!(
+                "note: {:?} stopped after {} tokens: with its {} prompt tokens they fill the model's context window of {}",
+                crate::shorten(prompt),
+                o.tokens.len(),
+                o.prompt_tokens.len(),
+                g.model().config().max_position_embeddings
+            );
         }
     }
     if !a.json {

@@ -158,3 +158,64 @@ fn embed_says_when_a_text_was_cut() {
     let text = run(false);
     assert_eq!(text.matches("embedded from its first 256 tokens").count(), 1, "{text}");
 }
+
+/// SmolLM2's model directory: the one the exec tests import, or an import of the GGUF into
+/// `scratch`; `None` (the test skips, saying so) without the GGUF.
+fn smollm2(scratch: &std::path::Path) -> Option<std::path::PathBuf> {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/models/smollm2-135m");
+    let dir = root.join("f32");
+    if ["model.safetensors", "tokenizer.json", "config.json"].iter().all(|f| dir.join(f).is_file()) {
+        return Some(dir);
+    }
+    let gguf = root.join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    if !gguf.is_file() {
+        eprintln!("SKIPPED: SmolLM2-135M-Instruct not at {} (run scripts/fetch-smollm2.sh)", gguf.display());
+        return None;
+    }
+    let out = scratch.join("smollm2");
+    let ok = Command::new(CASCADE).args(["model", "import", "--gguf"]).arg(&gguf).arg("--out").arg(&out).status();
+    assert!(ok.unwrap().success(), "importing {}", gguf.display());
+    Some(out)
+}
+
+/// `cascade generate` on a model whose context window fills: it stops there with the tokens it
+/// has, says so (`at_window` in the JSON, a note on stderr), and a prompt longer than the window
+/// is refused with one clear line. The real SmolLM2 under a 40-position window (its config.json
+/// changed; the weights and tokenizer linked). Before 2026-12-04 the step past the window failed
+/// and every generated token was lost.
+#[test]
+fn generation_that_fills_the_context_window_stops_there_and_says_so() {
+    let d = scratch("window");
+    let Some(model) = smollm2(&d) else { return };
+    let small = d.join("window-40");
+    std::fs::create_dir_all(&small).unwrap();
+    for f in ["model.safetensors", "tokenizer.json"] {
+        std::os::unix::fs::symlink(std::fs::canonicalize(model.join(f)).unwrap(), small.join(f)).unwrap();
+    }
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(model.join("config.json")).unwrap()).unwrap();
+    config["max_position_embeddings"] = 40.into();
+    std::fs::write(small.join("config.json"), config.to_string()).unwrap();
+    let generate = |prompt: &str| {
+        Command::new(CASCADE)
+            .args(["generate", "--model"])
+            .arg(&small)
+            .args(["--prompt", prompt, "--max-tokens", "100", "--json"])
+            .output()
+            .unwrap()
+    };
+    let out = generate("Once upon a time, in a land far away,");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let (prompt, tokens) = (v["prompt_tokens"].as_array().unwrap().len(), v["tokens"].as_array().unwrap().len());
+    assert_eq!(prompt + tokens, 41, "{v}");
+    assert_eq!(v["at_window"], true, "{v}");
+    assert!(err.contains("fill the model's context window of 40"), "{err}");
+
+    let out = generate(&"word ".repeat(60));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && out.stdout.is_empty());
+    assert!(err.contains("tokens; the model's context window is 40") && !err.contains("panicked"), "{err}");
+    let _ = std::fs::remove_dir_all(&d);
+}

@@ -214,6 +214,40 @@ fn dlora_batching_on_the_real_model_switches_modes_and_answers_as_alone() {
     assert_eq!(m.cache().sequences(), 0, "KV cache not freed");
 }
 
+/// A request whose prompt and tokens fill the model's context window ends there with its tokens
+/// while the request batched with it goes on, and a prompt longer than the window is refused.
+/// The real SmolLM2 weights under a window of 24 positions (its RoPE tables come from the
+/// configuration), so the window fills in a few steps; before 2026-12-04 the step past it failed
+/// the whole run.
+#[test]
+fn lora_serving_ends_a_request_at_the_context_window_and_refuses_a_longer_prompt() {
+    use cascade_exec::llama::multi_lora::{serve, serve_alone, LoraJob};
+    use cascade_sched::lora::{BatchConfig, Batcher, CostModel, Policy};
+    let Some(dir) = smollm2_dir() else { return };
+    let Some((mut full, cfg)) = model_with_adapters(1) else { return };
+    let window = 24;
+    let small = LlamaConfig { max_position_embeddings: window, ..cfg.clone() };
+    let g = Generator::from_dir(&dir).unwrap();
+    let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let mut m = Llama::load(small.clone(), &Weights::file(g.manifest(), &bytes).unwrap(), 0..small.stages()).unwrap();
+    m.add_adapter(1, adapter(&cfg, 1)).unwrap();
+    let prompt = llm_reference().into_iter().map(|r| r.prompt_tokens).min_by_key(Vec::len).unwrap();
+    assert!(prompt.len() + 4 < window, "{} prompt tokens", prompt.len());
+    let job = |prompt: Vec<u32>, max_tokens| LoraJob { arrival: 0, adapter: 0, prompt, max_tokens };
+    let jobs = [job(prompt.clone(), 100), job(prompt[..3].to_vec(), 4)];
+    let batcher = || Batcher::new(Policy::UnmergedOnly, BatchConfig::default(), CostModel::cpu_smollm2());
+    let (served, _) = serve(&mut m, &mut batcher(), &jobs, 1, None).unwrap();
+    // Positions prompt..window take window − prompt fed tokens: one more is generated.
+    assert_eq!(served[0].tokens.len(), window - prompt.len() + 1);
+    assert_eq!(served[1].tokens.len(), 4);
+    // Up to the window, the tokens the model with its whole window gives.
+    let whole = serve_alone(&mut full, &job(prompt.clone(), served[0].tokens.len()), 50).unwrap();
+    assert_eq!(served[0].tokens, whole.tokens);
+    assert_eq!(m.cache().sequences(), 0, "KV cache not freed");
+    let long = serve(&mut m, &mut batcher(), &[job(vec![1; window + 1], 2)], 60, None).unwrap_err();
+    assert!(long.to_string().contains("context window is 24"), "{long}");
+}
+
 /// An adapter is an ordinary model to the parameter pool: its PEFT file has a manifest with the
 /// model's 30 blocks, packs layer-major like any model (what the loader and the multicast move),
 /// and the adapter read back from the packed image is the one written.

@@ -915,6 +915,39 @@ async fn with_no_decode_instance_left_requests_fail_instead_of_waiting() {
     }
 }
 
+/// A request whose prompt and output would pass the model's context window is refused at its
+/// KV reservation, alone: the request beside it is answered as usual. Admitted (before
+/// 2026-12-04 only the KV room bounded it), it would have failed, on reaching the window, the
+/// decode step of every request batched with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_longer_than_the_context_window_is_refused_alone() {
+    let Some(dir) = smollm2_dir() else { return };
+    let config = std::fs::read_to_string(dir.join("config.json")).unwrap();
+    let window = cascade_exec::llama::LlamaConfig::from_json(&config).unwrap().max_position_embeddings as u32;
+    // KV room beyond the window, so that the window is what refuses.
+    let cfg = LlmConfig { kv_pages: (window + 2).div_ceil(16), ..test_config() };
+    let (c, _fabric) = mem_cluster_with(&[Some(Role::Prefill), Some(Role::Decode)], cfg).unwrap();
+    let limit = Duration::from_secs(10);
+    // window + 1 tokens fit (the last output token is never fed back); one more does not.
+    let fits = reserve(&c, 0, 2, 1, window + 1).await;
+    c.meshes[0].call(2, &LlmMsg::Release { req: 1, lease: fits.lease }, limit).await.unwrap();
+    let over = c.meshes[0].call(2, &LlmMsg::Reserve { req: 2, tokens: window + 2 }, limit).await;
+    let refused = matches!(&over, Ok(LlmMsg::Failed { message, retry: false }) if message.contains("context window"));
+    assert!(refused, "{over:?}");
+    assert_eq!(free_pages(&c, 2).await, cfg.kv_pages);
+    // Through the router: the long request fails at once, the other decodes.
+    let r = Routed::start(&c, router_cfg(&c, 1, vec![], vec![2]));
+    let prompt = r.want[0].0.clone();
+    r.req_tx.send(GenRequest { id: 0, prompt, max_tokens: window, adapter: 0 }).unwrap();
+    r.send(1);
+    let (stats, answers, want) = r.finish(Duration::from_secs(120)).await;
+    let answer = |id| answers.iter().find(|a| a.id == id).unwrap_or_else(|| panic!("request {id} unanswered"));
+    let err = answer(0).result.as_ref().unwrap_err();
+    assert!(err.contains("context window"), "{err}");
+    assert_eq!(answer(1).result.as_ref().unwrap(), &want[1].1);
+    assert_eq!((stats.answered, stats.failed), (1, 1));
+}
+
 /// The router's link to a decode instance fails mid-stream and comes back (a link flap; the
 /// mem fabric, a test double, cuts it): the requests decoding there are redone elsewhere, and
 /// once the instance's own leftover decodes are over it decodes for the router again — every

@@ -104,6 +104,7 @@ fn a_split_model_generates_the_same_tokens() {
         1,
         24,
         cfg.eos_token_id,
+        cfg.max_position_embeddings,
     )
     .unwrap();
     let whole = g.generate(&prompts, 24).unwrap();

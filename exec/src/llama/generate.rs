@@ -1,7 +1,7 @@
 //! Greedy generation over a llama model directory (`model.safetensors`, `config.json`,
 //! `tokenizer.json`, as `cascade model import --gguf` writes them): the prompts are prefilled as
 //! one packed batch, then every running sequence decodes one token per step in one batch until it
-//! emits end-of-sequence or reaches its token budget.
+//! emits end-of-sequence, reaches its token budget or fills the model's context window.
 //!
 //! [`greedy`] drives any step function, so the same loop runs on one executor, on a split across
 //! two ([`crate::llama`] stages `[0, k)` and `[k, L)`), or through the transport.
@@ -23,6 +23,9 @@ pub struct Generated {
     pub prompt_tokens: Vec<u32>,
     /// The generated tokens (ending with end-of-sequence if it was emitted).
     pub tokens: Vec<u32>,
+    /// Whether generation stopped because prompt and tokens filled the model's context window
+    /// (before end-of-sequence and before the token budget).
+    pub at_window: bool,
 }
 
 /// The greedy choice (the first largest logit) of every segment of a head's output.
@@ -33,16 +36,25 @@ pub fn argmax(act: &Activation) -> Result<Vec<u32>, ExecError> {
 
 /// Greedy generation: `step` runs a packed batch through every stage and returns the head's
 /// output. Each prompt gets `seq_base + i` as its sequence id; generation of a prompt stops at
-/// `eos` or after `max_tokens`.
+/// `eos`, after `max_tokens`, or when its next token would not fit the context `window` (the
+/// model's positions: its last token is the one the last position predicts). A prompt longer
+/// than the window is refused before anything runs.
 pub fn greedy(
     mut step: impl FnMut(Activation) -> Result<Activation, ExecError>,
     prompts: &[Vec<u32>],
     seq_base: u64,
     max_tokens: usize,
     eos: u32,
+    window: usize,
 ) -> Result<Vec<Generated>, ExecError> {
+    if let Some((i, p)) = prompts.iter().enumerate().find(|(_, p)| p.len() > window) {
+        return Err(ExecError::Input(format!(
+            "prompt {i}: {} tokens; the model's context window is {window}",
+            p.len()
+        )));
+    }
     let mut out: Vec<Generated> =
-        prompts.iter().map(|p| Generated { prompt_tokens: p.clone(), tokens: Vec::new() }).collect();
+        prompts.iter().map(|p| Generated { prompt_tokens: p.clone(), tokens: Vec::new(), at_window: false }).collect();
     if max_tokens == 0 {
         return Ok(out);
     }
@@ -56,8 +68,14 @@ pub fn greedy(
         let mut still = Vec::with_capacity(running.len());
         for ((i, pos, fed), tok) in running.into_iter().zip(next) {
             out[i].tokens.push(tok);
+            // `tok` is fed next at `at`: only a position inside the window takes it.
+            let at = pos + fed.len() as u32;
             if tok != eos && out[i].tokens.len() < max_tokens {
-                still.push((i, pos + fed.len() as u32, vec![tok]));
+                if (at as usize) < window {
+                    still.push((i, at, vec![tok]));
+                } else {
+                    out[i].at_window = true;
+                }
             }
         }
         running = still;
@@ -122,7 +140,9 @@ impl Generator {
         }
         let base = self.next_seq.fetch_add(prompts.len() as u64, Ordering::Relaxed);
         let layers = self.model.layers();
-        let out = greedy(|a| self.model.run(0..layers, a), prompts, base, max_tokens, self.model.config().eos_token_id);
+        let cfg = self.model.config();
+        let (eos, window) = (cfg.eos_token_id, cfg.max_position_embeddings);
+        let out = greedy(|a| self.model.run(0..layers, a), prompts, base, max_tokens, eos, window);
         for i in 0..prompts.len() as u64 {
             self.model.free(base + i);
         }
@@ -134,4 +154,57 @@ impl Generator {
 pub fn encode(tokenizer: &Tokenizer, text: &str) -> Result<Vec<u32>, ExecError> {
     let enc = tokenizer.encode(text, false).map_err(|e| ExecError::Input(format!("tokenising: {e}")))?;
     Ok(enc.get_ids().to_vec())
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{Device, Tensor};
+
+    use super::*;
+
+    const VOCAB: usize = 50;
+    const EOS: u32 = 49;
+
+    /// A stand-in for a model's stages: each segment's next token is `(pos + len) % 40` (never
+    /// `EOS`), or `EOS` for sequence 99. Records the furthest position any batch reaches.
+    fn step(reach: &mut u32) -> impl FnMut(Activation) -> Result<Activation, ExecError> + '_ {
+        move |mut a: Activation| {
+            let mut rows = vec![0f32; a.segments.len() * VOCAB];
+            for (k, g) in a.segments.iter().enumerate() {
+                *reach = (*reach).max(g.pos + g.len);
+                let tok = if g.seq == 99 { EOS as usize } else { (g.pos + g.len) as usize % 40 };
+                rows[k * VOCAB + tok] = 1.0;
+            }
+            a.hidden = Some(Tensor::from_vec(rows, (1, a.segments.len(), VOCAB), &Device::Cpu)?);
+            Ok(a)
+        }
+    }
+
+    #[test]
+    fn generation_stops_where_the_context_window_is_full_and_keeps_its_tokens() {
+        let window = 10;
+        let mut reach = 0;
+        let prompts = [vec![1; 7], vec![1; 2], vec![1; 10]];
+        let out = greedy(step(&mut reach), &prompts, 1, 100, EOS, window).unwrap();
+        // A prompt of p tokens leaves positions p..window for w − p fed tokens: w − p + 1 generated
+        // (the last one predicted by the window's last position).
+        let got: Vec<(usize, bool)> = out.iter().map(|o| (o.tokens.len(), o.at_window)).collect();
+        assert_eq!(got, [(4, true), (9, true), (1, true)]);
+        assert!(reach as usize <= window, "a batch reached position {reach} of a {window}-token window");
+        assert_eq!(out[0].tokens, [7, 8, 9, 10]);
+
+        // The budget or end-of-sequence first: not at the window.
+        let out = greedy(step(&mut reach), &[vec![1; 2]], 1, 5, EOS, window).unwrap();
+        assert_eq!((out[0].tokens.len(), out[0].at_window), (5, false));
+        let out = greedy(step(&mut reach), &[vec![1; 2]], 99, 5, EOS, window).unwrap();
+        assert_eq!((out[0].tokens.clone(), out[0].at_window), (vec![EOS], false));
+    }
+
+    #[test]
+    fn a_prompt_longer_than_the_window_is_refused_before_anything_runs() {
+        let mut reach = 0;
+        let e = greedy(step(&mut reach), &[vec![1; 3], vec![1; 11]], 1, 4, EOS, 10).unwrap_err();
+        assert_eq!(e.to_string(), "input: prompt 1: 11 tokens; the model's context window is 10");
+        assert_eq!(reach, 0, "nothing ran");
+    }
 }

@@ -4,7 +4,8 @@
 //! mixing adapters. What `cascade lora-serve` runs.
 //!
 //! Requests arrive at given iterations (a stream), each with an adapter, a prompt and a number of
-//! tokens to generate (greedy, not stopped at end-of-sequence, so runs compare token for token).
+//! tokens to generate (greedy, not stopped at end-of-sequence, so runs compare token for token;
+//! ended early only where prompt and tokens fill the model's context window).
 //! [`serve`] returns every request's tokens and the top-2 logit margin at each step, so that a
 //! comparison with the same request served alone ([`serve_alone`]) can tell a real difference
 //! from a near-tie broken differently by merged (`(W + BA)·x`) and unmerged (`W·x + B·A·x`)
@@ -27,7 +28,8 @@ pub struct LoraJob {
     pub adapter: u32,
     /// Prompt tokens.
     pub prompt: Vec<u32>,
-    /// Tokens to generate.
+    /// Tokens to generate (fewer if they fill the model's context window first; a prompt longer
+    /// than the window is refused).
     pub max_tokens: usize,
 }
 
@@ -125,6 +127,7 @@ pub fn serve(
     meters: Option<&LoraMeters>,
 ) -> Result<(Vec<LoraServed>, LoraRunStats), ExecError> {
     let t0 = std::time::Instant::now();
+    let window = model.config().max_position_embeddings;
     let mut out: Vec<LoraServed> =
         jobs.iter().map(|_| LoraServed { tokens: Vec::new(), margins: Vec::new(), finished: 0 }).collect();
     let mut stats = LoraRunStats::default();
@@ -137,6 +140,12 @@ pub fn serve(
             while next < jobs.len() && jobs[next].arrival <= it {
                 if jobs[next].max_tokens == 0 || jobs[next].prompt.is_empty() {
                     return Err(ExecError::Input(format!("request {next}: empty prompt or no tokens to generate")));
+                }
+                if jobs[next].prompt.len() > window {
+                    return Err(ExecError::Input(format!(
+                        "request {next}: {} prompt tokens; the model's context window is {window}",
+                        jobs[next].prompt.len()
+                    )));
                 }
                 live.push((next, 0, jobs[next].prompt.clone()));
                 next += 1;
@@ -199,7 +208,8 @@ pub fn serve(
             }
             let mut still = Vec::with_capacity(live.len());
             for l in live.drain(..) {
-                if out[l.0].tokens.len() >= jobs[l.0].max_tokens {
+                // `l.1` is where its last token would be fed: a full window ends it, as its budget does.
+                if out[l.0].tokens.len() >= jobs[l.0].max_tokens || l.1 as usize >= window {
                     out[l.0].finished = it;
                     model.free(seq_base + l.0 as u64);
                 } else {

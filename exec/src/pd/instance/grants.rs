@@ -47,6 +47,16 @@ pub(super) fn reserve(sh: &Shared, from: u32, req: u64, tokens: u32) -> Result<L
     if pages.requests() >= sh.cfg.max_running {
         return Err(ServeError::Peer(format!("{} requests hold KV here already", sh.cfg.max_running)));
     }
+    // A request whose prompt and output would pass the model's positions is refused here, for
+    // itself: admitted, it would fail the decode step of every request batched with it there.
+    // Its last output token is never fed back, so `tokens − 1` positions are needed.
+    let window = sh.model.config.max_position_embeddings;
+    if tokens as usize > window + 1 {
+        return Err(ServeError::Input(format!(
+            "{tokens} tokens of prompt and output need {} positions; the model's context window is {window}",
+            tokens - 1
+        )));
+    }
     let n = sh.layout.pages_for(tokens as usize);
     if n > sh.cfg.kv_pages as usize {
         return Err(ServeError::Input(format!(
