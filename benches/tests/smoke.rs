@@ -51,6 +51,14 @@ fn incast_prints_the_contract_fields() {
 #[test]
 fn bad_arguments_are_refused_clearly() {
     refused(env!("CARGO_BIN_EXE_p2p"), &["--backend", "carrier-pigeon", "--json"], "unknown backend");
+    // No batch measures nothing (it printed 0.00x for every k).
+    let coop = env!("CARGO_BIN_EXE_coop-throughput");
+    refused(
+        coop,
+        &["--executor", "emulated", "--batches", "0", "--json"],
+        "--batches and --batch-size must be at least 1",
+    );
+    refused(coop, &["--executor", "emulated", "--batch-size", "0", "--json"], "must be at least 1");
 }
 
 #[test]

@@ -47,6 +47,8 @@ fn main() -> anyhow::Result<()> {
     // Opens no socket: a closed stdout may end it quietly.
     cascade_benches::exit_quietly_on_closed_stdout();
     let c = Cli::parse();
+    // No batch measures nothing: a ratio of zero times would read as a result.
+    anyhow::ensure!(c.batches > 0 && c.batch_size > 0, "--batches and --batch-size must be at least 1");
     let (embedder, emulated);
     let (exec, first): (&dyn LayerExec, Activation) = match c.executor.as_str() {
         "bert" => {
