@@ -56,11 +56,12 @@ use state::{Action, Prefilled, Routing};
 /// A generation request.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GenRequest {
-    /// Its id (unique).
+    /// Its id: a request whose id is still pending is answered at once with an error (under
+    /// that id), and the pending one goes on.
     pub id: u64,
-    /// The prompt's tokens.
+    /// The prompt's tokens (at least one).
     pub prompt: Vec<u32>,
-    /// Tokens to generate at most.
+    /// Tokens to generate at most (at least one).
     pub max_tokens: u32,
     /// The LoRA adapter to serve it with (0: the base model).
     pub adapter: u32,

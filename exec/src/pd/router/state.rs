@@ -183,6 +183,31 @@ impl Routing {
     }
 
     pub(super) fn arrive(&mut self, req: GenRequest) {
+        // Refused at once, answered under its own id: a request that cannot be served as asked,
+        // and one whose id is pending already — taken, it would replace the pending one, which
+        // would never be answered.
+        let refused = if self.pending.contains_key(&req.id) {
+            Some(format!("request id {} is already pending", req.id))
+        } else if req.prompt.is_empty() || req.max_tokens == 0 {
+            Some(format!("{} prompt tokens, {} to generate: both must be at least 1", req.prompt.len(), req.max_tokens))
+        } else {
+            None
+        };
+        if let Some(why) = refused {
+            debug!(req = req.id, why, "request refused");
+            self.stats.failed += 1;
+            let no = GenAnswer {
+                id: req.id,
+                result: Err(why),
+                ttft: Duration::ZERO,
+                gaps: Vec::new(),
+                prefill: (0, 0),
+                decode: 0,
+                attempts: 0,
+            };
+            let _ = self.answers.send(no);
+            return;
+        }
         self.d.arrive_weighted(req.id, req.prompt.len() as f64);
         let p = Pending {
             req,
@@ -687,6 +712,31 @@ mod tests {
 
     fn decoding(node: u32, attempt: u32) -> Outcome {
         Outcome::Done { first: 7, decoding: true, on_first: 0, node, lease: 40 + u64::from(attempt) }
+    }
+
+    /// A request whose id is pending already is refused under that id, and the pending one is
+    /// still served and answered; so is one asking for no token or with no prompt.
+    #[test]
+    fn a_duplicate_id_or_an_empty_request_is_refused_and_the_pending_one_kept() {
+        let (mut r, mut answers) = routing(vec![]);
+        request(&mut r, 5);
+        request(&mut r, 5);
+        r.arrive(GenRequest { id: 6, prompt: vec![1], max_tokens: 0, adapter: 0 });
+        r.arrive(GenRequest { id: 7, prompt: vec![], max_tokens: 4, adapter: 0 });
+        let refused: Vec<(u64, String)> =
+            std::iter::from_fn(|| answers.try_recv().ok()).map(|a| (a.id, a.result.unwrap_err())).collect();
+        assert_eq!(refused.len(), 3, "{refused:?}");
+        assert!(refused[0] == (5, "request id 5 is already pending".into()), "{refused:?}");
+        assert!(refused[1].1.contains("0 to generate") && refused[2].1.contains("0 prompt tokens"), "{refused:?}");
+        assert_eq!(r.stats.failed, 3);
+        // The first request 5 goes on: one prefill, and its tokens answer it.
+        assert_eq!(prefills(&mut r), vec![(5, 1, 1)]);
+        r.prefilled(5, 1, decoding(2, 1));
+        r.message(2, token(5, 1, 1, 8, false));
+        r.message(2, token(5, 1, 2, 9, true));
+        r.after(Instant::now());
+        let a = answers.try_recv().expect("request 5 answered");
+        assert_eq!((a.id, a.result), (5, Ok(vec![7, 8, 9])));
     }
 
     /// A decode instance that leaves gets no new request, its requests are moved to the other
