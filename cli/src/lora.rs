@@ -77,8 +77,8 @@ pub(crate) struct LoraServeArgs {
 const NEAR_TIE: f32 = 0.01;
 
 pub(crate) fn run(a: LoraServeArgs) -> anyhow::Result<()> {
-    if a.adapters == 0 || a.requests == 0 || a.max_tokens == 0 || a.max_batch == 0 {
-        bail!("--adapters, --requests, --max-tokens and --max-batch must be at least 1");
+    if a.adapters == 0 || a.requests == 0 || a.max_tokens == 0 || a.max_batch == 0 || a.rank == 0 {
+        bail!("--adapters, --requests, --max-tokens, --max-batch and --rank must be at least 1");
     }
     if !(a.zipf >= 0.0 && a.per_iteration > 0.0 && a.zipf.is_finite() && a.per_iteration.is_finite()) {
         bail!("--zipf must be ≥ 0 and --per-iteration > 0");

@@ -219,3 +219,13 @@ fn generation_that_fills_the_context_window_stops_there_and_says_so() {
     assert!(err.contains("tokens; the model's context window is 40") && !err.contains("panicked"), "{err}");
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// `lora-serve --rank 0` is refused before anything loads (it used to serve every token as token 0:
+/// a rank-0 adapter's scale α/r is no number).
+#[test]
+fn lora_serve_refuses_a_rank_of_zero() {
+    let out = Command::new(CASCADE).args(["lora-serve", "--rank", "0"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--rank must be at least 1"), "{err}");
+    assert!(out.stdout.is_empty(), "{}", String::from_utf8_lossy(&out.stdout));
+}

@@ -292,6 +292,23 @@ fn small_config() -> LlamaConfig {
     }
 }
 
+/// An adapter whose scale α/r is no number — rank 0, a non-finite α — or that targets nothing is
+/// refused, the seeded test double like a PEFT file (a rank-0 double once served every token as
+/// token 0: its delta was NaN).
+#[test]
+fn an_adapter_of_rank_zero_or_no_finite_alpha_is_refused() {
+    let cfg = small_config();
+    for (r, alpha, targets) in [(0, 16.0, &Proj::ALL[..]), (8, f64::NAN, &Proj::ALL[..]), (8, 16.0, &[][..])] {
+        let e = LoraAdapter::seeded(&cfg, r, alpha, targets, 1, 0.05).unwrap_err();
+        assert!(e.to_string().contains("rank") || e.to_string().contains("at least one projection"), "{e}");
+    }
+    // A PEFT configuration of rank 0 likewise, whatever its tensors.
+    let ok = LoraAdapter::seeded(&cfg, 4, 8.0, &[Proj::Q], 1, 0.05).unwrap();
+    let config = cascade_exec::llama::lora::LoraConfig { r: 0, ..ok.config().clone() };
+    let e = LoraAdapter::from_tensors(config, Default::default(), &cfg).unwrap_err();
+    assert!(e.to_string().contains("rank 0"), "{e}");
+}
+
 #[test]
 fn an_adapter_image_round_trips_exactly_and_a_damaged_one_is_refused() {
     let cfg = small_config();

@@ -78,6 +78,16 @@ pub struct LoraConfig {
     pub target_modules: Vec<String>,
 }
 
+impl LoraConfig {
+    /// Refuses what makes the delta's scale `α / r` no number: a rank of 0, a non-finite `α`.
+    fn check(&self) -> Result<(), ExecError> {
+        if self.r == 0 || !self.lora_alpha.is_finite() {
+            return Err(ExecError::Model(format!("rank {} and alpha {}", self.r, self.lora_alpha)));
+        }
+        Ok(())
+    }
+}
+
 /// One adapter's tensors.
 #[derive(Debug, Clone)]
 pub struct LoraAdapter {
@@ -116,6 +126,12 @@ impl LoraAdapter {
         seed: u64,
         b_scale: f32,
     ) -> Result<LoraAdapter, ExecError> {
+        let target_modules = targets.iter().map(|p| p.module().to_string()).collect();
+        let config = LoraConfig { r, lora_alpha: alpha, target_modules };
+        config.check()?;
+        if targets.is_empty() {
+            return Err(ExecError::Model("an adapter targets at least one projection".into()));
+        }
         let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
         let mut uniform = move |n: usize, bound: f32| -> Vec<f32> {
             (0..n)
@@ -136,8 +152,7 @@ impl LoraAdapter {
                 weights.insert((b, p), (a, bm));
             }
         }
-        let target_modules = targets.iter().map(|p| p.module().to_string()).collect();
-        Ok(LoraAdapter { config: LoraConfig { r, lora_alpha: alpha, target_modules }, weights })
+        Ok(LoraAdapter { config, weights })
     }
 
     /// Reads PEFT's `adapter_config.json` and `adapter_model.safetensors` from `dir`, checking
@@ -159,9 +174,7 @@ impl LoraAdapter {
         tensors: HashMap<String, Tensor>,
         cfg: &LlamaConfig,
     ) -> Result<LoraAdapter, ExecError> {
-        if config.r == 0 || !config.lora_alpha.is_finite() {
-            return Err(ExecError::Model(format!("rank {} and alpha {}", config.r, config.lora_alpha)));
-        }
+        config.check()?;
         let mut weights = BTreeMap::new();
         for (name, a) in &tensors {
             let Some(rest) = name.strip_prefix("base_model.model.model.layers.") else { continue };
