@@ -66,6 +66,16 @@ fn main() -> anyhow::Result<()> {
     let mut report: Box<dyn Write> =
         if c.solver == SolverKind::Cbc { Box::new(stdout_to_stderr()?) } else { Box::new(std::io::stdout()) };
     let file = PlanFile::load(&c.scenario).map_err(anyhow::Error::msg)?;
+    if !c.json && budget >= Duration::from_secs(1) {
+        // The solver may take the whole budget with nothing to show meanwhile.
+        eprintln!(
+            "planning {} for {}: greedy first, then {} for up to {} s …",
+            c.kind,
+            c.scenario.display(),
+            c.solver.name(),
+            c.time_limit
+        );
+    }
     let out = match c.kind.as_str() {
         "symphony" => symphony(&c, &file, budget)?,
         "herd" => herd(&c, &file, budget)?,
