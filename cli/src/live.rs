@@ -162,9 +162,10 @@ pub(crate) struct InstanceArgs {
     /// Texts per batch at most.
     #[arg(long, default_value_t = 8)]
     max_batch: usize,
-    /// Tokens per text at most.
-    #[arg(long, default_value_t = 128)]
-    max_tokens: usize,
+    /// Tokens per text at most (sizes the activation slots); by default the model's own cut
+    /// (256 for all-MiniLM-L6-v2), so every text the model takes is served.
+    #[arg(long)]
+    max_tokens: Option<usize>,
 }
 
 /// Runs an instance until SIGINT/SIGTERM, then stops it gracefully ([`crate::stop_gracefully`]).

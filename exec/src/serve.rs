@@ -67,6 +67,14 @@ impl ServedModel {
         Ok((ServedModel { config, manifest: Arc::new(manifest), tokenizer: Arc::new(tokenizer) }, bytes))
     }
 
+    /// Tokens of the longest text the model takes, special tokens included: where its tokenizer
+    /// cuts (sentence-transformers' `max_seq_length`: 256 for all-MiniLM-L6-v2), at most its
+    /// positions.
+    pub fn max_tokens(&self) -> usize {
+        let positions = self.config.max_position_embeddings;
+        self.tokenizer.get_truncation().map_or(positions, |t| t.max_length.min(positions))
+    }
+
     /// Packs `file` (the safetensors bytes) into a new region registered on `mesh`: a held copy
     /// for [`Source::Held`], and the source of a multicast.
     pub fn load(&self, mesh: &dyn Mesh, file: &[u8]) -> Result<Region, ServeError> {

@@ -46,11 +46,21 @@ async fn cluster(n: u32, tag: &str) -> Option<Cluster> {
 
 /// Node 0 routes and controls multicasts; node i + 1 plays `roles[i]`.
 async fn cluster_of(tag: &str, roles: &[Role]) -> Option<Cluster> {
+    let cfg = InstanceConfig {
+        max_batch: 4,
+        max_tokens: Some(64),
+        slots: 8,
+        op_timeout: Duration::from_secs(30),
+        core: None,
+    };
+    cluster_with(tag, roles, cfg).await
+}
+
+/// [`cluster_of`] with the instances' own limits.
+async fn cluster_with(tag: &str, roles: &[Role], cfg: InstanceConfig) -> Option<Cluster> {
     let dir = model_dir()?;
     let (model, file) = ServedModel::from_dir(&dir).unwrap();
     let eps = cascade_tests::loopback::endpoints(roles.len() as u32 + 1, tag, |_| {}).await.unwrap();
-    let cfg =
-        InstanceConfig { max_batch: 4, max_tokens: 64, slots: 8, op_timeout: Duration::from_secs(30), core: None };
     let mut instances = Vec::new();
     for (ep, &role) in eps.iter().skip(1).zip(roles) {
         let mesh: Arc<dyn Mesh> = ep.clone();
@@ -239,6 +249,40 @@ async fn a_request_split_across_instances_equals_one_instance() {
     }
 }
 
+/// Texts as long as the model takes (sentence-transformers cuts all-MiniLM-L6-v2 at 256 tokens)
+/// are served under the default limits, whole and split across two instances through an
+/// activation slot, with the independent reference's embeddings — and so is the short text
+/// batched with them. Before 2026-12-04 an instance took 128 tokens by default: such a batch
+/// was refused whole, its short text with it, although `cascade embed` embeds the same texts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn texts_as_long_as_the_model_takes_are_served_whole_and_split_under_the_default_limits() {
+    let roles = [Role::Held, Role::Arriving];
+    let Some(c) = cluster_with("long-texts", &roles, InstanceConfig::default()).await else { return };
+    assert_eq!(c.model.max_tokens(), 256);
+    let mesh: Arc<dyn Mesh> = c.eps[0].clone();
+    let ctl = Controller::new(mesh.clone()).unwrap();
+    scale_out(&mesh, &ctl, &c.model.manifest, topology(3), 1, &[2], None).await.unwrap();
+    use cascade_exec::serve::{ExecMsg, Split};
+    use cascade_transport::ServiceExt;
+    let (long, short) = (common::reference_long(), reference().remove(0));
+    assert!(long.iter().any(|r| r.ids.len() == 256), "a text cut at the model's 256 tokens");
+    let texts: Vec<String> = long.iter().map(|r| r.text.clone()).chain([short.text.clone()]).collect();
+    let want: Vec<&Vec<f32>> = long.iter().map(|r| &r.embedding).chain([&short.embedding]).collect();
+    for (batch, to, split) in [(1, 1, None), (2, 2, Some(Split { layers: 3, then: 1 }))] {
+        let msg = ExecMsg::Run { batch, texts: texts.clone(), split, onward: None };
+        match mesh.call(to, &msg, Duration::from_secs(60)).await.unwrap() {
+            ExecMsg::Done { embeddings, .. } => {
+                assert_eq!(embeddings.len(), want.len());
+                for (i, (e, w)) in embeddings.iter().zip(&want).enumerate() {
+                    let cos = cosine(e, w);
+                    assert!(cos >= 0.9999, "batch {batch} on node {to}, text {i}: cosine {cos}");
+                }
+            }
+            other => panic!("batch {batch} on node {to}: {other:?}"),
+        }
+    }
+}
+
 /// One instance takes hand-overs from three peers, each into an activation region of its own
 /// (an old instance that every scale-out pairs with; it once refused the third peer).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -419,8 +463,13 @@ impl MemServing {
 
     /// Starts an instance with a held copy on `node`.
     fn serve_on(&mut self, node: usize) {
-        let cfg =
-            InstanceConfig { max_batch: 4, max_tokens: 64, slots: 8, op_timeout: Duration::from_secs(30), core: None };
+        let cfg = InstanceConfig {
+            max_batch: 4,
+            max_tokens: Some(64),
+            slots: 8,
+            op_timeout: Duration::from_secs(30),
+            core: None,
+        };
         let mesh = self.nodes[node].clone();
         let held = Source::Held(self.model.load(&*mesh, &self.file).unwrap());
         let mc = MulticastNode::start(mesh.clone(), Duration::from_secs(10)).unwrap();
@@ -568,7 +617,8 @@ impl MemPair {
 /// its next hand-over (its first WRITE refused: the region is gone) instead of failing it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_that_restarts_is_paired_again() {
-    let Some(mut p) = MemPair::start(InstanceConfig { max_batch: 4, max_tokens: 64, ..InstanceConfig::default() })
+    let Some(mut p) =
+        MemPair::start(InstanceConfig { max_batch: 4, max_tokens: Some(64), ..InstanceConfig::default() })
     else {
         return;
     };
@@ -597,7 +647,8 @@ async fn a_peer_that_restarts_is_paired_again() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopped_instance_answers_the_split_batches_it_held() {
     use cascade_exec::serve::Split;
-    let Some(mut p) = MemPair::start(InstanceConfig { max_batch: 4, max_tokens: 64, ..InstanceConfig::default() })
+    let Some(mut p) =
+        MemPair::start(InstanceConfig { max_batch: 4, max_tokens: Some(64), ..InstanceConfig::default() })
     else {
         return;
     };
@@ -642,8 +693,13 @@ async fn a_stopped_instance_answers_the_split_batches_it_held() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pairing_whose_slots_failed_is_renewed() {
     use cascade_transport::mem::Fault;
-    let cfg =
-        InstanceConfig { max_batch: 4, max_tokens: 64, slots: 2, op_timeout: Duration::from_millis(300), core: None };
+    let cfg = InstanceConfig {
+        max_batch: 4,
+        max_tokens: Some(64),
+        slots: 2,
+        op_timeout: Duration::from_millis(300),
+        core: None,
+    };
     let Some(p) = MemPair::start(cfg) else { return };
     p.split_ok(2, 1, 1, "before the faults").await;
     p.fabric.set_fault(2, 1, Some(Fault::Delay(Duration::from_millis(700))));

@@ -39,8 +39,12 @@ pub enum Source {
 pub struct InstanceConfig {
     /// Texts per batch at most.
     pub max_batch: usize,
-    /// Tokens per text at most (with the special tokens); sizes the activation slots.
-    pub max_tokens: usize,
+    /// Tokens per text at most (with the special tokens); sizes the activation slots. `None`
+    /// (the default): the model's own cut ([`ServedModel::max_tokens`]: 256 for
+    /// all-MiniLM-L6-v2, as sentence-transformers cuts), so every text the model takes is
+    /// served. A lower limit refuses, whole, a batch whose longest text is longer (a batch is
+    /// padded to its longest text).
+    pub max_tokens: Option<usize>,
     /// Activation slots this instance grants its peers (and asks of its peer when it splits):
     /// the cap on pending cooperative batches per pair.
     pub slots: u32,
@@ -52,7 +56,7 @@ pub struct InstanceConfig {
 
 impl Default for InstanceConfig {
     fn default() -> Self {
-        InstanceConfig { max_batch: 8, max_tokens: 128, slots: 16, op_timeout: Duration::from_secs(30), core: None }
+        InstanceConfig { max_batch: 8, max_tokens: None, slots: 16, op_timeout: Duration::from_secs(30), core: None }
     }
 }
 
@@ -70,6 +74,8 @@ struct Shared {
     mesh: Arc<dyn Mesh>,
     model: ServedModel,
     cfg: InstanceConfig,
+    /// Tokens per text at most: `cfg.max_tokens`, or the model's own cut.
+    max_tokens: usize,
     compute: Compute<Tag, Bert>,
     /// The activation slots granted to peers that hand batches over to this instance.
     grants: Grants,
@@ -133,13 +139,14 @@ impl Instance {
         multicast: Arc<MulticastNode>,
         cfg: InstanceConfig,
     ) -> Result<Instance, ServeError> {
-        if cfg.max_batch == 0 || cfg.max_tokens == 0 || cfg.slots == 0 {
+        let max_tokens = cfg.max_tokens.unwrap_or_else(|| model.max_tokens());
+        if cfg.max_batch == 0 || max_tokens == 0 || cfg.slots == 0 {
             return Err(ServeError::Config("max_batch, max_tokens and slots must be positive".into()));
         }
-        if cfg.max_tokens > model.config.max_position_embeddings {
+        if max_tokens > model.config.max_position_embeddings {
             return Err(ServeError::Config(format!(
-                "max_tokens {} exceeds the model's {} positions",
-                cfg.max_tokens, model.config.max_position_embeddings
+                "max_tokens {max_tokens} exceeds the model's {} positions",
+                model.config.max_position_embeddings
             )));
         }
         let inbox = mesh.subscribe::<ExecMsg>(DEFAULT_INBOX)?;
@@ -154,6 +161,7 @@ impl Instance {
             mesh,
             model,
             cfg,
+            max_tokens,
             compute,
             grants: Grants::default(),
             pairs: Pairs::default(),
@@ -211,10 +219,6 @@ impl Drop for Instance {
     }
 }
 
-fn slot_bytes(model: &ServedModel, cfg: &InstanceConfig) -> u64 {
-    Activation::wire_len(cfg.max_batch, cfg.max_tokens, model.config.hidden_size, 0) as u64
-}
-
 async fn serve(sh: Arc<Shared>, mut inbox: cascade_transport::Inbox<ExecMsg>, mut stop: watch::Receiver<bool>) {
     while let Some(m) = super::inbox::next(&mut inbox, &mut stop).await {
         let from = m.from;
@@ -252,6 +256,11 @@ async fn serve(sh: Arc<Shared>, mut inbox: cascade_transport::Inbox<ExecMsg>, mu
 }
 
 impl Shared {
+    /// Bytes of one activation slot: a batch of `max_batch` texts of `max_tokens` tokens.
+    fn slot_bytes(&self) -> u64 {
+        Activation::wire_len(self.cfg.max_batch, self.max_tokens, self.model.config.hidden_size, 0) as u64
+    }
+
     /// What this instance asks of a peer it hands batches over to.
     fn ask(&self, then: u32) -> Ask {
         Ask { then, slots: self.cfg.slots, limit: self.cfg.op_timeout }
@@ -297,8 +306,8 @@ fn handle(sh: &Arc<Shared>, from: u32, msg: ExecMsg, reply: ReplyTo) -> Result<O
             let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
             let act = crate::embed::tokenize(&sh.model.tokenizer, &refs)?;
             let tokens = act.ids.dims2().map_err(ExecError::from)?.1;
-            if tokens > sh.cfg.max_tokens {
-                return Err(ServeError::Input(format!("{tokens} tokens: at most {}", sh.cfg.max_tokens)));
+            if tokens > sh.max_tokens {
+                return Err(ServeError::Input(format!("{tokens} tokens: at most {}", sh.max_tokens)));
             }
             sh.meters.queued.inc();
             // The entry stage of a three-segment batch is a millisecond the next segment's
@@ -308,7 +317,7 @@ fn handle(sh: &Arc<Shared>, from: u32, msg: ExecMsg, reply: ReplyTo) -> Result<O
             Ok(None)
         }
         ExecMsg::Finish { batch, region, slot, len, crc, split } => {
-            let (act, held) = sh.grants.take(from, (region, slot), (len, crc), slot_bytes(&sh.model, &sh.cfg))?;
+            let (act, held) = sh.grants.take(from, (region, slot), (len, crc), sh.slot_bytes())?;
             let on_first = act.next_layer as u32;
             let layers = sh.compute.layers();
             let stop = match split {
@@ -327,9 +336,7 @@ fn handle(sh: &Arc<Shared>, from: u32, msg: ExecMsg, reply: ReplyTo) -> Result<O
             sh.compute.send(Cmd::Job { act, stop, tag, urgent: false });
             Ok(None)
         }
-        ExecMsg::Pair { slots } => {
-            sh.grants.grant(&*sh.mesh, from, slots, sh.cfg.slots, slot_bytes(&sh.model, &sh.cfg)).map(Some)
-        }
+        ExecMsg::Pair { slots } => sh.grants.grant(&*sh.mesh, from, slots, sh.cfg.slots, sh.slot_bytes()).map(Some),
         ExecMsg::Lend { run } => {
             sh.copy.lend(run, from)?;
             Ok(Some(ExecMsg::Ack))
