@@ -121,7 +121,7 @@ pub(crate) struct PdArgs {
     #[arg(long, default_value_t = 24)]
     max_tokens: u32,
     /// Seconds into the burst when the mutation and the scale-out begin.
-    #[arg(long, default_value_t = 2.0)]
+    #[arg(long, default_value_t = 2.0, value_parser = crate::seconds)]
     scale_after_s: f64,
     /// Where report.json and the node logs go.
     #[arg(long, default_value = "target/pd")]
@@ -133,12 +133,12 @@ pub(crate) struct PdArgs {
     /// Kill the decode instance (node 3) with SIGKILL this many seconds into the burst, after
     /// the mutation gave the burst a second decode instance (so it must be later than
     /// `--scale-after-s`); its requests are redone from their prompts.
-    #[arg(long, conflicts_with = "stop_decode_at_s")]
+    #[arg(long, conflicts_with = "stop_decode_at_s", value_parser = crate::seconds)]
     kill_decode_at_s: Option<f64>,
     /// Stop the decode instance (node 3) with SIGTERM this many seconds into the burst, after
     /// the mutation (a graceful scale-in): it leaves, the router moves the requests it decodes,
     /// with their KV, to the mutated instance, and it exits.
-    #[arg(long)]
+    #[arg(long, value_parser = crate::seconds)]
     stop_decode_at_s: Option<f64>,
     /// Replace a lost decode instance: the router turns a prefill instance into a decode one
     /// once one holding every stage can be spared (after the scale-out). Off by default: on this
@@ -195,9 +195,22 @@ pub(crate) fn run(a: PdArgs) -> anyhow::Result<()> {
     std::fs::create_dir_all(&a.out)?;
     let model_dir = std::fs::canonicalize(&a.model)?;
     let out = std::fs::canonicalize(&a.out)?;
-    println!("single-process greedy reference for {} prompts …", PROMPTS.len());
     let g = Generator::from_dir(&model_dir)?;
     let prompts: Vec<Vec<u32>> = PROMPTS.iter().map(|p| g.encode(p)).collect::<Result<_, _>>()?;
+    // A request must fit one decode instance's KV (and so the model's window): refused here, not
+    // after a reference run of minutes whose every request the instances would then refuse.
+    let kv = LlmConfig::default();
+    let room = kv.kv_pages * kv.page_tokens;
+    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0) as u32;
+    if longest + a.max_tokens > room {
+        bail!(
+            "--max-tokens {}: with the longest prompt's {longest} tokens a request needs more than a decode \
+             instance's {room} tokens of KV; at most {}",
+            a.max_tokens,
+            room - longest
+        );
+    }
+    println!("single-process greedy reference for {} prompts …", PROMPTS.len());
     let expected: Vec<Vec<u32>> = g.generate(&prompts, a.max_tokens as usize)?.into_iter().map(|o| o.tokens).collect();
     // What the router needs of the model, taken from the reference's load (not read again).
     let model = PdModel {

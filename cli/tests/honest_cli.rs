@@ -229,3 +229,32 @@ fn lora_serve_refuses_a_rank_of_zero() {
     assert!(!out.status.success() && err.contains("--rank must be at least 1"), "{err}");
     assert!(out.stdout.is_empty(), "{}", String::from_utf8_lossy(&out.stdout));
 }
+
+/// `cascade pd` refuses a negative time (it panicked: "cannot convert float seconds to Duration")
+/// and a token budget no decode instance could hold, before its reference run (which went on for
+/// many minutes with `--max-tokens 100000` before every request would have been refused).
+#[test]
+fn pd_refuses_negative_times_and_requests_no_instance_can_hold() {
+    let out = Command::new(CASCADE).args(["pd", "--scale-after-s=-1"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("not a usable number of seconds") && !err.contains("panicked"),
+        "{err}"
+    );
+    let d = scratch("pd-tokens");
+    let Some(model) = smollm2(&d) else { return };
+    let t = std::time::Instant::now();
+    let out = Command::new(CASCADE)
+        .args(["pd", "--model"])
+        .arg(&model)
+        .arg("--out")
+        .arg(&d)
+        .args(["--max-tokens", "100000"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("tokens of KV; at most"), "{err}");
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("reference"), "no reference run first");
+    assert!(t.elapsed() < std::time::Duration::from_secs(60), "refused after {:?}", t.elapsed());
+    let _ = std::fs::remove_dir_all(&d);
+}
