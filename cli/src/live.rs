@@ -51,13 +51,13 @@ pub(crate) struct LiveArgs {
     /// same arrivals). This VM's speed drifts by ±25% over minutes, so each round measures
     /// again; measuring in every run instead gave policies of one round bursts up to 39% apart,
     /// and their p99s followed their burst sizes rather than their policies.
-    #[arg(long, default_value_t = 1.6)]
+    #[arg(long, default_value_t = 1.6, value_parser = crate::rate)]
     burst: f64,
     /// The burst's length, seconds.
-    #[arg(long, default_value_t = 14.0)]
+    #[arg(long, default_value_t = 14.0, value_parser = crate::seconds)]
     burst_s: f64,
     /// Seconds into the burst when the scale-out begins (the autoscaler's reaction).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, value_parser = crate::seconds)]
     scale_after_s: f64,
     /// Texts per batch.
     #[arg(long, default_value_t = 8)]

@@ -40,6 +40,19 @@ fn nan_inf_and_negative_numbers_are_refused_without_a_panic() {
         assert!(!out.status.success(), "{bad} accepted");
         assert!(err.contains("not a usable number of seconds"), "{bad}: {err}");
         assert!(!err.contains("panicked"), "{bad}: {err}");
+        // The main job's times and burst too (NaN passed its checks, -1 made a negative Duration).
+        let seconds = "not a usable number of seconds";
+        for (flag, says) in [("--scale-after-s", seconds), ("--burst-s", seconds), ("--burst", "not a usable rate")] {
+            if (flag, bad) == ("--burst", "1e300") {
+                continue; // a finite, positive ratio: a rate
+            }
+            let out = Command::new(CASCADE).args(["live", &format!("{flag}={bad}")]).output().unwrap();
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert!(
+                !out.status.success() && err.contains(says) && !err.contains("panicked"),
+                "live {flag}={bad}: {err}"
+            );
+        }
     }
     let out = Command::new(CASCADE)
         .args(["pool", "serve", "--cluster"])
