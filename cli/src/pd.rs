@@ -207,7 +207,7 @@ pub(crate) fn run(a: PdArgs) -> anyhow::Result<()> {
             "--max-tokens {}: with the longest prompt's {longest} tokens a request needs more than a decode \
              instance's {room} tokens of KV; at most {}",
             a.max_tokens,
-            room - longest
+            room.saturating_sub(longest)
         );
     }
     println!("single-process greedy reference for {} prompts …", PROMPTS.len());

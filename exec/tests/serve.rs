@@ -44,16 +44,14 @@ async fn cluster(n: u32, tag: &str) -> Option<Cluster> {
     cluster_of(tag, &roles).await
 }
 
+/// The instances' limits in these tests: batches of 4 texts of 64 tokens, 8 slots.
+fn test_config() -> InstanceConfig {
+    InstanceConfig { max_batch: 4, max_tokens: Some(64), slots: 8, op_timeout: Duration::from_secs(30), core: None }
+}
+
 /// Node 0 routes and controls multicasts; node i + 1 plays `roles[i]`.
 async fn cluster_of(tag: &str, roles: &[Role]) -> Option<Cluster> {
-    let cfg = InstanceConfig {
-        max_batch: 4,
-        max_tokens: Some(64),
-        slots: 8,
-        op_timeout: Duration::from_secs(30),
-        core: None,
-    };
-    cluster_with(tag, roles, cfg).await
+    cluster_with(tag, roles, test_config()).await
 }
 
 /// [`cluster_of`] with the instances' own limits.
@@ -463,13 +461,7 @@ impl MemServing {
 
     /// Starts an instance with a held copy on `node`.
     fn serve_on(&mut self, node: usize) {
-        let cfg = InstanceConfig {
-            max_batch: 4,
-            max_tokens: Some(64),
-            slots: 8,
-            op_timeout: Duration::from_secs(30),
-            core: None,
-        };
+        let cfg = test_config();
         let mesh = self.nodes[node].clone();
         let held = Source::Held(self.model.load(&*mesh, &self.file).unwrap());
         let mc = MulticastNode::start(mesh.clone(), Duration::from_secs(10)).unwrap();
@@ -693,13 +685,7 @@ async fn a_stopped_instance_answers_the_split_batches_it_held() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pairing_whose_slots_failed_is_renewed() {
     use cascade_transport::mem::Fault;
-    let cfg = InstanceConfig {
-        max_batch: 4,
-        max_tokens: Some(64),
-        slots: 2,
-        op_timeout: Duration::from_millis(300),
-        core: None,
-    };
+    let cfg = InstanceConfig { slots: 2, op_timeout: Duration::from_millis(300), ..test_config() };
     let Some(p) = MemPair::start(cfg) else { return };
     p.split_ok(2, 1, 1, "before the faults").await;
     p.fabric.set_fault(2, 1, Some(Fault::Delay(Duration::from_millis(700))));

@@ -41,12 +41,6 @@ pub(super) fn reserve(sh: &Shared, from: u32, req: u64, tokens: u32) -> Result<L
     if *lock(&sh.role) != Role::Decode {
         return Err(ServeError::Peer("not a decode instance".into()));
     }
-    // A decode instance from the start maps its region at its first reservation.
-    let mut kv = lock(&sh.kv);
-    let (region, pages) = ensure_kv(sh, &mut kv)?;
-    if pages.requests() >= sh.cfg.max_running {
-        return Err(ServeError::Peer(format!("{} requests hold KV here already", sh.cfg.max_running)));
-    }
     // A request whose prompt and output would pass the model's positions is refused here, for
     // itself: admitted, it would fail the decode step of every request batched with it there.
     // Its last output token is never fed back, so `tokens − 1` positions are needed.
@@ -56,6 +50,12 @@ pub(super) fn reserve(sh: &Shared, from: u32, req: u64, tokens: u32) -> Result<L
             "{tokens} tokens of prompt and output need {} positions; the model's context window is {window}",
             tokens - 1
         )));
+    }
+    // A decode instance from the start maps its region at its first reservation.
+    let mut kv = lock(&sh.kv);
+    let (region, pages) = ensure_kv(sh, &mut kv)?;
+    if pages.requests() >= sh.cfg.max_running {
+        return Err(ServeError::Peer(format!("{} requests hold KV here already", sh.cfg.max_running)));
     }
     let n = sh.layout.pages_for(tokens as usize);
     if n > sh.cfg.kv_pages as usize {
