@@ -938,14 +938,19 @@ async fn a_request_longer_than_the_context_window_is_refused_alone() {
     // Through the router: the long request fails at once, the other decodes.
     let r = Routed::start(&c, router_cfg(&c, 1, vec![], vec![2]));
     let prompt = r.want[0].0.clone();
-    r.req_tx.send(GenRequest { id: 0, prompt, max_tokens: window, adapter: 0 }).unwrap();
+    r.req_tx.send(GenRequest { id: 0, prompt: prompt.clone(), max_tokens: window, adapter: 0 }).unwrap();
     r.send(1);
+    // "Until end of sequence": prompt + u32::MAX tokens overflowed the router's sum (a panic in
+    // a debug build, a wrapped reservation of a few tokens in a release one).
+    r.req_tx.send(GenRequest { id: 2, prompt, max_tokens: u32::MAX, adapter: 0 }).unwrap();
     let (stats, answers, want) = r.finish(Duration::from_secs(120)).await;
     let answer = |id| answers.iter().find(|a| a.id == id).unwrap_or_else(|| panic!("request {id} unanswered"));
-    let err = answer(0).result.as_ref().unwrap_err();
-    assert!(err.contains("context window"), "{err}");
+    for id in [0, 2] {
+        let err = answer(id).result.as_ref().unwrap_err();
+        assert!(err.contains("context window"), "request {id}: {err}");
+    }
     assert_eq!(answer(1).result.as_ref().unwrap(), &want[1].1);
-    assert_eq!((stats.answered, stats.failed), (1, 1));
+    assert_eq!((stats.answered, stats.failed), (1, 2));
 }
 
 /// The router's link to a decode instance fails mid-stream and comes back (a link flap; the

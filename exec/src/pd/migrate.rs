@@ -135,7 +135,7 @@ pub fn plan(
         let (mut base_ms, mut base_mem) = (0.0, 0.0);
         for r in &l.requests {
             let exec_ms = f64::from(r.remaining) * step_ms(l.requests.len());
-            let mem = kv_bytes(r.tokens + r.remaining);
+            let mem = kv_bytes(r.tokens.saturating_add(r.remaining));
             if over.contains(&j) && router.is_none_or(|me| r.router == me) {
                 let move_ms = kv_bytes(r.tokens) / cost.migrate_bytes_per_ms;
                 requests.push(MigRequest { adapter: r.adapter, from: pi, exec_ms, mem_bytes: mem, move_ms });
@@ -165,7 +165,7 @@ pub fn plan(
                 adapter: r.adapter,
                 from: loads[*j].node,
                 to: loads[members[to]].node,
-                tokens: r.tokens + r.remaining,
+                tokens: r.tokens.saturating_add(r.remaining),
             })
             .collect();
     Some(Decision {
@@ -315,8 +315,13 @@ pub async fn drain(
             let mut last = String::from("no decode instance to move it to");
             let mut went = None;
             for i in order(&targets) {
-                let m =
-                    Move { req: r.req, adapter: r.adapter, from, to: targets[i].node, tokens: r.tokens + r.remaining };
+                let m = Move {
+                    req: r.req,
+                    adapter: r.adapter,
+                    from,
+                    to: targets[i].node,
+                    tokens: r.tokens.saturating_add(r.remaining),
+                };
                 match move_one(mesh, &m, timeout).await {
                     Ok(tokens) => {
                         targets[i].running += 1;

@@ -89,7 +89,9 @@ pub(super) async fn prefill(
         // (a decode instance that joins meanwhile, `PdCmd::Decode`, takes it).
         return Outcome::Failed(ServeError::Peer("no decode instance is left".into()));
     }
-    let tokens = req.prompt.len() as u32 + req.max_tokens;
+    // Saturating: a budget of u32::MAX ("until end of sequence") asks for more than any window
+    // holds and is refused at the reservation; wrapped, it would reserve a few tokens and decode on.
+    let tokens = (req.prompt.len() as u32).saturating_add(req.max_tokens);
     let mut grant: Option<KvGrant> = None;
     let mut why = String::new();
     for &n in order {
