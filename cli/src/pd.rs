@@ -202,7 +202,7 @@ pub(crate) fn run(a: PdArgs) -> anyhow::Result<()> {
     let kv = LlmConfig::default();
     let room = kv.kv_pages * kv.page_tokens;
     let longest = prompts.iter().map(Vec::len).max().unwrap_or(0) as u32;
-    if longest + a.max_tokens > room {
+    if longest.saturating_add(a.max_tokens) > room {
         bail!(
             "--max-tokens {}: with the longest prompt's {longest} tokens a request needs more than a decode \
              instance's {room} tokens of KV; at most {}",

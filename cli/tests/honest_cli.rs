@@ -256,18 +256,21 @@ fn pd_refuses_negative_times_and_requests_no_instance_can_hold() {
     );
     let d = scratch("pd-tokens");
     let Some(model) = smollm2(&d) else { return };
-    let t = std::time::Instant::now();
-    let out = Command::new(CASCADE)
-        .args(["pd", "--model"])
-        .arg(&model)
-        .arg("--out")
-        .arg(&d)
-        .args(["--max-tokens", "100000"])
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("tokens of KV; at most"), "{err}");
-    assert!(!String::from_utf8_lossy(&out.stdout).contains("reference"), "no reference run first");
-    assert!(t.elapsed() < std::time::Duration::from_secs(60), "refused after {:?}", t.elapsed());
+    // u32::MAX too: the check's sum saturates instead of wrapping past it.
+    for tokens in ["100000", "4294967295"] {
+        let t = std::time::Instant::now();
+        let out = Command::new(CASCADE)
+            .args(["pd", "--model"])
+            .arg(&model)
+            .arg("--out")
+            .arg(&d)
+            .args(["--max-tokens", tokens])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains("tokens of KV; at most"), "{tokens}: {err}");
+        assert!(!String::from_utf8_lossy(&out.stdout).contains("reference"), "{tokens}: no reference run first");
+        assert!(t.elapsed() < std::time::Duration::from_secs(60), "{tokens}: refused after {:?}", t.elapsed());
+    }
     let _ = std::fs::remove_dir_all(&d);
 }
