@@ -309,6 +309,23 @@ fn an_adapter_of_rank_zero_or_no_finite_alpha_is_refused() {
     assert!(e.to_string().contains("rank 0"), "{e}");
 }
 
+/// A seeded adapter's rank is at most each target's min(out, in) — LoRA's bound — and is refused
+/// above it before its tensors are allocated (`lora-cost --rank 100000` was killed for memory
+/// building 46 GB of test double).
+#[test]
+fn a_seeded_adapter_above_its_targets_rank_is_refused() {
+    let cfg = small_config();
+    let (out, inn) = Proj::K.shape(&cfg);
+    let most = out.min(inn);
+    assert!(most < Proj::Q.shape(&cfg).0, "K is the narrow projection of this config");
+    LoraAdapter::seeded(&cfg, most, 8.0, &[Proj::K], 1, 0.05).unwrap();
+    LoraAdapter::seeded(&cfg, most + 1, 8.0, &[Proj::Q], 1, 0.05).unwrap();
+    let e = LoraAdapter::seeded(&cfg, most + 1, 8.0, &Proj::ALL, 1, 0.05).unwrap_err();
+    assert!(e.to_string().contains(&format!("rank {} exceeds k_proj's min(out, in) = {most}", most + 1)), "{e}");
+    let e = LoraAdapter::seeded(&cfg, usize::MAX / 8, 8.0, &[Proj::Q], 1, 0.05).unwrap_err();
+    assert!(e.to_string().contains("exceeds q_proj"), "{e}");
+}
+
 #[test]
 fn an_adapter_image_round_trips_exactly_and_a_damaged_one_is_refused() {
     let cfg = small_config();

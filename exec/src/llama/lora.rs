@@ -117,7 +117,8 @@ impl LoraAdapter {
 
     /// A test double: an adapter of rank `r` on `targets` of every block of `cfg`, its tensors
     /// seeded random (`A` uniform in ±1/√in, `B` uniform in ±`b_scale`; PEFT initialises `B` to
-    /// zero, which would make every adapter the base model).
+    /// zero, which would make every adapter the base model). Refuses a rank of 0, a non-finite
+    /// `alpha`, no target, and a rank above a target's min(out, in).
     pub fn seeded(
         cfg: &LlamaConfig,
         r: usize,
@@ -131,6 +132,19 @@ impl LoraAdapter {
         config.check()?;
         if targets.is_empty() {
             return Err(ExecError::Model("an adapter targets at least one projection".into()));
+        }
+        // LoRA's rank is r ≤ min(out, in) of the projection it adapts: a larger one is no
+        // low-rank delta, and its tensors outgrow the projection itself (rank 100,000 on
+        // SmolLM2 would be 46 GB of test double, allocated before anything said no).
+        for &p in targets {
+            let (out, inn) = p.shape(cfg);
+            if r > out.min(inn) {
+                return Err(ExecError::Model(format!(
+                    "rank {r} exceeds {}'s min(out, in) = {}: LoRA's rank is at most that",
+                    p.module(),
+                    out.min(inn)
+                )));
+            }
         }
         let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
         let mut uniform = move |n: usize, bound: f32| -> Vec<f32> {
