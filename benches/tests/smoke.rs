@@ -59,6 +59,13 @@ fn bad_arguments_are_refused_clearly() {
         "--batches and --batch-size must be at least 1",
     );
     refused(coop, &["--executor", "emulated", "--batch-size", "0", "--json"], "must be at least 1");
+    let st = env!("CARGO_BIN_EXE_sched-throughput");
+    refused(st, &["--sub-clusters", "0", "--seconds", "0.1"], "--sub-clusters must be at least 1");
+    refused(st, &["--sub-clusters", "4", "--scheduler", "flex", "--seconds", "0.1"], "partitions Symphony's engine");
+    // No iteration had no median to report (an index out of bounds), no sequence no iteration.
+    let cost = env!("CARGO_BIN_EXE_lora-cost");
+    refused(cost, &["--iters", "0"], "--iters must be at least 1");
+    refused(cost, &["--batches", "4,0"], "each at least 1");
 }
 
 #[test]
@@ -106,6 +113,10 @@ fn goodput_prints_the_contract_fields() {
     assert_eq!(two["offered_rps"], again["offered_rps"]);
     assert_eq!(two["goodput_rps"], again["goodput_rps"]);
     refused(env!("CARGO_BIN_EXE_goodput"), &["--scenario", scenario, "--scheduler", "fifo"], "unknown scheduler");
+    for t in ["-1", "NaN", "1"] {
+        let arg = format!("--bad-threshold={t}");
+        refused(env!("CARGO_BIN_EXE_goodput"), &["--scenario", scenario, "--scheduler", "symphony", &arg], "in [0, 1)");
+    }
 }
 
 #[test]
@@ -187,6 +198,10 @@ fn serve_sim_prints_the_contract_fields() {
     }
     refused(env!("CARGO_BIN_EXE_serve-sim"), &["--system", "vllm", "--json"], "unknown system");
     refused(env!("CARGO_BIN_EXE_serve-sim"), &["--over-context", "truncate", "--json"], "clip, refuse, keep");
+    for d in ["0", "-1", "NaN"] {
+        let arg = format!("--duration-s={d}");
+        refused(env!("CARGO_BIN_EXE_serve-sim"), &[&arg, "--json"], "--duration-s must be a positive number");
+    }
 }
 
 #[test]
@@ -215,6 +230,13 @@ fn lora_cost_prints_its_fields() {
     for k in ["base_ms", "merged_ms", "unmerged_ms", "unmerged_4_adapters_ms"] {
         assert!(it[k].as_f64().is_some_and(|x| x > 0.0), "missing {k} in {it}");
     }
+    // A rank above the projections' own (k_proj is 192 × 576) is refused before its tensors are
+    // built (rank 100,000 was killed for memory).
+    refused(
+        env!("CARGO_BIN_EXE_lora-cost"),
+        &["--model", model, "--rank", "100000", "--batches", "1", "--iters", "1"],
+        "rank 100000 exceeds",
+    );
 }
 
 /// A simulator whose reader goes away (`| head`) ends quietly, killed by SIGPIPE as Unix tools

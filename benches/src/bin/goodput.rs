@@ -37,7 +37,7 @@ struct Cli {
     /// The arrivals' seed (default: the file's `seed`); a run is deterministic for its seed.
     #[arg(long)]
     seed: Option<u64>,
-    /// Bad rate above which the autoscaling advice adds GPUs.
+    /// Bad rate (a fraction of requests, in [0, 1)) above which the autoscaling advice adds GPUs.
     #[arg(long, default_value_t = 0.01)]
     bad_threshold: f64,
     /// Print JSON.
@@ -56,6 +56,10 @@ fn main() -> anyhow::Result<()> {
     if c.charge_dispatch.is_some() {
         s.charge_dispatch = c.charge_dispatch;
         s.check()?;
+    }
+    if !(0.0..1.0).contains(&c.bad_threshold) {
+        // A negative or NaN threshold gave advice that neither adds nor releases a GPU.
+        bail!("--bad-threshold is a fraction of requests in [0, 1), got {}", c.bad_threshold);
     }
     if let Some(r) = c.rate {
         if !(r >= 0.0 && r.is_finite()) {

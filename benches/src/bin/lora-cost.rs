@@ -69,6 +69,8 @@ fn main() -> anyhow::Result<()> {
     // Opens no socket: a closed stdout may end it quietly.
     cascade_benches::exit_quietly_on_closed_stdout();
     let c = Cli::parse();
+    anyhow::ensure!(c.iters > 0, "--iters must be at least 1 (each point reports the median of its iterations)");
+    anyhow::ensure!(!c.batches.contains(&0), "--batches are batch sizes: each at least 1");
     let g = Generator::from_dir(&c.model).with_context(|| {
         format!("loading {} (scripts/fetch-smollm2.sh, then cascade model import)", c.model.display())
     })?;

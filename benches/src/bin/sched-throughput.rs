@@ -68,6 +68,17 @@ fn main() -> anyhow::Result<()> {
     if c.models == 0 || c.gpus == 0 || c.shards == 0 || !positive(c.rate) || !positive(c.seconds) {
         bail!("--models, --gpus, --shards, --rate and --seconds must be positive");
     }
+    // Both ran one dispatcher while the report said otherwise ("sub_clusters": 0, or 4 beside
+    // a flex run that has no sub-clusters).
+    if c.sub_clusters == 0 {
+        bail!("--sub-clusters must be at least 1 (1: one dispatcher for the whole cluster)");
+    }
+    if c.sub_clusters > 1 && c.scheduler != "symphony" {
+        bail!(
+            "--sub-clusters partitions Symphony's engine, not {:?} (HERD's groups are --scheduler flex/herd:G:GMAX)",
+            c.scheduler
+        );
+    }
     let (name, text) = TABLES[1];
     let rows: Vec<_> = parse_table(name, text)?.into_iter().filter(|r| r.alpha_ms <= 0.5).collect();
     let profiles = (0..c.models)

@@ -86,6 +86,11 @@ fn main() -> anyhow::Result<()> {
     let c = Cli::parse();
     let systems: Vec<System> =
         if c.system == "all" { System::ALL.to_vec() } else { vec![c.system.parse().map_err(anyhow::Error::msg)?] };
+    if let Some(d) = c.duration_s {
+        // 0 kept the request at t = 0 and simulated it as "the first 0 seconds"; NaN and
+        // negative ones ended in "an empty trace", which blamed the file.
+        anyhow::ensure!(d > 0.0 && d.is_finite(), "--duration-s must be a positive number of seconds, got {d}");
+    }
     let text = std::fs::read_to_string(&c.trace).with_context(|| format!("reading {}", c.trace.display()))?;
     let mut trace = parse_trace(&text, c.rate_scale)
         .map_err(anyhow::Error::msg)

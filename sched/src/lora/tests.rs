@@ -407,6 +407,20 @@ fn scenarios_are_checked_and_skewness_concentrates_the_load() {
     let mut z = zero.clone();
     z.batch.max_batch = 0;
     assert!(z.validate().is_err());
+    // A popularity or length law that is no number is refused: a NaN or infinite Zipf exponent
+    // put every request on one adapter, an infinite scale made every request max_tokens long.
+    for (field, v) in [("zipf", f64::NAN), ("zipf", f64::INFINITY), ("zipf", -1.0), ("scale", f64::INFINITY)] {
+        let mut z = zero.clone();
+        match field {
+            "zipf" => z.zipf_s = v,
+            _ => z.lengths.scale = v,
+        }
+        let e = z.validate().unwrap_err();
+        assert!(e.contains(if field == "zipf" { "zipf_s must be finite" } else { "lengths: need finite" }), "{e}");
+    }
+    let mut uniform = zero.clone();
+    uniform.zipf_s = 0.0;
+    uniform.validate().unwrap();
     let reqs = zero.requests();
     assert!(reqs.windows(2).all(|w| w[0].arrival_ms <= w[1].arrival_ms));
     assert!((reqs.len() as f64 - 50.0).abs() < 25.0, "{}", reqs.len());

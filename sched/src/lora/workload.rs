@@ -110,7 +110,7 @@ pub struct LoraScenario {
     /// Functions of the synthetic trace.
     #[serde(default = "functions")]
     pub functions: u32,
-    /// Zipf exponent of function popularity.
+    /// Zipf exponent of function popularity: finite and ≥ 0 (0: every function equally popular).
     #[serde(default = "one_f")]
     pub zipf_s: f64,
     /// Replicas (GPUs) serving the base model.
@@ -192,9 +192,24 @@ impl LoraScenario {
                 return Err(format!("drift: need phase_s > 0 and sigma ≥ 0, got {} and {}", d.phase_s, d.sigma));
             }
         }
+        if !(self.zipf_s >= 0.0 && self.zipf_s.is_finite()) {
+            // NaN made every weight NaN (all requests on one adapter, silently); ∞ did the same.
+            return Err(format!(
+                "zipf_s must be finite and ≥ 0 (0: every function equally popular), got {}",
+                self.zipf_s
+            ));
+        }
         let l = &self.lengths;
-        if !(l.input_mean >= 1.0 && l.output_mean >= 1.0 && l.sigma >= 0.0 && l.scale > 0.0 && l.max_tokens >= 1) {
-            return Err("lengths: need means ≥ 1, sigma ≥ 0, scale > 0, max_tokens ≥ 1".into());
+        let finite = [l.input_mean, l.output_mean, l.sigma, l.scale].iter().all(|x| x.is_finite());
+        if !(finite
+            && l.input_mean >= 1.0
+            && l.output_mean >= 1.0
+            && l.sigma >= 0.0
+            && l.scale > 0.0
+            && l.max_tokens >= 1)
+        {
+            // An infinite scale or mean made every request max_tokens long, silently.
+            return Err("lengths: need finite means ≥ 1, sigma ≥ 0, scale > 0, and max_tokens ≥ 1".into());
         }
         self.cost_model()?.validate()?;
         self.batch.validate()?;
