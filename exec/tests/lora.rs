@@ -248,6 +248,41 @@ fn lora_serving_ends_a_request_at_the_context_window_and_refuses_a_longer_prompt
     assert!(long.to_string().contains("context window is 24"), "{long}");
 }
 
+/// A stream `serve` could not finish is refused whole before anything runs, naming the request:
+/// before 2026-12-04 each request was checked only when it arrived (and an unknown adapter only
+/// when its batch ran), so a bad request late in a stream failed the run after every earlier
+/// answer had been computed — and lost.
+#[test]
+fn a_lora_stream_with_a_bad_request_is_refused_before_anything_runs() {
+    use cascade_exec::llama::multi_lora::{serve, LoraJob, LoraMeters};
+    use cascade_sched::lora::{BatchConfig, Batcher, CostModel, Policy};
+    let Some((mut m, cfg)) = model_with_adapters(2) else { return };
+    let good = |arrival| LoraJob { arrival, adapter: 1, prompt: vec![100, 200, 300], max_tokens: 3 };
+    let vocab = cfg.vocab_size as u32;
+    let cases = [
+        (LoraJob { adapter: 2, ..good(5) }, "request 1: adapter 2 is not served (the model serves adapters [0, 1])"),
+        (LoraJob { adapter: u32::MAX, ..good(5) }, "adapter 4294967295 is not served"),
+        (LoraJob { prompt: vec![1, vocab], ..good(5) }, &*format!("token {vocab} is outside the vocabulary")),
+        (LoraJob { prompt: vec![], ..good(5) }, "request 1: empty prompt"),
+        (LoraJob { max_tokens: 0, ..good(5) }, "request 1: empty prompt or no tokens"),
+        (LoraJob { prompt: vec![1; cfg.max_position_embeddings + 1], ..good(5) }, "the model's context window is"),
+        (good(0), "request 1: arrives at iteration 0 after a request arriving at 3"),
+    ];
+    for (bad, says) in cases {
+        let registry = cascade_transport::Metrics::new();
+        let meters = LoraMeters::new(&registry);
+        let mut b = Batcher::new(Policy::Dlora, BatchConfig::default(), CostModel::cpu_smollm2());
+        let e = serve(&mut m, &mut b, &[good(3), bad], 1, Some(&meters)).unwrap_err();
+        assert!(e.to_string().contains(says), "{e}");
+        let text = registry.render();
+        assert!(
+            text.lines().filter(|l| l.starts_with("cascade_lora_iterations_total")).all(|l| l.ends_with(" 0")),
+            "an iteration ran before the refusal:\n{text}"
+        );
+        assert_eq!(m.cache().sequences(), 0);
+    }
+}
+
 /// An adapter is an ordinary model to the parameter pool: its PEFT file has a manifest with the
 /// model's 30 blocks, packs layer-major like any model (what the loader and the multicast move),
 /// and the adapter read back from the packed image is the one written.

@@ -118,7 +118,9 @@ fn set_mode(model: &mut Llama, mode: Mode) -> Result<(), ExecError> {
 /// Serves `jobs` (sorted by arrival) on `model`, whose adapters `1..` are the jobs' `0..`, with
 /// `batcher` deciding every iteration. Sequence ids `seq_base + i` are used for the KV cache and
 /// freed at the end. The model is left un-merged. With `meters`, every iteration is recorded in
-/// them as it happens.
+/// them as it happens. A stream it could not finish (no prompt, no token to generate, a prompt
+/// over the context window or outside the vocabulary, an adapter not served, arrivals out of
+/// order) is refused whole, naming the request, before anything runs.
 pub fn serve(
     model: &mut Llama,
     batcher: &mut Batcher,
@@ -126,6 +128,7 @@ pub fn serve(
     seq_base: u64,
     meters: Option<&LoraMeters>,
 ) -> Result<(Vec<LoraServed>, LoraRunStats), ExecError> {
+    check_jobs(model, jobs)?;
     let t0 = std::time::Instant::now();
     let window = model.config().max_position_embeddings;
     let mut out: Vec<LoraServed> =
@@ -135,18 +138,9 @@ pub fn serve(
     let mut live: Vec<(usize, u32, Vec<u32>)> = Vec::new();
     let mut next = 0;
     let mut it = 0u64;
-    let result = (|| {
+    let result: Result<(), ExecError> = (|| {
         while next < jobs.len() || !live.is_empty() {
             while next < jobs.len() && jobs[next].arrival <= it {
-                if jobs[next].max_tokens == 0 || jobs[next].prompt.is_empty() {
-                    return Err(ExecError::Input(format!("request {next}: empty prompt or no tokens to generate")));
-                }
-                if jobs[next].prompt.len() > window {
-                    return Err(ExecError::Input(format!(
-                        "request {next}: {} prompt tokens; the model's context window is {window}",
-                        jobs[next].prompt.len()
-                    )));
-                }
                 live.push((next, 0, jobs[next].prompt.clone()));
                 next += 1;
             }
@@ -230,6 +224,36 @@ pub fn serve(
     restored?;
     stats.seconds = t0.elapsed().as_secs_f64();
     Ok((out, stats))
+}
+
+/// Refuses, before anything runs, a stream [`serve`] could not finish: a request with no prompt
+/// or no token to generate, a prompt longer than the context window or with a token outside the
+/// vocabulary, an adapter the model does not serve, arrivals out of order. (Checked as each
+/// request arrived, these failed the run in its middle, every answer computed so far lost.)
+fn check_jobs(model: &Llama, jobs: &[LoraJob]) -> Result<(), ExecError> {
+    let (window, vocab) = (model.config().max_position_embeddings, model.config().vocab_size);
+    let mut last = 0;
+    for (i, j) in jobs.iter().enumerate() {
+        let bad = |why: String| -> Result<(), ExecError> { Err(ExecError::Input(format!("request {i}: {why}"))) };
+        if j.max_tokens == 0 || j.prompt.is_empty() {
+            return bad("empty prompt or no tokens to generate".into());
+        }
+        if j.prompt.len() > window {
+            return bad(format!("{} prompt tokens; the model's context window is {window}", j.prompt.len()));
+        }
+        if let Some(t) = j.prompt.iter().find(|&&t| t as usize >= vocab) {
+            return bad(format!("token {t} is outside the vocabulary of {vocab}"));
+        }
+        if j.adapter.checked_add(1).and_then(|id| model.adapter(id)).is_none() {
+            let served: Vec<u32> = model.adapter_ids().iter().filter_map(|id| id.checked_sub(1)).collect();
+            return bad(format!("adapter {} is not served (the model serves adapters {served:?})", j.adapter));
+        }
+        if j.arrival < last {
+            return bad(format!("arrives at iteration {} after a request arriving at {last}", j.arrival));
+        }
+        last = j.arrival;
+    }
+    Ok(())
 }
 
 /// `job` served alone, unmerged, from its first iteration: the reference a batched response is
