@@ -233,6 +233,54 @@ fn generation_that_fills_the_context_window_stops_there_and_says_so() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
+/// An import that fails while it writes (here a file-size limit of 64 MiB: the 538 MB
+/// `model.safetensors` stops with EFBIG, as on a full disk) says so and leaves the directory's
+/// previous model whole, with no partial file behind: `safetensors` (0.8) writes the model
+/// through a temporary file beside it and renames it into place, and the small config and
+/// tokenizer are written only after it. This holds that, should the writing change.
+#[test]
+fn a_failed_import_leaves_the_previous_model_whole() {
+    use std::os::unix::process::CommandExt;
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/models/smollm2-135m");
+    let gguf = root.join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    if !gguf.is_file() {
+        eprintln!("SKIPPED: SmolLM2-135M-Instruct not at {} (run scripts/fetch-smollm2.sh)", gguf.display());
+        return;
+    }
+    let d = scratch("import");
+    let out = d.join("model");
+    std::fs::create_dir_all(&out).unwrap();
+    let before = [("model.safetensors", "the previous model"), ("config.json", "{}"), ("tokenizer.json", "{}")];
+    for (f, text) in before {
+        std::fs::write(out.join(f), text).unwrap();
+    }
+    let mut c = Command::new(CASCADE);
+    c.args(["model", "import", "--gguf"]).arg(&gguf).arg("--out").arg(&out).env_remove("RUST_BACKTRACE");
+    // SAFETY: between fork and exec the child only calls setrlimit and signal, both
+    // async-signal-safe, on values of its own stack.
+    unsafe {
+        c.pre_exec(|| {
+            let limit = libc::rlimit { rlim_cur: 64 << 20, rlim_max: 64 << 20 };
+            if libc::setrlimit(libc::RLIMIT_FSIZE, &limit) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // A write past the limit then fails with EFBIG instead of killing the process.
+            libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+            Ok(())
+        });
+    }
+    let run = c.output().unwrap();
+    let err = String::from_utf8_lossy(&run.stderr);
+    assert!(!run.status.success(), "the import did not fail: {err}");
+    assert!(err.contains("model.safetensors") && !err.contains("panicked"), "{err}");
+    for (f, text) in before {
+        assert_eq!(std::fs::read_to_string(out.join(f)).unwrap(), text, "{f} changed");
+    }
+    let left: Vec<_> = std::fs::read_dir(&out).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(left.len(), 3, "partial files left behind: {left:?}");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
 /// `lora-serve --rank 0` is refused before anything loads (it used to serve every token as token 0:
 /// a rank-0 adapter's scale α/r is no number).
 #[test]
