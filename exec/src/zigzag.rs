@@ -174,7 +174,8 @@ impl Schedule {
 
     /// Σ w_i · latency_i.
     pub fn weighted(&self, weights: &[f64]) -> f64 {
-        self.latencies.iter().zip(weights).map(|(l, w)| *l as f64 * w).sum()
+        // A fold from +0: `Sum` for floats starts at −0, which an empty queue printed as "-0.0".
+        self.latencies.iter().zip(weights).fold(0.0, |s, (l, w)| s + *l as f64 * w)
     }
 }
 

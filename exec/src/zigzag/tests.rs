@@ -71,6 +71,17 @@ fn batches_within_is_the_longest_prefix_whose_program_fits() {
     assert_eq!(zigzag(&inst).unwrap().weighted(&inst.weights), exhaustive(&inst));
 }
 
+/// An empty queue plans nothing at no cost: +0, not the −0 `zigzag --batches 0 --json` printed.
+#[test]
+fn an_empty_queue_costs_a_positive_zero() {
+    let inst = Instance::uniform(7, 6, 0);
+    for s in [zigzag(&inst).unwrap(), best_effort(&inst).unwrap()] {
+        assert!(s.x.is_empty());
+        let w = s.weighted(&inst.weights);
+        assert!(w == 0.0 && w.is_sign_positive(), "{w:?}");
+    }
+}
+
 #[test]
 fn one_layer_models_run_on_old_only() {
     let z = zigzag(&Instance::uniform(1, 3, 3)).unwrap();
