@@ -155,8 +155,8 @@ struct NodeArgs {
     /// Device memory of this node's GPUs, in GPU order, comma separated: `cuda:N` (a build with
     /// the `cuda` feature) or `emulated:N` (a test double in host memory). Targets `NODE/gpuI`
     /// of multicasts then land in device I. A device that cannot be opened is reported and that
-    /// GPU falls back to host memory.
-    #[arg(long, value_delimiter = ',')]
+    /// GPU falls back to host memory; a name of another form is refused.
+    #[arg(long, value_delimiter = ',', value_parser = device_spec)]
     device: Vec<String>,
 }
 
@@ -495,6 +495,12 @@ pub(crate) fn count(n: usize, one: &str, many: &str) -> String {
 }
 
 /// A number of seconds: finite and not negative (NaN, inf and -1 are refused at parse time).
+/// `--device`'s names, checked for form at parse time (`gpu:0` used to start the node with a
+/// warning, its GPU's targets in host memory).
+fn device_spec(s: &str) -> Result<String, String> {
+    cascade_transport::device::check_spec(s).map(|()| s.to_string()).map_err(|e| e.to_string())
+}
+
 pub(crate) fn seconds(s: &str) -> Result<f64, String> {
     let v: f64 = s.parse().map_err(|e| format!("{s:?} is not a number: {e}"))?;
     if !(0.0..=1e9).contains(&v) {

@@ -54,6 +54,18 @@ fn nan_inf_and_negative_numbers_are_refused_without_a_panic() {
             );
         }
     }
+    // A misspelt device is refused before the node starts (it started with a warning, its
+    // GPU's targets in host memory).
+    let out = Command::new(CASCADE)
+        .args(["node", "--cluster"])
+        .arg(&c)
+        .args(["--node", "0", "--device", "emulated:0,gpu:1", "--ready-timeout-s", "2"])
+        .env("CASCADE_SECRET", "honest")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("expected cuda:N or emulated:N"), "{err}");
+    assert!(!err.contains("endpoint listening"), "the node started: {err}");
     let out = Command::new(CASCADE)
         .args(["pool", "serve", "--cluster"])
         .arg(&c)

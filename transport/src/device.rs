@@ -143,11 +143,27 @@ impl std::fmt::Debug for PinGuard {
     }
 }
 
+/// A device name's kind and index: `cuda:N` or `emulated:N` (`cuda` alone is `cuda:0`).
+fn parse(spec: &str) -> Result<(&str, u32)> {
+    let bad = || TransportError::Config(format!("device {spec:?}: expected cuda:N or emulated:N"));
+    let (kind, index) = spec.split_once(':').unwrap_or((spec, "0"));
+    let index: u32 = index.parse().map_err(|_| bad())?;
+    match kind {
+        "cuda" | "emulated" => Ok((kind, index)),
+        _ => Err(bad()),
+    }
+}
+
+/// Checks a device name's form (`cuda:N` or `emulated:N`) without opening the device: a
+/// misspelt name is a mistake to refuse, where a device that cannot be opened (no GPU, a build
+/// without CUDA) may be one to fall back from.
+pub fn check_spec(spec: &str) -> Result<()> {
+    parse(spec).map(drop)
+}
+
 /// Opens a device by name: `cuda:N` (feature `cuda`) or `emulated:N` (the test double).
 pub fn open(spec: &str) -> Result<Arc<dyn DeviceMemory>> {
-    let (kind, index) = spec.split_once(':').unwrap_or((spec, "0"));
-    let index: u32 =
-        index.parse().map_err(|_| TransportError::Config(format!("device {spec:?}: expected cuda:N or emulated:N")))?;
+    let (kind, index) = parse(spec)?;
     match kind {
         "emulated" => Ok(Arc::new(EmulatedDevice::new(index))),
         #[cfg(feature = "cuda")]

@@ -42,6 +42,18 @@ fn the_emulated_device_round_trips_and_checks_bounds() {
     round_trip(dev.as_ref());
 }
 
+/// A name's form is checked without opening anything: `cuda:N` passes on any build (opening it
+/// may still fail, and a node falls back), a misspelt one does not.
+#[test]
+fn a_device_names_form_is_checked_without_opening_it() {
+    for ok in ["cuda:0", "cuda:7", "cuda", "emulated:3"] {
+        check_spec(ok).unwrap();
+    }
+    for bad in ["gpu:0", "cuda:x", "cuda:-1", "emulated:", "", "CUDA:0"] {
+        assert!(matches!(check_spec(bad), Err(TransportError::Config(_))), "{bad:?} passed");
+    }
+}
+
 #[test]
 fn asking_for_cuda_without_it_is_a_clear_error() {
     assert!(matches!(open("tpu:0"), Err(TransportError::Config(_))));
