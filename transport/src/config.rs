@@ -85,7 +85,8 @@ impl ClusterSpec {
         })
     }
 
-    /// Checks ids and addresses are unique and the name is usable in a file name.
+    /// Checks ids and addresses are unique, every address has a port peers can dial, host names
+    /// are not empty, and the name is usable in a file name.
     pub fn validate(&self) -> Result<()> {
         if self.nodes.is_empty() {
             return Err(TransportError::Config("the cluster has no nodes".into()));
@@ -97,6 +98,22 @@ impl ClusterSpec {
             )));
         }
         for (i, a) in self.nodes.iter().enumerate() {
+            // Port 0 binds somewhere random that no peer can dial: the mesh never formed, and
+            // the nodes said only that their peers did not connect in time.
+            if a.addr.port() == 0 {
+                return Err(TransportError::Config(format!(
+                    "node {}: address {} has port 0, which no peer can dial",
+                    a.id, a.addr
+                )));
+            }
+            // An empty host would put every node that gives one on one "machine" (shared memory
+            // between hosts that share none).
+            if a.host.as_deref().is_some_and(|h| h.trim().is_empty()) {
+                return Err(TransportError::Config(format!(
+                    "node {}: an empty host name (leave `host` out to use the address's IP)",
+                    a.id
+                )));
+            }
             for b in &self.nodes[i + 1..] {
                 if a.id == b.id {
                     return Err(TransportError::Config(format!("node id {} appears twice", a.id)));

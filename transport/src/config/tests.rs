@@ -33,6 +33,10 @@ fn rejects_duplicates_and_junk() {
     assert!(ClusterSpec::from_toml("nodes = []").is_err());
     assert!(ClusterSpec::from_toml("[[nodes]]\nid = 0\naddr = \"nowhere\"\n").is_err());
     assert!(ClusterSpec::from_toml("name = \"../x\"\n[[nodes]]\nid = 0\naddr = \"127.0.0.1:1\"\n").is_err());
+    let port0 = "[[nodes]]\nid = 3\naddr = \"127.0.0.1:0\"\n";
+    assert!(ClusterSpec::from_toml(port0).unwrap_err().to_string().contains("node 3: address 127.0.0.1:0 has port 0"));
+    let no_host = "[[nodes]]\nid = 0\naddr = \"127.0.0.1:1\"\nhost = \" \"\n";
+    assert!(ClusterSpec::from_toml(no_host).unwrap_err().to_string().contains("an empty host name"));
 }
 
 #[test]
