@@ -223,10 +223,10 @@ struct MulticastArgs {
     /// blitz, chain, star or tree.
     #[arg(long, default_value = "blitz")]
     planner: PlannerKind,
-    /// Split the model into this many equal layers (LayerReady granularity).
+    /// Split the model into this many equal layers (LayerReady granularity; at most --bytes).
     #[arg(long, default_value_t = 8)]
     layers: u64,
-    /// Give up after this many seconds; unfinished targets are reported failed.
+    /// Give up after this many seconds (positive); unfinished targets are reported failed.
     #[arg(long, default_value_t = 600.0, value_parser = seconds)]
     deadline_s: f64,
     /// Print one JSON object.
@@ -397,8 +397,16 @@ async fn multicast(a: MulticastArgs) -> anyhow::Result<()> {
     if a.bytes == 0 || a.layers == 0 {
         bail!("--bytes and --layers must be positive");
     }
-    let layers =
-        (0..a.layers).map(|i| i * a.bytes / a.layers..(i + 1) * a.bytes / a.layers).filter(|r| !r.is_empty()).collect();
+    // More layers than bytes made empty layers, dropped in silence (`--bytes 3 --layers 8` ran
+    // 3 layers; `--layers 100000000` built a hundred million ranges first).
+    if a.layers > a.bytes {
+        bail!("--layers {} exceeds --bytes {}: a layer holds at least one byte", a.layers, a.bytes);
+    }
+    // A deadline of 0 raced the run: a small one finished anyway, a larger one failed at once.
+    if a.deadline_s <= 0.0 {
+        bail!("--deadline-s must be positive");
+    }
+    let layers = (0..a.layers).map(|i| i * a.bytes / a.layers..(i + 1) * a.bytes / a.layers).collect();
     let ep = join(&a.member, true).await?;
     let topology = match &a.topology {
         Some(path) => {

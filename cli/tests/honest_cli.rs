@@ -66,6 +66,24 @@ fn nan_inf_and_negative_numbers_are_refused_without_a_panic() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("expected cuda:N or emulated:N"), "{err}");
     assert!(!err.contains("endpoint listening"), "the node started: {err}");
+    // A multicast whose layers would be empty, or whose deadline is 0, is refused before it
+    // joins the cluster.
+    for (extra, says) in [
+        (&["--bytes", "3", "--layers", "8"][..], "--layers 8 exceeds --bytes 3"),
+        (&["--bytes", "1048576", "--deadline-s", "0"][..], "--deadline-s must be positive"),
+    ] {
+        let out = Command::new(CASCADE)
+            .args(["multicast", "--cluster"])
+            .arg(&c)
+            .args(["--node", "0", "--sources", "1/host", "--targets", "0/host"])
+            .args(extra)
+            .env("CASCADE_SECRET", "honest")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(says), "{extra:?}: {err}");
+        assert!(!err.contains("endpoint listening"), "{extra:?}: it joined: {err}");
+    }
     let out = Command::new(CASCADE)
         .args(["pool", "serve", "--cluster"])
         .arg(&c)
