@@ -73,6 +73,30 @@ async fn cluster_with(tag: &str, roles: &[Role], cfg: InstanceConfig) -> Option<
     Some(Cluster { eps, model, _instances: instances })
 }
 
+/// Limits whose activation region (what a pairing registers: `slots` batches of `max_batch`
+/// texts of `max_tokens` tokens) could never be allocated on the node are refused when the
+/// instance starts, not at its first hand-over in the middle of a burst. On the mem fabric (a
+/// test double) with a 64 MiB limit: the test limits' region (8 × 4 × 64 tokens) fits; 4,096
+/// texts a batch (8 × 1.6 GB) do not, nor a batch size whose slot overflows.
+#[tokio::test]
+async fn limits_whose_activation_region_cannot_fit_are_refused_at_start() {
+    let Some(dir) = model_dir() else { return };
+    let (model, _) = ServedModel::from_dir(&dir).unwrap();
+    let fabric = MemFabric::new();
+    // A node of its own for each start (a node's services subscribe once).
+    let start = |node: u32, cfg: InstanceConfig| {
+        let mesh: Arc<dyn Mesh> = Arc::new(fabric.add_node_with_limit(node, Some(64 << 20)));
+        let mc = MulticastNode::start(mesh.clone(), Duration::from_secs(10)).unwrap();
+        Instance::start(mesh, model.clone(), Source::Arriving, mc, cfg)
+    };
+    start(1, test_config()).unwrap().stop_and_wait().await;
+    for (node, max_batch) in [(2, 4096), (3, usize::MAX / 2)] {
+        let e = start(node, InstanceConfig { max_batch, ..test_config() }).err().expect("started");
+        assert!(matches!(e, ServeError::Config(_)), "{e}");
+        assert!(e.to_string().contains("exceeds the node's memory limit"), "{e}");
+    }
+}
+
 fn router_cfg(policy: LivePolicy) -> RouterConfig {
     RouterConfig {
         dispatch: DispatchConfig { policy, layers: 7, old: 1, per_instance: 2, max_coop: 8, load_ratio: 2 },

@@ -149,6 +149,7 @@ impl Instance {
                 model.config.max_position_embeddings
             )));
         }
+        activation_region_fits(&*mesh, &cfg, max_tokens, model.config.hidden_size)?;
         let inbox = mesh.subscribe::<ExecMsg>(DEFAULT_INBOX)?;
         let (done_tx, done_rx) = mpsc::unbounded_channel();
         let name = format!("exec-{}", mesh.node());
@@ -253,6 +254,42 @@ async fn serve(sh: Arc<Shared>, mut inbox: cascade_transport::Inbox<ExecMsg>, mu
     sh.pairs.withdraw(&*sh.mesh).await;
     sh.stopped.send_replace(true);
     debug!(node = sh.mesh.node(), "instance stopped");
+}
+
+/// Refuses limits whose activation region — `slots` batches of `max_batch` texts of
+/// `max_tokens` tokens, what a pairing registers — could never be allocated on this node: over
+/// its memory limit, or (without one) over the memory the system has available now. Such an
+/// instance used to start and serve alone, and failed at its first hand-over, in the middle of
+/// the burst it was scaled for (`--max-batch 100000`: 16 slots of 39 GB; `usize::MAX` overflowed
+/// the slot's size).
+fn activation_region_fits(
+    mesh: &dyn Mesh,
+    cfg: &InstanceConfig,
+    max_tokens: usize,
+    width: usize,
+) -> Result<(), ServeError> {
+    let slot = cfg
+        .max_batch
+        .checked_mul(max_tokens)
+        .and_then(|n| n.checked_mul(8 + 4 * width))
+        .and_then(|n| n.checked_add(Activation::wire_len(0, 0, width, 0)));
+    let region = slot.and_then(|s| u64::try_from(s).ok()).and_then(|s| s.checked_mul(cfg.slots as u64));
+    let (room, by) = match mesh.memory_limit() {
+        Some(limit) => (limit, "the node's memory limit"),
+        None => (
+            cascade_transport::memory_available().map_or(u64::MAX, |a| a.saturating_sub(cascade_transport::HEADROOM)),
+            "the memory the system has available",
+        ),
+    };
+    match region {
+        Some(r) if r <= room => Ok(()),
+        _ => Err(ServeError::Config(format!(
+            "an activation region of {} slots × max_batch {} × max_tokens {max_tokens} ({}) exceeds {by} ({room} bytes): lower max_batch or slots",
+            cfg.slots,
+            cfg.max_batch,
+            region.map_or("more than 2^64 bytes".to_string(), |r| format!("{r} bytes")),
+        ))),
+    }
 }
 
 impl Shared {
