@@ -87,6 +87,10 @@ pub(crate) fn run(a: DemoArgs) -> anyhow::Result<()> {
         let pids = a.pids.clone();
         return runtime()?.block_on(driver(a, cluster, pids));
     }
+    // The timeline is drawn once the demo is over: say now, not then, that it will not be.
+    if let Err(e) = crate::plot::register_font(&a.font) {
+        eprintln!("warning: {e:#}: the demo goes ahead, but timeline.png will not be drawn");
+    }
     let exe = std::env::current_exe().context("locating the cascade binary")?;
     let logs = a.out.join("logs");
     std::fs::create_dir_all(&logs)?;

@@ -205,6 +205,20 @@ pub(crate) fn run(a: LiveArgs) -> anyhow::Result<()> {
     if a.link_mbit.len() > 1 && (!a.netns || a.driver.is_some()) {
         bail!("several --link-mbit rates need --netns: without it no link is shaped");
     }
+    // A policy named twice ran twice a round and entered its medians twice; a rate named twice
+    // ran the whole comparison again into the same `OUT/<rate>mbit/`, over the first.
+    if let Some(p) = a.policies.iter().enumerate().find_map(|(i, p)| a.policies[..i].contains(p).then_some(p)) {
+        bail!("--policies names {} twice", p.name());
+    }
+    if let Some(r) = a.link_mbit.iter().enumerate().find_map(|(i, r)| a.link_mbit[..i].contains(r).then_some(r)) {
+        bail!("--link-mbit names {r} twice");
+    }
+    // The plot is drawn after every round has run: say now, not minutes later, that it will not be.
+    if a.driver.is_none() {
+        if let Err(e) = crate::plot::register_font(&a.font) {
+            eprintln!("warning: {e:#}: the runs go ahead, but live.png will not be drawn");
+        }
+    }
     let present = |d: &Path| d.join("model.safetensors").is_file() && d.join("tokenizer.json").is_file();
     let fetch = Path::new("scripts/fetch-minilm.sh");
     if !present(&a.model) && a.driver.is_none() && fetch.is_file() {

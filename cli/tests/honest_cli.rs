@@ -311,6 +311,35 @@ fn a_failed_import_leaves_the_previous_model_whole() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
+/// `cascade live` refuses a policy or a link rate named twice (a policy ran twice a round and
+/// entered its medians twice; a rate re-ran the comparison over the first one's directory), and
+/// says at once when its plot's font is missing instead of after every round has run.
+#[test]
+fn live_refuses_repeated_policies_and_rates_and_warns_of_a_missing_font_first() {
+    let d = scratch("live-args");
+    for (args, says) in [
+        (&["--policies", "zigzag,best-effort,zigzag"][..], "--policies names zigzag twice"),
+        (&["--netns", "--link-mbit", "100,200,100"][..], "--link-mbit names 100 twice"),
+    ] {
+        let out = Command::new(CASCADE).arg("live").args(args).current_dir(&d).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(says), "{args:?}: {err}");
+    }
+    // No model there (and no fetch script beside the scratch directory): the run fails, but the
+    // font's warning comes first.
+    let out = Command::new(CASCADE)
+        .args(["live", "--model"])
+        .arg(d.join("no-model"))
+        .arg("--font")
+        .arg(d.join("no-font.ttf"))
+        .current_dir(&d)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("no-font.ttf") && err.contains("live.png will not be drawn"), "{err}");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
 /// `lora-serve --rank 0` is refused before anything loads (it used to serve every token as token 0:
 /// a rank-0 adapter's scale α/r is no number).
 #[test]
