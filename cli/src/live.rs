@@ -316,9 +316,22 @@ fn run_policy(a: &LiveArgs, policy: LivePolicy, round: usize) -> anyhow::Result<
         c.args(["--round", &round.to_string()]);
         driver_args(&mut c, a);
         c.env("CASCADE_SECRET", SECRET);
-        let status = c.status().context("running the driver in its namespace")?;
+        let mut driver = c.spawn().context("running the driver in its namespace")?;
+        // A node that exits during the run ends it at once, with what the node said: the
+        // driver would otherwise wait out its mesh timeout (120 s) and blame the connection.
+        let status = loop {
+            if let Some(status) = driver.try_wait()? {
+                break Ok(status);
+            }
+            if let Some((k, status)) = net.exited() {
+                let _ = driver.kill();
+                let _ = driver.wait();
+                break Err(node_exited(&dir, k + 1, status));
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        };
         crate::demo::stop_hosts(&mut net, &dir);
-        if !status.success() {
+        if !status?.success() {
             bail!("{} failed (logs in {})", policy.name(), dir.display());
         }
     } else {
@@ -334,12 +347,37 @@ fn run_policy(a: &LiveArgs, policy: LivePolicy, round: usize) -> anyhow::Result<
             children.push(c.spawn().context("starting an instance")?);
         }
         std::env::set_var("CASCADE_SECRET", SECRET);
-        let res = runtime()?.block_on(driver::drive(a, &cluster, policy, round));
+        let res = runtime()?.block_on(async {
+            tokio::select! {
+                r = driver::drive(a, &cluster, policy, round) => r,
+                e = watch_nodes(&mut children, &dir) => Err(e),
+            }
+        });
         crate::demo::stop_nodes(children, &dir);
         res?;
     }
     let text = std::fs::read_to_string(&record).with_context(|| format!("reading {}", record.display()))?;
     Ok(serde_json::from_str(&text)?)
+}
+
+/// Resolves when one of the run's node processes (node `i + 1` at index `i`) exits: none does
+/// before the driver is done with it.
+async fn watch_nodes(children: &mut [std::process::Child], dir: &Path) -> anyhow::Error {
+    loop {
+        if let Some((k, status)) = cascade_devcluster::process::first_exited(children) {
+            return node_exited(dir, k + 1, status);
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+}
+
+/// A node that exited before its run ended, with the last lines of its log (where it said why).
+fn node_exited(dir: &Path, node: usize, status: std::process::ExitStatus) -> anyhow::Error {
+    let log = dir.join(format!("node-{node}.log"));
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    let tail = lines[lines.len().saturating_sub(3)..].join("\n");
+    anyhow::anyhow!("node {node} exited ({status}) before the run ended; the end of {}:\n{tail}", log.display())
 }
 
 fn instance_args(c: &mut Command, a: &LiveArgs, cluster: &Path, i: usize, dir: &Path) -> anyhow::Result<()> {

@@ -80,3 +80,33 @@ fn check_report(dir: &std::path::Path, netns: bool) {
     }
     assert!(dir.join("live.png").is_file());
 }
+
+/// A node process that exits at its start (here every instance, whose activation region for
+/// batches of 100,000 texts could never be allocated) ends the run at once, with what the node
+/// said. Before 2026-12-04 the driver waited out its mesh timeout (120 s) and reported only
+/// "nodes [1, 2, 3] did not connect within 120s". On loopback (the failure is the same in
+/// namespaces, watched the same way).
+#[test]
+fn a_node_that_exits_at_its_start_ends_the_run_at_once_saying_why() {
+    let model = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/models/all-minilm-l6-v2");
+    if !model.join("model.safetensors").is_file() {
+        eprintln!("SKIPPED: all-MiniLM-L6-v2 not at {} (run .ci/run or scripts/fetch-minilm.sh)", model.display());
+        return;
+    }
+    let out = std::env::temp_dir().join(format!("cascade-live-exit-{}", std::process::id()));
+    let t = std::time::Instant::now();
+    let res = Command::new(CASCADE)
+        .args(["live", "--policies", "zigzag", "--max-batch", "100000", "--model"])
+        .arg(&model)
+        .arg("--out")
+        .arg(&out)
+        .env_remove("RUST_BACKTRACE")
+        .output()
+        .unwrap();
+    let took = t.elapsed();
+    let err = String::from_utf8_lossy(&res.stderr);
+    assert!(!res.status.success(), "{err}");
+    assert!(err.contains("exited") && err.contains("an activation region of 16 slots"), "{err}");
+    assert!(took < std::time::Duration::from_secs(30), "took {took:?}: {err}");
+    let _ = std::fs::remove_dir_all(&out);
+}

@@ -159,6 +159,12 @@ impl Netns {
         Ok(pid)
     }
 
+    /// The first process [`spawn`](Self::spawn) started that has exited, by its order of
+    /// starting, with its status.
+    pub fn exited(&mut self) -> Option<(usize, std::process::ExitStatus)> {
+        crate::process::first_exited(&mut self.children)
+    }
+
     /// Stops the processes [`spawn`](Self::spawn) started, as an operator would: SIGTERM, then
     /// SIGKILL for any still running after `grace` ([`crate::process::stop_processes`]). Dropping
     /// the hosts instead kills them at once (a test that panicked should not wait). Returns how

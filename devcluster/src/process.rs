@@ -18,6 +18,11 @@ pub fn terminate(child: &mut Child) -> std::io::Result<bool> {
     Ok(true)
 }
 
+/// The first of `children` that has exited, by its index, with its status (reaped).
+pub fn first_exited(children: &mut [Child]) -> Option<(usize, std::process::ExitStatus)> {
+    children.iter_mut().enumerate().find_map(|(i, c)| c.try_wait().ok().flatten().map(|s| (i, s)))
+}
+
 /// Stops `children`: SIGTERM to each still running, so that it can leave its cluster cleanly
 /// (and remove what it made, such as its same-host socket), then SIGKILL for any still running
 /// after `grace`, said on stderr. A child already reaped (one a run killed) is not signalled.
@@ -50,6 +55,23 @@ pub fn stop_processes(children: impl IntoIterator<Item = Child>, grace: Duration
 mod tests {
     use super::*;
     use std::process::Command;
+
+    #[test]
+    fn the_first_child_to_exit_is_found_by_its_index() {
+        let mut children: Vec<Child> =
+            ["30", "0"].iter().map(|s| Command::new("sleep").arg(s).spawn().expect("sleep")).collect();
+        let t = Instant::now();
+        let found = loop {
+            if let Some(x) = first_exited(&mut children) {
+                break x;
+            }
+            assert!(t.elapsed() < Duration::from_secs(10), "sleep 0 did not exit");
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        assert_eq!(found.0, 1);
+        assert!(found.1.success());
+        stop_processes(children, Duration::from_secs(5));
+    }
 
     #[test]
     fn a_process_that_leaves_on_sigterm_is_not_killed_and_one_that_ignores_it_is() {
