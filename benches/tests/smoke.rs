@@ -62,6 +62,14 @@ fn bad_arguments_are_refused_clearly() {
     let st = env!("CARGO_BIN_EXE_sched-throughput");
     refused(st, &["--sub-clusters", "0", "--seconds", "0.1"], "--sub-clusters must be at least 1");
     refused(st, &["--sub-clusters", "4", "--scheduler", "flex", "--seconds", "0.1"], "partitions Symphony's engine");
+    let plan = concat!(env!("CARGO_MANIFEST_DIR"), "/../sched/plans/symphony_400x4.toml");
+    let herd = concat!(env!("CARGO_MANIFEST_DIR"), "/../sched/plans/herd_200x10.toml");
+    let ep = env!("CARGO_BIN_EXE_epoch-plan");
+    for r in ["inf", "NaN", "-1", "0"] {
+        let arg = format!("--random={r}");
+        refused(ep, &["--kind", "symphony", "--scenario", plan, &arg], "must be a positive number of seconds");
+    }
+    refused(ep, &["--kind", "herd", "--scenario", herd, "--random", "1"], "are Symphony's");
     // No iteration had no median to report (an index out of bounds), no sequence no iteration.
     let cost = env!("CARGO_BIN_EXE_lora-cost");
     refused(cost, &["--iters", "0"], "--iters must be at least 1");

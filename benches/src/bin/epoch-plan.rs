@@ -60,6 +60,15 @@ fn main() -> anyhow::Result<()> {
     if !(c.time_limit.is_finite() && c.time_limit >= 0.0) {
         anyhow::bail!("--time-limit {} must be a number of seconds ≥ 0", c.time_limit);
     }
+    if let Some(r) = c.random {
+        // inf panicked converting it to a Duration; NaN and negatives ran a baseline of 0 s.
+        if !(r.is_finite() && r > 0.0) {
+            anyhow::bail!("--random {r} must be a positive number of seconds");
+        }
+    }
+    if c.kind != "symphony" && (c.random.is_some() || c.previous.is_some()) {
+        anyhow::bail!("--random and --previous are Symphony's (--kind symphony); HERD has neither");
+    }
     let budget = Duration::from_secs_f64(c.time_limit);
     // CBC's libraries print to stdout whatever their log level; the report goes to the real
     // stdout, and fd 1 becomes stderr for the rest of the run.
@@ -152,7 +161,7 @@ fn symphony(c: &Cli, file: &PlanFile, budget: Duration) -> anyhow::Result<Value>
         out["loads"] = serde_json::to_value(&loads)?;
     }
     if let Some(secs) = c.random {
-        let r = p.random(Duration::from_secs_f64(secs.max(0.0)), file.seed);
+        let r = p.random(Duration::from_secs_f64(secs), file.seed);
         out["random"] = match r {
             Some((a, o)) => {
                 let loads = p.loads(&a);
