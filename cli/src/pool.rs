@@ -205,13 +205,29 @@ pub(crate) fn config(a: &ServeArgs, cluster_nodes: impl Iterator<Item = u32>) ->
     if !(a.nic_gbps > 0.0 && a.nic_gbps.is_finite()) {
         bail!("--nic-gbps must be positive");
     }
-    let nodes: Vec<u32> =
-        if a.nodes.is_empty() { cluster_nodes.filter(|n| *n != a.member.node).collect() } else { a.nodes.clone() };
+    let members: Vec<u32> = cluster_nodes.collect();
+    let nodes: Vec<u32> = if a.nodes.is_empty() {
+        members.iter().copied().filter(|n| *n != a.member.node).collect()
+    } else {
+        a.nodes.clone()
+    };
     if nodes.contains(&a.member.node) {
         bail!("the manager (node {}) cannot be one of the pool's nodes", a.member.node);
     }
+    // A node outside the cluster file was waited for, then declared dead and "repaired"; one
+    // named twice counted twice.
+    if let Some(n) = nodes.iter().find(|n| !members.contains(n)) {
+        bail!("--nodes names node {n}, which is not in the cluster file");
+    }
+    if let Some(n) = nodes.iter().enumerate().find_map(|(i, n)| nodes[..i].contains(n).then_some(n)) {
+        bail!("--nodes names node {n} twice");
+    }
     if a.k == 0 {
         bail!("--k must be at least 1");
+    }
+    // A new pool that could never hold k copies would refuse every register.
+    if a.init && a.k > nodes.len() {
+        bail!("--k {} exceeds the pool's {} node(s): no model could ever have k copies", a.k, nodes.len());
     }
     let mut cfg = ManagerConfig::new(nodes);
     cfg.k = a.k;

@@ -340,6 +340,41 @@ fn live_refuses_repeated_policies_and_rates_and_warns_of_a_missing_font_first() 
     let _ = std::fs::remove_dir_all(&d);
 }
 
+/// `cascade pool serve` refuses pool nodes it could never have — one outside the cluster file
+/// (waited for, then declared dead and "repaired"), one named twice — and a new pool whose k
+/// exceeds its nodes (every register would be refused), before it creates anything.
+#[test]
+fn pool_serve_refuses_nodes_it_cannot_have_and_a_k_above_them() {
+    let d = scratch("pool-nodes");
+    let mut toml = String::from("name = \"honest-pool\"\n");
+    for i in 0..3 {
+        toml += &format!("[[nodes]]\nid = {i}\naddr = \"127.0.0.1:{}\"\n", 20100 + i);
+    }
+    let c = d.join("cluster.toml");
+    std::fs::write(&c, toml).unwrap();
+    for (args, says) in [
+        (&["--nodes", "1,9"][..], "--nodes names node 9, which is not in the cluster file"),
+        (&["--nodes", "1,2,1"][..], "--nodes names node 1 twice"),
+        (&["--k", "3"][..], "--k 3 exceeds the pool's 2 node(s)"),
+        (&["--nodes", "2", "--k", "2"][..], "--k 2 exceeds the pool's 1 node(s)"),
+    ] {
+        let meta = d.join("meta");
+        let out = Command::new(CASCADE)
+            .args(["pool", "serve", "--cluster"])
+            .arg(&c)
+            .args(["--node", "0", "--init", "--ready-timeout-s", "1", "--data-dir"])
+            .arg(&meta)
+            .args(args)
+            .env("CASCADE_SECRET", "honest")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(says), "{args:?}: {err}");
+        assert!(!meta.exists(), "{args:?}: a refused pool was created");
+    }
+    let _ = std::fs::remove_dir_all(&d);
+}
+
 /// `lora-serve --rank 0` is refused before anything loads (it used to serve every token as token 0:
 /// a rank-0 adapter's scale α/r is no number).
 #[test]
