@@ -70,9 +70,28 @@ pub fn moves_from_plans(
 impl<S: MetaStore + 'static> Manager<S> {
     /// Carries out `moves` in order: for each, an instance on GPU 0 of every `to` node that has
     /// none (one multicast), checked ready, and then the GPU instances on the `from` nodes are
-    /// reclaimed (the pool keeps its k copies while doing so). A move that cannot be made stops
-    /// here with the old instances still serving.
+    /// reclaimed (the pool keeps its k copies while doing so). A plan naming a model that is not
+    /// registered or a node outside the pool is refused before anything moves; a move that cannot
+    /// be made stops here with the old instances still serving.
     pub async fn apply_epoch(&mut self, moves: &[EpochMove]) -> Result<(), ManagerError> {
+        // The whole plan is checked before its first move: one naming a model that is not
+        // registered or a node outside the pool used to stop it in its middle, the moves before
+        // it made and the rest not.
+        let members: Vec<NodeId> = self.pool().members().map(|(n, _)| n).collect();
+        for mv in moves {
+            if !self.pool().has_model(mv.model) {
+                return Err(ManagerError::Refused(format!("model {} is not registered: nothing was moved", mv.model)));
+            }
+            if mv.to.is_empty() {
+                return Err(ManagerError::Refused(format!("model {} moves to no node: nothing was moved", mv.model)));
+            }
+            if let Some(n) = mv.to.iter().find(|n| !members.contains(n)) {
+                return Err(ManagerError::Refused(format!(
+                    "node {n} (in model {}'s move) is not a pool node: nothing was moved",
+                    mv.model
+                )));
+            }
+        }
         for mv in moves {
             let on = |m: &Self, n: NodeId| {
                 m.pool().copies().any(|c| {

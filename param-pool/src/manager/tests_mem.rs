@@ -565,4 +565,15 @@ async fn an_epoch_plan_moves_a_model_through_the_pool() {
     let first = epoch::moves_from_plans(&[1, 2], None, &[1, 0], &nodes_of).unwrap();
     assert_eq!(first[0], epoch::EpochMove { model: 1, from: vec![], to: vec![3, 4] });
     assert!(epoch::moves_from_plans(&[1, 2], None, &[1], &nodes_of).is_err(), "plan shorter than the models");
+    // A plan with a bad move anywhere is refused whole, before its first move: model 1 stays.
+    let mv = |model, to: Vec<NodeId>| epoch::EpochMove { model, from: vec![1, 2], to };
+    for (bad, says) in [
+        (mv(9, vec![3, 4]), "model 9 is not registered"),
+        (mv(2, vec![3, 42]), "node 42 (in model 2's move) is not a pool node"),
+        (mv(2, vec![]), "model 2 moves to no node"),
+    ] {
+        let e = m.apply_epoch(&[mv(1, vec![3, 4]), bad]).await.unwrap_err().to_string();
+        assert!(e.contains(says) && e.contains("nothing was moved"), "{e}");
+        assert_eq!(gpus(&m, 1), vec![1, 2], "the move before the bad one was made");
+    }
 }
