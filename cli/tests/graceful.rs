@@ -5,7 +5,6 @@
 #![allow(clippy::unwrap_used)]
 
 use std::io::Read;
-use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -18,11 +17,7 @@ const SECRET: &str = "graceful-secret";
 
 #[test]
 fn an_instance_told_to_terminate_answers_what_it_took_and_exits_cleanly() {
-    let model = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/models/all-minilm-l6-v2");
-    if !model.join("model.safetensors").is_file() {
-        eprintln!("SKIPPED: all-MiniLM-L6-v2 not at {} (run .ci/run or scripts/fetch-minilm.sh)", model.display());
-        return;
-    }
+    let Some(model) = cascade_tests::models::minilm() else { return };
     let dir = std::env::temp_dir().join(format!("cascade-graceful-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();

@@ -177,11 +177,7 @@ fn an_error_names_each_cause_once() {
 /// real model (`.ci/run` extracts it).
 #[test]
 fn embed_says_when_a_text_was_cut() {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/models/all-minilm-l6-v2");
-    if !dir.join("model.safetensors").is_file() {
-        eprintln!("SKIPPED: all-MiniLM-L6-v2 not at {} (run .ci/run)", dir.display());
-        return;
-    }
+    let Some(dir) = cascade_tests::models::minilm() else { return };
     let long = "cascade ".repeat(300);
     let run = |json: bool| {
         let mut c = Command::new(CASCADE);

@@ -4,18 +4,13 @@
 //! loopback otherwise. Skips, saying so, without the model.
 #![allow(clippy::unwrap_used)]
 
-use std::path::PathBuf;
 use std::process::Command;
 
 const CASCADE: &str = env!("CARGO_BIN_EXE_cascade");
 
 #[test]
 fn live_scaling_serves_every_request_with_the_reference_embedding() {
-    let model = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/models/all-minilm-l6-v2");
-    if !model.join("model.safetensors").is_file() {
-        eprintln!("SKIPPED: all-MiniLM-L6-v2 not at {} (run .ci/run or scripts/fetch-minilm.sh)", model.display());
-        return;
-    }
+    let Some(model) = cascade_tests::models::minilm() else { return };
     let out = std::env::temp_dir().join(format!("cascade-live-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&out);
     let netns = cascade_tests::netns::Netns::unavailable().is_none();
@@ -88,11 +83,7 @@ fn check_report(dir: &std::path::Path, netns: bool) {
 /// namespaces, watched the same way).
 #[test]
 fn a_node_that_exits_at_its_start_ends_the_run_at_once_saying_why() {
-    let model = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/models/all-minilm-l6-v2");
-    if !model.join("model.safetensors").is_file() {
-        eprintln!("SKIPPED: all-MiniLM-L6-v2 not at {} (run .ci/run or scripts/fetch-minilm.sh)", model.display());
-        return;
-    }
+    let Some(model) = cascade_tests::models::minilm() else { return };
     let out = std::env::temp_dir().join(format!("cascade-live-exit-{}", std::process::id()));
     let t = std::time::Instant::now();
     let res = Command::new(CASCADE)

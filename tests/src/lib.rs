@@ -20,6 +20,7 @@ pub use cascade_devcluster::{free_addrs, netns};
 
 pub mod etcd;
 pub mod loopback;
+pub mod models;
 
 /// Options for a spawned cluster.
 #[derive(Debug, Clone)]
