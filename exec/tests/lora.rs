@@ -283,6 +283,26 @@ fn a_lora_stream_with_a_bad_request_is_refused_before_anything_runs() {
     }
 }
 
+/// A stream with long gaps between arrivals is served in the time its work takes: idle
+/// iterations are skipped to the next arrival. Before 2026-12-04 the loop stepped through every
+/// idle iteration (`lora-serve --per-iteration 1e-300` never ended), and an arrival at the last
+/// iteration overflowed the counter.
+#[test]
+fn a_stream_with_long_gaps_is_served_without_stepping_through_them() {
+    use cascade_exec::llama::multi_lora::{serve, LoraJob};
+    use cascade_sched::lora::{BatchConfig, Batcher, CostModel, Policy};
+    let Some((mut m, _)) = model_with_adapters(1) else { return };
+    let job = |arrival| LoraJob { arrival, adapter: 0, prompt: vec![100, 200, 300], max_tokens: 2 };
+    let jobs = [job(0), job(1 << 40), job(u64::MAX)];
+    let mut b = Batcher::new(Policy::Dlora, BatchConfig::default(), CostModel::cpu_smollm2());
+    let t = std::time::Instant::now();
+    let (served, stats) = serve(&mut m, &mut b, &jobs, 1, None).unwrap();
+    assert!(t.elapsed() < std::time::Duration::from_secs(60), "{:?}", t.elapsed());
+    assert!(served.iter().all(|s| s.tokens.len() == 2), "{served:?}");
+    assert_eq!(stats.iterations, 6, "two iterations a request, none idle");
+    assert!(served[1].finished > 1 << 40 && served[2].finished == u64::MAX, "{served:?}");
+}
+
 /// An adapter is an ordinary model to the parameter pool: its PEFT file has a manifest with the
 /// model's 30 blocks, packs layer-major like any model (what the loader and the multicast move),
 /// and the adapter read back from the packed image is the one written.

@@ -145,7 +145,12 @@ pub fn serve(
                 next += 1;
             }
             if live.is_empty() {
-                it += 1;
+                // Nothing runs until the next arrival: go to it. (Stepping one iteration at a
+                // time spun for as long as the stream's gap: `lora-serve --per-iteration 1e-300`
+                // never ended.)
+                if let Some(j) = jobs.get(next) {
+                    it = it.max(j.arrival);
+                }
                 continue;
             }
             let runnable: Vec<Runnable> = live
@@ -211,7 +216,7 @@ pub fn serve(
                 }
             }
             live = still;
-            it += 1;
+            it = it.saturating_add(1);
             stats.iterations += 1;
         }
         Ok(())
