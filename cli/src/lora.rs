@@ -86,6 +86,20 @@ pub(crate) fn run(a: LoraServeArgs) -> anyhow::Result<()> {
     crate::pd::ensure_model(&a.model)?;
     let mut g = Generator::from_dir(&a.model).with_context(|| format!("loading {}", a.model.display()))?;
     let cfg = g.model().config().clone();
+    // The adapters are built in memory, all of them: more than the machine has was found out by
+    // the OOM killer, part way.
+    let bytes = LoraAdapter::seeded_bytes(&cfg, a.rank, &Proj::ALL).saturating_mul(u64::from(a.adapters));
+    if let Some(free) = cascade_transport::memory_available().map(|m| m.saturating_sub(cascade_transport::HEADROOM)) {
+        if bytes > free {
+            bail!(
+                "{} adapters of rank {} take {:.1} GB; this machine has {:.1} GB available",
+                a.adapters,
+                a.rank,
+                bytes as f64 / 1e9,
+                free as f64 / 1e9
+            );
+        }
+    }
     for k in 0..a.adapters {
         let ad = LoraAdapter::seeded(&cfg, a.rank, 2.0 * a.rank as f64, &Proj::ALL, k as u64 + 1, 0.05)?;
         g.model_mut().add_adapter(k + 1, ad)?;

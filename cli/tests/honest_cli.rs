@@ -371,6 +371,20 @@ fn pool_serve_refuses_nodes_it_cannot_have_and_a_k_above_them() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
+/// `lora-serve` refuses more adapters than the machine's memory holds, after loading the model
+/// and before building any (100 million of rank 8 on SmolLM2 are 369 TB; not run without the check:
+/// it would take the machine's memory until the OOM killer ended it).
+#[test]
+fn lora_serve_refuses_adapters_beyond_the_machines_memory() {
+    let d = scratch("lora-memory");
+    let Some(model) = smollm2(&d) else { return };
+    let out =
+        Command::new(CASCADE).args(["lora-serve", "--adapters", "100000000", "--model"]).arg(&model).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("100000000 adapters of rank 8 take 368640.0 GB"), "{err}");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
 /// `lora-serve --rank 0` is refused before anything loads (it used to serve every token as token 0:
 /// a rank-0 adapter's scale α/r is no number).
 #[test]

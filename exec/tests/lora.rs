@@ -379,6 +379,11 @@ fn a_seeded_adapter_above_its_targets_rank_is_refused() {
     assert!(e.to_string().contains(&format!("rank {} exceeds k_proj's min(out, in) = {most}", most + 1)), "{e}");
     let e = LoraAdapter::seeded(&cfg, usize::MAX / 8, 8.0, &[Proj::Q], 1, 0.05).unwrap_err();
     assert!(e.to_string().contains("exceeds q_proj"), "{e}");
+    // Its size is known before it is built.
+    for (r, targets) in [(4, &Proj::ALL[..]), (most, &[Proj::K, Proj::O][..])] {
+        let a = LoraAdapter::seeded(&cfg, r, 8.0, targets, 1, 0.05).unwrap();
+        assert_eq!(LoraAdapter::seeded_bytes(&cfg, r, targets), a.bytes() as u64);
+    }
 }
 
 #[test]

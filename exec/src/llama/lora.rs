@@ -302,6 +302,13 @@ impl LoraAdapter {
         Self::from_tensors(h.config, tensors, cfg)
     }
 
+    /// What [`bytes`](Self::bytes) will be for a [`seeded`](Self::seeded) adapter of rank `r` on
+    /// `targets` of every block of `cfg`, known before building it (saturating).
+    pub fn seeded_bytes(cfg: &LlamaConfig, r: usize, targets: &[Proj]) -> u64 {
+        let per_block: u64 = targets.iter().map(|p| p.shape(cfg)).map(|(out, inn)| (out + inn) as u64).sum();
+        per_block.saturating_mul(4).saturating_mul(r as u64).saturating_mul(cfg.num_hidden_layers as u64)
+    }
+
     /// Bytes of its tensors.
     pub fn bytes(&self) -> usize {
         self.weights.values().map(|(a, b)| 4 * (a.elem_count() + b.elem_count())).sum()
