@@ -418,6 +418,9 @@ fn scenarios_are_checked_and_skewness_concentrates_the_load() {
         let e = z.validate().unwrap_err();
         assert!(e.contains(if field == "zipf" { "zipf_s must be finite" } else { "lengths: need finite" }), "{e}");
     }
+    let mut flood = zero.clone();
+    flood.rate_rps = 1e9;
+    assert!(flood.validate().unwrap_err().contains("exceed the simulator's limit"));
     let mut uniform = zero.clone();
     uniform.zipf_s = 0.0;
     uniform.validate().unwrap();

@@ -184,6 +184,17 @@ impl LoraScenario {
         if !(self.duration_s > 0.0 && self.duration_s.is_finite() && self.rate_rps > 0.0 && self.rate_rps.is_finite()) {
             return Err("duration_s and rate_rps must be > 0".into());
         }
+        // The requests are drawn up front, into one vector, and each one simulated: a rate or a
+        // duration without bound took memory until none was left (`lora-sim --rate 1e9` on a
+        // 300 s scenario: 3·10¹¹ requests, some 10 TB).
+        let arrivals = self.rate_rps * self.duration_s;
+        if arrivals > crate::scenario::MAX_ARRIVALS {
+            return Err(format!(
+                "{arrivals:.3e} arrivals (rate_rps × duration_s) exceed the simulator's limit of {:.0e} \
+                 (about 2 GB of memory): lower the rate or shorten duration_s",
+                crate::scenario::MAX_ARRIVALS
+            ));
+        }
         if self.adapters == 0 || self.skewness == 0 || self.functions == 0 || self.replicas == 0 {
             return Err("adapters, skewness, functions and replicas must be ≥ 1".into());
         }
