@@ -109,6 +109,17 @@ impl<'a> Sim<'a> {
                 hw.hosts, hw.gpus_per_host, cfg.profile.gpus_per_instance
             ));
         }
+        // The simulated cluster is built whole (a topology, per-GPU state): `--hosts 100000000`
+        // asked for gigabytes before anything ran. The batch simulators' bound.
+        let gpus = hw.hosts.saturating_mul(hw.gpus_per_host);
+        if gpus > cascade_sched::scenario::MAX_GPUS {
+            return Err(format!(
+                "{} hosts of {} GPUs are {gpus} GPUs; the simulator takes at most {}",
+                hw.hosts,
+                hw.gpus_per_host,
+                cascade_sched::scenario::MAX_GPUS
+            ));
+        }
         let mut toml = String::new();
         for h in 0..hw.hosts {
             let nics: Vec<String> = (0..hw.gpus_per_host).map(|g| format!("[{g}]")).collect();

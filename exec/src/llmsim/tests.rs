@@ -126,6 +126,19 @@ fn sllm_loads_from_ssd_on_a_miss_and_the_cache_expires() {
     assert!(short.host_cache_copies_avg < sllm.host_cache_copies_avg);
 }
 
+/// A cluster larger than the simulator takes is refused before it is built (`serve-sim --hosts
+/// 100000000` asked for gigabytes of topology first).
+#[test]
+fn a_cluster_beyond_the_simulators_bound_is_refused_before_it_is_built() {
+    let trace = steady(0.0, 2.0, 1.0, 256, 4);
+    let mut cfg = SimConfig::new(System::Blitz, Profile::llama2_7b());
+    cfg.hardware.hosts = 100_000_000;
+    let e = simulate(&cfg, &trace).err().expect("simulated");
+    assert!(e.contains("800000000 GPUs; the simulator takes at most 65536"), "{e}");
+    cfg.hardware.hosts = usize::MAX;
+    assert!(simulate(&cfg, &trace).is_err());
+}
+
 #[test]
 fn one_gpu_per_host_has_no_nvlink_and_a_cache_per_gpu() {
     // The paper's 7B layout (§6: one GPU per logical host, 32 hosts) against cluster A's
