@@ -61,6 +61,8 @@ fn bad_arguments_are_refused_clearly() {
     refused(coop, &["--executor", "emulated", "--batch-size", "0", "--json"], "must be at least 1");
     let st = env!("CARGO_BIN_EXE_sched-throughput");
     refused(st, &["--sub-clusters", "0", "--seconds", "0.1"], "--sub-clusters must be at least 1");
+    refused(st, &["--gpus", "100000000", "--seconds", "0.1"], "are at most 65536 each");
+    refused(st, &["--models", "100000000", "--seconds", "0.1"], "are at most 65536 each");
     refused(st, &["--sub-clusters", "4", "--scheduler", "flex", "--seconds", "0.1"], "partitions Symphony's engine");
     let plan = concat!(env!("CARGO_MANIFEST_DIR"), "/../sched/plans/symphony_400x4.toml");
     let herd = concat!(env!("CARGO_MANIFEST_DIR"), "/../sched/plans/herd_200x10.toml");
