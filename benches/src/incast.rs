@@ -43,10 +43,12 @@ pub struct IncastArgs {
     pub json: bool,
 }
 
-/// The runtime the receiver runs on.
+/// The runtime the receiver runs on: `threads` workers (1: a current-thread runtime; 0 is refused).
 pub fn runtime(threads: usize) -> std::io::Result<tokio::runtime::Runtime> {
     match threads {
-        0 | 1 => tokio::runtime::Builder::new_current_thread().enable_all().build(),
+        // 0 ran as 1, silently.
+        0 => Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "--threads must be at least 1")),
+        1 => tokio::runtime::Builder::new_current_thread().enable_all().build(),
         n => tokio::runtime::Builder::new_multi_thread().worker_threads(n).enable_all().build(),
     }
 }

@@ -51,6 +51,7 @@ fn incast_prints_the_contract_fields() {
 #[test]
 fn bad_arguments_are_refused_clearly() {
     refused(env!("CARGO_BIN_EXE_p2p"), &["--backend", "carrier-pigeon", "--json"], "unknown backend");
+    refused(env!("CARGO_BIN_EXE_incast"), &["--threads", "0", "--rounds", "1"], "--threads must be at least 1");
     // No batch measures nothing (it printed 0.00x for every k).
     let coop = env!("CARGO_BIN_EXE_coop-throughput");
     refused(
