@@ -212,8 +212,10 @@ impl Bed {
             let n = Netns::create_with_mtu(hosts, Some(link_mbit), mtu)?;
             (Some(n), (0..hosts).map(|i| format!("{}:7400", Netns::addr(i))).collect())
         } else {
-            let ls: Vec<_> =
-                (0..hosts).map(|_| std::net::TcpListener::bind("127.0.0.1:0")).collect::<Result<_, _>>()?;
+            let ls: Vec<_> = (0..hosts)
+                .map(|_| std::net::TcpListener::bind("127.0.0.1:0"))
+                .collect::<Result<_, _>>()
+                .with_context(|| format!("reserving {hosts} loopback ports, one per node"))?;
             (None, ls.iter().map(|l| l.local_addr().map(|a| a.to_string())).collect::<Result<_, _>>()?)
         };
         // On shared memory no wire sets the rate: memcpy's (256 MiB, what a shm hop does without
