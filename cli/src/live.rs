@@ -207,10 +207,10 @@ pub(crate) fn run(a: LiveArgs) -> anyhow::Result<()> {
     }
     // A policy named twice ran twice a round and entered its medians twice; a rate named twice
     // ran the whole comparison again into the same `OUT/<rate>mbit/`, over the first.
-    if let Some(p) = a.policies.iter().enumerate().find_map(|(i, p)| a.policies[..i].contains(p).then_some(p)) {
+    if let Some(p) = crate::first_repeat(&a.policies) {
         bail!("--policies names {} twice", p.name());
     }
-    if let Some(r) = a.link_mbit.iter().enumerate().find_map(|(i, r)| a.link_mbit[..i].contains(r).then_some(r)) {
+    if let Some(r) = crate::first_repeat(&a.link_mbit) {
         bail!("--link-mbit names {r} twice");
     }
     // The plot is drawn after every round has run: say now, not minutes later, that it will not be.

@@ -503,6 +503,11 @@ pub(crate) fn count(n: usize, one: &str, many: &str) -> String {
 }
 
 /// A number of seconds: finite and not negative (NaN, inf and -1 are refused at parse time).
+/// The first item of `v` that an earlier one equals (an option naming something twice).
+pub(crate) fn first_repeat<T: PartialEq>(v: &[T]) -> Option<&T> {
+    v.iter().enumerate().find_map(|(i, x)| v[..i].contains(x).then_some(x))
+}
+
 /// `--device`'s names, checked for form at parse time (`gpu:0` used to start the node with a
 /// warning, its GPU's targets in host memory).
 fn device_spec(s: &str) -> Result<String, String> {

@@ -219,7 +219,7 @@ pub(crate) fn config(a: &ServeArgs, cluster_nodes: impl Iterator<Item = u32>) ->
     if let Some(n) = nodes.iter().find(|n| !members.contains(n)) {
         bail!("--nodes names node {n}, which is not in the cluster file");
     }
-    if let Some(n) = nodes.iter().enumerate().find_map(|(i, n)| nodes[..i].contains(n).then_some(n)) {
+    if let Some(n) = crate::first_repeat(&nodes) {
         bail!("--nodes names node {n} twice");
     }
     if a.k == 0 {
