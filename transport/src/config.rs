@@ -98,8 +98,8 @@ impl ClusterSpec {
             )));
         }
         for (i, a) in self.nodes.iter().enumerate() {
-            // Port 0 binds somewhere random that no peer can dial: the mesh never formed, and
-            // the nodes said only that their peers did not connect in time.
+            // Port 0 binds somewhere random that no peer can dial: a node with a lower id, which
+            // dials this one, never reached it over TCP (the wait ended in "did not connect").
             if a.addr.port() == 0 {
                 return Err(TransportError::Config(format!(
                     "node {}: address {} has port 0, which no peer can dial",
