@@ -215,7 +215,7 @@ pub(crate) fn config(a: &ServeArgs, cluster_nodes: impl Iterator<Item = u32>) ->
         bail!("the manager (node {}) cannot be one of the pool's nodes", a.member.node);
     }
     // A node outside the cluster file was waited for, then declared dead and "repaired"; one
-    // named twice counted twice.
+    // named twice was taken without a word (and would count twice against k below).
     if let Some(n) = nodes.iter().find(|n| !members.contains(n)) {
         bail!("--nodes names node {n}, which is not in the cluster file");
     }
