@@ -58,7 +58,8 @@ fn main() -> anyhow::Result<()> {
         s.check()?;
     }
     if !(0.0..1.0).contains(&c.bad_threshold) {
-        // A negative or NaN threshold gave advice that neither adds nor releases a GPU.
+        // A negative threshold gave advice that neither adds nor releases a GPU; NaN or ≥ 1, one
+        // that can never add any.
         bail!("--bad-threshold is a fraction of requests in [0, 1), got {}", c.bad_threshold);
     }
     if let Some(r) = c.rate {
