@@ -201,16 +201,10 @@ fn embed_says_when_a_text_was_cut() {
 /// SmolLM2's model directory: the one the exec tests import, or an import of the GGUF into
 /// `scratch`; `None` (the test skips, saying so) without the GGUF.
 fn smollm2(scratch: &std::path::Path) -> Option<std::path::PathBuf> {
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/models/smollm2-135m");
-    let dir = root.join("f32");
-    if ["model.safetensors", "tokenizer.json", "config.json"].iter().all(|f| dir.join(f).is_file()) {
-        return Some(dir);
-    }
-    let gguf = root.join("SmolLM2-135M-Instruct.Q4_1.gguf");
-    if !gguf.is_file() {
-        eprintln!("SKIPPED: SmolLM2-135M-Instruct not at {} (run scripts/fetch-smollm2.sh)", gguf.display());
-        return None;
-    }
+    let gguf = match cascade_tests::models::smollm2()? {
+        cascade_tests::models::Smollm2::Imported(dir) => return Some(dir),
+        cascade_tests::models::Smollm2::Gguf { gguf, .. } => gguf,
+    };
     let out = scratch.join("smollm2");
     let ok = Command::new(CASCADE).args(["model", "import", "--gguf"]).arg(&gguf).arg("--out").arg(&out).status();
     assert!(ok.unwrap().success(), "importing {}", gguf.display());
@@ -267,12 +261,7 @@ fn generation_that_fills_the_context_window_stops_there_and_says_so() {
 #[test]
 fn a_failed_import_leaves_the_previous_model_whole() {
     use std::os::unix::process::CommandExt;
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/models/smollm2-135m");
-    let gguf = root.join("SmolLM2-135M-Instruct.Q4_1.gguf");
-    if !gguf.is_file() {
-        eprintln!("SKIPPED: SmolLM2-135M-Instruct not at {} (run scripts/fetch-smollm2.sh)", gguf.display());
-        return;
-    }
+    let Some(gguf) = cascade_tests::models::smollm2_gguf() else { return };
     let d = scratch("import");
     let out = d.join("model");
     std::fs::create_dir_all(&out).unwrap();

@@ -58,18 +58,12 @@ pub fn cosine(a: &[f32], b: &[f32]) -> f64 {
 pub fn smollm2_dir() -> Option<PathBuf> {
     static IMPORT: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let _one = IMPORT.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/models/smollm2-135m");
-    let dir = root.join("f32");
-    if ["model.safetensors", "tokenizer.json", "config.json"].iter().all(|f| dir.join(f).is_file()) {
-        return Some(dir);
-    }
-    let gguf = root.join("SmolLM2-135M-Instruct.Q4_1.gguf");
-    if !gguf.is_file() {
-        eprintln!("SKIPPED: SmolLM2-135M-Instruct not at {} (run scripts/fetch-smollm2.sh)", gguf.display());
-        return None;
-    }
+    let (gguf, dir) = match cascade_tests::models::smollm2()? {
+        cascade_tests::models::Smollm2::Imported(dir) => return Some(dir),
+        cascade_tests::models::Smollm2::Gguf { gguf, dir } => (gguf, dir),
+    };
     // Import beside it, then rename: another test binary never sees a half-written directory.
-    let tmp = root.join(format!("import-{}", std::process::id()));
+    let tmp = dir.with_file_name(format!("import-{}", std::process::id()));
     cascade_exec::gguf::import(&gguf, &tmp, candle_core::DType::F32, |_, _, _| {}).unwrap();
     if std::fs::rename(&tmp, &dir).is_err() {
         let _ = std::fs::remove_dir_all(&tmp);
