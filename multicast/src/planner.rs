@@ -493,9 +493,10 @@ fn chunk_size(bytes: u64, edges: &[Edge], rates: &[f64], cost: &CostModel) -> u6
         (bytes as f64 * cost.chunk_overhead_s * b / (hops - 1) as f64).sqrt()
     };
     let clamped = (ideal as u64).clamp(cost.min_chunk, cost.max_chunk.max(cost.min_chunk));
-    // Round down to a power of two; never above the payload.
+    // Round down to a power of two; never above the payload (whose next power of two does not
+    // exist above 2^63: `next_power_of_two` would panic there, or wrap to 0 in a release build).
     let pow2 = 1u64 << (63 - clamped.leading_zeros());
-    pow2.min(bytes.next_power_of_two()).max(1)
+    pow2.min(bytes.checked_next_power_of_two().unwrap_or(1 << 63)).max(1)
 }
 
 /// Hops of the longest path. Every planner emits a sender's incoming edge before its outgoing

@@ -112,6 +112,12 @@ fn chunk_size_is_a_clamped_power_of_two() {
         assert!(p.chunk_bytes <= 16 << 20);
         assert!(p.chunk_bytes >= (64 << 10).min(bytes.next_power_of_two()), "{bytes} -> {}", p.chunk_bytes);
     }
+    // Above 2^63 bytes the payload has no next power of two: the chunk is still the largest one
+    // (it was 1 byte in a release build and a panic in a debug one).
+    for bytes in [(1u64 << 63) + 1, u64::MAX] {
+        let p = plan(&t, &Request { bytes, sources: gpus(0..1), targets: gpus(1..3) }, PlannerKind::Blitz).unwrap();
+        assert_eq!(p.chunk_bytes, 16 << 20, "{bytes}");
+    }
     // Longer chains want smaller chunks.
     let long = plan(&t, &req(&gpus(0..1), &gpus(1..9)), PlannerKind::Blitz).unwrap();
     let short = plan(&t, &req(&gpus(0..1), &gpus(1..3)), PlannerKind::Blitz).unwrap();
