@@ -375,7 +375,8 @@ int32_t cascade_send(const cascade_endpoint *ep,
 // Takes the next received message without waiting: its bytes into `(buf, cap)`, its size into
 // `*needed`, its sender and tag into `*from` and `*tag` (each may be null). Returns
 // [`CASCADE_IN_PROGRESS`] when none is there; when `cap` is too small, the message stays queued
-// and the call returns `CASCADE_ERR_BUFFER_TOO_SMALL` with `*needed` set.
+// and the call returns `CASCADE_ERR_BUFFER_TOO_SMALL` with `*needed` set. A message of no
+// bytes needs no buffer (`buf` may be null).
 //
 // # Safety
 // `ep` is a live endpoint; `buf` is writable for `cap` bytes; the other pointers are null or
@@ -455,7 +456,8 @@ int32_t cascade_region_descriptor(const cascade_region *region, cascade_remote_r
 // `timeout_ms` until nothing holds it any more — no operation of this endpoint in flight on it
 // and no peer access under way. Then it frees the handle and returns [`CASCADE_OK`]: registered
 // memory is the caller's again. If something still holds it at the deadline, returns
-// [`CASCADE_ERR_BUSY`] and the handle stays valid (withdrawn): call again.
+// [`CASCADE_ERR_BUSY`] and the handle stays valid (withdrawn): call again. A region of
+// another endpoint is refused with `CASCADE_ERR_INVALID_ARGUMENT` and left as it was.
 //
 // # Safety
 // `ep` is the endpoint the region was registered with; `region` is a live region, not used

@@ -63,7 +63,7 @@ impl<T> Out<T> {
 }
 
 /// Tells the caller an output takes `need` bytes (`*needed`), and refuses a `(buf, cap)` that
-/// cannot hold them.
+/// cannot hold them. An output of no bytes (an empty message) fits any buffer, null included.
 ///
 /// # Safety
 /// `needed` is null or writable.
@@ -72,7 +72,7 @@ pub(crate) unsafe fn fits(need: usize, buf: *const u8, cap: usize, needed: *mut 
         // SAFETY: non-null and writable (the caller's contract).
         unsafe { needed.write(need) };
     }
-    if cap < need || buf.is_null() {
+    if cap < need || (buf.is_null() && need > 0) {
         return Err(FfiError::new(
             CASCADE_ERR_BUFFER_TOO_SMALL,
             format!("the output needs {need} bytes; the buffer holds {cap}"),
@@ -89,7 +89,12 @@ pub(crate) unsafe fn out(data: &[u8], nul: bool, buf: *mut u8, cap: usize, neede
     let need = data.len() + usize::from(nul);
     // SAFETY: forwarded contract for `needed`.
     unsafe { fits(need, buf, cap, needed) }?;
-    // SAFETY: `buf` is writable for `cap ≥ need` bytes and cannot overlap our own `data`.
+    if need == 0 {
+        // Nothing to write, and `buf` may be null, which even a copy of no bytes must not get.
+        return Ok(CASCADE_OK);
+    }
+    // SAFETY: `buf` is non-null (`fits`: need > 0), writable for `cap ≥ need` bytes and cannot
+    // overlap our own `data`.
     unsafe {
         std::ptr::copy_nonoverlapping(data.as_ptr(), buf, data.len());
         if nul {

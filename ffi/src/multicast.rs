@@ -245,7 +245,7 @@ pub unsafe extern "C" fn cascade_multicast_take(
             return Err(FfiError::arg(format!("{loc} is not on this endpoint's node {}", e.ep.node())));
         }
         let region = e.services.multicast.detach(run, loc)?;
-        out.put(Box::into_raw(Box::new(cascade_region { region, node: e.ep.node() })));
+        out.put(cascade_region::hand_out(e, region));
         Ok(CASCADE_OK)
     })
 }

@@ -320,7 +320,8 @@ pub unsafe extern "C" fn cascade_send(
 /// Takes the next received message without waiting: its bytes into `(buf, cap)`, its size into
 /// `*needed`, its sender and tag into `*from` and `*tag` (each may be null). Returns
 /// [`CASCADE_IN_PROGRESS`] when none is there; when `cap` is too small, the message stays queued
-/// and the call returns `CASCADE_ERR_BUFFER_TOO_SMALL` with `*needed` set.
+/// and the call returns `CASCADE_ERR_BUFFER_TOO_SMALL` with `*needed` set. A message of no
+/// bytes needs no buffer (`buf` may be null).
 ///
 /// # Safety
 /// `ep` is a live endpoint; `buf` is writable for `cap` bytes; the other pointers are null or

@@ -34,6 +34,17 @@ impl From<cascade_remote_region> for RemoteRegion {
 pub struct cascade_region {
     pub(crate) region: Region,
     pub(crate) node: u32,
+    /// The endpoint it was registered with: deregistering it through another one withdraws
+    /// nothing there, and would otherwise wait out its timeout as "busy" again and again.
+    pub(crate) owner: std::sync::Weak<cascade_transport::Endpoint>,
+}
+
+impl cascade_region {
+    /// The handle of `region`, registered with `ep`, for the caller to own.
+    pub(crate) fn hand_out(ep: &cascade_endpoint, region: Region) -> *mut cascade_region {
+        let owner = std::sync::Arc::downgrade(&ep.ep);
+        Box::into_raw(Box::new(cascade_region { region, node: ep.ep.node(), owner }))
+    }
 }
 
 /// Checks a region handle.
@@ -47,7 +58,7 @@ pub(crate) unsafe fn region<'a>(p: *const cascade_region) -> FfiResult<&'a casca
 
 fn hand_out(ep: &cascade_endpoint, r: Region, out: buf::Out<*mut cascade_region>) -> FfiResult<i32> {
     ep.ep.register(&r)?;
-    out.put(Box::into_raw(Box::new(cascade_region { region: r, node: ep.ep.node() })));
+    out.put(cascade_region::hand_out(ep, r));
     Ok(CASCADE_OK)
 }
 
@@ -136,7 +147,8 @@ pub unsafe extern "C" fn cascade_region_descriptor(
 /// `timeout_ms` until nothing holds it any more — no operation of this endpoint in flight on it
 /// and no peer access under way. Then it frees the handle and returns [`CASCADE_OK`]: registered
 /// memory is the caller's again. If something still holds it at the deadline, returns
-/// [`CASCADE_ERR_BUSY`] and the handle stays valid (withdrawn): call again.
+/// [`CASCADE_ERR_BUSY`] and the handle stays valid (withdrawn): call again. A region of
+/// another endpoint is refused with `CASCADE_ERR_INVALID_ARGUMENT` and left as it was.
 ///
 /// # Safety
 /// `ep` is the endpoint the region was registered with; `region` is a live region, not used
@@ -150,6 +162,13 @@ pub unsafe extern "C" fn cascade_region_deregister(
     guard("cascade_region_deregister", || {
         // SAFETY: the caller's contract.
         let (e, r) = unsafe { (buf::handle(ep, "ep")?, self::region(region)?) };
+        if !std::ptr::eq(r.owner.as_ptr(), std::sync::Arc::as_ptr(&e.ep)) {
+            return Err(FfiError::arg(format!(
+                "region {} was registered with another endpoint (node {}): deregister it there",
+                r.region.id(),
+                r.node
+            )));
+        }
         drop(e.ep.deregister(r.region.id()));
         let deadline = Instant::now() + Duration::from_millis(timeout_ms.into());
         while !r.region.is_unique() {
