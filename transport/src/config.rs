@@ -18,12 +18,25 @@ use crate::NodeId;
 pub struct NodeSpec {
     /// Unique node id.
     pub id: NodeId,
-    /// Address its TCP listener binds and peers dial.
+    /// Address its TCP listener binds and peers dial: an IP address and a port (host names are
+    /// not resolved).
+    #[serde(deserialize_with = "socket_addr")]
     pub addr: SocketAddr,
     /// Name of the machine it runs on; nodes with the same host talk over shared memory.
     /// Defaults to the address's IP.
     #[serde(default)]
     pub host: Option<String>,
+}
+
+/// An `IP:port` address, with a refusal that says what is expected: serde's own said only
+/// "invalid socket address syntax", also for a host name.
+fn socket_addr<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<SocketAddr, D::Error> {
+    let text = String::deserialize(d)?;
+    text.parse().map_err(|_| {
+        serde::de::Error::custom(format!(
+            "{text:?} is not an IP address and port (such as \"10.0.0.1:7400\" or \"[::1]:7400\"; host names are not resolved)"
+        ))
+    })
 }
 
 impl NodeSpec {

@@ -32,6 +32,12 @@ fn rejects_duplicates_and_junk() {
     assert!(ClusterSpec::from_toml(same_addr).unwrap_err().to_string().contains("share address"));
     assert!(ClusterSpec::from_toml("nodes = []").is_err());
     assert!(ClusterSpec::from_toml("[[nodes]]\nid = 0\naddr = \"nowhere\"\n").is_err());
+    // A host name says that only addresses are taken (serde said "invalid socket address syntax").
+    let named = ClusterSpec::from_toml("[[nodes]]\nid = 0\naddr = \"gpu-1.example:7400\"\n").unwrap_err().to_string();
+    assert!(named.contains("\"gpu-1.example:7400\" is not an IP address and port"), "{named}");
+    assert!(named.contains("host names are not resolved"), "{named}");
+    let v6 = ClusterSpec::from_toml("[[nodes]]\nid = 0\naddr = \"[::1]:7400\"\n").unwrap();
+    assert_eq!(v6.nodes[0].addr, "[::1]:7400".parse().unwrap());
     assert!(ClusterSpec::from_toml("name = \"../x\"\n[[nodes]]\nid = 0\naddr = \"127.0.0.1:1\"\n").is_err());
     let port0 = "[[nodes]]\nid = 3\naddr = \"127.0.0.1:0\"\n";
     assert!(ClusterSpec::from_toml(port0).unwrap_err().to_string().contains("node 3: address 127.0.0.1:0 has port 0"));
