@@ -383,9 +383,13 @@ fn node_exited(dir: &Path, node: usize, status: std::process::ExitStatus) -> any
 fn instance_args(c: &mut Command, a: &LiveArgs, cluster: &Path, i: usize, dir: &Path) -> anyhow::Result<()> {
     c.arg("instance").arg("--cluster").arg(cluster).args(["--node", &i.to_string(), "--ready-timeout-s", "120"]);
     c.arg("--model").arg(&a.model).args(["--max-batch", &a.max_batch.to_string()]);
-    // Old and new compute, each on a core of its own; the pool node only holds its copy.
+    // Old and new compute, each on a core of its own (of those this process may use: a
+    // container's cpuset may start above 0); the pool node only holds its copy.
     if i as u32 == OLD || i as u32 == NEW {
-        c.args(["--core", &(i - 1).to_string()]);
+        let cores = cascade_exec::serve::allowed_cores().context("reading this process's CPU affinity")?;
+        if let Some(core) = cores.get(i - 1) {
+            c.args(["--core", &core.to_string()]);
+        }
     }
     if i as u32 == NEW {
         c.arg("--arriving");

@@ -226,7 +226,8 @@ pub(crate) fn run(a: PdArgs) -> anyhow::Result<()> {
     }
     let cluster = crate::demo::write_cluster(&out, &addrs)?;
     let exe = std::env::current_exe().context("locating the cascade binary")?;
-    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    // The cores this process may use (a container's cpuset may start above 0).
+    let cores = cascade_exec::serve::allowed_cores().context("reading this process's CPU affinity")?;
     let mut children = Vec::new();
     for node in 1..=4u32 {
         let mut c = Command::new(&exe);
@@ -237,7 +238,9 @@ pub(crate) fn run(a: PdArgs) -> anyhow::Result<()> {
             "120",
         ]);
         c.arg("--model").arg(&model_dir).args(["--role", if node == DECODE { "decode" } else { "prefill" }]);
-        c.args(["--core", &((node as usize - 1) % cores).to_string()]);
+        if !cores.is_empty() {
+            c.args(["--core", &cores[(node as usize - 1) % cores.len()].to_string()]);
+        }
         if node == NEW {
             c.arg("--arriving");
         }

@@ -37,6 +37,7 @@ pub mod proto;
 pub mod router;
 mod scale;
 
+pub use compute::allowed_cores;
 pub use dispatch::{DispatchConfig, Dispatcher, LivePolicy};
 pub use instance::{Instance, InstanceConfig, Source};
 pub use proto::{ExecMsg, Split};

@@ -95,6 +95,11 @@ async fn limits_whose_activation_region_cannot_fit_are_refused_at_start() {
         assert!(matches!(e, ServeError::Config(_)), "{e}");
         assert!(e.to_string().contains("exceeds the node's memory limit"), "{e}");
     }
+    // A compute core past cpu_set_t: refused at start (before, the compute thread panicked in
+    // CPU_SET and the instance served nothing).
+    let e = start(4, InstanceConfig { core: Some(4096), ..test_config() }).err().expect("started");
+    assert!(matches!(e, ServeError::Config(_)), "{e}");
+    assert!(e.to_string().contains("core 4096 is not one this process may run on"), "{e}");
 }
 
 fn router_cfg(policy: LivePolicy) -> RouterConfig {

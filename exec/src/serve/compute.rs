@@ -53,6 +53,9 @@ impl<T: Send + 'static, M: Staged> Compute<T, M> {
         name: String,
         core: Option<usize>,
     ) -> std::io::Result<Compute<T, M>> {
+        if let Some(c) = core {
+            check_core(c)?;
+        }
         let (tx, rx) = mpsc::channel();
         let layers = model.layers();
         let resident = Arc::new(AtomicU32::new(0));
@@ -179,7 +182,59 @@ fn run<T, M: Staged>(
     }
 }
 
-/// Pins the calling thread to CPU `core` (logged and ignored when the system refuses).
+/// The cores this process may run on (its affinity mask, which a container's cpuset or
+/// `taskset` narrows), in order.
+pub fn allowed_cores() -> std::io::Result<Vec<usize>> {
+    // SAFETY: an all-zero `cpu_set_t` is a valid empty set; sched_getaffinity(0, …) writes at
+    // most its size into it, for the calling thread, and touches nothing else.
+    let (r, set) = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        let r = libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set);
+        (r, set)
+    };
+    if r != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let bits = 8 * std::mem::size_of::<libc::cpu_set_t>();
+    // SAFETY: CPU_ISSET only reads the set, at indices below its size in bits.
+    Ok((0..bits).filter(|c| unsafe { libc::CPU_ISSET(*c, &set) }).collect())
+}
+
+/// Refuses a `core` this process may not run on: pinning to it failed, and the compute thread
+/// ran unpinned after a warning — or, at 1,024 and above (past `cpu_set_t`), panicked in
+/// `CPU_SET` and left the instance serving nothing.
+pub(crate) fn check_core(core: usize) -> std::io::Result<()> {
+    let allowed = allowed_cores()?;
+    if allowed.contains(&core) {
+        return Ok(());
+    }
+    Err(std::io::Error::new(
+        std::io::ErrorKind::InvalidInput,
+        format!("core {core} is not one this process may run on (it may use {})", ranges(&allowed)),
+    ))
+}
+
+/// `[0, 1, 2, 5]` as "0-2, 5".
+fn ranges(cores: &[usize]) -> String {
+    let mut out: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < cores.len() {
+        let mut j = i;
+        while j + 1 < cores.len() && cores[j + 1] == cores[j] + 1 {
+            j += 1;
+        }
+        out.push(if i == j { cores[i].to_string() } else { format!("{}-{}", cores[i], cores[j]) });
+        i = j + 1;
+    }
+    if out.is_empty() {
+        "no core".into()
+    } else {
+        out.join(", ")
+    }
+}
+
+/// Pins the calling thread to CPU `core` (checked by [`check_core`] when the thread started;
+/// logged and ignored when the system refuses after all).
 fn pin(core: usize) {
     // SAFETY: `set` is a plain bit set on the stack, fully initialised by CPU_ZERO before use;
     // sched_setaffinity(0, …) only reads it and affects the calling thread alone.
@@ -210,5 +265,26 @@ fn load_verified<M: Staged>(model: &mut M, manifest: &Manifest, bytes: &[u8]) {
             Err(ExecError::NotResident { .. }) => continue,
             Err(e) => return warn!(stage = s, error = %e, "cannot build the stage"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cores_this_process_may_not_use_are_refused() {
+        assert_eq!(ranges(&[0, 1, 2, 5, 7, 8]), "0-2, 5, 7-8");
+        assert_eq!(ranges(&[]), "no core");
+        // Past cpu_set_t (CPU_SET panicked there) and far past it.
+        for core in [1024, 4096, usize::MAX] {
+            let e = check_core(core).unwrap_err();
+            assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput);
+            assert!(e.to_string().starts_with(&format!("core {core} is not one this process may run on (it may use ")));
+        }
+        // The core this thread runs on is one it may use.
+        // SAFETY: sched_getcpu has no preconditions.
+        let here = unsafe { libc::sched_getcpu() };
+        check_core(usize::try_from(here).unwrap()).unwrap();
     }
 }
