@@ -77,6 +77,10 @@ fn bad_arguments_are_refused_clearly() {
     let cost = env!("CARGO_BIN_EXE_lora-cost");
     refused(cost, &["--iters", "0"], "--iters must be at least 1");
     refused(cost, &["--batches", "4,0"], "each at least 1");
+    // No run of either side had no median (it was taken as one run without a word); refused
+    // before any node starts.
+    let sweep = env!("CARGO_BIN_EXE_multicast-sweep");
+    refused(sweep, &["--compare-mpi", "--reps", "0"], "--reps must be at least 1");
 }
 
 #[test]

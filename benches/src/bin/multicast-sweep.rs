@@ -55,6 +55,8 @@ fn main() -> anyhow::Result<()> {
     if run_role(&c.role)? {
         return Ok(());
     }
+    // Before the bed starts (--reps 0 was taken as 1 without a word).
+    anyhow::ensure!(!c.compare_mpi || c.reps > 0, "--reps must be at least 1 (each N reports the median of its runs)");
     let bed = c.bed.start(c.max_targets)?;
     if c.compare_mpi {
         return compare_mpi(&c, bed);
@@ -133,7 +135,7 @@ fn compare_mpi(c: &Cli, bed: Bed) -> anyhow::Result<()> {
     let mut rows = Vec::new();
     for n in 1..=c.max_targets {
         let (mut ours, mut theirs, mut predicted) = (Vec::new(), Vec::new(), f64::NAN);
-        for rep in 1..=c.reps.max(1) {
+        for rep in 1..=c.reps {
             eprintln!("N={n}, run {rep}: cascade, then MPI_Bcast with {} ranks ...", n + 1);
             let v = bed.run(PlannerKind::Blitz, n, c.bed.bytes)?;
             ours.push(v["seconds"].as_f64().context("cascade printed no seconds")?);
@@ -161,7 +163,7 @@ fn compare_mpi(c: &Cli, bed: Bed) -> anyhow::Result<()> {
         }
         (false, false) => "one host, loopback tcp; MPI: every rank on this host (OpenMPI picks shared memory)".into(),
     };
-    println!("{} MiB, {links}: median of {} alternating runs\n", c.bed.bytes >> 20, c.reps.max(1));
+    println!("{} MiB, {links}: median of {} alternating runs\n", c.bed.bytes >> 20, c.reps);
     println!(
         "| N | Cascade blitz (s) | MPI_Bcast, N+1 ranks (s) | Cascade / MPI | predicted (s) | measured / predicted |{}",
         if bound.is_some() { " Cascade / bound |" } else { "" }
