@@ -406,6 +406,15 @@ async fn multicast(a: MulticastArgs) -> anyhow::Result<()> {
     if a.deadline_s <= 0.0 {
         bail!("--deadline-s must be positive");
     }
+    // This command is the run's controller and serves no copies: a location on its own node was
+    // asked to prepare, and failed with "multicast service: no such service on the node".
+    if let Some(l) = a.sources.iter().chain(&a.targets).find(|l| l.node == a.member.node) {
+        bail!(
+            "{l} is on node {}, this controller, which holds no copies: name locations on the nodes \
+             running `cascade node`",
+            a.member.node
+        );
+    }
     let layers = (0..a.layers).map(|i| i * a.bytes / a.layers..(i + 1) * a.bytes / a.layers).collect();
     let ep = join(&a.member, true).await?;
     let topology = match &a.topology {

@@ -66,11 +66,13 @@ fn nan_inf_and_negative_numbers_are_refused_without_a_panic() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("expected cuda:N or emulated:N"), "{err}");
     assert!(!err.contains("endpoint listening"), "the node started: {err}");
-    // A multicast whose layers would be empty, or whose deadline is 0, is refused before it
-    // joins the cluster.
+    // A multicast whose layers would be empty, whose deadline is 0, or with a location on the
+    // controller's own node (it serves no copies: its prepare failed with "no such service on
+    // the node") is refused before it joins the cluster.
     for (extra, says) in [
         (&["--bytes", "3", "--layers", "8"][..], "--layers 8 exceeds --bytes 3"),
         (&["--bytes", "1048576", "--deadline-s", "0"][..], "--deadline-s must be positive"),
+        (&["--bytes", "1048576"][..], "0/host is on node 0, this controller, which holds no copies"),
     ] {
         let out = Command::new(CASCADE)
             .args(["multicast", "--cluster"])

@@ -229,7 +229,10 @@ impl Controller {
         self.runs.lock().unwrap_or_else(|e| e.into_inner()).insert(run, tx);
         let res = self.run_inner(spec, run, rx).await;
         self.runs.lock().unwrap_or_else(|e| e.into_inner()).remove(&run);
-        if res.is_err() || !spec.hold {
+        // A run that could not be planned asked no node for anything: there is nothing to
+        // release (a member outside the mesh was warned about as "did not confirm releasing").
+        let planned = !matches!(res, Err(ControlError::Plan(_)));
+        if planned && (res.is_err() || !spec.hold) {
             self.release(run, &spec.members()).await;
         }
         self.record(spec, &res, started.elapsed());

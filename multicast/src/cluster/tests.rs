@@ -542,3 +542,31 @@ async fn gpu_targets_land_in(device: &str, bytes: u64) {
     ctl.release(out.run, &[Loc::host(1), Loc::gpu(2, 0), Loc::gpu(3, 0)]).await;
     assert!(nodes[1].device_target(out.run, Loc::gpu(2, 0)).is_none(), "released with the run");
 }
+
+/// The SENDs node `ep` has made, from its metrics.
+fn sends(ep: &Endpoint) -> u64 {
+    let text = ep.metrics().render();
+    text.lines()
+        .filter(|l| l.starts_with("cascade_transfer_ops_total{") && l.contains("op=\"send\""))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_that_cannot_be_planned_asks_no_node_for_anything() {
+    let (eps, _nodes) = cluster(3, "unplanned").await;
+    let ctl = Controller::new(eps[0].clone()).unwrap();
+    // A warm-up run, so that the counter exists.
+    let ok = RunSpec::synthetic(topo(3), 1 << 20, vec![Loc::host(1)], vec![Loc::host(2)], 1);
+    assert_eq!(ctl.run(&ok).await.unwrap().verified.len(), 1);
+    let before = sends(&eps[0]);
+    assert!(before > 0);
+    for targets in [vec![Loc::host(2), Loc::host(2)], vec![Loc::host(9)]] {
+        let bad = RunSpec::synthetic(topo(3), 1 << 20, vec![Loc::host(1)], targets.clone(), 1);
+        let e = ctl.run(&bad).await.unwrap_err();
+        assert!(matches!(e, ControlError::Plan(_)), "{targets:?}: {e}");
+    }
+    // Before, each failed plan was followed by a Release to every member (to node 9 too, not in
+    // the cluster, warned about as "did not confirm releasing the run's regions").
+    assert_eq!(sends(&eps[0]), before, "a run that was never planned sent messages");
+}
