@@ -155,7 +155,8 @@ struct NodeArgs {
     /// Device memory of this node's GPUs, in GPU order, comma separated: `cuda:N` (a build with
     /// the `cuda` feature) or `emulated:N` (a test double in host memory). Targets `NODE/gpuI`
     /// of multicasts then land in device I. A device that cannot be opened is reported and that
-    /// GPU falls back to host memory; a name of another form is refused.
+    /// GPU falls back to host memory; a name of another form is refused. A target on a GPU past
+    /// the list is refused; without `--device` every GPU index is emulated in host memory.
     #[arg(long, value_delimiter = ',', value_parser = device_spec)]
     device: Vec<String>,
 }
@@ -384,6 +385,9 @@ async fn node(a: NodeArgs) -> anyhow::Result<()> {
                 Err(e) => tracing::warn!(gpu, device = %spec, error = %e, "device unavailable: this GPU's targets stay in host memory"),
             }
         }
+        // Its GPUs are those --device names: a target on another is refused (without --device,
+        // every GPU is emulated in host memory).
+        services.multicast.declare_gpus(u32::try_from(a.device.len()).unwrap_or(u32::MAX));
         Ok(())
     })
     .await?;

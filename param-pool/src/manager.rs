@@ -263,6 +263,7 @@ impl<S: MetaStore + 'static> Manager<S> {
             epoch: Instant::now(),
             pool: pool.id().to_string(),
             mesh: mesh.clone(),
+            failures: Arc::default(),
         };
         let mut m = Manager {
             events: mesh.peer_events(),
@@ -593,14 +594,28 @@ impl<S: MetaStore + 'static> Manager<S> {
         Ok(model)
     }
 
-    /// Starts a serving instance of `model` on GPU `gpu` of `node` (from the pool's copies).
+    /// Starts a serving instance of `model` on GPU `gpu` of `node` (from the pool's copies); one
+    /// already there is the answer (a second copy at its place could never be made: the
+    /// multicast refused a target that is also its source).
     pub async fn deploy(&mut self, model: ModelId, node: NodeId, gpu: u32) -> Result<(), ManagerError> {
+        if self.ready_copies(model, |c| c.node == node && c.kind == CopyKind::Gpu(gpu)) > 0 {
+            return Ok(());
+        }
         let actions = self.apply(Event::Deploy { model, node, gpu }).await?;
         self.drive(actions).await?;
         if self.ready_copies(model, |c| c.node == node && c.kind == CopyKind::Gpu(gpu)) == 0 {
-            return Err(ManagerError::Refused(format!(
-                "the instance of model {model} on node {node} gpu{gpu} could not be made (see the manager's log)"
-            )));
+            // Why its last attempt failed, when a node or the multicast said so.
+            let place = |id: &CopyId| {
+                self.seen.get(id).is_some_and(|c| c.model == model && c.node == node && c.kind == CopyKind::Gpu(gpu))
+            };
+            let failures = self.io.failures.lock().unwrap_or_else(|e| e.into_inner());
+            let why = failures.iter().rev().find(|(id, _)| place(id)).map(|(_, why)| why.clone());
+            return Err(ManagerError::Refused(match why {
+                Some(why) => format!("the instance of model {model} on node {node} gpu{gpu} could not be made: {why}"),
+                None => format!(
+                    "the instance of model {model} on node {node} gpu{gpu} could not be made (see the manager's log)"
+                ),
+            }));
         }
         Ok(())
     }

@@ -1,7 +1,7 @@
 //! The node side: the multicast service a `cascade node` runs.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -80,6 +80,9 @@ pub struct MulticastNode {
     state: Mutex<State>,
     /// Device memory of this node's GPUs, by index: targets `NODE/gpuN` land there.
     devices: Mutex<BTreeMap<u32, Arc<dyn DeviceMemory>>>,
+    /// How many GPUs the node has (targets on a GPU beyond them are refused); 0 until a device
+    /// is attached or declared: every GPU is then emulated in host memory.
+    gpus: AtomicU32,
 }
 
 fn protocol(detail: String) -> TransportError {
@@ -98,7 +101,13 @@ impl MulticastNode {
         let control = mesh.subscribe::<Control>(DEFAULT_INBOX)?;
         let notices = mesh.subscribe::<Notice>(DEFAULT_INBOX)?;
         let events = mesh.peer_events();
-        let node = Arc::new(MulticastNode { mesh, op_timeout, state: Mutex::default(), devices: Mutex::default() });
+        let node = Arc::new(MulticastNode {
+            mesh,
+            op_timeout,
+            state: Mutex::default(),
+            devices: Mutex::default(),
+            gpus: AtomicU32::new(0),
+        });
         tokio::spawn(node.clone().serve(control, notices, events));
         Ok(node)
     }
@@ -110,6 +119,25 @@ impl MulticastNode {
     pub fn attach_device(&self, gpu: u32, dev: Arc<dyn DeviceMemory>) {
         tracing::info!(node = self.mesh.node(), gpu, device = %dev.describe(), "GPU targets land in device memory");
         self.devices.lock().unwrap_or_else(|e| e.into_inner()).insert(gpu, dev);
+        self.declare_gpus(gpu.saturating_add(1));
+    }
+
+    /// Says the node has at least `n` GPUs, `gpu0` to `gpu{n-1}` (those without an attached
+    /// device hold their targets in host memory): a target on a GPU beyond them is refused.
+    pub fn declare_gpus(&self, n: u32) {
+        self.gpus.fetch_max(n, Ordering::Relaxed);
+    }
+
+    /// Refuses a target on a GPU the node does not have (once it has declared its GPUs): the copy
+    /// would have landed in host memory and been reported as on that GPU. A node that declared
+    /// none emulates every GPU in host memory (the test double).
+    fn has_gpu(&self, gpu: u32) -> Result<(), TransportError> {
+        let n = self.gpus.load(Ordering::Relaxed);
+        if n == 0 || gpu < n {
+            return Ok(());
+        }
+        let has = if n == 1 { "only gpu0".to_string() } else { format!("gpu0 to gpu{}", n - 1) };
+        Err(protocol(format!("node {} has no gpu{gpu}: it has {has}", self.mesh.node())))
     }
 
     /// The device copy of target `loc` in run `run` (while the run is on), if `loc` is a GPU
@@ -353,6 +381,9 @@ impl MulticastNode {
     ) -> Result<Control, TransportError> {
         if self.state().released.contains(&run) {
             return Err(protocol(format!("run {run} was released already")));
+        }
+        if let (Some(gpu), Fill::Target | Fill::TargetInBackground) = (loc.gpu, &fill) {
+            self.has_gpu(gpu)?;
         }
         let (region, crcs) = match fill {
             Fill::Lent => {

@@ -2,7 +2,7 @@
 //! services, chained multicasts through the controller. A job owns what it needs (an [`Io`]
 //! handle and its [`Job`]), so jobs of different models run concurrently.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -53,7 +53,13 @@ pub struct Io {
     /// The manager's published status: a copy's progress is written into it as it arrives, so
     /// `status` shows how far each loading copy is while the manager is busy driving it.
     pub status: Arc<Mutex<Status>>,
+    /// Why the latest copies that failed did (newest last, at most [`FAILURES_KEPT`]): a
+    /// request that wanted one (a deploy) answers with its reason.
+    pub failures: Arc<Mutex<VecDeque<(CopyId, String)>>>,
 }
+
+/// Failure reasons kept for answers.
+pub const FAILURES_KEPT: usize = 256;
 
 /// How often a running load's progress is asked for, by default.
 pub const LOAD_POLL: Duration = Duration::from_millis(500);
@@ -121,6 +127,13 @@ impl Io {
             .metrics()
             .counter("cascade_pool_events", "What the pool manager did, by event", &[("event", event)])
             .inc();
+        if let Notice::Failed { copy, reason } = &n {
+            let mut f = self.failures.lock().unwrap_or_else(|e| e.into_inner());
+            if f.len() == FAILURES_KEPT {
+                f.pop_front();
+            }
+            f.push_back((*copy, reason.clone()));
+        }
         if let Notice::Progress { copy, bytes, .. } = &n {
             let mut s = self.status.lock().unwrap_or_else(|e| e.into_inner());
             if let Some(c) = s.copies.iter_mut().find(|c| c.id == *copy && c.state == "loading") {
@@ -312,7 +325,10 @@ impl Io {
         let links: Vec<_> = self.nodes.iter().filter_map(|n| self.mesh.link(*n).ok().map(|l| (*n, l.kind()))).collect();
         let mut all = self.nodes.clone();
         all.push(self.mesh.node());
-        let topology = match Topology::from_links(&all, self.mesh.node(), &links, 1, self.rates) {
+        // The nodes' GPUs as far as the run names them: with one per node, every copy on a GPU
+        // above 0 (`cascade pool deploy --gpu 1`) was "not in the topology" and never made.
+        let gpus = sources.keys().chain(targets.keys()).filter_map(|l| l.gpu).max().map_or(1, |g| g + 1);
+        let topology = match Topology::from_links(&all, self.mesh.node(), &links, gpus, self.rates) {
             Ok(t) => t,
             Err(e) => return self.fail_all(model, &targets, &format!("topology: {e}")),
         };

@@ -115,6 +115,7 @@ async fn load_against(
         epoch: std::time::Instant::now(),
         pool: "p".into(),
         status: Arc::default(),
+        failures: Arc::default(),
     };
     let dir = scratch("load-fake");
     let file = dir.join("m.safetensors");

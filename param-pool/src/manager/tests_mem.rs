@@ -19,6 +19,8 @@ pub(super) const DEAD_AFTER: Duration = Duration::from_millis(500);
 
 pub(super) struct MemCluster {
     pub(super) fabric: MemFabric,
+    /// Node `i`'s multicast service at `i - 1`.
+    multicast: Vec<Arc<cascade_multicast::cluster::MulticastNode>>,
     nodes: u32,
     dir: PathBuf,
     models: Vec<PathBuf>,
@@ -45,11 +47,14 @@ impl MemCluster {
             })
             .collect();
         let fabric = MemFabric::new();
+        let mut multicast = Vec::new();
         for i in 1..=n {
             let limit = limits.iter().find(|(x, _)| *x == i).map(|(_, b)| *b);
-            start_services(Arc::new(fabric.add_node_with_limit(i, limit)), Duration::from_secs(10)).unwrap();
+            let services =
+                start_services(Arc::new(fabric.add_node_with_limit(i, limit)), Duration::from_secs(10)).unwrap();
+            multicast.push(services.multicast);
         }
-        MemCluster { fabric, nodes: n, dir, models: paths }
+        MemCluster { fabric, multicast, nodes: n, dir, models: paths }
     }
 
     /// A started manager with every model registered, and its notices.
@@ -499,15 +504,28 @@ async fn copies_are_placed_only_on_nodes_with_room() {
     assert!(err.contains("fits on 2 live nodes"), "{err}");
 }
 
-/// A deploy whose instance cannot be made (a GPU the node does not have) is an error, not
-/// "serving" (it used to return success while the multicast had failed).
+/// A deploy whose instance cannot be made (a GPU the node does not have) is an error saying
+/// why, not "serving" (it used to return success while the multicast had failed). An instance
+/// on a GPU above 0 is made (the manager's topology had one GPU per node: every such deploy
+/// failed as "not in the topology"), and a second deploy of one that serves is that answer.
 #[tokio::test(start_paused = true)]
 async fn a_deploy_that_cannot_be_made_is_an_error() {
     let c = MemCluster::new(3, 1, "deploy");
-    let (mut m, _) = c.registered(1).await;
+    c.multicast[1].declare_gpus(2); // node 2 has gpu0 and gpu1; nodes 1 and 3 emulate any GPU
+    let (mut m, mut notices) = c.registered(1).await;
     let err = m.deploy(1, 2, 7).await.unwrap_err().to_string();
-    assert!(err.contains("could not be made"), "{err}");
-    m.deploy(1, 2, 0).await.unwrap();
+    assert!(err.contains("could not be made: "), "{err}");
+    assert!(err.contains("node 2 has no gpu7: it has gpu0 to gpu1"), "{err}");
+    m.deploy(1, 2, 1).await.unwrap();
+    m.deploy(1, 3, 5).await.unwrap();
+    while notices.try_recv().is_ok() {}
+    m.deploy(1, 2, 1).await.unwrap();
+    // Before, it made a copy at the instance's own place, whose multicast then failed ("target
+    // 2/gpu1 is listed twice or is also a source").
+    let after: Vec<_> = std::iter::from_fn(|| notices.try_recv().ok()).collect();
+    assert!(after.is_empty(), "a second deploy of a serving instance did something: {after:?}");
+    let s = m.status_handle().lock().unwrap().clone();
+    assert!(s.healthy, "{s}");
 }
 
 /// A scale-out with one node the pool refuses (one it does not know) starts nothing: no copy is
