@@ -682,7 +682,7 @@ async fn accept_tcp(weak: Weak<Inner>, l: TcpListener, mut stop: watch::Receiver
             _ = crate::stream::stopped(&mut stop) => return,
             r = l.accept() => match r {
                 Ok(x) => x,
-                Err(e) => { warn!(error = %e, "accept failed"); tokio::time::sleep(Duration::from_millis(50)).await; continue; }
+                Err(e) => { crate::back_off_after_failed_accept("peer", &e).await; continue; }
             },
         };
         let Some(inner) = weak.upgrade() else { return };
@@ -710,7 +710,7 @@ async fn accept_unix(weak: Weak<Inner>, l: UnixListener, mut stop: watch::Receiv
             _ = crate::stream::stopped(&mut stop) => return,
             r = l.accept() => match r {
                 Ok((s, _)) => s,
-                Err(e) => { warn!(error = %e, "accept failed"); tokio::time::sleep(Duration::from_millis(50)).await; continue; }
+                Err(e) => { crate::back_off_after_failed_accept("same-host peer", &e).await; continue; }
             },
         };
         let Some(inner) = weak.upgrade() else { return };

@@ -22,6 +22,7 @@
 //! closes only its own connection; operations on a dead peer fail within the keepalive deadline.
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
+mod accept;
 pub mod background;
 mod budget;
 mod config;
@@ -55,6 +56,7 @@ pub mod fuzzing {
 /// Identifies a node of the cluster.
 pub type NodeId = u32;
 
+pub use accept::{back_off_after_failed_accept, ACCEPT_BACKOFF};
 pub use budget::{available as memory_available, MemoryBudget, HEADROOM};
 pub use config::{select_backend, ClusterSpec, EndpointConfig, NodeSpec};
 pub use endpoint::{Endpoint, MeshReport, PeerEvent, PeerStats};

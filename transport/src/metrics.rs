@@ -186,16 +186,13 @@ pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; cha
 /// Serves `GET /metrics` on `listener` with what `metrics` renders at each scrape, until the
 /// listener's task is dropped; anything else is answered 404 (405 for another method). Plain
 /// HTTP/1.1, one request per connection: enough for a Prometheus scraper and `curl`. A failed
-/// accept (the process out of descriptors) is retried every 100 ms.
+/// accept (the process out of descriptors) is retried after [`crate::ACCEPT_BACKOFF`].
 pub async fn serve_metrics(listener: TcpListener, metrics: Arc<Metrics>) {
     loop {
         let mut sock = match listener.accept().await {
             Ok((sock, _)) => sock,
             Err(e) => {
-                // Out of descriptors (EMFILE) and the like: the connection stays in the backlog
-                // and accept fails again at once, so back off instead of spinning a core.
-                tracing::warn!(error = %e, "metrics accept failed; backing off");
-                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                crate::back_off_after_failed_accept("metrics", &e).await;
                 continue;
             }
         };

@@ -18,7 +18,6 @@ use std::net::SocketAddr;
 use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use hmac::{Hmac, Mac};
 use serde::{Deserialize, Serialize};
@@ -26,7 +25,7 @@ use sha2::Sha256;
 use tokio::io::{AsyncBufRead, AsyncBufReadExt, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
 use tokio::sync::{mpsc, oneshot, Semaphore};
-use tracing::{debug, warn};
+use tracing::debug;
 
 use super::Status;
 use crate::manifest::hex;
@@ -223,9 +222,7 @@ pub async fn serve_admin(listener: AdminListener, tx: mpsc::Sender<AdminCall>, s
         let conn = match accepted {
             Ok(c) => c,
             Err(e) => {
-                // Out of descriptors (EMFILE) and the like: back off, do not spin.
-                warn!(error = %e, "admin accept failed; backing off");
-                tokio::time::sleep(Duration::from_millis(100)).await;
+                cascade_transport::back_off_after_failed_accept("admin", &e).await;
                 continue;
             }
         };
@@ -451,6 +448,7 @@ pub async fn admin_call(addr: &AdminAddr, secret: &[u8], req: &AdminRequest) -> 
 #[cfg(test)]
 mod tests {
     use std::os::unix::fs::MetadataExt;
+    use std::time::Duration;
 
     use super::*;
     use crate::test_util::Scratch;
