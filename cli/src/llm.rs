@@ -100,6 +100,36 @@ fn chatml(user: &str) -> String {
     )
 }
 
+/// Text generated so far and shown (escaped as `{:?}` shows it, without the quotes).
+#[derive(Default)]
+struct Streamed {
+    tokens: Vec<u32>,
+    text: String,
+}
+
+impl Streamed {
+    /// Takes `tok` and prints the text it completes: a token may end in the middle of a
+    /// character, whose bytes then wait for the next one.
+    fn push(&mut self, g: &Generator, tok: u32) {
+        self.tokens.push(tok);
+        let Ok(text) = g.decode(&self.tokens) else { return };
+        if text.ends_with('\u{FFFD}') || !text.starts_with(&self.text) {
+            return;
+        }
+        use std::io::Write;
+        print!("{}", escaped(&text[self.text.len()..]));
+        let _ = std::io::stdout().flush();
+        self.text = text;
+    }
+}
+
+/// `text` escaped as `{:?}` shows it, without the quotes (it escapes character by character, so
+/// pieces escaped one by one read as the whole would).
+fn escaped(text: &str) -> String {
+    let quoted = format!("{text:?}");
+    quoted[1..quoted.len() - 1].to_string()
+}
+
 pub(crate) fn generate(a: GenerateArgs) -> anyhow::Result<()> {
     if a.max_tokens == 0 {
         bail!("--max-tokens must be at least 1");
@@ -115,7 +145,16 @@ pub(crate) fn generate(a: GenerateArgs) -> anyhow::Result<()> {
     let texts: Vec<String> = a.prompt.iter().map(|p| if a.chat { chatml(p) } else { p.clone() }).collect();
     let prompts = texts.iter().map(|p| g.encode(p)).collect::<Result<Vec<_>, _>>()?;
     let t = Instant::now();
-    let out = g.generate(&prompts, a.max_tokens)?;
+    // One prompt as text is shown as it is generated (a long one takes minutes); several are
+    // batched and shown when done, as is JSON.
+    let stream = !a.json && prompts.len() == 1;
+    let mut shown = Streamed::default();
+    let out = if stream {
+        print!("{:?} → \"", crate::shorten(&a.prompt[0]));
+        g.generate_each(&prompts, a.max_tokens, |_, tok| shown.push(&g, tok))?
+    } else {
+        g.generate(&prompts, a.max_tokens)?
+    };
     let ran = t.elapsed();
     let generated: usize = out.iter().map(|o| o.tokens.len()).sum();
     for (prompt, o) in a.prompt.iter().zip(&out) {
@@ -123,6 +162,8 @@ pub(crate) fn generate(a: GenerateArgs) -> anyhow::Result<()> {
         if a.json {
             let v = serde_json::json!({"prompt_tokens": o.prompt_tokens, "tokens": o.tokens, "text": text, "at_window": o.at_window});
             println!("{v}");
+        } else if stream {
+            println!("{}\"", escaped(text.get(shown.text.len()..).unwrap_or_default()));
         } else {
             println!("{:?} → {text:?}", crate::shorten(prompt));
         }

@@ -255,6 +255,47 @@ fn generation_that_fills_the_context_window_stops_there_and_says_so() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
+/// One prompt's text is shown as it is generated (a long generation took minutes in silence),
+/// and reads as the batch's `"prompt" → "text"` line, escapes included.
+#[test]
+fn one_prompt_is_shown_as_it_is_generated() {
+    use std::io::Read;
+    let d = scratch("stream");
+    let Some(model) = smollm2(&d) else { return };
+    let prompt = "Once upon a time";
+    let args = |c: &mut Command| {
+        c.args(["generate", "--model"]).arg(&model).args(["--prompt", prompt, "--max-tokens", "120"]);
+    };
+    let mut c = Command::new(CASCADE);
+    args(&mut c);
+    let mut child = c.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::null()).spawn().unwrap();
+    let mut stdout = child.stdout.take().unwrap();
+    let head = format!("{prompt:?} → \"");
+    let mut seen = Vec::new();
+    let mut byte = [0u8; 1];
+    // The head, and the first generated character.
+    while seen.len() <= head.len() {
+        assert_eq!(stdout.read(&mut byte).unwrap(), 1, "stdout ended after {:?}", String::from_utf8_lossy(&seen));
+        seen.push(byte[0]);
+    }
+    assert!(seen.starts_with(head.as_bytes()), "{:?}", String::from_utf8_lossy(&seen));
+    let first_shown = std::time::Instant::now();
+    stdout.read_to_end(&mut seen).unwrap();
+    // The rest follows over the time it takes to generate (at 100 tokens/s, 1.2 s); printed at
+    // the end, it all came at once.
+    let rest = first_shown.elapsed();
+    assert!(rest > std::time::Duration::from_millis(500), "the text came at once ({rest:?} from first to last)");
+    assert!(child.wait().unwrap().success());
+    let mut c = Command::new(CASCADE);
+    args(&mut c);
+    let json = c.arg("--json").output().unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
+    let text = v["text"].as_str().unwrap();
+    let first = String::from_utf8(seen).unwrap();
+    assert_eq!(first.lines().next().unwrap(), format!("{prompt:?} → {text:?}"));
+    let _ = std::fs::remove_dir_all(&d);
+}
+
 /// An import that fails while it writes (here a file-size limit of 64 MiB: the 538 MB
 /// `model.safetensors` stops with EFBIG, as on a full disk) says so and leaves the directory's
 /// previous model whole, with no partial file behind: `safetensors` (0.8) writes the model

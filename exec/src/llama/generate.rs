@@ -40,12 +40,26 @@ pub fn argmax(act: &Activation) -> Result<Vec<u32>, ExecError> {
 /// model's positions: its last token is the one the last position predicts). A prompt longer
 /// than the window is refused before anything runs.
 pub fn greedy(
+    step: impl FnMut(Activation) -> Result<Activation, ExecError>,
+    prompts: &[Vec<u32>],
+    seq_base: u64,
+    max_tokens: usize,
+    eos: u32,
+    window: usize,
+) -> Result<Vec<Generated>, ExecError> {
+    greedy_each(step, prompts, seq_base, max_tokens, eos, window, |_, _| {})
+}
+
+/// [`greedy`], telling `on_token(i, token)` each token of prompt `i` as it is generated (to show
+/// a long generation as it goes).
+pub fn greedy_each(
     mut step: impl FnMut(Activation) -> Result<Activation, ExecError>,
     prompts: &[Vec<u32>],
     seq_base: u64,
     max_tokens: usize,
     eos: u32,
     window: usize,
+    mut on_token: impl FnMut(usize, u32),
 ) -> Result<Vec<Generated>, ExecError> {
     if let Some((i, p)) = prompts.iter().enumerate().find(|(_, p)| p.len() > window) {
         return Err(ExecError::Input(format!(
@@ -68,6 +82,7 @@ pub fn greedy(
         let mut still = Vec::with_capacity(running.len());
         for ((i, pos, fed), tok) in running.into_iter().zip(next) {
             out[i].tokens.push(tok);
+            on_token(i, tok);
             // `tok` is fed next at `at`: only a position inside the window takes it.
             let at = pos + fed.len() as u32;
             if tok != eos && out[i].tokens.len() < max_tokens {
@@ -135,6 +150,17 @@ impl Generator {
 
     /// Greedy continuations of `prompts`, batched; their caches are freed afterwards.
     pub fn generate(&self, prompts: &[Vec<u32>], max_tokens: usize) -> Result<Vec<Generated>, ExecError> {
+        self.generate_each(prompts, max_tokens, |_, _| {})
+    }
+
+    /// [`Generator::generate`], telling `on_token(i, token)` each token of prompt `i` as it is
+    /// generated.
+    pub fn generate_each(
+        &self,
+        prompts: &[Vec<u32>],
+        max_tokens: usize,
+        on_token: impl FnMut(usize, u32),
+    ) -> Result<Vec<Generated>, ExecError> {
         if prompts.iter().any(Vec::is_empty) {
             return Err(ExecError::Input("an empty prompt".into()));
         }
@@ -142,7 +168,7 @@ impl Generator {
         let layers = self.model.layers();
         let cfg = self.model.config();
         let (eos, window) = (cfg.eos_token_id, cfg.max_position_embeddings);
-        let out = greedy(|a| self.model.run(0..layers, a), prompts, base, max_tokens, eos, window);
+        let out = greedy_each(|a| self.model.run(0..layers, a), prompts, base, max_tokens, eos, window, on_token);
         for i in 0..prompts.len() as u64 {
             self.model.free(base + i);
         }
@@ -192,6 +218,10 @@ mod tests {
         assert_eq!(got, [(4, true), (9, true), (1, true)]);
         assert!(reach as usize <= window, "a batch reached position {reach} of a {window}-token window");
         assert_eq!(out[0].tokens, [7, 8, 9, 10]);
+        // Each token is told as it comes, to its prompt, in order.
+        let mut told: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];
+        let each = greedy_each(step(&mut reach), &prompts, 1, 100, EOS, window, |i, t| told[i].push(t)).unwrap();
+        assert_eq!(told, each.iter().map(|o| o.tokens.clone()).collect::<Vec<_>>());
 
         // The budget or end-of-sequence first: not at the window.
         let out = greedy(step(&mut reach), &[vec![1; 2]], 1, 5, EOS, window).unwrap();
