@@ -204,7 +204,8 @@ int32_t cascade_endpoint_create(const cascade_endpoint_config *config, cascade_e
 
 // Joins the cluster described by the cluster file at `cluster_path` as `node`, with the secret
 // in `secret_path` (surrounding whitespace trimmed); defaults otherwise. As
-// [`cascade_endpoint_create`].
+// [`cascade_endpoint_create`]; either file missing, unreadable or malformed is
+// `CASCADE_ERR_CONFIG`.
 //
 // # Safety
 // The paths are NUL-terminated strings; `out` is writable.

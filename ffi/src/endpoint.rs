@@ -153,7 +153,8 @@ pub unsafe extern "C" fn cascade_endpoint_create(
 
 /// Joins the cluster described by the cluster file at `cluster_path` as `node`, with the secret
 /// in `secret_path` (surrounding whitespace trimmed); defaults otherwise. As
-/// [`cascade_endpoint_create`].
+/// [`cascade_endpoint_create`]; either file missing, unreadable or malformed is
+/// `CASCADE_ERR_CONFIG`.
 ///
 /// # Safety
 /// The paths are NUL-terminated strings; `out` is writable.
@@ -170,7 +171,10 @@ pub unsafe extern "C" fn cascade_endpoint_join(
         // SAFETY: NUL-terminated strings (the caller's contract).
         let (cluster_path, secret_path) =
             unsafe { (buf::text(cluster_path, "cluster_path")?, buf::text(secret_path, "secret_path")?) };
-        let cluster = ClusterSpec::load(std::path::Path::new(&cluster_path))?;
+        // An unreadable cluster file is bad configuration, as an unreadable secret is (it was
+        // CASCADE_ERR_IO, the secret CASCADE_ERR_CONFIG).
+        let cluster = ClusterSpec::load(std::path::Path::new(&cluster_path))
+            .map_err(|e| FfiError::new(CASCADE_ERR_CONFIG, e.to_string()))?;
         let secret = std::fs::read(&secret_path)
             .map_err(|e| FfiError::new(CASCADE_ERR_CONFIG, format!("reading the secret {secret_path}: {e}")))?;
         out.put(Box::into_raw(cascade_endpoint::start(EndpointConfig::new(node, cluster, secret.trim_ascii()))?));

@@ -143,3 +143,29 @@ fn a_region_deregistered_through_another_endpoint_is_refused_and_kept() {
     }
     destroy([a, b]);
 }
+
+#[test]
+fn a_missing_cluster_file_is_bad_configuration_as_a_missing_secret_is() {
+    let dir = std::env::temp_dir().join(format!("cascade-ffi-join-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (cluster, secret) = (dir.join("cluster.toml"), dir.join("secret"));
+    std::fs::write(&cluster, format!("name = \"j\"\n[[nodes]]\nid = 0\naddr = \"127.0.0.1:{}\"\n", free_port()))
+        .unwrap();
+    std::fs::write(&secret, "join-secret\n").unwrap();
+    let missing = dir.join("missing");
+    let path = |p: &std::path::Path| CString::new(p.to_str().unwrap()).unwrap();
+    for (c, s, says) in [(&missing, &secret, "reading cluster file"), (&cluster, &missing, "reading the secret")] {
+        let mut ep = null_mut();
+        // SAFETY: NUL-terminated paths; `ep` is writable.
+        let rc = unsafe { cascade_endpoint_join(path(c).as_ptr(), 0, path(s).as_ptr(), &mut ep) };
+        assert_eq!(rc, CASCADE_ERR_CONFIG, "{}", last_error());
+        assert!(last_error().contains(says), "{}", last_error());
+    }
+    let mut ep = null_mut();
+    // SAFETY: as above.
+    let rc = unsafe { cascade_endpoint_join(path(&cluster).as_ptr(), 0, path(&secret).as_ptr(), &mut ep) };
+    assert_eq!(rc, CASCADE_OK, "{}", last_error());
+    // SAFETY: a live endpoint, not used again.
+    assert_eq!(unsafe { cascade_endpoint_destroy(ep) }, CASCADE_OK);
+    let _ = std::fs::remove_dir_all(&dir);
+}
