@@ -101,3 +101,25 @@ fn a_node_that_exits_at_its_start_ends_the_run_at_once_saying_why() {
     assert!(took < std::time::Duration::from_secs(30), "took {took:?}: {err}");
     let _ = std::fs::remove_dir_all(&out);
 }
+
+/// A burst with no request, or more than ten million, is refused once the instance's speed is
+/// known: `--burst 1e-9` ran and reported p50 and p99 as NaN, `--burst 1e12` drew 3·10¹⁵
+/// arrival times into memory before anything ran. On loopback.
+#[test]
+fn a_burst_of_no_request_or_too_many_is_refused() {
+    let Some(model) = cascade_tests::models::minilm() else { return };
+    let out = std::env::temp_dir().join(format!("cascade-live-burst-{}", std::process::id()));
+    for (burst, says) in [("1e-9", "holds no request; raise --burst"), ("1e12", "at most 10000000; lower --burst")] {
+        let res = Command::new(CASCADE)
+            .args(["live", "--policies", "zigzag", "--burst", burst, "--model"])
+            .arg(&model)
+            .arg("--out")
+            .arg(&out)
+            .env_remove("RUST_BACKTRACE")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&res.stderr);
+        assert!(!res.status.success() && err.contains(says), "--burst {burst}: {err}");
+    }
+    let _ = std::fs::remove_dir_all(&out);
+}

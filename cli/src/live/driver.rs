@@ -51,6 +51,9 @@ pub(crate) struct PolicyRun {
     pub(crate) requeued: u64,
 }
 
+/// The most requests a burst may hold.
+const MAX_BURST: u64 = 10_000_000;
+
 /// The burst's arrival times: Poisson at `rate` for `secs` (seeded: the same pattern, scaled to
 /// the rate, for every run).
 fn arrivals(rate: f64, secs: f64) -> Vec<f64> {
@@ -108,7 +111,20 @@ pub(crate) async fn drive(a: &LiveArgs, cluster: &Path, policy: LivePolicy, roun
     let load_ratio = ((block * 8.0 / link_bps) / (per_batch / f64::from(layers))).round().max(1.0) as u32;
     // The round's first run sets the burst; the others replay it.
     let rate = a.rate_rps.unwrap_or(a.burst * capacity);
+    // A burst beyond this was drawn into memory before anything ran (`--burst 1e12` never
+    // started); at this machine's 250 req/s it would last half a day.
+    if rate * a.burst_s > MAX_BURST as f64 {
+        bail!(
+            "a burst of {:.3e} requests ({rate:.3e} req/s for {} s): at most {MAX_BURST}; lower --burst or --burst-s",
+            rate * a.burst_s,
+            a.burst_s
+        );
+    }
     let times = arrivals(rate, a.burst_s);
+    // No request measures nothing (the run reported p50 and p99 as NaN).
+    if times.is_empty() {
+        bail!("a burst of {rate:.3e} req/s for {} s holds no request; raise --burst or --burst-s", a.burst_s);
+    }
     eprintln!(
         "{}: one instance {per_batch:.3} s per batch of {} → {capacity:.1} req/s; burst {rate:.1} req/s for {} s \
          ({} requests); T = {load_ratio}",
