@@ -420,12 +420,17 @@ async fn multicast(a: MulticastArgs) -> anyhow::Result<()> {
         );
     }
     let layers = (0..a.layers).map(|i| i * a.bytes / a.layers..(i + 1) * a.bytes / a.layers).collect();
-    let ep = join(&a.member, true).await?;
-    let topology = match &a.topology {
+    // A topology file is read before joining: a bad one was found only once every node was up.
+    let given = match &a.topology {
         Some(path) => {
             let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-            Topology::from_toml(&text).with_context(|| format!("topology {}", path.display()))?
+            Some(Topology::from_toml(&text).with_context(|| format!("topology {}", path.display()))?)
         }
+        None => None,
+    };
+    let ep = join(&a.member, true).await?;
+    let topology = match given {
+        Some(t) => t,
         None => {
             let rates = MeshRates {
                 nic_gbps: a.nic_gbps,

@@ -86,6 +86,20 @@ fn nan_inf_and_negative_numbers_are_refused_without_a_panic() {
         assert!(!out.status.success() && err.contains(says), "{extra:?}: {err}");
         assert!(!err.contains("endpoint listening"), "{extra:?}: it joined: {err}");
     }
+    // A topology file that does not parse, too (it was read once every node was up).
+    let topo = d.join("bad-topology.toml");
+    std::fs::write(&topo, "[[nodes]]\nid = \"one\"\n").unwrap();
+    let out = Command::new(CASCADE)
+        .args(["multicast", "--cluster"])
+        .arg(&c)
+        .args(["--node", "0", "--sources", "1/host", "--targets", "1/gpu0", "--bytes", "1048576", "--topology"])
+        .arg(&topo)
+        .env("CASCADE_SECRET", "honest")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("bad-topology.toml"), "{err}");
+    assert!(!err.contains("endpoint listening"), "it joined: {err}");
     let out = Command::new(CASCADE)
         .args(["pool", "serve", "--cluster"])
         .arg(&c)
