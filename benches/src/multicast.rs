@@ -271,7 +271,13 @@ impl Bed {
     }
 
     fn spawn(&mut self, mut c: Command) -> anyhow::Result<()> {
-        self.children.push(c.spawn().context("starting a node")?);
+        match &mut self.net {
+            // Killed with the namespaces, also when the benchmark is interrupted.
+            Some(net) => {
+                net.spawn(c)?;
+            }
+            None => self.children.push(c.spawn().context("starting a node")?),
+        }
         Ok(())
     }
 
@@ -365,7 +371,17 @@ impl Bed {
         if let Some(ch) = chunk {
             c.args(["--mc-chunk", &ch.to_string()]);
         }
-        let out = c.output().context("running the controller")?;
+        let child = c
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .context("running the controller")?;
+        // Killed too when the benchmark is interrupted while it runs.
+        let pid = child.id();
+        cascade_devcluster::kill_on_interrupt(pid);
+        let out = child.wait_with_output().context("running the controller");
+        cascade_devcluster::reaped(pid);
+        let out = out?;
         if !out.status.success() {
             bail!("controller failed: {}", String::from_utf8_lossy(&out.stderr).trim());
         }

@@ -117,7 +117,10 @@ pub(crate) fn run(a: DemoArgs) -> anyhow::Result<()> {
             c.arg("--model").arg(std::fs::canonicalize(m).with_context(|| format!("{}", m.display()))?);
         }
         c.arg("--pids").arg(pids.iter().map(|p| p.to_string()).collect::<Vec<_>>().join(","));
-        let status = c.status().context("running the demo driver in its namespace")?;
+        let mut driver = c.spawn().context("running the demo driver in its namespace")?;
+        cascade_devcluster::kill_on_interrupt(driver.id());
+        let status = driver.wait().context("waiting for the demo driver")?;
+        cascade_devcluster::reaped(driver.id());
         stop_hosts(&mut net, &logs);
         if !status.success() {
             bail!("the demo failed (node logs in {})", logs.display());

@@ -317,6 +317,7 @@ fn run_policy(a: &LiveArgs, policy: LivePolicy, round: usize) -> anyhow::Result<
         driver_args(&mut c, a);
         c.env("CASCADE_SECRET", SECRET);
         let mut driver = c.spawn().context("running the driver in its namespace")?;
+        cascade_devcluster::kill_on_interrupt(driver.id());
         // A node that exits during the run ends it at once, with what the node said: the
         // driver would otherwise wait out its mesh timeout (120 s) and blame the connection.
         let status = loop {
@@ -330,6 +331,7 @@ fn run_policy(a: &LiveArgs, policy: LivePolicy, round: usize) -> anyhow::Result<
             }
             std::thread::sleep(std::time::Duration::from_millis(100));
         };
+        cascade_devcluster::reaped(driver.id());
         crate::demo::stop_hosts(&mut net, &dir);
         if !status?.success() {
             bail!("{} failed (logs in {})", policy.name(), dir.display());

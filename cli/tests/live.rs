@@ -123,3 +123,51 @@ fn a_burst_of_no_request_or_too_many_is_refused() {
     }
     let _ = std::fs::remove_dir_all(&out);
 }
+
+/// Ctrl-C in the middle of a run in namespaces (SIGINT to the whole process group, as a
+/// terminal sends it) ends it with status 130 and leaves no namespace behind. Before
+/// 2026-12-05 every interrupted run left its five namespaces, with their veth pairs and bridge.
+#[test]
+fn an_interrupted_run_in_namespaces_leaves_none_behind() {
+    use std::os::unix::process::CommandExt;
+    let Some(model) = cascade_tests::models::minilm() else { return };
+    if let Some(why) = cascade_tests::netns::Netns::unavailable() {
+        eprintln!("skipped: {why}");
+        return;
+    }
+    let out = std::env::temp_dir().join(format!("cascade-live-int-{}", std::process::id()));
+    let mut child = Command::new(CASCADE)
+        .args(["live", "--netns", "--policies", "zigzag", "--model"])
+        .arg(&model)
+        .arg("--out")
+        .arg(&out)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .process_group(0)
+        .spawn()
+        .unwrap();
+    // Its namespaces are named after its pid (devcluster's `Netns`).
+    let prefix = format!("c{:x}", child.id() & 0xfffff);
+    let ours = || -> Vec<String> {
+        let list = Command::new("ip").args(["netns", "list"]).output().unwrap();
+        String::from_utf8_lossy(&list.stdout)
+            .lines()
+            .filter_map(|l| l.split_whitespace().next())
+            .filter(|n| n.starts_with(&prefix))
+            .map(str::to_string)
+            .collect()
+    };
+    let t = std::time::Instant::now();
+    // All five (four hosts and the switch), and its nodes starting in them.
+    while ours().len() < 5 {
+        assert!(t.elapsed() < std::time::Duration::from_secs(30), "no namespaces appeared");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let group = format!("-{}", child.id());
+    assert!(Command::new("kill").args(["-INT", "--", &group]).status().unwrap().success());
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(130), "{status:?}");
+    assert!(ours().is_empty(), "left behind: {:?}", ours());
+    let _ = std::fs::remove_dir_all(&out);
+}

@@ -9,8 +9,22 @@
 use std::net::{SocketAddr, TcpListener};
 use std::sync::atomic::{AtomicU32, Ordering};
 
+mod cleanup;
 pub mod netns;
 pub mod process;
+
+/// Kills process `pid`, a child of this process started in a namespace outside
+/// [`netns::Netns::spawn`] (a driver that runs there), when this process is interrupted
+/// (SIGINT, SIGTERM, SIGHUP) after a [`netns::Netns`] was made; call [`reaped`] once it is
+/// waited for.
+pub fn kill_on_interrupt(pid: u32) {
+    cleanup::child(pid);
+}
+
+/// Process `pid` of [`kill_on_interrupt`] has been waited for: its pid is no longer ours.
+pub fn reaped(pid: u32) {
+    cleanup::forget_child(pid);
+}
 
 /// The lowest port [`free_addrs`] hands out.
 const LOWEST_PORT: u32 = 10_000;

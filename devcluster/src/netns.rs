@@ -1,7 +1,8 @@
 //! Multi-host tests without a cluster: N hosts as network namespaces joined by veth pairs to a
 //! bridge (in a switch namespace of its own), each host's egress shaped with
 //! `tc qdisc … tbf rate <B>mbit`. Addresses are 10.77.0.1… inside these namespaces only.
-//! Everything is torn down on drop — also when a test panics.
+//! Everything is torn down on drop — also when a test panics — and when the process is
+//! interrupted by SIGINT, SIGTERM or SIGHUP (a watcher the first cluster of a process starts).
 
 use std::net::Ipv4Addr;
 use std::process::{Child, Command, Stdio};
@@ -77,11 +78,13 @@ impl Netns {
         let prefix = format!("c{:x}{}", std::process::id() & 0xfffff, SEQ.fetch_add(1, Ordering::Relaxed));
         let mut ns = Netns { switch: format!("{prefix}sw"), hosts: Vec::new(), children: Vec::new(), prefix };
         run(&["ip", "netns", "add", &ns.switch])?;
+        crate::cleanup::namespace(&ns.switch);
         run(&["ip", "-n", &ns.switch, "link", "add", "br0", "type", "bridge"])?;
         run(&["ip", "-n", &ns.switch, "link", "set", "br0", "up"])?;
         for i in 0..n {
             let host = format!("{}h{i}", ns.prefix);
             run(&["ip", "netns", "add", &host])?;
+            crate::cleanup::namespace(&host);
             ns.hosts.push(host.clone());
             let (h, s) = (format!("{}a{i}", ns.prefix), format!("{}b{i}", ns.prefix));
             run(&["ip", "link", "add", &h, "type", "veth", "peer", "name", &s])?;
@@ -155,6 +158,7 @@ impl Netns {
     pub fn spawn(&mut self, mut cmd: Command) -> anyhow::Result<u32> {
         let child = cmd.spawn().context("starting a process in a namespace")?;
         let pid = child.id();
+        crate::cleanup::child(pid);
         self.children.push(child);
         Ok(pid)
     }
@@ -162,7 +166,11 @@ impl Netns {
     /// The first process [`spawn`](Self::spawn) started that has exited, by its order of
     /// starting, with its status.
     pub fn exited(&mut self) -> Option<(usize, std::process::ExitStatus)> {
-        crate::process::first_exited(&mut self.children)
+        let found = crate::process::first_exited(&mut self.children);
+        if let Some((i, _)) = found {
+            crate::cleanup::forget_child(self.children[i].id());
+        }
+        found
     }
 
     /// Stops the processes [`spawn`](Self::spawn) started, as an operator would: SIGTERM, then
@@ -170,7 +178,10 @@ impl Netns {
     /// the hosts instead kills them at once (a test that panicked should not wait). Returns how
     /// many had to be killed.
     pub fn stop(&mut self, grace: std::time::Duration) -> usize {
-        crate::process::stop_processes(self.children.drain(..), grace)
+        let pids: Vec<u32> = self.children.iter().map(Child::id).collect();
+        let killed = crate::process::stop_processes(self.children.drain(..), grace);
+        pids.into_iter().for_each(crate::cleanup::forget_child);
+        killed
     }
 }
 
@@ -179,10 +190,12 @@ impl Drop for Netns {
         for c in &mut self.children {
             let _ = c.kill();
             let _ = c.wait();
+            crate::cleanup::forget_child(c.id());
         }
         // Deleting a namespace removes its end of each veth pair, and so the pair.
         for h in self.hosts.iter().chain(std::iter::once(&self.switch)) {
             let _ = run(&["ip", "netns", "del", h]);
+            crate::cleanup::forget_namespace(h);
         }
     }
 }
