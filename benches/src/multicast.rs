@@ -276,7 +276,7 @@ impl Bed {
             Some(net) => {
                 net.spawn(c)?;
             }
-            None => self.children.push(c.spawn().context("starting a node")?),
+            None => self.children.push(cascade_devcluster::process::spawn_node(&mut c).context("starting a node")?),
         }
         Ok(())
     }

@@ -136,7 +136,7 @@ pub(crate) fn run(a: DemoArgs) -> anyhow::Result<()> {
     for i in 1..=n {
         let mut c = Command::new(&exe);
         node_args(&mut c, &cluster, i, &logs)?;
-        children.push(c.spawn().context("starting a node")?);
+        children.push(cascade_devcluster::process::spawn_node(&mut c).context("starting a node")?);
     }
     let pids = children.iter().map(|c| c.id()).collect();
     let res = runtime()?.block_on(driver(a, cluster, pids));

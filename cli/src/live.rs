@@ -346,7 +346,7 @@ fn run_policy(a: &LiveArgs, policy: LivePolicy, round: usize) -> anyhow::Result<
         for i in 1..n {
             let mut c = Command::new(&exe);
             instance_args(&mut c, a, &cluster, i, &dir)?;
-            children.push(c.spawn().context("starting an instance")?);
+            children.push(cascade_devcluster::process::spawn_node(&mut c).context("starting an instance")?);
         }
         std::env::set_var("CASCADE_SECRET", SECRET);
         let res = runtime()?.block_on(async {

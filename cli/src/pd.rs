@@ -248,7 +248,7 @@ pub(crate) fn run(a: PdArgs) -> anyhow::Result<()> {
         c.env("RUST_LOG", std::env::var("CASCADE_PD_LOG").unwrap_or_else(|_| "info".into()));
         c.env("XDG_RUNTIME_DIR", &out);
         c.stdout(Stdio::null()).stderr(std::fs::File::create(out.join(format!("node-{node}.log")))?);
-        children.push(c.spawn().context("starting an instance")?);
+        children.push(cascade_devcluster::process::spawn_node(&mut c).context("starting an instance")?);
     }
     std::env::set_var("CASCADE_SECRET", SECRET);
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;

@@ -171,3 +171,40 @@ fn an_interrupted_run_in_namespaces_leaves_none_behind() {
     assert!(ours().is_empty(), "left behind: {:?}", ours());
     let _ = std::fs::remove_dir_all(&out);
 }
+
+/// SIGTERM to `cascade live` alone (what `timeout` or a job scheduler sends) in the middle of a
+/// run on loopback ends it with status 143 and takes its instance processes with it. Before
+/// 2026-12-05 they went on serving for good.
+#[test]
+fn a_terminated_run_on_loopback_leaves_no_instance_serving() {
+    let Some(model) = cascade_tests::models::minilm() else { return };
+    let out = std::env::temp_dir().join(format!("cascade-live-term-{}", std::process::id()));
+    let mut child = Command::new(CASCADE)
+        .args(["live", "--policies", "zigzag", "--model"])
+        .arg(&model)
+        .arg("--out")
+        .arg(&out)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    // Its instances name their cluster file, which lies under `out`.
+    let instances = || {
+        let o = Command::new("pgrep").args(["-f", &format!("instance --cluster {}", out.display())]).output().unwrap();
+        String::from_utf8_lossy(&o.stdout).lines().count()
+    };
+    let t = std::time::Instant::now();
+    while instances() < 3 {
+        assert!(t.elapsed() < std::time::Duration::from_secs(30), "no instances appeared");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    assert!(Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap().success());
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(143), "{status:?}");
+    let t = std::time::Instant::now();
+    while instances() > 0 {
+        assert!(t.elapsed() < std::time::Duration::from_secs(5), "{} instances still serving", instances());
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let _ = std::fs::remove_dir_all(&out);
+}

@@ -1,12 +1,13 @@
 //! What a development cluster made on the machine goes when its process is interrupted.
 //!
-//! [`crate::Netns`] tears its namespaces down on drop, but SIGINT (Ctrl-C), SIGTERM or SIGHUP
-//! end a process without dropping anything: every interrupted `cascade live --netns` left its
-//! five namespaces, their veth pairs and bridge behind. So the namespaces and the processes
-//! started in them are also registered here, and the first cluster made in a process starts a
-//! watcher for those signals that kills the processes, deletes the namespaces, and then exits
-//! as the signal would have (status 128 + its number). Once a cluster was made, the process
-//! ends on these signals through the watcher.
+//! [`crate::netns::Netns`] tears its namespaces down on drop and the tools stop their node
+//! processes when a run ends, but SIGINT (Ctrl-C), SIGTERM or SIGHUP end a process without
+//! either: every interrupted `cascade live --netns` left its five namespaces, their veth pairs
+//! and bridge behind, and SIGTERM to a tool alone left its node processes serving for good. So
+//! namespaces and node processes are also registered here, and the first one registered in a
+//! process starts a watcher for those signals that kills the processes, deletes the
+//! namespaces, and then exits as the signal would have (status 128 + its number). From then on
+//! the process ends on these signals through the watcher.
 
 use std::collections::BTreeSet;
 use std::sync::{Mutex, MutexGuard, Once};
@@ -36,8 +37,9 @@ pub(crate) fn forget_namespace(name: &str) {
     registry().namespaces.remove(name);
 }
 
-/// Process `pid` runs in a namespace until [`forget_child`].
+/// Process `pid`, a child, is killed on an interrupt until [`forget_child`].
 pub(crate) fn child(pid: u32) {
+    watch();
     registry().children.insert(pid);
 }
 
@@ -85,13 +87,16 @@ fn clean_up() {
         let mut r = registry();
         (std::mem::take(&mut r.children), std::mem::take(&mut r.namespaces))
     };
-    for pid in children {
+    for &pid in &children {
         if let Ok(pid) = libc::pid_t::try_from(pid) {
             // SAFETY: kill(2) with a valid signal number touches no memory of this process. The
             // pid is a child not reaped when the registry was read (each is forgotten once
             // reaped), so it is still ours unless the main thread reaped it in between.
             unsafe { libc::kill(pid, libc::SIGKILL) };
         }
+    }
+    if !children.is_empty() {
+        eprintln!("interrupted: killing the {} processes this one started", children.len());
     }
     if !namespaces.is_empty() {
         eprintln!(

@@ -13,10 +13,10 @@ mod cleanup;
 pub mod netns;
 pub mod process;
 
-/// Kills process `pid`, a child of this process started in a namespace outside
-/// [`netns::Netns::spawn`] (a driver that runs there), when this process is interrupted
-/// (SIGINT, SIGTERM, SIGHUP) after a [`netns::Netns`] was made; call [`reaped`] once it is
-/// waited for.
+/// Kills process `pid`, a child of this process that a development cluster's run started
+/// outside [`netns::Netns::spawn`] and [`process::spawn_node`] (a driver, a controller), when
+/// this process is interrupted (SIGINT, SIGTERM, SIGHUP); call [`reaped`] once it is waited
+/// for.
 pub fn kill_on_interrupt(pid: u32) {
     cleanup::child(pid);
 }

@@ -166,11 +166,7 @@ impl Netns {
     /// The first process [`spawn`](Self::spawn) started that has exited, by its order of
     /// starting, with its status.
     pub fn exited(&mut self) -> Option<(usize, std::process::ExitStatus)> {
-        let found = crate::process::first_exited(&mut self.children);
-        if let Some((i, _)) = found {
-            crate::cleanup::forget_child(self.children[i].id());
-        }
-        found
+        crate::process::first_exited(&mut self.children)
     }
 
     /// Stops the processes [`spawn`](Self::spawn) started, as an operator would: SIGTERM, then
@@ -178,10 +174,7 @@ impl Netns {
     /// the hosts instead kills them at once (a test that panicked should not wait). Returns how
     /// many had to be killed.
     pub fn stop(&mut self, grace: std::time::Duration) -> usize {
-        let pids: Vec<u32> = self.children.iter().map(Child::id).collect();
-        let killed = crate::process::stop_processes(self.children.drain(..), grace);
-        pids.into_iter().for_each(crate::cleanup::forget_child);
-        killed
+        crate::process::stop_processes(self.children.drain(..), grace)
     }
 }
 

@@ -18,9 +18,22 @@ pub fn terminate(child: &mut Child) -> std::io::Result<bool> {
     Ok(true)
 }
 
+/// Starts `cmd`, a node of a development cluster on loopback: it is killed when this process
+/// is interrupted (SIGINT, SIGTERM, SIGHUP), as what runs in namespaces is; before, SIGTERM to
+/// a tool alone left its nodes serving for good. Stop it with [`stop_processes`].
+pub fn spawn_node(cmd: &mut std::process::Command) -> std::io::Result<Child> {
+    let child = cmd.spawn()?;
+    crate::cleanup::child(child.id());
+    Ok(child)
+}
+
 /// The first of `children` that has exited, by its index, with its status (reaped).
 pub fn first_exited(children: &mut [Child]) -> Option<(usize, std::process::ExitStatus)> {
-    children.iter_mut().enumerate().find_map(|(i, c)| c.try_wait().ok().flatten().map(|s| (i, s)))
+    let found = children.iter_mut().enumerate().find_map(|(i, c)| c.try_wait().ok().flatten().map(|s| (i, s)));
+    if let Some((i, _)) = found {
+        crate::cleanup::forget_child(children[i].id());
+    }
+    found
 }
 
 /// Stops `children`: SIGTERM to each still running, so that it can leave its cluster cleanly
@@ -29,19 +42,31 @@ pub fn first_exited(children: &mut [Child]) -> Option<(usize, std::process::Exit
 /// Returns how many had to be killed.
 pub fn stop_processes(children: impl IntoIterator<Item = Child>, grace: Duration) -> usize {
     // Those that exited are left out; one that could not be signalled is killed after the grace.
-    let mut children: Vec<_> =
-        children.into_iter().filter_map(|mut c| (!matches!(terminate(&mut c), Ok(false))).then_some(c)).collect();
+    let mut children: Vec<_> = children
+        .into_iter()
+        .filter_map(|mut c| {
+            let signalled = !matches!(terminate(&mut c), Ok(false));
+            if !signalled {
+                crate::cleanup::forget_child(c.id());
+            }
+            signalled.then_some(c)
+        })
+        .collect();
     let deadline = Instant::now() + grace;
     let mut killed = 0;
     for c in &mut children {
         loop {
             match c.try_wait() {
-                Ok(Some(_)) => break,
+                Ok(Some(_)) => {
+                    crate::cleanup::forget_child(c.id());
+                    break;
+                }
                 Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
                 _ => {
                     eprintln!("a node (pid {}) still ran {:.0?} after SIGTERM: killed", c.id(), grace);
                     let _ = c.kill();
                     let _ = c.wait();
+                    crate::cleanup::forget_child(c.id());
                     killed += 1;
                     break;
                 }
