@@ -62,9 +62,23 @@ fn watch() {
 
 fn start() -> std::io::Result<()> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_io().build()?;
-    let (mut int, mut term, mut hup) = {
+    let streams = {
         let _in = rt.enter();
-        (signal(SignalKind::interrupt())?, signal(SignalKind::terminate())?, signal(SignalKind::hangup())?)
+        (|| {
+            Ok::<_, std::io::Error>((
+                signal(SignalKind::interrupt())?,
+                signal(SignalKind::terminate())?,
+                signal(SignalKind::hangup())?,
+            ))
+        })()
+    };
+    let (mut int, mut term, mut hup) = match streams {
+        Ok(s) => s,
+        Err(e) => {
+            // Not dropped: a runtime dropped inside another's task panics.
+            rt.shutdown_background();
+            return Err(e);
+        }
     };
     std::thread::Builder::new().name("devcluster-signals".into()).spawn(move || {
         let number = rt.block_on(async move {
