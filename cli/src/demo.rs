@@ -80,6 +80,23 @@ pub(crate) fn run(a: DemoArgs) -> anyhow::Result<()> {
     if a.link_mbit == 0 {
         bail!("--link-mbit must be positive");
     }
+    // The synthetic model (used without MiniLM) is built in memory and ends up copied on every
+    // node: `--synthetic-bytes 0` made a model of no parameters, reported as "scaled to 0 MiB",
+    // and 1 TiB was being built in memory when the run was stopped.
+    if a.synthetic_bytes < 1 << 20 {
+        bail!("--synthetic-bytes {}: at least 1 MiB (1048576)", a.synthetic_bytes);
+    }
+    let held = a.synthetic_bytes.saturating_mul(u64::from(a.nodes) + 1);
+    if let Some(free) = cascade_transport::memory_available().filter(|&free| held > free) {
+        bail!(
+            "--synthetic-bytes {} MiB: the demo holds it on each of its {} nodes and once more to write it, {} MiB, \
+             more than the {} MiB of memory available",
+            a.synthetic_bytes >> 20,
+            a.nodes,
+            held >> 20,
+            free >> 20
+        );
+    }
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
     let out = std::fs::canonicalize(&a.out)?;
     let a = DemoArgs { out, ..a };

@@ -86,6 +86,17 @@ fn nan_inf_and_negative_numbers_are_refused_without_a_panic() {
         assert!(!out.status.success() && err.contains(says), "{extra:?}: {err}");
         assert!(!err.contains("endpoint listening"), "{extra:?}: it joined: {err}");
     }
+    // A synthetic demo model of no bytes, or of more than the memory its nodes' copies fit in.
+    for (bytes, says) in [("0", "at least 1 MiB"), ("1099511627776", "more than the")] {
+        let out = Command::new(CASCADE)
+            .args(["demo", "--synthetic-bytes", bytes, "--out"])
+            .arg(d.join("demo"))
+            .env_remove("RUST_BACKTRACE")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(says), "--synthetic-bytes {bytes}: {err}");
+    }
     // A topology file that does not parse, too (it was read once every node was up).
     let topo = d.join("bad-topology.toml");
     std::fs::write(&topo, "[[nodes]]\nid = \"one\"\n").unwrap();
