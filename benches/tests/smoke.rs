@@ -81,6 +81,11 @@ fn bad_arguments_are_refused_clearly() {
     // before any node starts.
     let sweep = env!("CARGO_BIN_EXE_multicast-sweep");
     refused(sweep, &["--compare-mpi", "--reps", "0"], "--reps must be at least 1");
+    // A synthetic model larger than memory (it was built in memory first).
+    let load = env!("CARGO_BIN_EXE_load");
+    let file = std::env::temp_dir().join(format!("cascade-load-refused-{}.safetensors", std::process::id()));
+    refused(load, &["--file", file.to_str().unwrap(), "--make-synthetic", "1099511627776"], "more than the");
+    assert!(!file.exists(), "a file was written");
 }
 
 #[test]

@@ -76,6 +76,17 @@ fn main() -> anyhow::Result<()> {
         if b < 1 << 20 {
             bail!("--make-synthetic needs at least 1 MiB");
         }
+        // Built in memory, then loaded into a region of its size: 1 TiB was being built when the
+        // run was stopped.
+        if let Some(free) = cascade_transport::memory_available().filter(|&free| b.saturating_mul(2) > free) {
+            bail!(
+                "--make-synthetic {} MiB: it is built in memory and loaded into a region of its size, {} MiB, more \
+                 than the {} MiB of memory available",
+                b >> 20,
+                b.saturating_mul(2) >> 20,
+                free >> 20
+            );
+        }
         cascade_param_pool::synthetic::write_llama2_like(&c.file, b, 1).context("writing the synthetic model")?;
     }
     let manifest = Manifest::from_file(&c.file, "model", DEFAULT_CHUNK)?;
