@@ -226,21 +226,14 @@ fn serve_sim_prints_the_contract_fields() {
 
 #[test]
 fn lora_cost_prints_its_fields() {
-    let root = std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../target/models/smollm2-135m"));
-    let model = root.join("f32");
-    let gguf = root.join("SmolLM2-135M-Instruct.Q4_1.gguf");
-    if !model.join("model.safetensors").is_file() {
-        if !gguf.is_file() {
-            eprintln!("SKIPPED: SmolLM2 not at {} (run scripts/fetch-smollm2.sh)", gguf.display());
-            return;
+    let model = match cascade_tests::models::smollm2() {
+        None => return,
+        Some(cascade_tests::models::Smollm2::Imported(dir)) => dir,
+        Some(cascade_tests::models::Smollm2::Gguf { gguf, dir }) => {
+            cascade_exec::gguf::import_into_place(&gguf, &dir).unwrap();
+            dir
         }
-        // Imported beside it, then renamed, as the exec tests do.
-        let tmp = root.join(format!("import-{}", std::process::id()));
-        cascade_exec::gguf::import(&gguf, &tmp, candle_core::DType::F32, |_, _, _| {}).unwrap();
-        if std::fs::rename(&tmp, &model).is_err() {
-            let _ = std::fs::remove_dir_all(&tmp);
-        }
-    }
+    };
     let model = model.to_str().unwrap();
     let v = run(env!("CARGO_BIN_EXE_lora-cost"), &["--model", model, "--batches", "2", "--iters", "1", "--json"]);
     for k in ["merge_ms", "unmerge_ms", "load_from_host_ms", "adapter_bytes"] {

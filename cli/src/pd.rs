@@ -170,12 +170,7 @@ pub(crate) fn ensure_model(dir: &Path) -> anyhow::Result<()> {
         }
     }
     println!("importing {} into {} …", gguf.display(), dir.display());
-    // Beside it, then renamed: a half-written directory is never taken for a model.
-    let tmp = root.join(format!("import-{}", std::process::id()));
-    cascade_exec::gguf::import(&gguf, &tmp, candle_core::DType::F32, |_, _, _| {})?;
-    if std::fs::rename(&tmp, dir).is_err() {
-        let _ = std::fs::remove_dir_all(&tmp);
-    }
+    cascade_exec::gguf::import_into_place(&gguf, dir)?;
     Ok(())
 }
 

@@ -86,20 +86,27 @@ fn a_node_that_exits_at_its_start_ends_the_run_at_once_saying_why() {
     let Some(model) = cascade_tests::models::minilm() else { return };
     let out = std::env::temp_dir().join(format!("cascade-live-exit-{}", std::process::id()));
     let t = std::time::Instant::now();
-    let res = Command::new(CASCADE)
-        .args(["live", "--policies", "zigzag", "--max-batch", "100000", "--model"])
-        .arg(&model)
-        .arg("--out")
-        .arg(&out)
-        .env_remove("RUST_BACKTRACE")
-        .output()
-        .unwrap();
+    let err = live_fails(&model, &out, &["--max-batch", "100000"]);
     let took = t.elapsed();
-    let err = String::from_utf8_lossy(&res.stderr);
-    assert!(!res.status.success(), "{err}");
     assert!(err.contains("exited") && err.contains("an activation region of 16 slots"), "{err}");
     assert!(took < std::time::Duration::from_secs(30), "took {took:?}: {err}");
     let _ = std::fs::remove_dir_all(&out);
+}
+
+/// `cascade live --policies zigzag` on loopback with `extra`, which must fail: what it said.
+fn live_fails(model: &std::path::Path, out: &std::path::Path, extra: &[&str]) -> String {
+    let res = Command::new(CASCADE)
+        .args(["live", "--policies", "zigzag", "--model"])
+        .arg(model)
+        .arg("--out")
+        .arg(out)
+        .args(extra)
+        .env_remove("RUST_BACKTRACE")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&res.stderr).into_owned();
+    assert!(!res.status.success(), "{extra:?} did not fail: {err}");
+    err
 }
 
 /// A burst with no request, or more than ten million, is refused once the instance's speed is
@@ -110,16 +117,8 @@ fn a_burst_of_no_request_or_too_many_is_refused() {
     let Some(model) = cascade_tests::models::minilm() else { return };
     let out = std::env::temp_dir().join(format!("cascade-live-burst-{}", std::process::id()));
     for (burst, says) in [("1e-9", "holds no request; raise --burst"), ("1e12", "at most 10000000; lower --burst")] {
-        let res = Command::new(CASCADE)
-            .args(["live", "--policies", "zigzag", "--burst", burst, "--model"])
-            .arg(&model)
-            .arg("--out")
-            .arg(&out)
-            .env_remove("RUST_BACKTRACE")
-            .output()
-            .unwrap();
-        let err = String::from_utf8_lossy(&res.stderr);
-        assert!(!res.status.success() && err.contains(says), "--burst {burst}: {err}");
+        let err = live_fails(&model, &out, &["--burst", burst]);
+        assert!(err.contains(says), "--burst {burst}: {err}");
     }
     let _ = std::fs::remove_dir_all(&out);
 }

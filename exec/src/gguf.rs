@@ -242,6 +242,18 @@ pub fn import(
     Ok(Imported { config: cfg, tensors: tensors.len(), bytes, vocabulary })
 }
 
+/// [`import`] as f32 into a directory beside `dir`, then renamed to `dir`: a half-written
+/// directory is never taken for a model, and when another process imported it first (the
+/// rename fails: `dir` is there), that import is kept and this one removed.
+pub fn import_into_place(gguf: &Path, dir: &Path) -> Result<(), ExecError> {
+    let tmp = dir.with_file_name(format!("import-{}", std::process::id()));
+    import(gguf, &tmp, DType::F32, |_, _, _| {})?;
+    if std::fs::rename(&tmp, dir).is_err() {
+        let _ = std::fs::remove_dir_all(&tmp);
+    }
+    Ok(())
+}
+
 /// Refuses a file whose tensors do not have the shapes its metadata implies.
 fn check_shapes(cfg: &LlamaConfig, tensors: &HashMap<String, Tensor>) -> Result<(), ExecError> {
     let (h, f, kv) = (cfg.hidden_size, cfg.intermediate_size, cfg.num_key_value_heads * cfg.head_dim());

@@ -62,12 +62,8 @@ pub fn smollm2_dir() -> Option<PathBuf> {
         cascade_tests::models::Smollm2::Imported(dir) => return Some(dir),
         cascade_tests::models::Smollm2::Gguf { gguf, dir } => (gguf, dir),
     };
-    // Import beside it, then rename: another test binary never sees a half-written directory.
-    let tmp = dir.with_file_name(format!("import-{}", std::process::id()));
-    cascade_exec::gguf::import(&gguf, &tmp, candle_core::DType::F32, |_, _, _| {}).unwrap();
-    if std::fs::rename(&tmp, &dir).is_err() {
-        let _ = std::fs::remove_dir_all(&tmp);
-    }
+    // Another test binary never sees a half-written directory.
+    cascade_exec::gguf::import_into_place(&gguf, &dir).unwrap();
     Some(dir)
 }
 
