@@ -373,8 +373,9 @@ async fn watch_nodes(children: &mut [std::process::Child], dir: &Path) -> anyhow
     }
 }
 
-/// A node that exited before its run ended, with the last lines of its log (where it said why).
-fn node_exited(dir: &Path, node: usize, status: std::process::ExitStatus) -> anyhow::Error {
+/// A node that exited before its run ended, with the last lines of its log (where it said why):
+/// `dir/node-{node}.log`.
+pub(crate) fn node_exited(dir: &Path, node: usize, status: std::process::ExitStatus) -> anyhow::Error {
     let log = dir.join(format!("node-{node}.log"));
     let text = std::fs::read_to_string(&log).unwrap_or_default();
     let lines: Vec<&str> = text.lines().collect();

@@ -248,8 +248,10 @@ pub(crate) fn run(a: PdArgs) -> anyhow::Result<()> {
     std::env::set_var("CASCADE_SECRET", SECRET);
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let children = std::sync::Mutex::new(children);
+    let decode_stopped = std::sync::atomic::AtomicBool::new(false);
     // SIGKILL (a crash), or SIGTERM (a scale-in) when `graceful`.
     let kill_decode = |graceful: bool| -> anyhow::Result<()> {
+        decode_stopped.store(true, std::sync::atomic::Ordering::Relaxed);
         let mut c = children.lock().map_err(|_| anyhow::anyhow!("the instance list is poisoned"))?;
         let c = &mut c[DECODE as usize - 1];
         if !graceful {
@@ -260,7 +262,27 @@ pub(crate) fn run(a: PdArgs) -> anyhow::Result<()> {
         }
         Ok(())
     };
-    let res = rt.block_on(drive(&a, &cluster, &model, &prompts, &expected, &out, &kill_decode));
+    // An instance that exits on its own ends the run at once, saying why: the router would
+    // otherwise wait out its mesh timeout (120 s) and blame the connection.
+    let watch = async {
+        loop {
+            let exited = {
+                let mut c = children.lock().unwrap_or_else(|e| e.into_inner());
+                let stopped = decode_stopped.load(std::sync::atomic::Ordering::Relaxed);
+                cascade_devcluster::process::first_exited_of(&mut c, |i| !(stopped && i == DECODE as usize - 1))
+            };
+            if let Some((k, status)) = exited {
+                return crate::live::node_exited(&out, k + 1, status);
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    let res = rt.block_on(async {
+        tokio::select! {
+            r = drive(&a, &cluster, &model, &prompts, &expected, &out, &kill_decode) => r,
+            e = watch => Err(e),
+        }
+    });
     crate::demo::stop_nodes(children.into_inner().unwrap_or_else(|e| e.into_inner()), &out);
     res
 }

@@ -67,3 +67,49 @@ fn a_decode_instance_told_to_terminate_hands_its_requests_over_with_their_kv() {
     eprintln!("{stdout}");
     let _ = std::fs::remove_dir_all(&out);
 }
+
+/// An instance that exits on its own during the run (killed here with SIGKILL from outside, as
+/// the kernel's OOM killer would) ends the run at once, naming the node, how it exited and the
+/// end of its log. Before 2026-12-05 one that exited before the mesh formed left the router
+/// waiting out its 120 s mesh timeout, and one that exited in the burst failed it with only
+/// "no connection to node 1".
+#[test]
+fn an_instance_that_exits_on_its_own_ends_the_run_saying_which() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/models/smollm2-135m");
+    if !root.join("SmolLM2-135M-Instruct.Q4_1.gguf").is_file() && !root.join("f32/model.safetensors").is_file() {
+        eprintln!("SKIPPED: SmolLM2-135M-Instruct not in {} (run scripts/fetch-smollm2.sh)", root.display());
+        return;
+    }
+    let out = std::env::temp_dir().join(format!("cascade-pd-exits-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    let child = Command::new(CASCADE)
+        .args(["pd", "--requests", "10", "--rate", "10", "--model"])
+        .arg(root.join("f32"))
+        .arg("--out")
+        .arg(&out)
+        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
+        .env_remove("RUST_BACKTRACE")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Node 1 up (after the single-process reference), then killed.
+    let log = out.join("node-1.log");
+    let t = std::time::Instant::now();
+    while !std::fs::read_to_string(&log).is_ok_and(|l| l.contains("endpoint listening")) {
+        assert!(t.elapsed() < std::time::Duration::from_secs(300), "node 1 never started");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let pattern = format!("llm-instance --cluster {} --node 1 --", out.join("cluster.toml").display());
+    let pid = Command::new("pgrep").args(["-f", &pattern]).output().unwrap();
+    let pid = String::from_utf8_lossy(&pid.stdout).trim().to_string();
+    assert!(Command::new("kill").args(["-KILL", &pid]).status().unwrap().success(), "no node 1 ({pid:?})");
+    let t = std::time::Instant::now();
+    let res = child.wait_with_output().unwrap();
+    let took = t.elapsed();
+    let err = String::from_utf8_lossy(&res.stderr);
+    assert!(!res.status.success(), "{err}");
+    assert!(err.contains("node 1 exited") && err.contains("SIGKILL") && err.contains("node-1.log"), "{err}");
+    assert!(took < std::time::Duration::from_secs(30), "took {took:?}: {err}");
+    let _ = std::fs::remove_dir_all(&out);
+}

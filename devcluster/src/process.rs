@@ -29,7 +29,20 @@ pub fn spawn_node(cmd: &mut std::process::Command) -> std::io::Result<Child> {
 
 /// The first of `children` that has exited, by its index, with its status (reaped).
 pub fn first_exited(children: &mut [Child]) -> Option<(usize, std::process::ExitStatus)> {
-    let found = children.iter_mut().enumerate().find_map(|(i, c)| c.try_wait().ok().flatten().map(|s| (i, s)));
+    first_exited_of(children, |_| true)
+}
+
+/// [`first_exited`] among the children whose index `watched` accepts (one stopped on purpose
+/// is left out, so that it does not hide another's exit).
+pub fn first_exited_of(
+    children: &mut [Child],
+    watched: impl Fn(usize) -> bool,
+) -> Option<(usize, std::process::ExitStatus)> {
+    let found = children
+        .iter_mut()
+        .enumerate()
+        .filter(|(i, _)| watched(*i))
+        .find_map(|(i, c)| c.try_wait().ok().flatten().map(|s| (i, s)));
     if let Some((i, _)) = found {
         crate::cleanup::forget_child(children[i].id());
     }
