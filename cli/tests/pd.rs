@@ -10,21 +10,25 @@ use std::process::Command;
 
 const CASCADE: &str = env!("CARGO_BIN_EXE_cascade");
 
+/// Where SmolLM2's model directory is (or goes: `cascade pd` imports the GGUF there when it is
+/// missing), or `None`, said on stderr, without the model.
+fn model_dir() -> Option<PathBuf> {
+    Some(match cascade_tests::models::smollm2()? {
+        cascade_tests::models::Smollm2::Imported(dir) | cascade_tests::models::Smollm2::Gguf { dir, .. } => dir,
+    })
+}
+
 /// Runs `cascade pd` with `args` into a directory of its own (`tag`); its report, its stdout
 /// and the directory (node logs), or `None` without the model.
 fn pd(tag: &str, args: &[&str]) -> Option<(serde_json::Value, String, PathBuf)> {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/models/smollm2-135m");
-    if !root.join("SmolLM2-135M-Instruct.Q4_1.gguf").is_file() && !root.join("f32/model.safetensors").is_file() {
-        eprintln!("SKIPPED: SmolLM2-135M-Instruct not in {} (run scripts/fetch-smollm2.sh)", root.display());
-        return None;
-    }
+    let model = model_dir()?;
     let out = std::env::temp_dir().join(format!("cascade-pd-{tag}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&out);
     let res = Command::new(CASCADE)
         .args(["pd", "--requests", "10", "--rate", "10", "--scale-after-s", "0.3"])
         .args(args)
         .arg("--model")
-        .arg(root.join("f32"))
+        .arg(&model)
         .arg("--out")
         .arg(&out)
         .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
@@ -75,16 +79,12 @@ fn a_decode_instance_told_to_terminate_hands_its_requests_over_with_their_kv() {
 /// "no connection to node 1".
 #[test]
 fn an_instance_that_exits_on_its_own_ends_the_run_saying_which() {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/models/smollm2-135m");
-    if !root.join("SmolLM2-135M-Instruct.Q4_1.gguf").is_file() && !root.join("f32/model.safetensors").is_file() {
-        eprintln!("SKIPPED: SmolLM2-135M-Instruct not in {} (run scripts/fetch-smollm2.sh)", root.display());
-        return;
-    }
+    let Some(model) = model_dir() else { return };
     let out = std::env::temp_dir().join(format!("cascade-pd-exits-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&out);
     let child = Command::new(CASCADE)
         .args(["pd", "--requests", "10", "--rate", "10", "--model"])
-        .arg(root.join("f32"))
+        .arg(&model)
         .arg("--out")
         .arg(&out)
         .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
