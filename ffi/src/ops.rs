@@ -291,8 +291,9 @@ pub unsafe extern "C" fn cascade_completion_detail(
     })
 }
 
-/// Sends `len` bytes at `data` with `tag` to `peer`'s receive queue (copied on entry; at most
-/// the control plane's message limit). A completion `CASCADE_EVENT_SEND` with `tag` follows when
+/// Sends `len` bytes at `data` with `tag` to `peer`'s receive queue (copied on entry; a message
+/// over the control plane's limit, 64 MiB with its framing, fails the call with
+/// `CASCADE_ERR_OTHER` and sends nothing). A completion `CASCADE_EVENT_SEND` with `tag` follows when
 /// the link has sent it. Messages from one peer arrive in the order sent.
 ///
 /// # Safety

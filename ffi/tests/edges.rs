@@ -90,6 +90,22 @@ fn an_empty_message_is_received_without_a_buffer() {
     let mut buf = [0u8; 5];
     assert_eq!(recv(b, buf.as_mut_ptr(), buf.len()), (CASCADE_OK, 0, 8, 5));
     assert_eq!(&buf, b"after");
+    // A message over the limit fails the call and queues no completion (it was taken, and
+    // failed later in its completion; to this node itself it was delivered).
+    let huge = vec![7u8; 65 << 20];
+    for to in [1, 0] {
+        // SAFETY: a live endpoint; `huge` is readable for its length.
+        let rc = unsafe { cascade_send(a, to, 9, huge.as_ptr(), huge.len()) };
+        assert_eq!(rc, CASCADE_ERR_OTHER, "to {to}: {}", last_error());
+        assert!(last_error().contains("exceeds the limit of 67108864 bytes"), "{}", last_error());
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    let mut c = cascade_completion::default();
+    let mut n = 0;
+    // SAFETY: a live endpoint; one writable record and a writable count.
+    while unsafe { cascade_poll(a, &mut c, 1, &mut n) } == CASCADE_OK {
+        assert_ne!(c.tag, 9, "a refused message was queued: {c:?}");
+    }
     destroy([a, b]);
 }
 

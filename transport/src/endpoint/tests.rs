@@ -224,6 +224,13 @@ async fn send_recv_and_events() {
     let too_big = Bytes::from(vec![0u8; (crate::wire::MAX_MESSAGE + 1) as usize]);
     let r = eps[1].run(0, vec![Op::Send { payload: too_big }]).await.unwrap();
     assert!(matches!(r[0], Err(TransportError::MessageTooLarge { .. })));
+    // A service message over the limit is refused when it is posted, to a peer and to this node
+    // alike (it failed only in its handle, and one to this node was delivered).
+    let huge = msg(&"x".repeat((crate::wire::MAX_MESSAGE + 1) as usize));
+    for to in [0, 1] {
+        let e = eps[1].post_oneway(to, &huge).err().expect("posted");
+        assert!(matches!(e, TransportError::MessageTooLarge { .. }), "to {to}: {e}");
+    }
     let s = eps[0].stats();
     assert_eq!(s.len(), 2);
     // 16-byte envelope, 1-byte variant, 1-byte length, 8 bytes of text.
