@@ -228,7 +228,7 @@ async fn send_recv_and_events() {
     // alike (it failed only in its handle, and one to this node was delivered).
     let huge = msg(&"x".repeat((crate::wire::MAX_MESSAGE + 1) as usize));
     for to in [0, 1] {
-        let e = eps[1].post_oneway(to, &huge).err().expect("posted");
+        let Err(e) = eps[1].post_oneway(to, &huge) else { panic!("posted to {to}") };
         assert!(matches!(e, TransportError::MessageTooLarge { .. }), "to {to}: {e}");
     }
     let s = eps[0].stats();
