@@ -54,18 +54,24 @@ fn nan_inf_and_negative_numbers_are_refused_without_a_panic() {
             );
         }
     }
+    // `cascade ARGS` as node 0 of the cluster file: refused, saying `says`, before it joined.
+    let cluster = c.to_str().unwrap();
+    let refused = |args: &[&str], says: &str| {
+        let (cmd, rest) = args.split_at(args.iter().position(|a| a.starts_with("--")).unwrap_or(args.len()));
+        let out = Command::new(CASCADE)
+            .args(cmd)
+            .args(["--cluster", cluster, "--node", "0"])
+            .args(rest)
+            .env("CASCADE_SECRET", "honest")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(says), "{args:?}: {err}");
+        assert!(!err.contains("endpoint listening"), "{args:?}: it joined: {err}");
+    };
     // A misspelt device is refused before the node starts (it started with a warning, its
     // GPU's targets in host memory).
-    let out = Command::new(CASCADE)
-        .args(["node", "--cluster"])
-        .arg(&c)
-        .args(["--node", "0", "--device", "emulated:0,gpu:1", "--ready-timeout-s", "2"])
-        .env("CASCADE_SECRET", "honest")
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("expected cuda:N or emulated:N"), "{err}");
-    assert!(!err.contains("endpoint listening"), "the node started: {err}");
+    refused(&["node", "--device", "emulated:0,gpu:1", "--ready-timeout-s", "2"], "expected cuda:N or emulated:N");
     // A multicast whose layers would be empty, whose deadline is 0, or with a location on the
     // controller's own node (it serves no copies: its prepare failed with "no such service on
     // the node") is refused before it joins the cluster.
@@ -74,17 +80,7 @@ fn nan_inf_and_negative_numbers_are_refused_without_a_panic() {
         (&["--bytes", "1048576", "--deadline-s", "0"][..], "--deadline-s must be positive"),
         (&["--bytes", "1048576"][..], "0/host is on node 0, this controller, which holds no copies"),
     ] {
-        let out = Command::new(CASCADE)
-            .args(["multicast", "--cluster"])
-            .arg(&c)
-            .args(["--node", "0", "--sources", "1/host", "--targets", "0/host"])
-            .args(extra)
-            .env("CASCADE_SECRET", "honest")
-            .output()
-            .unwrap();
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success() && err.contains(says), "{extra:?}: {err}");
-        assert!(!err.contains("endpoint listening"), "{extra:?}: it joined: {err}");
+        refused(&[&["multicast", "--sources", "1/host", "--targets", "0/host"][..], extra].concat(), says);
     }
     // A synthetic demo model of no bytes, or of more than the memory its nodes' copies fit in.
     for (bytes, says) in [("0", "at least 1 MiB"), ("1099511627776", "more than the")] {
@@ -100,17 +96,9 @@ fn nan_inf_and_negative_numbers_are_refused_without_a_panic() {
     // A topology file that does not parse, too (it was read once every node was up).
     let topo = d.join("bad-topology.toml");
     std::fs::write(&topo, "[[nodes]]\nid = \"one\"\n").unwrap();
-    let out = Command::new(CASCADE)
-        .args(["multicast", "--cluster"])
-        .arg(&c)
-        .args(["--node", "0", "--sources", "1/host", "--targets", "1/gpu0", "--bytes", "1048576", "--topology"])
-        .arg(&topo)
-        .env("CASCADE_SECRET", "honest")
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("bad-topology.toml"), "{err}");
-    assert!(!err.contains("endpoint listening"), "it joined: {err}");
+    let topo = topo.to_str().unwrap();
+    let args = ["multicast", "--sources", "1/host", "--targets", "1/gpu0", "--bytes", "1048576", "--topology", topo];
+    refused(&args, "bad-topology.toml");
     let out = Command::new(CASCADE)
         .args(["pool", "serve", "--cluster"])
         .arg(&c)
