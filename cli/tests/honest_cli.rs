@@ -25,6 +25,24 @@ fn cluster(dir: &std::path::Path, nodes: usize) -> std::path::PathBuf {
     p
 }
 
+/// `cascade ARGS` as node 0 of the cluster file `cluster` (the subcommand's words first, then
+/// its options): refused, saying `says`. What it said.
+fn refused_as_node_0(cluster: &std::path::Path, args: &[&str], says: &str) -> String {
+    let (cmd, rest) = args.split_at(args.iter().position(|a| a.starts_with("--")).unwrap_or(args.len()));
+    let out = Command::new(CASCADE)
+        .args(cmd)
+        .arg("--cluster")
+        .arg(cluster)
+        .args(["--node", "0"])
+        .args(rest)
+        .env("CASCADE_SECRET", "honest")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success() && err.contains(says), "{args:?}: {err}");
+    err
+}
+
 #[test]
 fn nan_inf_and_negative_numbers_are_refused_without_a_panic() {
     let d = scratch("numbers");
@@ -54,19 +72,9 @@ fn nan_inf_and_negative_numbers_are_refused_without_a_panic() {
             );
         }
     }
-    // `cascade ARGS` as node 0 of the cluster file: refused, saying `says`, before it joined.
-    let cluster = c.to_str().unwrap();
+    // Refused before it joined the cluster.
     let refused = |args: &[&str], says: &str| {
-        let (cmd, rest) = args.split_at(args.iter().position(|a| a.starts_with("--")).unwrap_or(args.len()));
-        let out = Command::new(CASCADE)
-            .args(cmd)
-            .args(["--cluster", cluster, "--node", "0"])
-            .args(rest)
-            .env("CASCADE_SECRET", "honest")
-            .output()
-            .unwrap();
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success() && err.contains(says), "{args:?}: {err}");
+        let err = refused_as_node_0(&c, args, says);
         assert!(!err.contains("endpoint listening"), "{args:?}: it joined: {err}");
     };
     // A misspelt device is refused before the node starts (it started with a warning, its
@@ -400,17 +408,8 @@ fn pool_serve_refuses_nodes_it_cannot_have_and_a_k_above_them() {
         (&["--nodes", "2", "--k", "2"][..], "--k 2 exceeds the pool's 1 node(s)"),
     ] {
         let meta = d.join("meta");
-        let out = Command::new(CASCADE)
-            .args(["pool", "serve", "--cluster"])
-            .arg(&c)
-            .args(["--node", "0", "--init", "--ready-timeout-s", "1", "--data-dir"])
-            .arg(&meta)
-            .args(args)
-            .env("CASCADE_SECRET", "honest")
-            .output()
-            .unwrap();
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success() && err.contains(says), "{args:?}: {err}");
+        let serve = ["pool", "serve", "--init", "--ready-timeout-s", "1", "--data-dir", meta.to_str().unwrap()];
+        refused_as_node_0(&c, &[&serve[..], args].concat(), says);
         assert!(!meta.exists(), "{args:?}: a refused pool was created");
     }
     let _ = std::fs::remove_dir_all(&d);
