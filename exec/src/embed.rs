@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 
 use cascade_param_pool::manifest::Manifest;
-use tokenizers::{Tokenizer, TruncationParams};
+use tokenizers::{Encoding, Tokenizer, TruncationParams};
 
 use crate::bert::{mean_pool_normalized, Bert, BertConfig};
 use crate::weights::Weights;
@@ -64,7 +64,7 @@ impl Embedder {
     /// Whether each text is longer than [`Embedder::max_tokens`] and so embedded from its start
     /// only.
     pub fn truncated(&self, texts: &[&str]) -> Result<Vec<bool>, ExecError> {
-        encode(&self.tokenizer, texts).map(|(_, cut)| cut)
+        Ok(encodings(&self.tokenizer, texts)?.iter().map(was_cut).collect())
     }
 
     /// `texts` as a batch before its first layer (padded to the longest, mask 0 on padding).
@@ -78,13 +78,52 @@ impl Embedder {
     }
 
     /// One unit-length embedding per text, and whether each text was cut
-    /// ([`Embedder::truncated`]), from one tokenisation.
+    /// ([`Embedder::truncated`]), from one tokenisation; computed [`BATCH`] texts at a time
+    /// ([`Embedder::embed_in_batches`]).
     pub fn embed_noting_cuts(&self, texts: &[&str]) -> Result<(Vec<Vec<f32>>, Vec<bool>), ExecError> {
-        let (batch, cut) = encode(&self.tokenizer, texts)?;
-        let act = self.model.run(0..self.model.layers(), batch)?;
-        Ok((mean_pool_normalized(&act)?, cut))
+        self.embed_in_batches(texts, BATCH, |_, _| {})
+    }
+
+    /// [`Embedder::embed_noting_cuts`] with at most `batch` texts per forward pass, calling
+    /// `progress(texts done, texts)` after each pass.
+    ///
+    /// Up to `batch` texts run as one batch in their order. More are sorted by token count,
+    /// longest first, and cut into batches of `batch`, each padded only to its own longest
+    /// text, as sentence-transformers' `encode` does. So memory stays bounded, and a long text
+    /// does not pad every short one. Embeddings come back in the texts' order. A text's
+    /// embedding does not depend on its batch beyond float rounding (padding is masked).
+    pub fn embed_in_batches(
+        &self,
+        texts: &[&str],
+        batch: usize,
+        mut progress: impl FnMut(usize, usize),
+    ) -> Result<(Vec<Vec<f32>>, Vec<bool>), ExecError> {
+        if batch == 0 {
+            return Err(ExecError::Input("a batch of 0 texts".into()));
+        }
+        let enc = encodings(&self.tokenizer, texts)?;
+        let mut order: Vec<usize> = (0..enc.len()).collect();
+        if enc.len() > batch {
+            order.sort_by_key(|&i| std::cmp::Reverse(enc[i].get_ids().len()));
+        }
+        let mut out = vec![Vec::new(); enc.len()];
+        let mut done = 0;
+        for part in order.chunks(batch) {
+            let rows: Vec<&Encoding> = part.iter().map(|&i| &enc[i]).collect();
+            let act = self.model.run(0..self.model.layers(), padded(&rows)?)?;
+            for (&i, v) in part.iter().zip(mean_pool_normalized(&act)?) {
+                out[i] = v;
+            }
+            done += part.len();
+            progress(done, enc.len());
+        }
+        Ok((out, enc.iter().map(was_cut).collect()))
     }
 }
+
+/// Texts per forward pass when many are embedded at once: sentence-transformers' default
+/// `batch_size`. A batch of 1,400 texts of 256 tokens in one pass took 13.8 GB and 171 s here.
+pub const BATCH: usize = 32;
 
 /// A model directory's files: its `config.json` text (if any), tokenizer, manifest (1 MiB
 /// chunks) and safetensors bytes.
@@ -168,25 +207,34 @@ pub(crate) fn read_dir(dir: &Path) -> Result<(BertConfig, Tokenizer, Manifest, V
 
 /// `texts` tokenised into a batch (see [`Embedder::batch`]).
 pub fn tokenize(tokenizer: &Tokenizer, texts: &[&str]) -> Result<Activation, ExecError> {
-    encode(tokenizer, texts).map(|(batch, _)| batch)
+    let enc = encodings(tokenizer, texts)?;
+    padded(&enc.iter().collect::<Vec<_>>())
 }
 
-/// `texts` tokenised into a batch, and whether the tokenizer cut each one.
-fn encode(tokenizer: &Tokenizer, texts: &[&str]) -> Result<(Activation, Vec<bool>), ExecError> {
+/// `texts` tokenised (at least one).
+fn encodings(tokenizer: &Tokenizer, texts: &[&str]) -> Result<Vec<Encoding>, ExecError> {
     if texts.is_empty() {
         return Err(ExecError::Input("no text to embed".into()));
     }
-    let enc = tokenizer.encode_batch(texts.to_vec(), true).map_err(|e| ExecError::Input(format!("tokenising: {e}")))?;
-    let longest = enc.iter().map(|e| e.get_ids().len()).max().unwrap_or(0);
+    tokenizer.encode_batch(texts.to_vec(), true).map_err(|e| ExecError::Input(format!("tokenising: {e}")))
+}
+
+/// Whether the tokenizer cut the text.
+fn was_cut(e: &Encoding) -> bool {
+    !e.get_overflowing().is_empty()
+}
+
+/// `rows` as a batch before the first layer, padded to the longest (mask 0 on padding).
+fn padded(rows: &[&Encoding]) -> Result<Activation, ExecError> {
+    let longest = rows.iter().map(|e| e.get_ids().len()).max().unwrap_or(0);
     let pad = |v: &[u32]| {
         let mut v = v.to_vec();
         v.resize(longest, 0);
         v
     };
-    let ids = enc.iter().map(|e| pad(e.get_ids())).collect();
-    let mask = enc.iter().map(|e| pad(e.get_attention_mask())).collect();
-    let cut = enc.iter().map(|e| !e.get_overflowing().is_empty()).collect();
-    Ok((Activation::new(ids, mask)?, cut))
+    let ids = rows.iter().map(|e| pad(e.get_ids())).collect();
+    let mask = rows.iter().map(|e| pad(e.get_attention_mask())).collect();
+    Activation::new(ids, mask)
 }
 
 /// The sentences of `testdata/minilm_reference.json` with their reference embeddings, computed

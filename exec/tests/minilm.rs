@@ -49,6 +49,43 @@ fn embeddings_match_the_independent_reference() {
     assert!(cosine(&alone[0], &got[3]) >= 0.99999);
 }
 
+/// More texts than a batch run in batches of about equal length, in bounded memory: every
+/// embedding comes back in its text's place, equal (up to float rounding) to the one from a
+/// single batch, with progress after each batch; a batch of 0 is refused.
+#[test]
+fn many_texts_run_in_batches_and_come_back_in_their_order() {
+    let Some(dir) = model_dir() else { return };
+    let e = Embedder::from_dir(&dir).unwrap();
+    let long = "a sentence that goes on and on ".repeat(12);
+    let texts = [
+        "short",
+        long.as_str(),
+        "Hello, world!",
+        "",
+        "The quick brown fox jumps over the lazy dog.",
+        "x y z",
+        "Cascade moves model parameters between GPUs.",
+    ];
+    let (one, cut_one) = e.embed_in_batches(&texts, texts.len(), |_, _| {}).unwrap();
+    let mut seen = Vec::new();
+    let (batched, cut) = e.embed_in_batches(&texts, 2, |done, all| seen.push((done, all))).unwrap();
+    assert_eq!(seen, [(2, 7), (4, 7), (6, 7), (7, 7)]);
+    assert_eq!(cut, cut_one);
+    for (i, (a, b)) in one.iter().zip(&batched).enumerate() {
+        let c = cosine(a, b);
+        assert!(c >= 0.99999, "{:?}: cosine {c} between one batch and batches of 2", texts[i]);
+    }
+    // Each in its place: no two of these texts are that close.
+    for (i, a) in batched.iter().enumerate() {
+        for (j, b) in one.iter().enumerate() {
+            if i != j {
+                assert!(cosine(a, b) < 0.99, "{:?} came back where {:?} belongs", texts[i], texts[j]);
+            }
+        }
+    }
+    assert!(matches!(e.embed_in_batches(&texts, 0, |_, _| {}), Err(ExecError::Input(_))));
+}
+
 /// Texts longer than `tokenizer.json`'s cut (128) are embedded from their first 256 tokens, as
 /// sentence-transformers does with this model (`sentence_bert_config.json`), and match the
 /// independent reference cut the same way; the one past 256 is reported as cut.
