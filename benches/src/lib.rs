@@ -75,6 +75,9 @@ impl BenchCluster {
         let spec = ClusterSpec::new(name.clone(), nodes)?;
         let dir = std::env::temp_dir().join(format!("cascade-{name}"));
         std::fs::create_dir_all(&dir)?;
+        // Its cluster file and every node's socket (node 0's too): gone with the cluster, or on
+        // Ctrl-C (the peers stop at the end of their standard input).
+        cascade_devcluster::remove_dir_on_interrupt(&dir);
         let mut toml = format!("name = \"{name}\"\n");
         for n in &spec.nodes {
             toml += &format!("[[nodes]]\nid = {}\naddr = \"{}\"\n", n.id, n.addr);
@@ -136,6 +139,7 @@ impl Drop for BenchCluster {
             let _ = p.wait();
         }
         let _ = std::fs::remove_dir_all(&self.dir);
+        cascade_devcluster::keep_dir(&self.dir);
     }
 }
 

@@ -205,6 +205,8 @@ impl Bed {
         let exe = std::env::current_exe()?;
         let dir = std::env::temp_dir().join(format!("cascade-mcbench-{}", std::process::id()));
         std::fs::create_dir_all(&dir)?;
+        // Its cluster file, topology, and every node's socket: gone with the bed, or on Ctrl-C.
+        cascade_devcluster::remove_dir_on_interrupt(&dir);
         let (net, addrs): (Option<Netns>, Vec<String>) = if netns {
             if let Some(why) = Netns::unavailable() {
                 bail!("--netns: {why}");
@@ -422,5 +424,6 @@ impl Drop for Bed {
         }
         self.net = None; // deletes the namespaces
         let _ = std::fs::remove_dir_all(&self.dir);
+        cascade_devcluster::keep_dir(&self.dir);
     }
 }

@@ -118,7 +118,7 @@ pub(crate) fn run(a: DemoArgs) -> anyhow::Result<()> {
         }
         let mut net = Netns::create(n + 1, Some(a.link_mbit))?;
         let addrs: Vec<std::net::SocketAddr> = (0..=n).map(|i| (Netns::addr(i), 7400).into()).collect();
-        let cluster = write_cluster(&a.out, &addrs)?;
+        let cluster = write_cluster(&a.out, &addrs, &logs)?;
         let mut pids = Vec::new();
         for i in 1..=n {
             let mut c = net.command(i, exe.to_str().context("binary path")?);
@@ -148,7 +148,7 @@ pub(crate) fn run(a: DemoArgs) -> anyhow::Result<()> {
     if addrs.len() != n + 1 {
         bail!("could not reserve {} loopback ports", n + 1);
     }
-    let cluster = write_cluster(&a.out, &addrs)?;
+    let cluster = write_cluster(&a.out, &addrs, &logs)?;
     let mut children = Vec::new();
     for i in 1..=n {
         let mut c = Command::new(&exe);
@@ -188,21 +188,27 @@ pub(crate) fn stop_hosts(net: &mut Netns, runtime_dir: &Path) {
 /// `XDG_RUNTIME_DIR`: a killed node cannot remove its own, and each run's names differ, so they
 /// would pile up.
 fn remove_sockets(runtime_dir: &Path) {
-    let prefix = format!("cascade-{}-", cluster_name());
-    for e in std::fs::read_dir(runtime_dir).into_iter().flatten().flatten() {
-        let name = e.file_name();
-        let name = name.to_string_lossy();
-        if name.starts_with(&prefix) && name.ends_with(".sock") {
-            let _ = std::fs::remove_file(e.path());
-        }
-    }
+    cascade_devcluster::remove_sockets(runtime_dir, &socket_prefix());
+}
+
+/// The start of the names of the same-host sockets of this process's clusters.
+fn socket_prefix() -> String {
+    format!("cascade-{}-", cluster_name())
 }
 
 fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
     Ok(tokio::runtime::Builder::new_multi_thread().enable_all().build()?)
 }
 
-pub(crate) fn write_cluster(dir: &Path, addrs: &[std::net::SocketAddr]) -> anyhow::Result<PathBuf> {
+/// Writes `dir/cluster.toml` for a run's nodes at `addrs` (node 0 in this process or its
+/// driver), whose node processes keep their same-host sockets in `runtime_dir`. If this process
+/// is interrupted, those sockets go, and so do those of this process and its drivers (in the
+/// default runtime directory, [`cascade_transport::default_runtime_dir`]): before, every
+/// interrupted run left node 0's in `/tmp`.
+pub(crate) fn write_cluster(dir: &Path, addrs: &[std::net::SocketAddr], runtime_dir: &Path) -> anyhow::Result<PathBuf> {
+    for d in [runtime_dir.to_path_buf(), cascade_transport::default_runtime_dir()] {
+        cascade_devcluster::remove_sockets_on_interrupt(&d, &socket_prefix());
+    }
     let mut toml = format!("name = \"{}\"\n", cluster_name());
     for (i, a) in addrs.iter().enumerate() {
         toml += &format!("[[nodes]]\nid = {i}\naddr = \"{a}\"\n");

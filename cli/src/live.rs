@@ -305,7 +305,7 @@ fn run_policy(a: &LiveArgs, policy: LivePolicy, round: usize) -> anyhow::Result<
     if a.netns {
         let mut net = Netns::create(n, Some(a.link()))?;
         let addrs: Vec<std::net::SocketAddr> = (0..n).map(|i| (Netns::addr(i), 7500).into()).collect();
-        let cluster = crate::demo::write_cluster(&dir, &addrs)?;
+        let cluster = crate::demo::write_cluster(&dir, &addrs, &dir)?;
         for i in 1..n {
             let mut c = net.command(i, &exe);
             instance_args(&mut c, a, &cluster, i, &dir)?;
@@ -341,7 +341,7 @@ fn run_policy(a: &LiveArgs, policy: LivePolicy, round: usize) -> anyhow::Result<
         if addrs.len() != n {
             bail!("could not reserve {n} loopback ports");
         }
-        let cluster = crate::demo::write_cluster(&dir, &addrs)?;
+        let cluster = crate::demo::write_cluster(&dir, &addrs, &dir)?;
         let mut children = Vec::new();
         for i in 1..n {
             let mut c = Command::new(&exe);

@@ -219,7 +219,7 @@ pub(crate) fn run(a: PdArgs) -> anyhow::Result<()> {
     if addrs.len() != 5 {
         bail!("could not reserve 5 loopback ports");
     }
-    let cluster = crate::demo::write_cluster(&out, &addrs)?;
+    let cluster = crate::demo::write_cluster(&out, &addrs, &out)?;
     let exe = std::env::current_exe().context("locating the cascade binary")?;
     // The cores this process may use (a container's cpuset may start above 0).
     let cores = cascade_exec::serve::allowed_cores().context("reading this process's CPU affinity")?;

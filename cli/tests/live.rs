@@ -123,6 +123,21 @@ fn a_burst_of_no_request_or_too_many_is_refused() {
     let _ = std::fs::remove_dir_all(&out);
 }
 
+/// The same-host sockets (`*.sock`) under `dir`: a run's nodes keep theirs in its directories,
+/// and the tests point the driver's (`XDG_RUNTIME_DIR`) under it too.
+fn sockets(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut found = Vec::new();
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            found.extend(sockets(&p));
+        } else if p.extension().is_some_and(|x| x == "sock") {
+            found.push(p);
+        }
+    }
+    found
+}
+
 /// Ctrl-C in the middle of a run in namespaces (SIGINT to the whole process group, as a
 /// terminal sends it) ends it with status 130 and leaves no namespace behind. Before
 /// 2026-12-05 every interrupted run left its five namespaces, with their veth pairs and bridge.
@@ -135,11 +150,14 @@ fn an_interrupted_run_in_namespaces_leaves_none_behind() {
         return;
     }
     let out = std::env::temp_dir().join(format!("cascade-live-int-{}", std::process::id()));
+    let runtime = out.join("runtime");
+    std::fs::create_dir_all(&runtime).unwrap();
     let mut child = Command::new(CASCADE)
         .args(["live", "--netns", "--policies", "zigzag", "--model"])
         .arg(&model)
         .arg("--out")
         .arg(&out)
+        .env("XDG_RUNTIME_DIR", &runtime)
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
         .process_group(0)
@@ -168,6 +186,7 @@ fn an_interrupted_run_in_namespaces_leaves_none_behind() {
     let status = child.wait().unwrap();
     assert_eq!(status.code(), Some(130), "{status:?}");
     assert!(ours().is_empty(), "left behind: {:?}", ours());
+    assert_eq!(sockets(&out), Vec::<std::path::PathBuf>::new(), "same-host sockets left behind");
     let _ = std::fs::remove_dir_all(&out);
 }
 
@@ -178,11 +197,14 @@ fn an_interrupted_run_in_namespaces_leaves_none_behind() {
 fn a_terminated_run_on_loopback_leaves_no_instance_serving() {
     let Some(model) = cascade_tests::models::minilm() else { return };
     let out = std::env::temp_dir().join(format!("cascade-live-term-{}", std::process::id()));
+    let runtime = out.join("runtime");
+    std::fs::create_dir_all(&runtime).unwrap();
     let mut child = Command::new(CASCADE)
         .args(["live", "--policies", "zigzag", "--model"])
         .arg(&model)
         .arg("--out")
         .arg(&out)
+        .env("XDG_RUNTIME_DIR", &runtime)
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
         .spawn()
@@ -205,5 +227,6 @@ fn a_terminated_run_on_loopback_leaves_no_instance_serving() {
         assert!(t.elapsed() < std::time::Duration::from_secs(5), "{} instances still serving", instances());
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
+    assert_eq!(sockets(&out), Vec::<std::path::PathBuf>::new(), "same-host sockets left behind");
     let _ = std::fs::remove_dir_all(&out);
 }

@@ -7,9 +7,12 @@
 //! namespaces and node processes are also registered here, and the first one registered in a
 //! process starts a watcher for those signals that kills the processes, deletes the
 //! namespaces, and then exits as the signal would have (status 128 + its number). From then on
-//! the process ends on these signals through the watcher.
+//! the process ends on these signals through the watcher. A run's scratch directories and the
+//! same-host sockets of its clusters are registered too, and removed after the processes are
+//! killed: a killed node cannot remove its socket, nor an exiting process its endpoint's.
 
 use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard, Once};
 
 use tokio::signal::unix::{signal, SignalKind};
@@ -18,9 +21,17 @@ use tokio::signal::unix::{signal, SignalKind};
 struct Registry {
     namespaces: BTreeSet<String>,
     children: BTreeSet<u32>,
+    /// Directories and the prefix of the sockets to remove there.
+    sockets: BTreeSet<(PathBuf, String)>,
+    dirs: BTreeSet<PathBuf>,
 }
 
-static REGISTRY: Mutex<Registry> = Mutex::new(Registry { namespaces: BTreeSet::new(), children: BTreeSet::new() });
+static REGISTRY: Mutex<Registry> = Mutex::new(Registry {
+    namespaces: BTreeSet::new(),
+    children: BTreeSet::new(),
+    sockets: BTreeSet::new(),
+    dirs: BTreeSet::new(),
+});
 
 fn registry() -> MutexGuard<'static, Registry> {
     REGISTRY.lock().unwrap_or_else(|e| e.into_inner())
@@ -46,6 +57,34 @@ pub(crate) fn child(pid: u32) {
 /// Process `pid` has been reaped.
 pub(crate) fn forget_child(pid: u32) {
     registry().children.remove(&pid);
+}
+
+/// The sockets named `prefix….sock` in `dir` are removed on an interrupt.
+pub(crate) fn sockets(dir: &Path, prefix: &str) {
+    watch();
+    registry().sockets.insert((dir.to_path_buf(), prefix.to_string()));
+}
+
+/// Directory `dir` is removed, with what it holds, on an interrupt until [`forget_dir`].
+pub(crate) fn dir(dir: &Path) {
+    watch();
+    registry().dirs.insert(dir.to_path_buf());
+}
+
+/// Directory `dir` is no longer removed on an interrupt.
+pub(crate) fn forget_dir(dir: &Path) {
+    registry().dirs.remove(dir);
+}
+
+/// Removes the files named `prefix….sock` in `dir`.
+pub(crate) fn remove_sockets(dir: &Path, prefix: &str) {
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let name = e.file_name();
+        let name = name.to_string_lossy();
+        if name.starts_with(prefix) && name.ends_with(".sock") {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
 }
 
 /// Starts the watcher once per process. The signals are taken over before this returns, so
@@ -94,12 +133,18 @@ fn start() -> std::io::Result<()> {
     Ok(())
 }
 
-/// Kills the registered processes and deletes the registered namespaces (deleting a namespace
-/// removes its ends of the veth pairs, and so the pairs).
+/// Kills the registered processes, deletes the registered namespaces (deleting a namespace
+/// removes its ends of the veth pairs, and so the pairs), then removes the registered sockets
+/// and directories.
 fn clean_up() {
-    let (children, namespaces) = {
+    let (children, namespaces, sockets, dirs) = {
         let mut r = registry();
-        (std::mem::take(&mut r.children), std::mem::take(&mut r.namespaces))
+        (
+            std::mem::take(&mut r.children),
+            std::mem::take(&mut r.namespaces),
+            std::mem::take(&mut r.sockets),
+            std::mem::take(&mut r.dirs),
+        )
     };
     for &pid in &children {
         if let Ok(pid) = libc::pid_t::try_from(pid) {
@@ -120,5 +165,38 @@ fn clean_up() {
     }
     for ns in namespaces {
         let _ = std::process::Command::new("ip").args(["netns", "del", &ns]).status();
+    }
+    // After the kills: a node killed is no longer writing in its directory.
+    for (dir, prefix) in &sockets {
+        remove_sockets(dir, prefix);
+    }
+    for d in &dirs {
+        let _ = std::fs::remove_dir_all(d);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    /// Only this cluster's sockets go: not another cluster's, nor a file that is no socket.
+    #[test]
+    fn remove_sockets_takes_only_the_prefixed_sockets() {
+        let dir = std::env::temp_dir().join(format!("cascade-cleanup-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for f in [
+            "cascade-demo1-ab-0.sock",
+            "cascade-demo1-ab-3.sock",
+            "cascade-demo12-ab-0.sock",
+            "cascade-demo1-notes.txt",
+        ] {
+            std::fs::write(dir.join(f), b"").unwrap();
+        }
+        super::remove_sockets(&dir, "cascade-demo1-");
+        let mut left: Vec<String> =
+            std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        left.sort();
+        assert_eq!(left, ["cascade-demo1-notes.txt", "cascade-demo12-ab-0.sock"]);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

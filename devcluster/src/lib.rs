@@ -26,6 +26,32 @@ pub fn reaped(pid: u32) {
     cleanup::forget_child(pid);
 }
 
+/// Removes the same-host sockets of a development cluster's nodes from `dir` (their runtime
+/// directory): the files named `prefix….sock`, where `prefix` is `cascade-CLUSTER-` for the
+/// cluster's name. A killed node cannot remove its own, and each run's names differ, so they
+/// would pile up.
+pub fn remove_sockets(dir: &std::path::Path, prefix: &str) {
+    cleanup::remove_sockets(dir, prefix);
+}
+
+/// [`remove_sockets`] when this process is interrupted (SIGINT, SIGTERM, SIGHUP), after the
+/// processes registered to be killed are.
+pub fn remove_sockets_on_interrupt(dir: &std::path::Path, prefix: &str) {
+    cleanup::sockets(dir, prefix);
+}
+
+/// Removes directory `dir` (a run's scratch directory) with what it holds when this process is
+/// interrupted, until [`keep_dir`].
+pub fn remove_dir_on_interrupt(dir: &std::path::Path) {
+    cleanup::dir(dir);
+}
+
+/// Directory `dir` of [`remove_dir_on_interrupt`] is no longer removed (it has been removed, or
+/// is to be kept).
+pub fn keep_dir(dir: &std::path::Path) {
+    cleanup::forget_dir(dir);
+}
+
 /// The lowest port [`free_addrs`] hands out.
 const LOWEST_PORT: u32 = 10_000;
 

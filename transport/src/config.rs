@@ -171,11 +171,17 @@ pub struct EndpointConfig {
     pub connect_timeout: Duration,
     /// Largest pause between reconnection attempts (backoff doubles up to it).
     pub reconnect_max: Duration,
-    /// Directory for the same-host sockets.
+    /// Directory for the same-host sockets ([`default_runtime_dir`] by default).
     pub runtime_dir: PathBuf,
     /// Most bytes of regions this node allocates for the cluster (`None`: what the system has
     /// available, less [`crate::HEADROOM`], is the only bound).
     pub memory_limit: Option<u64>,
+}
+
+/// Where a node's same-host socket goes unless its configuration says otherwise:
+/// `$XDG_RUNTIME_DIR`, or else the system's temporary directory.
+pub fn default_runtime_dir() -> PathBuf {
+    std::env::var_os("XDG_RUNTIME_DIR").map(PathBuf::from).unwrap_or_else(std::env::temp_dir)
 }
 
 impl EndpointConfig {
@@ -193,7 +199,7 @@ impl EndpointConfig {
             op_timeout: Duration::from_secs(60),
             connect_timeout: Duration::from_secs(5),
             reconnect_max: Duration::from_secs(5),
-            runtime_dir: std::env::var_os("XDG_RUNTIME_DIR").map(PathBuf::from).unwrap_or_else(std::env::temp_dir),
+            runtime_dir: default_runtime_dir(),
             memory_limit: None,
         }
     }

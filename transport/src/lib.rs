@@ -58,7 +58,7 @@ pub type NodeId = u32;
 
 pub use accept::{back_off_after_failed_accept, ACCEPT_BACKOFF};
 pub use budget::{available as memory_available, MemoryBudget, HEADROOM};
-pub use config::{select_backend, ClusterSpec, EndpointConfig, NodeSpec};
+pub use config::{default_runtime_dir, select_backend, ClusterSpec, EndpointConfig, NodeSpec};
 pub use endpoint::{Endpoint, MeshReport, PeerEvent, PeerStats};
 pub use error::{HandshakeError, Result, TransportError};
 pub use handshake::Caps;
