@@ -21,6 +21,11 @@ pub struct EpochMove {
 
 /// The moves between two plans: `previous[i]` and `next[i]` are the sub-clusters of
 /// `models[i]`, `nodes_of[j]` the nodes of sub-cluster j. Models that stay do not move.
+///
+/// Refused: plans of another length than `models`, a model listed twice (the plans would put it
+/// in two sub-clusters at once), a node in two sub-clusters (they partition the cluster: a model
+/// moving between the two would lose its instance there), and a sub-cluster the plans name but
+/// `nodes_of` lacks.
 pub fn epoch_moves(
     models: &[ModelId],
     previous: &[usize],
@@ -30,18 +35,56 @@ pub fn epoch_moves(
     if previous.len() != models.len() || next.len() != models.len() {
         return Err(format!("{} models, plans of {} and {}", models.len(), previous.len(), next.len()));
     }
-    let nodes = |j: usize| nodes_of.get(j).cloned().ok_or_else(|| format!("no sub-cluster {j} ({})", nodes_of.len()));
+    check_models_and_sub_clusters(models, nodes_of)?;
     models
         .iter()
         .zip(previous.iter().zip(next))
         .filter(|(_, (a, b))| a != b)
-        .map(|(&model, (&a, &b))| Ok(EpochMove { model, from: nodes(a)?, to: nodes(b)? }))
+        .map(|(&model, (&a, &b))| {
+            Ok(EpochMove { model, from: nodes(nodes_of, model, a)?, to: nodes(nodes_of, model, b)? })
+        })
         .collect()
+}
+
+/// The nodes of sub-cluster `j`, where a plan puts `model`.
+fn nodes(nodes_of: &[Vec<NodeId>], model: ModelId, j: usize) -> Result<Vec<NodeId>, String> {
+    nodes_of.get(j).cloned().ok_or_else(|| {
+        format!(
+            "a plan puts model {model} in sub-cluster {j}, but only {} are given (0 to {})",
+            nodes_of.len(),
+            nodes_of.len().saturating_sub(1)
+        )
+    })
+}
+
+/// Each model once, each node once in one sub-cluster at most.
+fn check_models_and_sub_clusters(models: &[ModelId], nodes_of: &[Vec<NodeId>]) -> Result<(), String> {
+    let mut seen = std::collections::BTreeMap::new();
+    for (i, &m) in models.iter().enumerate() {
+        if let Some(first) = seen.insert(m, i) {
+            return Err(format!(
+                "model {m} is listed twice (the plans' models {first} and {i}): a model is in one sub-cluster"
+            ));
+        }
+    }
+    let mut home = std::collections::BTreeMap::new();
+    for (j, nodes) in nodes_of.iter().enumerate() {
+        for &n in nodes {
+            match home.insert(n, j) {
+                Some(k) if k == j => return Err(format!("node {n} is listed twice in sub-cluster {j}")),
+                Some(k) => {
+                    return Err(format!("node {n} is in sub-clusters {k} and {j}: sub-clusters do not share nodes"));
+                }
+                None => {}
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The moves an epoch plan asks for (`assignment` arrays of `epoch-plan --json`): against the
 /// previous epoch's plan, only the models whose sub-cluster changed; without one (the first
-/// epoch), every model to its sub-cluster.
+/// epoch), every model to its sub-cluster. Refused as [`epoch_moves`] refuses.
 pub fn moves_from_plans(
     models: &[ModelId],
     previous: Option<&[usize]>,
@@ -54,14 +97,11 @@ pub fn moves_from_plans(
             if next.len() != models.len() {
                 return Err(format!("{} models, a plan of {}", models.len(), next.len()));
             }
+            check_models_and_sub_clusters(models, nodes_of)?;
             models
                 .iter()
                 .zip(next)
-                .map(|(&model, &j)| {
-                    let to =
-                        nodes_of.get(j).cloned().ok_or_else(|| format!("no sub-cluster {j} ({})", nodes_of.len()))?;
-                    Ok(EpochMove { model, from: Vec::new(), to })
-                })
+                .map(|(&model, &j)| Ok(EpochMove { model, from: Vec::new(), to: nodes(nodes_of, model, j)? }))
                 .collect()
         }
     }
@@ -78,7 +118,15 @@ impl<S: MetaStore + 'static> Manager<S> {
         // registered or a node outside the pool used to stop it in its middle, the moves before
         // it made and the rest not.
         let members: Vec<NodeId> = self.pool().members().map(|(n, _)| n).collect();
-        for mv in moves {
+        for (i, mv) in moves.iter().enumerate() {
+            if moves[..i].iter().any(|m| m.model == mv.model) {
+                return Err(ManagerError::Refused(format!(
+                    "model {} moves twice in one plan (to {:?} and {:?}): nothing was moved",
+                    mv.model,
+                    moves[..i].iter().find(|m| m.model == mv.model).map_or(&[][..], |m| &m.to[..]),
+                    mv.to
+                )));
+            }
             if !self.pool().has_model(mv.model) {
                 return Err(ManagerError::Refused(format!("model {} is not registered: nothing was moved", mv.model)));
             }

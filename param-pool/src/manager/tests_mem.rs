@@ -574,7 +574,19 @@ async fn an_epoch_plan_moves_a_model_through_the_pool() {
     assert_eq!(gpus(&m, 2), vec![1, 2]);
     let rep = m.check().await.unwrap();
     assert!(rep.healthy, "{:?}", rep.problems);
-    assert!(epoch::epoch_moves(&[1], &[0], &[2], &nodes_of).is_err(), "no sub-cluster 2");
+    let e = epoch::epoch_moves(&[1], &[0], &[2], &nodes_of).unwrap_err();
+    assert_eq!(e, "a plan puts model 1 in sub-cluster 2, but only 2 are given (0 to 1)");
+    // A model twice, or a node in two sub-clusters, contradict a plan: refused, not carried out
+    // (the first put model 1 on both sub-clusters, the second moved it off node 2).
+    let e = epoch::moves_from_plans(&[1, 1], None, &[0, 1], &nodes_of).unwrap_err();
+    assert!(e.contains("model 1 is listed twice"), "{e}");
+    let e = epoch::epoch_moves(&[1, 1], &[0, 1], &[1, 0], &nodes_of).unwrap_err();
+    assert!(e.contains("model 1 is listed twice"), "{e}");
+    let overlapping = vec![vec![1, 2], vec![2, 3]];
+    let e = epoch::moves_from_plans(&[1, 2], Some(&[0, 0]), &[1, 0], &overlapping).unwrap_err();
+    assert!(e.contains("node 2 is in sub-clusters 0 and 1"), "{e}");
+    let e = epoch::moves_from_plans(&[1, 2], None, &[1, 0], &[vec![1, 2], vec![3, 3]]).unwrap_err();
+    assert!(e.contains("node 3 is listed twice in sub-cluster 1"), "{e}");
     // The operator's way in: the admin request, from two plans' assignments.
     let back = epoch::moves_from_plans(&[1, 2], Some(&[1, 0]), &[0, 0], &nodes_of).unwrap();
     let r = m.serve(AdminRequest::ApplyEpoch { moves: back }, Caller::Operator).await.unwrap();
@@ -589,6 +601,7 @@ async fn an_epoch_plan_moves_a_model_through_the_pool() {
         (mv(9, vec![3, 4]), "model 9 is not registered"),
         (mv(2, vec![3, 42]), "node 42 (in model 2's move) is not a pool node"),
         (mv(2, vec![]), "model 2 moves to no node"),
+        (mv(1, vec![2]), "model 1 moves twice in one plan"),
     ] {
         let e = m.apply_epoch(&[mv(1, vec![3, 4]), bad]).await.unwrap_err().to_string();
         assert!(e.contains(says) && e.contains("nothing was moved"), "{e}");
