@@ -628,8 +628,15 @@ impl<S: MetaStore + 'static> Manager<S> {
     /// Deploys `model` on GPU 0 of each of `nodes` at once: one multicast. All or none: a node
     /// the pool refuses (dead, full, unknown) refuses the whole scale-out and nothing starts
     /// (deploying node by node left the copies of the nodes before it loading, with nobody to
-    /// make them). One metadata record for all the nodes.
+    /// make them). One metadata record for all the nodes. A node listed twice is refused before
+    /// anything is recorded (it asked for two instances on the node's GPU 0).
     pub async fn scale_out(&mut self, model: ModelId, nodes: &[NodeId]) -> Result<(), ManagerError> {
+        if let Some((i, n)) = nodes.iter().enumerate().find(|&(i, n)| nodes[..i].contains(n)) {
+            return Err(ManagerError::Refused(format!(
+                "node {n} is listed twice in model {model}'s scale-out (at {} and {i}): nothing was started",
+                nodes.iter().position(|m| m == n).unwrap_or(0)
+            )));
+        }
         let actions = self.apply(Event::DeployAll { model, nodes: nodes.to_vec(), gpu: 0 }).await?;
         self.drive(actions).await
     }

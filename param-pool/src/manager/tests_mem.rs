@@ -528,8 +528,9 @@ async fn a_deploy_that_cannot_be_made_is_an_error() {
     assert!(s.healthy, "{s}");
 }
 
-/// A scale-out with one node the pool refuses (one it does not know) starts nothing: no copy is
-/// left loading on the nodes it would have accepted. A valid one makes every instance.
+/// A scale-out with one node the pool refuses (one it does not know), or naming a node twice,
+/// starts nothing: no copy is left loading on the nodes it would have accepted. A valid one
+/// makes every instance.
 #[tokio::test(start_paused = true)]
 async fn a_scale_out_with_a_refused_node_starts_nothing() {
     let c = MemCluster::new(3, 1, "scale-refused");
@@ -538,6 +539,9 @@ async fn a_scale_out_with_a_refused_node_starts_nothing() {
     let err = m.scale_out(1, &[2, 3, 9]).await.unwrap_err().to_string();
     assert!(err.contains('9'), "{err}");
     assert_eq!(m.pool().copies().count(), before, "a refused scale-out left copies behind");
+    let err = m.scale_out(1, &[2, 3, 2]).await.unwrap_err().to_string();
+    assert!(err.contains("node 2 is listed twice") && err.contains("nothing was started"), "{err}");
+    assert_eq!(m.pool().copies().count(), before, "a scale-out naming a node twice left copies behind");
     m.scale_out(1, &[2, 3]).await.unwrap();
     let ready =
         m.pool().copies().filter(|x| x.model == 1 && x.kind == CopyKind::Gpu(0) && x.state == CopyState::Ready).count();
