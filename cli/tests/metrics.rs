@@ -237,5 +237,6 @@ fn an_epoch_plan_moves_a_model_between_sub_clusters_through_the_cli() {
         .output()
         .unwrap();
     assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("no sub-cluster 5"));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("in sub-cluster 5, but only 2 are given"), "{err}");
 }
