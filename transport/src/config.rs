@@ -98,8 +98,8 @@ impl ClusterSpec {
         })
     }
 
-    /// Checks ids and addresses are unique, every address has a port peers can dial, host names
-    /// are not empty, and the name is usable in a file name.
+    /// Checks ids and addresses are unique, every address is one peers can dial (a port, not
+    /// 0.0.0.0 or ::), host names are not empty, and the name is usable in a file name.
     pub fn validate(&self) -> Result<()> {
         if self.nodes.is_empty() {
             return Err(TransportError::Config("the cluster has no nodes".into()));
@@ -116,6 +116,15 @@ impl ClusterSpec {
             if a.addr.port() == 0 {
                 return Err(TransportError::Config(format!(
                     "node {}: address {} has port 0, which no peer can dial",
+                    a.id, a.addr
+                )));
+            }
+            // 0.0.0.0 or :: is where a server listens, not an address to dial: a peer on another
+            // host dialling it reaches itself, and every such node counted as one host.
+            if a.addr.ip().is_unspecified() {
+                return Err(TransportError::Config(format!(
+                    "node {}: address {} is unspecified, which no peer can dial: give the node's own IP \
+                     (the node listens on it; 127.0.0.1 for nodes on one machine)",
                     a.id, a.addr
                 )));
             }

@@ -41,6 +41,10 @@ fn rejects_duplicates_and_junk() {
     assert!(ClusterSpec::from_toml("name = \"../x\"\n[[nodes]]\nid = 0\naddr = \"127.0.0.1:1\"\n").is_err());
     let port0 = "[[nodes]]\nid = 3\naddr = \"127.0.0.1:0\"\n";
     assert!(ClusterSpec::from_toml(port0).unwrap_err().to_string().contains("node 3: address 127.0.0.1:0 has port 0"));
+    for any in ["0.0.0.0:7400", "[::]:7400"] {
+        let e = ClusterSpec::from_toml(&format!("[[nodes]]\nid = 2\naddr = \"{any}\"\n")).unwrap_err().to_string();
+        assert!(e.contains(&format!("node 2: address {any} is unspecified, which no peer can dial")), "{e}");
+    }
     let no_host = "[[nodes]]\nid = 0\naddr = \"127.0.0.1:1\"\nhost = \" \"\n";
     assert!(ClusterSpec::from_toml(no_host).unwrap_err().to_string().contains("an empty host name"));
 }
