@@ -80,6 +80,49 @@ pub enum MetaError {
     /// The pool refused a replayed or new event.
     #[error(transparent)]
     Pool(#[from] PoolError),
+    /// Another process holds the data directory: one manager (or `wal salvage`) per directory.
+    #[error("{dir} is in use by another process ({holder}): one pool manager per data directory; stop it first")]
+    InUse {
+        /// The data directory.
+        dir: String,
+        /// Who holds it, as its lock file says (`pid N`), if it says.
+        holder: String,
+    },
+}
+
+/// An exclusive `flock(2)` on `dir/LOCK`, held while the returned file is open. The kernel drops
+/// it when the process ends, however it ends, so no stale lock is ever left behind. The file
+/// says which process holds it.
+pub(crate) fn lock_dir(dir: &Path) -> Result<File, MetaError> {
+    use std::os::fd::AsRawFd;
+    let path = dir.join("LOCK");
+    let mut f = OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .read(true)
+        .write(true)
+        .open(&path)
+        .map_err(io(format!("opening {}", path.display())))?;
+    // SAFETY: flock(2) on a descriptor this function owns (open until `f` is dropped); it
+    // touches no memory of this process.
+    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::EWOULDBLOCK) {
+            return Err(io(format!("locking {}", path.display()))(e));
+        }
+        let mut holder = String::new();
+        let _ = f.read_to_string(&mut holder);
+        let holder = holder.trim();
+        return Err(MetaError::InUse {
+            dir: dir.display().to_string(),
+            holder: if holder.is_empty() { "it did not say which".into() } else { holder.to_string() },
+        });
+    }
+    f.set_len(0)
+        .and_then(|_| f.seek(SeekFrom::Start(0)))
+        .and_then(|_| writeln!(f, "pid {}", std::process::id()))
+        .map_err(io(format!("writing {}", path.display())))?;
+    Ok(f)
 }
 
 fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> MetaError {
@@ -114,6 +157,8 @@ pub trait MetaStore: Send {
 pub struct EmbeddedStore {
     dir: PathBuf,
     wal: File,
+    /// The data directory's lock ([`lock_dir`]), held while the store is open.
+    _lock: File,
     /// Bytes of whole, acknowledged records in `wal.log`.
     len: u64,
     /// Set when a failed append could not be cut off: appends fail until it is.
@@ -194,10 +239,14 @@ pub(crate) fn scan(buf: &[u8]) -> Scan {
 }
 
 impl EmbeddedStore {
-    /// Opens (creating if needed) the store in `dir`. Whether it holds a pool is decided by
-    /// [`DurablePool::open`] / [`DurablePool::init`].
+    /// Opens (creating if needed) the store in `dir`, holding its lock until the store is dropped
+    /// (another process, or another store in this one, on `dir` is [`MetaError::InUse`]). Whether
+    /// it holds a pool is decided by [`DurablePool::open`] / [`DurablePool::init`].
     pub fn open(dir: &Path) -> Result<EmbeddedStore, MetaError> {
         std::fs::create_dir_all(dir).map_err(io(format!("creating {}", dir.display())))?;
+        // Two managers appending to one log would interleave two pools' events, and one's
+        // snapshot would cut the other's acknowledged records off: refused ([`MetaError::InUse`]).
+        let lock = lock_dir(dir)?;
         let wal = OpenOptions::new()
             .create(true)
             .read(true)
@@ -208,6 +257,7 @@ impl EmbeddedStore {
         Ok(EmbeddedStore {
             dir: dir.to_path_buf(),
             wal,
+            _lock: lock,
             len,
             poisoned: false,
             #[cfg(test)]

@@ -24,6 +24,29 @@ fn records_survive_reopening() {
     );
 }
 
+/// One store per data directory at a time: a second (another manager, in this process or
+/// another) and `wal salvage` are refused while the first is open, saying who holds it, and both
+/// work once it is dropped. Before, two managers appended to one log.
+#[test]
+fn a_data_directory_is_held_by_one_store_at_a_time() {
+    let d = dir("lock");
+    let mut first = EmbeddedStore::open(&d).unwrap();
+    first.append(b"one").unwrap();
+    match EmbeddedStore::open(&d) {
+        Err(e @ MetaError::InUse { .. }) => {
+            let text = e.to_string();
+            assert!(text.contains(&format!("pid {}", std::process::id())), "{text}");
+            assert!(text.contains("one pool manager per data directory"), "{text}");
+        }
+        Err(e) => panic!("a second store on the directory: {e}"),
+        Ok(_) => panic!("a second store opened the directory a first one holds"),
+    }
+    assert!(matches!(wal::salvage(&d), Err(MetaError::InUse { .. })), "salvage under a running manager");
+    drop(first);
+    assert_eq!(EmbeddedStore::open(&d).unwrap().recover().unwrap().records, vec![b"one".to_vec()]);
+    assert_eq!(wal::salvage(&d).unwrap().kept_records, 1);
+}
+
 #[test]
 fn a_torn_tail_is_cut_off_and_appending_continues() {
     let d = dir("torn");
@@ -130,6 +153,7 @@ fn snapshots_compact_the_log() {
     s.append(b"x").unwrap();
     s.snapshot(b"state-1").unwrap();
     s.append(b"y").unwrap();
+    drop(s);
     let rec = EmbeddedStore::open(&d).unwrap().recover().unwrap();
     assert_eq!(rec.snapshot.as_deref(), Some(&b"state-1"[..]));
     assert_eq!(rec.records, vec![b"y".to_vec()]);

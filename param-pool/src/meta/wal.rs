@@ -87,8 +87,11 @@ pub struct Salvaged {
 
 /// Keeps the intact prefix of the log in `dir`, after keeping the original beside it
 /// (`wal.log.damaged-<unix seconds>`). Everything from the first damaged record on is given up:
-/// the operator's explicit decision, never recovery's.
+/// the operator's explicit decision, never recovery's. Refused while a manager holds `dir`
+/// ([`MetaError::InUse`]).
 pub fn salvage(dir: &Path) -> Result<Salvaged, MetaError> {
+    // A manager running on `dir` would go on appending to the log this replaces.
+    let _lock = super::lock_dir(dir)?;
     let (path, bytes) = read(dir)?;
     let Scan { records, end, .. } = scan(&bytes);
     let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
