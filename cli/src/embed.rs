@@ -20,11 +20,13 @@ pub(crate) struct EmbedArgs {
     #[arg(long)]
     text: Vec<String>,
     /// A file of texts to embed, one per line (`-`: standard input), after any `--text`. Every
-    /// line is a text, an empty one too, so output line N is input line N.
+    /// line is a text, an empty one too, so output line N is input line N. Read and embedded
+    /// 4,096 lines at a time: output begins before the input ends, in bounded memory.
     #[arg(long, value_name = "FILE")]
     text_file: Option<PathBuf>,
     /// Texts per forward pass. More texts than this run in batches of texts of about the same
-    /// length (sorted by tokens), so memory stays bounded; the output keeps the input's order.
+    /// length (sorted by tokens within each 4,096 read), so memory stays bounded; the output
+    /// keeps the input's order.
     /// 1 to 4,096.
     #[arg(long, default_value_t = BATCH as u32, value_parser = clap::value_parser!(u32).range(1..=4096))]
     batch: u32,
@@ -35,28 +37,29 @@ pub(crate) struct EmbedArgs {
     json: bool,
 }
 
-/// The `--text`s, then the lines of `--text-file`.
-fn texts(a: &EmbedArgs) -> anyhow::Result<Vec<String>> {
-    let mut texts = a.text.clone();
-    let Some(path) = &a.text_file else { return Ok(texts) };
+/// Texts read and embedded at a time: the first embeddings come out before the whole input is
+/// read, and memory stays bounded however long the input is.
+const BLOCK: usize = 4096;
+
+/// The `--text`s, then the lines of `--text-file`, as they are read.
+fn texts(a: &EmbedArgs) -> anyhow::Result<Box<dyn Iterator<Item = anyhow::Result<String>>>> {
+    let given = a.text.clone().into_iter().map(Ok);
+    let Some(path) = a.text_file.clone() else { return Ok(Box::new(given)) };
     let reader: Box<dyn BufRead> = if path.as_os_str() == "-" {
         Box::new(std::io::stdin().lock())
     } else {
-        let f = std::fs::File::open(path).with_context(|| format!("opening --text-file {}", path.display()))?;
+        let f = std::fs::File::open(&path).with_context(|| format!("opening --text-file {}", path.display()))?;
         Box::new(std::io::BufReader::new(f))
     };
-    for (n, line) in reader.lines().enumerate() {
-        texts.push(line.with_context(|| format!("reading line {} of --text-file {}", n + 1, path.display()))?);
-    }
-    if texts.is_empty() {
-        anyhow::bail!("--text-file {} holds no line, and no --text was given: nothing to embed", path.display());
-    }
-    Ok(texts)
+    let lines = reader.lines().enumerate().map(move |(n, line)| {
+        line.with_context(|| format!("reading line {} of --text-file {}", n + 1, path.display()))
+    });
+    Ok(Box::new(given.chain(lines)))
 }
 
-/// Runs `cascade embed`.
+/// Runs `cascade embed`: [`BLOCK`] texts at a time, each block in batches of `--batch`.
 pub(crate) fn embed(a: EmbedArgs) -> anyhow::Result<()> {
-    let texts = texts(&a)?;
+    let mut input = texts(&a)?;
     let t = std::time::Instant::now();
     let e = Embedder::from_dir(&a.model).with_context(|| {
         format!(
@@ -65,39 +68,41 @@ pub(crate) fn embed(a: EmbedArgs) -> anyhow::Result<()> {
         )
     })?;
     let loaded = t.elapsed();
-    let texts: Vec<&str> = texts.iter().map(String::as_str).collect();
-    // Progress on stderr for more than one pass (indicatif draws nothing when it is no terminal).
-    let bar = (texts.len() > a.batch as usize).then(|| {
-        let style = ProgressStyle::with_template("embedding {bar:40} {pos}/{len} texts, {per_sec}, {eta} left")
-            .unwrap_or_else(|_| ProgressStyle::default_bar());
-        ProgressBar::new(texts.len() as u64).with_style(style)
+    // Progress on stderr when there may be more than one pass (indicatif draws nothing when it
+    // is no terminal); the length is unknown until the input ends.
+    let bar = (a.text_file.is_some() || a.text.len() > a.batch as usize).then(|| {
+        let style = ProgressStyle::with_template("embedding: {pos} texts, {per_sec} {spinner}")
+            .unwrap_or_else(|_| ProgressStyle::default_spinner());
+        ProgressBar::new_spinner().with_style(style)
     });
-    let t = std::time::Instant::now();
-    let (out, cut) = e.embed_in_batches(&texts, a.batch as usize, |done, _| {
-        if let Some(b) = &bar {
-            b.set_position(done as u64);
+    let mut stdout = std::io::stdout().lock();
+    let (mut done, mut ran) = (0usize, std::time::Duration::ZERO);
+    loop {
+        let block: Vec<String> = input.by_ref().take(BLOCK).collect::<anyhow::Result<_>>()?;
+        if block.is_empty() {
+            break;
         }
-    })?;
-    let ran = t.elapsed();
+        let texts: Vec<&str> = block.iter().map(String::as_str).collect();
+        let t = std::time::Instant::now();
+        let (out, cut) = e.embed_in_batches(&texts, a.batch as usize, |n, _| {
+            if let Some(b) = &bar {
+                b.set_position((done + n) as u64);
+            }
+        })?;
+        ran += t.elapsed();
+        done += texts.len();
+        if let Some(b) = &bar {
+            b.suspend(|| print(&mut stdout, &a, &e, &texts, &out, &cut))?;
+        } else {
+            print(&mut stdout, &a, &e, &texts, &out, &cut)?;
+        }
+    }
     if let Some(b) = bar {
         b.finish_and_clear();
     }
-    let mut stdout = std::io::stdout().lock();
-    for ((text, v), cut) in texts.iter().zip(&out).zip(cut) {
-        if a.json {
-            writeln!(
-                stdout,
-                "{}",
-                serde_json::json!({ "text": text, "dim": v.len(), "embedding": v, "truncated": cut })
-            )?;
-        } else {
-            let head: Vec<String> = v.iter().take(6).map(|x| format!("{x:+.5}")).collect();
-            let note = match e.max_tokens() {
-                Some(max) if cut => format!(" (longer than the model takes: embedded from its first {max} tokens)"),
-                _ => String::new(),
-            };
-            writeln!(stdout, "{:?}: dim {}, [{} ...]{note}", shorten(text), v.len(), head.join(", "))?;
-        }
+    if done == 0 {
+        let path = a.text_file.as_deref().unwrap_or(std::path::Path::new("-"));
+        anyhow::bail!("--text-file {} holds no line, and no --text was given: nothing to embed", path.display());
     }
     if !a.json {
         writeln!(
@@ -105,9 +110,33 @@ pub(crate) fn embed(a: EmbedArgs) -> anyhow::Result<()> {
             "({} and the embedding stage on the CPU; model loaded in {:.0} ms, {} embedded in {:.0} ms)",
             count(e.model().config().num_hidden_layers, "encoder layer", "encoder layers"),
             loaded.as_secs_f64() * 1e3,
-            count(texts.len(), "text", "texts"),
+            count(done, "text", "texts"),
             ran.as_secs_f64() * 1e3
         )?;
     }
     Ok(())
+}
+
+/// One line per text: JSON, or the text, its first values and a note if it was cut.
+fn print(
+    out: &mut impl Write,
+    a: &EmbedArgs,
+    e: &Embedder,
+    texts: &[&str],
+    vectors: &[Vec<f32>],
+    cut: &[bool],
+) -> std::io::Result<()> {
+    for ((text, v), &cut) in texts.iter().zip(vectors).zip(cut) {
+        if a.json {
+            writeln!(out, "{}", serde_json::json!({ "text": text, "dim": v.len(), "embedding": v, "truncated": cut }))?;
+        } else {
+            let head: Vec<String> = v.iter().take(6).map(|x| format!("{x:+.5}")).collect();
+            let note = match e.max_tokens() {
+                Some(max) if cut => format!(" (longer than the model takes: embedded from its first {max} tokens)"),
+                _ => String::new(),
+            };
+            writeln!(out, "{:?}: dim {}, [{} ...]{note}", shorten(text), v.len(), head.join(", "))?;
+        }
+    }
+    out.flush()
 }
