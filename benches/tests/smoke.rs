@@ -62,6 +62,7 @@ fn bad_arguments_are_refused_clearly() {
     refused(coop, &["--executor", "emulated", "--batch-size", "0", "--json"], "must be at least 1");
     let st = env!("CARGO_BIN_EXE_sched-throughput");
     refused(st, &["--sub-clusters", "0", "--seconds", "0.1"], "--sub-clusters must be at least 1");
+    refused(st, &["--sub-clusters", "5", "--models", "4", "--seconds", "0.1"], "--sub-clusters 5 exceeds --models 4");
     refused(st, &["--gpus", "100000000", "--seconds", "0.1"], "are at most 65536 each");
     refused(st, &["--models", "100000000", "--seconds", "0.1"], "are at most 65536 each");
     refused(st, &["--sub-clusters", "4", "--scheduler", "flex", "--seconds", "0.1"], "partitions Symphony's engine");

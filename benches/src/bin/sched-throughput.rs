@@ -80,6 +80,11 @@ fn main() -> anyhow::Result<()> {
     if c.sub_clusters == 0 {
         bail!("--sub-clusters must be at least 1 (1: one dispatcher for the whole cluster)");
     }
+    // More parts than models left some without a model or a dispatcher, while the report said
+    // it ran them all ("sub_clusters": 100 beside 4 dispatchers).
+    if c.sub_clusters > c.models {
+        bail!("--sub-clusters {} exceeds --models {}: each sub-cluster needs a model", c.sub_clusters, c.models);
+    }
     if c.sub_clusters > 1 && c.scheduler != "symphony" {
         bail!(
             "--sub-clusters partitions Symphony's engine, not {:?} (HERD's groups are --scheduler flex/herd:G:GMAX)",
