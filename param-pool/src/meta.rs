@@ -107,6 +107,12 @@ pub(crate) fn lock_dir(dir: &Path) -> Result<File, MetaError> {
     // touches no memory of this process.
     if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
         let e = std::io::Error::last_os_error();
+        // A file system that keeps no locks (some FUSE and network mounts) cannot tell: go on
+        // unlocked, as before the lock existed, and say so.
+        if matches!(e.raw_os_error(), Some(libc::ENOLCK | libc::EOPNOTSUPP | libc::ENOSYS)) {
+            tracing::warn!(dir = %dir.display(), error = %e, "the data directory cannot be locked here: nothing stops a second manager on it");
+            return Ok(f);
+        }
         if e.raw_os_error() != Some(libc::EWOULDBLOCK) {
             return Err(io(format!("locking {}", path.display()))(e));
         }
