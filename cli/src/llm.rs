@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context};
-use cascade_exec::llama::generate::Generator;
+use cascade_exec::llama::generate::{Generated, Generator};
 use clap::{Args, Subcommand, ValueEnum};
 
 /// Model files.
@@ -130,6 +130,33 @@ fn escaped(text: &str) -> String {
     quoted[1..quoted.len() - 1].to_string()
 }
 
+/// Prints one prompt's result: its JSON line, the rest of its streamed text (`streamed`: what was
+/// shown as it came), or its `"prompt" → "text"` line; and a note if it filled the context window.
+fn show(a: &GenerateArgs, g: &Generator, prompt: &str, o: &Generated, streamed: Option<&String>) -> anyhow::Result<()> {
+    let text = g.decode(&o.tokens)?;
+    if a.json {
+        let v = serde_json::json!({"prompt_tokens": o.prompt_tokens, "tokens": o.tokens, "text": text, "at_window": o.at_window});
+        println!("{v}");
+    } else if let Some(shown) = streamed {
+        println!("{}\"", escaped(text.get(shown.len()..).unwrap_or_default()));
+    } else {
+        println!("{:?} → {text:?}", crate::shorten(prompt));
+    }
+    if o.at_window {
+        eprintln!(
+            "note: {:?} stopped after {} tokens: with its {} prompt tokens they fill the model's context window of {}",
+            crate::shorten(prompt),
+            o.tokens.len(),
+            o.prompt_tokens.len(),
+            g.model().config().max_position_embeddings
+        );
+    }
+    // Seen at once when piped too (stdout is buffered there).
+    use std::io::Write;
+    std::io::stdout().flush()?;
+    Ok(())
+}
+
 pub(crate) fn generate(a: GenerateArgs) -> anyhow::Result<()> {
     if a.max_tokens == 0 {
         bail!("--max-tokens must be at least 1");
@@ -145,38 +172,45 @@ pub(crate) fn generate(a: GenerateArgs) -> anyhow::Result<()> {
     let texts: Vec<String> = a.prompt.iter().map(|p| if a.chat { chatml(p) } else { p.clone() }).collect();
     let prompts = texts.iter().map(|p| g.encode(p)).collect::<Result<Vec<_>, _>>()?;
     let t = Instant::now();
-    // One prompt as text is shown as it is generated (a long one takes minutes); several are
-    // batched and shown when done, as is JSON.
+    // One prompt as text is shown token by token as it is generated (a long one takes minutes);
+    // with several, each is shown once it and every prompt before it are done, in their order.
     let stream = !a.json && prompts.len() == 1;
     let mut shown = Streamed::default();
-    let out = if stream {
+    if stream {
         print!("{:?} → \"", crate::shorten(&a.prompt[0]));
-        g.generate_each(&prompts, a.max_tokens, |_, tok| shown.push(&g, tok))?
-    } else {
-        g.generate(&prompts, a.max_tokens)?
-    };
+    }
+    let mut done: Vec<Option<Generated>> = vec![None; prompts.len()];
+    let mut next = 0;
+    let mut failed: Option<anyhow::Error> = None;
+    let out = g.generate_each(
+        &prompts,
+        a.max_tokens,
+        |_, tok| {
+            if stream {
+                shown.push(&g, tok);
+            }
+        },
+        |i, o| {
+            if stream {
+                return; // shown below, after its streamed text
+            }
+            done[i] = Some(o.clone());
+            while let Some(o) = done.get_mut(next).and_then(Option::take) {
+                if failed.is_none() {
+                    failed = show(&a, &g, &a.prompt[next], &o, None).err();
+                }
+                next += 1;
+            }
+        },
+    )?;
+    if let Some(e) = failed {
+        return Err(e);
+    }
+    if stream {
+        show(&a, &g, &a.prompt[0], &out[0], Some(&shown.text))?;
+    }
     let ran = t.elapsed();
     let generated: usize = out.iter().map(|o| o.tokens.len()).sum();
-    for (prompt, o) in a.prompt.iter().zip(&out) {
-        let text = g.decode(&o.tokens)?;
-        if a.json {
-            let v = serde_json::json!({"prompt_tokens": o.prompt_tokens, "tokens": o.tokens, "text": text, "at_window": o.at_window});
-            println!("{v}");
-        } else if stream {
-            println!("{}\"", escaped(text.get(shown.text.len()..).unwrap_or_default()));
-        } else {
-            println!("{:?} → {text:?}", crate::shorten(prompt));
-        }
-        if o.at_window {
-            eprintln!(
-                "note: {:?} stopped after {} tokens: with its {} prompt tokens they fill the model's context window of {}",
-                crate::shorten(prompt),
-                o.tokens.len(),
-                o.prompt_tokens.len(),
-                g.model().config().max_position_embeddings
-            );
-        }
-    }
     if !a.json {
         println!(
             "({} stages on the CPU; model loaded in {:.1} s; {} tokens generated in {:.2} s, {:.1} tokens/s)",

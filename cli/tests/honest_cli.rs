@@ -364,6 +364,30 @@ fn one_prompt_is_shown_as_it_is_generated() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
+/// Several prompts are shown in their order although a later one finishes first (its answer
+/// ends at end-of-sequence after 8 tokens, the first runs to its 12): each is printed once it
+/// and every prompt before it are done.
+#[test]
+fn several_prompts_are_shown_in_their_order_whichever_finishes_first() {
+    let d = scratch("order");
+    let Some(model) = smollm2(&d) else { return };
+    let story = "Write a long story about a dragon who loves tea.";
+    let out = Command::new(CASCADE)
+        .args(["generate", "--chat", "--json", "--max-tokens", "12", "--model"])
+        .arg(&model)
+        .args(["--prompt", story, "--prompt", "What is the capital of France?"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let rows: Vec<serde_json::Value> =
+        String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(rows.len(), 2);
+    let tokens = |r: &serde_json::Value| r["tokens"].as_array().unwrap().len();
+    assert_eq!(tokens(&rows[0]), 12, "{}", rows[0]);
+    assert!(tokens(&rows[1]) < 12 && rows[1]["text"].as_str().unwrap().contains("Paris"), "{}", rows[1]);
+    let _ = std::fs::remove_dir_all(&d);
+}
+
 /// An import that fails while it writes (here a file-size limit of 64 MiB: the 538 MB
 /// `model.safetensors` stops with EFBIG, as on a full disk) says so and leaves the directory's
 /// previous model whole, with no partial file behind: `safetensors` (0.8) writes the model

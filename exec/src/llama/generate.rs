@@ -62,7 +62,7 @@ pub fn greedy_each(
     on_token: impl FnMut(usize, u32),
 ) -> Result<Vec<Generated>, ExecError> {
     let limits = GreedyLimits { seq_base, max_tokens, eos, window, max_running: usize::MAX };
-    greedy_running(step, prompts, limits, on_token, |_| {})
+    greedy_running(step, prompts, limits, on_token, |_, _| {})
 }
 
 /// Where a greedy generation stops, and how many sequences it runs at once.
@@ -82,14 +82,15 @@ pub struct GreedyLimits {
 }
 
 /// [`greedy_each`] with at most `limits.max_running` sequences at once, in prompt order, calling
-/// `finished(seq)` as each sequence ends (to free its KV cache), so memory is bounded by the
-/// running sequences rather than by all the prompts.
+/// `finished(i, generated)` as prompt `i`'s sequence (`seq_base + i`) ends — to free its KV
+/// cache, or to show it — so memory is bounded by the running sequences rather than by all the
+/// prompts.
 pub fn greedy_running(
     mut step: impl FnMut(Activation) -> Result<Activation, ExecError>,
     prompts: &[Vec<u32>],
     limits: GreedyLimits,
     mut on_token: impl FnMut(usize, u32),
-    mut finished: impl FnMut(u64),
+    mut finished: impl FnMut(usize, &Generated),
 ) -> Result<Vec<Generated>, ExecError> {
     let GreedyLimits { seq_base, max_tokens, eos, window, max_running } = limits;
     if max_running == 0 {
@@ -130,7 +131,7 @@ pub fn greedy_running(
             if tok != eos && out[i].tokens.len() < max_tokens {
                 out[i].at_window = true;
             }
-            finished(seq_base + i as u64);
+            finished(i, &out[i]);
         }
         running = still;
     }
@@ -190,16 +191,17 @@ impl Generator {
     /// Greedy continuations of `prompts`, [`RUNNING`] sequences at a time (in prompt order);
     /// each one's cache is freed when it finishes.
     pub fn generate(&self, prompts: &[Vec<u32>], max_tokens: usize) -> Result<Vec<Generated>, ExecError> {
-        self.generate_each(prompts, max_tokens, |_, _| {})
+        self.generate_each(prompts, max_tokens, |_, _| {}, |_, _| {})
     }
 
     /// [`Generator::generate`], telling `on_token(i, token)` each token of prompt `i` as it is
-    /// generated.
+    /// generated and `on_done(i, generated)` when prompt `i` is done.
     pub fn generate_each(
         &self,
         prompts: &[Vec<u32>],
         max_tokens: usize,
         on_token: impl FnMut(usize, u32),
+        mut on_done: impl FnMut(usize, &Generated),
     ) -> Result<Vec<Generated>, ExecError> {
         if prompts.iter().any(Vec::is_empty) {
             return Err(ExecError::Input("an empty prompt".into()));
@@ -219,8 +221,9 @@ impl Generator {
             prompts,
             limits,
             on_token,
-            |seq| {
-                self.model.free(seq);
+            |i, g| {
+                self.model.free(base + i as u64);
+                on_done(i, g);
             },
         );
         // After a failure too.
@@ -314,9 +317,9 @@ mod tests {
             &prompts,
             limits,
             |i, _| told.borrow_mut()[i] += 1,
-            |seq| {
-                done.push(seq);
-                tokens_at_finish.push(told.borrow()[(seq - 1) as usize]);
+            |i, g| {
+                done.push(i);
+                tokens_at_finish.push((told.borrow()[i], g.tokens.len()));
             },
         )
         .unwrap();
@@ -324,10 +327,10 @@ mod tests {
         assert_eq!(widest, 2);
         let mut sorted = done.clone();
         sorted.sort_unstable();
-        assert_eq!(sorted, [1, 2, 3, 4, 5], "each finished once: {done:?}");
-        assert!(tokens_at_finish.iter().all(|&n| n == 6), "finished before its last token: {tokens_at_finish:?}");
+        assert_eq!(sorted, [0, 1, 2, 3, 4], "each finished once: {done:?}");
+        assert!(tokens_at_finish.iter().all(|&n| n == (6, 6)), "finished before its last token: {tokens_at_finish:?}");
         let limits = GreedyLimits { max_running: 0, ..limits };
-        assert!(greedy_running(step(&mut reach), &prompts, limits, |_, _| {}, |_| {}).is_err());
+        assert!(greedy_running(step(&mut reach), &prompts, limits, |_, _| {}, |_, _| {}).is_err());
     }
 
     #[test]
