@@ -260,9 +260,14 @@ pub(crate) async fn join_with(
     }
     services(&ep)?;
     ep.open();
-    if !wait_all {
-        return Ok(ep);
+    if wait_all {
+        wait_for_mesh(&ep, m).await?;
     }
+    Ok(ep)
+}
+
+/// Waits (at most `--ready-timeout-s`) until `ep` is connected to every member of the cluster.
+async fn wait_for_mesh(ep: &Endpoint, m: &Member) -> anyhow::Result<()> {
     let rep = ep.wait_ready(Duration::from_secs_f64(m.ready_timeout_s)).await.context("waiting for the full mesh")?;
     tracing::info!(
         node = m.node,
@@ -270,7 +275,7 @@ pub(crate) async fn join_with(
         setup_ms = rep.setup.as_secs_f64() * 1e3,
         "joined the cluster"
     );
-    Ok(ep)
+    Ok(())
 }
 
 /// A runtime standing still this long is reported (a third of the keepalive's default limit).
@@ -326,7 +331,7 @@ async fn node(a: NodeArgs) -> anyhow::Result<()> {
     let m = a.member;
     // The node's services (multicast, pool) serve on their own tasks until the endpoint closes;
     // they are subscribed before any peer can reach the node.
-    let ep = join_with(&m, true, |ep| {
+    let ep = join_with(&m, false, |ep| {
         let services = start_services(ep.clone(), Duration::from_secs(30)).context("starting the node's services")?;
         for (gpu, spec) in a.device.iter().enumerate() {
             match cascade_transport::device::open(spec) {
@@ -340,6 +345,16 @@ async fn node(a: NodeArgs) -> anyhow::Result<()> {
         Ok(())
     })
     .await?;
+    // A stop while it waits for its peers leaves at once, as a stop later does: killed by the
+    // signal, it left its same-host socket behind and said nothing.
+    tokio::select! {
+        r = wait_for_mesh(&ep, &m) => r?,
+        () = shutdown_signal() => {
+            eprintln!("node {}: stopped before the full mesh formed", m.node);
+            ep.leave().await;
+            return Ok(());
+        }
+    }
     shutdown_signal().await;
     tracing::info!("shutting down");
     ep.leave().await;

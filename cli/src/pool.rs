@@ -284,7 +284,18 @@ async fn serve_with<S: cascade_param_pool::MetaStore + 'static>(
     let addr = a.admin.clone().unwrap_or_else(AdminAddr::default_unix);
     let secret = crate::read_secret(a.member.secret_file.as_deref())?;
     let listener = AdminListener::bind(&addr, &secret).await.with_context(|| format!("binding {addr}"))?;
-    m.start().await?;
+    // A stop while it waits for its nodes (or repairs at start) leaves at once, as a stop later
+    // does: killed by the signal, it left its admin and same-host sockets behind. What the start
+    // had begun is in the log and is carried on at the next start, as after a crash.
+    tokio::select! {
+        r = m.start() => r?,
+        () = shutdown_signal() => {
+            tracing::info!("shutting down before the pool started");
+            drop(listener);
+            ep.leave().await;
+            return Ok(());
+        }
+    }
     tracing::info!(admin = %addr, "pool manager ready");
     let (tx, rx) = tokio::sync::mpsc::channel(16);
     tokio::spawn(serve_admin(listener, tx, m.status_handle()));

@@ -486,6 +486,61 @@ fn pool_serve_refuses_nodes_it_cannot_have_and_a_k_above_them() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
+/// SIGTERM to `cascade pool serve` while it waits for its nodes, and to `cascade node` while it
+/// waits for its peers: each leaves at once, exits 0 as a later stop does, and leaves no socket
+/// (same-host or admin). Before 2026-12-05 both were killed by the signal and left them behind.
+#[test]
+fn a_stop_before_the_cluster_formed_leaves_no_socket() {
+    use std::os::unix::process::ExitStatusExt;
+    let d = scratch("early-stop");
+    let c = d.join("cluster.toml");
+    std::fs::write(&c, "name = \"early\"\n[[nodes]]\nid = 0\naddr = \"127.0.0.1:20320\"\n[[nodes]]\nid = 1\naddr = \"127.0.0.1:20321\"\n").unwrap();
+    let sockets = || -> Vec<String> {
+        std::fs::read_dir(&d)
+            .unwrap()
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .filter(|n| n.ends_with(".sock"))
+            .collect()
+    };
+    let meta = d.join("meta");
+    let admin = d.join("admin.sock");
+    let pool = [
+        "pool",
+        "serve",
+        "--init",
+        "--node",
+        "0",
+        "--data-dir",
+        meta.to_str().unwrap(),
+        "--admin",
+        admin.to_str().unwrap(),
+    ];
+    for args in [&pool[..], &["node", "--node", "1"][..]] {
+        let mut child = Command::new(CASCADE)
+            .args(args)
+            .arg("--cluster")
+            .arg(&c)
+            .env("CASCADE_SECRET", "early")
+            .env("XDG_RUNTIME_DIR", &d)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let t = std::time::Instant::now();
+        // Up: its same-host socket (and the manager's admin socket) exist, its peers never come.
+        while sockets().len() < if args[0] == "pool" { 2 } else { 1 } {
+            assert!(t.elapsed() < std::time::Duration::from_secs(30), "{args:?}: never started");
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        assert!(Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap().success());
+        let status = child.wait().unwrap();
+        assert!(status.success(), "{args:?}: {status:?} (signal {:?})", status.signal());
+        assert_eq!(sockets(), Vec::<String>::new(), "{args:?}: sockets left behind");
+    }
+    let _ = std::fs::remove_dir_all(&d);
+}
+
 /// `lora-serve` refuses more adapters than the machine's memory holds, after loading the model
 /// and before building any (100 million of rank 8 on SmolLM2 are 369 TB; not run without the check:
 /// it would take the machine's memory until the OOM killer ended it).
