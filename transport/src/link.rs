@@ -125,12 +125,18 @@ impl Op {
             Op::Write { local, local_offset, len, .. } | Op::Read { local, local_offset, len, .. } => {
                 local.check(*local_offset, *len)
             }
-            Op::Send { payload } if payload.len() as u64 > crate::wire::MAX_MESSAGE => {
-                Err(TransportError::MessageTooLarge { len: payload.len() as u64, max: crate::wire::MAX_MESSAGE })
-            }
-            Op::Send { .. } => Ok(()),
+            Op::Send { payload } => check_message(payload),
         }
     }
+}
+
+/// Refuses a message over the wire's limit ([`crate::wire::MAX_MESSAGE`]).
+pub(crate) fn check_message(payload: &[u8]) -> Result<()> {
+    let len = payload.len() as u64;
+    if len > crate::wire::MAX_MESSAGE {
+        return Err(TransportError::MessageTooLarge { len, max: crate::wire::MAX_MESSAGE });
+    }
+    Ok(())
 }
 
 /// A finished operation.

@@ -466,22 +466,14 @@ impl<M: Message> Inbox<M> {
 /// Sends a control message to `peer`; to this node itself, through its own services (no link
 /// reaches a node from itself), so a node can call the services it runs like any other's.
 fn post(mesh: &(impl Mesh + ?Sized), peer: NodeId, payload: Bytes) -> Result<OpHandle> {
-    fits(&payload)?;
+    // Refused when posted: it failed only in its handle (after the caller had gone on), and one
+    // to this node itself was delivered whatever its size.
+    crate::link::check_message(&payload)?;
     if peer == mesh.services().node {
         return Ok(mesh.services().post_local(payload));
     }
     let link = mesh.link(peer)?;
     link.post(vec![Op::Send { payload }]).pop().ok_or(TransportError::NotConnected { peer })
-}
-
-/// Refuses a message over the wire's limit when it is posted: it failed only in its handle
-/// (after the caller had gone on), and one to this node itself was delivered whatever its size.
-fn fits(payload: &Bytes) -> Result<()> {
-    let len = payload.len() as u64;
-    if len > crate::wire::MAX_MESSAGE {
-        return Err(TransportError::MessageTooLarge { len, max: crate::wire::MAX_MESSAGE });
-    }
-    Ok(())
 }
 
 /// Posts `ops` and then the message `payload` to `peer` in one batch (see [`Link`](crate::Link)'s
@@ -496,7 +488,7 @@ fn post_behind(
     if ops.is_empty() {
         return post(mesh, peer, payload).map(|sent| (Vec::new(), sent));
     }
-    fits(&payload)?;
+    crate::link::check_message(&payload)?;
     if peer == mesh.services().node {
         return Err(TransportError::NotConnected { peer });
     }
