@@ -352,7 +352,7 @@ fn run_policy(a: &LiveArgs, policy: LivePolicy, round: usize) -> anyhow::Result<
         let res = runtime()?.block_on(async {
             tokio::select! {
                 r = driver::drive(a, &cluster, policy, round) => r,
-                e = watch_nodes(&mut children, &dir) => Err(e),
+                e = watch_nodes(&dir, || cascade_devcluster::process::first_exited(&mut children)) => Err(e),
             }
         });
         crate::demo::stop_nodes(children, &dir);
@@ -362,11 +362,15 @@ fn run_policy(a: &LiveArgs, policy: LivePolicy, round: usize) -> anyhow::Result<
     Ok(serde_json::from_str(&text)?)
 }
 
-/// Resolves when one of the run's node processes (node `i + 1` at index `i`) exits: none does
-/// before the driver is done with it.
-async fn watch_nodes(children: &mut [std::process::Child], dir: &Path) -> anyhow::Error {
+/// Resolves, with [`node_exited`]'s error, when `exited` (polled every 100 ms) finds one of the
+/// run's node processes exited (node `i + 1` at index `i`): none does before the run is done
+/// with it.
+pub(crate) async fn watch_nodes(
+    dir: &Path,
+    mut exited: impl FnMut() -> Option<(usize, std::process::ExitStatus)>,
+) -> anyhow::Error {
     loop {
-        if let Some((k, status)) = cascade_devcluster::process::first_exited(children) {
+        if let Some((k, status)) = exited() {
             return node_exited(dir, k + 1, status);
         }
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
@@ -375,7 +379,7 @@ async fn watch_nodes(children: &mut [std::process::Child], dir: &Path) -> anyhow
 
 /// A node that exited before its run ended, with the last lines of its log (where it said why):
 /// `dir/node-{node}.log`.
-pub(crate) fn node_exited(dir: &Path, node: usize, status: std::process::ExitStatus) -> anyhow::Error {
+fn node_exited(dir: &Path, node: usize, status: std::process::ExitStatus) -> anyhow::Error {
     let log = dir.join(format!("node-{node}.log"));
     let text = std::fs::read_to_string(&log).unwrap_or_default();
     let lines: Vec<&str> = text.lines().collect();

@@ -264,19 +264,11 @@ pub(crate) fn run(a: PdArgs) -> anyhow::Result<()> {
     };
     // An instance that exits on its own ends the run at once, saying why: the router would
     // otherwise wait out its mesh timeout (120 s) and blame the connection.
-    let watch = async {
-        loop {
-            let exited = {
-                let mut c = children.lock().unwrap_or_else(|e| e.into_inner());
-                let stopped = decode_stopped.load(std::sync::atomic::Ordering::Relaxed);
-                cascade_devcluster::process::first_exited_of(&mut c, |i| !(stopped && i == DECODE as usize - 1))
-            };
-            if let Some((k, status)) = exited {
-                return crate::live::node_exited(&out, k + 1, status);
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    };
+    let watch = crate::live::watch_nodes(&out, || {
+        let mut c = children.lock().unwrap_or_else(|e| e.into_inner());
+        let stopped = decode_stopped.load(std::sync::atomic::Ordering::Relaxed);
+        cascade_devcluster::process::first_exited_of(&mut c, |i| !(stopped && i == DECODE as usize - 1))
+    });
     let res = rt.block_on(async {
         tokio::select! {
             r = drive(&a, &cluster, &model, &prompts, &expected, &out, &kill_decode) => r,
