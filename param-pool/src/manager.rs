@@ -631,10 +631,10 @@ impl<S: MetaStore + 'static> Manager<S> {
     /// make them). One metadata record for all the nodes. A node listed twice is refused before
     /// anything is recorded (it asked for two instances on the node's GPU 0).
     pub async fn scale_out(&mut self, model: ModelId, nodes: &[NodeId]) -> Result<(), ManagerError> {
-        if let Some((i, n)) = nodes.iter().enumerate().find(|&(i, n)| nodes[..i].contains(n)) {
+        if let Some((first, i)) = first_repeat(nodes) {
             return Err(ManagerError::Refused(format!(
-                "node {n} is listed twice in model {model}'s scale-out (at {} and {i}): nothing was started",
-                nodes.iter().position(|m| m == n).unwrap_or(0)
+                "node {} is listed twice in model {model}'s scale-out (at {first} and {i}): nothing was started",
+                nodes[i]
             )));
         }
         let actions = self.apply(Event::DeployAll { model, nodes: nodes.to_vec(), gpu: 0 }).await?;
@@ -914,6 +914,11 @@ fn set_pool_metrics(m: &cascade_transport::Metrics, s: &Status) {
     } else {
         0.0
     });
+}
+
+/// The first element of `v` equal to an earlier one: (the earlier one's index, its own).
+fn first_repeat<T: PartialEq>(v: &[T]) -> Option<(usize, usize)> {
+    v.iter().enumerate().find_map(|(i, x)| v[..i].iter().position(|y| y == x).map(|first| (first, i)))
 }
 
 #[cfg(test)]

@@ -59,13 +59,11 @@ fn nodes(nodes_of: &[Vec<NodeId>], model: ModelId, j: usize) -> Result<Vec<NodeI
 
 /// Each model once, each node once in one sub-cluster at most.
 fn check_models_and_sub_clusters(models: &[ModelId], nodes_of: &[Vec<NodeId>]) -> Result<(), String> {
-    let mut seen = std::collections::BTreeMap::new();
-    for (i, &m) in models.iter().enumerate() {
-        if let Some(first) = seen.insert(m, i) {
-            return Err(format!(
-                "model {m} is listed twice (the plans' models {first} and {i}): a model is in one sub-cluster"
-            ));
-        }
+    if let Some((first, i)) = super::first_repeat(models) {
+        return Err(format!(
+            "model {} is listed twice (the plans' models {first} and {i}): a model is in one sub-cluster",
+            models[i]
+        ));
     }
     let mut home = std::collections::BTreeMap::new();
     for (j, nodes) in nodes_of.iter().enumerate() {
@@ -118,13 +116,12 @@ impl<S: MetaStore + 'static> Manager<S> {
         // registered or a node outside the pool used to stop it in its middle, the moves before
         // it made and the rest not.
         let members: Vec<NodeId> = self.pool().members().map(|(n, _)| n).collect();
+        let twice = super::first_repeat(&moves.iter().map(|m| m.model).collect::<Vec<_>>());
         for (i, mv) in moves.iter().enumerate() {
-            if moves[..i].iter().any(|m| m.model == mv.model) {
+            if let Some((first, _)) = twice.filter(|&(_, at)| at == i) {
                 return Err(ManagerError::Refused(format!(
                     "model {} moves twice in one plan (to {:?} and {:?}): nothing was moved",
-                    mv.model,
-                    moves[..i].iter().find(|m| m.model == mv.model).map_or(&[][..], |m| &m.to[..]),
-                    mv.to
+                    mv.model, moves[first].to, mv.to
                 )));
             }
             if !self.pool().has_model(mv.model) {
