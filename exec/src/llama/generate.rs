@@ -84,58 +84,121 @@ pub struct GreedyLimits {
 /// [`greedy_each`] with at most `limits.max_running` sequences at once, in prompt order, calling
 /// `finished(i, generated)` as prompt `i`'s sequence (`seq_base + i`) ends — to free its KV
 /// cache, or to show it — so memory is bounded by the running sequences rather than by all the
-/// prompts.
+/// prompts. An empty prompt or one longer than the window is refused before anything runs.
 pub fn greedy_running(
-    mut step: impl FnMut(Activation) -> Result<Activation, ExecError>,
+    step: impl FnMut(Activation) -> Result<Activation, ExecError>,
     prompts: &[Vec<u32>],
     limits: GreedyLimits,
-    mut on_token: impl FnMut(usize, u32),
+    on_token: impl FnMut(usize, u32),
     mut finished: impl FnMut(usize, &Generated),
 ) -> Result<Vec<Generated>, ExecError> {
+    every_result(prompts, limits.window, |each| {
+        greedy_stream(step, prompts.iter().cloned(), limits, on_token, |i, g| {
+            finished(i, &g);
+            each(i, g);
+        })
+    })
+}
+
+/// Checks every prompt first (none empty, none longer than `window`), then runs `run`, keeping
+/// what it hands to `each(i, generated)`: one result per prompt, in their order.
+fn every_result(
+    prompts: &[Vec<u32>],
+    window: usize,
+    run: impl FnOnce(&mut dyn FnMut(usize, Generated)) -> Result<usize, ExecError>,
+) -> Result<Vec<Generated>, ExecError> {
+    if let Some((i, why)) = prompts.iter().enumerate().find_map(|(i, p)| refusal(p, window).map(|why| (i, why))) {
+        return Err(ExecError::Input(format!("prompt {i}: {why}")));
+    }
+    let mut out: Vec<Option<Generated>> = vec![None; prompts.len()];
+    run(&mut |i, g| out[i] = Some(g))?;
+    out.into_iter()
+        .enumerate()
+        .map(|(i, g)| g.ok_or_else(|| ExecError::Input(format!("prompt {i} was never finished"))))
+        .collect()
+}
+
+/// Why `prompt` cannot be continued within a context `window`, if it cannot.
+pub fn refusal(prompt: &[u32], window: usize) -> Option<String> {
+    if prompt.is_empty() {
+        Some("an empty prompt: no token to continue from".into())
+    } else if prompt.len() > window {
+        Some(format!("{} tokens; the model's context window is {window}", prompt.len()))
+    } else {
+        None
+    }
+}
+
+/// Greedy generation over prompts as they come (read from a file, say): at most
+/// `limits.max_running` sequences at once, the next prompt taken from `prompts` when one
+/// finishes, and each result handed to `finished(i, generated)` and not kept, so memory is bounded
+/// by the running sequences however many prompts there are. Returns how many prompts it took.
+///
+/// `prompts` is asked for the next one whenever a slot is free. `None` while sequences run means
+/// "none ready yet" (a prompt still being typed or piped in): the run goes on with the running
+/// ones and asks again after the next step; `None` with nothing running ends the run. An
+/// ordinary iterator, which stays at `None` once it ends, needs nothing of this.
+///
+/// A prompt that [`refusal`] refuses ends the run with an error when it is reached (the
+/// sequences then running are abandoned: their caches are the caller's to free).
+pub fn greedy_stream(
+    mut step: impl FnMut(Activation) -> Result<Activation, ExecError>,
+    prompts: impl IntoIterator<Item = Vec<u32>>,
+    limits: GreedyLimits,
+    mut on_token: impl FnMut(usize, u32),
+    mut finished: impl FnMut(usize, Generated),
+) -> Result<usize, ExecError> {
     let GreedyLimits { seq_base, max_tokens, eos, window, max_running } = limits;
     if max_running == 0 {
         return Err(ExecError::Input("no sequence may run (max_running 0)".into()));
     }
-    if let Some((i, p)) = prompts.iter().enumerate().find(|(_, p)| p.len() > window) {
-        return Err(ExecError::Input(format!(
-            "prompt {i}: {} tokens; the model's context window is {window}",
-            p.len()
-        )));
+    /// A sequence being generated: its prompt's index, the position of the next token fed, the
+    /// tokens to feed, and what it has generated.
+    struct Running {
+        i: usize,
+        pos: u32,
+        fed: Vec<u32>,
+        out: Generated,
     }
-    let mut out: Vec<Generated> =
-        prompts.iter().map(|p| Generated { prompt_tokens: p.clone(), tokens: Vec::new(), at_window: false }).collect();
-    if max_tokens == 0 {
-        return Ok(out);
-    }
-    let mut waiting = prompts.iter().cloned().enumerate();
-    // (index, position of the next token, the tokens to feed).
-    let mut running: Vec<(usize, u32, Vec<u32>)> = Vec::new();
+    let mut waiting = prompts.into_iter().enumerate();
+    let mut taken = 0;
+    let mut running: Vec<Running> = Vec::new();
     loop {
-        running.extend(waiting.by_ref().take(max_running - running.len()).map(|(i, p)| (i, 0, p)));
+        while running.len() < max_running {
+            let Some((i, p)) = waiting.next() else { break };
+            taken = i + 1;
+            if let Some(why) = refusal(&p, window) {
+                return Err(ExecError::Input(format!("prompt {i}: {why}")));
+            }
+            let out = Generated { prompt_tokens: p.clone(), tokens: Vec::new(), at_window: false };
+            if max_tokens == 0 {
+                finished(i, out);
+            } else {
+                running.push(Running { i, pos: 0, fed: p, out });
+            }
+        }
         if running.is_empty() {
-            break;
+            return Ok(taken);
         }
         let batch: Vec<(u64, u32, Vec<u32>)> =
-            running.iter().map(|(i, pos, t)| (seq_base + *i as u64, *pos, t.clone())).collect();
+            running.iter().map(|r| (seq_base + r.i as u64, r.pos, r.fed.clone())).collect();
         let next = argmax(&step(Activation::packed(&batch)?)?)?;
         let mut still = Vec::with_capacity(running.len());
-        for ((i, pos, fed), tok) in running.into_iter().zip(next) {
-            out[i].tokens.push(tok);
-            on_token(i, tok);
+        for (mut r, tok) in running.into_iter().zip(next) {
+            r.out.tokens.push(tok);
+            on_token(r.i, tok);
             // `tok` is fed next at `at`: only a position inside the window takes it.
-            let at = pos + fed.len() as u32;
-            if tok != eos && out[i].tokens.len() < max_tokens && (at as usize) < window {
-                still.push((i, at, vec![tok]));
+            let at = r.pos + r.fed.len() as u32;
+            let more = tok != eos && r.out.tokens.len() < max_tokens;
+            if more && (at as usize) < window {
+                still.push(Running { pos: at, fed: vec![tok], ..r });
                 continue;
             }
-            if tok != eos && out[i].tokens.len() < max_tokens {
-                out[i].at_window = true;
-            }
-            finished(i, &out[i]);
+            r.out.at_window = more;
+            finished(r.i, r.out);
         }
         running = still;
     }
-    Ok(out)
 }
 
 /// A loaded llama model with its tokenizer.
@@ -195,7 +258,8 @@ impl Generator {
     }
 
     /// [`Generator::generate`], telling `on_token(i, token)` each token of prompt `i` as it is
-    /// generated and `on_done(i, generated)` when prompt `i` is done.
+    /// generated and `on_done(i, generated)` when prompt `i` is done. An empty prompt or one
+    /// longer than the context window is refused before anything runs.
     pub fn generate_each(
         &self,
         prompts: &[Vec<u32>],
@@ -203,10 +267,33 @@ impl Generator {
         on_token: impl FnMut(usize, u32),
         mut on_done: impl FnMut(usize, &Generated),
     ) -> Result<Vec<Generated>, ExecError> {
-        if prompts.iter().any(Vec::is_empty) {
-            return Err(ExecError::Input("an empty prompt".into()));
-        }
-        let base = self.next_seq.fetch_add(prompts.len() as u64, Ordering::Relaxed);
+        every_result(prompts, self.model.config().max_position_embeddings, |each| {
+            self.generate_stream(prompts.iter().cloned(), max_tokens, on_token, |i, g| {
+                on_done(i, &g);
+                each(i, g);
+            })
+        })
+    }
+
+    /// Greedy continuations of prompts as they come ([`greedy_stream`]: [`RUNNING`] sequences at
+    /// a time, the next prompt taken as one finishes), each handed to `on_done(i, generated)` and
+    /// not kept, its cache freed: memory stays bounded however many prompts there are. Returns
+    /// how many prompts it took. A prompt [`refusal`] refuses ends the run with an error when it
+    /// is reached; the caches of the sequences then running are freed.
+    ///
+    /// One run takes sequence ids from a range of 2⁴⁰ of its own, so runs on one generator never
+    /// share a cache.
+    pub fn generate_stream(
+        &self,
+        prompts: impl IntoIterator<Item = Vec<u32>>,
+        max_tokens: usize,
+        on_token: impl FnMut(usize, u32),
+        mut on_done: impl FnMut(usize, Generated),
+    ) -> Result<usize, ExecError> {
+        const RANGE: u64 = 1 << 40;
+        let base = self.next_seq.fetch_add(RANGE, Ordering::Relaxed);
+        let taken = std::cell::Cell::new(0u64);
+        let prompts = prompts.into_iter().inspect(|_| taken.set(taken.get() + 1));
         let layers = self.model.layers();
         let cfg = self.model.config();
         let limits = GreedyLimits {
@@ -216,7 +303,7 @@ impl Generator {
             window: cfg.max_position_embeddings,
             max_running: RUNNING,
         };
-        let out = greedy_running(
+        let out = greedy_stream(
             |a| self.model.run(0..layers, a),
             prompts,
             limits,
@@ -226,9 +313,10 @@ impl Generator {
                 on_done(i, g);
             },
         );
-        // After a failure too.
-        for i in 0..prompts.len() as u64 {
-            self.model.free(base + i);
+        if out.is_err() {
+            for i in 0..taken.get() {
+                self.model.free(base + i);
+            }
         }
         out
     }
@@ -331,6 +419,39 @@ mod tests {
         assert!(tokens_at_finish.iter().all(|&n| n == (6, 6)), "finished before its last token: {tokens_at_finish:?}");
         let limits = GreedyLimits { max_running: 0, ..limits };
         assert!(greedy_running(step(&mut reach), &prompts, limits, |_, _| {}, |_, _| {}).is_err());
+    }
+
+    /// Prompts taken from an iterator are taken only as slots free (never more than the bound
+    /// ahead of the finished ones), give what they give all at once, and are not kept; an
+    /// empty prompt reached mid-stream ends the run with its index, after the ones before it
+    /// were handed over.
+    #[test]
+    fn a_stream_takes_prompts_as_slots_free_and_keeps_none() {
+        let window = 20;
+        let prompts: Vec<Vec<u32>> = (0..9).map(|k| vec![1; 1 + k % 4]).collect();
+        let mut reach = 0;
+        let all = greedy(step(&mut reach), &prompts, 1, 5, EOS, window).unwrap();
+        let limits = GreedyLimits { seq_base: 1, max_tokens: 5, eos: EOS, window, max_running: 3 };
+        let taken = std::cell::Cell::new(0usize);
+        let finished = std::cell::RefCell::new(Vec::new());
+        let lazily = prompts.iter().cloned().inspect(|_| {
+            let ahead = taken.get() - finished.borrow().len();
+            assert!(ahead < 3, "a prompt taken with {ahead} running");
+            taken.set(taken.get() + 1);
+        });
+        let n = greedy_stream(step(&mut reach), lazily, limits, |_, _| {}, |i, g| finished.borrow_mut().push((i, g)))
+            .unwrap();
+        assert_eq!(n, prompts.len());
+        let mut got = finished.into_inner();
+        got.sort_by_key(|(i, _)| *i);
+        assert_eq!(got.into_iter().map(|(_, g)| g).collect::<Vec<_>>(), all);
+
+        let mut with_empty = prompts.clone();
+        with_empty[5] = Vec::new();
+        let mut handed = Vec::new();
+        let e = greedy_stream(step(&mut reach), with_empty, limits, |_, _| {}, |i, _| handed.push(i)).unwrap_err();
+        assert_eq!(e.to_string(), "input: prompt 5: an empty prompt: no token to continue from");
+        assert!(handed.len() >= 2 && handed.iter().all(|&i| i < 5), "{handed:?}");
     }
 
     #[test]
