@@ -1,6 +1,6 @@
 //! `cascade embed`: sentence embeddings with a real BERT model on the CPU.
 
-use std::io::{BufRead, Write};
+use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::Context;
@@ -41,25 +41,9 @@ pub(crate) struct EmbedArgs {
 /// read, and memory stays bounded however long the input is.
 const BLOCK: usize = 4096;
 
-/// The `--text`s, then the lines of `--text-file`, as they are read.
-fn texts(a: &EmbedArgs) -> anyhow::Result<Box<dyn Iterator<Item = anyhow::Result<String>>>> {
-    let given = a.text.clone().into_iter().map(Ok);
-    let Some(path) = a.text_file.clone() else { return Ok(Box::new(given)) };
-    let reader: Box<dyn BufRead> = if path.as_os_str() == "-" {
-        Box::new(std::io::stdin().lock())
-    } else {
-        let f = std::fs::File::open(&path).with_context(|| format!("opening --text-file {}", path.display()))?;
-        Box::new(std::io::BufReader::new(f))
-    };
-    let lines = reader.lines().enumerate().map(move |(n, line)| {
-        line.with_context(|| format!("reading line {} of --text-file {}", n + 1, path.display()))
-    });
-    Ok(Box::new(given.chain(lines)))
-}
-
 /// Runs `cascade embed`: [`BLOCK`] texts at a time, each block in batches of `--batch`.
 pub(crate) fn embed(a: EmbedArgs) -> anyhow::Result<()> {
-    let mut input = texts(&a)?;
+    let mut input = crate::input::given_then_lines(a.text.clone(), a.text_file.clone(), "--text-file")?;
     let t = std::time::Instant::now();
     let e = Embedder::from_dir(&a.model).with_context(|| {
         format!(

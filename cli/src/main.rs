@@ -16,6 +16,7 @@ use clap::{Args, Parser, Subcommand};
 
 mod demo;
 mod embed;
+mod input;
 mod live;
 mod llm;
 mod lora;

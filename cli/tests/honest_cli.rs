@@ -283,7 +283,7 @@ fn smollm2(scratch: &std::path::Path) -> Option<std::path::PathBuf> {
 
 /// `cascade generate` on a model whose context window fills: it stops there with the tokens it
 /// has, says so (`at_window` in the JSON, a note on stderr), and a prompt longer than the window
-/// is refused with one clear line. The real SmolLM2 under a 40-position window (its config.json
+/// is refused with one clear line (its JSON line an `error`). The real SmolLM2 under a 40-position window (its config.json
 /// changed; the weights and tokenizer linked). Before 2026-12-04 the step past the window failed
 /// and every generated token was lost.
 #[test]
@@ -318,7 +318,9 @@ fn generation_that_fills_the_context_window_stops_there_and_says_so() {
 
     let out = generate(&"word ".repeat(60));
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && out.stdout.is_empty());
+    assert!(!out.status.success());
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(v["error"].as_str().unwrap().ends_with("tokens; the model's context window is 40"), "{v}");
     assert!(err.contains("tokens; the model's context window is 40") && !err.contains("panicked"), "{err}");
     let _ = std::fs::remove_dir_all(&d);
 }
@@ -385,6 +387,80 @@ fn several_prompts_are_shown_in_their_order_whichever_finishes_first() {
     let tokens = |r: &serde_json::Value| r["tokens"].as_array().unwrap().len();
     assert_eq!(tokens(&rows[0]), 12, "{}", rows[0]);
     assert!(tokens(&rows[1]) < 12 && rows[1]["text"].as_str().unwrap().contains("Paris"), "{}", rows[1]);
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// `cascade generate --prompt-file`: prompts from a file or standard input, after any
+/// `--prompt`, answered in their order, each as `--prompt` answers it; an empty line is answered
+/// in its place with its error while the others are generated, and the run exits non-zero naming
+/// it. A prompt piped in alone is answered while standard input stays open (prompts are read as
+/// slots free, not all before the first step).
+#[test]
+fn generate_reads_prompts_from_a_file_or_stdin_in_their_order() {
+    use std::io::{BufRead, Write};
+    let d = scratch("prompt-file");
+    let Some(model) = smollm2(&d) else { return };
+    let lines = ["The capital of France is", "", "def fibonacci(n):", "Water boils at"];
+    let command = |extra: &[&str]| {
+        let mut c = Command::new(CASCADE);
+        c.args(["generate", "--json", "--max-tokens", "6", "--model"]).arg(&model).args(extra);
+        c.env_remove("RUST_BACKTRACE").stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped());
+        c
+    };
+    let run = |extra: &[&str], stdin: &str| {
+        let mut child = command(extra).spawn().unwrap();
+        child.stdin.take().unwrap().write_all(stdin.as_bytes()).unwrap();
+        child.wait_with_output().unwrap()
+    };
+    let rows = |out: &std::process::Output| -> Vec<serde_json::Value> {
+        String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+    };
+    let mut given = vec![];
+    for p in ["Once upon a time"].iter().chain(lines.iter().filter(|l| !l.is_empty())) {
+        given.extend(["--prompt", p]);
+    }
+    let alone = run(&given, "");
+    assert!(alone.status.success(), "{}", String::from_utf8_lossy(&alone.stderr));
+    let mut want = rows(&alone);
+    want.insert(2, serde_json::json!({"error": "an empty prompt: no token to continue from"}));
+
+    let piped = lines.join("\n") + "\n";
+    let file = d.join("prompts.txt");
+    std::fs::write(&file, &piped).unwrap();
+    for (extra, stdin) in [(["--prompt-file", "-"], piped.as_str()), (["--prompt-file", file.to_str().unwrap()], "")] {
+        let out = run(&[&["--prompt", "Once upon a time"][..], &extra[..]].concat(), stdin);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(rows(&out), want, "{err}");
+        assert!(
+            !out.status.success() && err.contains("1 prompt not generated (of 5): prompt 3: an empty prompt"),
+            "{err}"
+        );
+    }
+
+    // One prompt with standard input left open: its answer comes before the input ends.
+    let mut child = command(&["--prompt-file", "-"]).spawn().unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    writeln!(stdin, "{}", lines[0]).unwrap();
+    let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut line = String::new();
+        let _ = stdout.read_line(&mut line);
+        let _ = tx.send(line);
+    });
+    let first = rx.recv_timeout(std::time::Duration::from_secs(120));
+    drop(stdin);
+    let status = child.wait().unwrap();
+    let first = first.expect("no answer while standard input was open");
+    assert_eq!(serde_json::from_str::<serde_json::Value>(&first).unwrap(), want[1]);
+    assert!(status.success());
+
+    // Nothing to generate, a file that is not there.
+    let out = run(&["--prompt-file", "-"], "");
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("holds no line"));
+    let missing = d.join("absent.txt");
+    let out = run(&["--prompt-file", missing.to_str().unwrap()], "");
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains(missing.to_str().unwrap()));
     let _ = std::fs::remove_dir_all(&d);
 }
 
