@@ -12,6 +12,7 @@ use cascade_exec::llama::{LoraAdapter, Proj};
 use cascade_sched::arrival::Rng;
 use cascade_sched::lora::{BatchConfig, Batcher, CostModel, Policy};
 use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
 
 /// The prompts the stream cycles through.
 const PROMPTS: [&str; 6] = [
@@ -66,7 +67,7 @@ pub(crate) struct LoraServeArgs {
     #[arg(long)]
     json: bool,
     /// Serve Prometheus metrics at http://ADDR/metrics while the stream is served (iterations by
-    /// mode, mode switches and their time, queued requests, α and β): `host:port`, or a port
+    /// mode, mode switches and their time, queued and finished requests, α and β): `host:port`, or a port
     /// alone for loopback.
     #[arg(long, value_parser = crate::metrics_addr)]
     metrics: Option<std::net::SocketAddr>,
@@ -108,6 +109,7 @@ pub(crate) fn run(a: LoraServeArgs) -> anyhow::Result<()> {
     let mut rng = Rng::new(a.seed);
     let w: Vec<f64> = (0..a.adapters).map(|k| 1.0 / ((k + 1) as f64).powf(a.zipf)).collect();
     let total: f64 = w.iter().sum();
+    let encoded = PROMPTS.iter().map(|p| g.encode(p)).collect::<Result<Vec<_>, _>>()?;
     let mut jobs = Vec::with_capacity(a.requests);
     let mut t = 0.0;
     for i in 0..a.requests {
@@ -117,11 +119,10 @@ pub(crate) fn run(a: LoraServeArgs) -> anyhow::Result<()> {
             u -= x;
             u <= 0.0
         });
-        let prompt = g.encode(PROMPTS[i % PROMPTS.len()])?;
         jobs.push(LoraJob {
             arrival: t as u64,
             adapter: adapter.unwrap_or(0) as u32,
-            prompt,
+            prompt: encoded[i % PROMPTS.len()].clone(),
             max_tokens: a.max_tokens,
         });
     }
@@ -141,12 +142,34 @@ pub(crate) fn run(a: LoraServeArgs) -> anyhow::Result<()> {
         None => None,
     };
     let meters = LoraMeters::new(&registry);
-    let (served, stats) = serve(g.model_mut(), &mut batcher, &jobs, 1_000, Some(&meters))?;
+    // Progress on stderr (indicatif draws nothing when it is no terminal): the stream's requests
+    // as the meters count them finished, then each one served alone.
+    let bar = |what: &str| {
+        let style = ProgressStyle::with_template(&format!("{what} {{bar:30}} {{pos}}/{{len}} requests, {{elapsed}}"))
+            .unwrap_or_else(|_| ProgressStyle::default_bar());
+        ProgressBar::new(jobs.len() as u64).with_style(style)
+    };
+    let serving = bar("serving");
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let (served, stats) = std::thread::scope(|scope| {
+        scope.spawn(|| {
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                serving.set_position(meters.finished());
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+        });
+        let out = serve(g.model_mut(), &mut batcher, &jobs, 1_000, Some(&meters));
+        done.store(true, std::sync::atomic::Ordering::Relaxed);
+        out
+    })?;
+    serving.finish_and_clear();
     let t = std::time::Instant::now();
     let mut equal = 0;
     let mut near_ties = Vec::new();
     let mut differ = Vec::new();
+    let checking = bar("served alone");
     for (i, (job, s)) in jobs.iter().zip(&served).enumerate() {
+        checking.set_position(i as u64);
         let alone = serve_alone(g.model_mut(), job, 100_000 + i as u64)?;
         match first_difference(s, &alone) {
             None => equal += 1,
@@ -154,6 +177,7 @@ pub(crate) fn run(a: LoraServeArgs) -> anyhow::Result<()> {
             Some((step, m)) => differ.push((i, step, m)),
         }
     }
+    checking.finish_and_clear();
     let alone_s = t.elapsed().as_secs_f64();
     let mut per_adapter = vec![0usize; a.adapters as usize];
     for j in &jobs {

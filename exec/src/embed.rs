@@ -150,8 +150,9 @@ pub(crate) fn read_files(dir: &Path) -> Result<ModelFiles, ExecError> {
     let bytes = std::fs::read(&weights_path)
         .map_err(|e| ExecError::Model(format!("reading {}: {e}", weights_path.display())))?;
     let name = dir.file_name().map_or("model".into(), |n| n.to_string_lossy().into_owned());
+    // The manifest's errors name the file.
     let manifest = Manifest::from_bytes(&bytes, &name, 1 << 20, &weights_path.to_string_lossy())
-        .map_err(|e| ExecError::Model(format!("{}: {e}", weights_path.display())))?;
+        .map_err(|e| ExecError::Model(e.to_string()))?;
     Ok(ModelFiles { config, tokenizer, manifest, bytes })
 }
 

@@ -191,6 +191,7 @@ fn dlora_batching_on_the_real_model_switches_modes_and_answers_as_alone() {
         format!("cascade_lora_iterations_total{{mode=\"merged\"}} {}", stats.merged_iterations),
         format!("cascade_lora_iterations_total{{mode=\"unmerged\"}} {unmerged}"),
         format!("cascade_lora_switch_seconds_count{{}} {}", stats.mode_switches),
+        format!("cascade_lora_finished_requests_total{{}} {}", jobs.len()),
     ] {
         assert!(text.lines().any(|l| l == line), "no {line:?} in\n{text}");
     }

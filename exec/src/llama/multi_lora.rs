@@ -66,9 +66,11 @@ pub struct LoraRunStats {
 }
 
 /// A serving run's series in a metrics registry, resolved once: iterations by mode, mode
-/// switches and their time, the requests waiting, and the batcher's thresholds α and β.
+/// switches and their time, the requests waiting and finished, and the batcher's thresholds α
+/// and β.
 pub struct LoraMeters {
     merged: Counter,
+    finished: Counter,
     unmerged: Counter,
     switches: Counter,
     switch_seconds: Histogram,
@@ -95,9 +97,15 @@ impl LoraMeters {
             switches: m.counter("cascade_lora_mode_switches", "Iterations that began with a merge or un-merge", &[]),
             switch_seconds: m.histogram("cascade_lora_switch_seconds", "Time merging or un-merging an adapter", &[]),
             queue: m.gauge("cascade_lora_queued_requests", "Requests live in the serving queue", &[]),
+            finished: m.counter("cascade_lora_finished_requests", "Requests served to their last token", &[]),
             alpha: threshold("alpha"),
             beta: threshold("beta"),
         }
+    }
+
+    /// Requests served to their last token so far (to show a long run's progress).
+    pub fn finished(&self) -> u64 {
+        self.finished.get()
     }
 }
 
@@ -211,6 +219,9 @@ pub fn serve(
                 if out[l.0].tokens.len() >= jobs[l.0].max_tokens || l.1 as usize >= window {
                     out[l.0].finished = it;
                     model.free(seq_base + l.0 as u64);
+                    if let Some(m) = meters {
+                        m.finished.inc();
+                    }
                 } else {
                     still.push(l);
                 }
