@@ -87,10 +87,10 @@ pub(crate) fn run(a: DemoArgs) -> anyhow::Result<()> {
         bail!("--synthetic-bytes {}: at least 1 MiB (1048576)", a.synthetic_bytes);
     }
     let held = a.synthetic_bytes.saturating_mul(u64::from(a.nodes) + 1);
-    if let Some(free) = cascade_transport::memory_available().filter(|&free| held > free) {
+    if let Some(free) = cascade_transport::memory_to_spare().filter(|&free| held > free) {
         bail!(
             "--synthetic-bytes {} MiB: the demo holds it on each of its {} nodes and once more to write it, {} MiB, \
-             more than the {} MiB of memory available",
+             more than the {} MiB this machine can spare (its available memory less 256 MiB)",
             a.synthetic_bytes >> 20,
             a.nodes,
             held >> 20,

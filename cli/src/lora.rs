@@ -90,10 +90,10 @@ pub(crate) fn run(a: LoraServeArgs) -> anyhow::Result<()> {
     // The adapters are built in memory, all of them: more than the machine has was found out by
     // the OOM killer, part way.
     let bytes = LoraAdapter::seeded_bytes(&cfg, a.rank, &Proj::ALL).saturating_mul(u64::from(a.adapters));
-    if let Some(free) = cascade_transport::memory_available().map(|m| m.saturating_sub(cascade_transport::HEADROOM)) {
+    if let Some(free) = cascade_transport::memory_to_spare() {
         if bytes > free {
             bail!(
-                "{} adapters of rank {} take {:.1} GB; this machine has {:.1} GB available",
+                "{} adapters of rank {} take {:.1} GB; this machine can spare {:.1} GB (its available memory less 256 MiB)",
                 a.adapters,
                 a.rank,
                 bytes as f64 / 1e9,

@@ -51,8 +51,7 @@ impl MemoryBudget {
 
     /// Reserves `len` bytes, or says why they do not fit.
     pub(crate) fn reserve(&self, len: u64) -> Result<Reservation> {
-        if let Some(avail) = available() {
-            let free = avail.saturating_sub(HEADROOM);
+        if let Some(free) = spare() {
             if len > free {
                 return Err(TransportError::Capacity { want: len, free, by: "the memory the system has available" });
             }
@@ -74,6 +73,13 @@ impl MemoryBudget {
             }
         }
     }
+}
+
+/// What a new allocation may take of the machine's memory: [`available`] less [`HEADROOM`]
+/// (`None` where it cannot be read). Every check of a region, model or batch against the
+/// machine's memory uses this one bound.
+pub fn spare() -> Option<u64> {
+    available().map(|a| a.saturating_sub(HEADROOM))
 }
 
 /// `MemAvailable` from `/proc/meminfo`, in bytes (`None` where it cannot be read).

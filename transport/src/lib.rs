@@ -57,7 +57,7 @@ pub mod fuzzing {
 pub type NodeId = u32;
 
 pub use accept::{back_off_after_failed_accept, ACCEPT_BACKOFF};
-pub use budget::{available as memory_available, MemoryBudget, HEADROOM};
+pub use budget::{available as memory_available, spare as memory_to_spare, MemoryBudget, HEADROOM};
 pub use config::{default_runtime_dir, select_backend, ClusterSpec, EndpointConfig, NodeSpec};
 pub use endpoint::{Endpoint, MeshReport, PeerEvent, PeerStats};
 pub use error::{HandshakeError, Result, TransportError};

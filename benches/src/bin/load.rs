@@ -78,10 +78,10 @@ fn main() -> anyhow::Result<()> {
         }
         // Built in memory, then loaded into a region of its size: 1 TiB was being built when the
         // run was stopped.
-        if let Some(free) = cascade_transport::memory_available().filter(|&free| b.saturating_mul(2) > free) {
+        if let Some(free) = cascade_transport::memory_to_spare().filter(|&free| b.saturating_mul(2) > free) {
             bail!(
                 "--make-synthetic {} MiB: it is built in memory and loaded into a region of its size, {} MiB, more \
-                 than the {} MiB of memory available",
+                 than the {} MiB this machine can spare (its available memory less 256 MiB)",
                 b >> 20,
                 b.saturating_mul(2) >> 20,
                 free >> 20

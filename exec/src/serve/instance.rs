@@ -276,10 +276,7 @@ fn activation_region_fits(
     let region = slot.and_then(|s| u64::try_from(s).ok()).and_then(|s| s.checked_mul(cfg.slots as u64));
     let (room, by) = match mesh.memory_limit() {
         Some(limit) => (limit, "the node's memory limit"),
-        None => (
-            cascade_transport::memory_available().map_or(u64::MAX, |a| a.saturating_sub(cascade_transport::HEADROOM)),
-            "the memory the system has available",
-        ),
+        None => (cascade_transport::memory_to_spare().unwrap_or(u64::MAX), "the memory the system has available"),
     };
     match region {
         Some(r) if r <= room => Ok(()),
