@@ -47,9 +47,9 @@ pub(crate) enum PoolCmd {
     Deploy {
         #[command(flatten)]
         admin: Admin,
-        /// Model id.
+        /// The model: its id, or the name it was registered under.
         #[arg(long)]
-        model: u32,
+        model: String,
         /// Node.
         #[arg(long)]
         node: u32,
@@ -88,9 +88,10 @@ pub(crate) enum PoolCmd {
         /// every model is placed on its sub-cluster (the first epoch).
         #[arg(long)]
         previous: Option<PathBuf>,
-        /// The pool's model id of each of the plan's models, in the plan's order.
+        /// The pool's model of each of the plan's models, in the plan's order: its id or the
+        /// name it was registered under.
         #[arg(long, value_delimiter = ',', required = true)]
-        models: Vec<u32>,
+        models: Vec<String>,
         /// The nodes of each sub-cluster: `1,2;3,4` is sub-cluster 0 = nodes 1 and 2,
         /// sub-cluster 1 = nodes 3 and 4.
         #[arg(long)]
@@ -144,6 +145,25 @@ pub(crate) struct Admin {
 }
 
 impl Admin {
+    /// The ids of `models`, each given as an id or the name it was registered under (a number
+    /// is an id when a model has it, else a name). One that names no model is refused, with
+    /// the models there are.
+    async fn model_ids(&self, models: &[String]) -> anyhow::Result<Vec<u32>> {
+        let status: Status = serde_json::from_value(self.call(AdminRequest::Status).await?)?;
+        models
+            .iter()
+            .map(|m| {
+                let by_id = m.parse::<u32>().ok().filter(|id| status.models.iter().any(|s| s.id == *id));
+                let by_name = || status.models.iter().find(|s| s.name == *m).map(|s| s.id);
+                by_id.or_else(by_name).ok_or_else(|| {
+                    let known: Vec<String> = status.models.iter().map(|s| format!("{} ({:?})", s.id, s.name)).collect();
+                    let known = if known.is_empty() { "none".to_string() } else { known.join(", ") };
+                    anyhow::anyhow!("no model has the id or name {m:?}; the pool's models: {known}")
+                })
+            })
+            .collect()
+    }
+
     async fn call(&self, req: AdminRequest) -> anyhow::Result<serde_json::Value> {
         let addr = self.admin.clone().unwrap_or_else(AdminAddr::default_unix);
         let secret = match addr {
@@ -428,6 +448,7 @@ pub(crate) async fn run(cmd: PoolCmd) -> anyhow::Result<()> {
             let nodes_of = parse_sub_clusters(&sub_clusters)?;
             let next = read_assignment(&plan)?;
             let previous = previous.as_deref().map(read_assignment).transpose()?;
+            let models = admin.model_ids(&models).await?;
             let moves = moves_from_plans(&models, previous.as_deref(), &next, &nodes_of).map_err(anyhow::Error::msg)?;
             let n = moves.len();
             let v = admin.call_with_progress(AdminRequest::ApplyEpoch { moves: moves.clone() }).await?;
@@ -472,6 +493,7 @@ pub(crate) async fn run(cmd: PoolCmd) -> anyhow::Result<()> {
             Ok(())
         }
         PoolCmd::Deploy { admin, model, node, gpu } => {
+            let model = admin.model_ids(&[model]).await?[0];
             admin.call_with_progress(AdminRequest::Deploy { model, node, gpu }).await?;
             println!("model {model} serving on node {node} gpu{gpu}");
             Ok(())

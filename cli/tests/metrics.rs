@@ -188,7 +188,9 @@ fn nodes_and_the_pool_manager_serve_metrics_that_move() {
 }
 
 /// `cascade pool apply-epoch` with two `epoch-plan`-shaped plans: the model's instance appears on
-/// its first sub-cluster, then moves to the other one, and the old instance goes.
+/// its first sub-cluster, then moves to the other one, and the old instance goes. The model is
+/// named by the name it was registered under or by its id; a name no model has is refused,
+/// listing the pool's models.
 #[test]
 fn an_epoch_plan_moves_a_model_between_sub_clusters_through_the_cli() {
     let c = Cluster::start("epoch");
@@ -207,25 +209,35 @@ fn an_epoch_plan_moves_a_model_between_sub_clusters_through_the_cli() {
     };
     std::fs::write(c.dir.join("e1.json"), r#"{"assignment": [0]}"#).unwrap();
     std::fs::write(c.dir.join("e2.json"), r#"{"assignment": [1]}"#).unwrap();
-    let apply = |plan: &str, previous: Option<&str>| {
+    let apply_as = |models: &str, plan: &str, previous: Option<&str>| {
         let mut cmd = Command::new(CASCADE);
-        cmd.args(["pool", "apply-epoch", "--admin", &c.addrs[4].to_string(), "--models", &model.to_string()]);
+        cmd.args(["pool", "apply-epoch", "--admin", &c.addrs[4].to_string(), "--models", models]);
         cmd.args(["--sub-clusters", "1;2", "--json", "--plan"]).arg(c.dir.join(plan));
         if let Some(p) = previous {
             cmd.arg("--previous").arg(c.dir.join(p));
         }
-        let out = cmd.env("CASCADE_SECRET", "metrics-secret").output().unwrap();
+        cmd.env("CASCADE_SECRET", "metrics-secret").env_remove("RUST_BACKTRACE").output().unwrap()
+    };
+    let apply = |models: &str, plan: &str, previous: Option<&str>| {
+        let out = apply_as(models, plan, previous);
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
     };
-    let first = apply("e1.json", None);
+    let out = apply_as("n", "e1.json", None);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains(r#"no model has the id or name "n"; the pool's models: 1 ("m")"#),
+        "{err}"
+    );
+    // By its name ("m"), then by its id.
+    let first = apply("m", "e1.json", None);
     assert_eq!(first["result"]["moved"], 1, "{first}");
     assert_eq!(gpu_nodes(&c), vec![1]);
-    let second = apply("e2.json", Some("e1.json"));
+    let second = apply(&model.to_string(), "e2.json", Some("e1.json"));
     assert_eq!(second["moves"][0]["from"], serde_json::json!([1]), "{second}");
     assert_eq!(gpu_nodes(&c), vec![2]);
     // Nothing changed: nothing moves.
-    let third = apply("e2.json", Some("e2.json"));
+    let third = apply("m", "e2.json", Some("e2.json"));
     assert_eq!(third["result"]["moved"], 0, "{third}");
     // A plan that names a sub-cluster that does not exist is refused before anything is asked.
     std::fs::write(c.dir.join("bad.json"), r#"{"assignment": [5]}"#).unwrap();
