@@ -354,8 +354,8 @@ impl<S: MetaStore + 'static> Manager<S> {
         if !self.bad.is_empty() {
             s.healthy = false;
             s.violations.push(format!(
-                "{} copies failed their last check: missing on their node or different from the manifest",
-                self.bad.len()
+                "{} failed their last check: missing on their node or different from the manifest",
+                copies(self.bad.len())
             ));
         }
         s.foreign = self
@@ -919,6 +919,11 @@ fn set_pool_metrics(m: &cascade_transport::Metrics, s: &Status) {
 /// The first element of `v` equal to an earlier one: (the earlier one's index, its own).
 fn first_repeat<T: PartialEq>(v: &[T]) -> Option<(usize, usize)> {
     v.iter().enumerate().find_map(|(i, x)| v[..i].iter().position(|y| y == x).map(|first| (first, i)))
+}
+
+/// "1 copy", "2 copies" (for what the manager tells about copies).
+fn copies(n: usize) -> String {
+    format!("{n} {}", if n == 1 { "copy" } else { "copies" })
 }
 
 #[cfg(test)]

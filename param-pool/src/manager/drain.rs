@@ -57,7 +57,7 @@ impl<S: MetaStore + 'static> Manager<S> {
         }
         let before: BTreeSet<CopyId> = self.pool().copies().map(|c| c.id).collect();
         info!(node, copies = held.len(), "draining the node: its copies are made elsewhere first");
-        self.remember(node, format!("draining: {} copies to move", held.len()));
+        self.remember(node, format!("draining: {} to move", super::copies(held.len())));
         let actions = self.apply(Event::Drain(node)).await?;
         self.drive(actions).await?;
         let made = replacements(
@@ -84,11 +84,11 @@ impl<S: MetaStore + 'static> Manager<S> {
             info!(node, made = report.copies_made, seconds = report.seconds, "drained: the node may be stopped");
             self.remember(
                 node,
-                format!("drained: {} copies made elsewhere, {:.2} s", report.copies_made, report.seconds),
+                format!("drained: {} made elsewhere, {:.2} s", super::copies(report.copies_made), report.seconds),
             );
         } else {
             warn!(node, left = ?report.left, "the drain is incomplete: some copies could not be made elsewhere");
-            self.remember(node, format!("drain incomplete: {} copies still here", report.left.len()));
+            self.remember(node, format!("drain incomplete: {} still here", super::copies(report.left.len())));
         }
         self.publish();
         Ok(report)
