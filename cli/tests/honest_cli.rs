@@ -464,6 +464,37 @@ fn generate_reads_prompts_from_a_file_or_stdin_in_their_order() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
+/// A model file is mapped, not read into memory: `cascade generate` with SmolLM2 (538 MB of f32
+/// tensors) runs in a memory cgroup of 700 MB. Reading the file into memory and building the
+/// tensors from it held the model twice: it took 1.1 GB (killed at 1,000 MB, 2026-12-05). Needs
+/// root and cgroup v1's memory controller (skips, saying so, without them).
+#[test]
+fn a_model_is_loaded_in_little_more_memory_than_its_tensors() {
+    let d = scratch("cgroup");
+    let Some(model) = smollm2(&d) else { return };
+    let group = std::path::PathBuf::from(format!("/sys/fs/cgroup/memory/cascade-honest-{}", std::process::id()));
+    if let Err(e) = std::fs::create_dir(&group) {
+        eprintln!("skipping: no memory cgroup could be made at {} ({e}): needs root and cgroup v1", group.display());
+        return;
+    }
+    let limit = (700u64 << 20).to_string();
+    std::fs::write(group.join("memory.limit_in_bytes"), &limit).unwrap();
+    // With swap accounting, swap is held to the same bound.
+    let _ = std::fs::write(group.join("memory.memsw.limit_in_bytes"), &limit);
+    let out = Command::new("sh")
+        .arg("-c")
+        .arg(format!("echo $$ > {}/cgroup.procs && exec \"$@\"", group.display()))
+        .args(["sh", CASCADE, "generate", "--max-tokens", "2", "--prompt", "The capital of France is", "--model"])
+        .arg(&model)
+        .env_remove("RUST_BACKTRACE")
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_dir(&group);
+    let _ = std::fs::remove_dir_all(&d);
+    assert!(out.status.success(), "{:?} in 700 MB: {}", out.status, String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("Paris"));
+}
+
 /// An import that fails while it writes (here a file-size limit of 64 MiB: the 538 MB
 /// `model.safetensors` stops with EFBIG, as on a full disk) says so and leaves the directory's
 /// previous model whole, with no partial file behind: `safetensors` (0.8) writes the model

@@ -5,6 +5,7 @@
 
 use std::path::{Path, PathBuf};
 
+use cascade_param_pool::files::MappedFile;
 use cascade_param_pool::manifest::Manifest;
 use tokenizers::{Encoding, Tokenizer, TruncationParams};
 
@@ -131,7 +132,9 @@ pub(crate) struct ModelFiles {
     pub(crate) config: Option<String>,
     pub(crate) tokenizer: Tokenizer,
     pub(crate) manifest: Manifest,
-    pub(crate) bytes: Vec<u8>,
+    /// The safetensors file, mapped (not read into memory: tensors built from it would hold the
+    /// model twice).
+    pub(crate) bytes: MappedFile,
 }
 
 /// Reads `dir`'s `model.safetensors`, `tokenizer.json`, `config.json` (optional) and
@@ -147,7 +150,7 @@ pub(crate) fn read_files(dir: &Path) -> Result<ModelFiles, ExecError> {
             .map_err(|e| ExecError::Model(format!("truncation to {max} tokens: {e}")))?;
     }
     let config = read_optional(&dir.join("config.json"))?;
-    let bytes = std::fs::read(&weights_path)
+    let bytes = MappedFile::open(&weights_path)
         .map_err(|e| ExecError::Model(format!("reading {}: {e}", weights_path.display())))?;
     let name = dir.file_name().map_or("model".into(), |n| n.to_string_lossy().into_owned());
     // The manifest's errors name the file.
@@ -187,7 +190,7 @@ fn max_seq_length(dir: &Path) -> Result<Option<usize>, ExecError> {
 
 /// A BERT model directory's configuration (all-MiniLM-L6-v2's without `config.json`),
 /// tokenizer, manifest and safetensors bytes.
-pub(crate) fn read_dir(dir: &Path) -> Result<(BertConfig, Tokenizer, Manifest, Vec<u8>), ExecError> {
+pub(crate) fn read_dir(dir: &Path) -> Result<(BertConfig, Tokenizer, Manifest, MappedFile), ExecError> {
     let f = read_files(dir)?;
     let cfg = match &f.config {
         Some(text) => BertConfig::from_json(text)?,

@@ -23,6 +23,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use cascade_param_pool::files::MappedFile;
 use cascade_param_pool::manifest::Manifest;
 use tokenizers::Tokenizer;
 
@@ -52,8 +53,8 @@ pub struct PdModel {
 
 impl PdModel {
     /// Reads a model directory (`cascade model import --gguf` writes one); returns the model and
-    /// the safetensors bytes.
-    pub fn from_dir(dir: &Path) -> Result<(PdModel, Vec<u8>), ExecError> {
+    /// the safetensors file, mapped.
+    pub fn from_dir(dir: &Path) -> Result<(PdModel, MappedFile), ExecError> {
         let f = crate::embed::read_files(dir)?;
         let text = f.config.ok_or_else(|| ExecError::Model(format!("{}: no config.json", dir.display())))?;
         let config = LlamaConfig::from_json(&text)?;

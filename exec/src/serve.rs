@@ -21,6 +21,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use cascade_param_pool::files::MappedFile;
 use cascade_param_pool::manifest::Manifest;
 use cascade_transport::{Mesh, Region, TransportError};
 use tokenizers::Tokenizer;
@@ -57,12 +58,12 @@ pub struct ServedModel {
 
 impl ServedModel {
     /// Reads a model directory (`model.safetensors`, `tokenizer.json`, `config.json` as
-    /// sentence-transformers ships them); returns the model and the file's bytes. The packed
+    /// sentence-transformers ships them); returns the model and the file, mapped. The packed
     /// image has the embedding table last
     /// ([`Manifest::with_embeddings_last`](cascade_param_pool::manifest::Manifest::with_embeddings_last)):
     /// a new copy's encoder blocks arrive first and serve with the entry stage run by the old
     /// instance ([`dispatch`]'s three segments).
-    pub fn from_dir(dir: &Path) -> Result<(ServedModel, Vec<u8>), ExecError> {
+    pub fn from_dir(dir: &Path) -> Result<(ServedModel, MappedFile), ExecError> {
         let (config, tokenizer, manifest, bytes) = crate::embed::read_dir(dir)?;
         let manifest = manifest.with_embeddings_last(&bytes);
         Ok((ServedModel { config, manifest: Arc::new(manifest), tokenizer: Arc::new(tokenizer) }, bytes))

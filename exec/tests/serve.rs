@@ -445,7 +445,7 @@ struct MemServing {
     nodes: Vec<Arc<dyn Mesh>>,
     model: ServedModel,
     /// The model's file's bytes.
-    file: Vec<u8>,
+    file: cascade_param_pool::files::MappedFile,
     instances: Vec<Instance>,
     texts: Vec<String>,
     want: HashMap<String, Vec<f32>>,
@@ -569,7 +569,7 @@ struct MemPair {
     fabric: MemFabric,
     nodes: Vec<Arc<dyn Mesh>>,
     model: ServedModel,
-    file: Vec<u8>,
+    file: cascade_param_pool::files::MappedFile,
     cfg: InstanceConfig,
     /// The instances on nodes 1 and 2.
     instances: [Option<Instance>; 2],

@@ -15,6 +15,46 @@ pub fn open_regular(path: &Path, extra: i32) -> std::io::Result<File> {
     Ok(f)
 }
 
+/// A regular file mapped read-only: its bytes without a copy in the process's own memory (the
+/// page cache holds them, and may drop and read them again under memory pressure), so that
+/// building tensors or a region from a model file does not hold the file twice.
+pub struct MappedFile {
+    map: memmap2::Mmap,
+}
+
+impl MappedFile {
+    /// Maps `path`, opened as [`open_regular`] opens it (a FIFO or a directory is refused).
+    pub fn open(path: &Path) -> std::io::Result<MappedFile> {
+        let file = open_regular(path, 0)?;
+        // SAFETY: the mapping is read-only. Model files must not be modified while they are
+        // mapped (the pool publishes new models under new names): a concurrent write would
+        // change the bytes read (the manifest's checksums catch it where they are checked), a
+        // concurrent truncation would raise SIGBUS, as with any mapped file.
+        let map = unsafe { memmap2::Mmap::map(&file) }?;
+        Ok(MappedFile { map })
+    }
+}
+
+impl std::ops::Deref for MappedFile {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        &self.map
+    }
+}
+
+impl AsRef<[u8]> for MappedFile {
+    fn as_ref(&self) -> &[u8] {
+        &self.map
+    }
+}
+
+impl std::fmt::Debug for MappedFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "MappedFile({} bytes)", self.map.len())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -33,5 +73,9 @@ mod tests {
         let file = d.join("real");
         std::fs::write(&file, b"x").unwrap();
         open_regular(&file, 0).unwrap();
+        // A mapping reads what the file holds, and refuses what the open refuses.
+        assert_eq!(&*MappedFile::open(&file).unwrap(), b"x");
+        assert_eq!(MappedFile::open(&fifo).unwrap_err().kind(), std::io::ErrorKind::InvalidInput);
+        assert!(MappedFile::open(&d).is_err(), "a directory");
     }
 }

@@ -168,14 +168,8 @@ impl Manifest {
     /// Reads a safetensors file through a memory mapping.
     pub fn from_file(path: &Path, name: &str, chunk: u64) -> Result<Manifest, ManifestError> {
         let shown = path.display().to_string();
-        let file =
-            crate::files::open_regular(path, 0).map_err(|error| ManifestError::Io { path: shown.clone(), error })?;
-        // SAFETY: the mapping is read-only and lives only for this call. Model files must not be
-        // modified while they are read (the pool publishes new models under new names): a
-        // concurrent write would only change the checksums recorded, but a concurrent truncation
-        // would raise SIGBUS, as with any mapped file.
         let map =
-            unsafe { memmap2::Mmap::map(&file) }.map_err(|error| ManifestError::Io { path: shown.clone(), error })?;
+            crate::files::MappedFile::open(path).map_err(|error| ManifestError::Io { path: shown.clone(), error })?;
         Self::from_bytes(&map, name, chunk, &shown)
     }
 
