@@ -199,6 +199,12 @@ impl Scenario {
                 return bad(format!("charge_dispatch = {c}: must be finite and not negative"));
             }
         }
+        // Results are reported by model name: two of one name would read as one.
+        for (i, m) in self.models.iter().enumerate() {
+            if let Some(first) = self.models[..i].iter().position(|o| o.name == m.name) {
+                return bad(format!("model {:?} is named twice (models {first} and {i}): names must differ", m.name));
+            }
+        }
         for m in &self.models {
             for (what, v) in [("rate_rps", m.rate_rps), ("weight", m.weight)] {
                 if let Some(v) = v {
@@ -461,6 +467,14 @@ mod tests {
         }
         assert!(scenario("2", "weight = -1.0").is_err());
         scenario("2", "rate_rps = 100.0").unwrap();
+    }
+
+    /// Results are reported by model name, so two models of one name are refused.
+    #[test]
+    fn a_model_name_given_twice_is_refused() {
+        let twice = "rate_rps = 1.0\n[[models]]\nname = \"a\"\nalpha_ms = 5.0\nbeta_ms = 1.0\nslo_ms = 100.0\nrate_rps = 1.0";
+        let err = scenario("2", twice).unwrap_err().to_string();
+        assert!(err.contains(r#"model "a" is named twice (models 0 and 1)"#), "{err}");
     }
 
     #[test]
