@@ -174,10 +174,18 @@ pub(crate) fn ensure_model(dir: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The most requests a burst may hold.
+const MAX_REQUESTS: usize = 1_000_000;
+
 /// Runs the demonstration.
 pub(crate) fn run(a: PdArgs) -> anyhow::Result<()> {
     if a.requests == 0 || a.max_tokens == 0 || !a.rate.is_finite() || a.rate <= 0.0 {
         bail!("--requests, --max-tokens and --rate must be positive");
+    }
+    // Every answer, with its token gaps and a report row, is kept for the report (and at this
+    // machine's few requests per second a burst of more would last days).
+    if a.requests > MAX_REQUESTS {
+        bail!("--requests {}: at most {MAX_REQUESTS} (each answer is kept for the report)", a.requests);
     }
     if let Some(k) = a.kill_decode_at_s.or(a.stop_decode_at_s).filter(|&k| !(k.is_finite() && k > a.scale_after_s)) {
         bail!(
@@ -325,13 +333,33 @@ async fn drive(
     };
     let (req_tx, req_rx) = mpsc::unbounded_channel();
     let (cmd_tx, cmd_rx) = mpsc::unbounded_channel();
-    let (ans_tx, mut ans_rx) = mpsc::unbounded_channel();
+    let (ans_tx, mut ans_rx) = mpsc::unbounded_channel::<GenAnswer>();
     let routing = tokio::spawn(router::run(mesh.clone(), cfg, req_rx, cmd_rx, ans_tx));
     println!(
-        "burst: {} requests at {} req/s, up to {} tokens each; at {} s node {MUTATES} mutates to decode and \
-         node {NEW} is scaled out from node {OLD}",
-        a.requests, a.rate, a.max_tokens, a.scale_after_s
+        "burst: {} requests at {} req/s ({:.1} s), up to {} tokens each; at {} s node {MUTATES} mutates to decode \
+         and node {NEW} is scaled out from node {OLD}",
+        a.requests,
+        a.rate,
+        a.requests as f64 / a.rate,
+        a.max_tokens,
+        a.scale_after_s
     );
+    // The answers as they come, counted on a bar on stderr (drawn on a terminal only).
+    let bar = indicatif::ProgressBar::new(a.requests as u64).with_style(
+        indicatif::ProgressStyle::with_template("answered {bar:30} {pos}/{len} requests, {elapsed}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let collecting = {
+        let bar = bar.clone();
+        tokio::spawn(async move {
+            let mut answers = Vec::new();
+            while let Some(x) = ans_rx.recv().await {
+                bar.inc(1);
+                answers.push(x);
+            }
+            answers
+        })
+    };
     let start = Instant::now();
     let sender = {
         let (prompts, n, rate, max_tokens) = (prompts.to_vec(), a.requests, a.rate, a.max_tokens);
@@ -361,11 +389,13 @@ async fn drive(
         tokio::time::sleep_until((start + Duration::from_secs_f64(at)).into()).await;
         kill_decode(graceful)?;
         let at = start.elapsed().as_secs_f64();
-        if graceful {
-            println!("stopped the decode instance (node {DECODE}, SIGTERM) at {at:.1} s");
-        } else {
-            println!("killed the decode instance (node {DECODE}, SIGKILL) at {at:.1} s");
-        }
+        bar.suspend(|| {
+            if graceful {
+                println!("stopped the decode instance (node {DECODE}, SIGTERM) at {at:.1} s");
+            } else {
+                println!("killed the decode instance (node {DECODE}, SIGKILL) at {at:.1} s");
+            }
+        });
         Ok::<_, anyhow::Error>(Some(at))
     };
     let scaling = async {
@@ -376,7 +406,9 @@ async fn drive(
     let (scaled, killed_s) = (scaled?, killed_s?);
     sender.await?;
     let stats = routing.await??;
-    let answers: Vec<GenAnswer> = std::iter::from_fn(|| ans_rx.try_recv().ok()).collect();
+    // The router is done and its sender dropped: the collector has every answer.
+    let answers: Vec<GenAnswer> = collecting.await?;
+    bar.finish_and_clear();
 
     let mut seen = HashMap::new();
     let (mut wrong, mut ttft, mut tbt) = (0, Vec::new(), Vec::new());

@@ -674,7 +674,9 @@ fn lora_serve_refuses_a_rank_of_zero() {
 
 /// `cascade pd` refuses a negative time (it panicked: "cannot convert float seconds to Duration")
 /// and a token budget no decode instance could hold, before its reference run (which went on for
-/// many minutes with `--max-tokens 100000` before every request would have been refused).
+/// many minutes with `--max-tokens 100000` before every request would have been refused), and a
+/// burst of more than a million requests (`--requests 100000000` started a burst of 289 days,
+/// every answer kept for the report).
 #[test]
 fn pd_refuses_negative_times_and_requests_no_instance_can_hold() {
     let out = Command::new(CASCADE).args(["pd", "--scale-after-s=-1"]).output().unwrap();
@@ -683,6 +685,9 @@ fn pd_refuses_negative_times_and_requests_no_instance_can_hold() {
         !out.status.success() && err.contains("not a usable number of seconds") && !err.contains("panicked"),
         "{err}"
     );
+    let out = Command::new(CASCADE).args(["pd", "--requests", "100000000"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--requests 100000000: at most 1000000"), "{err}");
     let d = scratch("pd-tokens");
     let Some(model) = smollm2(&d) else { return };
     // u32::MAX too: the check's sum saturates instead of wrapping past it.

@@ -472,7 +472,8 @@ mod tests {
     /// Results are reported by model name, so two models of one name are refused.
     #[test]
     fn a_model_name_given_twice_is_refused() {
-        let twice = "rate_rps = 1.0\n[[models]]\nname = \"a\"\nalpha_ms = 5.0\nbeta_ms = 1.0\nslo_ms = 100.0\nrate_rps = 1.0";
+        let twice =
+            "rate_rps = 1.0\n[[models]]\nname = \"a\"\nalpha_ms = 5.0\nbeta_ms = 1.0\nslo_ms = 100.0\nrate_rps = 1.0";
         let err = scenario("2", twice).unwrap_err().to_string();
         assert!(err.contains(r#"model "a" is named twice (models 0 and 1)"#), "{err}");
     }
