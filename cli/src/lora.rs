@@ -77,9 +77,17 @@ pub(crate) struct LoraServeArgs {
 /// (their logits differ by up to ~2e-3 on this model).
 const NEAR_TIE: f32 = 0.01;
 
+/// The most requests a stream may hold.
+const MAX_REQUESTS: usize = 1_000_000;
+
 pub(crate) fn run(a: LoraServeArgs) -> anyhow::Result<()> {
     if a.adapters == 0 || a.requests == 0 || a.max_tokens == 0 || a.max_batch == 0 || a.rank == 0 {
         bail!("--adapters, --requests, --max-tokens, --max-batch and --rank must be at least 1");
+    }
+    // The stream is built in memory, and every response kept to compare with its request served
+    // alone (at this machine's few requests per second, more would take days).
+    if a.requests > MAX_REQUESTS {
+        bail!("--requests {}: at most {MAX_REQUESTS} (each response is kept for the comparison)", a.requests);
     }
     if !(a.zipf >= 0.0 && a.per_iteration > 0.0 && a.zipf.is_finite() && a.per_iteration.is_finite()) {
         bail!("--zipf must be ≥ 0 and --per-iteration > 0");

@@ -670,6 +670,10 @@ fn lora_serve_refuses_a_rank_of_zero() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("--rank must be at least 1"), "{err}");
     assert!(out.stdout.is_empty(), "{}", String::from_utf8_lossy(&out.stdout));
+    // A stream of more than a million requests, too (before the model loads).
+    let out = Command::new(CASCADE).args(["lora-serve", "--requests", "100000000"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--requests 100000000: at most 1000000"), "{err}");
 }
 
 /// `cascade pd` refuses a negative time (it panicked: "cannot convert float seconds to Duration")
