@@ -283,7 +283,61 @@ fn mb(b: u64) -> String {
     format!("{:.1} MB", b as f64 / 1e6)
 }
 
+/// The demo's node processes (node `i + 1` at index `i`), and those it stops on purpose.
+struct Nodes {
+    pids: Vec<u32>,
+    meant: std::sync::Mutex<std::collections::HashSet<u32>>,
+    logs: PathBuf,
+}
+
+impl Nodes {
+    /// Sends `signal` (`-9`, `-TERM`) to node `node`, on purpose: its exit is the demo's doing.
+    fn signal(&self, node: u32, signal: &str) -> anyhow::Result<u32> {
+        let pid = *self.pids.get((node as usize).wrapping_sub(1)).with_context(|| format!("no pid for node {node}"))?;
+        self.meant.lock().unwrap_or_else(|e| e.into_inner()).insert(pid);
+        let ok = Command::new("kill").args([signal, &pid.to_string()]).status().is_ok_and(|s| s.success());
+        if !ok {
+            bail!("could not signal node {node} (pid {pid}, kill {signal})");
+        }
+        Ok(pid)
+    }
+
+    /// The nodes that exited without the demo stopping them (node numbers).
+    fn gone_on_their_own(&self) -> Vec<usize> {
+        let meant = self.meant.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        (0..self.pids.len())
+            .filter(|&i| !meant.contains(&self.pids[i]) && cascade_devcluster::process::gone(self.pids[i]))
+            .map(|i| i + 1)
+            .collect()
+    }
+
+    /// Resolves, with the node's log's last lines, when a node the demo did not stop has exited
+    /// (polled every 100 ms).
+    async fn first_gone(&self) -> anyhow::Error {
+        loop {
+            if let Some(&node) = self.gone_on_their_own().first() {
+                return crate::live::exited_early(&self.logs, node, "exited");
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+/// The demo's driver (node 0). A node that exits before the cluster has formed ends it at once
+/// (it waited two minutes for the cluster, then named no cause); one that exits later, on its
+/// own, is the pool's to repair around, and the demo says so at its end.
 async fn driver(a: DemoArgs, cluster_file: PathBuf, pids: Vec<u32>) -> anyhow::Result<()> {
+    let nodes = Nodes { pids, meant: Default::default(), logs: a.out.join("logs") };
+    demonstrate(a, cluster_file, &nodes).await?;
+    for node in nodes.gone_on_their_own() {
+        eprintln!(
+            "note: node {node} exited on its own during the demo (not the demo's doing); the pool worked around it"
+        );
+    }
+    Ok(())
+}
+
+async fn demonstrate(a: DemoArgs, cluster_file: PathBuf, nodes: &Nodes) -> anyhow::Result<()> {
     let (model_path, model_name, model_what) = pick_model(&a)?;
     let manifest = Manifest::from_file(&model_path, &model_name, DEFAULT_CHUNK)?;
     let tenants: Vec<(PathBuf, String)> = (0..a.tenants)
@@ -298,7 +352,10 @@ async fn driver(a: DemoArgs, cluster_file: PathBuf, pids: Vec<u32>) -> anyhow::R
     let mut cfg = EndpointConfig::new(0, cluster, SECRET.as_bytes());
     cfg.shm = !a.netns;
     let ep = Arc::new(Endpoint::start(cfg).await?);
-    let mesh = ep.wait_ready(Duration::from_secs(120)).await.context("waiting for the node daemons")?;
+    let mesh = tokio::select! {
+        mesh = ep.wait_ready(Duration::from_secs(120)) => mesh.context("waiting for the node daemons")?,
+        gone = nodes.first_gone() => return Err(gone.context("waiting for the node daemons")),
+    };
     let where_ = if a.netns {
         format!("{} namespaced hosts, links shaped to {} Mbit/s", a.nodes, a.link_mbit)
     } else {
@@ -392,7 +449,7 @@ async fn driver(a: DemoArgs, cluster_file: PathBuf, pids: Vec<u32>) -> anyhow::R
     let status_h = m.status_handle();
     let (calls, calls_rx) = tokio::sync::mpsc::channel(4);
     let mgr = tokio::spawn(m.run(calls_rx));
-    let pid = *pids.get(victim as usize - 1).context("no pid for the victim")?;
+    let pid = nodes.pids.get((victim as usize).wrapping_sub(1)).copied().unwrap_or_default();
     say(format!(
         "3. kill -9 node {victim} (pid {pid}), which holds {}, {}",
         crate::copies(victim_copies),
@@ -401,10 +458,7 @@ async fn driver(a: DemoArgs, cluster_file: PathBuf, pids: Vec<u32>) -> anyhow::R
     let killed_at = epoch.elapsed().as_secs_f64();
     tl.lock().unwrap_or_else(|e| e.into_inner()).mark(killed_at, format!("kill -9 node {victim}"));
     let t = Instant::now();
-    let ok = Command::new("kill").args(["-9", &pid.to_string()]).status().is_ok_and(|s| s.success());
-    if !ok {
-        bail!("could not kill node {victim} (pid {pid})");
-    }
+    nodes.signal(victim, "-9")?;
     let restored = wait_for(&status_h, Duration::from_secs(300), "the pool was not restored", |s| {
         s.healthy && s.nodes.iter().all(|n| n.id != victim)
     })
@@ -416,7 +470,7 @@ async fn driver(a: DemoArgs, cluster_file: PathBuf, pids: Vec<u32>) -> anyhow::R
     ));
 
     // 4. Drain the busiest survivor (the planned way out), then stop it: no repair follows.
-    let drain = drain_and_stop(&a, &restored, &calls, &status_h, &pids, epoch, &tl).await?;
+    let drain = drain_and_stop(&a, &restored, &calls, &status_h, nodes, epoch, &tl).await?;
 
     // 5. Check every copy against its manifest.
     let (reply, answer) = tokio::sync::oneshot::channel();
@@ -486,7 +540,7 @@ async fn drain_and_stop(
     s: &Status,
     calls: &tokio::sync::mpsc::Sender<AdminCall>,
     status_h: &Arc<std::sync::Mutex<Status>>,
-    pids: &[u32],
+    nodes: &Nodes,
     epoch: Instant,
     tl: &Arc<std::sync::Mutex<Timeline>>,
 ) -> anyhow::Result<serde_json::Value> {
@@ -534,12 +588,8 @@ async fn drain_and_stop(
         crate::copies(rep.copies_dropped),
         a.k
     ));
-    let pid = *pids.get(node as usize - 1).context("no pid for the drained node")?;
     tl.lock().unwrap_or_else(|e| e.into_inner()).mark(epoch.elapsed().as_secs_f64(), format!("stop node {node}"));
-    let ok = Command::new("kill").args(["-TERM", &pid.to_string()]).status().is_ok_and(|s| s.success());
-    if !ok {
-        bail!("could not stop node {node} (pid {pid})");
-    }
+    nodes.signal(node, "-TERM")?;
     let t = Instant::now();
     let why = format!("node {node} was not declared gone after SIGTERM");
     let gone = wait_for(status_h, Duration::from_secs(60), &why, |s| s.nodes.iter().all(|n| n.id != node)).await?;

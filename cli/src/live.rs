@@ -380,11 +380,16 @@ pub(crate) async fn watch_nodes(
 /// A node that exited before its run ended, with the last lines of its log (where it said why):
 /// `dir/node-{node}.log`.
 fn node_exited(dir: &Path, node: usize, status: std::process::ExitStatus) -> anyhow::Error {
+    exited_early(dir, node, &format!("exited ({status})"))
+}
+
+/// "node N `how` before the run ended", with the last lines of its log `dir/node-{node}.log`.
+pub(crate) fn exited_early(dir: &Path, node: usize, how: &str) -> anyhow::Error {
     let log = dir.join(format!("node-{node}.log"));
     let text = std::fs::read_to_string(&log).unwrap_or_default();
     let lines: Vec<&str> = text.lines().collect();
     let tail = lines[lines.len().saturating_sub(3)..].join("\n");
-    anyhow::anyhow!("node {node} exited ({status}) before the run ended; the end of {}:\n{tail}", log.display())
+    anyhow::anyhow!("node {node} {how} before the run ended; the end of {}:\n{tail}", log.display())
 }
 
 fn instance_args(c: &mut Command, a: &LiveArgs, cluster: &Path, i: usize, dir: &Path) -> anyhow::Result<()> {

@@ -27,6 +27,17 @@ pub fn spawn_node(cmd: &mut std::process::Command) -> std::io::Result<Child> {
     Ok(child)
 }
 
+/// Whether process `pid` has exited: it is not there, or it is a zombie its parent has not reaped
+/// yet. For a process this one did not start (a node a namespaced run's launcher started), where
+/// no `Child` can tell. A pid reused after the parent reaped it reads as running.
+pub fn gone(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state follows the command's name in parentheses, which may itself hold ") ".
+        Ok(stat) => stat.rsplit_once(") ").is_none_or(|(_, rest)| rest.starts_with(['Z', 'X'])),
+        Err(_) => true,
+    }
+}
+
 /// The first of `children` that has exited, by its index, with its status (reaped).
 pub fn first_exited(children: &mut [Child]) -> Option<(usize, std::process::ExitStatus)> {
     first_exited_of(children, |_| true)
@@ -93,6 +104,26 @@ pub fn stop_processes(children: impl IntoIterator<Item = Child>, grace: Duration
 mod tests {
     use super::*;
     use std::process::Command;
+
+    /// A running process is not gone; one that exited is, before it is reaped (a zombie) and
+    /// after.
+    #[test]
+    fn an_exited_process_is_gone_before_and_after_it_is_reaped() {
+        assert!(!gone(std::process::id()));
+        let mut child = Command::new("sleep").arg("0").spawn().expect("sleep");
+        let t = Instant::now();
+        while !gone(child.id()) {
+            assert!(t.elapsed() < Duration::from_secs(10), "sleep 0 never read as gone");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        // Not reaped yet: still a zombie, still there.
+        assert!(std::path::Path::new(&format!("/proc/{}", child.id())).exists());
+        child.wait().unwrap();
+        let mut long = Command::new("sleep").arg("30").spawn().expect("sleep");
+        assert!(!gone(long.id()));
+        long.kill().unwrap();
+        long.wait().unwrap();
+    }
 
     #[test]
     fn the_first_child_to_exit_is_found_by_its_index() {
