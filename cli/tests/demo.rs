@@ -104,7 +104,7 @@ fn pid_of(words: &[&str]) -> Option<u32> {
 #[test]
 fn a_node_that_dies_before_the_cluster_forms_ends_the_demo_at_once() {
     let out = out_dir("early");
-    let mut child = Command::new(CASCADE)
+    let child = Command::new(CASCADE)
         .args(["demo", "--nodes", "3", "--k", "1", "--tenants", "0", "--synthetic-bytes", "1048576", "--out"])
         .arg(&out)
         .env_remove("RUST_BACKTRACE")
