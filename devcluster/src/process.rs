@@ -118,11 +118,11 @@ mod tests {
         }
         // Not reaped yet: still a zombie, still there.
         assert!(std::path::Path::new(&format!("/proc/{}", child.id())).exists());
-        child.wait().unwrap();
+        child.wait().expect("reaping sleep 0");
         let mut long = Command::new("sleep").arg("30").spawn().expect("sleep");
         assert!(!gone(long.id()));
-        long.kill().unwrap();
-        long.wait().unwrap();
+        long.kill().expect("killing sleep 30");
+        long.wait().expect("reaping sleep 30");
     }
 
     #[test]
