@@ -256,6 +256,17 @@ fn embed_reads_texts_from_a_file_or_stdin_in_their_order() {
     std::fs::write(&file, &piped).unwrap();
     let out = embed(&["--text", "first", "--text-file", file.to_str().unwrap()], None);
     assert_eq!(texts_of(&out), want);
+    // A line that is not UTF-8 is read with U+FFFD in its bad bytes' place, and said; the lines
+    // around it are embedded (it failed the run, and with it every line of its block).
+    let bad = d.join("bad.txt");
+    std::fs::write(&bad, b"before\nbad \xff\xfe bytes\r\nafter\n").unwrap();
+    let out = embed(&["--text-file", bad.to_str().unwrap()], None);
+    assert_eq!(texts_of(&out), ["before", "bad \u{FFFD}\u{FFFD} bytes", "after"]);
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("line 2 of --text-file"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     // Refused: nothing to embed, a file that is not there, no input at all.
     let out = embed(&["--text-file", "-"], Some(""));
     assert!(!out.status.success());
