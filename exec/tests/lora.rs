@@ -264,8 +264,8 @@ fn a_lora_stream_with_a_bad_request_is_refused_before_anything_runs() {
         (LoraJob { adapter: 2, ..good(5) }, "request 1: adapter 2 is not served (the model serves adapters [0, 1])"),
         (LoraJob { adapter: u32::MAX, ..good(5) }, "adapter 4294967295 is not served"),
         (LoraJob { prompt: vec![1, vocab], ..good(5) }, &*format!("token {vocab} is outside the vocabulary")),
-        (LoraJob { prompt: vec![], ..good(5) }, "request 1: empty prompt"),
-        (LoraJob { max_tokens: 0, ..good(5) }, "request 1: empty prompt or no tokens"),
+        (LoraJob { prompt: vec![], ..good(5) }, "request 1: an empty prompt: no token to continue from"),
+        (LoraJob { max_tokens: 0, ..good(5) }, "request 1: no token to generate (max_tokens 0)"),
         (LoraJob { prompt: vec![1; cfg.max_position_embeddings + 1], ..good(5) }, "the model's context window is"),
         (good(0), "request 1: arrives at iteration 0 after a request arriving at 3"),
     ];

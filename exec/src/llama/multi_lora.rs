@@ -251,11 +251,11 @@ fn check_jobs(model: &Llama, jobs: &[LoraJob]) -> Result<(), ExecError> {
     let mut last = 0;
     for (i, j) in jobs.iter().enumerate() {
         let bad = |why: String| -> Result<(), ExecError> { Err(ExecError::Input(format!("request {i}: {why}"))) };
-        if j.max_tokens == 0 || j.prompt.is_empty() {
-            return bad("empty prompt or no tokens to generate".into());
+        if j.max_tokens == 0 {
+            return bad("no token to generate (max_tokens 0)".into());
         }
-        if j.prompt.len() > window {
-            return bad(format!("{} prompt tokens; the model's context window is {window}", j.prompt.len()));
+        if let Some(why) = super::generate::refusal(&j.prompt, window) {
+            return bad(why);
         }
         if let Some(t) = j.prompt.iter().find(|&&t| t as usize >= vocab) {
             return bad(format!("token {t} is outside the vocabulary of {vocab}"));
