@@ -20,8 +20,9 @@ pub(crate) struct EmbedArgs {
     #[arg(long)]
     text: Vec<String>,
     /// A file of texts to embed, one per line (`-`: standard input), after any `--text`. Every
-    /// line is a text, an empty one too, so output line N is input line N. Read and embedded
-    /// 4,096 lines at a time: output begins before the input ends, in bounded memory.
+    /// line is a text, an empty one too, so output line N is input line N. Embedded as they
+    /// arrive, up to 4,096 lines at a time: output begins before the input ends (a line typed
+    /// or piped in alone is answered at once), in bounded memory.
     #[arg(long, value_name = "FILE")]
     text_file: Option<PathBuf>,
     /// Texts per forward pass. More texts than this run in batches of texts of about the same
@@ -37,13 +38,17 @@ pub(crate) struct EmbedArgs {
     json: bool,
 }
 
-/// Texts read and embedded at a time: the first embeddings come out before the whole input is
-/// read, and memory stays bounded however long the input is.
+/// Texts embedded at a time at most (what has arrived, up to this): memory stays bounded however
+/// long the input is.
 const BLOCK: usize = 4096;
 
-/// Runs `cascade embed`: [`BLOCK`] texts at a time, each block in batches of `--batch`.
+/// Runs `cascade embed`: what has arrived, up to [`BLOCK`] texts at a time, each block in
+/// batches of `--batch`.
 pub(crate) fn embed(a: EmbedArgs) -> anyhow::Result<()> {
-    let mut input = crate::input::given_then_lines(a.text.clone(), a.text_file.clone(), "--text-file")?;
+    let input = crate::input::given_then_lines(a.text.clone(), a.text_file.clone(), "--text-file")?;
+    // Read ahead: a block is what has arrived (up to BLOCK texts), so a text typed or piped in
+    // alone is embedded at once, and a file's next block is read while this one is embedded.
+    let rx = crate::input::read_ahead(input, BLOCK);
     let t = std::time::Instant::now();
     let e = Embedder::from_dir(&a.model).with_context(|| {
         format!(
@@ -61,10 +66,20 @@ pub(crate) fn embed(a: EmbedArgs) -> anyhow::Result<()> {
     });
     let mut stdout = std::io::stdout().lock();
     let (mut done, mut ran) = (0usize, std::time::Duration::ZERO);
-    loop {
-        let block: Vec<String> = input.by_ref().take(BLOCK).collect::<anyhow::Result<_>>()?;
-        if block.is_empty() {
-            break;
+    // A read that failed: the texts before it are embedded, then the run ends with it.
+    let mut failed = None;
+    while failed.is_none() {
+        // The first text waited for, then what has arrived.
+        let Ok(first) = rx.recv() else { break };
+        let mut block = Vec::new();
+        for text in std::iter::once(first).chain(rx.try_iter().take(BLOCK - 1)) {
+            match text {
+                Ok(text) => block.push(text),
+                Err(e) => {
+                    failed = Some(e);
+                    break;
+                }
+            }
         }
         let texts: Vec<&str> = block.iter().map(String::as_str).collect();
         let t = std::time::Instant::now();
@@ -83,6 +98,9 @@ pub(crate) fn embed(a: EmbedArgs) -> anyhow::Result<()> {
     }
     if let Some(b) = bar {
         b.finish_and_clear();
+    }
+    if let Some(e) = failed {
+        return Err(e.context(format!("after {} embedded", count(done, "text", "texts"))));
     }
     if done == 0 {
         let path = a.text_file.as_deref().unwrap_or(std::path::Path::new("-"));

@@ -8,6 +8,20 @@ use anyhow::Context;
 /// Lines as they are read, each with its context on failure.
 pub(crate) type Lines = Box<dyn Iterator<Item = anyhow::Result<String>> + Send>;
 
+/// Reads `lines` on a thread of its own into a channel of `capacity`, so that a consumer can take
+/// what has arrived without waiting for more (a line typed or piped in is answered at once).
+pub(crate) fn read_ahead(lines: Lines, capacity: usize) -> std::sync::mpsc::Receiver<anyhow::Result<String>> {
+    let (tx, rx) = std::sync::mpsc::sync_channel(capacity);
+    std::thread::spawn(move || {
+        for line in lines {
+            if tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    rx
+}
+
 /// `given`, then the lines of `file` (`-`: standard input) as they are read; `flag` names the
 /// option in errors (`--text-file`). Every line is an item, an empty one too, so that output
 /// line N can answer input line N. A line that is not valid UTF-8 is read with U+FFFD in place

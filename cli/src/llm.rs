@@ -253,16 +253,9 @@ pub(crate) fn generate(a: GenerateArgs) -> anyhow::Result<()> {
         bail!("--max-tokens must be at least 1");
     }
     let input = crate::input::given_then_lines(a.prompt.clone(), a.prompt_file.clone(), "--prompt-file")?;
-    // Read on a thread of its own, so that a prompt typed or piped in while others run starts as
-    // soon as a slot is free, and one alone is answered without waiting for more.
-    let (tx, rx) = std::sync::mpsc::sync_channel(4 * RUNNING);
-    std::thread::spawn(move || {
-        for line in input {
-            if tx.send(line).is_err() {
-                return;
-            }
-        }
-    });
+    // Read ahead, so that a prompt typed or piped in while others run starts as soon as a slot
+    // is free, and one alone is answered without waiting for more.
+    let rx = crate::input::read_ahead(input, 4 * RUNNING);
     let t = Instant::now();
     let g = Generator::from_dir(&a.model).with_context(|| {
         format!(

@@ -267,6 +267,28 @@ fn embed_reads_texts_from_a_file_or_stdin_in_their_order() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    // One text with standard input left open: its embedding comes before the input ends.
+    {
+        use std::io::BufRead;
+        let mut c = Command::new(CASCADE);
+        c.args(["embed", "--json", "--text-file", "-", "--model"]).arg(&dir);
+        let mut child = c.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::null()).spawn().unwrap();
+        let mut stdin = child.stdin.take().unwrap();
+        writeln!(stdin, "one two three").unwrap();
+        let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut line = String::new();
+            let _ = stdout.read_line(&mut line);
+            let _ = tx.send(line);
+        });
+        let first = rx.recv_timeout(std::time::Duration::from_secs(60));
+        drop(stdin);
+        assert!(child.wait().unwrap().success());
+        let first: serde_json::Value =
+            serde_json::from_str(&first.expect("no embedding while stdin was open")).unwrap();
+        assert_eq!(first["text"], "one two three");
+    }
     // Refused: nothing to embed, a file that is not there, no input at all.
     let out = embed(&["--text-file", "-"], Some(""));
     assert!(!out.status.success());
