@@ -1,5 +1,6 @@
 //! `cascade lora-serve`: dLoRA on the real SmolLM2-135M on this machine's CPU — several LoRA
-//! adapters (seeded random tensors: test doubles, named as such), a skewed stream of requests,
+//! adapters (seeded random tensors: test doubles, named as such; or PEFT adapter directories
+//! with `--adapter`), a skewed stream of requests,
 //! each iteration's batch and merged/unmerged mode chosen by dLoRA's batcher; then every request
 //! served again alone, unmerged, and its tokens compared.
 
@@ -32,6 +33,10 @@ pub(crate) struct LoraServeArgs {
     /// Adapters (rank-`--rank` test doubles on q/k/v/o, seeds 1…).
     #[arg(long, default_value_t = 4)]
     adapters: u32,
+    /// A PEFT LoRA adapter directory (`adapter_config.json`, `adapter_model.safetensors`) to serve
+    /// instead of the test doubles; repeat for several, served as adapters 0, 1, … in their order.
+    #[arg(long, value_name = "DIR", conflicts_with_all = ["adapters", "rank"])]
+    adapter: Vec<PathBuf>,
     /// LoRA rank.
     #[arg(long, default_value_t = 8)]
     rank: usize,
@@ -94,28 +99,10 @@ pub(crate) fn run(a: LoraServeArgs) -> anyhow::Result<()> {
     }
     crate::pd::ensure_model(&a.model)?;
     let mut g = Generator::from_dir(&a.model).with_context(|| format!("loading {}", a.model.display()))?;
-    let cfg = g.model().config().clone();
-    // The adapters are built in memory, all of them: more than the machine has was found out by
-    // the OOM killer, part way.
-    let bytes = LoraAdapter::seeded_bytes(&cfg, a.rank, &Proj::ALL).saturating_mul(u64::from(a.adapters));
-    if let Some(free) = cascade_transport::memory_to_spare() {
-        if bytes > free {
-            bail!(
-                "{} adapters of rank {} take {:.1} GB; this machine can spare {:.1} GB (its available memory less 256 MiB)",
-                a.adapters,
-                a.rank,
-                bytes as f64 / 1e9,
-                free as f64 / 1e9
-            );
-        }
-    }
-    for k in 0..a.adapters {
-        let ad = LoraAdapter::seeded(&cfg, a.rank, 2.0 * a.rank as f64, &Proj::ALL, k as u64 + 1, 0.05)?;
-        g.model_mut().add_adapter(k + 1, ad)?;
-    }
+    let adapters = if a.adapter.is_empty() { seeded(&a, &mut g)? } else { load(&a.adapter, &mut g)? };
     // The stream: Poisson arrivals per iteration, Zipf adapters, prompts in turn.
     let mut rng = Rng::new(a.seed);
-    let w: Vec<f64> = (0..a.adapters).map(|k| 1.0 / ((k + 1) as f64).powf(a.zipf)).collect();
+    let w: Vec<f64> = (0..adapters).map(|k| 1.0 / ((k + 1) as f64).powf(a.zipf)).collect();
     let total: f64 = w.iter().sum();
     let encoded = PROMPTS.iter().map(|p| g.encode(p)).collect::<Result<Vec<_>, _>>()?;
     let mut jobs = Vec::with_capacity(a.requests);
@@ -187,12 +174,13 @@ pub(crate) fn run(a: LoraServeArgs) -> anyhow::Result<()> {
     }
     checking.finish_and_clear();
     let alone_s = t.elapsed().as_secs_f64();
-    let mut per_adapter = vec![0usize; a.adapters as usize];
+    let mut per_adapter = vec![0usize; adapters as usize];
     for j in &jobs {
         per_adapter[j.adapter as usize] += 1;
     }
     let report = serde_json::json!({
         "policy": a.policy.name(),
+        "adapter_dirs": a.adapter,
         "requests": jobs.len(),
         "requests_per_adapter": per_adapter,
         "tokens_per_request": a.max_tokens,
@@ -209,7 +197,7 @@ pub(crate) fn run(a: LoraServeArgs) -> anyhow::Result<()> {
         println!(
             "{} requests over {} adapters {:?}, {} tokens each, policy {}",
             jobs.len(),
-            a.adapters,
+            adapters,
             per_adapter,
             a.max_tokens,
             a.policy.name()
@@ -240,4 +228,40 @@ pub(crate) fn run(a: LoraServeArgs) -> anyhow::Result<()> {
         bail!("{} responses differ from the same request served alone: {differ:?}", differ.len());
     }
     Ok(())
+}
+
+/// Builds `--adapters` seeded test doubles of rank `--rank` into `g`'s model: how many.
+fn seeded(a: &LoraServeArgs, g: &mut Generator) -> anyhow::Result<u32> {
+    let cfg = g.model().config().clone();
+    // The adapters are built in memory, all of them: more than the machine has was found out by
+    // the OOM killer, part way.
+    let bytes = LoraAdapter::seeded_bytes(&cfg, a.rank, &Proj::ALL).saturating_mul(u64::from(a.adapters));
+    if let Some(free) = cascade_transport::memory_to_spare() {
+        if bytes > free {
+            bail!(
+                "{} adapters of rank {} take {:.1} GB; this machine can spare {:.1} GB (its available memory less 256 MiB)",
+                a.adapters,
+                a.rank,
+                bytes as f64 / 1e9,
+                free as f64 / 1e9
+            );
+        }
+    }
+    for k in 0..a.adapters {
+        let ad = LoraAdapter::seeded(&cfg, a.rank, 2.0 * a.rank as f64, &Proj::ALL, k as u64 + 1, 0.05)?;
+        g.model_mut().add_adapter(k + 1, ad)?;
+    }
+    Ok(a.adapters)
+}
+
+/// Loads the PEFT adapters in `dirs` into `g`'s model, as adapters 0, 1, … in their order: how
+/// many.
+fn load(dirs: &[PathBuf], g: &mut Generator) -> anyhow::Result<u32> {
+    let cfg = g.model().config().clone();
+    for (k, dir) in (1u32..).zip(dirs) {
+        let ad = LoraAdapter::load(dir, &cfg).with_context(|| format!("loading --adapter {}", dir.display()))?;
+        eprintln!("adapter {}: {} (rank {}, {} bytes)", k - 1, dir.display(), ad.config().r, ad.bytes());
+        g.model_mut().add_adapter(k, ad)?;
+    }
+    Ok(u32::try_from(dirs.len())?)
 }

@@ -62,9 +62,9 @@ enum Cmd {
     /// processes, a burst, a prefill→decode mutation and a live scale-out in its middle; every
     /// answer checked against single-process greedy; TTFT/TBT per request.
     Pd(pd::PdArgs),
-    /// dLoRA on the real SmolLM2: several LoRA adapters (seeded test doubles), a skewed stream,
-    /// merged/unmerged batching chosen per iteration; every response checked against the same
-    /// request served alone.
+    /// dLoRA on the real SmolLM2: several LoRA adapters (seeded test doubles, or PEFT directories
+    /// with --adapter), a skewed stream, merged/unmerged batching chosen per iteration; every
+    /// response checked against the same request served alone.
     LoraServe(lora::LoraServeArgs),
     /// Serve an LLM on this node: a prefill or decode instance (requests from `cascade pd`'s router).
     LlmInstance(pd::LlmInstanceArgs),

@@ -695,6 +695,49 @@ fn lora_serve_refuses_adapters_beyond_the_machines_memory() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
+/// `lora-serve --adapter DIR` serves PEFT adapter directories (here two seeded adapters saved in
+/// PEFT's layout: test doubles, but read from disk as a user's would be), every response equal
+/// to its request served alone; a directory that holds no adapter is refused naming it, and
+/// `--adapter` beside `--adapters` is refused.
+#[test]
+fn lora_serve_serves_peft_adapter_directories() {
+    use cascade_exec::llama::{LlamaConfig, LoraAdapter, Proj};
+    let d = scratch("lora-peft");
+    let Some(model) = smollm2(&d) else { return };
+    let cfg = LlamaConfig::from_json(&std::fs::read_to_string(model.join("config.json")).unwrap()).unwrap();
+    let dirs: Vec<std::path::PathBuf> = (1..=2)
+        .map(|seed| {
+            let dir = d.join(format!("adapter-{seed}"));
+            LoraAdapter::seeded(&cfg, 8, 16.0, &Proj::ALL, seed, 0.05).unwrap().save(&dir).unwrap();
+            dir
+        })
+        .collect();
+    let serve = |extra: &[&std::ffi::OsStr]| {
+        let mut c = Command::new(CASCADE);
+        c.args(["lora-serve", "--requests", "6", "--max-tokens", "2", "--json", "--model"]).arg(&model).args(extra);
+        c.env_remove("RUST_BACKTRACE").output().unwrap()
+    };
+    let flag = std::ffi::OsStr::new("--adapter");
+    let out = serve(&[flag, dirs[0].as_os_str(), flag, dirs[1].as_os_str()]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["adapter_dirs"].as_array().unwrap().len(), 2, "{v}");
+    let per: Vec<u64> = v["requests_per_adapter"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect();
+    assert_eq!((per.len(), per.iter().sum::<u64>()), (2, 6), "{v}");
+    assert!(v["differences"].as_array().unwrap().is_empty(), "{v}");
+    assert!(err.contains("adapter 1: ") && err.contains("(rank 8, "), "{err}");
+
+    let missing = d.join("no-adapter");
+    std::fs::create_dir_all(&missing).unwrap();
+    let out = serve(&[flag, missing.as_os_str()]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("loading --adapter") && err.contains("adapter_config.json"), "{err}");
+    let out = serve(&[flag, dirs[0].as_os_str(), std::ffi::OsStr::new("--adapters"), std::ffi::OsStr::new("3")]);
+    assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("cannot be used with"));
+    let _ = std::fs::remove_dir_all(&d);
+}
+
 /// `lora-serve --rank 0` is refused before anything loads (it used to serve every token as token 0:
 /// a rank-0 adapter's scale α/r is no number).
 #[test]
