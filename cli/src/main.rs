@@ -16,6 +16,7 @@ use clap::{Args, Parser, Subcommand};
 
 mod demo;
 mod embed;
+mod generate;
 mod input;
 mod live;
 mod llm;
@@ -57,7 +58,7 @@ enum Cmd {
     Embed(embed::EmbedArgs),
     /// Greedy text generation with a real llama-architecture LLM on the CPU (a directory that
     /// `cascade model import --gguf` wrote).
-    Generate(llm::GenerateArgs),
+    Generate(generate::GenerateArgs),
     /// LLM serving with prefill/decode disaggregation on this machine: SmolLM2 in four instance
     /// processes, a burst, a prefill→decode mutation and a live scale-out in its middle; every
     /// answer checked against single-process greedy; TTFT/TBT per request.
@@ -543,7 +544,7 @@ fn main() -> anyhow::Result<()> {
         Cmd::Multicast(a) => tokio::runtime::Runtime::new()?.block_on(multicast(a)),
         Cmd::Demo(a) => demo::run(a),
         Cmd::Embed(a) => embed::embed(a),
-        Cmd::Generate(a) => llm::generate(a),
+        Cmd::Generate(a) => generate::generate(a),
         Cmd::Pd(a) => pd::run(a),
         Cmd::LoraServe(a) => lora::run(a),
         Cmd::LlmInstance(a) => tokio::runtime::Runtime::new()?.block_on(pd::instance(a)),

@@ -1,0 +1,334 @@
+//! `cascade generate`: greedy text from a real decoder LLM on the CPU, for prompts given on the
+//! command line or read, one per line, from a file or standard input.
+
+use std::cell::RefCell;
+use std::collections::{BTreeMap, HashMap};
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use cascade_exec::llama::generate::{refusal, Generated, Generator, RUNNING};
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+
+use crate::count;
+
+#[derive(Args)]
+#[command(group = clap::ArgGroup::new("input").required(true).multiple(true).args(["prompt", "prompt_file"]))]
+pub(crate) struct GenerateArgs {
+    /// The model directory (`cascade model import --gguf` writes one).
+    #[arg(long, default_value = "target/models/smollm2-135m/f32")]
+    model: PathBuf,
+    /// The prompt, used as given (special tokens such as <|im_start|> are recognised); repeat
+    /// for several.
+    #[arg(long)]
+    prompt: Vec<String>,
+    /// A file of prompts, one per line (`-`: standard input), after any `--prompt`. Output line N
+    /// answers prompt N; prompts are read as sequences finish, so output begins before the
+    /// input ends and memory stays bounded.
+    #[arg(long, value_name = "FILE")]
+    prompt_file: Option<PathBuf>,
+    /// Wrap each prompt in the model's ChatML turn (a user message, then the assistant's turn).
+    #[arg(long)]
+    chat: bool,
+    /// Tokens to generate at most (generation stops earlier at end-of-sequence).
+    #[arg(long, default_value_t = 32)]
+    max_tokens: usize,
+    /// Print one JSON object per prompt: {prompt_tokens, tokens, text, at_window}, or {error}
+    /// for a prompt that could not be generated from.
+    #[arg(long)]
+    json: bool,
+}
+
+/// The ChatML turn SmolLM2-Instruct's template renders for one user message (with its default
+/// system message).
+fn chatml(user: &str) -> String {
+    format!(
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n\
+         <|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+    )
+}
+
+/// Text generated so far and shown (escaped as `{:?}` shows it, without the quotes).
+#[derive(Default)]
+struct Streamed {
+    tokens: Vec<u32>,
+    text: String,
+}
+
+impl Streamed {
+    /// Takes `tok` and prints the text it completes: a token may end in the middle of a
+    /// character, whose bytes then wait for the next one.
+    fn push(&mut self, g: &Generator, tok: u32) {
+        self.tokens.push(tok);
+        let Ok(text) = g.decode(&self.tokens) else { return };
+        if text.ends_with('\u{FFFD}') || !text.starts_with(&self.text) {
+            return;
+        }
+        print!("{}", escaped(&text[self.text.len()..]));
+        let _ = std::io::stdout().flush();
+        self.text = text;
+    }
+}
+
+/// `text` escaped as `{:?}` shows it, without the quotes (it escapes character by character, so
+/// pieces escaped one by one read as the whole would).
+fn escaped(text: &str) -> String {
+    let quoted = format!("{text:?}");
+    quoted[1..quoted.len() - 1].to_string()
+}
+
+/// What became of one prompt.
+enum Outcome {
+    /// Generated from.
+    Done(Generated),
+    /// Not generated from, and why.
+    Refused(String),
+}
+
+/// Prints one prompt's result: its JSON line, the rest of its streamed text (`streamed`: what was
+/// shown as it came), its `"prompt" → "text"` line, or why it was not generated from; and a note
+/// if it filled the context window.
+fn show(
+    out: &mut impl Write,
+    a: &GenerateArgs,
+    g: &Generator,
+    prompt: &str,
+    o: &Outcome,
+    streamed: Option<&String>,
+) -> anyhow::Result<()> {
+    let o = match o {
+        Outcome::Done(o) => o,
+        Outcome::Refused(why) if a.json => {
+            writeln!(out, "{}", serde_json::json!({ "error": why }))?;
+            return Ok(out.flush()?);
+        }
+        Outcome::Refused(why) => {
+            writeln!(out, "{:?} → not generated: {why}", crate::shorten(prompt))?;
+            return Ok(out.flush()?);
+        }
+    };
+    let text = g.decode(&o.tokens)?;
+    if a.json {
+        let v = serde_json::json!({"prompt_tokens": o.prompt_tokens, "tokens": o.tokens, "text": text, "at_window": o.at_window});
+        writeln!(out, "{v}")?;
+    } else if let Some(shown) = streamed {
+        writeln!(out, "{}\"", escaped(text.get(shown.len()..).unwrap_or_default()))?;
+    } else {
+        writeln!(out, "{:?} → {text:?}", crate::shorten(prompt))?;
+    }
+    if o.at_window {
+        eprintln!(
+            "note: {:?} stopped after {} tokens: with its {} prompt tokens they fill the model's context window of {}",
+            crate::shorten(prompt),
+            o.tokens.len(),
+            o.prompt_tokens.len(),
+            g.model().config().max_position_embeddings
+        );
+    }
+    // Seen at once when piped too (stdout is buffered there).
+    Ok(out.flush()?)
+}
+
+/// The prompts' results, printed in the prompts' order as they come in any order.
+struct InOrder<'a> {
+    a: &'a GenerateArgs,
+    g: &'a Generator,
+    bar: Option<ProgressBar>,
+    /// Finished prompts waiting for an earlier one: index → (prompt, outcome).
+    waiting: BTreeMap<usize, (String, Outcome)>,
+    /// The next prompt to print.
+    next: usize,
+    /// Prompts generated from, and their tokens.
+    generated: (usize, usize),
+    /// Prompts refused: (index, why), the first few.
+    refused: Vec<(usize, String)>,
+    refused_count: usize,
+    /// The first failure to print (a closed stdout), which ends the run.
+    failed: Option<anyhow::Error>,
+}
+
+impl InOrder<'_> {
+    fn finish(&mut self, i: usize, prompt: String, o: Outcome) {
+        match &o {
+            Outcome::Done(g) => {
+                self.generated.0 += 1;
+                self.generated.1 += g.tokens.len();
+            }
+            Outcome::Refused(why) => {
+                self.refused_count += 1;
+                if self.refused.len() < 5 {
+                    self.refused.push((i, why.clone()));
+                }
+            }
+        }
+        self.waiting.insert(i, (prompt, o));
+        while let Some((prompt, o)) = self.waiting.remove(&self.next) {
+            self.next += 1;
+            if self.failed.is_some() {
+                continue;
+            }
+            let mut stdout = std::io::stdout().lock();
+            let shown = match &self.bar {
+                Some(b) => b.suspend(|| show(&mut stdout, self.a, self.g, &prompt, &o, None)),
+                None => show(&mut stdout, self.a, self.g, &prompt, &o, None),
+            };
+            self.failed = shown.err();
+        }
+        if let Some(b) = &self.bar {
+            b.set_position(self.next as u64);
+            b.set_message(format!("{} tokens", self.generated.1));
+        }
+    }
+}
+
+pub(crate) fn generate(a: GenerateArgs) -> anyhow::Result<()> {
+    if a.max_tokens == 0 {
+        bail!("--max-tokens must be at least 1");
+    }
+    let input = crate::input::given_then_lines(a.prompt.clone(), a.prompt_file.clone(), "--prompt-file")?;
+    // Read ahead, so that a prompt typed or piped in while others run starts as soon as a slot
+    // is free, and one alone is answered without waiting for more.
+    let rx = crate::input::read_ahead(input, 4 * RUNNING);
+    let t = Instant::now();
+    let g = Generator::from_dir(&a.model).with_context(|| {
+        format!(
+            "loading {} (scripts/fetch-smollm2.sh fetches SmolLM2-135M-Instruct and imports it there)",
+            a.model.display()
+        )
+    })?;
+    let loaded = t.elapsed();
+    let window = g.model().config().max_position_embeddings;
+    // One prompt as text is shown token by token as it is generated (a long one takes minutes);
+    // with several, each is shown once it and every prompt before it are done, in their order.
+    let stream = !a.json && a.prompt.len() == 1 && a.prompt_file.is_none();
+    // Progress on stderr when prompts may queue (indicatif draws nothing when it is no terminal).
+    let bar = (a.prompt_file.is_some() || a.prompt.len() > RUNNING).then(|| {
+        let style = ProgressStyle::with_template("generating: {pos} prompts done, {msg}, {elapsed} {spinner}")
+            .unwrap_or_else(|_| ProgressStyle::default_spinner());
+        ProgressBar::new_spinner().with_style(style)
+    });
+    let order = RefCell::new(InOrder {
+        a: &a,
+        g: &g,
+        bar,
+        waiting: BTreeMap::new(),
+        next: 0,
+        generated: (0, 0),
+        refused: Vec::new(),
+        refused_count: 0,
+        failed: None,
+    });
+    // The prompts handed to the generator, by its index: (their index among all, the prompt).
+    let handed: RefCell<HashMap<usize, (usize, String)>> = RefCell::new(HashMap::new());
+    let mut read_failed: Option<anyhow::Error> = None;
+    let (mut read, mut given, mut ended) = (0usize, 0usize, false);
+    // Prompts handed over and not yet done: while some run, a prompt not yet read is not waited for.
+    let running = std::cell::Cell::new(0usize);
+    let prompts = std::iter::from_fn(|| loop {
+        if ended || order.borrow().failed.is_some() {
+            return None;
+        }
+        let next = if running.get() > 0 {
+            match rx.try_recv() {
+                Ok(next) => Some(next),
+                Err(std::sync::mpsc::TryRecvError::Empty) => return None,
+                Err(std::sync::mpsc::TryRecvError::Disconnected) => None,
+            }
+        } else {
+            rx.recv().ok()
+        };
+        let prompt = match next {
+            Some(Ok(p)) => p,
+            Some(Err(e)) => {
+                read_failed = Some(e);
+                ended = true;
+                return None;
+            }
+            None => {
+                ended = true;
+                return None;
+            }
+        };
+        let i = read;
+        read += 1;
+        let tokens = g.encode(&if a.chat { chatml(&prompt) } else { prompt.clone() });
+        match tokens.map_err(|e| e.to_string()).and_then(|t| refusal(&t, window).map_or(Ok(t), Err)) {
+            Ok(tokens) => {
+                handed.borrow_mut().insert(given, (i, prompt));
+                given += 1;
+                running.set(running.get() + 1);
+                return Some(tokens);
+            }
+            Err(why) => order.borrow_mut().finish(i, prompt, Outcome::Refused(why)),
+        }
+    });
+    let shown = RefCell::new(Streamed::default());
+    let t = Instant::now();
+    g.generate_stream(
+        prompts,
+        a.max_tokens,
+        |_, tok| {
+            if stream {
+                let mut shown = shown.borrow_mut();
+                if shown.tokens.is_empty() {
+                    print!("{:?} → \"", crate::shorten(&a.prompt[0]));
+                }
+                shown.push(&g, tok);
+            }
+        },
+        |k, o| {
+            running.set(running.get() - 1);
+            let Some((i, prompt)) = handed.borrow_mut().remove(&k) else { return };
+            if stream {
+                // Shown after its streamed text.
+                let mut order = order.borrow_mut();
+                order.generated = (1, o.tokens.len());
+                order.next = 1;
+                order.failed =
+                    show(&mut std::io::stdout().lock(), &a, &g, &prompt, &Outcome::Done(o), Some(&shown.borrow().text))
+                        .err();
+            } else {
+                order.borrow_mut().finish(i, prompt, Outcome::Done(o));
+            }
+        },
+    )?;
+    let ran = t.elapsed();
+    let order = order.into_inner();
+    if let Some(b) = &order.bar {
+        b.finish_and_clear();
+    }
+    if let Some(e) = order.failed {
+        return Err(e);
+    }
+    if let Some(e) = read_failed {
+        return Err(e.context(format!("after {} prompts", count(order.next, "prompt", "prompts"))));
+    }
+    if read == 0 {
+        let path = a.prompt_file.as_deref().unwrap_or(std::path::Path::new("-"));
+        bail!("--prompt-file {} holds no line, and no --prompt was given: nothing to generate", path.display());
+    }
+    let (prompts, generated) = order.generated;
+    if !a.json && prompts > 0 {
+        println!(
+            "({} stages on the CPU; model loaded in {:.1} s; {} tokens generated for {} in {:.2} s, {:.1} tokens/s)",
+            g.model().config().stages(),
+            loaded.as_secs_f64(),
+            generated,
+            count(prompts, "prompt", "prompts"),
+            ran.as_secs_f64(),
+            generated as f64 / ran.as_secs_f64().max(1e-9)
+        );
+    }
+    if order.refused_count > 0 {
+        let first: Vec<String> = order.refused.iter().map(|(i, why)| format!("prompt {}: {why}", i + 1)).collect();
+        bail!(
+            "{} not generated (of {read}): {}{}",
+            count(order.refused_count, "prompt", "prompts"),
+            first.join("; "),
+            if order.refused_count > first.len() { "; …" } else { "" }
+        );
+    }
+    Ok(())
+}
