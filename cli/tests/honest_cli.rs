@@ -268,27 +268,12 @@ fn embed_reads_texts_from_a_file_or_stdin_in_their_order() {
         String::from_utf8_lossy(&out.stderr)
     );
     // One text with standard input left open: its embedding comes before the input ends.
-    {
-        use std::io::BufRead;
-        let mut c = Command::new(CASCADE);
-        c.args(["embed", "--json", "--text-file", "-", "--model"]).arg(&dir);
-        let mut child = c.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::null()).spawn().unwrap();
-        let mut stdin = child.stdin.take().unwrap();
-        writeln!(stdin, "one two three").unwrap();
-        let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let mut line = String::new();
-            let _ = stdout.read_line(&mut line);
-            let _ = tx.send(line);
-        });
-        let first = rx.recv_timeout(std::time::Duration::from_secs(60));
-        drop(stdin);
-        assert!(child.wait().unwrap().success());
-        let first: serde_json::Value =
-            serde_json::from_str(&first.expect("no embedding while stdin was open")).unwrap();
-        assert_eq!(first["text"], "one two three");
-    }
+    let mut c = Command::new(CASCADE);
+    c.args(["embed", "--json", "--text-file", "-", "--model"]).arg(&dir);
+    let (first, status) = first_line_with_stdin_open(c, "one two three", 60);
+    assert!(status.success());
+    let first: serde_json::Value = serde_json::from_str(&first.expect("no embedding while stdin was open")).unwrap();
+    assert_eq!(first["text"], "one two three");
     // Refused: nothing to embed, a file that is not there, no input at all.
     let out = embed(&["--text-file", "-"], Some(""));
     assert!(!out.status.success());
@@ -299,6 +284,25 @@ fn embed_reads_texts_from_a_file_or_stdin_in_their_order() {
     assert!(String::from_utf8_lossy(&out.stderr).contains(missing.to_str().unwrap()));
     assert!(!embed(&[], None).status.success());
     let _ = std::fs::remove_dir_all(&d);
+}
+
+/// Runs `c` with `line` on its standard input, left open: the first line it prints within
+/// `secs` seconds (`None` if none came), and, once standard input is closed, how it exited.
+fn first_line_with_stdin_open(mut c: Command, line: &str, secs: u64) -> (Option<String>, std::process::ExitStatus) {
+    use std::io::{BufRead, Write};
+    let mut child = c.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::null()).spawn().unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    writeln!(stdin, "{line}").unwrap();
+    let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut first = String::new();
+        let _ = stdout.read_line(&mut first);
+        let _ = tx.send(first);
+    });
+    let first = rx.recv_timeout(std::time::Duration::from_secs(secs)).ok();
+    drop(stdin);
+    (first, child.wait().unwrap())
 }
 
 /// SmolLM2's model directory: the one the exec tests import, or an import of the GGUF into
@@ -430,7 +434,7 @@ fn several_prompts_are_shown_in_their_order_whichever_finishes_first() {
 /// slots free, not all before the first step).
 #[test]
 fn generate_reads_prompts_from_a_file_or_stdin_in_their_order() {
-    use std::io::{BufRead, Write};
+    use std::io::Write;
     let d = scratch("prompt-file");
     let Some(model) = smollm2(&d) else { return };
     let lines = ["The capital of France is", "", "def fibonacci(n):", "Water boils at"];
@@ -471,19 +475,7 @@ fn generate_reads_prompts_from_a_file_or_stdin_in_their_order() {
     }
 
     // One prompt with standard input left open: its answer comes before the input ends.
-    let mut child = command(&["--prompt-file", "-"]).spawn().unwrap();
-    let mut stdin = child.stdin.take().unwrap();
-    writeln!(stdin, "{}", lines[0]).unwrap();
-    let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let mut line = String::new();
-        let _ = stdout.read_line(&mut line);
-        let _ = tx.send(line);
-    });
-    let first = rx.recv_timeout(std::time::Duration::from_secs(120));
-    drop(stdin);
-    let status = child.wait().unwrap();
+    let (first, status) = first_line_with_stdin_open(command(&["--prompt-file", "-"]), lines[0], 120);
     let first = first.expect("no answer while standard input was open");
     assert_eq!(serde_json::from_str::<serde_json::Value>(&first).unwrap(), want[1]);
     assert!(status.success());
