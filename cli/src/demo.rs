@@ -291,15 +291,20 @@ struct Nodes {
 }
 
 impl Nodes {
+    /// Node `node`'s pid.
+    fn pid(&self, node: u32) -> anyhow::Result<u32> {
+        self.pids.get((node as usize).wrapping_sub(1)).copied().with_context(|| format!("no pid for node {node}"))
+    }
+
     /// Sends `signal` (`-9`, `-TERM`) to node `node`, on purpose: its exit is the demo's doing.
-    fn signal(&self, node: u32, signal: &str) -> anyhow::Result<u32> {
-        let pid = *self.pids.get((node as usize).wrapping_sub(1)).with_context(|| format!("no pid for node {node}"))?;
+    fn signal(&self, node: u32, signal: &str) -> anyhow::Result<()> {
+        let pid = self.pid(node)?;
         self.meant.lock().unwrap_or_else(|e| e.into_inner()).insert(pid);
         let ok = Command::new("kill").args([signal, &pid.to_string()]).status().is_ok_and(|s| s.success());
         if !ok {
             bail!("could not signal node {node} (pid {pid}, kill {signal})");
         }
-        Ok(pid)
+        Ok(())
     }
 
     /// The nodes that exited without the demo stopping them (node numbers).
@@ -449,7 +454,7 @@ async fn demonstrate(a: DemoArgs, cluster_file: PathBuf, nodes: &Nodes) -> anyho
     let status_h = m.status_handle();
     let (calls, calls_rx) = tokio::sync::mpsc::channel(4);
     let mgr = tokio::spawn(m.run(calls_rx));
-    let pid = nodes.pids.get((victim as usize).wrapping_sub(1)).copied().unwrap_or_default();
+    let pid = nodes.pid(victim)?;
     say(format!(
         "3. kill -9 node {victim} (pid {pid}), which holds {}, {}",
         crate::copies(victim_copies),

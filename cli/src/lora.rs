@@ -72,8 +72,8 @@ pub(crate) struct LoraServeArgs {
     #[arg(long)]
     json: bool,
     /// Serve Prometheus metrics at http://ADDR/metrics while the stream is served (iterations by
-    /// mode, mode switches and their time, queued and finished requests, α and β): `host:port`, or a port
-    /// alone for loopback.
+    /// mode, mode switches and their time, queued and finished requests, α and β): `host:port`,
+    /// or a port alone for loopback.
     #[arg(long, value_parser = crate::metrics_addr)]
     metrics: Option<std::net::SocketAddr>,
 }
