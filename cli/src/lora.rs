@@ -40,6 +40,10 @@ pub(crate) struct LoraServeArgs {
     /// LoRA rank.
     #[arg(long, default_value_t = 8)]
     rank: usize,
+    /// A file of prompts, one per line, for the stream to cycle through instead of its six
+    /// built-in ones (an empty line, or one longer than the context window, is refused naming it).
+    #[arg(long, value_name = "FILE")]
+    prompt_file: Option<PathBuf>,
     /// Requests in the stream.
     #[arg(long, default_value_t = 24)]
     requests: usize,
@@ -104,7 +108,7 @@ pub(crate) fn run(a: LoraServeArgs) -> anyhow::Result<()> {
     let mut rng = Rng::new(a.seed);
     let w: Vec<f64> = (0..adapters).map(|k| 1.0 / ((k + 1) as f64).powf(a.zipf)).collect();
     let total: f64 = w.iter().sum();
-    let encoded = PROMPTS.iter().map(|p| g.encode(p)).collect::<Result<Vec<_>, _>>()?;
+    let encoded = prompts(&a, &g)?;
     let mut jobs = Vec::with_capacity(a.requests);
     let mut t = 0.0;
     for i in 0..a.requests {
@@ -117,7 +121,7 @@ pub(crate) fn run(a: LoraServeArgs) -> anyhow::Result<()> {
         jobs.push(LoraJob {
             arrival: t as u64,
             adapter: adapter.unwrap_or(0) as u32,
-            prompt: encoded[i % PROMPTS.len()].clone(),
+            prompt: encoded[i % encoded.len()].clone(),
             max_tokens: a.max_tokens,
         });
     }
@@ -181,6 +185,7 @@ pub(crate) fn run(a: LoraServeArgs) -> anyhow::Result<()> {
     let report = serde_json::json!({
         "policy": a.policy.name(),
         "adapter_dirs": a.adapter,
+        "prompt_file": a.prompt_file,
         "requests": jobs.len(),
         "requests_per_adapter": per_adapter,
         "tokens_per_request": a.max_tokens,
@@ -264,4 +269,26 @@ fn load(dirs: &[PathBuf], g: &mut Generator) -> anyhow::Result<u32> {
         g.model_mut().add_adapter(k, ad)?;
     }
     Ok(u32::try_from(dirs.len())?)
+}
+
+/// The prompts the stream cycles through, tokenised: `--prompt-file`'s lines, or the built-in
+/// ones. A line that could never be served is refused here, naming it (the stream's own check
+/// would name a request, which is no line of the file).
+fn prompts(a: &LoraServeArgs, g: &Generator) -> anyhow::Result<Vec<Vec<u32>>> {
+    let Some(path) = &a.prompt_file else {
+        return Ok(PROMPTS.iter().map(|p| g.encode(p)).collect::<Result<_, _>>()?);
+    };
+    let window = g.model().config().max_position_embeddings;
+    let mut out = Vec::new();
+    for (n, line) in crate::input::given_then_lines(Vec::new(), Some(path.clone()), "--prompt-file")?.enumerate() {
+        let tokens = g.encode(&line?)?;
+        if let Some(why) = cascade_exec::llama::generate::refusal(&tokens, window) {
+            bail!("line {} of --prompt-file {}: {why}", n + 1, path.display());
+        }
+        out.push(tokens);
+    }
+    if out.is_empty() {
+        bail!("--prompt-file {} holds no line: no prompt to serve", path.display());
+    }
+    Ok(out)
 }

@@ -688,9 +688,10 @@ fn lora_serve_refuses_adapters_beyond_the_machines_memory() {
 }
 
 /// `lora-serve --adapter DIR` serves PEFT adapter directories (here two seeded adapters saved in
-/// PEFT's layout: test doubles, but read from disk as a user's would be), every response equal
-/// to its request served alone; a directory that holds no adapter is refused naming it, and
-/// `--adapter` beside `--adapters` is refused.
+/// PEFT's layout: test doubles, but read from disk as a user's would be) with the prompts of
+/// `--prompt-file`, every response equal to its request served alone; a directory that holds no
+/// adapter is refused naming it, `--adapter` beside `--adapters` is refused, and a prompt file
+/// with an empty line is refused naming the line.
 #[test]
 fn lora_serve_serves_peft_adapter_directories() {
     use cascade_exec::llama::{LlamaConfig, LoraAdapter, Proj};
@@ -710,11 +711,16 @@ fn lora_serve_serves_peft_adapter_directories() {
         c.env_remove("RUST_BACKTRACE").output().unwrap()
     };
     let flag = std::ffi::OsStr::new("--adapter");
-    let out = serve(&[flag, dirs[0].as_os_str(), flag, dirs[1].as_os_str()]);
+    // The user's prompts, too (`--prompt-file`): every line served.
+    let prompts = d.join("prompts.txt");
+    std::fs::write(&prompts, "Tell me a joke about cats\nThe tallest mountain is\n").unwrap();
+    let prompt_file = [std::ffi::OsStr::new("--prompt-file"), prompts.as_os_str()];
+    let out = serve(&[&[flag, dirs[0].as_os_str(), flag, dirs[1].as_os_str()][..], &prompt_file[..]].concat());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{err}");
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["adapter_dirs"].as_array().unwrap().len(), 2, "{v}");
+    assert_eq!(v["prompt_file"], prompts.to_str().unwrap(), "{v}");
     let per: Vec<u64> = v["requests_per_adapter"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect();
     assert_eq!((per.len(), per.iter().sum::<u64>()), (2, 6), "{v}");
     assert!(v["differences"].as_array().unwrap().is_empty(), "{v}");
@@ -727,6 +733,14 @@ fn lora_serve_serves_peft_adapter_directories() {
     assert!(!out.status.success() && err.contains("loading --adapter") && err.contains("adapter_config.json"), "{err}");
     let out = serve(&[flag, dirs[0].as_os_str(), std::ffi::OsStr::new("--adapters"), std::ffi::OsStr::new("3")]);
     assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("cannot be used with"));
+    // A prompt file with an empty line is refused naming the line.
+    std::fs::write(&prompts, "fine\n\nalso fine\n").unwrap();
+    let out = serve(&prompt_file);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("line 2 of --prompt-file") && err.contains("an empty prompt"),
+        "{err}"
+    );
     let _ = std::fs::remove_dir_all(&d);
 }
 
