@@ -136,6 +136,8 @@ struct InOrder<'a> {
     a: &'a GenerateArgs,
     g: &'a Generator,
     bar: Option<ProgressBar>,
+    /// With one prompt shown as it is generated: what was shown, which its result line ends.
+    streamed: Option<&'a RefCell<Streamed>>,
     /// Finished prompts waiting for an earlier one: index → (prompt, outcome).
     waiting: BTreeMap<usize, (String, Outcome)>,
     /// The next prompt to print.
@@ -170,9 +172,10 @@ impl InOrder<'_> {
                 continue;
             }
             let mut stdout = std::io::stdout().lock();
+            let streamed = self.streamed.map(|s| s.borrow().text.clone());
             let shown = match &self.bar {
-                Some(b) => b.suspend(|| show(&mut stdout, self.a, self.g, &prompt, &o, None)),
-                None => show(&mut stdout, self.a, self.g, &prompt, &o, None),
+                Some(b) => b.suspend(|| show(&mut stdout, self.a, self.g, &prompt, &o, streamed.as_ref())),
+                None => show(&mut stdout, self.a, self.g, &prompt, &o, streamed.as_ref()),
             };
             self.failed = shown.err();
         }
@@ -209,10 +212,12 @@ pub(crate) fn generate(a: GenerateArgs) -> anyhow::Result<()> {
             .unwrap_or_else(|_| ProgressStyle::default_spinner());
         ProgressBar::new_spinner().with_style(style)
     });
+    let shown = RefCell::new(Streamed::default());
     let order = RefCell::new(InOrder {
         a: &a,
         g: &g,
         bar,
+        streamed: stream.then_some(&shown),
         waiting: BTreeMap::new(),
         next: 0,
         generated: (0, 0),
@@ -224,13 +229,12 @@ pub(crate) fn generate(a: GenerateArgs) -> anyhow::Result<()> {
     let handed: RefCell<HashMap<usize, (usize, String)>> = RefCell::new(HashMap::new());
     let mut read_failed: Option<anyhow::Error> = None;
     let (mut read, mut given, mut ended) = (0usize, 0usize, false);
-    // Prompts handed over and not yet done: while some run, a prompt not yet read is not waited for.
-    let running = std::cell::Cell::new(0usize);
     let prompts = std::iter::from_fn(|| loop {
         if ended || order.borrow().failed.is_some() {
             return None;
         }
-        let next = if running.get() > 0 {
+        // While prompts handed over run, one not yet read is not waited for.
+        let next = if !handed.borrow().is_empty() {
             match rx.try_recv() {
                 Ok(next) => Some(next),
                 Err(std::sync::mpsc::TryRecvError::Empty) => return None,
@@ -258,13 +262,11 @@ pub(crate) fn generate(a: GenerateArgs) -> anyhow::Result<()> {
             Ok(tokens) => {
                 handed.borrow_mut().insert(given, (i, prompt));
                 given += 1;
-                running.set(running.get() + 1);
                 return Some(tokens);
             }
             Err(why) => order.borrow_mut().finish(i, prompt, Outcome::Refused(why)),
         }
     });
-    let shown = RefCell::new(Streamed::default());
     let t = Instant::now();
     g.generate_stream(
         prompts,
@@ -279,19 +281,8 @@ pub(crate) fn generate(a: GenerateArgs) -> anyhow::Result<()> {
             }
         },
         |k, o| {
-            running.set(running.get() - 1);
             let Some((i, prompt)) = handed.borrow_mut().remove(&k) else { return };
-            if stream {
-                // Shown after its streamed text.
-                let mut order = order.borrow_mut();
-                order.generated = (1, o.tokens.len());
-                order.next = 1;
-                order.failed =
-                    show(&mut std::io::stdout().lock(), &a, &g, &prompt, &Outcome::Done(o), Some(&shown.borrow().text))
-                        .err();
-            } else {
-                order.borrow_mut().finish(i, prompt, Outcome::Done(o));
-            }
+            order.borrow_mut().finish(i, prompt, Outcome::Done(o));
         },
     )?;
     let ran = t.elapsed();
