@@ -57,6 +57,7 @@ impl BertConfig {
 
     /// Reads `config.json`.
     pub fn from_json(text: &str) -> Result<BertConfig, ExecError> {
+        crate::check_model_type(text, "bert")?;
         let c: BertConfig = serde_json::from_str(text).map_err(|e| ExecError::Model(format!("config.json: {e}")))?;
         if c.hidden_act != "gelu" {
             return Err(ExecError::Model(format!("activation {:?} is not supported (only gelu)", c.hidden_act)));

