@@ -806,7 +806,10 @@ fn a_missing_model_outside_the_repository_is_named_without_running_a_script() {
         let out = Command::new(CASCADE).arg(cmd).current_dir(&d).output().unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success(), "{cmd}: {err}");
-        assert!(err.contains("no model in target/models/smollm2-135m/f32") && err.contains("--model DIR"), "{cmd}: {err}");
+        assert!(
+            err.contains("no model in target/models/smollm2-135m/f32") && err.contains("--model DIR"),
+            "{cmd}: {err}"
+        );
         assert!(!err.contains("No such file"), "{cmd}: {err}");
         assert!(String::from_utf8_lossy(&out.stdout).is_empty(), "{cmd}: nothing fetched");
     }

@@ -64,9 +64,9 @@ pub(crate) fn check_model_type(text: &str, want: &str) -> Result<(), ExecError> 
         model_type: Option<String>,
     }
     match serde_json::from_str::<Kind>(text) {
-        Ok(Kind { model_type: Some(t) }) if t != want => Err(ExecError::Model(format!(
-            "config.json describes a {t:?} model, not a {want} one"
-        ))),
+        Ok(Kind { model_type: Some(t) }) if t != want => {
+            Err(ExecError::Model(format!("config.json describes a {t:?} model, not a {want} one")))
+        }
         // Malformed JSON is reported by the full parse that follows, with its position.
         _ => Ok(()),
     }
