@@ -85,6 +85,11 @@ pub enum Action {
     },
 }
 
+/// `1, 2, 3`.
+fn list(nodes: &[NodeId]) -> String {
+    nodes.iter().map(NodeId::to_string).collect::<Vec<_>>().join(", ")
+}
+
 /// A refused request.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -95,9 +100,17 @@ pub enum PoolError {
     /// Unknown copy.
     #[error("unknown copy {0}")]
     UnknownCopy(CopyId),
-    /// Unknown or dead node.
+    /// A node the pool has but declared dead.
     #[error("node {0} is not a live member")]
     NoSuchNode(NodeId),
+    /// A node that is not one of the pool's (it never was: a mistyped id).
+    #[error("node {node} is not one of the pool's nodes ({})", list(nodes))]
+    NotInPool {
+        /// The node asked for.
+        node: NodeId,
+        /// The pool's nodes.
+        nodes: Vec<NodeId>,
+    },
     /// The node is being drained: nothing new goes there until it is undrained.
     #[error("node {0} is drained: nothing new is placed there (`cascade pool undrain` takes it back)")]
     Draining(NodeId),
@@ -383,6 +396,14 @@ impl Pool {
         Ok(self.top_up_from(model, true))
     }
 
+    /// Refuses a node that is not one of the pool's, naming them.
+    fn member(&self, node: NodeId) -> Result<(), PoolError> {
+        if self.nodes.contains_key(&node) {
+            return Ok(());
+        }
+        Err(PoolError::NotInPool { node, nodes: self.nodes.keys().copied().collect() })
+    }
+
     /// Records whether the model's file can still be read (repairs fall back to it).
     pub fn set_file_reachable(&mut self, model: ModelId, reachable: bool) -> Result<(), PoolError> {
         self.models.get_mut(&model).ok_or(PoolError::UnknownModel(model))?.file_reachable = reachable;
@@ -394,6 +415,7 @@ impl Pool {
         if !self.models.contains_key(&model) {
             return Err(PoolError::UnknownModel(model));
         }
+        self.member(node)?;
         if !self.alive(node) {
             return Err(PoolError::NoSuchNode(node));
         }

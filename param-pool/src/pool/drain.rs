@@ -20,9 +20,7 @@ impl Pool {
     /// it holds could not get its `k` copies on the other live, undrained nodes with room.
     /// Draining a node already draining, or one declared dead (it holds nothing), only marks it.
     pub fn drain(&mut self, node: NodeId) -> Result<Vec<Action>, PoolError> {
-        if !self.nodes.contains_key(&node) {
-            return Err(PoolError::NoSuchNode(node));
-        }
+        self.member(node)?;
         let mut next = self.clone();
         next.draining.insert(node);
         let mut out = Vec::new();
@@ -61,9 +59,7 @@ impl Pool {
     /// lack of room left short of `k` are topped up. Copies still evicting there keep going (a
     /// drain undone keeps what it moved).
     pub fn undrain(&mut self, node: NodeId) -> Result<Vec<Action>, PoolError> {
-        if !self.nodes.contains_key(&node) {
-            return Err(PoolError::NoSuchNode(node));
-        }
+        self.member(node)?;
         if !self.draining.remove(&node) {
             return Ok(Vec::new());
         }
@@ -176,7 +172,7 @@ mod tests {
         let before = q.clone();
         assert!(matches!(q.drain(0), Err(PoolError::TooFewNodes { .. })));
         assert_eq!(q, before);
-        assert_eq!(q.drain(9), Err(PoolError::NoSuchNode(9)));
+        assert_eq!(q.drain(9), Err(PoolError::NotInPool { node: 9, nodes: vec![0, 1, 2] }));
     }
 
     #[test]

@@ -240,6 +240,10 @@ fn a_scale_out_deploys_on_every_node_or_on_none() {
     settle(&mut p, a);
     let before = p.copies().count();
     assert_eq!(p.deploy_all(1, &[2, 3, 4], 0), Err(PoolError::NoSuchNode(4)));
+    // A node the pool never had is named as such, with the pool's nodes.
+    let e = p.deploy_all(1, &[2, 9], 0).unwrap_err();
+    assert_eq!(e, PoolError::NotInPool { node: 9, nodes: vec![0, 1, 2, 3, 4] });
+    assert_eq!(e.to_string(), "node 9 is not one of the pool's nodes (0, 1, 2, 3, 4)");
     assert_eq!(p.copies().count(), before, "a refused scale-out left no copy behind");
     let a = p.deploy_all(1, &[2, 3], 0).unwrap();
     let made: Vec<(NodeId, CopyKind)> = creates(&a).iter().map(|c| (c.node, c.kind)).collect();
