@@ -22,7 +22,8 @@ pub(crate) struct EmbedArgs {
     /// A file of texts to embed, one per line (`-`: standard input), after any `--text`. Every
     /// line is a text, an empty one too, so output line N is input line N. Embedded as they
     /// arrive, up to 4,096 lines at a time: output begins before the input ends (a line typed
-    /// or piped in alone is answered at once), in bounded memory.
+    /// or piped in alone is answered at once), in bounded memory. A line over 1 MiB is embedded
+    /// from its first MiB (the model takes its first 256 tokens), the rest of it skipped.
     #[arg(long, value_name = "FILE")]
     text_file: Option<PathBuf>,
     /// Texts per forward pass. More texts than this run in batches of texts of about the same
@@ -74,7 +75,9 @@ pub(crate) fn embed(a: EmbedArgs) -> anyhow::Result<()> {
         let mut block = Vec::new();
         for text in std::iter::once(first).chain(rx.try_iter().take(BLOCK - 1)) {
             match text {
-                Ok(text) => block.push(text),
+                // A line cut at MAX_LINE bytes (noted on stderr) is embedded from its start,
+                // as a text over the model's tokens is: the model takes far fewer.
+                Ok(line) => block.push(line.text),
                 Err(e) => {
                     failed = Some(e);
                     break;

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context};
-use cascade_exec::llama::generate::{refusal, Generated, Generator, RUNNING};
+use cascade_exec::llama::generate::{Generated, Generator, RUNNING};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -26,7 +26,8 @@ pub(crate) struct GenerateArgs {
     prompt: Vec<String>,
     /// A file of prompts, one per line (`-`: standard input), after any `--prompt`. Output line N
     /// answers prompt N; prompts are read as sequences finish, so output begins before the
-    /// input ends and memory stays bounded.
+    /// input ends and memory stays bounded. A line over 1 MiB is refused in its place, read only
+    /// in part.
     #[arg(long, value_name = "FILE")]
     prompt_file: Option<PathBuf>,
     /// Wrap each prompt in the model's ChatML turn (a user message, then the assistant's turn).
@@ -202,7 +203,6 @@ pub(crate) fn generate(a: GenerateArgs) -> anyhow::Result<()> {
         )
     })?;
     let loaded = t.elapsed();
-    let window = g.model().config().max_position_embeddings;
     // One prompt as text is shown token by token as it is generated (a long one takes minutes);
     // with several, each is shown once it and every prompt before it are done, in their order.
     let stream = !a.json && a.prompt.len() == 1 && a.prompt_file.is_none();
@@ -243,8 +243,8 @@ pub(crate) fn generate(a: GenerateArgs) -> anyhow::Result<()> {
         } else {
             rx.recv().ok()
         };
-        let prompt = match next {
-            Some(Ok(p)) => p,
+        let line = match next {
+            Some(Ok(line)) => line,
             Some(Err(e)) => {
                 read_failed = Some(e);
                 ended = true;
@@ -257,8 +257,13 @@ pub(crate) fn generate(a: GenerateArgs) -> anyhow::Result<()> {
         };
         let i = read;
         read += 1;
-        let tokens = g.encode(&if a.chat { chatml(&prompt) } else { prompt.clone() });
-        match tokens.map_err(|e| e.to_string()).and_then(|t| refusal(&t, window).map_or(Ok(t), Err)) {
+        let prompt = line.text;
+        let tokens = match line.cut {
+            // Generated from, its start would be taken for the prompt.
+            true => Ok(Err(format!("a line longer than {} MiB, read only in part", crate::input::MAX_LINE >> 20))),
+            false => g.prompt(&if a.chat { chatml(&prompt) } else { prompt.clone() }),
+        };
+        match tokens.map_err(|e| e.to_string()).and_then(|t| t) {
             Ok(tokens) => {
                 handed.borrow_mut().insert(given, (i, prompt));
                 given += 1;

@@ -278,14 +278,21 @@ fn prompts(a: &LoraServeArgs, g: &Generator) -> anyhow::Result<Vec<Vec<u32>>> {
     let Some(path) = &a.prompt_file else {
         return Ok(PROMPTS.iter().map(|p| g.encode(p)).collect::<Result<_, _>>()?);
     };
-    let window = g.model().config().max_position_embeddings;
     let mut out = Vec::new();
     for (n, line) in crate::input::given_then_lines(Vec::new(), Some(path.clone()), "--prompt-file")?.enumerate() {
-        let tokens = g.encode(&line?)?;
-        if let Some(why) = cascade_exec::llama::generate::refusal(&tokens, window) {
-            bail!("line {} of --prompt-file {}: {why}", n + 1, path.display());
+        let line = line?;
+        if line.cut {
+            bail!(
+                "line {} of --prompt-file {}: longer than {} MiB",
+                n + 1,
+                path.display(),
+                crate::input::MAX_LINE >> 20
+            );
         }
-        out.push(tokens);
+        match g.prompt(&line.text)? {
+            Ok(tokens) => out.push(tokens),
+            Err(why) => bail!("line {} of --prompt-file {}: {why}", n + 1, path.display()),
+        }
     }
     if out.is_empty() {
         bail!("--prompt-file {} holds no line: no prompt to serve", path.display());

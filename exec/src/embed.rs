@@ -10,6 +10,7 @@ use cascade_param_pool::manifest::Manifest;
 use tokenizers::{Encoding, Tokenizer, TruncationParams};
 
 use crate::bert::{mean_pool_normalized, Bert, BertConfig};
+use crate::tokens;
 use crate::weights::Weights;
 use crate::{Activation, ExecError, LayerExec};
 
@@ -215,12 +216,28 @@ pub fn tokenize(tokenizer: &Tokenizer, texts: &[&str]) -> Result<Activation, Exe
     padded(&enc.iter().collect::<Vec<_>>())
 }
 
-/// `texts` tokenised (at least one).
+/// `texts` tokenised (at least one). A text longer than [`tokens::FIRST`] bytes that the
+/// tokenizer cuts is tokenised only as far as the cut needs ([`tokens::encode_enough`]): the same
+/// tokens, and still marked as cut, in work bounded by the cut instead of the text.
 fn encodings(tokenizer: &Tokenizer, texts: &[&str]) -> Result<Vec<Encoding>, ExecError> {
     if texts.is_empty() {
         return Err(ExecError::Input("no text to embed".into()));
     }
-    tokenizer.encode_batch(texts.to_vec(), true).map_err(|e| ExecError::Input(format!("tokenising: {e}")))
+    let batch = |texts: Vec<&str>| {
+        tokenizer.encode_batch(texts, true).map_err(|e| ExecError::Input(format!("tokenising: {e}")))
+    };
+    let long = |t: &&str| t.len() > tokens::FIRST;
+    if tokenizer.get_truncation().is_none() || !texts.iter().any(long) {
+        return batch(texts.to_vec());
+    }
+    let mut short = batch(texts.iter().copied().filter(|t| !long(t)).collect())?.into_iter();
+    texts
+        .iter()
+        .map(|t| match long(t) {
+            true => tokens::encode_enough(tokenizer, t, true, tokens::FIRST, was_cut).map(|e| e.encoding),
+            false => short.next().ok_or_else(|| ExecError::Input("a text was not tokenised".into())),
+        })
+        .collect()
 }
 
 /// Whether the tokenizer cut the text.

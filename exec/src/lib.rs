@@ -28,6 +28,7 @@ pub mod llama;
 pub mod llmsim;
 pub mod pd;
 pub mod serve;
+pub mod tokens;
 pub mod weights;
 pub mod zigzag;
 

@@ -246,6 +246,20 @@ impl Generator {
         encode(&self.tokenizer, text)
     }
 
+    /// `text`'s tokens as a prompt ([`Generator::encode`]), or why it cannot be continued within
+    /// the model's context window ([`refusal`]): `Ok(Err(why))`. A text longer than
+    /// [`tokens::FIRST`](crate::tokens::FIRST) bytes is tokenised only until it is known to hold
+    /// more tokens than the window ("at least N tokens"), not whole (a 10 MB line took 1.5 GB).
+    pub fn prompt(&self, text: &str) -> Result<Result<Vec<u32>, String>, ExecError> {
+        let window = self.model.config().max_position_embeddings;
+        let e = crate::tokens::encode_enough(&self.tokenizer, text, false, crate::tokens::FIRST, |e| e.len() > window)?;
+        let tokens = e.encoding.get_ids();
+        if !e.whole {
+            return Ok(Err(format!("at least {} tokens; the model's context window is {window}", tokens.len())));
+        }
+        Ok(refusal(tokens, window).map_or_else(|| Ok(tokens.to_vec()), Err))
+    }
+
     /// `tokens` as text (special tokens kept).
     pub fn decode(&self, tokens: &[u32]) -> Result<String, ExecError> {
         self.tokenizer.decode(tokens, false).map_err(|e| ExecError::Input(format!("decoding: {e}")))
