@@ -1,4 +1,5 @@
-//! `cascade demo`: Cascade's main job end to end on one machine.
+//! `cascade demo`: the parameter pool end to end on one machine (the main job, live autoscaling,
+//! is `cascade live`).
 //!
 //! Starts a local cluster — `--nodes` node daemons as processes on loopback, or each in its own
 //! network namespace with links shaped to `--link-mbit` (`--netns`, root) — and a pool manager

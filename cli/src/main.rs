@@ -43,8 +43,9 @@ enum Cmd {
     Node(NodeArgs),
     /// Plan and run a multicast from this node (the controller) on node daemons, then verify it.
     Multicast(MulticastArgs),
-    /// Cascade's main job on one machine: a local cluster and pool manager; register a model,
-    /// scale it to every node by chained multicast, kill a node, repair, check; report + timeline.
+    /// The parameter pool end to end on one machine: a local cluster and pool manager; register a
+    /// model, scale it to every node by chained multicast, kill a node, repair, check; report +
+    /// timeline (the main job is `cascade live`).
     Demo(demo::DemoArgs),
     /// Live autoscaling of the real all-MiniLM-L6-v2 under a burst: the model is multicast to a
     /// second instance that serves layer by layer while it loads, under each policy
