@@ -328,3 +328,34 @@ pub(crate) fn generate(a: GenerateArgs) -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// The prompts a request stream cycles through (`cascade lora-serve`, `cascade pd`), tokenised:
+/// the lines of `file`, or `builtin`. A line that could never be served (empty, over the context
+/// window, over [`crate::input::MAX_LINE`]) is refused here, naming it: the stream's own check
+/// would name a request, which is no line of the file.
+pub(crate) fn prompts_to_cycle(
+    file: Option<&std::path::Path>,
+    builtin: &[&str],
+    g: &Generator,
+) -> anyhow::Result<Vec<Vec<u32>>> {
+    let Some(path) = file else {
+        return Ok(builtin.iter().map(|p| g.encode(p)).collect::<Result<_, _>>()?);
+    };
+    let mut out = Vec::new();
+    for (n, line) in crate::input::given_then_lines(Vec::new(), Some(path.to_path_buf()), "--prompt-file")?.enumerate()
+    {
+        let line = line?;
+        let where_ = || format!("line {} of --prompt-file {}", n + 1, path.display());
+        if line.cut {
+            anyhow::bail!("{}: longer than {} MiB", where_(), crate::input::MAX_LINE >> 20);
+        }
+        match g.prompt(&line.text)? {
+            Ok(tokens) => out.push(tokens),
+            Err(why) => anyhow::bail!("{}: {why}", where_()),
+        }
+    }
+    if out.is_empty() {
+        anyhow::bail!("--prompt-file {} holds no line: no prompt to serve", path.display());
+    }
+    Ok(out)
+}

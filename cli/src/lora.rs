@@ -108,7 +108,7 @@ pub(crate) fn run(a: LoraServeArgs) -> anyhow::Result<()> {
     let mut rng = Rng::new(a.seed);
     let w: Vec<f64> = (0..adapters).map(|k| 1.0 / ((k + 1) as f64).powf(a.zipf)).collect();
     let total: f64 = w.iter().sum();
-    let encoded = prompts(&a, &g)?;
+    let encoded = crate::generate::prompts_to_cycle(a.prompt_file.as_deref(), &PROMPTS, &g)?;
     let mut jobs = Vec::with_capacity(a.requests);
     let mut t = 0.0;
     for i in 0..a.requests {
@@ -269,33 +269,4 @@ fn load(dirs: &[PathBuf], g: &mut Generator) -> anyhow::Result<u32> {
         g.model_mut().add_adapter(k, ad)?;
     }
     Ok(u32::try_from(dirs.len())?)
-}
-
-/// The prompts the stream cycles through, tokenised: `--prompt-file`'s lines, or the built-in
-/// ones. A line that could never be served is refused here, naming it (the stream's own check
-/// would name a request, which is no line of the file).
-fn prompts(a: &LoraServeArgs, g: &Generator) -> anyhow::Result<Vec<Vec<u32>>> {
-    let Some(path) = &a.prompt_file else {
-        return Ok(PROMPTS.iter().map(|p| g.encode(p)).collect::<Result<_, _>>()?);
-    };
-    let mut out = Vec::new();
-    for (n, line) in crate::input::given_then_lines(Vec::new(), Some(path.clone()), "--prompt-file")?.enumerate() {
-        let line = line?;
-        if line.cut {
-            bail!(
-                "line {} of --prompt-file {}: longer than {} MiB",
-                n + 1,
-                path.display(),
-                crate::input::MAX_LINE >> 20
-            );
-        }
-        match g.prompt(&line.text)? {
-            Ok(tokens) => out.push(tokens),
-            Err(why) => bail!("line {} of --prompt-file {}: {why}", n + 1, path.display()),
-        }
-    }
-    if out.is_empty() {
-        bail!("--prompt-file {} holds no line: no prompt to serve", path.display());
-    }
-    Ok(out)
 }

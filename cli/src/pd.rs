@@ -111,6 +111,12 @@ pub(crate) struct PdArgs {
     /// missing.
     #[arg(long, default_value = "target/models/smollm2-135m/f32")]
     model: PathBuf,
+    /// A file of prompts, one per line, for the burst to cycle through instead of its six
+    /// built-in ones (an empty line, or one longer than the context window, is refused naming
+    /// it). Each is generated once in one process first: the reference every answer is checked
+    /// against.
+    #[arg(long, value_name = "FILE")]
+    prompt_file: Option<PathBuf>,
     /// Requests in the burst.
     #[arg(long, default_value_t = 32)]
     requests: usize,
@@ -202,7 +208,7 @@ pub(crate) fn run(a: PdArgs) -> anyhow::Result<()> {
     let model_dir = std::fs::canonicalize(&a.model)?;
     let out = std::fs::canonicalize(&a.out)?;
     let g = Generator::from_dir(&model_dir)?;
-    let prompts: Vec<Vec<u32>> = PROMPTS.iter().map(|p| g.encode(p)).collect::<Result<_, _>>()?;
+    let prompts = crate::generate::prompts_to_cycle(a.prompt_file.as_deref(), &PROMPTS, &g)?;
     // A request must fit one decode instance's KV (and so the model's window): refused here, not
     // after a reference run of minutes whose every request the instances would then refuse.
     let kv = LlmConfig::default();
@@ -216,8 +222,18 @@ pub(crate) fn run(a: PdArgs) -> anyhow::Result<()> {
             room.saturating_sub(longest)
         );
     }
-    println!("single-process greedy reference for {} prompts …", PROMPTS.len());
-    let expected: Vec<Vec<u32>> = g.generate(&prompts, a.max_tokens as usize)?.into_iter().map(|o| o.tokens).collect();
+    println!("single-process greedy reference for {} …", crate::count(prompts.len(), "prompt", "prompts"));
+    // A prompt file's many prompts take minutes: counted on a bar on stderr (drawn on a terminal).
+    let bar = indicatif::ProgressBar::new(prompts.len() as u64).with_style(
+        indicatif::ProgressStyle::with_template("reference {bar:30} {pos}/{len} prompts, {elapsed}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let expected: Vec<Vec<u32>> = g
+        .generate_each(&prompts, a.max_tokens as usize, |_, _| {}, |_, _| bar.inc(1))?
+        .into_iter()
+        .map(|o| o.tokens)
+        .collect();
+    bar.finish_and_clear();
     // What the router needs of the model, taken from the reference's load (not read again).
     let model = PdModel {
         config: g.model().config().clone(),
@@ -439,7 +455,7 @@ async fn drive(
     let split = answers.iter().filter(|x| x.prefill.1 > 0).count();
     let decoded_by_mutated = answers.iter().filter(|x| x.decode == MUTATES).count();
     let report = serde_json::json!({
-        "requests": a.requests, "answered": answers.len(), "lost": lost, "answered_twice": twice,
+        "requests": a.requests, "prompt_file": a.prompt_file, "prompts": prompts.len(), "answered": answers.len(), "lost": lost, "answered_twice": twice,
         "not_equal_to_reference": wrong, "requeued": stats.requeued, "stale_tokens_dropped": stats.stale_tokens,
         "decodes_stalled": stats.stalled, "monitor_rounds": stats.monitor_rounds, "migrated": stats.migrated,
         "ttft_p50_ms": pct(&mut ttft.clone(), 0.5), "ttft_p99_ms": pct(&mut ttft.clone(), 0.99),

@@ -776,6 +776,24 @@ fn pd_refuses_negative_times_and_requests_no_instance_can_hold() {
     assert!(!out.status.success() && err.contains("--requests 100000000: at most 1000000"), "{err}");
     let d = scratch("pd-tokens");
     let Some(model) = smollm2(&d) else { return };
+    // A prompt file's line that could never be served is refused naming it, before the reference.
+    let prompts = d.join("prompts.txt");
+    std::fs::write(&prompts, "The capital of France is\n\nok\n").unwrap();
+    let out = Command::new(CASCADE)
+        .args(["pd", "--model"])
+        .arg(&model)
+        .arg("--out")
+        .arg(&d)
+        .arg("--prompt-file")
+        .arg(&prompts)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("line 2 of --prompt-file") && err.contains("an empty prompt"),
+        "{err}"
+    );
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("reference"), "no reference run first");
     // u32::MAX too: the check's sum saturates instead of wrapping past it.
     for tokens in ["100000", "4294967295"] {
         let t = std::time::Instant::now();

@@ -48,9 +48,16 @@ fn pd(tag: &str, args: &[&str]) -> Option<(serde_json::Value, String, PathBuf)> 
     Some((r, stdout, out))
 }
 
+/// With the user's prompts (`--prompt-file`: the burst cycles through the file's lines).
 #[test]
 fn disaggregated_serving_answers_every_request_with_the_greedy_tokens() {
-    let Some((r, stdout, out)) = pd("kill", &["--max-tokens", "6", "--kill-decode-at-s", "0.8"]) else { return };
+    let prompts = std::env::temp_dir().join(format!("cascade-pd-prompts-{}.txt", std::process::id()));
+    std::fs::write(&prompts, "Rust is a language that\nThe largest planet is\n<|im_start|>user\nHi!<|im_end|>\n")
+        .unwrap();
+    let args = ["--max-tokens", "6", "--kill-decode-at-s", "0.8", "--prompt-file", prompts.to_str().unwrap()];
+    let Some((r, stdout, out)) = pd("kill", &args) else { return };
+    let _ = std::fs::remove_file(&prompts);
+    assert_eq!(r["prompts"], 4, "the file's four lines");
     assert!(r["decode_killed_at_s"].as_f64().is_some_and(|t| t >= 0.8), "{}", r["decode_killed_at_s"]);
     assert!(stdout.contains("killed the decode instance"), "{stdout}");
     let _ = std::fs::remove_dir_all(&out);
