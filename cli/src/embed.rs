@@ -28,8 +28,8 @@ pub(crate) struct EmbedArgs {
     text_file: Option<PathBuf>,
     /// Texts per forward pass. More texts than this run in batches of texts of about the same
     /// length (sorted by tokens within each 4,096 read), so memory stays bounded; the output
-    /// keeps the input's order.
-    /// 1 to 4,096.
+    /// keeps the input's order. A pass of long texts holds fewer: at most 32 of 256 tokens
+    /// (about 0.5 GB), whatever this says. 1 to 4,096.
     #[arg(long, default_value_t = BATCH as u32, value_parser = clap::value_parser!(u32).range(1..=4096))]
     batch: u32,
     /// Print one JSON object per text: {text, dim, embedding, truncated} (`truncated`: the text

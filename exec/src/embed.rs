@@ -92,8 +92,10 @@ impl Embedder {
     /// Up to `batch` texts run as one batch in their order. More are sorted by token count,
     /// longest first, and cut into batches of `batch`, each padded only to its own longest
     /// text, as sentence-transformers' `encode` does. So memory stays bounded, and a long text
-    /// does not pad every short one. Embeddings come back in the texts' order. A text's
-    /// embedding does not depend on its batch beyond float rounding (padding is masked).
+    /// does not pad every short one. A pass also holds at most [`PASS_CELLS`] attention cells
+    /// (texts × padded tokens²; [`passes`]): a large `batch` runs many short texts at once but
+    /// long ones no more than [`BATCH`] at a time. Embeddings come back in the texts' order. A
+    /// text's embedding does not depend on its batch beyond float rounding (padding is masked).
     pub fn embed_in_batches(
         &self,
         texts: &[&str],
@@ -104,13 +106,11 @@ impl Embedder {
             return Err(ExecError::Input("a batch of 0 texts".into()));
         }
         let enc = encodings(&self.tokenizer, texts)?;
-        let mut order: Vec<usize> = (0..enc.len()).collect();
-        if enc.len() > batch {
-            order.sort_by_key(|&i| std::cmp::Reverse(enc[i].get_ids().len()));
-        }
+        let lens: Vec<usize> = enc.iter().map(|e| e.get_ids().len()).collect();
         let mut out = vec![Vec::new(); enc.len()];
         let mut done = 0;
-        for part in order.chunks(batch) {
+        for part in passes(&lens, batch, PASS_CELLS) {
+            let part = &part[..];
             let rows: Vec<&Encoding> = part.iter().map(|&i| &enc[i]).collect();
             let act = self.model.run(0..self.model.layers(), padded(&rows)?)?;
             for (&i, v) in part.iter().zip(mean_pool_normalized(&act)?) {
@@ -126,6 +126,37 @@ impl Embedder {
 /// Texts per forward pass when many are embedded at once: sentence-transformers' default
 /// `batch_size`. A batch of 1,400 texts of 256 tokens in one pass took 13.8 GB and 171 s here.
 pub const BATCH: usize = 32;
+
+/// The most attention cells (texts × padded tokens²) one forward pass holds: [`BATCH`] texts at
+/// sentence-transformers' cut of 256 tokens, about 0.5 GB here. Measured on 256 texts of 256
+/// tokens, passes of 32, 128 and 256 such texts took 0.50, 1.60 and 3.07 GB (and 23, 29 and 30 s):
+/// a pass of 4,096 would have needed some 47 GB. Texts of 10 tokens fit 20,000 to a pass.
+pub const PASS_CELLS: usize = BATCH * 256 * 256;
+
+/// The forward passes for texts of `lens` tokens: indices into `lens`, at most `batch` texts and
+/// at most `cells` attention cells (texts × the pass's longest² — a text longer than that runs
+/// alone) each. All of them in their order when they fit one pass; otherwise sorted longest
+/// first, so that each pass pads to about its own length.
+pub fn passes(lens: &[usize], batch: usize, cells: usize) -> Vec<Vec<usize>> {
+    let batch = batch.max(1);
+    let fits =
+        |rows: usize, longest: usize| rows <= batch && rows.saturating_mul(longest.saturating_mul(longest)) <= cells;
+    let longest = lens.iter().copied().max().unwrap_or(0);
+    if fits(lens.len(), longest) {
+        return if lens.is_empty() { Vec::new() } else { vec![(0..lens.len()).collect()] };
+    }
+    let mut order: Vec<usize> = (0..lens.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(lens[i]));
+    let mut out: Vec<Vec<usize>> = Vec::new();
+    for i in order {
+        match out.last_mut() {
+            // Sorted longest first: a pass's first text is its longest.
+            Some(pass) if fits(pass.len() + 1, lens[pass[0]]) => pass.push(i),
+            _ => out.push(vec![i]),
+        }
+    }
+    out
+}
 
 /// A model directory's files: its `config.json` text (if any), tokenizer, manifest (1 MiB
 /// chunks) and safetensors bytes.
@@ -280,7 +311,30 @@ pub fn reference_sentences() -> Result<Vec<(String, Vec<f32>)>, ExecError> {
 mod tests {
     #![allow(clippy::unwrap_used)]
 
-    use super::max_seq_length;
+    use super::{max_seq_length, passes};
+
+    /// Passes hold at most `batch` texts and `cells` attention cells; texts that fit one pass
+    /// keep their order; every text is in exactly one pass.
+    #[test]
+    fn passes_are_bounded_by_texts_and_attention_cells() {
+        assert_eq!(passes(&[3, 9, 4], 8, 1000), vec![vec![0, 1, 2]], "in order when they fit");
+        assert!(passes(&[], 8, 1000).is_empty());
+        // 32 texts of 256 tokens fill the default budget; 100 of them with a batch of 4096 run 32 at a time.
+        let long = vec![256; 100];
+        let p = passes(&long, 4096, super::PASS_CELLS);
+        assert_eq!(p.iter().map(Vec::len).collect::<Vec<_>>(), [32, 32, 32, 4]);
+        // Short texts run many to a pass; a text over the budget alone runs alone.
+        let mixed: Vec<usize> = (0..1000).map(|i| if i == 7 { 50 } else { 4 + i % 5 }).collect();
+        let p = passes(&mixed, 512, 2000);
+        assert_eq!(p[0], vec![7], "50² = 2500 > 2000: alone");
+        for pass in &p {
+            let longest = pass.iter().map(|&i| mixed[i]).max().unwrap();
+            assert!(pass.len() <= 512 && (pass.len() == 1 || pass.len() * longest * longest <= 2000), "{pass:?}");
+        }
+        let mut all: Vec<usize> = p.concat();
+        all.sort_unstable();
+        assert_eq!(all, (0..1000).collect::<Vec<_>>());
+    }
 
     /// The cut comes from `sentence_bert_config.json` when the directory has one; an absent file
     /// leaves `tokenizer.json`'s, a cut that leaves no token or a malformed file is refused.
