@@ -22,6 +22,10 @@ use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Embedding, Linear, RmsNorm};
 use serde::{Deserialize, Serialize};
 
+/// Query rows of one sequence's attention computed at once ([`Llama`]'s prefill of a long prompt
+/// goes in blocks of this many).
+pub const ATTENTION_ROWS: usize = 256;
+
 use crate::activation::Segment;
 use crate::weights::Weights;
 use crate::{Activation, ExecError, LayerExec};
@@ -434,21 +438,38 @@ impl Llama {
 
     /// Attention of one sequence's new queries `[1, heads, n, d]` (at positions `pos..pos+n`)
     /// over its cached keys and values `[1, kv_heads, S, d]`; returns `[n, heads·d]`.
+    ///
+    /// The queries go [`ATTENTION_ROWS`] at a time, each block against only the keys its rows may
+    /// see (up to its last position): a long prompt's prefill holds one block's scores, not all
+    /// n × S of them, and skips the masked half. A prompt of 6,500 tokens took 4.1 GB and 124 s
+    /// with every row at once. Rows are independent, so the result is the same.
     fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, pos: usize) -> candle_core::Result<Tensor> {
         let (_, heads, n, d) = q.dims4()?;
         let (_, kv_heads, s, _) = k.dims4()?;
         let rep = heads / kv_heads;
         // Query head h reads key/value head h / rep.
-        let widen = |x: &Tensor| x.unsqueeze(2)?.expand((1, kv_heads, rep, s, d))?.reshape((1, heads, s, d));
-        let (k, v) = (widen(k)?, widen(v)?);
-        let mut scores = (q.matmul(&k.t()?)? / (d as f64).sqrt())?;
-        if n > 1 {
-            let mask: Vec<f32> =
-                (0..n).flat_map(|i| (0..s).map(move |j| if j > pos + i { f32::NEG_INFINITY } else { 0.0 })).collect();
-            scores = scores.broadcast_add(&Tensor::from_vec(mask, (n, s), q.device())?)?;
+        let widen = |x: &Tensor, s: usize| {
+            x.narrow(2, 0, s)?.unsqueeze(2)?.expand((1, kv_heads, rep, s, d))?.reshape((1, heads, s, d))
+        };
+        let mut blocks = Vec::with_capacity(n.div_ceil(ATTENTION_ROWS));
+        for start in (0..n).step_by(ATTENTION_ROWS) {
+            let rows = ATTENTION_ROWS.min(n - start);
+            // Row i (position pos + i) sees keys 0..=pos + i: this block, keys up to its last row's.
+            let seen = (pos + start + rows).min(s);
+            let (kb, vb) = (widen(k, seen)?, widen(v, seen)?);
+            let qb = q.narrow(2, start, rows)?;
+            let mut scores = (qb.matmul(&kb.t()?)? / (d as f64).sqrt())?;
+            if rows > 1 {
+                let mask: Vec<f32> = (start..start + rows)
+                    .flat_map(|i| (0..seen).map(move |j| if j > pos + i { f32::NEG_INFINITY } else { 0.0 }))
+                    .collect();
+                scores = scores.broadcast_add(&Tensor::from_vec(mask, (rows, seen), q.device())?)?;
+            }
+            let probs = candle_nn::ops::softmax_last_dim(&scores)?;
+            blocks.push(probs.matmul(&vb)?);
         }
-        let probs = candle_nn::ops::softmax_last_dim(&scores)?;
-        probs.matmul(&v)?.transpose(1, 2)?.reshape((n, heads * d))
+        let out = if blocks.len() == 1 { blocks.remove(0) } else { Tensor::cat(&blocks, 2)? };
+        out.transpose(1, 2)?.reshape((n, heads * d))
     }
 
     fn head(&self, h: &Head, x: &Tensor, segments: &[Segment]) -> candle_core::Result<Tensor> {

@@ -167,3 +167,38 @@ fn an_f16_import_agrees_with_the_reference_until_the_first_near_tie() {
     }
     std::fs::remove_dir_all(&out).unwrap();
 }
+
+/// A prompt longer than `ATTENTION_ROWS` is prefilled in blocks of query rows, each against the
+/// keys it may see: its logits equal those of feeding the prompt one token at a time (each step's
+/// attention whole), within float rounding, and a prefill split in two segments at another
+/// boundary agrees as well.
+#[test]
+fn a_long_prompt_prefilled_in_blocks_gives_the_logits_of_one_token_at_a_time() {
+    let Some(g) = load() else { return };
+    let m = g.model();
+    let layers = m.layers();
+    let text = "The pool keeps k copies of every model and repairs itself when a node dies. ".repeat(18);
+    let prompt = g.encode(&text).unwrap();
+    let n = prompt.len();
+    assert!(n > cascade_exec::llama::ATTENTION_ROWS + 10, "{n} tokens: more than one block");
+    let last = |act: Activation| -> Vec<f32> {
+        m.run(0..layers, act).unwrap().hidden.unwrap().squeeze(0).unwrap().to_vec2::<f32>().unwrap().remove(0)
+    };
+    let whole = last(Activation::packed(&[(1, 0, prompt.clone())]).unwrap());
+    assert!(m.free(1));
+    // Split at 100: the second segment's blocks start at position 100.
+    last(Activation::packed(&[(2, 0, prompt[..100].to_vec())]).unwrap());
+    let split = last(Activation::packed(&[(2, 100, prompt[100..].to_vec())]).unwrap());
+    assert!(m.free(2));
+    let mut stepped = Vec::new();
+    for (pos, &t) in prompt.iter().enumerate() {
+        stepped = last(Activation::packed(&[(3, pos as u32, vec![t])]).unwrap());
+    }
+    assert!(m.free(3));
+    let argmax = |v: &[f32]| v.iter().enumerate().fold(0, |b, (j, &x)| if x > v[b] { j } else { b });
+    for (what, other) in [("split", &split), ("one token at a time", &stepped)] {
+        let worst = whole.iter().zip(other.iter()).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        assert!(worst < 1e-3, "{what}: logits differ by up to {worst}");
+        assert_eq!(argmax(&whole), argmax(other), "{what}");
+    }
+}
