@@ -61,8 +61,7 @@ pub fn greedy_each(
     window: usize,
     on_token: impl FnMut(usize, u32),
 ) -> Result<Vec<Generated>, ExecError> {
-    let limits = GreedyLimits { seq_base, max_tokens, eos, window, max_running: usize::MAX };
-    greedy_running(step, prompts, limits, on_token, |_, _| {})
+    greedy_running(step, prompts, GreedyLimits::all_at_once(seq_base, max_tokens, eos, window), on_token, |_, _| {})
 }
 
 /// Where a greedy generation stops, and how many sequences it runs at once.
@@ -79,7 +78,44 @@ pub struct GreedyLimits {
     /// Sequences in one batch at most: the next prompt starts (its prefill packed with the
     /// others' decode steps) when one finishes. [`greedy`] runs them all at once.
     pub max_running: usize,
+    /// Prompt tokens prefilled in one step at most: a later prompt waits for the next step. The
+    /// activations of a step grow with its tokens (four prompts of 6,500 tokens packed in one
+    /// step took 3.1 GB, one alone 1.16 GB).
+    pub max_prefill_tokens: usize,
+    /// KV positions the running sequences may reach together at most, each counted as its prompt
+    /// and `max_tokens` (within the window) from its start: a prompt that would pass it waits
+    /// until others finish. The KV cache grows with them (SmolLM2: 45 KiB a position).
+    pub max_kv_tokens: usize,
 }
+
+impl GreedyLimits {
+    /// Limits that run every prompt at once, with no budget: what [`greedy`] does.
+    pub fn all_at_once(seq_base: u64, max_tokens: usize, eos: u32, window: usize) -> GreedyLimits {
+        GreedyLimits {
+            seq_base,
+            max_tokens,
+            eos,
+            window,
+            max_running: usize::MAX,
+            max_prefill_tokens: usize::MAX,
+            max_kv_tokens: usize::MAX,
+        }
+    }
+
+    /// The KV positions a sequence with a prompt of `prompt` tokens may reach.
+    fn reserve(&self, prompt: usize) -> usize {
+        prompt.saturating_add(self.max_tokens).min(self.window)
+    }
+}
+
+/// [`Generator`]'s prompt tokens prefilled in one step at most ([`GreedyLimits::max_prefill_tokens`]):
+/// one window of SmolLM2.
+pub const PREFILL_TOKENS: usize = 8192;
+
+/// [`Generator`]'s KV positions held at once at most ([`GreedyLimits::max_kv_tokens`]): [`RUNNING`]
+/// sequences of 2,048 positions, 2.8 GiB of SmolLM2's cache. Short prompts run [`RUNNING`] at a
+/// time as before; prompts of thousands of tokens run fewer at once.
+pub const KV_TOKENS: usize = RUNNING * 2048;
 
 /// [`greedy_each`] with at most `limits.max_running` sequences at once, in prompt order, calling
 /// `finished(i, generated)` as prompt `i`'s sequence (`seq_base + i`) ends — to free its KV
@@ -148,7 +184,7 @@ pub fn greedy_stream(
     mut on_token: impl FnMut(usize, u32),
     mut finished: impl FnMut(usize, Generated),
 ) -> Result<usize, ExecError> {
-    let GreedyLimits { seq_base, max_tokens, eos, window, max_running } = limits;
+    let GreedyLimits { seq_base, max_tokens, eos, window, max_running, max_prefill_tokens, max_kv_tokens } = limits;
     if max_running == 0 {
         return Err(ExecError::Input("no sequence may run (max_running 0)".into()));
     }
@@ -163,13 +199,24 @@ pub fn greedy_stream(
     let mut waiting = prompts.into_iter().enumerate();
     let mut taken = 0;
     let mut running: Vec<Running> = Vec::new();
+    // A prompt taken that did not fit the step's budgets: the first to start later (FIFO).
+    let mut held: Option<(usize, Vec<u32>)> = None;
     loop {
+        let mut prefill = 0usize;
+        let mut kv: usize = running.iter().map(|r| limits.reserve(r.out.prompt_tokens.len())).sum();
         while running.len() < max_running {
-            let Some((i, p)) = waiting.next() else { break };
+            let Some((i, p)) = held.take().or_else(|| waiting.next()) else { break };
             taken = i + 1;
             if let Some(why) = refusal(&p, window) {
                 return Err(ExecError::Input(format!("prompt {i}: {why}")));
             }
+            // One sequence alone always runs, whatever the budgets.
+            let (tokens, reserve) = (p.len(), limits.reserve(p.len()));
+            if !running.is_empty() && (prefill + tokens > max_prefill_tokens || kv + reserve > max_kv_tokens) {
+                held = Some((i, p));
+                break;
+            }
+            (prefill, kv) = (prefill + tokens, kv + reserve);
             let out = Generated { prompt_tokens: p.clone(), tokens: Vec::new(), at_window: false };
             if max_tokens == 0 {
                 finished(i, out);
@@ -316,6 +363,8 @@ impl Generator {
             eos: cfg.eos_token_id,
             window: cfg.max_position_embeddings,
             max_running: RUNNING,
+            max_prefill_tokens: PREFILL_TOKENS,
+            max_kv_tokens: KV_TOKENS,
         };
         let out = greedy_stream(
             |a| self.model.run(0..layers, a),
@@ -410,7 +459,7 @@ mod tests {
             widest = widest.max(a.segments.len());
             inner(a)
         };
-        let limits = GreedyLimits { seq_base: 1, max_tokens: 6, eos: EOS, window, max_running: 2 };
+        let limits = GreedyLimits { max_running: 2, ..GreedyLimits::all_at_once(1, 6, EOS, window) };
         let mut done = Vec::new();
         let mut tokens_at_finish = Vec::new();
         let told = std::cell::RefCell::new(vec![0usize; prompts.len()]);
@@ -445,7 +494,7 @@ mod tests {
         let prompts: Vec<Vec<u32>> = (0..9).map(|k| vec![1; 1 + k % 4]).collect();
         let mut reach = 0;
         let all = greedy(step(&mut reach), &prompts, 1, 5, EOS, window).unwrap();
-        let limits = GreedyLimits { seq_base: 1, max_tokens: 5, eos: EOS, window, max_running: 3 };
+        let limits = GreedyLimits { max_running: 3, ..GreedyLimits::all_at_once(1, 5, EOS, window) };
         let taken = std::cell::Cell::new(0usize);
         let finished = std::cell::RefCell::new(Vec::new());
         let lazily = prompts.iter().cloned().inspect(|_| {
@@ -466,6 +515,45 @@ mod tests {
         let e = greedy_stream(step(&mut reach), with_empty, limits, |_, _| {}, |i, _| handed.push(i)).unwrap_err();
         assert_eq!(e.to_string(), "input: prompt 5: an empty prompt: no token to continue from");
         assert!(handed.len() >= 2 && handed.iter().all(|&i| i < 5), "{handed:?}");
+    }
+
+    /// A step prefills at most `max_prefill_tokens` prompt tokens, and the running sequences
+    /// reserve at most `max_kv_tokens` positions (prompt + `max_tokens` each); a prompt over
+    /// either waits, in order, and one alone always runs. The tokens are those of all at once.
+    #[test]
+    fn prompts_wait_for_the_prefill_and_kv_budgets_and_give_the_same_tokens() {
+        let window = 40;
+        let prompts: Vec<Vec<u32>> = [6, 3, 9, 2, 12, 1].iter().map(|&n| vec![1; n]).collect();
+        let mut reach = 0;
+        let all = greedy(step(&mut reach), &prompts, 1, 4, EOS, window).unwrap();
+        for (prefill, kv) in [(8, usize::MAX), (usize::MAX, 20), (5, 16), (1, 1)] {
+            let limits = GreedyLimits {
+                max_running: 4,
+                max_prefill_tokens: prefill,
+                max_kv_tokens: kv,
+                ..GreedyLimits::all_at_once(1, 4, EOS, window)
+            };
+            let mut steps: Vec<Vec<(u64, u32, u32)>> = Vec::new();
+            let mut reach = 0;
+            let mut inner = step(&mut reach);
+            let recording = |a: Activation| {
+                steps.push(a.segments.iter().map(|g| (g.seq, g.pos, g.len)).collect());
+                inner(a)
+            };
+            let got = greedy_running(recording, &prompts, limits, |_, _| {}, |_, _| {}).unwrap();
+            assert_eq!(got, all, "budgets {prefill}, {kv}");
+            let mut started = Vec::new();
+            for s in &steps {
+                // A prefill is a segment at position 0.
+                let new: Vec<u32> = s.iter().filter(|g| g.1 == 0).map(|g| g.2).collect();
+                started.extend(s.iter().filter(|g| g.1 == 0).map(|g| g.0));
+                let alone = s.len() == 1;
+                assert!(alone || new.iter().sum::<u32>() as usize <= prefill, "{prefill}, {kv}: step {s:?}");
+                let reserved: usize = s.iter().map(|g| (prompts[(g.0 - 1) as usize].len() + 4).min(window)).sum();
+                assert!(alone || reserved <= kv, "{prefill}, {kv}: step {s:?} reserves {reserved}");
+            }
+            assert_eq!(started, (1..=6).collect::<Vec<u64>>(), "{prefill}, {kv}: in their order");
+        }
     }
 
     #[test]
