@@ -33,7 +33,9 @@ pub(crate) struct GenerateArgs {
     /// Wrap each prompt in the model's ChatML turn (a user message, then the assistant's turn).
     #[arg(long)]
     chat: bool,
-    /// Tokens to generate at most (generation stops earlier at end-of-sequence).
+    /// Tokens to generate at most (generation stops earlier at end-of-sequence). Each running
+    /// prompt reserves its tokens and these in the KV cache, 65,536 positions in all: up to 32
+    /// prompts run at once, fewer when they are long or this is large (8 at 8,192).
     #[arg(long, default_value_t = 32)]
     max_tokens: usize,
     /// Print one JSON object per prompt: {prompt_tokens, tokens, text, at_window}, or {error}
