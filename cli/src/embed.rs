@@ -8,6 +8,7 @@ use cascade_exec::embed::{Embedder, BATCH};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 
+use crate::input::TEXT_LINE;
 use crate::{count, shorten};
 
 #[derive(Args)]
@@ -22,8 +23,8 @@ pub(crate) struct EmbedArgs {
     /// A file of texts to embed, one per line (`-`: standard input), after any `--text`. Every
     /// line is a text, an empty one too, so output line N is input line N. Embedded as they
     /// arrive, up to 4,096 lines at a time: output begins before the input ends (a line typed
-    /// or piped in alone is answered at once), in bounded memory. A line over 1 MiB is embedded
-    /// from its first MiB (the model takes its first 256 tokens), the rest of it skipped.
+    /// or piped in alone is answered at once), in bounded memory. A line over 64 KiB is embedded
+    /// from its first 64 KiB (the model takes its first 256 tokens), the rest of it skipped.
     #[arg(long, value_name = "FILE")]
     text_file: Option<PathBuf>,
     /// Texts per forward pass. More texts than this run in batches of texts of about the same
@@ -46,7 +47,7 @@ const BLOCK: usize = 4096;
 /// Runs `cascade embed`: what has arrived, up to [`BLOCK`] texts at a time, each block in
 /// batches of `--batch`.
 pub(crate) fn embed(a: EmbedArgs) -> anyhow::Result<()> {
-    let input = crate::input::given_then_lines(a.text.clone(), a.text_file.clone(), "--text-file")?;
+    let input = crate::input::given_then_lines(a.text.clone(), a.text_file.clone(), "--text-file", TEXT_LINE)?;
     // Read ahead: a block is what has arrived (up to BLOCK texts), so a text typed or piped in
     // alone is embedded at once, and a file's next block is read while this one is embedded.
     let rx = crate::input::read_ahead(input, BLOCK);
@@ -71,7 +72,7 @@ pub(crate) fn embed(a: EmbedArgs) -> anyhow::Result<()> {
         let mut block = Vec::new();
         for text in std::iter::once(first).chain(rx.try_iter().take(BLOCK - 1)) {
             match text {
-                // A line cut at MAX_LINE bytes (noted on stderr) is embedded from its start,
+                // A line cut at TEXT_LINE bytes (noted on stderr) is embedded from its start,
                 // as a text over the model's tokens is: the model takes far fewer.
                 Ok(line) => block.push(line.text),
                 Err(e) => {

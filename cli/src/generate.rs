@@ -13,6 +13,7 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::count;
+use crate::input::PROMPT_LINE;
 
 #[derive(Args)]
 #[command(group = clap::ArgGroup::new("input").required(true).multiple(true).args(["prompt", "prompt_file"]))]
@@ -193,7 +194,7 @@ pub(crate) fn generate(a: GenerateArgs) -> anyhow::Result<()> {
     if a.max_tokens == 0 {
         bail!("--max-tokens must be at least 1");
     }
-    let input = crate::input::given_then_lines(a.prompt.clone(), a.prompt_file.clone(), "--prompt-file")?;
+    let input = crate::input::given_then_lines(a.prompt.clone(), a.prompt_file.clone(), "--prompt-file", PROMPT_LINE)?;
     // Read ahead, so that a prompt typed or piped in while others run starts as soon as a slot
     // is free, and one alone is answered without waiting for more.
     let rx = crate::input::read_ahead(input, 4 * RUNNING);
@@ -258,7 +259,7 @@ pub(crate) fn generate(a: GenerateArgs) -> anyhow::Result<()> {
         let prompt = line.text;
         let tokens = match line.cut {
             // Generated from, its start would be taken for the prompt.
-            true => Ok(Err(format!("a line longer than {} MiB, read only in part", crate::input::MAX_LINE >> 20))),
+            true => Ok(Err(format!("a line longer than {}, read only in part", crate::input::size(PROMPT_LINE)))),
             false => g.prompt(&if a.chat { chatml(&prompt) } else { prompt.clone() }),
         };
         match tokens.map_err(|e| e.to_string()).and_then(|t| t) {
@@ -329,7 +330,7 @@ pub(crate) fn generate(a: GenerateArgs) -> anyhow::Result<()> {
 
 /// The prompts a request stream cycles through (`cascade lora-serve`, `cascade pd`), tokenised:
 /// the lines of `file`, or `builtin`. A line that could never be served (empty, over the context
-/// window, over [`crate::input::MAX_LINE`]) is refused here, naming it: the stream's own check
+/// window, over [`PROMPT_LINE`] bytes) is refused here, naming it: the stream's own check
 /// would name a request, which is no line of the file.
 pub(crate) fn prompts_to_cycle(
     file: Option<&std::path::Path>,
@@ -340,12 +341,12 @@ pub(crate) fn prompts_to_cycle(
         return Ok(builtin.iter().map(|p| g.encode(p)).collect::<Result<_, _>>()?);
     };
     let mut out = Vec::new();
-    for (n, line) in crate::input::given_then_lines(Vec::new(), Some(path.to_path_buf()), "--prompt-file")?.enumerate()
-    {
+    let lines = crate::input::given_then_lines(Vec::new(), Some(path.to_path_buf()), "--prompt-file", PROMPT_LINE)?;
+    for (n, line) in lines.enumerate() {
         let line = line?;
         let where_ = || format!("line {} of --prompt-file {}", n + 1, path.display());
         if line.cut {
-            anyhow::bail!("{}: longer than {} MiB", where_(), crate::input::MAX_LINE >> 20);
+            anyhow::bail!("{}: longer than {}", where_(), crate::input::size(PROMPT_LINE));
         }
         match g.prompt(&line.text)? {
             Ok(tokens) => out.push(tokens),

@@ -5,13 +5,13 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 
-/// A line as read: its text, and whether it was longer than [`MAX_LINE`] bytes and so read only
-/// in part (`text` is its first [`MAX_LINE`] bytes at most, whole characters).
+/// A line as read: its text, and whether it was longer than the reader keeps and so read only in
+/// part (`text` is then its first bytes, whole characters).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Line {
     /// The text (the line's start, if it was cut).
     pub(crate) text: String,
-    /// Whether the line went on past [`MAX_LINE`] bytes.
+    /// Whether the line went on past what the reader keeps.
     pub(crate) cut: bool,
 }
 
@@ -21,11 +21,25 @@ impl From<String> for Line {
     }
 }
 
-/// The most bytes of one line kept. A model takes far less (all-MiniLM-L6-v2 embeds a text's
-/// first 256 tokens; SmolLM2's window of 8,192 tokens of at most 81 bytes each is 648 KiB), and a
-/// line read whole could hold a whole file: a 50 MB line took 3.4 GB to embed, and a file with no
-/// newline (`/dev/zero`) would be read until memory ran out.
-pub(crate) const MAX_LINE: usize = 1 << 20;
+/// The most bytes of a prompt line kept (`generate`, `pd`, `lora-serve`): SmolLM2's window of
+/// 8,192 tokens of at most 81 bytes each is 648 KiB, so a longer line could never be a prompt. A
+/// line read whole could hold a whole file: a file with no newline (`/dev/zero`) was read until
+/// memory ran out.
+pub(crate) const PROMPT_LINE: usize = 1 << 20;
+
+/// The most bytes of a text line kept (`embed`): all-MiniLM-L6-v2 embeds a text's first 256
+/// tokens, a few KiB of words; up to 8,192 lines are held at once (read ahead and embedding), so
+/// at most 512 MiB of text. A 50 MB line took 3.4 GB to embed.
+pub(crate) const TEXT_LINE: usize = 64 << 10;
+
+/// `bytes` in words: "64 KiB", "1 MiB".
+pub(crate) fn size(bytes: usize) -> String {
+    if bytes >= 1 << 20 && bytes.is_multiple_of(1 << 20) {
+        format!("{} MiB", bytes >> 20)
+    } else {
+        format!("{} KiB", bytes >> 10)
+    }
+}
 
 /// Lines as they are read, each with its context on failure.
 pub(crate) type Lines = Box<dyn Iterator<Item = anyhow::Result<Line>> + Send>;
@@ -48,9 +62,14 @@ pub(crate) fn read_ahead(lines: Lines, capacity: usize) -> std::sync::mpsc::Rece
 /// option in errors (`--text-file`). Every line is an item, an empty one too, so that output
 /// line N can answer input line N. A line that is not valid UTF-8 is read with U+FFFD in place
 /// of its bad bytes, and a note on stderr says which (it ended the run, losing the lines after
-/// it). A line longer than [`MAX_LINE`] bytes is read as its first [`MAX_LINE`] bytes, marked
+/// it). A line longer than `max_line` bytes is read as its first `max_line` bytes, marked
 /// [`Line::cut`], with a note on stderr; the rest of it is skipped, not kept.
-pub(crate) fn given_then_lines(given: Vec<String>, file: Option<PathBuf>, flag: &'static str) -> anyhow::Result<Lines> {
+pub(crate) fn given_then_lines(
+    given: Vec<String>,
+    file: Option<PathBuf>,
+    flag: &'static str,
+    max_line: usize,
+) -> anyhow::Result<Lines> {
     let given = given.into_iter().map(|t| Ok(Line::from(t)));
     let Some(path) = file else { return Ok(Box::new(given)) };
     let reader: Box<dyn BufRead + Send> = if path.as_os_str() == "-" {
@@ -59,7 +78,7 @@ pub(crate) fn given_then_lines(given: Vec<String>, file: Option<PathBuf>, flag: 
         let f = std::fs::File::open(&path).with_context(|| format!("opening {flag} {}", path.display()))?;
         Box::new(std::io::BufReader::new(f))
     };
-    let mut lines = LineReader { reader, max: MAX_LINE, skipping: false };
+    let mut lines = LineReader { reader, max: max_line, skipping: false };
     let mut n = 0usize;
     let lines = std::iter::from_fn(move || {
         n += 1;
@@ -68,11 +87,10 @@ pub(crate) fn given_then_lines(given: Vec<String>, file: Option<PathBuf>, flag: 
             Ok(None) => None,
             Ok(Some((bytes, cut))) => {
                 if cut {
+                    let max = size(max_line);
                     eprintln!(
-                        "note: {} is longer than {} MiB: only its first {} MiB is read (the rest is skipped)",
-                        where_(),
-                        MAX_LINE >> 20,
-                        MAX_LINE >> 20
+                        "note: {} is longer than {max}: only its first {max} is read (the rest is skipped)",
+                        where_()
                     );
                 }
                 let text = String::from_utf8(bytes).unwrap_or_else(|e| {
@@ -157,6 +175,14 @@ mod tests {
     fn lines(input: &[u8], max: usize) -> Vec<(String, bool)> {
         let mut r = LineReader { reader: input, max, skipping: false };
         std::iter::from_fn(|| r.next_line().unwrap()).map(|(b, cut)| (String::from_utf8(b).unwrap(), cut)).collect()
+    }
+
+    #[test]
+    fn sizes_are_said_in_their_unit() {
+        assert_eq!(
+            (super::size(64 << 10), super::size(1 << 20), super::size(3 << 20)),
+            ("64 KiB".into(), "1 MiB".into(), "3 MiB".into())
+        );
     }
 
     #[test]

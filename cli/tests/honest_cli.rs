@@ -853,8 +853,9 @@ fn a_missing_model_is_named_with_what_to_do_and_a_named_directory_is_not_fetched
     let _ = std::fs::remove_dir_all(&d);
 }
 
-/// A line of several MiB (a file with few newlines, a stray binary) is read as its first MiB,
-/// said on stderr, and the rest of it skipped: `embed` embeds it from its start — the same
+/// A line of several MiB (a file with few newlines, a stray binary) is read as its first 64 KiB
+/// (`embed`) or 1 MiB (a prompt), said on stderr, and the rest of it skipped: `embed` embeds it
+/// from its start — the same
 /// embedding as of its first words, since the model takes 256 tokens — and `generate` refuses
 /// it in its place; the lines after it are answered. Before 2026-12-05 the line was read and
 /// tokenised whole: a 50 MB line took 33 s and 3.4 GB to embed, 10 MB took 1.5 GB to refuse,
@@ -869,24 +870,25 @@ fn a_line_of_megabytes_is_read_from_its_start_and_the_rest_skipped() {
     let start = &long[..long[..12_000].rfind(' ').unwrap()];
     let file = d.join("long.txt");
     std::fs::write(&file, format!("{long}\nThe capital of France is\n{start}\n")).unwrap();
-    let run = |args: &[&str], model: &std::path::Path| {
+    let run = |args: &[&str], model: &std::path::Path, kept: &str| {
         let out =
             Command::new(CASCADE).args(args).arg(&file).arg("--model").arg(model).args(["--json"]).output().unwrap();
         let err = String::from_utf8_lossy(&out.stderr).into_owned();
-        assert!(err.contains("line 1 of") && err.contains("longer than 1 MiB: only its first 1 MiB is read"), "{err}");
+        let note = format!("longer than {kept}: only its first {kept} is read");
+        assert!(err.contains("line 1 of") && err.contains(&note), "{err}");
         let rows: Vec<serde_json::Value> =
             String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
         (out.status, rows, err)
     };
-    let (status, rows, err) = run(&["embed", "--text-file"], &minilm);
+    let (status, rows, err) = run(&["embed", "--text-file"], &minilm, "64 KiB");
     assert!(status.success(), "{err}");
     assert_eq!(rows.len(), 3);
-    assert_eq!(rows[0]["text"].as_str().unwrap().len(), 1 << 20);
+    assert_eq!(rows[0]["text"].as_str().unwrap().len(), 64 << 10);
     assert_eq!(rows[0]["truncated"], true);
     assert_eq!(rows[0]["embedding"], rows[2]["embedding"], "the cut line embeds as its first words do");
     let Some(smollm2) = smollm2(&d) else { return };
     std::fs::write(&file, format!("{long}\nThe capital of France is\n")).unwrap();
-    let (status, rows, err) = run(&["generate", "--max-tokens", "2", "--prompt-file"], &smollm2);
+    let (status, rows, err) = run(&["generate", "--max-tokens", "2", "--prompt-file"], &smollm2, "1 MiB");
     assert!(!status.success() && err.contains("1 prompt not generated (of 2)"), "{err}");
     assert!(rows[0]["error"].as_str().unwrap().contains("longer than 1 MiB"), "{}", rows[0]);
     assert!(rows[1]["text"].is_string(), "{}", rows[1]);
