@@ -5,7 +5,8 @@
 //! **Status:** built — the [`LayerExec`] trait over a batch's [`Activation`]; a real BERT
 //! encoder on the CPU ([`bert`], all-MiniLM-L6-v2 with `candle`), its weights read from the
 //! pool's packed image or the safetensors file through the model's manifest ([`weights`]);
-//! sentence embeddings end to end ([`embed`]); the zigzag planner ([`zigzag`]); cooperative
+//! sentence embeddings end to end ([`embed`]); long texts tokenised only as far as a model's cut
+//! or window needs ([`tokens`]); the zigzag planner ([`zigzag`]); cooperative
 //! execution of a planned split on two executors in real time ([`coop`]) and the emulated
 //! executor, a test double ([`emulated`]); serving instances on the transport, the router with
 //! BlitzScale's three-step live-scaling protocol and its policies, and scale-out by multicast
