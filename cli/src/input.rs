@@ -32,6 +32,9 @@ pub(crate) const PROMPT_LINE: usize = 1 << 20;
 /// at most 512 MiB of text. A 50 MB line took 3.4 GB to embed.
 pub(crate) const TEXT_LINE: usize = 64 << 10;
 
+/// UTF-8's byte-order mark, U+FEFF.
+const BOM: &[u8] = b"\xef\xbb\xbf";
+
 /// `bytes` in words: "64 KiB", "1 MiB".
 pub(crate) fn size(bytes: usize) -> String {
     if bytes >= 1 << 20 && bytes.is_multiple_of(1 << 20) {
@@ -62,7 +65,7 @@ pub(crate) fn read_ahead(lines: Lines, capacity: usize) -> std::sync::mpsc::Rece
 /// option in errors (`--text-file`). Every line is an item, an empty one too, so that output
 /// line N can answer input line N. A line that is not valid UTF-8 is read with U+FFFD in place
 /// of its bad bytes, and a note on stderr says which (it ended the run, losing the lines after
-/// it). A line longer than `max_line` bytes is read as its first `max_line` bytes, marked
+/// it). A byte-order mark before the first line is dropped. A line longer than `max_line` bytes is read as its first `max_line` bytes, marked
 /// [`Line::cut`], with a note on stderr; the rest of it is skipped, not kept.
 pub(crate) fn given_then_lines(
     given: Vec<String>,
@@ -85,7 +88,12 @@ pub(crate) fn given_then_lines(
         let where_ = || format!("line {n} of {flag} {}", path.display());
         match lines.next_line() {
             Ok(None) => None,
-            Ok(Some((bytes, cut))) => {
+            Ok(Some((mut bytes, cut))) => {
+                // A byte-order mark (files saved by some Windows editors) is no part of the first
+                // text: the BPE tokenizer made tokens of it, and a prompt changed.
+                if n == 1 && bytes.starts_with(BOM) {
+                    bytes.drain(..BOM.len());
+                }
                 if cut {
                     let max = size(max_line);
                     eprintln!(

@@ -267,6 +267,11 @@ fn embed_reads_texts_from_a_file_or_stdin_in_their_order() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    // A byte-order mark at the file's start is no part of its first text (one later is kept).
+    let bom = d.join("bom.txt");
+    std::fs::write(&bom, b"\xef\xbb\xbffirst\r\n\xef\xbb\xbfsecond\n").unwrap();
+    let out = embed(&["--text-file", bom.to_str().unwrap()], None);
+    assert_eq!(texts_of(&out), ["first", "\u{feff}second"]);
     // One text with standard input left open: its embedding comes before the input ends.
     let mut c = Command::new(CASCADE);
     c.args(["embed", "--json", "--text-file", "-", "--model"]).arg(&dir);
