@@ -22,8 +22,8 @@ pub(crate) struct EmbedArgs {
     text: Vec<String>,
     /// A file of texts to embed, one per line (`-`: standard input), after any `--text`. Every
     /// line is a text, an empty one too, so output line N is input line N. Embedded as they
-    /// arrive, up to 4,096 lines at a time: output begins before the input ends (a line typed
-    /// or piped in alone is answered at once), in bounded memory. A line over 64 KiB is embedded
+    /// arrive, up to 4,096 lines or 512 KiB at a time: output begins before the input ends (a
+    /// line typed or piped in alone is answered at once), in bounded memory. A line over 64 KiB is embedded
     /// from its first 64 KiB (the model takes its first 256 tokens), the rest of it skipped.
     #[arg(long, value_name = "FILE")]
     text_file: Option<PathBuf>,
@@ -43,6 +43,38 @@ pub(crate) struct EmbedArgs {
 /// Texts embedded at a time at most (what has arrived, up to this): memory stays bounded however
 /// long the input is.
 const BLOCK: usize = 4096;
+
+/// Bytes of text embedded at a time at most (with [`BLOCK`] texts): a block's output comes when all
+/// of it is embedded, so a file of long texts shows its first lines after some 250 of them (about
+/// 25 s here), not after 4,096 (some 6 minutes).
+const BLOCK_BYTES: usize = 512 << 10;
+
+/// `first`, then the lines that have arrived on `rx`, until the block holds `max_texts` texts or
+/// `max_bytes` bytes (the line that passes it included) or a read failed (then its error, the
+/// texts before it kept). A line cut at [`TEXT_LINE`] bytes (noted on stderr) is embedded from
+/// its start, as a text over the model's tokens is: the model takes far fewer.
+fn take_block(
+    first: anyhow::Result<crate::input::Line>,
+    rx: &std::sync::mpsc::Receiver<anyhow::Result<crate::input::Line>>,
+    max_texts: usize,
+    max_bytes: usize,
+) -> (Vec<String>, Option<anyhow::Error>) {
+    let (mut block, mut bytes) = (Vec::new(), 0usize);
+    let mut next = Some(first);
+    while let Some(line) = next.take() {
+        match line {
+            Ok(line) => {
+                bytes += line.text.len();
+                block.push(line.text);
+            }
+            Err(e) => return (block, Some(e)),
+        }
+        if block.len() < max_texts && bytes < max_bytes {
+            next = rx.try_recv().ok();
+        }
+    }
+    (block, None)
+}
 
 /// Runs `cascade embed`: what has arrived, up to [`BLOCK`] texts at a time, each block in
 /// batches of `--batch`.
@@ -69,18 +101,8 @@ pub(crate) fn embed(a: EmbedArgs) -> anyhow::Result<()> {
     while failed.is_none() {
         // The first text waited for, then what has arrived.
         let Ok(first) = rx.recv() else { break };
-        let mut block = Vec::new();
-        for text in std::iter::once(first).chain(rx.try_iter().take(BLOCK - 1)) {
-            match text {
-                // A line cut at TEXT_LINE bytes (noted on stderr) is embedded from its start,
-                // as a text over the model's tokens is: the model takes far fewer.
-                Ok(line) => block.push(line.text),
-                Err(e) => {
-                    failed = Some(e);
-                    break;
-                }
-            }
-        }
+        let block;
+        (block, failed) = take_block(first, &rx, BLOCK, BLOCK_BYTES);
         let texts: Vec<&str> = block.iter().map(String::as_str).collect();
         let t = std::time::Instant::now();
         let (out, cut) = e.embed_in_batches(&texts, a.batch as usize, |n, _| {
@@ -141,4 +163,34 @@ fn print(
         }
     }
     out.flush()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::take_block;
+    use crate::input::Line;
+
+    #[test]
+    fn a_block_is_what_has_arrived_up_to_its_texts_and_bytes() {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let line = |t: &str| Ok(Line::from(t.to_string()));
+        for t in ["bb", "ccc", "dddd", "e"] {
+            tx.send(line(t)).unwrap();
+        }
+        // Up to 3 texts.
+        assert_eq!(take_block(line("a"), &rx, 3, 100).0, ["a", "bb", "ccc"]);
+        // Up to 5 bytes: the text that passes them is in.
+        assert_eq!(take_block(line("x"), &rx, 100, 5).0, ["x", "dddd"]);
+        // What has arrived, not more: nothing waited for.
+        assert_eq!(take_block(line("y"), &rx, 100, 100).0, ["y", "e"]);
+        // A failed read ends the block with the texts before it.
+        tx.send(line("z")).unwrap();
+        tx.send(Err(anyhow::anyhow!("disk"))).unwrap();
+        tx.send(line("after")).unwrap();
+        let (texts, failed) = take_block(line("w"), &rx, 100, 100);
+        assert_eq!(
+            (texts, failed.map(|e| e.to_string())),
+            (vec!["w".to_string(), "z".to_string()], Some("disk".into()))
+        );
+    }
 }
