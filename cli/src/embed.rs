@@ -166,6 +166,7 @@ fn print(
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::take_block;
     use crate::input::Line;
