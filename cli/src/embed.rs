@@ -23,8 +23,9 @@ pub(crate) struct EmbedArgs {
     /// A file of texts to embed, one per line (`-`: standard input), after any `--text`. Every
     /// line is a text, an empty one too, so output line N is input line N. Embedded as they
     /// arrive, up to 4,096 lines or 512 KiB at a time: output begins before the input ends (a
-    /// line typed or piped in alone is answered at once), in bounded memory. A line over 64 KiB is embedded
-    /// from its first 64 KiB (the model takes its first 256 tokens), the rest of it skipped.
+    /// line typed or piped in alone is answered at once), in bounded memory. A line over 64 KiB
+    /// is embedded from its first 64 KiB (the model takes its first 256 tokens), the rest of it
+    /// skipped.
     #[arg(long, value_name = "FILE")]
     text_file: Option<PathBuf>,
     /// Texts per forward pass. More texts than this run in batches of texts of about the same

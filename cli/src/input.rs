@@ -28,8 +28,8 @@ impl From<String> for Line {
 pub(crate) const PROMPT_LINE: usize = 1 << 20;
 
 /// The most bytes of a text line kept (`embed`): all-MiniLM-L6-v2 embeds a text's first 256
-/// tokens, a few KiB of words; up to 8,192 lines are held at once (read ahead and embedding), so
-/// at most 512 MiB of text. A 50 MB line took 3.4 GB to embed.
+/// tokens, a few KiB of words; up to 4,096 lines wait read ahead, so at most 256 MiB of text. A
+/// 50 MB line took 3.4 GB to embed.
 pub(crate) const TEXT_LINE: usize = 64 << 10;
 
 /// UTF-8's byte-order mark, U+FEFF.
@@ -65,8 +65,9 @@ pub(crate) fn read_ahead(lines: Lines, capacity: usize) -> std::sync::mpsc::Rece
 /// option in errors (`--text-file`). Every line is an item, an empty one too, so that output
 /// line N can answer input line N. A line that is not valid UTF-8 is read with U+FFFD in place
 /// of its bad bytes, and a note on stderr says which (it ended the run, losing the lines after
-/// it). A byte-order mark before the first line is dropped. A line longer than `max_line` bytes is read as its first `max_line` bytes, marked
-/// [`Line::cut`], with a note on stderr; the rest of it is skipped, not kept.
+/// it). A byte-order mark before the first line is dropped. A line longer than `max_line` bytes
+/// is read as its first `max_line` bytes, marked [`Line::cut`], with a note on stderr; the rest of
+/// it is skipped, not kept.
 pub(crate) fn given_then_lines(
     given: Vec<String>,
     file: Option<PathBuf>,

@@ -434,7 +434,8 @@ async fn drive(
     let split = answers.iter().filter(|x| x.prefill.1 > 0).count();
     let decoded_by_mutated = answers.iter().filter(|x| x.decode == MUTATES).count();
     let report = serde_json::json!({
-        "requests": a.requests, "prompt_file": a.prompt_file, "prompts": prompts.len(), "answered": answers.len(), "lost": lost, "answered_twice": twice,
+        "requests": a.requests, "prompt_file": a.prompt_file, "prompts": prompts.len(),
+        "answered": answers.len(), "lost": lost, "answered_twice": twice,
         "not_equal_to_reference": wrong, "requeued": stats.requeued, "stale_tokens_dropped": stats.stale_tokens,
         "decodes_stalled": stats.stalled, "monitor_rounds": stats.monitor_rounds, "migrated": stats.migrated,
         "ttft_p50_ms": pct(&mut ttft.clone(), 0.5), "ttft_p99_ms": pct(&mut ttft.clone(), 0.99),
