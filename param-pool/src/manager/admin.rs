@@ -404,14 +404,24 @@ pub enum AdminError {
 /// cluster `secret`.
 pub async fn admin_call(addr: &AdminAddr, secret: &[u8], req: &AdminRequest) -> Result<serde_json::Value, AdminError> {
     let io = |context: String| move |error| AdminError::Io { context, error };
-    let connecting = format!("connecting to the pool manager at {addr}");
+    // Nothing listens there: say what would, rather than only "No such file or directory".
+    let connecting = |error: std::io::Error| {
+        use std::io::ErrorKind::{ConnectionRefused, NotFound};
+        let hint = match error.kind() {
+            NotFound | ConnectionRefused => {
+                " (no manager listens there: is `cascade pool serve` running, with the same --admin?)"
+            }
+            _ => "",
+        };
+        AdminError::Io { context: format!("connecting to the pool manager at {addr}{hint}"), error }
+    };
     let (r, mut w): (Box<dyn AsyncBufRead + Unpin + Send>, Box<dyn AsyncWrite + Unpin + Send>) = match addr {
         AdminAddr::Unix(p) => {
-            let (r, w) = UnixStream::connect(p).await.map_err(io(connecting))?.into_split();
+            let (r, w) = UnixStream::connect(p).await.map_err(connecting)?.into_split();
             (Box::new(BufReader::new(r)), Box::new(w))
         }
         AdminAddr::Tcp(a) => {
-            let (r, w) = TcpStream::connect(a).await.map_err(io(connecting))?.into_split();
+            let (r, w) = TcpStream::connect(a).await.map_err(connecting)?.into_split();
             (Box::new(BufReader::new(r)), Box::new(w))
         }
     };
@@ -494,6 +504,17 @@ mod tests {
         // A second manager does not take the socket of a live one.
         let err = AdminListener::bind(&addr, b"").await.err().unwrap();
         assert_eq!(err.kind(), std::io::ErrorKind::AddrInUse);
+    }
+
+    /// No manager at the address (a socket path that is not there, a port nobody listens on):
+    /// the error says so and what to start.
+    #[tokio::test]
+    async fn a_call_where_no_manager_listens_says_what_to_start() {
+        let d = Scratch::new("admin-none");
+        for addr in [AdminAddr::Unix(d.join("absent.sock")), tcp()] {
+            let err = admin_call(&addr, b"s", &AdminRequest::Check).await.unwrap_err().to_string();
+            assert!(err.contains("is `cascade pool serve` running, with the same --admin?"), "{err}");
+        }
     }
 
     #[tokio::test]
