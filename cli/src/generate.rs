@@ -256,12 +256,8 @@ pub(crate) fn generate(a: GenerateArgs) -> anyhow::Result<()> {
         };
         let i = read;
         read += 1;
+        let tokens = line_prompt(&g, &line, a.chat);
         let prompt = line.text;
-        let tokens = match line.cut {
-            // Generated from, its start would be taken for the prompt.
-            true => Ok(Err(format!("a line longer than {}, read only in part", crate::input::size(PROMPT_LINE)))),
-            false => g.prompt(&if a.chat { chatml(&prompt) } else { prompt.clone() }),
-        };
         match tokens.map_err(|e| e.to_string()).and_then(|t| t) {
             Ok(tokens) => {
                 handed.borrow_mut().insert(given, (i, prompt));
@@ -328,6 +324,20 @@ pub(crate) fn generate(a: GenerateArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `line`'s tokens as a prompt (wrapped in the ChatML turn with `chat`), or why it cannot be one
+/// ([`Generator::prompt`]'s reasons, or a line cut at [`PROMPT_LINE`] bytes: generated from, its
+/// start would be taken for the prompt).
+fn line_prompt(
+    g: &Generator,
+    line: &crate::input::Line,
+    chat: bool,
+) -> Result<Result<Vec<u32>, String>, cascade_exec::ExecError> {
+    if line.cut {
+        return Ok(Err(format!("a line longer than {}, read only in part", crate::input::size(PROMPT_LINE))));
+    }
+    g.prompt(&if chat { chatml(&line.text) } else { line.text.clone() })
+}
+
 /// The prompts a request stream cycles through (`cascade lora-serve`, `cascade pd`), tokenised:
 /// the lines of `file`, or `builtin`. A line that could never be served (empty, over the context
 /// window, over [`PROMPT_LINE`] bytes) is refused here, naming it: the stream's own check
@@ -345,10 +355,7 @@ pub(crate) fn prompts_to_cycle(
     for (n, line) in lines.enumerate() {
         let line = line?;
         let where_ = || format!("line {} of --prompt-file {}", n + 1, path.display());
-        if line.cut {
-            anyhow::bail!("{}: longer than {}", where_(), crate::input::size(PROMPT_LINE));
-        }
-        match g.prompt(&line.text)? {
+        match line_prompt(g, &line, false)? {
             Ok(tokens) => out.push(tokens),
             Err(why) => anyhow::bail!("{}: {why}", where_()),
         }
