@@ -28,7 +28,8 @@ pub(crate) struct ImportArgs {
     /// The GGUF file.
     #[arg(long)]
     gguf: PathBuf,
-    /// The model directory to write (created).
+    /// The model directory to write: created, or an empty directory, or one an earlier import
+    /// wrote (replaced whole); a directory holding other files is refused.
     #[arg(long)]
     out: PathBuf,
     /// Storage of the dequantized tensors.
@@ -57,7 +58,7 @@ pub(crate) fn model(cmd: ModelCmd) -> anyhow::Result<()> {
     bar.finish_and_clear();
     let c = &out.config;
     println!(
-        "{}: {} tensors, {} blocks, hidden {}, {} query / {} key-value heads, vocabulary {}; {:.1} MB written in {:.1} s",
+        "{}: {} tensors, {} blocks, hidden {}, {} query / {} key-value heads, vocabulary {}; {:.1} MB written in {:.1} s{}",
         a.out.display(),
         out.tensors,
         c.num_hidden_layers,
@@ -66,7 +67,8 @@ pub(crate) fn model(cmd: ModelCmd) -> anyhow::Result<()> {
         c.num_key_value_heads,
         out.vocabulary,
         out.bytes as f64 / 1e6,
-        t.elapsed().as_secs_f64()
+        t.elapsed().as_secs_f64(),
+        if out.replaced { " (replacing the model an earlier import left there)" } else { "" }
     );
     Ok(())
 }

@@ -527,9 +527,9 @@ fn a_model_is_loaded_in_little_more_memory_than_its_tensors() {
 
 /// An import that fails while it writes (here a file-size limit of 64 MiB: the 538 MB
 /// `model.safetensors` stops with EFBIG, as on a full disk) says so and leaves the directory's
-/// previous model whole, with no partial file behind: `safetensors` (0.8) writes the model
-/// through a temporary file beside it and renames it into place, and the small config and
-/// tokenizer are written only after it. This holds that, should the writing change.
+/// previous model whole, with no partial file behind, in the directory or beside it: the import
+/// is written into a directory beside it, removed on failure (since 2026-12-05; before, the
+/// files were written in place, only `safetensors`' own temporary file keeping the model whole).
 #[test]
 fn a_failed_import_leaves_the_previous_model_whole() {
     use std::os::unix::process::CommandExt;
@@ -565,6 +565,8 @@ fn a_failed_import_leaves_the_previous_model_whole() {
     }
     let left: Vec<_> = std::fs::read_dir(&out).unwrap().map(|e| e.unwrap().file_name()).collect();
     assert_eq!(left.len(), 3, "partial files left behind: {left:?}");
+    let beside: Vec<_> = std::fs::read_dir(&d).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(beside, ["model"], "a staging directory left behind");
     let _ = std::fs::remove_dir_all(&d);
 }
 

@@ -38,6 +38,8 @@ pub struct Imported {
     pub bytes: u64,
     /// Tokens in the vocabulary.
     pub vocabulary: usize,
+    /// Whether the directory held a model (an earlier import), which this one replaced.
+    pub replaced: bool,
 }
 
 fn bad(why: impl std::fmt::Display) -> ExecError {
@@ -186,17 +188,154 @@ fn tokenizer_json(c: &Content) -> Result<serde_json::Value, ExecError> {
     }))
 }
 
-/// Imports the GGUF file `gguf` into the directory `out` (created), its tensors stored as
-/// `dtype` (F32 or F16). `progress` is told each tensor's name as it is converted.
+/// The files [`import`] writes into a model directory, and the only ones a directory it replaces
+/// may hold.
+pub const IMPORT_FILES: [&str; 3] = ["config.json", "model.safetensors", "tokenizer.json"];
+
+/// Imports the GGUF file `gguf` into the directory `out`, its tensors stored as `dtype` (F32 or
+/// F16). `progress` is told each tensor's name as it is converted.
+///
+/// `out` may be missing (it is created, with its parents), empty, or a model directory an import
+/// wrote (only [`IMPORT_FILES`]), which is then replaced whole. Anything else there (another
+/// model's files, a directory of the user's) is refused before the GGUF is read, so nothing is
+/// overwritten or left mixed with the new model. The files are written into a directory beside
+/// `out` and exchanged with it in one step at the end: `out` holds the previous model or the new
+/// one, whole, never a part of either, whether the import succeeds, fails or is stopped.
 pub fn import(
     gguf: &Path,
     out: &Path,
     dtype: DType,
-    mut progress: impl FnMut(usize, usize, &str),
+    progress: impl FnMut(usize, usize, &str),
 ) -> Result<Imported, ExecError> {
     if !matches!(dtype, DType::F32 | DType::F16) {
         return Err(bad(format!("{dtype:?}: only f32 and f16 are written")));
     }
+    let there = target(out)?;
+    let tmp = staging(out)?;
+    let done = write_model(gguf, &tmp, out, dtype, progress).and_then(|mut imported| {
+        put_in_place(&tmp, out, there != Target::Missing)?;
+        imported.replaced = there == Target::Import;
+        Ok(imported)
+    });
+    // After a failure the staging directory holds the partial files; after an exchange, the
+    // previous model.
+    let _ = std::fs::remove_dir_all(&tmp);
+    done
+}
+
+/// [`import`] as f32 where `dir` is missing, for a model imported on first use: when another
+/// process imported it first (`dir` is there by the end), that import is kept and this one
+/// removed.
+pub fn import_into_place(gguf: &Path, dir: &Path) -> Result<(), ExecError> {
+    let tmp = staging(dir)?;
+    let done = write_model(gguf, &tmp, dir, DType::F32, |_, _, _| {});
+    if done.is_ok() {
+        let _ = std::fs::rename(&tmp, dir);
+    }
+    let _ = std::fs::remove_dir_all(&tmp);
+    done.map(|_| ())
+}
+
+/// What an import finds where it is to write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Target {
+    /// Nothing: the directory is created.
+    Missing,
+    /// An empty directory.
+    Empty,
+    /// A directory with only [`IMPORT_FILES`]: an earlier import, replaced.
+    Import,
+}
+
+/// What `out` is; an error naming what it holds where an import may not replace it.
+fn target(out: &Path) -> Result<Target, ExecError> {
+    let meta = match std::fs::symlink_metadata(out) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Target::Missing),
+        Err(e) => return Err(bad(format!("{}: {e}", out.display()))),
+        Ok(m) => m,
+    };
+    if meta.file_type().is_symlink() {
+        return Err(bad(format!("{} is a symbolic link: name the directory itself", out.display())));
+    }
+    if !meta.is_dir() {
+        return Err(bad(format!("{} is there and is not a directory", out.display())));
+    }
+    let (mut others, mut files) = (Vec::new(), 0);
+    for entry in std::fs::read_dir(out).map_err(|e| bad(format!("{}: {e}", out.display())))? {
+        let entry = entry.map_err(|e| bad(format!("{}: {e}", out.display())))?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let file = entry.file_type().is_ok_and(|t| t.is_file());
+        if !file || !IMPORT_FILES.contains(&name.as_str()) {
+            others.push(name);
+        } else {
+            files += 1;
+        }
+    }
+    if others.is_empty() {
+        return Ok(if files == 0 { Target::Empty } else { Target::Import });
+    }
+    others.sort();
+    let shown = if others.len() > 4 {
+        format!("{} and {} more", others[..3].join(", "), others.len() - 3)
+    } else {
+        others.join(", ")
+    };
+    Err(bad(format!(
+        "{} holds {shown}, which an import does not write ({}): refused, so that nothing there is \
+         overwritten or left beside the new model; name a new or empty directory",
+        out.display(),
+        IMPORT_FILES.join(", ")
+    )))
+}
+
+/// A fresh directory beside `out` (same file system, hidden, named after it and this process)
+/// to write an import into; `out`'s parents are created.
+fn staging(out: &Path) -> Result<std::path::PathBuf, ExecError> {
+    let name = out.file_name().ok_or_else(|| bad(format!("{} names no directory", out.display())))?;
+    let parent = match out.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    std::fs::create_dir_all(parent).map_err(|e| bad(format!("{}: {e}", parent.display())))?;
+    let tmp = parent.join(format!(".{}.import-{}", name.to_string_lossy(), std::process::id()));
+    // One left by an earlier process of this id that was killed.
+    let _ = std::fs::remove_dir_all(&tmp);
+    std::fs::create_dir(&tmp).map_err(|e| bad(format!("{}: {e}", tmp.display())))?;
+    Ok(tmp)
+}
+
+/// Moves the import written in `tmp` to `out`: a rename where `out` is missing, an atomic
+/// exchange (`renameat2(RENAME_EXCHANGE)`) where it `replaces` a directory, which leaves the
+/// previous one in `tmp`.
+fn put_in_place(tmp: &Path, out: &Path, replaces: bool) -> Result<(), ExecError> {
+    let failed = |e: std::io::Error| bad(format!("moving the import into {}: {e}", out.display()));
+    if !replaces {
+        // Fails (the directory is not empty) if another import got there meanwhile.
+        return std::fs::rename(tmp, out).map_err(failed);
+    }
+    use std::os::unix::ffi::OsStrExt;
+    let c =
+        |p: &Path| std::ffi::CString::new(p.as_os_str().as_bytes()).map_err(|e| bad(format!("{}: {e}", p.display())));
+    let (from, to) = (c(tmp)?, c(out)?);
+    // SAFETY: both paths are NUL-terminated strings that live across the call; renameat2 only
+    // reads them.
+    let rc =
+        unsafe { libc::renameat2(libc::AT_FDCWD, from.as_ptr(), libc::AT_FDCWD, to.as_ptr(), libc::RENAME_EXCHANGE) };
+    if rc != 0 {
+        return Err(failed(std::io::Error::last_os_error()));
+    }
+    Ok(())
+}
+
+/// Reads `gguf` and writes the model directory's files into `dir` (which exists), naming them in
+/// errors as the files of `named`, where they will lie.
+fn write_model(
+    gguf: &Path,
+    dir: &Path,
+    named: &Path,
+    dtype: DType,
+    mut progress: impl FnMut(usize, usize, &str),
+) -> Result<Imported, ExecError> {
     let mut r =
         BufReader::new(File::open(gguf).map_err(|e| ExecError::Model(format!("GGUF file {}: {e}", gguf.display())))?);
     let c = Content::read(&mut r)
@@ -223,35 +362,25 @@ pub fn import(
     }
     check_shapes(&cfg, &tensors)?;
 
-    std::fs::create_dir_all(out).map_err(|e| bad(format!("{}: {e}", out.display())))?;
-    let model_path = out.join("model.safetensors");
-    candle_core::safetensors::save(&tensors, &model_path).map_err(|e| bad(format!("{}: {e}", model_path.display())))?;
+    let failed = |file: &str, e: &dyn std::fmt::Display| bad(format!("{}: {e}", named.join(file).display()));
+    let model_path = dir.join("model.safetensors");
+    candle_core::safetensors::save(&tensors, &model_path).map_err(|e| failed("model.safetensors", &e))?;
     let mut config_json = serde_json::to_value(&cfg).map_err(bad)?;
     config_json["architectures"] = json!(["LlamaForCausalLM"]);
     config_json["torch_dtype"] = json!(if dtype == DType::F16 { "float16" } else { "float32" });
     if let Some(t) = c.metadata.get("tokenizer.chat_template").and_then(|v| v.to_string().ok()) {
         config_json["chat_template"] = json!(t);
     }
-    let write = |name: &str, text: String| {
-        std::fs::write(out.join(name), text).map_err(|e| bad(format!("{}: {e}", out.join(name).display())))
-    };
+    let write = |name: &str, text: String| std::fs::write(dir.join(name), text).map_err(|e| failed(name, &e));
     write("config.json", serde_json::to_string_pretty(&config_json).map_err(bad)?)?;
     write("tokenizer.json", text)?;
-    let bytes = std::fs::metadata(&model_path).map_err(bad)?.len();
+    // `safetensors` writes through a temporary file, created readable by its owner only; the
+    // model gets the mode the process gives its other files (its umask), as config.json has.
+    let mode = std::fs::metadata(dir.join("config.json")).map_err(|e| failed("config.json", &e))?.permissions();
+    std::fs::set_permissions(&model_path, mode).map_err(|e| failed("model.safetensors", &e))?;
+    let bytes = std::fs::metadata(&model_path).map_err(|e| failed("model.safetensors", &e))?.len();
     let vocabulary = meta(&c, "tokenizer.ggml.tokens")?.to_vec().map_err(bad)?.len();
-    Ok(Imported { config: cfg, tensors: tensors.len(), bytes, vocabulary })
-}
-
-/// [`import`] as f32 into a directory beside `dir`, then renamed to `dir`: a half-written
-/// directory is never taken for a model, and when another process imported it first (the
-/// rename fails: `dir` is there), that import is kept and this one removed.
-pub fn import_into_place(gguf: &Path, dir: &Path) -> Result<(), ExecError> {
-    let tmp = dir.with_file_name(format!("import-{}", std::process::id()));
-    import(gguf, &tmp, DType::F32, |_, _, _| {})?;
-    if std::fs::rename(&tmp, dir).is_err() {
-        let _ = std::fs::remove_dir_all(&tmp);
-    }
-    Ok(())
+    Ok(Imported { config: cfg, tensors: tensors.len(), bytes, vocabulary, replaced: false })
 }
 
 /// Refuses a file whose tensors do not have the shapes its metadata implies.
@@ -320,6 +449,62 @@ mod tests {
         assert!(import(&f, &dir.join("out"), DType::F32, |_, _, _| {}).is_err());
         assert!(import(&f, &dir.join("out"), DType::U8, |_, _, _| {}).unwrap_err().to_string().contains("f32 and f16"));
         assert!(!dir.join("out").exists(), "nothing is written for a refused file");
+        let left: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(left, ["not.gguf"], "no staging directory is left behind");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A directory holding files an import does not write (here another model's), a symbolic
+    /// link or a plain file is refused before the GGUF is even opened, and left as it was; an
+    /// empty directory or an earlier import's may be written.
+    #[test]
+    fn an_import_refuses_a_directory_it_would_mix_with_or_overwrite() {
+        let dir = std::env::temp_dir().join(format!("cascade-gguf-target-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let bert = dir.join("bert");
+        std::fs::create_dir_all(&bert).unwrap();
+        for f in ["config.json", "model.safetensors", "tokenizer.json", "vocab.txt", "sentence_bert_config.json"] {
+            std::fs::write(bert.join(f), f).unwrap();
+        }
+        let missing = Path::new("/nonexistent.gguf");
+        let e = import(missing, &bert, DType::F32, |_, _, _| {}).unwrap_err().to_string();
+        assert!(e.contains("holds sentence_bert_config.json, vocab.txt, which an import does not write"), "{e}");
+        assert_eq!(std::fs::read_to_string(bert.join("model.safetensors")).unwrap(), "model.safetensors");
+        std::os::unix::fs::symlink(&bert, dir.join("link")).unwrap();
+        let e = import(missing, &dir.join("link"), DType::F32, |_, _, _| {}).unwrap_err().to_string();
+        assert!(e.contains("is a symbolic link"), "{e}");
+        let e = import(missing, &bert.join("vocab.txt"), DType::F32, |_, _, _| {}).unwrap_err().to_string();
+        assert!(e.contains("is not a directory"), "{e}");
+
+        assert_eq!(target(&dir.join("none")).unwrap(), Target::Missing);
+        std::fs::create_dir(dir.join("empty")).unwrap();
+        assert_eq!(target(&dir.join("empty")).unwrap(), Target::Empty);
+        for f in ["vocab.txt", "sentence_bert_config.json"] {
+            std::fs::remove_file(bert.join(f)).unwrap();
+        }
+        assert_eq!(target(&bert).unwrap(), Target::Import);
+        std::fs::create_dir(bert.join("config.json.d")).unwrap();
+        assert!(target(&bert).is_err(), "a directory among the files");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// An import replaces an earlier one by exchanging the directories in one step: the new files
+    /// are where the old ones were, and the old ones where the new were written.
+    #[test]
+    fn putting_an_import_in_place_exchanges_the_directories() {
+        let dir = std::env::temp_dir().join(format!("cascade-gguf-exchange-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let (out, tmp) = (dir.join("model"), dir.join(".model.import"));
+        for (d, text) in [(&out, "old"), (&tmp, "new")] {
+            std::fs::create_dir_all(d).unwrap();
+            std::fs::write(d.join("model.safetensors"), text).unwrap();
+        }
+        put_in_place(&tmp, &out, true).unwrap();
+        assert_eq!(std::fs::read_to_string(out.join("model.safetensors")).unwrap(), "new");
+        assert_eq!(std::fs::read_to_string(tmp.join("model.safetensors")).unwrap(), "old");
+        // Where the directory was missing but another import put one there meanwhile, the rename
+        // fails rather than replacing it.
+        assert!(put_in_place(&tmp, &out, false).unwrap_err().to_string().contains("moving the import into"));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

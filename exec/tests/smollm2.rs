@@ -159,12 +159,30 @@ fn an_f16_import_agrees_with_the_reference_until_the_first_near_tie() {
     let imported = cascade_exec::gguf::import(&gguf, &out, candle_core::DType::F16, |_, _, _| {}).unwrap();
     let f32_bytes = std::fs::metadata(dir.join("model.safetensors")).unwrap().len();
     assert!(imported.bytes < f32_bytes / 2 + (1 << 20), "{} vs {f32_bytes}", imported.bytes);
+    assert!(!imported.replaced);
+    // The model file has the mode the other files got (before 2026-12-05 it kept the 0600 of
+    // the temporary file safetensors writes through).
+    let mode =
+        |f: &str| std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(out.join(f)).unwrap().permissions());
+    assert_eq!(mode("model.safetensors"), mode("config.json"));
     let g = Generator::from_dir(&out).unwrap();
     for r in llm_reference() {
         let tie = r.margins.iter().position(|&m| m < NEAR_TIE).unwrap_or(r.tokens.len());
         let got = g.generate(std::slice::from_ref(&r.prompt_tokens), tie.max(1)).unwrap().remove(0).tokens;
         assert_eq!(got[..tie], r.tokens[..tie], "{:?}", r.prompt);
     }
+    // Imported again over itself: replaced whole, with nothing left beside it.
+    drop(g);
+    let again = cascade_exec::gguf::import(&gguf, &out, candle_core::DType::F16, |_, _, _| {}).unwrap();
+    assert!(again.replaced);
+    assert_eq!(std::fs::metadata(out.join("model.safetensors")).unwrap().len(), imported.bytes);
+    let name = out.file_name().unwrap().to_string_lossy().into_owned();
+    let beside: Vec<_> = std::fs::read_dir(out.parent().unwrap())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains(&name) && *n != name)
+        .collect();
+    assert!(beside.is_empty(), "left beside the model: {beside:?}");
     std::fs::remove_dir_all(&out).unwrap();
 }
 
