@@ -15,13 +15,17 @@
 //! - **Chat template.** It is kept in `config.json` as `chat_template`, for reference; nothing
 //!   here renders it.
 
-use std::collections::HashMap;
 use std::fs::File;
 use std::io::BufReader;
 use std::path::Path;
 
 use candle_core::quantized::gguf_file::{Content, Value};
-use candle_core::{DType, Device, Tensor};
+
+mod place;
+mod tensors;
+
+use candle_core::{DType, Tensor};
+use place::{put_in_place, staging, target, Target};
 use serde_json::json;
 
 use crate::llama::LlamaConfig;
@@ -236,97 +240,6 @@ pub fn import_into_place(gguf: &Path, dir: &Path) -> Result<(), ExecError> {
     done.map(|_| ())
 }
 
-/// What an import finds where it is to write.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Target {
-    /// Nothing: the directory is created.
-    Missing,
-    /// An empty directory.
-    Empty,
-    /// A directory with only [`IMPORT_FILES`]: an earlier import, replaced.
-    Import,
-}
-
-/// What `out` is; an error naming what it holds where an import may not replace it.
-fn target(out: &Path) -> Result<Target, ExecError> {
-    let meta = match std::fs::symlink_metadata(out) {
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Target::Missing),
-        Err(e) => return Err(bad(format!("{}: {e}", out.display()))),
-        Ok(m) => m,
-    };
-    if meta.file_type().is_symlink() {
-        return Err(bad(format!("{} is a symbolic link: name the directory itself", out.display())));
-    }
-    if !meta.is_dir() {
-        return Err(bad(format!("{} is there and is not a directory", out.display())));
-    }
-    let (mut others, mut files) = (Vec::new(), 0);
-    for entry in std::fs::read_dir(out).map_err(|e| bad(format!("{}: {e}", out.display())))? {
-        let entry = entry.map_err(|e| bad(format!("{}: {e}", out.display())))?;
-        let name = entry.file_name().to_string_lossy().into_owned();
-        let file = entry.file_type().is_ok_and(|t| t.is_file());
-        if !file || !IMPORT_FILES.contains(&name.as_str()) {
-            others.push(name);
-        } else {
-            files += 1;
-        }
-    }
-    if others.is_empty() {
-        return Ok(if files == 0 { Target::Empty } else { Target::Import });
-    }
-    others.sort();
-    let shown = if others.len() > 4 {
-        format!("{} and {} more", others[..3].join(", "), others.len() - 3)
-    } else {
-        others.join(", ")
-    };
-    Err(bad(format!(
-        "{} holds {shown}, which an import does not write ({}): refused, so that nothing there is \
-         overwritten or left beside the new model; name a new or empty directory",
-        out.display(),
-        IMPORT_FILES.join(", ")
-    )))
-}
-
-/// A fresh directory beside `out` (same file system, hidden, named after it and this process)
-/// to write an import into; `out`'s parents are created.
-fn staging(out: &Path) -> Result<std::path::PathBuf, ExecError> {
-    let name = out.file_name().ok_or_else(|| bad(format!("{} names no directory", out.display())))?;
-    let parent = match out.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p,
-        _ => Path::new("."),
-    };
-    std::fs::create_dir_all(parent).map_err(|e| bad(format!("{}: {e}", parent.display())))?;
-    let tmp = parent.join(format!(".{}.import-{}", name.to_string_lossy(), std::process::id()));
-    // One left by an earlier process of this id that was killed.
-    let _ = std::fs::remove_dir_all(&tmp);
-    std::fs::create_dir(&tmp).map_err(|e| bad(format!("{}: {e}", tmp.display())))?;
-    Ok(tmp)
-}
-
-/// Moves the import written in `tmp` to `out`: a rename where `out` is missing, an atomic
-/// exchange (`renameat2(RENAME_EXCHANGE)`) where it `replaces` a directory, which leaves the
-/// previous one in `tmp`.
-fn put_in_place(tmp: &Path, out: &Path, replaces: bool) -> Result<(), ExecError> {
-    let failed = |e: std::io::Error| bad(format!("moving the import into {}: {e}", out.display()));
-    if !replaces {
-        // Fails (the directory is not empty) if another import got there meanwhile.
-        return std::fs::rename(tmp, out).map_err(failed);
-    }
-    use std::os::unix::ffi::OsStrExt;
-    let c =
-        |p: &Path| std::ffi::CString::new(p.as_os_str().as_bytes()).map_err(|e| bad(format!("{}: {e}", p.display())));
-    let (from, to) = (c(tmp)?, c(out)?);
-    // SAFETY: both paths are NUL-terminated strings that live across the call; renameat2 only
-    // reads them.
-    let rc =
-        unsafe { libc::renameat2(libc::AT_FDCWD, from.as_ptr(), libc::AT_FDCWD, to.as_ptr(), libc::RENAME_EXCHANGE) };
-    if rc != 0 {
-        return Err(failed(std::io::Error::last_os_error()));
-    }
-    Ok(())
-}
-
 /// Reads `gguf` and writes the model directory's files into `dir` (which exists), naming them in
 /// errors as the files of `named`, where they will lie.
 fn write_model(
@@ -334,7 +247,7 @@ fn write_model(
     dir: &Path,
     named: &Path,
     dtype: DType,
-    mut progress: impl FnMut(usize, usize, &str),
+    progress: impl FnMut(usize, usize, &str),
 ) -> Result<Imported, ExecError> {
     let mut r =
         BufReader::new(File::open(gguf).map_err(|e| ExecError::Model(format!("GGUF file {}: {e}", gguf.display())))?);
@@ -347,24 +260,24 @@ fn write_model(
     tokenizers::Tokenizer::from_bytes(text.as_bytes())
         .map_err(|e| bad(format!("the tokenizer built from the metadata: {e}")))?;
 
-    let mut names: Vec<&String> = c.tensor_infos.keys().collect();
-    names.sort();
-    let mut tensors: HashMap<String, Tensor> = HashMap::with_capacity(names.len());
-    for (i, name) in names.iter().enumerate() {
-        progress(i, names.len(), name);
+    // Every name and shape is checked before a tensor is read; each is then read as it is written.
+    let source = tensors::Source::new(&c, r, dtype, progress);
+    let mut lazy = Vec::with_capacity(c.tensor_infos.len());
+    for (name, info) in &c.tensor_infos {
         let (hf, heads) = hf_name(name, &cfg)?;
-        let q = c.tensor(&mut r, name, &Device::Cpu).map_err(|e| bad(format!("{name}: {e}")))?;
-        let mut t = q.dequantize(&Device::Cpu).map_err(|e| bad(format!("{name}: {e}")))?;
-        if let Some(h) = heads {
-            t = unpermute(&t, h)?;
-        }
-        tensors.insert(hf, t.to_dtype(dtype)?);
+        check_shape(&cfg, &hf, info.shape.dims())?;
+        lazy.push((hf, source.tensor(name, heads)?));
     }
-    check_shapes(&cfg, &tensors)?;
+    check_blocks(&cfg, lazy.iter().map(|(n, _)| n.as_str()))?;
+    let count = lazy.len();
 
     let failed = |file: &str, e: &dyn std::fmt::Display| bad(format!("{}: {e}", named.join(file).display()));
     let model_path = dir.join("model.safetensors");
-    candle_core::safetensors::save(&tensors, &model_path).map_err(|e| failed("model.safetensors", &e))?;
+    let written = safetensors::serialize_to_file(lazy, None, &model_path);
+    if let Some(e) = source.failure() {
+        return Err(e);
+    }
+    written.map_err(|e| failed("model.safetensors", &e))?;
     let mut config_json = serde_json::to_value(&cfg).map_err(bad)?;
     config_json["architectures"] = json!(["LlamaForCausalLM"]);
     config_json["torch_dtype"] = json!(if dtype == DType::F16 { "float16" } else { "float32" });
@@ -380,27 +293,29 @@ fn write_model(
     std::fs::set_permissions(&model_path, mode).map_err(|e| failed("model.safetensors", &e))?;
     let bytes = std::fs::metadata(&model_path).map_err(|e| failed("model.safetensors", &e))?.len();
     let vocabulary = meta(&c, "tokenizer.ggml.tokens")?.to_vec().map_err(bad)?.len();
-    Ok(Imported { config: cfg, tensors: tensors.len(), bytes, vocabulary, replaced: false })
+    Ok(Imported { config: cfg, tensors: count, bytes, vocabulary, replaced: false })
 }
 
-/// Refuses a file whose tensors do not have the shapes its metadata implies.
-fn check_shapes(cfg: &LlamaConfig, tensors: &HashMap<String, Tensor>) -> Result<(), ExecError> {
+/// Refuses a tensor (by its Hugging Face name) whose shape is not the one the metadata implies.
+fn check_shape(cfg: &LlamaConfig, name: &str, shape: &[usize]) -> Result<(), ExecError> {
     let (h, f, kv) = (cfg.hidden_size, cfg.intermediate_size, cfg.num_key_value_heads * cfg.head_dim());
-    for (name, t) in tensors {
-        let shape = t.dims();
-        let want: Vec<usize> = match name.rsplit('.').nth(1).unwrap_or("") {
-            "embed_tokens" | "lm_head" => vec![cfg.vocab_size, h],
-            "q_proj" | "o_proj" => vec![h, h],
-            "k_proj" | "v_proj" => vec![kv, h],
-            "gate_proj" | "up_proj" => vec![f, h],
-            "down_proj" => vec![h, f],
-            _ => vec![h],
-        };
-        if shape != want {
-            return Err(bad(format!("{name} is {shape:?}, the configuration implies {want:?}")));
-        }
+    let want: Vec<usize> = match name.rsplit('.').nth(1).unwrap_or("") {
+        "embed_tokens" | "lm_head" => vec![cfg.vocab_size, h],
+        "q_proj" | "o_proj" => vec![h, h],
+        "k_proj" | "v_proj" => vec![kv, h],
+        "gate_proj" | "up_proj" => vec![f, h],
+        "down_proj" => vec![h, f],
+        _ => vec![h],
+    };
+    if shape != want {
+        return Err(bad(format!("{name} is {shape:?}, the configuration implies {want:?}")));
     }
-    let blocks = tensors.keys().filter(|n| n.ends_with("mlp.down_proj.weight")).count();
+    Ok(())
+}
+
+/// Refuses a file with another number of blocks than its metadata says.
+fn check_blocks<'n>(cfg: &LlamaConfig, names: impl Iterator<Item = &'n str>) -> Result<(), ExecError> {
+    let blocks = names.filter(|n| n.ends_with("mlp.down_proj.weight")).count();
     if blocks != cfg.num_hidden_layers {
         return Err(bad(format!("{blocks} blocks, the configuration says {}", cfg.num_hidden_layers)));
     }
@@ -410,6 +325,7 @@ fn check_shapes(cfg: &LlamaConfig, tensors: &HashMap<String, Tensor>) -> Result<
 #[cfg(test)]
 mod tests {
     use super::*;
+    use candle_core::Device;
 
     /// llama.cpp's converter's permutation (`convert_hf_to_gguf.py`'s `permute`), written here
     /// from its definition: rows viewed as `[heads, 2, d/2]`, the last two axes swapped.
@@ -451,60 +367,6 @@ mod tests {
         assert!(!dir.join("out").exists(), "nothing is written for a refused file");
         let left: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name()).collect();
         assert_eq!(left, ["not.gguf"], "no staging directory is left behind");
-        std::fs::remove_dir_all(&dir).unwrap();
-    }
-
-    /// A directory holding files an import does not write (here another model's), a symbolic
-    /// link or a plain file is refused before the GGUF is even opened, and left as it was; an
-    /// empty directory or an earlier import's may be written.
-    #[test]
-    fn an_import_refuses_a_directory_it_would_mix_with_or_overwrite() {
-        let dir = std::env::temp_dir().join(format!("cascade-gguf-target-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        let bert = dir.join("bert");
-        std::fs::create_dir_all(&bert).unwrap();
-        for f in ["config.json", "model.safetensors", "tokenizer.json", "vocab.txt", "sentence_bert_config.json"] {
-            std::fs::write(bert.join(f), f).unwrap();
-        }
-        let missing = Path::new("/nonexistent.gguf");
-        let e = import(missing, &bert, DType::F32, |_, _, _| {}).unwrap_err().to_string();
-        assert!(e.contains("holds sentence_bert_config.json, vocab.txt, which an import does not write"), "{e}");
-        assert_eq!(std::fs::read_to_string(bert.join("model.safetensors")).unwrap(), "model.safetensors");
-        std::os::unix::fs::symlink(&bert, dir.join("link")).unwrap();
-        let e = import(missing, &dir.join("link"), DType::F32, |_, _, _| {}).unwrap_err().to_string();
-        assert!(e.contains("is a symbolic link"), "{e}");
-        let e = import(missing, &bert.join("vocab.txt"), DType::F32, |_, _, _| {}).unwrap_err().to_string();
-        assert!(e.contains("is not a directory"), "{e}");
-
-        assert_eq!(target(&dir.join("none")).unwrap(), Target::Missing);
-        std::fs::create_dir(dir.join("empty")).unwrap();
-        assert_eq!(target(&dir.join("empty")).unwrap(), Target::Empty);
-        for f in ["vocab.txt", "sentence_bert_config.json"] {
-            std::fs::remove_file(bert.join(f)).unwrap();
-        }
-        assert_eq!(target(&bert).unwrap(), Target::Import);
-        std::fs::create_dir(bert.join("config.json.d")).unwrap();
-        assert!(target(&bert).is_err(), "a directory among the files");
-        std::fs::remove_dir_all(&dir).unwrap();
-    }
-
-    /// An import replaces an earlier one by exchanging the directories in one step: the new files
-    /// are where the old ones were, and the old ones where the new were written.
-    #[test]
-    fn putting_an_import_in_place_exchanges_the_directories() {
-        let dir = std::env::temp_dir().join(format!("cascade-gguf-exchange-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        let (out, tmp) = (dir.join("model"), dir.join(".model.import"));
-        for (d, text) in [(&out, "old"), (&tmp, "new")] {
-            std::fs::create_dir_all(d).unwrap();
-            std::fs::write(d.join("model.safetensors"), text).unwrap();
-        }
-        put_in_place(&tmp, &out, true).unwrap();
-        assert_eq!(std::fs::read_to_string(out.join("model.safetensors")).unwrap(), "new");
-        assert_eq!(std::fs::read_to_string(tmp.join("model.safetensors")).unwrap(), "old");
-        // Where the directory was missing but another import put one there meanwhile, the rename
-        // fails rather than replacing it.
-        assert!(put_in_place(&tmp, &out, false).unwrap_err().to_string().contains("moving the import into"));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
