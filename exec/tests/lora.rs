@@ -408,3 +408,77 @@ fn an_adapter_image_round_trips_exactly_and_a_damaged_one_is_refused() {
     let other = LlamaConfig { hidden_size: 32, ..cfg };
     assert!(LoraAdapter::from_image(&image, &other).is_err(), "shapes checked against the model");
 }
+
+/// A PEFT adapter with parts that are not applied here — PEFT options (DoRA, transposed weights,
+/// per-module ranks, trained biases, fully trained modules) or tensors beyond LoRA's A and B on
+/// the attention projections (here a pair on the MLP's gate_proj), or a lora_B without its A — is
+/// refused, naming the part; before 2026-12-05 those were skipped and the adapter served without
+/// them. Rank-stabilised LoRA is applied (`α / √r`), and `target_modules` may be one pattern.
+#[test]
+fn a_peft_adapter_with_parts_not_applied_is_refused_and_rslora_is_scaled() {
+    use serde_json::json;
+    let cfg = small_config();
+    let a = LoraAdapter::seeded(&cfg, 4, 8.0, &[Proj::Q, Proj::V], 3, 0.05).unwrap();
+    let dir = std::env::temp_dir().join(format!("cascade-peft-{}", std::process::id()));
+    a.save(&dir).unwrap();
+    let config_path = dir.join("adapter_config.json");
+    let base: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
+    let with = |changes: &[(&str, serde_json::Value)]| {
+        let mut c = base.clone();
+        for (k, v) in changes {
+            c[*k] = v.clone();
+        }
+        std::fs::write(&config_path, c.to_string()).unwrap();
+        LoraAdapter::load(&dir, &cfg)
+    };
+    for (key, value) in [
+        ("use_dora", json!(true)),
+        ("fan_in_fan_out", json!(true)),
+        ("rank_pattern", json!({"q_proj": 8})),
+        ("alpha_pattern", json!({"v_proj": 32})),
+        ("bias", json!("lora_only")),
+        ("modules_to_save", json!(["lm_head"])),
+    ] {
+        let e = with(&[(key, value)]).unwrap_err().to_string();
+        assert!(e.contains(&format!("sets {key} = ")) && e.contains("not applied here"), "{e}");
+    }
+    let e = with(&[("peft_type", json!("IA3"))]).unwrap_err().to_string();
+    assert!(e.contains("not LORA"), "{e}");
+    // The same options at their neutral values, as PEFT writes them, and a pattern as the targets.
+    let neutral = [
+        ("use_dora", json!(false)),
+        ("bias", json!("none")),
+        ("rank_pattern", json!({})),
+        ("modules_to_save", serde_json::Value::Null),
+        ("target_modules", json!("q_proj|v_proj")),
+    ];
+    let b = with(&neutral).unwrap();
+    assert_eq!(b.config().target_modules, ["q_proj|v_proj"]);
+    assert_eq!((a.scale(), b.scale()), (2.0, 2.0));
+    let rs = with(&[("use_rslora", json!(true))]).unwrap();
+    assert_eq!(rs.scale(), 4.0, "α / √r = 8 / 2");
+    let (d, d_rs) = (a.delta(0, Proj::Q).unwrap().unwrap(), rs.delta(0, Proj::Q).unwrap().unwrap());
+    assert!(max_diff(&flat(&(d * 2.0).unwrap()), &flat(&d_rs)) < 1e-6);
+
+    // Tensors: an MLP pair beside the attention ones, then a lora_B whose A is missing.
+    let bytes = std::fs::read(dir.join("adapter_model.safetensors")).unwrap();
+    let tensors = candle_core::safetensors::load_buffer(&bytes, &candle_core::Device::Cpu).unwrap();
+    let mut more = tensors.clone();
+    let (f, h) = (cfg.intermediate_size, cfg.hidden_size);
+    let mlp = "base_model.model.model.layers.0.mlp.gate_proj.lora_";
+    more.insert(
+        format!("{mlp}A.weight"),
+        Tensor::zeros((4, h), candle_core::DType::F32, &candle_core::Device::Cpu).unwrap(),
+    );
+    more.insert(
+        format!("{mlp}B.weight"),
+        Tensor::zeros((f, 4), candle_core::DType::F32, &candle_core::Device::Cpu).unwrap(),
+    );
+    let e = LoraAdapter::from_tensors(a.config().clone(), more, &cfg).unwrap_err().to_string();
+    assert!(e.contains("2 tensor(s)") && e.contains("mlp.gate_proj.lora_A.weight"), "{e}");
+    let mut lone = tensors;
+    lone.remove("base_model.model.model.layers.1.self_attn.v_proj.lora_A.weight").unwrap();
+    let e = LoraAdapter::from_tensors(a.config().clone(), lone, &cfg).unwrap_err().to_string();
+    assert!(e.contains("layers.1.self_attn.v_proj.lora_B.weight without its lora_A"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

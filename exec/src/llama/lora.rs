@@ -10,11 +10,11 @@
 //!
 //! Files are PEFT's layout: `adapter_model.safetensors` with
 //! `base_model.model.model.layers.{i}.self_attn.{q,k,v,o}_proj.lora_{A,B}.weight` and
-//! `adapter_config.json` (`r`, `lora_alpha`, `target_modules`). [`LoraAdapter::seeded`] makes the
+//! `adapter_config.json` (`r`, `lora_alpha`, `target_modules`, `use_rslora`; an adapter with parts
+//! not applied here is refused, as `lora/peft.rs` says). [`LoraAdapter::seeded`] makes the
 //! test adapters: seeded random tensors, a test double named as such.
 
 use std::collections::{BTreeMap, HashMap};
-use std::path::Path;
 
 use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
@@ -24,6 +24,8 @@ use cascade_param_pool::manifest::Manifest;
 use super::LlamaConfig;
 use crate::weights::Weights;
 use crate::ExecError;
+
+mod peft;
 
 /// An attention projection an adapter can target.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -74,8 +76,13 @@ pub struct LoraConfig {
     pub r: usize,
     /// Scaling numerator (the delta is `lora_alpha / r · B·A`).
     pub lora_alpha: f64,
-    /// The projections it targets.
+    /// The projections it targets (PEFT also writes one string, a pattern: kept as the only
+    /// item). What is served is what the tensors hold.
+    #[serde(deserialize_with = "peft::one_or_many")]
     pub target_modules: Vec<String>,
+    /// Rank-stabilised LoRA (PEFT's `use_rslora`): the delta is scaled by `α / √r`, not `α / r`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub use_rslora: bool,
 }
 
 impl LoraConfig {
@@ -110,9 +117,11 @@ fn key(block: usize, p: Proj, ab: char) -> String {
 }
 
 impl LoraAdapter {
-    /// `α / r`.
+    /// The delta's scale: `α / r`, or `α / √r` for rank-stabilised LoRA (`use_rslora`), as PEFT
+    /// computes it.
     pub fn scale(&self) -> f64 {
-        self.config.lora_alpha / self.config.r as f64
+        let r = self.config.r as f64;
+        self.config.lora_alpha / if self.config.use_rslora { r.sqrt() } else { r }
     }
 
     /// A test double: an adapter of rank `r` on `targets` of every block of `cfg`, its tensors
@@ -128,7 +137,7 @@ impl LoraAdapter {
         b_scale: f32,
     ) -> Result<LoraAdapter, ExecError> {
         let target_modules = targets.iter().map(|p| p.module().to_string()).collect();
-        let config = LoraConfig { r, lora_alpha: alpha, target_modules };
+        let config = LoraConfig { r, lora_alpha: alpha, target_modules, use_rslora: false };
         config.check()?;
         if targets.is_empty() {
             return Err(ExecError::Model("an adapter targets at least one projection".into()));
@@ -169,19 +178,6 @@ impl LoraAdapter {
         Ok(LoraAdapter { config, weights })
     }
 
-    /// Reads PEFT's `adapter_config.json` and `adapter_model.safetensors` from `dir`, checking
-    /// every tensor's shape against `cfg`.
-    pub fn load(dir: &Path, cfg: &LlamaConfig) -> Result<LoraAdapter, ExecError> {
-        let bad = |why: String| ExecError::Model(format!("{}: {why}", dir.display()));
-        let text = std::fs::read_to_string(dir.join("adapter_config.json"))
-            .map_err(|e| bad(format!("adapter_config.json: {e}")))?;
-        let config: LoraConfig = serde_json::from_str(&text).map_err(|e| bad(format!("adapter_config.json: {e}")))?;
-        let bytes = std::fs::read(dir.join("adapter_model.safetensors"))
-            .map_err(|e| bad(format!("adapter_model.safetensors: {e}")))?;
-        Self::from_tensors(config, candle_core::safetensors::load_buffer(&bytes, &Device::Cpu)?, cfg)
-            .map_err(|e| bad(e.to_string()))
-    }
-
     /// An adapter from its configuration and named tensors (PEFT names), checked against `cfg`.
     pub fn from_tensors(
         config: LoraConfig,
@@ -189,14 +185,10 @@ impl LoraAdapter {
         cfg: &LlamaConfig,
     ) -> Result<LoraAdapter, ExecError> {
         config.check()?;
+        peft::refuse_unserved(tensors.keys())?;
         let mut weights = BTreeMap::new();
         for (name, a) in &tensors {
-            let Some(rest) = name.strip_prefix("base_model.model.model.layers.") else { continue };
-            let parts: Vec<&str> = rest.split('.').collect();
-            let [blk, "self_attn", module, "lora_A", "weight"] = parts.as_slice() else { continue };
-            let Ok(block) = blk.parse::<usize>() else { continue };
-            let p = Proj::from_module(module)
-                .ok_or_else(|| ExecError::Model(format!("{name}: not an attention projection")))?;
+            let Some((block, p, 'A')) = peft::lora_key(name) else { continue };
             let b = tensors
                 .get(&key(block, p, 'B'))
                 .ok_or_else(|| ExecError::Model(format!("{name} without its lora_B")))?;
@@ -213,6 +205,11 @@ impl LoraAdapter {
         }
         if weights.is_empty() {
             return Err(ExecError::Model("no lora_A/lora_B pair on an attention projection".into()));
+        }
+        if let Some(b) =
+            tensors.keys().find(|n| matches!(peft::lora_key(n), Some((k, p, 'B')) if !weights.contains_key(&(k, p))))
+        {
+            return Err(ExecError::Model(format!("{b} without its lora_A")));
         }
         Ok(LoraAdapter { config, weights })
     }
@@ -236,21 +233,6 @@ impl LoraAdapter {
     /// Its configuration.
     pub fn config(&self) -> &LoraConfig {
         &self.config
-    }
-
-    /// Writes PEFT's two files into `dir` (created).
-    pub fn save(&self, dir: &Path) -> Result<(), ExecError> {
-        let bad = |e: &dyn std::fmt::Display| ExecError::Model(format!("{}: {e}", dir.display()));
-        std::fs::create_dir_all(dir).map_err(|e| bad(&e))?;
-        let mut tensors = HashMap::new();
-        for (&(block, p), (a, b)) in &self.weights {
-            tensors.insert(key(block, p, 'A'), a.clone());
-            tensors.insert(key(block, p, 'B'), b.clone());
-        }
-        candle_core::safetensors::save(&tensors, dir.join("adapter_model.safetensors"))?;
-        let mut cfg = serde_json::to_value(&self.config).map_err(|e| bad(&e))?;
-        cfg["peft_type"] = "LORA".into();
-        std::fs::write(dir.join("adapter_config.json"), cfg.to_string()).map_err(|e| bad(&e))
     }
 
     /// The adapter as one byte image, for a WRITE to another instance (co-migration):
