@@ -56,7 +56,8 @@ enum Cmd {
     Instance(live::InstanceArgs),
     /// Sentence embeddings with a real BERT model on the CPU (all-MiniLM-L6-v2's directory:
     /// model.safetensors, tokenizer.json, config.json; sentence_bert_config.json sets where long
-    /// texts are cut, as sentence-transformers does).
+    /// texts are cut, modules.json and 1_Pooling/config.json the pooling, as sentence-transformers
+    /// does; without modules.json, all-MiniLM-L6-v2's mean and L2 normalisation).
     Embed(embed::EmbedArgs),
     /// Greedy text generation with a real llama-architecture LLM on the CPU (a directory that
     /// `cascade model import --gguf` wrote).

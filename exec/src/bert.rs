@@ -10,7 +10,7 @@
 
 use std::ops::Range;
 
-use candle_core::{DType, Device, Module, Tensor, D};
+use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Embedding, LayerNorm, Linear};
 use serde::Deserialize;
 
@@ -225,16 +225,11 @@ impl LayerExec for Bert {
     }
 }
 
-/// sentence-transformers' pooling: the mean of the token states the mask keeps, L2-normalised.
-/// Returns one embedding per sentence.
+/// all-MiniLM-L6-v2's pooling (sentence-transformers' mean of the token states the mask keeps,
+/// L2-normalised): one embedding per sentence. Other models' come from their directory:
+/// [`crate::pooling::Pooling::from_dir`].
 pub fn mean_pool_normalized(act: &Activation) -> Result<Vec<Vec<f32>>, ExecError> {
-    let h = act.hidden.as_ref().ok_or_else(|| ExecError::Input("no hidden states to pool".into()))?;
-    let mask = act.mask.to_dtype(DType::F32)?.unsqueeze(D::Minus1)?;
-    let summed = h.broadcast_mul(&mask)?.sum(1)?;
-    let counts = mask.sum(1)?.clamp(1e-9, f64::MAX)?;
-    let mean = summed.broadcast_div(&counts)?;
-    let norm = mean.sqr()?.sum_keepdim(1)?.sqrt()?.clamp(1e-12, f64::MAX)?;
-    Ok(mean.broadcast_div(&norm)?.to_vec2::<f32>()?)
+    crate::pooling::Pooling::default().pool(act)
 }
 
 /// The CPU device every stage runs on.

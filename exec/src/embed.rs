@@ -1,7 +1,7 @@
 //! Sentence embeddings end to end: a model directory (`model.safetensors`, `tokenizer.json`,
 //! `config.json`, `sentence_bert_config.json` as sentence-transformers ships them) → tokens (cut
-//! to sentence-transformers' `max_seq_length`) → every BERT stage → mean pooling and L2
-//! normalisation.
+//! to sentence-transformers' `max_seq_length`) → every BERT stage → pooling as `modules.json`
+//! says (all-MiniLM-L6-v2's mean and L2 normalisation without it: [`crate::pooling`]).
 
 use std::path::{Path, PathBuf};
 
@@ -9,7 +9,8 @@ use cascade_param_pool::files::MappedFile;
 use cascade_param_pool::manifest::Manifest;
 use tokenizers::{Encoding, Tokenizer, TruncationParams};
 
-use crate::bert::{mean_pool_normalized, Bert, BertConfig};
+use crate::bert::{Bert, BertConfig};
+use crate::pooling::Pooling;
 use crate::tokens;
 use crate::weights::Weights;
 use crate::{Activation, ExecError, LayerExec};
@@ -19,6 +20,7 @@ pub struct Embedder {
     tokenizer: Tokenizer,
     model: Bert,
     manifest: Manifest,
+    pooling: Pooling,
 }
 
 /// The files of a model directory.
@@ -35,9 +37,9 @@ impl Embedder {
     /// Loads `dir`: `model.safetensors` and `tokenizer.json`; `config.json` if present (else
     /// all-MiniLM-L6-v2's).
     pub fn from_dir(dir: &Path) -> Result<Embedder, ExecError> {
-        let (cfg, tokenizer, manifest, bytes) = read_dir(dir)?;
+        let (cfg, pooling, tokenizer, manifest, bytes) = read_dir(dir)?;
         let model = Bert::load(cfg, &Weights::file(&manifest, &bytes)?)?;
-        Ok(Embedder { tokenizer, model, manifest })
+        Ok(Embedder { tokenizer, model, manifest, pooling })
     }
 
     /// The tokenizer of `path`, padding turned off (batches are padded to their longest input).
@@ -113,7 +115,7 @@ impl Embedder {
             let part = &part[..];
             let rows: Vec<&Encoding> = part.iter().map(|&i| &enc[i]).collect();
             let act = self.model.run(0..self.model.layers(), padded(&rows)?)?;
-            for (&i, v) in part.iter().zip(mean_pool_normalized(&act)?) {
+            for (&i, v) in part.iter().zip(self.pooling.pool(&act)?) {
                 out[i] = v;
             }
             done += part.len();
@@ -220,9 +222,10 @@ fn max_seq_length(dir: &Path) -> Result<Option<usize>, ExecError> {
     Ok(Some(c.max_seq_length))
 }
 
-/// A BERT model directory's configuration (all-MiniLM-L6-v2's without `config.json`),
-/// tokenizer, manifest and safetensors bytes.
-pub(crate) fn read_dir(dir: &Path) -> Result<(BertConfig, Tokenizer, Manifest, MappedFile), ExecError> {
+/// A BERT model directory's configuration (all-MiniLM-L6-v2's without `config.json`), pooling
+/// (`modules.json`'s, all-MiniLM-L6-v2's without it: [`Pooling::from_dir`]), tokenizer, manifest
+/// and safetensors bytes.
+pub(crate) fn read_dir(dir: &Path) -> Result<(BertConfig, Pooling, Tokenizer, Manifest, MappedFile), ExecError> {
     let f = read_files(dir)?;
     let cfg = match &f.config {
         Some(text) => BertConfig::from_json(text)?,
@@ -238,7 +241,8 @@ pub(crate) fn read_dir(dir: &Path) -> Result<(BertConfig, Tokenizer, Manifest, M
             )));
         }
     }
-    Ok((cfg, f.tokenizer, f.manifest, f.bytes))
+    let pooling = Pooling::from_dir(dir, cfg.hidden_size)?;
+    Ok((cfg, pooling, f.tokenizer, f.manifest, f.bytes))
 }
 
 /// `texts` tokenised into a batch (see [`Embedder::batch`]).

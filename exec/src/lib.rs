@@ -28,6 +28,7 @@ pub mod gguf;
 pub mod llama;
 pub mod llmsim;
 pub mod pd;
+pub mod pooling;
 pub mod serve;
 pub mod tokens;
 pub mod weights;

