@@ -58,6 +58,14 @@ impl BertConfig {
     /// Reads `config.json`.
     pub fn from_json(text: &str) -> Result<BertConfig, ExecError> {
         crate::check_model_type(text, "bert")?;
+        crate::check_settings(
+            text,
+            &[crate::Setting {
+                key: "position_embedding_type",
+                applied: |v| v == "absolute",
+                what: "relative position embeddings",
+            }],
+        )?;
         let c: BertConfig = serde_json::from_str(text).map_err(|e| ExecError::Model(format!("config.json: {e}")))?;
         if c.hidden_act != "gelu" {
             return Err(ExecError::Model(format!("activation {:?} is not supported (only gelu)", c.hidden_act)));

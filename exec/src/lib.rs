@@ -75,6 +75,37 @@ pub(crate) fn check_model_type(text: &str, want: &str) -> Result<(), ExecError> 
     }
 }
 
+/// A setting of a `config.json` that changes what the model computes, the values this crate
+/// computes it for, and what it is.
+pub(crate) struct Setting {
+    /// The key.
+    pub(crate) key: &'static str,
+    /// Whether a value (not null) is one the model here computes.
+    pub(crate) applied: fn(&serde_json::Value) -> bool,
+    /// What a value other than those means.
+    pub(crate) what: &'static str,
+}
+
+/// Refuses a `config.json` (its text) that sets one of `settings` to a value not applied here: a
+/// model run without it would compute something else, silently. Settings absent or null pass.
+pub(crate) fn check_settings(text: &str, settings: &[Setting]) -> Result<(), ExecError> {
+    // Malformed JSON is reported by the full parse, with its position.
+    let Ok(v) = serde_json::from_str::<serde_json::Value>(text) else { return Ok(()) };
+    for s in settings {
+        match v.get(s.key) {
+            Some(x) if !x.is_null() && !(s.applied)(x) => {
+                return Err(ExecError::Model(format!(
+                    "config.json sets {} = {x} ({}), which is not applied here: refused rather than \
+                     computed without it",
+                    s.key, s.what
+                )))
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
 /// A model whose stages are built one by one from verified bytes (what a serving instance's
 /// compute thread drives).
 pub trait Staged: LayerExec + Send + 'static {
@@ -170,6 +201,29 @@ mod tests {
         assert!(e.contains("describes a \"llama\" model, not a bert one"), "{e}");
         // Without `model_type`, and with malformed JSON, the full parse decides and says where.
         let untyped = BERT.replace(r#""model_type": "bert","#, "");
+        // Settings that change what the model computes, not applied here, are refused; their
+        // default values pass.
+        for (config, key) in [
+            (BERT.replace('{', r#"{"position_embedding_type": "relative_key","#), "position_embedding_type"),
+            (LLAMA.replace('{', r#"{"rope_scaling": {"rope_type": "llama3", "factor": 32.0},"#), "rope_scaling"),
+            (LLAMA.replace('{', r#"{"hidden_act": "gelu","#), "hidden_act"),
+            (LLAMA.replace('{', r#"{"attention_bias": true,"#), "attention_bias"),
+            (LLAMA.replace('{', r#"{"mlp_bias": true,"#), "mlp_bias"),
+            (LLAMA.replace('{', r#"{"head_dim": 128,"#), "head_dim"),
+        ] {
+            let e = if key == "position_embedding_type" {
+                BertConfig::from_json(&config).unwrap_err()
+            } else {
+                LlamaConfig::from_json(&config).unwrap_err()
+            };
+            assert!(e.to_string().contains(&format!("sets {key} = ")), "{e}");
+        }
+        let plain = LLAMA.replace(
+            '{',
+            r#"{"hidden_act": "silu", "rope_scaling": null, "attention_bias": false, "mlp_bias": false, "head_dim": 64,"#,
+        );
+        assert!(LlamaConfig::from_json(&plain).is_ok());
+        assert!(BertConfig::from_json(&BERT.replace('{', r#"{"position_embedding_type": "absolute","#)).is_ok());
         assert_eq!(BertConfig::from_json(&untyped).unwrap().hidden_size, 384);
         let e = BertConfig::from_json("{\"hidden_size\": ").unwrap_err().to_string();
         assert!(e.contains("line 1"), "{e}");

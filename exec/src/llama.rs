@@ -70,11 +70,43 @@ pub struct LlamaConfig {
 }
 
 impl LlamaConfig {
-    /// Reads `config.json`, checking that the shapes are consistent.
+    /// Reads `config.json`, checking that the shapes are consistent, and refusing settings that
+    /// change what the model computes and are not applied here (`rope_scaling`, biases, another
+    /// activation or head width).
     pub fn from_json(text: &str) -> Result<LlamaConfig, ExecError> {
         crate::check_model_type(text, "llama")?;
         let c: LlamaConfig = serde_json::from_str(text).map_err(|e| ExecError::Model(format!("config.json: {e}")))?;
         c.check()?;
+        #[derive(Deserialize)]
+        struct HeadDim {
+            head_dim: Option<usize>,
+        }
+        let head_dim = c.head_dim();
+        crate::check_settings(
+            text,
+            &[
+                crate::Setting {
+                    key: "hidden_act",
+                    applied: |v| v == "silu",
+                    what: "an activation other than SwiGLU's SiLU",
+                },
+                crate::Setting { key: "rope_scaling", applied: |_| false, what: "RoPE frequencies scaled" },
+                crate::Setting {
+                    key: "attention_bias",
+                    applied: |v| v == false,
+                    what: "biases on the attention projections",
+                },
+                crate::Setting { key: "mlp_bias", applied: |v| v == false, what: "biases on the MLP" },
+            ],
+        )?;
+        if let Ok(HeadDim { head_dim: Some(d) }) = serde_json::from_str(text) {
+            if d != head_dim {
+                return Err(ExecError::Model(format!(
+                    "config.json sets head_dim = {d}, not hidden_size / num_attention_heads = {head_dim}: heads \
+                     of another width are not computed here"
+                )));
+            }
+        }
         Ok(c)
     }
 
