@@ -139,6 +139,22 @@ fn config(c: &Content) -> Result<LlamaConfig, ExecError> {
         eos_token_id: meta_u32(c, "tokenizer.ggml.eos_token_id")?,
     };
     cfg.check()?;
+    // What changes the computation beyond the fields above, and is not applied here.
+    let head = cfg.head_dim() as u64;
+    let number = |key: &str| c.metadata.get(key).and_then(|v| v.to_u32().map(u64::from).or_else(|_| v.to_u64()).ok());
+    for key in ["llama.rope.dimension_count", "llama.attention.key_length", "llama.attention.value_length"] {
+        if let Some(n) = number(key).filter(|&n| n != head) {
+            return Err(bad(format!("{key} = {n}, not the head width {head}: not computed here")));
+        }
+    }
+    if let Some(kind) =
+        c.metadata.get("llama.rope.scaling.type").and_then(|v| v.to_string().ok()).filter(|k| *k != "none")
+    {
+        return Err(bad(format!("llama.rope.scaling.type = {kind:?}: RoPE scaling is not applied here")));
+    }
+    if let Some(n) = number("llama.expert_count").filter(|&n| n > 0) {
+        return Err(bad(format!("llama.expert_count = {n}: a mixture of experts is not computed here")));
+    }
     Ok(cfg)
 }
 
@@ -326,6 +342,7 @@ fn check_blocks<'n>(cfg: &LlamaConfig, names: impl Iterator<Item = &'n str>) -> 
 mod tests {
     use super::*;
     use candle_core::Device;
+    use std::collections::HashMap;
 
     /// llama.cpp's converter's permutation (`convert_hf_to_gguf.py`'s `permute`), written here
     /// from its definition: rows viewed as `[heads, 2, d/2]`, the last two axes swapped.
@@ -342,6 +359,59 @@ mod tests {
             }
         }
         out
+    }
+
+    /// SmolLM2-135M's metadata, as far as [`config`] reads it.
+    fn smollm2_metadata() -> HashMap<String, Value> {
+        let tokens = Value::Array(vec![Value::String("a".into()); 49152]);
+        [
+            ("general.architecture", Value::String("llama".into())),
+            ("llama.attention.head_count", Value::U32(9)),
+            ("llama.attention.head_count_kv", Value::U32(3)),
+            ("llama.embedding_length", Value::U32(576)),
+            ("llama.feed_forward_length", Value::U32(1536)),
+            ("llama.block_count", Value::U32(30)),
+            ("llama.context_length", Value::U32(8192)),
+            ("llama.attention.layer_norm_rms_epsilon", Value::F32(1e-5)),
+            ("llama.rope.freq_base", Value::F32(100_000.0)),
+            ("llama.rope.dimension_count", Value::U32(64)),
+            ("tokenizer.ggml.tokens", tokens),
+            ("tokenizer.ggml.bos_token_id", Value::U32(1)),
+            ("tokenizer.ggml.eos_token_id", Value::U32(2)),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect()
+    }
+
+    /// Metadata that changes what the model computes beyond its configuration — RoPE on part of
+    /// a head, heads of another width, RoPE scaling, experts — is refused, naming the key; the
+    /// plain model's reads.
+    #[test]
+    fn metadata_not_applied_here_is_refused() {
+        let content = |changes: &[(&str, Value)]| {
+            let mut metadata = smollm2_metadata();
+            for (k, v) in changes {
+                metadata.insert(k.to_string(), v.clone());
+            }
+            Content {
+                magic: candle_core::quantized::gguf_file::VersionedMagic::GgufV3,
+                metadata,
+                tensor_infos: HashMap::new(),
+                tensor_data_offset: 0,
+            }
+        };
+        assert_eq!(config(&content(&[])).unwrap().head_dim(), 64);
+        assert!(config(&content(&[("llama.rope.scaling.type", Value::String("none".into()))])).is_ok());
+        for (key, value) in [
+            ("llama.rope.dimension_count", Value::U32(32)),
+            ("llama.attention.key_length", Value::U32(128)),
+            ("llama.rope.scaling.type", Value::String("linear".into())),
+            ("llama.expert_count", Value::U32(8)),
+        ] {
+            let e = config(&content(&[(key, value)])).unwrap_err().to_string();
+            assert!(e.contains(key), "{e}");
+        }
     }
 
     #[test]
