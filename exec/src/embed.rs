@@ -172,17 +172,11 @@ pub(crate) struct ModelFiles {
 }
 
 /// Reads `dir`'s `model.safetensors`, `tokenizer.json`, `config.json` (optional) and
-/// `sentence_bert_config.json` (optional: its `max_seq_length` replaces the cut `tokenizer.json`
-/// sets — all-MiniLM-L6-v2's says 128, sentence-transformers uses 256).
+/// `sentence_bert_config.json` (optional: [`sentence_bert`]).
 pub(crate) fn read_files(dir: &Path) -> Result<ModelFiles, ExecError> {
     let weights_path = file(dir, "model.safetensors")?;
     let mut tokenizer = Embedder::tokenizer(&file(dir, "tokenizer.json")?)?;
-    if let Some(max) = max_seq_length(dir)? {
-        let cut = TruncationParams { max_length: max, ..tokenizer.get_truncation().cloned().unwrap_or_default() };
-        tokenizer
-            .with_truncation(Some(cut))
-            .map_err(|e| ExecError::Model(format!("truncation to {max} tokens: {e}")))?;
-    }
+    sentence_bert(dir, &mut tokenizer)?;
     let config = read_optional(&dir.join("config.json"))?;
     let bytes = MappedFile::open(&weights_path)
         .map_err(|e| ExecError::Model(format!("reading {}: {e}", weights_path.display())))?;
@@ -202,24 +196,42 @@ fn read_optional(path: &Path) -> Result<Option<String>, ExecError> {
     }
 }
 
-/// `max_seq_length` of `dir/sentence_bert_config.json`, if the file is there.
-fn max_seq_length(dir: &Path) -> Result<Option<usize>, ExecError> {
+/// Applies `dir/sentence_bert_config.json`, if the file is there, to `tokenizer` as
+/// sentence-transformers' `Transformer` module does: `max_seq_length` replaces the cut
+/// `tokenizer.json` sets (all-MiniLM-L6-v2's says 128, sentence-transformers uses 256), and
+/// `do_lower_case` lowercases every text before the tokenizer sees it.
+fn sentence_bert(dir: &Path, tokenizer: &mut Tokenizer) -> Result<(), ExecError> {
     #[derive(serde::Deserialize)]
     struct SentenceBertConfig {
         max_seq_length: usize,
+        #[serde(default)]
+        do_lower_case: bool,
     }
     let path = dir.join("sentence_bert_config.json");
-    let Some(text) = read_optional(&path)? else { return Ok(None) };
+    let Some(text) = read_optional(&path)? else { return Ok(()) };
     let c: SentenceBertConfig =
         serde_json::from_str(&text).map_err(|e| ExecError::Model(format!("{}: {e}", path.display())))?;
-    if c.max_seq_length < 2 {
+    let max = c.max_seq_length;
+    if max < 2 {
         return Err(ExecError::Model(format!(
-            "{}: max_seq_length {} leaves no room for a token beside [CLS] and [SEP]",
-            path.display(),
-            c.max_seq_length
+            "{}: max_seq_length {max} leaves no room for a token beside [CLS] and [SEP]",
+            path.display()
         )));
     }
-    Ok(Some(c.max_seq_length))
+    let cut = TruncationParams { max_length: max, ..tokenizer.get_truncation().cloned().unwrap_or_default() };
+    tokenizer.with_truncation(Some(cut)).map_err(|e| ExecError::Model(format!("truncation to {max} tokens: {e}")))?;
+    if c.do_lower_case {
+        use tokenizers::normalizers::{Lowercase, NormalizerWrapper, Sequence};
+        let lower = NormalizerWrapper::Lowercase(Lowercase);
+        let normalizer = match tokenizer.get_normalizer().cloned() {
+            Some(n) => NormalizerWrapper::Sequence(Sequence::new(vec![lower, n])),
+            None => lower,
+        };
+        tokenizer
+            .with_normalizer(Some(normalizer))
+            .map_err(|e| ExecError::Model(format!("{}: do_lower_case: {e}", path.display())))?;
+    }
+    Ok(())
 }
 
 /// A BERT model directory's configuration (all-MiniLM-L6-v2's without `config.json`), pooling
@@ -315,7 +327,7 @@ pub fn reference_sentences() -> Result<Vec<(String, Vec<f32>)>, ExecError> {
 mod tests {
     #![allow(clippy::unwrap_used)]
 
-    use super::{max_seq_length, passes};
+    use super::{passes, sentence_bert, Tokenizer};
 
     /// Passes hold at most `batch` texts and `cells` attention cells; texts that fit one pass
     /// keep their order; every text is in exactly one pass.
@@ -340,21 +352,42 @@ mod tests {
         assert_eq!(all, (0..1000).collect::<Vec<_>>());
     }
 
-    /// The cut comes from `sentence_bert_config.json` when the directory has one; an absent file
-    /// leaves `tokenizer.json`'s, a cut that leaves no token or a malformed file is refused.
+    /// A tokenizer that keeps case (a word-level test double: "hello" and "HELLO" are two
+    /// tokens, no normaliser).
+    fn cased_tokenizer() -> Tokenizer {
+        let json = r#"{"version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+            "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null, "decoder": null,
+            "model": {"type": "WordLevel", "vocab": {"hello": 0, "HELLO": 1, "[UNK]": 2}, "unk_token": "[UNK]"}}"#;
+        Tokenizer::from_bytes(json.as_bytes()).unwrap()
+    }
+
+    /// The cut comes from `sentence_bert_config.json` when the directory has one, and its
+    /// `do_lower_case` lowercases texts first (before 2026-12-05 it was not read: a cased
+    /// tokenizer saw the text as typed); an absent file leaves the tokenizer as it is, a cut that
+    /// leaves no token or a malformed file is refused.
     #[test]
-    fn max_seq_length_is_read_checked_or_absent() {
+    fn sentence_bert_config_is_applied_checked_or_absent() {
         let dir = std::env::temp_dir().join(format!("cascade-embed-cfg-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let cfg = dir.join("sentence_bert_config.json");
         let _ = std::fs::remove_file(&cfg);
-        assert_eq!(max_seq_length(&dir).unwrap(), None);
+        let applied = |t: &mut Tokenizer| sentence_bert(&dir, t).map(|()| t.get_truncation().map(|c| c.max_length));
+        let ids = |t: &Tokenizer| t.encode("HELLO hello", false).unwrap().get_ids().to_vec();
+        let mut t = cased_tokenizer();
+        assert_eq!(applied(&mut t).unwrap(), None);
+        assert_eq!(ids(&t), [1, 0]);
         std::fs::write(&cfg, r#"{"max_seq_length": 256, "do_lower_case": false}"#).unwrap();
-        assert_eq!(max_seq_length(&dir).unwrap(), Some(256));
+        let mut t = cased_tokenizer();
+        assert_eq!(applied(&mut t).unwrap(), Some(256));
+        assert_eq!(ids(&t), [1, 0]);
+        std::fs::write(&cfg, r#"{"max_seq_length": 256, "do_lower_case": true}"#).unwrap();
+        let mut t = cased_tokenizer();
+        assert_eq!(applied(&mut t).unwrap(), Some(256));
+        assert_eq!(ids(&t), [0, 0], "lowercased first");
         std::fs::write(&cfg, r#"{"max_seq_length": 1}"#).unwrap();
-        assert!(max_seq_length(&dir).unwrap_err().to_string().contains("no room"));
+        assert!(applied(&mut cased_tokenizer()).unwrap_err().to_string().contains("no room"));
         std::fs::write(&cfg, r#"{"do_lower_case": false}"#).unwrap();
-        assert!(max_seq_length(&dir).unwrap_err().to_string().contains("max_seq_length"));
+        assert!(applied(&mut cased_tokenizer()).unwrap_err().to_string().contains("max_seq_length"));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
