@@ -158,6 +158,47 @@ fn config(c: &Content) -> Result<LlamaConfig, ExecError> {
     Ok(cfg)
 }
 
+/// What the tokenizer adds around a text, as the GGUF's `tokenizer.ggml.add_bos_token` and
+/// `add_eos_token` say (llama.cpp adds them when it tokenises a prompt): a `TemplateProcessing`,
+/// or null when it adds nothing (SmolLM2).
+fn post_processor(c: &Content, tokens: &[String]) -> Result<serde_json::Value, ExecError> {
+    let flag = |key: &str| c.metadata.get(key).and_then(|v| v.to_bool().ok()).unwrap_or(false);
+    let mut around = Vec::new();
+    for (add, id_key, at_start) in [
+        ("tokenizer.ggml.add_bos_token", "tokenizer.ggml.bos_token_id", true),
+        ("tokenizer.ggml.add_eos_token", "tokenizer.ggml.eos_token_id", false),
+    ] {
+        if flag(add) {
+            let id = meta_u32(c, id_key)?;
+            let token = tokens.get(id as usize).ok_or_else(|| bad(format!("{id_key} {id}: no such token")))?;
+            around.push((at_start, id, token.clone()));
+        }
+    }
+    if around.is_empty() {
+        return Ok(serde_json::Value::Null);
+    }
+    let special = |token: &str, type_id: u32| json!({"SpecialToken": {"id": token, "type_id": type_id}});
+    let template = |seqs: &[(&str, u32)]| -> Vec<serde_json::Value> {
+        let mut t = Vec::new();
+        for &(seq, type_id) in seqs {
+            t.extend(around.iter().filter(|a| a.0).map(|a| special(&a.2, type_id)));
+            t.push(json!({"Sequence": {"id": seq, "type_id": type_id}}));
+            t.extend(around.iter().filter(|a| !a.0).map(|a| special(&a.2, type_id)));
+        }
+        t
+    };
+    let specials: serde_json::Map<String, serde_json::Value> = around
+        .iter()
+        .map(|(_, id, token)| (token.clone(), json!({"id": token, "ids": [id], "tokens": [token]})))
+        .collect();
+    Ok(json!({
+        "type": "TemplateProcessing",
+        "single": template(&[("A", 0)]),
+        "pair": template(&[("A", 0), ("B", 1)]),
+        "special_tokens": specials,
+    }))
+}
+
 /// `tokenizer.json` (the `tokenizers` crate's format) from the GGUF metadata.
 fn tokenizer_json(c: &Content) -> Result<serde_json::Value, ExecError> {
     let model = meta(c, "tokenizer.ggml.model")?.to_string().map_err(bad)?;
@@ -198,7 +239,7 @@ fn tokenizer_json(c: &Content) -> Result<serde_json::Value, ExecError> {
         "added_tokens": added,
         "normalizer": null,
         "pre_tokenizer": pre_tokenizer,
-        "post_processor": null,
+        "post_processor": post_processor(c, &tokens)?,
         "decoder": byte_level,
         "model": {
             "type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
@@ -412,6 +453,46 @@ mod tests {
             let e = config(&content(&[(key, value)])).unwrap_err().to_string();
             assert!(e.contains(key), "{e}");
         }
+    }
+
+    /// A GGUF whose tokenizer adds a beginning-of-sequence token (`add_bos_token`, as llama.cpp
+    /// does when it tokenises a prompt), or an end one, gets a tokenizer that adds it; one that
+    /// says neither (SmolLM2) adds nothing. Before 2026-12-05 the flags were not read.
+    #[test]
+    fn the_tokenizer_adds_what_the_gguf_says_around_a_text() {
+        let strings = |v: &[&str]| Value::Array(v.iter().map(|t| Value::String(t.to_string())).collect());
+        let tokenizer = |flags: &[(&str, bool)]| {
+            let mut metadata: HashMap<String, Value> = [
+                ("tokenizer.ggml.model", Value::String("gpt2".into())),
+                ("tokenizer.ggml.tokens", strings(&["<unk>", "<s>", "</s>", "h", "i", "hi"])),
+                ("tokenizer.ggml.merges", strings(&["h i"])),
+                ("tokenizer.ggml.token_type", Value::Array([3, 3, 3, 1, 1, 1].map(Value::I32).to_vec())),
+                ("tokenizer.ggml.bos_token_id", Value::U32(1)),
+                ("tokenizer.ggml.eos_token_id", Value::U32(2)),
+            ]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v))
+            .collect();
+            for &(k, on) in flags {
+                metadata.insert(k.to_string(), Value::Bool(on));
+            }
+            let c = Content {
+                magic: candle_core::quantized::gguf_file::VersionedMagic::GgufV3,
+                metadata,
+                tensor_infos: HashMap::new(),
+                tensor_data_offset: 0,
+            };
+            let json = serde_json::to_string(&tokenizer_json(&c).unwrap()).unwrap();
+            tokenizers::Tokenizer::from_bytes(json.as_bytes()).unwrap()
+        };
+        let ids = |t: &tokenizers::Tokenizer| t.encode("hi", true).unwrap().get_ids().to_vec();
+        assert_eq!(ids(&tokenizer(&[])), [5]);
+        assert_eq!(ids(&tokenizer(&[("tokenizer.ggml.add_bos_token", false)])), [5]);
+        assert_eq!(ids(&tokenizer(&[("tokenizer.ggml.add_bos_token", true)])), [1, 5]);
+        let both = [("tokenizer.ggml.add_bos_token", true), ("tokenizer.ggml.add_eos_token", true)];
+        assert_eq!(ids(&tokenizer(&both)), [1, 5, 2]);
+        // Special tokens in the text are still recognised, and not added twice by the template.
+        assert_eq!(tokenizer(&both).encode("<s>hi", true).unwrap().get_ids(), [1, 1, 5, 2]);
     }
 
     #[test]

@@ -288,7 +288,9 @@ impl Generator {
         &self.tokenizer
     }
 
-    /// `text`'s tokens (special tokens such as `<|im_start|>` recognised, nothing added).
+    /// `text`'s tokens (special tokens such as `<|im_start|>` recognised; what the tokenizer adds
+    /// around a text added: a beginning-of-sequence token where the model's tokenizer says so,
+    /// none for SmolLM2).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, ExecError> {
         encode(&self.tokenizer, text)
     }
@@ -299,7 +301,7 @@ impl Generator {
     /// more tokens than the window ("at least N tokens"), not whole (a 10 MB line took 1.5 GB).
     pub fn prompt(&self, text: &str) -> Result<Result<Vec<u32>, String>, ExecError> {
         let window = self.model.config().max_position_embeddings;
-        let e = crate::tokens::encode_enough(&self.tokenizer, text, false, crate::tokens::FIRST, |e| e.len() > window)?;
+        let e = crate::tokens::encode_enough(&self.tokenizer, text, true, crate::tokens::FIRST, |e| e.len() > window)?;
         let tokens = e.encoding.get_ids();
         if !e.whole {
             return Ok(Err(format!("at least {} tokens; the model's context window is {window}", tokens.len())));
@@ -389,9 +391,10 @@ impl Generator {
 /// All at once, 300 prompts of ~150 tokens took 5.2 GB here.
 pub const RUNNING: usize = 32;
 
-/// `text`'s tokens with `tokenizer` (nothing added around them).
+/// `text`'s tokens with `tokenizer`, with what its post-processor adds around a text (a
+/// beginning-of-sequence token for a model whose GGUF says `add_bos_token`; nothing for SmolLM2).
 pub fn encode(tokenizer: &Tokenizer, text: &str) -> Result<Vec<u32>, ExecError> {
-    let enc = tokenizer.encode(text, false).map_err(|e| ExecError::Input(format!("tokenising: {e}")))?;
+    let enc = tokenizer.encode(text, true).map_err(|e| ExecError::Input(format!("tokenising: {e}")))?;
     Ok(enc.get_ids().to_vec())
 }
 
