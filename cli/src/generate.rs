@@ -31,7 +31,9 @@ pub(crate) struct GenerateArgs {
     /// in part.
     #[arg(long, value_name = "FILE")]
     prompt_file: Option<PathBuf>,
-    /// Wrap each prompt in the model's ChatML turn (a user message, then the assistant's turn).
+    /// Render each prompt as a user message in the model's chat template (its Jinja, as
+    /// `transformers` renders it; SmolLM2's is ChatML with a default system message), the
+    /// assistant's turn opened.
     #[arg(long)]
     chat: bool,
     /// Tokens to generate at most (generation stops earlier at end-of-sequence). Each running
@@ -43,15 +45,6 @@ pub(crate) struct GenerateArgs {
     /// for a prompt that could not be generated from.
     #[arg(long)]
     json: bool,
-}
-
-/// The ChatML turn SmolLM2-Instruct's template renders for one user message (with its default
-/// system message).
-fn chatml(user: &str) -> String {
-    format!(
-        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n\
-         <|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
-    )
 }
 
 /// Text generated so far and shown (escaped as `{:?}` shows it, without the quotes).
@@ -201,6 +194,10 @@ pub(crate) fn generate(a: GenerateArgs) -> anyhow::Result<()> {
     crate::models::ensure_smollm2(&a.model)?;
     let t = Instant::now();
     let g = Generator::from_dir(&a.model).with_context(|| format!("loading the model in {}", a.model.display()))?;
+    if a.chat {
+        // Before any prompt is read: without a template, none could be served.
+        g.chat_template().with_context(|| format!("--chat with the model in {}", a.model.display()))?;
+    }
     let loaded = t.elapsed();
     // One prompt as text is shown token by token as it is generated (a long one takes minutes);
     // with several, each is shown once it and every prompt before it are done, in their order.
@@ -324,9 +321,10 @@ pub(crate) fn generate(a: GenerateArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `line`'s tokens as a prompt (wrapped in the ChatML turn with `chat`), or why it cannot be one
-/// ([`Generator::prompt`]'s reasons, or a line cut at [`PROMPT_LINE`] bytes: generated from, its
-/// start would be taken for the prompt).
+/// `line`'s tokens as a prompt (with `chat`, a user message in the model's chat template, the
+/// assistant's turn opened), or why it cannot be one ([`Generator::prompt`]'s reasons, the
+/// template's refusal, or a line cut at [`PROMPT_LINE`] bytes: generated from, its start would
+/// be taken for the prompt).
 fn line_prompt(
     g: &Generator,
     line: &crate::input::Line,
@@ -335,7 +333,13 @@ fn line_prompt(
     if line.cut {
         return Ok(Err(format!("a line longer than {}, read only in part", crate::input::size(PROMPT_LINE))));
     }
-    g.prompt(&if chat { chatml(&line.text) } else { line.text.clone() })
+    if !chat {
+        return g.prompt(&line.text);
+    }
+    match g.chat_template()?.user_turn(&line.text) {
+        Ok(text) => g.prompt(&text),
+        Err(e) => Ok(Err(e.to_string())),
+    }
 }
 
 /// The prompts a request stream cycles through (`cascade lora-serve`, `cascade pd`), tokenised:

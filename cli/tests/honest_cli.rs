@@ -408,6 +408,56 @@ fn one_prompt_is_shown_as_it_is_generated() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
+/// `cascade generate --chat` renders the model's own chat template: SmolLM2's (kept in its
+/// config.json by the import) answers "Paris"; the same weights with another template (a
+/// `chat_template.jinja`, no template in config.json) get that one's prompt, the tokens it
+/// renders to; with no template at all `--chat` is refused before any prompt is read. Before
+/// 2026-12-05 `--chat` wrapped every model's prompts in SmolLM2's ChatML turn.
+#[test]
+fn chat_renders_the_models_own_template() {
+    let d = scratch("chat");
+    let Some(model) = smollm2(&d) else { return };
+    let other = d.join("other-template");
+    std::fs::create_dir_all(&other).unwrap();
+    for f in ["model.safetensors", "tokenizer.json"] {
+        std::os::unix::fs::symlink(std::fs::canonicalize(model.join(f)).unwrap(), other.join(f)).unwrap();
+    }
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(model.join("config.json")).unwrap()).unwrap();
+    config.as_object_mut().unwrap().remove("chat_template");
+    std::fs::write(other.join("config.json"), config.to_string()).unwrap();
+    let generate = |dir: &std::path::Path, chat: bool| {
+        let mut c = Command::new(CASCADE);
+        c.args(["generate", "--json", "--max-tokens", "1", "--prompt", "Hello", "--model"]).arg(dir);
+        if chat {
+            c.arg("--chat");
+        }
+        c.env_remove("RUST_BACKTRACE").output().unwrap()
+    };
+    let prompt_tokens = |out: &std::process::Output| -> Vec<u64> {
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        v["prompt_tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap()).collect()
+    };
+    let out = generate(&other, true);
+    assert!(!out.status.success() && out.stdout.is_empty());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("has no chat template"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    std::fs::write(other.join("chat_template.jinja"), "Question: {{ messages[0]['content'] }}").unwrap();
+    let rendered = prompt_tokens(&generate(&other, true));
+    // The same text given as the prompt itself: the template's rendering was what was generated from.
+    let mut c = Command::new(CASCADE);
+    c.args(["generate", "--json", "--max-tokens", "1", "--prompt", "Question: Hello", "--model"]).arg(&other);
+    assert_eq!(rendered, prompt_tokens(&c.output().unwrap()));
+    let smollm2 = prompt_tokens(&generate(&model, true));
+    assert!(smollm2.len() > rendered.len() + 10, "SmolLM2's turn has its system message: {smollm2:?}");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
 /// Several prompts are shown in their order although a later one finishes first (its answer
 /// ends at end-of-sequence after 8 tokens, the first runs to its 12): each is printed once it
 /// and every prompt before it are done.

@@ -26,6 +26,7 @@ use crate::activation::Segment;
 use crate::weights::Weights;
 use crate::{Activation, ExecError, LayerExec};
 
+pub mod chat;
 pub mod generate;
 pub mod kv;
 pub mod lora;

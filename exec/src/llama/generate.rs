@@ -254,6 +254,8 @@ pub struct Generator {
     model: Llama,
     manifest: Manifest,
     next_seq: AtomicU64,
+    /// The model's chat template: none, or why it cannot be used (it did not compile).
+    chat: Result<Option<super::chat::ChatTemplate>, String>,
 }
 
 impl Generator {
@@ -263,9 +265,29 @@ impl Generator {
         let cfg = LlamaConfig::from_json(
             &files.config.ok_or_else(|| ExecError::Model(format!("{}: no config.json", dir.display())))?,
         )?;
+        let token = |id: u32| files.tokenizer.id_to_token(id).unwrap_or_default();
+        let chat = super::chat::ChatTemplate::source(dir)?
+            .map(|source| super::chat::ChatTemplate::new(&source, token(cfg.bos_token_id), token(cfg.eos_token_id)))
+            .transpose()
+            .map_err(|e| format!("{}: {e}", dir.display()));
         let stages = 0..cfg.stages();
         let model = Llama::load(cfg, &Weights::file(&files.manifest, &files.bytes)?, stages)?;
-        Ok(Generator { tokenizer: files.tokenizer, model, manifest: files.manifest, next_seq: AtomicU64::new(1) })
+        Ok(Generator { tokenizer: files.tokenizer, model, manifest: files.manifest, next_seq: AtomicU64::new(1), chat })
+    }
+
+    /// The model's chat template (`config.json`'s `chat_template`, which `cascade model import`
+    /// keeps from the GGUF, or `tokenizer_config.json`'s or `chat_template.jinja`); an error
+    /// when it has none or it does not compile.
+    pub fn chat_template(&self) -> Result<&super::chat::ChatTemplate, ExecError> {
+        match &self.chat {
+            Ok(Some(t)) => Ok(t),
+            Ok(None) => Err(ExecError::Model(
+                "the model has no chat template (config.json's chat_template, tokenizer_config.json's or a \
+                 chat_template.jinja file): give the prompt as the model expects it"
+                    .into(),
+            )),
+            Err(e) => Err(ExecError::Model(e.clone())),
+        }
     }
 
     /// The model.
