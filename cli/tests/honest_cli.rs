@@ -323,6 +323,24 @@ fn smollm2(scratch: &std::path::Path) -> Option<std::path::PathBuf> {
     Some(out)
 }
 
+/// `model`'s weights and tokenizer linked into `dir` (created) beside its `config.json` changed
+/// by `edit`: the real model under another configuration.
+fn linked_model(
+    model: &std::path::Path,
+    dir: &std::path::Path,
+    edit: impl FnOnce(&mut serde_json::Value),
+) -> std::path::PathBuf {
+    std::fs::create_dir_all(dir).unwrap();
+    for f in ["model.safetensors", "tokenizer.json"] {
+        std::os::unix::fs::symlink(std::fs::canonicalize(model.join(f)).unwrap(), dir.join(f)).unwrap();
+    }
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(model.join("config.json")).unwrap()).unwrap();
+    edit(&mut config);
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    dir.to_path_buf()
+}
+
 /// `cascade generate` on a model whose context window fills: it stops there with the tokens it
 /// has, says so (`at_window` in the JSON, a note on stderr), and a prompt longer than the window
 /// is refused with one clear line (its JSON line an `error`). The real SmolLM2 under a 40-position window (its config.json
@@ -332,15 +350,7 @@ fn smollm2(scratch: &std::path::Path) -> Option<std::path::PathBuf> {
 fn generation_that_fills_the_context_window_stops_there_and_says_so() {
     let d = scratch("window");
     let Some(model) = smollm2(&d) else { return };
-    let small = d.join("window-40");
-    std::fs::create_dir_all(&small).unwrap();
-    for f in ["model.safetensors", "tokenizer.json"] {
-        std::os::unix::fs::symlink(std::fs::canonicalize(model.join(f)).unwrap(), small.join(f)).unwrap();
-    }
-    let mut config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(model.join("config.json")).unwrap()).unwrap();
-    config["max_position_embeddings"] = 40.into();
-    std::fs::write(small.join("config.json"), config.to_string()).unwrap();
+    let small = linked_model(&model, &d.join("window-40"), |config| config["max_position_embeddings"] = 40.into());
     let generate = |prompt: &str| {
         Command::new(CASCADE)
             .args(["generate", "--model"])
@@ -417,15 +427,9 @@ fn one_prompt_is_shown_as_it_is_generated() {
 fn chat_renders_the_models_own_template() {
     let d = scratch("chat");
     let Some(model) = smollm2(&d) else { return };
-    let other = d.join("other-template");
-    std::fs::create_dir_all(&other).unwrap();
-    for f in ["model.safetensors", "tokenizer.json"] {
-        std::os::unix::fs::symlink(std::fs::canonicalize(model.join(f)).unwrap(), other.join(f)).unwrap();
-    }
-    let mut config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(model.join("config.json")).unwrap()).unwrap();
-    config.as_object_mut().unwrap().remove("chat_template");
-    std::fs::write(other.join("config.json"), config.to_string()).unwrap();
+    let other = linked_model(&model, &d.join("other-template"), |config| {
+        config.as_object_mut().unwrap().remove("chat_template");
+    });
     let generate = |dir: &std::path::Path, chat: bool| {
         let mut c = Command::new(CASCADE);
         c.args(["generate", "--json", "--max-tokens", "1", "--prompt", "Hello", "--model"]).arg(dir);
