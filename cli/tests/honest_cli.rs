@@ -421,7 +421,8 @@ fn one_prompt_is_shown_as_it_is_generated() {
 /// `cascade generate --chat` renders the model's own chat template: SmolLM2's (kept in its
 /// config.json by the import) answers "Paris"; the same weights with another template (a
 /// `chat_template.jinja`, no template in config.json) get that one's prompt, the tokens it
-/// renders to; with no template at all `--chat` is refused before any prompt is read. Before
+/// renders to; with no template at all, or one that does not compile, `--chat` is refused before
+/// any prompt is read (and the model still serves plain prompts). Before
 /// 2026-12-05 `--chat` wrapped every model's prompts in SmolLM2's ChatML turn.
 #[test]
 fn chat_renders_the_models_own_template() {
@@ -451,6 +452,15 @@ fn chat_renders_the_models_own_template() {
         String::from_utf8_lossy(&out.stderr)
     );
 
+    // A template that does not compile fails `--chat`, not the model's loading.
+    std::fs::write(other.join("chat_template.jinja"), "{% if %}").unwrap();
+    let out = generate(&other, true);
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("does not compile"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!prompt_tokens(&generate(&other, false)).is_empty());
     std::fs::write(other.join("chat_template.jinja"), "Question: {{ messages[0]['content'] }}").unwrap();
     let rendered = prompt_tokens(&generate(&other, true));
     // The same text given as the prompt itself: the template's rendering was what was generated from.

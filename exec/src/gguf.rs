@@ -12,18 +12,23 @@
 //!   split digits one by one: `starcoder`, `refact`, `codeshell`) gets each digit alone, then
 //!   GPT-2's regex; `gpt2` and `default` get GPT-2's regex. Other pre-tokenizers are refused,
 //!   rather than tokenised subtly wrong.
-//! - **Chat template.** It is kept in `config.json` as `chat_template`, for reference; nothing
-//!   here renders it.
+//!   A beginning- or end-of-sequence token is added around every text where the metadata says
+//!   `add_bos_token` or `add_eos_token`, as llama.cpp does.
+//! - **Chat template.** It is kept in `config.json` as `chat_template`; [`crate::llama::chat`]
+//!   renders it (`cascade generate --chat`).
+//! - **What is not computed here** (RoPE scaling, RoPE on part of a head, heads of another width,
+//!   experts) is refused, naming the metadata key, as are tensors of no known name.
+//! - **Writing.** Each tensor is dequantized only when its bytes are written (`gguf/tensors.rs`), and
+//!   the directory is written beside its place and exchanged with it at the end (`gguf/place.rs`).
+
+mod place;
+mod tensors;
 
 use std::fs::File;
 use std::io::BufReader;
 use std::path::Path;
 
 use candle_core::quantized::gguf_file::{Content, Value};
-
-mod place;
-mod tensors;
-
 use candle_core::{DType, Tensor};
 use place::{put_in_place, staging, target, Target};
 use serde_json::json;

@@ -254,7 +254,7 @@ pub struct Generator {
     model: Llama,
     manifest: Manifest,
     next_seq: AtomicU64,
-    /// The model's chat template: none, or why it cannot be used (it did not compile).
+    /// The model's chat template: none, or why it cannot be used (unreadable, or it did not compile).
     chat: Result<Option<super::chat::ChatTemplate>, String>,
 }
 
@@ -266,9 +266,13 @@ impl Generator {
             &files.config.ok_or_else(|| ExecError::Model(format!("{}: no config.json", dir.display())))?,
         )?;
         let token = |id: u32| files.tokenizer.id_to_token(id).unwrap_or_default();
-        let chat = super::chat::ChatTemplate::source(dir)?
-            .map(|source| super::chat::ChatTemplate::new(&source, token(cfg.bos_token_id), token(cfg.eos_token_id)))
-            .transpose()
+        // A template that cannot be read or compiled fails `--chat`, not the model's loading.
+        let chat = super::chat::ChatTemplate::source(dir)
+            .and_then(|source| {
+                source
+                    .map(|s| super::chat::ChatTemplate::new(&s, token(cfg.bos_token_id), token(cfg.eos_token_id)))
+                    .transpose()
+            })
             .map_err(|e| format!("{}: {e}", dir.display()));
         let stages = 0..cfg.stages();
         let model = Llama::load(cfg, &Weights::file(&files.manifest, &files.bytes)?, stages)?;
