@@ -15,34 +15,26 @@ use anyhow::{bail, Context};
 use cascade_transport::{ClusterSpec, Endpoint, EndpointConfig, NodeSpec, RegionId, RemoteKey, RemoteRegion};
 
 /// Lets a closed stdout end the process quietly, killed by SIGPIPE as Unix tools are (`| head`),
-/// instead of panicking in `println!`. Only for binaries that open no socket: with SIGPIPE at
-/// its default, a write to a peer that reset its connection would kill the process too, where
-/// the transport expects EPIPE as an error. Call it first in `main`, before any thread exists.
+/// instead of panicking in `println!`; any other failure to write stdout (a full disk) is said
+/// in one line ([`quiet_panic_on_closed_stdout`]). Only for binaries that open no socket: with
+/// SIGPIPE at its default, a write to a peer that reset its connection would kill the process
+/// too, where the transport expects EPIPE as an error. Call it first in `main`, before any
+/// thread exists.
 pub fn exit_quietly_on_closed_stdout() {
     // SAFETY: restores a signal's default disposition; called at start-up before any thread
     // exists, so no other thread is changing or relying on the disposition meanwhile.
     unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    quiet_panic_on_closed_stdout();
 }
 
 /// For binaries that open sockets, where SIGPIPE must stay ignored: a closed stdout (`| head`)
-/// makes `println!` panic, and this hook keeps that panic quiet — no message, no backtrace —
-/// while it unwinds as any panic does, so the peers are stopped and the temporary directory is
-/// removed on the way out (exit status 101). Any other panic is reported as before. Call it
-/// first in `main`.
+/// makes `println!` panic, and [`cascade_transport::stdout::report_write_failures_briefly`]
+/// keeps that panic quiet — no message, no backtrace — while it unwinds as any panic does, so
+/// the peers are stopped and the temporary directory is removed on the way out (exit status
+/// 101); any other failure to write stdout (a full disk) is said in one line. Call it first in
+/// `main`.
 pub fn quiet_panic_on_closed_stdout() {
-    let report = std::panic::take_hook();
-    std::panic::set_hook(Box::new(move |info| {
-        let p = info.payload();
-        let msg = p.downcast_ref::<String>().map(String::as_str).or_else(|| p.downcast_ref::<&str>().copied());
-        if !msg.is_some_and(is_closed_stdout) {
-            report(info);
-        }
-    }));
-}
-
-/// Whether a panic message is `println!`'s on a closed stdout.
-fn is_closed_stdout(msg: &str) -> bool {
-    msg.starts_with("failed printing to stdout") && msg.contains("Broken pipe")
+    cascade_transport::stdout::report_write_failures_briefly();
 }
 
 /// Secret the benchmark clusters share.

@@ -279,6 +279,25 @@ fn a_simulator_whose_reader_goes_away_ends_without_a_panic() {
     }
 }
 
+/// A tool whose output cannot be written (here to `/dev/full`, as on a full disk) says so in one
+/// line and exits non-zero; before 2026-12-05 `println!` panicked with a backtrace.
+#[test]
+fn a_tool_that_cannot_write_its_output_says_so_in_one_line() {
+    let trace = concat!(env!("CARGO_MANIFEST_DIR"), "/../sched/data/AzureLLMInferenceTrace_code.csv");
+    let runs: [(&str, &[&str]); 2] = [
+        (env!("CARGO_BIN_EXE_serve-sim"), &["--trace", trace, "--system", "blitz", "--duration-s", "60", "--json"]),
+        (env!("CARGO_BIN_EXE_p2p"), &["--backend", "tcp", "--bytes", "1048576", "--iters", "2", "--json"]),
+    ];
+    for (bin, args) in runs {
+        let full = std::fs::OpenOptions::new().write(true).open("/dev/full").unwrap();
+        let out = Command::new(bin).args(args).stdout(full).env_remove("RUST_BACKTRACE").output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{bin}: {err}");
+        assert!(err.contains("cannot write the output: No space left on device"), "{bin}: {err}");
+        assert!(!err.contains("panicked") && !err.contains("backtrace"), "{bin}: {err}");
+    }
+}
+
 /// A benchmark that opens sockets keeps SIGPIPE ignored (the transport expects EPIPE from a
 /// reset peer), so a closed stdout makes `println!` panic: that panic ends it quietly, without
 /// a message, and its peers and temporary directory go with it.

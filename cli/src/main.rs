@@ -520,6 +520,8 @@ pub(crate) fn rate(s: &str) -> Result<f64, String> {
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    // A report or answer that cannot be written (a full disk) is said in one line, not as a panic.
+    cascade_transport::stdout::report_write_failures_briefly();
     if cli.cmd.prints_and_exits() {
         // A tool whose output is piped into `head` ends quietly when the reader goes away, as
         // Unix tools do, instead of panicking in println!. Daemons keep SIGPIPE ignored: their

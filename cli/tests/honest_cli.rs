@@ -150,6 +150,13 @@ fn a_tool_whose_reader_goes_away_ends_without_a_panic() {
     child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
     child.wait().unwrap();
     assert!(!err.contains("panicked"), "{err}");
+    // An output that cannot be written (a full disk) is said in one line; before 2026-12-05
+    // `println!` panicked.
+    let full = std::fs::OpenOptions::new().write(true).open("/dev/full").unwrap();
+    let out = Command::new(CASCADE).arg("check-cluster").arg(&c).stdout(full).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && !err.contains("panicked"), "{err}");
+    assert_eq!(err.trim(), "cannot write the output: No space left on device (os error 28)");
     let _ = std::fs::remove_dir_all(&d);
 }
 

@@ -42,6 +42,7 @@ pub mod service;
 mod shm;
 pub mod stall;
 mod stats;
+pub mod stdout;
 mod stream;
 mod tcp;
 pub mod wire;

@@ -3,6 +3,7 @@
 //! `zigzag --layers 7 --load-ratio 6 --batches 6 --policy zigzag --json`
 //! → `{policy, layers, batches, load_ratio, x, latencies, sum, max, solve_ms}`.
 
+use std::io::Write;
 use std::time::Instant;
 
 use cascade_exec::zigzag::{plan, Instance, Policy};
@@ -56,22 +57,34 @@ fn main() {
         }
     };
     let solve_ms = t.elapsed().as_secs_f64() * 1e3;
-    if c.json {
+    let out = if c.json {
         let v = serde_json::json!({
             "policy": c.policy.to_string(), "layers": c.layers, "batches": inst.batches(),
             "load_ratio": c.load_ratio, "x": s.x, "latencies": s.latencies, "sum": s.sum(), "max": s.max(),
             "weighted_sum": s.weighted(&inst.weights), "solve_ms": solve_ms,
         });
-        println!("{v}");
+        format!("{v}\n")
     } else {
-        println!(
-            "{} for L = {}, T = {}, {} batches (solved in {solve_ms:.2} ms)",
+        format!(
+            "{} for L = {}, T = {}, {} batches (solved in {solve_ms:.2} ms)\n  x (layers on the new instance): {:?}\n  \
+             latencies: {:?}  (sum {}, max {})\n",
             c.policy,
             c.layers,
             c.load_ratio,
-            inst.batches()
-        );
-        println!("  x (layers on the new instance): {:?}", s.x);
-        println!("  latencies: {:?}  (sum {}, max {})", s.latencies, s.sum(), s.max());
+            inst.batches(),
+            s.x,
+            s.latencies,
+            s.sum(),
+            s.max()
+        )
+    };
+    // A reader that went away (`| head`) ends the tool quietly, as Unix tools end; any other
+    // failure to write (a full disk) is said in one line, not as a panic.
+    let mut stdout = std::io::stdout().lock();
+    if let Err(e) = stdout.write_all(out.as_bytes()).and_then(|()| stdout.flush()) {
+        if e.kind() != std::io::ErrorKind::BrokenPipe {
+            eprintln!("zigzag: writing the output: {e}");
+            std::process::exit(1);
+        }
     }
 }
