@@ -52,7 +52,8 @@ impl ChatTemplate {
     }
 
     /// The template of the model directory `dir`, if it has one: `config.json`'s `chat_template`,
-    /// else `tokenizer_config.json`'s, else the file `chat_template.jinja`.
+    /// else `tokenizer_config.json`'s (one template, or a list of named ones: the one named
+    /// `default`), else the file `chat_template.jinja`.
     pub fn source(dir: &Path) -> Result<Option<String>, ExecError> {
         for file in ["config.json", "tokenizer_config.json"] {
             let path = dir.join(file);
@@ -63,7 +64,16 @@ impl ChatTemplate {
             };
             let v: serde_json::Value =
                 serde_json::from_str(&text).map_err(|e| ExecError::Model(format!("{}: {e}", path.display())))?;
-            if let Some(t) = v.get("chat_template").and_then(serde_json::Value::as_str) {
+            // One template, or several by name (`transformers`' list form): the one named default.
+            let template = match v.get("chat_template") {
+                Some(serde_json::Value::String(t)) => Some(t.as_str()),
+                Some(serde_json::Value::Array(named)) => named
+                    .iter()
+                    .find(|t| t.get("name").and_then(serde_json::Value::as_str) == Some("default"))
+                    .and_then(|t| t.get("template")?.as_str()),
+                _ => None,
+            };
+            if let Some(t) = template {
                 return Ok(Some(t.to_string()));
             }
         }
@@ -149,6 +159,13 @@ mod tests {
         assert_eq!(ChatTemplate::source(&dir).unwrap().as_deref(), Some("file"));
         std::fs::write(dir.join("tokenizer_config.json"), r#"{"chat_template": "tokenizer"}"#).unwrap();
         assert_eq!(ChatTemplate::source(&dir).unwrap().as_deref(), Some("tokenizer"));
+        std::fs::write(
+            dir.join("tokenizer_config.json"),
+            r#"{"chat_template": [{"name": "tool_use", "template": "tools"}, {"name": "default", "template": "named"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(ChatTemplate::source(&dir).unwrap().as_deref(), Some("named"));
+        std::fs::write(dir.join("tokenizer_config.json"), r#"{"chat_template": "tokenizer"}"#).unwrap();
         std::fs::write(dir.join("config.json"), r#"{"model_type": "llama"}"#).unwrap();
         assert_eq!(ChatTemplate::source(&dir).unwrap().as_deref(), Some("tokenizer"));
         std::fs::write(dir.join("config.json"), r#"{"chat_template": "config"}"#).unwrap();
