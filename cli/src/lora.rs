@@ -35,6 +35,8 @@ pub(crate) struct LoraServeArgs {
     adapters: u32,
     /// A PEFT LoRA adapter directory (`adapter_config.json`, `adapter_model.safetensors`) to serve
     /// instead of the test doubles; repeat for several, served as adapters 0, 1, … in their order.
+    /// LoRA on the attention projections is served (rank-stabilised too); an adapter with other
+    /// parts (MLP or embedding LoRA, DoRA, fully trained modules, biases) is refused, naming them.
     #[arg(long, value_name = "DIR", conflicts_with_all = ["adapters", "rank"])]
     adapter: Vec<PathBuf>,
     /// LoRA rank.
