@@ -35,6 +35,11 @@ pub struct BertConfig {
     /// Activation of the feed-forward layer (only `gelu`, the exact one, is supported).
     #[serde(default = "gelu")]
     pub hidden_act: String,
+    /// What the weights' tensor names start with: empty, or `bert.` for a checkpoint saved from
+    /// a `BertFor…` model (as `transformers` loads it into the bare encoder). Not in
+    /// `config.json`: the model directory's reader finds it in the weights.
+    #[serde(skip)]
+    pub tensor_prefix: String,
 }
 
 fn gelu() -> String {
@@ -52,6 +57,7 @@ impl BertConfig {
             max_position_embeddings: 512,
             layer_norm_eps: 1e-12,
             hidden_act: gelu(),
+            tensor_prefix: String::new(),
         }
     }
 
@@ -135,17 +141,18 @@ impl Bert {
     /// Builds stage `s` from its tensors in `w` (a copy of them into `candle` tensors).
     pub fn load_stage(&mut self, s: usize, w: &Weights<'_>) -> Result<(), ExecError> {
         let eps = self.cfg.layer_norm_eps;
+        let tensor = |name: &str| w.tensor(&format!("{}{name}", self.cfg.tensor_prefix));
         let norm = |p: &str| -> Result<LayerNorm, ExecError> {
-            Ok(LayerNorm::new(w.tensor(&format!("{p}.weight"))?, w.tensor(&format!("{p}.bias"))?, eps))
+            Ok(LayerNorm::new(tensor(&format!("{p}.weight"))?, tensor(&format!("{p}.bias"))?, eps))
         };
         let linear = |p: &str| -> Result<Linear, ExecError> {
-            Ok(Linear::new(w.tensor(&format!("{p}.weight"))?, Some(w.tensor(&format!("{p}.bias"))?)))
+            Ok(Linear::new(tensor(&format!("{p}.weight"))?, Some(tensor(&format!("{p}.bias"))?)))
         };
         let stage = match s {
             0 => Stage::Embeddings(Embeddings {
-                words: Embedding::new(w.tensor("embeddings.word_embeddings.weight")?, self.cfg.hidden_size),
-                positions: w.tensor("embeddings.position_embeddings.weight")?,
-                token_type: w.tensor("embeddings.token_type_embeddings.weight")?,
+                words: Embedding::new(tensor("embeddings.word_embeddings.weight")?, self.cfg.hidden_size),
+                positions: tensor("embeddings.position_embeddings.weight")?,
+                token_type: tensor("embeddings.token_type_embeddings.weight")?,
                 norm: norm("embeddings.LayerNorm")?,
             }),
             s if s <= self.cfg.num_hidden_layers => {

@@ -239,10 +239,15 @@ fn sentence_bert(dir: &Path, tokenizer: &mut Tokenizer) -> Result<(), ExecError>
 /// and safetensors bytes.
 pub(crate) fn read_dir(dir: &Path) -> Result<(BertConfig, Pooling, Tokenizer, Manifest, MappedFile), ExecError> {
     let f = read_files(dir)?;
-    let cfg = match &f.config {
+    let mut cfg = match &f.config {
         Some(text) => BertConfig::from_json(text)?,
         None => BertConfig::minilm_l6(),
     };
+    // A checkpoint saved from a `BertFor…` model names the encoder's tensors `bert.…`.
+    let named = |n: &str| f.manifest.layers.iter().flat_map(|l| &l.tensors).any(|t| t.name == n);
+    if !named("embeddings.word_embeddings.weight") && named("bert.embeddings.word_embeddings.weight") {
+        cfg.tensor_prefix = "bert.".into();
+    }
     if let Some(t) = f.tokenizer.get_truncation() {
         if t.max_length > cfg.max_position_embeddings {
             return Err(ExecError::Model(format!(

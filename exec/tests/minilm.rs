@@ -208,3 +208,30 @@ async fn a_split_across_the_transport_is_bit_identical() {
         ep.shutdown();
     }
 }
+
+/// A checkpoint saved from a `BertFor…` model (its encoder's tensors named `bert.…`, a head
+/// beside them) embeds exactly as the bare encoder's: the prefix is found in the weights, as
+/// `transformers` finds it. Before 2026-12-05 it was refused ("no tensor
+/// embeddings.word_embeddings.weight").
+#[test]
+fn a_checkpoint_with_the_bert_prefix_embeds_as_the_bare_encoder() {
+    let Some(dir) = model_dir() else { return };
+    let tensors = candle_core::safetensors::load(dir.join("model.safetensors"), &candle_core::Device::Cpu).unwrap();
+    let mut prefixed: std::collections::HashMap<String, candle_core::Tensor> =
+        tensors.into_iter().map(|(k, v)| (format!("bert.{k}"), v)).collect();
+    let head = candle_core::Tensor::zeros(30522, candle_core::DType::F32, &candle_core::Device::Cpu).unwrap();
+    prefixed.insert("cls.predictions.bias".into(), head);
+    let out = std::env::temp_dir().join(format!("cascade-bert-prefix-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    std::fs::create_dir_all(&out).unwrap();
+    candle_core::safetensors::save(&prefixed, out.join("model.safetensors")).unwrap();
+    for f in ["tokenizer.json", "config.json", "sentence_bert_config.json"] {
+        std::os::unix::fs::symlink(std::fs::canonicalize(dir.join(f)).unwrap(), out.join(f)).unwrap();
+    }
+    let texts: Vec<String> = reference().into_iter().map(|r| r.text).collect();
+    let texts: Vec<&str> = texts.iter().map(String::as_str).collect();
+    let want = Embedder::from_dir(&dir).unwrap().embed(&texts).unwrap();
+    let got = Embedder::from_dir(&out).unwrap().embed(&texts).unwrap();
+    assert_eq!(got, want);
+    std::fs::remove_dir_all(&out).unwrap();
+}
