@@ -37,9 +37,9 @@ impl Embedder {
     /// Loads `dir`: `model.safetensors` and `tokenizer.json`; `config.json` if present (else
     /// all-MiniLM-L6-v2's).
     pub fn from_dir(dir: &Path) -> Result<Embedder, ExecError> {
-        let (cfg, pooling, tokenizer, manifest, bytes) = read_dir(dir)?;
-        let model = Bert::load(cfg, &Weights::file(&manifest, &bytes)?)?;
-        Ok(Embedder { tokenizer, model, manifest, pooling })
+        let d = read_dir(dir)?;
+        let model = Bert::load(d.config, &Weights::file(&d.manifest, &d.bytes)?)?;
+        Ok(Embedder { tokenizer: d.tokenizer, model, manifest: d.manifest, pooling: d.pooling })
     }
 
     /// The tokenizer of `path`, padding turned off (batches are padded to their longest input).
@@ -234,10 +234,22 @@ fn sentence_bert(dir: &Path, tokenizer: &mut Tokenizer) -> Result<(), ExecError>
     Ok(())
 }
 
-/// A BERT model directory's configuration (all-MiniLM-L6-v2's without `config.json`), pooling
-/// (`modules.json`'s, all-MiniLM-L6-v2's without it: [`Pooling::from_dir`]), tokenizer, manifest
-/// and safetensors bytes.
-pub(crate) fn read_dir(dir: &Path) -> Result<(BertConfig, Pooling, Tokenizer, Manifest, MappedFile), ExecError> {
+/// A BERT model directory, read.
+pub(crate) struct BertDir {
+    /// Its configuration (all-MiniLM-L6-v2's without `config.json`).
+    pub(crate) config: BertConfig,
+    /// Its pooling (`modules.json`'s, all-MiniLM-L6-v2's without it: [`Pooling::from_dir`]).
+    pub(crate) pooling: Pooling,
+    /// Its tokenizer, cut as `sentence_bert_config.json` says.
+    pub(crate) tokenizer: Tokenizer,
+    /// Where each tensor lies in the file.
+    pub(crate) manifest: Manifest,
+    /// The safetensors file, mapped.
+    pub(crate) bytes: MappedFile,
+}
+
+/// Reads the BERT model directory `dir`.
+pub(crate) fn read_dir(dir: &Path) -> Result<BertDir, ExecError> {
     let f = read_files(dir)?;
     let mut cfg = match &f.config {
         Some(text) => BertConfig::from_json(text)?,
@@ -259,7 +271,7 @@ pub(crate) fn read_dir(dir: &Path) -> Result<(BertConfig, Pooling, Tokenizer, Ma
         }
     }
     let pooling = Pooling::from_dir(dir, cfg.hidden_size)?;
-    Ok((cfg, pooling, f.tokenizer, f.manifest, f.bytes))
+    Ok(BertDir { config: cfg, pooling, tokenizer: f.tokenizer, manifest: f.manifest, bytes: f.bytes })
 }
 
 /// `texts` tokenised into a batch (see [`Embedder::batch`]).

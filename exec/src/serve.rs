@@ -66,9 +66,15 @@ impl ServedModel {
     /// a new copy's encoder blocks arrive first and serve with the entry stage run by the old
     /// instance ([`dispatch`]'s three segments).
     pub fn from_dir(dir: &Path) -> Result<(ServedModel, MappedFile), ExecError> {
-        let (config, pooling, tokenizer, manifest, bytes) = crate::embed::read_dir(dir)?;
-        let manifest = manifest.with_embeddings_last(&bytes);
-        Ok((ServedModel { config, pooling, manifest: Arc::new(manifest), tokenizer: Arc::new(tokenizer) }, bytes))
+        let d = crate::embed::read_dir(dir)?;
+        let manifest = d.manifest.with_embeddings_last(&d.bytes);
+        let model = ServedModel {
+            config: d.config,
+            pooling: d.pooling,
+            manifest: Arc::new(manifest),
+            tokenizer: Arc::new(d.tokenizer),
+        };
+        Ok((model, d.bytes))
     }
 
     /// Tokens of the longest text the model takes, special tokens included: where its tokenizer
