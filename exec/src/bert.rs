@@ -64,15 +64,16 @@ impl BertConfig {
     /// Reads `config.json`.
     pub fn from_json(text: &str) -> Result<BertConfig, ExecError> {
         crate::check_model_type(text, "bert")?;
+        let c: BertConfig = serde_json::from_str(text).map_err(|e| ExecError::Model(format!("config.json: {e}")))?;
         crate::check_settings(
-            text,
+            "config.json",
+            &crate::config_json(text)?,
             &[crate::Setting {
                 key: "position_embedding_type",
-                applied: |v| v == "absolute",
+                applied: &|v| v == "absolute",
                 what: "relative position embeddings",
             }],
         )?;
-        let c: BertConfig = serde_json::from_str(text).map_err(|e| ExecError::Model(format!("config.json: {e}")))?;
         if c.hidden_act != "gelu" {
             return Err(ExecError::Model(format!("activation {:?} is not supported (only gelu)", c.hidden_act)));
         }

@@ -146,7 +146,7 @@ fn config(c: &Content) -> Result<LlamaConfig, ExecError> {
     cfg.check()?;
     // What changes the computation beyond the fields above, and is not applied here.
     let head = cfg.head_dim() as u64;
-    let number = |key: &str| c.metadata.get(key).and_then(|v| v.to_u32().map(u64::from).or_else(|_| v.to_u64()).ok());
+    let number = |key: &str| meta_u32(c, key).ok().map(u64::from);
     for key in ["llama.rope.dimension_count", "llama.attention.key_length", "llama.attention.value_length"] {
         if let Some(n) = number(key).filter(|&n| n != head) {
             return Err(bad(format!("{key} = {n}, not the head width {head}: not computed here")));
@@ -328,7 +328,7 @@ fn write_model(
     for (name, info) in &c.tensor_infos {
         let (hf, heads) = hf_name(name, &cfg)?;
         check_shape(&cfg, &hf, info.shape.dims())?;
-        lazy.push((hf, source.tensor(name, heads)?));
+        lazy.push((hf, source.tensor(name, info.shape.dims(), heads)));
     }
     check_blocks(&cfg, lazy.iter().map(|(n, _)| n.as_str()))?;
     let count = lazy.len();

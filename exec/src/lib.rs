@@ -75,28 +75,31 @@ pub(crate) fn check_model_type(text: &str, want: &str) -> Result<(), ExecError> 
     }
 }
 
-/// A setting of a `config.json` that changes what the model computes, the values this crate
-/// computes it for, and what it is.
-pub(crate) struct Setting {
+/// A setting of a model's or adapter's configuration file that changes what it computes, the
+/// values this crate computes it for, and what it is.
+pub(crate) struct Setting<'a> {
     /// The key.
     pub(crate) key: &'static str,
     /// Whether a value (not null) is one the model here computes.
-    pub(crate) applied: fn(&serde_json::Value) -> bool,
+    pub(crate) applied: &'a dyn Fn(&serde_json::Value) -> bool,
     /// What a value other than those means.
     pub(crate) what: &'static str,
 }
 
-/// Refuses a `config.json` (its text) that sets one of `settings` to a value not applied here: a
-/// model run without it would compute something else, silently. Settings absent or null pass.
-pub(crate) fn check_settings(text: &str, settings: &[Setting]) -> Result<(), ExecError> {
-    // Malformed JSON is reported by the full parse, with its position.
-    let Ok(v) = serde_json::from_str::<serde_json::Value>(text) else { return Ok(()) };
+/// Refuses a configuration (`file`, parsed as `config`) that sets one of `settings` to a value
+/// not applied here: a model run without it would compute something else, silently. Settings
+/// absent or null pass.
+pub(crate) fn check_settings(
+    file: &str,
+    config: &serde_json::Value,
+    settings: &[Setting<'_>],
+) -> Result<(), ExecError> {
     for s in settings {
-        match v.get(s.key) {
+        match config.get(s.key) {
             Some(x) if !x.is_null() && !(s.applied)(x) => {
                 return Err(ExecError::Model(format!(
-                    "config.json sets {} = {x} ({}), which is not applied here: refused rather than \
-                     computed without it",
+                    "{file} sets {} = {x} ({}), which is not applied here: refused rather than computed \
+                     without it",
                     s.key, s.what
                 )))
             }
@@ -104,6 +107,12 @@ pub(crate) fn check_settings(text: &str, settings: &[Setting]) -> Result<(), Exe
         }
     }
     Ok(())
+}
+
+/// `config.json`'s text as JSON, for [`check_settings`] (after the typed parse, which reports a
+/// malformed file with its position).
+pub(crate) fn config_json(text: &str) -> Result<serde_json::Value, ExecError> {
+    serde_json::from_str(text).map_err(|e| ExecError::Model(format!("config.json: {e}")))
 }
 
 /// A model whose stages are built one by one from verified bytes (what a serving instance's
@@ -201,6 +210,9 @@ mod tests {
         assert!(e.contains("describes a \"llama\" model, not a bert one"), "{e}");
         // Without `model_type`, and with malformed JSON, the full parse decides and says where.
         let untyped = BERT.replace(r#""model_type": "bert","#, "");
+        assert_eq!(BertConfig::from_json(&untyped).unwrap().hidden_size, 384);
+        let e = BertConfig::from_json("{\"hidden_size\": ").unwrap_err().to_string();
+        assert!(e.contains("line 1"), "{e}");
         // Settings that change what the model computes, not applied here, are refused; their
         // default values pass.
         for (config, key) in [
@@ -224,8 +236,5 @@ mod tests {
         );
         assert!(LlamaConfig::from_json(&plain).is_ok());
         assert!(BertConfig::from_json(&BERT.replace('{', r#"{"position_embedding_type": "absolute","#)).is_ok());
-        assert_eq!(BertConfig::from_json(&untyped).unwrap().hidden_size, 384);
-        let e = BertConfig::from_json("{\"hidden_size\": ").unwrap_err().to_string();
-        assert!(e.contains("line 1"), "{e}");
     }
 }

@@ -78,36 +78,30 @@ impl LlamaConfig {
         crate::check_model_type(text, "llama")?;
         let c: LlamaConfig = serde_json::from_str(text).map_err(|e| ExecError::Model(format!("config.json: {e}")))?;
         c.check()?;
-        #[derive(Deserialize)]
-        struct HeadDim {
-            head_dim: Option<usize>,
-        }
-        let head_dim = c.head_dim();
+        let head_dim = c.head_dim() as u64;
         crate::check_settings(
-            text,
+            "config.json",
+            &crate::config_json(text)?,
             &[
                 crate::Setting {
                     key: "hidden_act",
-                    applied: |v| v == "silu",
+                    applied: &|v| v == "silu",
                     what: "an activation other than SwiGLU's SiLU",
                 },
-                crate::Setting { key: "rope_scaling", applied: |_| false, what: "RoPE frequencies scaled" },
+                crate::Setting { key: "rope_scaling", applied: &|_| false, what: "RoPE frequencies scaled" },
                 crate::Setting {
                     key: "attention_bias",
-                    applied: |v| v == false,
+                    applied: &|v| v == false,
                     what: "biases on the attention projections",
                 },
-                crate::Setting { key: "mlp_bias", applied: |v| v == false, what: "biases on the MLP" },
+                crate::Setting { key: "mlp_bias", applied: &|v| v == false, what: "biases on the MLP" },
+                crate::Setting {
+                    key: "head_dim",
+                    applied: &|v| v.as_u64() == Some(head_dim),
+                    what: "heads of a width other than hidden_size / num_attention_heads",
+                },
             ],
         )?;
-        if let Ok(HeadDim { head_dim: Some(d) }) = serde_json::from_str(text) {
-            if d != head_dim {
-                return Err(ExecError::Model(format!(
-                    "config.json sets head_dim = {d}, not hidden_size / num_attention_heads = {head_dim}: heads \
-                     of another width are not computed here"
-                )));
-            }
-        }
         Ok(c)
     }
 

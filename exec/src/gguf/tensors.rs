@@ -47,10 +47,9 @@ impl<'c, P: FnMut(usize, usize, &str)> Source<'c, P> {
         }
     }
 
-    /// The tensor named `name` in the GGUF file, to be read when it is written.
-    pub(super) fn tensor(&self, name: &'c str, heads: Option<usize>) -> Result<Lazy<'_, 'c, P>, ExecError> {
-        let info = self.content.tensor_infos.get(name).ok_or_else(|| bad(format!("no tensor {name:?}")))?;
-        Ok(Lazy { source: self, name, heads, shape: info.shape.dims().to_vec() })
+    /// The tensor named `name` in the GGUF file, of `shape`, to be read when it is written.
+    pub(super) fn tensor(&self, name: &'c str, shape: &[usize], heads: Option<usize>) -> Lazy<'_, 'c, P> {
+        Lazy { source: self, name, heads, shape: shape.to_vec() }
     }
 
     /// The first failure while the tensors were written, if any: the file written is then not

@@ -65,33 +65,27 @@ pub(super) fn refuse_unserved<'n>(names: impl Iterator<Item = &'n String>) -> Re
 
 /// Refuses the PEFT options that change what an adapter computes in ways not applied here.
 fn refuse_unserved_options(config: &serde_json::Value) -> Result<(), ExecError> {
-    let set = |key: &str| match config.get(key) {
-        None | Some(serde_json::Value::Null) | Some(serde_json::Value::Bool(false)) => false,
-        Some(serde_json::Value::Object(m)) => !m.is_empty(),
-        Some(serde_json::Value::Array(a)) => !a.is_empty(),
-        Some(serde_json::Value::String(s)) => key != "bias" || s != "none",
-        Some(_) => true,
+    // An option is off as `false`, `{}` or `[]` (null passes too); `bias` also as "none".
+    let off = |v: &serde_json::Value| {
+        *v == false || v.as_object().is_some_and(serde_json::Map::is_empty) || v.as_array().is_some_and(Vec::is_empty)
     };
-    let options = [
-        ("use_dora", "DoRA's magnitude vectors"),
-        ("fan_in_fan_out", "weights stored transposed"),
-        ("rank_pattern", "ranks per module"),
-        ("alpha_pattern", "scales per module"),
-        ("bias", "trained biases"),
-        ("lora_bias", "a bias on lora_B"),
-        ("modules_to_save", "fully trained modules"),
-        ("layer_replication", "replicated layers"),
-        ("trainable_token_indices", "trained token embeddings"),
-    ];
-    for (key, what) in options {
-        if set(key) {
-            return Err(ExecError::Model(format!(
-                "adapter_config.json sets {key} = {} ({what}), which is not applied here: refused \
-                 rather than served without it",
-                config[key]
-            )));
-        }
-    }
+    let bias_off = |v: &serde_json::Value| off(v) || v == "none";
+    let setting = |key, what| crate::Setting { key, applied: &off, what };
+    crate::check_settings(
+        "adapter_config.json",
+        config,
+        &[
+            setting("use_dora", "DoRA's magnitude vectors"),
+            setting("fan_in_fan_out", "weights stored transposed"),
+            setting("rank_pattern", "ranks per module"),
+            setting("alpha_pattern", "scales per module"),
+            crate::Setting { key: "bias", applied: &bias_off, what: "trained biases" },
+            setting("lora_bias", "a bias on lora_B"),
+            setting("modules_to_save", "fully trained modules"),
+            setting("layer_replication", "replicated layers"),
+            setting("trainable_token_indices", "trained token embeddings"),
+        ],
+    )?;
     match config.get("peft_type").and_then(|t| t.as_str()) {
         None | Some("LORA") => Ok(()),
         Some(other) => Err(ExecError::Model(format!("adapter_config.json: peft_type {other:?}, not LORA"))),
