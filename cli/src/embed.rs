@@ -34,6 +34,16 @@ pub(crate) struct EmbedArgs {
     /// (about 0.5 GB), whatever this says. 1 to 4,096.
     #[arg(long, default_value_t = BATCH as u32, value_parser = clap::value_parser!(u32).range(1..=4096))]
     batch: u32,
+    /// Put the model's prompt NAME before every text: one its `config_sentence_transformers.json`
+    /// names under `prompts` (`query`, …), as sentence-transformers' `encode(prompt_name=…)`.
+    /// Without this or --prompt, the prompt its `default_prompt_name` names, if any (said on
+    /// stderr).
+    #[arg(long, value_name = "NAME", conflicts_with = "prompt")]
+    prompt_name: Option<String>,
+    /// Put TEXT before every text, as sentence-transformers' `encode(prompt=…)`; `--prompt ""`
+    /// puts none, not even the model's default.
+    #[arg(long, value_name = "TEXT")]
+    prompt: Option<String>,
     /// Print one JSON object per text: {text, dim, embedding, truncated} (`truncated`: the text
     /// is longer than the model takes and was embedded from its first tokens, as
     /// sentence-transformers does).
@@ -86,8 +96,20 @@ pub(crate) fn embed(a: EmbedArgs) -> anyhow::Result<()> {
     let rx = crate::input::read_ahead(input, BLOCK);
     crate::models::ensure_minilm(&a.model, true)?;
     let t = std::time::Instant::now();
-    let e = Embedder::from_dir(&a.model).with_context(|| format!("loading the model in {}", a.model.display()))?;
+    let mut e = Embedder::from_dir(&a.model).with_context(|| format!("loading the model in {}", a.model.display()))?;
     let loaded = t.elapsed();
+    match (&a.prompt_name, &a.prompt) {
+        (Some(name), _) => e.use_prompt_named(name).with_context(|| format!("--prompt-name {name:?}"))?,
+        (None, Some(text)) => e.use_prompt(text)?,
+        (None, None) => {
+            if let (Some(name), Some(p)) = (&e.prompts().default, e.prompt()) {
+                eprintln!(
+                    "note: every text gets the model's default prompt {name:?} ({:?}) before it, as sentence-transformers does; --prompt \"\" for none",
+                    p.text
+                );
+            }
+        }
+    }
     // Progress on stderr when there may be more than one pass (indicatif draws nothing when it
     // is no terminal); the length is unknown until the input ends.
     let bar = (a.text_file.is_some() || a.text.len() > a.batch as usize).then(|| {

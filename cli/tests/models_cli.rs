@@ -36,6 +36,55 @@ fn embed_says_when_a_text_was_cut() {
     assert_eq!(text.matches("embedded from its first 256 tokens").count(), 1, "{text}");
 }
 
+/// `cascade embed` with a model whose `config_sentence_transformers.json` makes `"query: "` the
+/// default prompt: a text is embedded as `"query: " + text` (as the plain model embeds that
+/// text), a note on stderr says so; `--prompt-name passage` takes another of its prompts,
+/// `--prompt ""` none, and a name it does not have is refused naming those it has. Skips without
+/// the real model.
+#[test]
+fn embed_puts_the_models_default_prompt_before_each_text() {
+    let Some(model) = cascade_tests::models::minilm() else { return };
+    let d = scratch("embed-prompt");
+    let dir = d.join("with-prompts");
+    std::fs::create_dir_all(&dir).unwrap();
+    for f in std::fs::read_dir(&model).unwrap() {
+        let f = f.unwrap().path();
+        std::os::unix::fs::symlink(std::fs::canonicalize(&f).unwrap(), dir.join(f.file_name().unwrap())).unwrap();
+    }
+    let prompts = r#"{"prompts": {"query": "query: ", "passage": "passage: "}, "default_prompt_name": "query"}"#;
+    std::fs::write(dir.join("config_sentence_transformers.json"), prompts).unwrap();
+    let embed = |dir: &std::path::Path, args: &[&str]| {
+        let out = Command::new(CASCADE).args(["embed", "--json", "--model"]).arg(dir).args(args).output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(out.status.success(), "{stderr}");
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        (v["embedding"].clone(), stderr)
+    };
+    let (prompted, note) = embed(&dir, &["--text", "a cat"]);
+    assert!(note.contains("default prompt \"query\""), "{note}");
+    assert_eq!(prompted, embed(&model, &["--text", "query: a cat"]).0);
+    assert_eq!(
+        embed(&dir, &["--text", "a cat", "--prompt-name", "passage"]).0,
+        embed(&model, &["--text", "passage: a cat"]).0
+    );
+    let (none, note) = embed(&dir, &["--text", "a cat", "--prompt", ""]);
+    assert_eq!(none, embed(&model, &["--text", "a cat"]).0);
+    assert!(!note.contains("prompt"), "{note}");
+    let out = Command::new(CASCADE)
+        .args(["embed", "--model"])
+        .arg(&dir)
+        .args(["--text", "a cat", "--prompt-name", "document"])
+        .env_remove("RUST_BACKTRACE")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("no prompt named \"document\": the model's are passage, query"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
 /// `cascade embed --text-file`: texts one per line (`-` reads standard input), after any
 /// `--text`, every line a text and the output in the input's order — more texts than `--batch`
 /// too, which run in batches sorted by length. An empty input or a missing file is refused,

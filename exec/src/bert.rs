@@ -245,7 +245,7 @@ impl LayerExec for Bert {
 /// L2-normalised): one embedding per sentence. Other models' come from their directory:
 /// [`crate::pooling::Pooling::from_dir`].
 pub fn mean_pool_normalized(act: &Activation) -> Result<Vec<Vec<f32>>, ExecError> {
-    crate::pooling::Pooling::default().pool(act)
+    crate::pooling::Pooling::default().pool(act, 0)
 }
 
 /// The CPU device every stage runs on.

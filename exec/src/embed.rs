@@ -1,7 +1,9 @@
 //! Sentence embeddings end to end: a model directory (`model.safetensors`, `tokenizer.json`,
 //! `config.json`, `sentence_bert_config.json` as sentence-transformers ships them) → tokens (cut
 //! to sentence-transformers' `max_seq_length`) → every BERT stage → pooling as `modules.json`
-//! says (all-MiniLM-L6-v2's mean and L2 normalisation without it: [`crate::pooling`]).
+//! says (all-MiniLM-L6-v2's mean and L2 normalisation without it: [`crate::pooling`]). A prompt
+//! that `config_sentence_transformers.json` makes the default goes before every text
+//! ([`crate::prompts`]).
 
 use std::path::{Path, PathBuf};
 
@@ -11,6 +13,7 @@ use tokenizers::{Encoding, Tokenizer, TruncationParams};
 
 use crate::bert::{Bert, BertConfig};
 use crate::pooling::Pooling;
+use crate::prompts::{Prompt, Prompts};
 use crate::tokens;
 use crate::weights::Weights;
 use crate::{Activation, ExecError, LayerExec};
@@ -21,6 +24,9 @@ pub struct Embedder {
     model: Bert,
     manifest: Manifest,
     pooling: Pooling,
+    prompts: Prompts,
+    /// The prompt put before every text: the model's default one unless another is chosen.
+    prompt: Option<Prompt>,
 }
 
 /// The files of a model directory.
@@ -35,11 +41,57 @@ fn file(dir: &Path, name: &str) -> Result<PathBuf, ExecError> {
 
 impl Embedder {
     /// Loads `dir`: `model.safetensors` and `tokenizer.json`; `config.json` if present (else
-    /// all-MiniLM-L6-v2's).
+    /// all-MiniLM-L6-v2's); the prompts of `config_sentence_transformers.json`, its default one
+    /// put before every text ([`crate::prompts`]).
     pub fn from_dir(dir: &Path) -> Result<Embedder, ExecError> {
         let d = read_dir(dir)?;
         let model = Bert::load(d.config, &Weights::file(&d.manifest, &d.bytes)?)?;
-        Ok(Embedder { tokenizer: d.tokenizer, model, manifest: d.manifest, pooling: d.pooling })
+        Ok(Embedder {
+            tokenizer: d.tokenizer,
+            model,
+            manifest: d.manifest,
+            pooling: d.pooling,
+            prompts: d.prompts,
+            prompt: d.prompt,
+        })
+    }
+
+    /// The model's named prompts (`config_sentence_transformers.json`).
+    pub fn prompts(&self) -> &Prompts {
+        &self.prompts
+    }
+
+    /// The prompt put before every text, if any.
+    pub fn prompt(&self) -> Option<&Prompt> {
+        self.prompt.as_ref()
+    }
+
+    /// Puts the model's prompt `name` before every text from now on (sentence-transformers'
+    /// `encode(prompt_name=…)`); a name the model does not have is refused, naming its prompts.
+    pub fn use_prompt_named(&mut self, name: &str) -> Result<(), ExecError> {
+        let text = self.prompts.get(name)?.to_string();
+        self.use_prompt(&text)
+    }
+
+    /// Puts `text` before every text from now on (sentence-transformers' `encode(prompt=…)`); an
+    /// empty one puts nothing, the model's default prompt included.
+    pub fn use_prompt(&mut self, text: &str) -> Result<(), ExecError> {
+        self.prompt = Prompt::new(&self.tokenizer, text, self.pooling.include_prompt)?;
+        Ok(())
+    }
+
+    /// `texts`' encodings, the prompt before each.
+    fn encodings(&self, texts: &[&str]) -> Result<Vec<Encoding>, ExecError> {
+        match &self.prompt {
+            None => encodings(&self.tokenizer, texts),
+            Some(p) => encodings(&self.tokenizer, &p.before(texts).iter().map(String::as_str).collect::<Vec<_>>()),
+        }
+    }
+
+    /// Positions left out of pooling at the start of each text: the prompt's, where pooling
+    /// excludes it.
+    fn pool_skip(&self) -> usize {
+        self.prompt.as_ref().map_or(0, |p| p.pool_skip)
     }
 
     /// The tokenizer of `path`, padding turned off (batches are padded to their longest input).
@@ -68,20 +120,21 @@ impl Embedder {
     /// Whether each text is longer than [`Embedder::max_tokens`] and so embedded from its start
     /// only.
     pub fn truncated(&self, texts: &[&str]) -> Result<Vec<bool>, ExecError> {
-        Ok(encodings(&self.tokenizer, texts)?.iter().map(was_cut).collect())
+        Ok(self.encodings(texts)?.iter().map(was_cut).collect())
     }
 
-    /// `texts` as a batch before its first layer (padded to the longest, mask 0 on padding).
+    /// `texts` as a batch before its first layer (padded to the longest, mask 0 on padding), the
+    /// prompt before each.
     pub fn batch(&self, texts: &[&str]) -> Result<Activation, ExecError> {
-        tokenize(&self.tokenizer, texts)
+        padded(&self.encodings(texts)?.iter().collect::<Vec<_>>())
     }
 
-    /// One unit-length embedding per text.
+    /// One embedding per text (unit length where the model normalises: all-MiniLM-L6-v2 does).
     pub fn embed(&self, texts: &[&str]) -> Result<Vec<Vec<f32>>, ExecError> {
         self.embed_noting_cuts(texts).map(|(v, _)| v)
     }
 
-    /// One unit-length embedding per text, and whether each text was cut
+    /// One embedding per text, and whether each text was cut
     /// ([`Embedder::truncated`]), from one tokenisation; computed [`BATCH`] texts at a time
     /// ([`Embedder::embed_in_batches`]).
     pub fn embed_noting_cuts(&self, texts: &[&str]) -> Result<(Vec<Vec<f32>>, Vec<bool>), ExecError> {
@@ -107,7 +160,7 @@ impl Embedder {
         if batch == 0 {
             return Err(ExecError::Input("a batch of 0 texts".into()));
         }
-        let enc = encodings(&self.tokenizer, texts)?;
+        let enc = self.encodings(texts)?;
         let lens: Vec<usize> = enc.iter().map(|e| e.get_ids().len()).collect();
         let mut out = vec![Vec::new(); enc.len()];
         let mut done = 0;
@@ -115,7 +168,7 @@ impl Embedder {
             let part = &part[..];
             let rows: Vec<&Encoding> = part.iter().map(|&i| &enc[i]).collect();
             let act = self.model.run(0..self.model.layers(), padded(&rows)?)?;
-            for (&i, v) in part.iter().zip(self.pooling.pool(&act)?) {
+            for (&i, v) in part.iter().zip(self.pooling.pool(&act, self.pool_skip())?) {
                 out[i] = v;
             }
             done += part.len();
@@ -240,6 +293,10 @@ pub(crate) struct BertDir {
     pub(crate) config: BertConfig,
     /// Its pooling (`modules.json`'s, all-MiniLM-L6-v2's without it: [`Pooling::from_dir`]).
     pub(crate) pooling: Pooling,
+    /// Its named prompts.
+    pub(crate) prompts: Prompts,
+    /// Its default prompt, as applied.
+    pub(crate) prompt: Option<Prompt>,
     /// Its tokenizer, cut as `sentence_bert_config.json` says.
     pub(crate) tokenizer: Tokenizer,
     /// Where each tensor lies in the file.
@@ -271,10 +328,15 @@ pub(crate) fn read_dir(dir: &Path) -> Result<BertDir, ExecError> {
         }
     }
     let pooling = Pooling::from_dir(dir, cfg.hidden_size)?;
-    Ok(BertDir { config: cfg, pooling, tokenizer: f.tokenizer, manifest: f.manifest, bytes: f.bytes })
+    let prompts = Prompts::from_dir(dir)?;
+    let prompt = match prompts.default_text() {
+        Some(text) => Prompt::new(&f.tokenizer, text, pooling.include_prompt)?,
+        None => None,
+    };
+    Ok(BertDir { config: cfg, pooling, prompts, prompt, tokenizer: f.tokenizer, manifest: f.manifest, bytes: f.bytes })
 }
 
-/// `texts` tokenised into a batch (see [`Embedder::batch`]).
+/// `texts` tokenised into a batch as they are, no prompt put before them (see [`Embedder::batch`]).
 pub fn tokenize(tokenizer: &Tokenizer, texts: &[&str]) -> Result<Activation, ExecError> {
     let enc = encodings(tokenizer, texts)?;
     padded(&enc.iter().collect::<Vec<_>>())

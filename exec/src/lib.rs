@@ -29,6 +29,7 @@ pub mod llama;
 pub mod llmsim;
 pub mod pd;
 pub mod pooling;
+pub mod prompts;
 pub mod serve;
 pub mod tokens;
 pub mod weights;

@@ -7,7 +7,8 @@
 //! gets all-MiniLM-L6-v2's own modules — mean pooling, then L2 normalisation — where
 //! sentence-transformers would build mean pooling alone for a plain Hugging Face model. A
 //! `modules.json` with a module that is not applied here (`Dense`, `LayerNorm`, …) is refused,
-//! naming it: the embeddings would be wrong.
+//! naming it: the embeddings would be wrong. The `Pooling` module's `include_prompt: false`
+//! leaves a prompt's tokens out ([`crate::prompts`]).
 
 use std::path::Path;
 
@@ -51,12 +52,15 @@ pub struct Pooling {
     pub modes: Vec<PoolMode>,
     /// Whether the embedding is L2-normalised after pooling.
     pub normalize: bool,
+    /// Whether a prompt's tokens are pooled with the text's (`include_prompt`, true unless the
+    /// config says otherwise; [`crate::prompts`]).
+    pub include_prompt: bool,
 }
 
 impl Default for Pooling {
     /// all-MiniLM-L6-v2's: the mean, L2-normalised.
     fn default() -> Pooling {
-        Pooling { modes: vec![PoolMode::Mean], normalize: true }
+        Pooling { modes: vec![PoolMode::Mean], normalize: true, include_prompt: true }
     }
 }
 
@@ -82,11 +86,14 @@ impl Pooling {
             Err(e) => return Err(bad(&path, e)),
         };
         let modules: Vec<Module> = serde_json::from_str(&text).map_err(|e| bad(&path, e))?;
-        let (mut modes, mut normalize) = (None, false);
+        let (mut modes, mut normalize, mut include_prompt) = (None, false, true);
         for m in &modules {
             match m.kind.rsplit('.').next().unwrap_or("") {
                 "Transformer" if m.path.is_empty() => {}
-                "Pooling" => modes = Some(Self::modes(&dir.join(&m.path).join("config.json"), hidden)?),
+                "Pooling" => {
+                    let (m, include) = Self::modes(&dir.join(&m.path).join("config.json"), hidden)?;
+                    (modes, include_prompt) = (Some(m), include);
+                }
                 "Normalize" if modes.is_some() => normalize = true,
                 _ => {
                     return Err(bad(
@@ -102,11 +109,11 @@ impl Pooling {
             }
         }
         let modes = modes.ok_or_else(|| bad(&path, "no Pooling module: nothing makes one embedding of a text"))?;
-        Ok(Pooling { modes, normalize })
+        Ok(Pooling { modes, normalize, include_prompt })
     }
 
-    /// The modes a `Pooling` module's `config.json` at `path` sets.
-    fn modes(path: &Path, hidden: usize) -> Result<Vec<PoolMode>, ExecError> {
+    /// The modes a `Pooling` module's `config.json` at `path` sets, and its `include_prompt`.
+    fn modes(path: &Path, hidden: usize) -> Result<(Vec<PoolMode>, bool), ExecError> {
         let text = std::fs::read_to_string(path).map_err(|e| bad(path, e))?;
         let c: serde_json::Value = serde_json::from_str(&text).map_err(|e| bad(path, e))?;
         if let Some(d) = c.get("word_embedding_dimension").and_then(serde_json::Value::as_u64) {
@@ -122,14 +129,26 @@ impl Pooling {
         if modes.is_empty() {
             return Err(bad(path, "no pooling mode is set"));
         }
-        Ok(modes)
+        let include_prompt = match c.get("include_prompt") {
+            None => true,
+            Some(serde_json::Value::Bool(b)) => *b,
+            Some(other) => return Err(bad(path, format!("include_prompt is {other}, not true or false"))),
+        };
+        Ok((modes, include_prompt))
     }
 
     /// One embedding per sentence of `act` (its hidden states after the last layer; padding
-    /// masked out).
-    pub fn pool(&self, act: &Activation) -> Result<Vec<Vec<f32>>, ExecError> {
+    /// masked out, and the first `skip` positions: a prompt's, [`crate::prompts::Prompt::pool_skip`]).
+    pub fn pool(&self, act: &Activation, skip: usize) -> Result<Vec<Vec<f32>>, ExecError> {
         let h = act.hidden.as_ref().ok_or_else(|| ExecError::Input("no hidden states to pool".into()))?;
-        let mask = act.mask.to_dtype(DType::F32)?.unsqueeze(D::Minus1)?;
+        // The positions pooled: the mask's, less the first `skip`.
+        let mut kept = act.mask.to_dtype(DType::F32)?;
+        if skip > 0 {
+            let t = kept.dim(1)?;
+            let after = Tensor::arange(0u32, t as u32, kept.device())?.ge(skip.min(t) as u32)?;
+            kept = kept.broadcast_mul(&after.to_dtype(DType::F32)?.reshape((1, t))?)?;
+        }
+        let mask = kept.unsqueeze(D::Minus1)?;
         let mut parts = Vec::with_capacity(self.modes.len());
         for &mode in &self.modes {
             parts.push(match mode {
@@ -151,7 +170,7 @@ impl Pooling {
                 }
                 PoolMode::LastToken => {
                     // The last position the mask keeps (the last one where it keeps none).
-                    let rows = act.mask.to_dtype(DType::U32)?.to_vec2::<u32>()?;
+                    let rows = kept.to_dtype(DType::U32)?.to_vec2::<u32>()?;
                     let t = h.dim(1)?;
                     let last: Vec<u32> =
                         rows.iter().map(|r| r.iter().rposition(|&m| m != 0).unwrap_or(t - 1) as u32).collect();

@@ -52,6 +52,9 @@ pub struct ServedModel {
     pub config: BertConfig,
     /// How its token states become embeddings.
     pub pooling: crate::pooling::Pooling,
+    /// The prompt put before every text (the model's default one, `config_sentence_transformers.json`'s
+    /// `default_prompt_name`; [`crate::prompts`]).
+    pub prompt: Option<crate::prompts::Prompt>,
     /// Where each tensor lies in the packed image.
     pub manifest: Arc<Manifest>,
     /// The tokenizer.
@@ -71,6 +74,7 @@ impl ServedModel {
         let model = ServedModel {
             config: d.config,
             pooling: d.pooling,
+            prompt: d.prompt,
             manifest: Arc::new(manifest),
             tokenizer: Arc::new(d.tokenizer),
         };
@@ -83,6 +87,22 @@ impl ServedModel {
     pub fn max_tokens(&self) -> usize {
         let positions = self.config.max_position_embeddings;
         self.tokenizer.get_truncation().map_or(positions, |t| t.max_length.min(positions))
+    }
+
+    /// `texts` as a batch before its first layer, the prompt before each.
+    pub fn batch(&self, texts: &[&str]) -> Result<crate::Activation, ExecError> {
+        match &self.prompt {
+            None => crate::embed::tokenize(&self.tokenizer, texts),
+            Some(p) => {
+                crate::embed::tokenize(&self.tokenizer, &p.before(texts).iter().map(String::as_str).collect::<Vec<_>>())
+            }
+        }
+    }
+
+    /// The embeddings of a batch after its last layer (the prompt's positions left out where the
+    /// pooling excludes them).
+    pub fn pool(&self, act: &crate::Activation) -> Result<Vec<Vec<f32>>, ExecError> {
+        self.pooling.pool(act, self.prompt.as_ref().map_or(0, |p| p.pool_skip))
     }
 
     /// Packs `file` (the safetensors bytes) into a new region registered on `mesh`: a held copy

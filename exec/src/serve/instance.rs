@@ -16,7 +16,6 @@ use super::copy::Copy;
 use super::proto::{ExecMsg, Split};
 use super::{ServeError, ServedModel};
 use crate::bert::Bert;
-use crate::pooling::Pooling;
 use crate::{Activation, ExecError};
 
 mod grants;
@@ -339,7 +338,7 @@ fn handle(sh: &Arc<Shared>, from: u32, msg: ExecMsg, reply: ReplyTo) -> Result<O
                 _ => {}
             }
             let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
-            let act = crate::embed::tokenize(&sh.model.tokenizer, &refs)?;
+            let act = sh.model.batch(&refs)?;
             let tokens = act.ids.dims2().map_err(ExecError::from)?.1;
             if tokens > sh.max_tokens {
                 return Err(ServeError::Input(format!("{tokens} tokens: at most {}", sh.max_tokens)));
@@ -407,7 +406,7 @@ async fn finish(sh: Arc<Shared>, mut done: mpsc::UnboundedReceiver<Finished<Tag>
         };
         match f.tag {
             Tag::Run { reply, batch, split: None, .. } => {
-                let answer = done_msg(&sh.model.pooling, batch, f.result, 0);
+                let answer = done_msg(&sh.model, batch, f.result, 0);
                 let _ = sh.mesh.reply(&reply, &answer);
             }
             Tag::Run { reply, batch, split: Some(s), onward } => {
@@ -418,7 +417,7 @@ async fn finish(sh: Arc<Shared>, mut done: mpsc::UnboundedReceiver<Finished<Tag>
                 sh.grants.release(held);
                 match split {
                     None => {
-                        let answer = done_msg(&sh.model.pooling, batch, f.result, on_first);
+                        let answer = done_msg(&sh.model, batch, f.result, on_first);
                         let _ = sh.mesh.reply(&reply, &answer);
                     }
                     Some(s) => pass_on(&sh, reply, batch, s, None, f.result, on_first),
@@ -460,8 +459,8 @@ fn pass_on(
     });
 }
 
-fn done_msg(pooling: &Pooling, batch: u64, r: Result<Activation, ExecError>, on_first: u32) -> ExecMsg {
-    match r.and_then(|a| pooling.pool(&a)) {
+fn done_msg(model: &ServedModel, batch: u64, r: Result<Activation, ExecError>, on_first: u32) -> ExecMsg {
+    match r.and_then(|a| model.pool(&a)) {
         Ok(embeddings) => ExecMsg::Done { batch, embeddings, on_first },
         Err(e) => ServeError::from(e).to_failed(),
     }
