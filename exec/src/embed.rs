@@ -82,16 +82,7 @@ impl Embedder {
 
     /// `texts`' encodings, the prompt before each.
     fn encodings(&self, texts: &[&str]) -> Result<Vec<Encoding>, ExecError> {
-        match &self.prompt {
-            None => encodings(&self.tokenizer, texts),
-            Some(p) => encodings(&self.tokenizer, &p.before(texts).iter().map(String::as_str).collect::<Vec<_>>()),
-        }
-    }
-
-    /// Positions left out of pooling at the start of each text: the prompt's, where pooling
-    /// excludes it.
-    fn pool_skip(&self) -> usize {
-        self.prompt.as_ref().map_or(0, |p| p.pool_skip)
+        Prompt::applied(self.prompt.as_ref(), texts, |t| encodings(&self.tokenizer, t))
     }
 
     /// The tokenizer of `path`, padding turned off (batches are padded to their longest input).
@@ -168,7 +159,7 @@ impl Embedder {
             let part = &part[..];
             let rows: Vec<&Encoding> = part.iter().map(|&i| &enc[i]).collect();
             let act = self.model.run(0..self.model.layers(), padded(&rows)?)?;
-            for (&i, v) in part.iter().zip(self.pooling.pool(&act, self.pool_skip())?) {
+            for (&i, v) in part.iter().zip(self.pooling.pool(&act, Prompt::skip(self.prompt.as_ref()))?) {
                 out[i] = v;
             }
             done += part.len();

@@ -100,8 +100,19 @@ impl Prompt {
         Ok(Some(Prompt { text: text.to_string(), pool_skip }))
     }
 
-    /// `texts`, each with the prompt before it.
-    pub fn before(&self, texts: &[&str]) -> Vec<String> {
-        texts.iter().map(|t| format!("{}{t}", self.text)).collect()
+    /// `f` of `texts`, each with `prompt` (if any) before it.
+    pub fn applied<R>(prompt: Option<&Prompt>, texts: &[&str], f: impl FnOnce(&[&str]) -> R) -> R {
+        match prompt {
+            None => f(texts),
+            Some(p) => {
+                let prompted: Vec<String> = texts.iter().map(|t| format!("{}{t}", p.text)).collect();
+                f(&prompted.iter().map(String::as_str).collect::<Vec<_>>())
+            }
+        }
+    }
+
+    /// The positions [`crate::pooling::Pooling::pool`] leaves out for `prompt`.
+    pub fn skip(prompt: Option<&Prompt>) -> usize {
+        prompt.map_or(0, |p| p.pool_skip)
     }
 }

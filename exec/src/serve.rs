@@ -27,6 +27,7 @@ use cascade_transport::{Mesh, Region, TransportError};
 use tokenizers::Tokenizer;
 
 use crate::bert::BertConfig;
+use crate::prompts::Prompt;
 use crate::ExecError;
 
 pub(crate) mod compute;
@@ -54,7 +55,7 @@ pub struct ServedModel {
     pub pooling: crate::pooling::Pooling,
     /// The prompt put before every text (the model's default one, `config_sentence_transformers.json`'s
     /// `default_prompt_name`; [`crate::prompts`]).
-    pub prompt: Option<crate::prompts::Prompt>,
+    pub prompt: Option<Prompt>,
     /// Where each tensor lies in the packed image.
     pub manifest: Arc<Manifest>,
     /// The tokenizer.
@@ -91,18 +92,13 @@ impl ServedModel {
 
     /// `texts` as a batch before its first layer, the prompt before each.
     pub fn batch(&self, texts: &[&str]) -> Result<crate::Activation, ExecError> {
-        match &self.prompt {
-            None => crate::embed::tokenize(&self.tokenizer, texts),
-            Some(p) => {
-                crate::embed::tokenize(&self.tokenizer, &p.before(texts).iter().map(String::as_str).collect::<Vec<_>>())
-            }
-        }
+        Prompt::applied(self.prompt.as_ref(), texts, |t| crate::embed::tokenize(&self.tokenizer, t))
     }
 
     /// The embeddings of a batch after its last layer (the prompt's positions left out where the
     /// pooling excludes them).
     pub fn pool(&self, act: &crate::Activation) -> Result<Vec<Vec<f32>>, ExecError> {
-        self.pooling.pool(act, self.prompt.as_ref().map_or(0, |p| p.pool_skip))
+        self.pooling.pool(act, Prompt::skip(self.prompt.as_ref()))
     }
 
     /// Packs `file` (the safetensors bytes) into a new region registered on `mesh`: a held copy
