@@ -33,6 +33,16 @@ use crate::NodeId;
 /// Page size regions are aligned to.
 pub const PAGE: usize = 4096;
 
+/// The system's page size (4 KiB where it cannot be read).
+pub(crate) fn page_size() -> u64 {
+    static PAGE: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    // SAFETY: sysconf reads a constant of the system and touches no memory of ours.
+    *PAGE.get_or_init(|| match unsafe { libc::sysconf(libc::_SC_PAGESIZE) } {
+        n if n > 0 => n as u64,
+        _ => 4096,
+    })
+}
+
 /// Identifies a region within one node.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct RegionId(pub u32);
@@ -266,12 +276,16 @@ impl Region {
     /// Faults the pages of `[offset, offset + len)` in (see [`map_fd`] for why by slices).
     fn prefault_range(&self, offset: u64, len: u64) {
         let Backing::Shared { map, .. } = &self.0.backing else { return };
-        let mut at = offset as usize;
+        // madvise wants a page-aligned start: a range that starts inside a page (a slice
+        // counted back from the end of a region whose length is no whole number of pages)
+        // starts at that page.
+        let page = page_size() as usize;
+        let mut at = offset as usize / page * page;
         let end = (offset + len) as usize;
         while at < end {
             let n = POPULATE_SLICE.min(end - at);
             // SAFETY: the range lies inside the mapping (`offset + len ≤ self.len`, callers'
-            // contract); populating only faults its pages in — zero-filled if new, untouched if
+            // contract; `at` only moved down to its page's start); populating only faults its pages in — zero-filled if new, untouched if
             // present — and changes no contents, so it may run while peers write the region.
             // A kernel without MADV_POPULATE_WRITE refuses it: the pages then fault on first use.
             let r = unsafe { libc::madvise(map.as_mut_ptr().add(at).cast(), n, libc::MADV_POPULATE_WRITE) };

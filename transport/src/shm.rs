@@ -163,7 +163,7 @@ impl PeerMap {
         }) {
             return;
         }
-        let page = page_size();
+        let page = crate::region::page_size();
         let start = offset / page * page;
         let stop = ((offset + len).div_ceil(page) * page).min(self.len.div_ceil(page) * page);
         // SAFETY: `[start, stop)` lies inside the mapping (the caller bounds-checked the range
@@ -248,16 +248,6 @@ impl PeerMap {
         }
         None
     }
-}
-
-/// The system's page size (4 KiB where it cannot be read).
-fn page_size() -> u64 {
-    static PAGE: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    // SAFETY: sysconf reads a constant of the system and touches no memory of ours.
-    *PAGE.get_or_init(|| match unsafe { libc::sysconf(libc::_SC_PAGESIZE) } {
-        n if n > 0 => n as u64,
-        _ => 4096,
-    })
 }
 
 /// Read half of a unix stream that also collects descriptors passed with SCM_RIGHTS.

@@ -77,6 +77,41 @@ fn mlock_either_locks_or_says_why() {
     }
 }
 
+/// Pages of a shared region resident in this process's mapping (`mincore`).
+fn resident_pages(r: &Region) -> usize {
+    let Backing::Shared { map, .. } = &r.0.backing else { panic!("not a shared region") };
+    let page = page_size() as usize;
+    let pages = (r.len() as usize).div_ceil(page);
+    let mut v = vec![0u8; pages];
+    // SAFETY: the mapping is `r.len()` bytes from a page-aligned start; `v` has a byte per page.
+    let rc = unsafe { libc::mincore(map.as_mut_ptr().cast(), r.len() as usize, v.as_mut_ptr()) };
+    assert_eq!(rc, 0, "mincore: {}", std::io::Error::last_os_error());
+    v.iter().filter(|&&b| b & 1 != 0).count()
+}
+
+/// A region whose length is no whole number of pages (a model's packed image) is pre-faulted in
+/// the background all the same, to its first page. Before 2026-12-05 the thread counted its
+/// slices back from the region's end, so each started inside a page, `madvise` refused every one
+/// (EINVAL) and no page was faulted in: the transfer that filled the region faulted them all
+/// itself (`cascade pd`'s scale-out of a 538,060,032-byte copy took 1–3 s on this VM).
+#[test]
+fn a_region_of_no_whole_number_of_pages_is_prefaulted_in_the_background() {
+    for len in [(8u64 << 20) + 100, 3 * (2 << 20) + 4096 + 1, 5000] {
+        let r = Region::shared_prefault(len, Prefault::Background).unwrap();
+        let pages = (len as usize).div_ceil(page_size() as usize);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while resident_pages(&r) < pages {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{len} bytes: {} of {pages} pages resident",
+                resident_pages(&r)
+            );
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert!(ta::view(&r, 0, len).unwrap().iter().all(|&b| b == 0));
+    }
+}
+
 #[test]
 fn a_region_prefaulted_in_the_background_is_usable_at_once_and_zeroed() {
     let len = 96u64 << 20; // three pre-fault slices
