@@ -441,6 +441,7 @@ async fn drive(
         "ttft_p50_ms": pct(&mut ttft.clone(), 0.5), "ttft_p99_ms": pct(&mut ttft.clone(), 0.99),
         "tbt_p50_ms": pct(&mut tbt.clone(), 0.5), "tbt_p99_ms": pct(&mut tbt.clone(), 0.99),
         "mutated_at_s": mutated_s, "scale_out_done_s": loaded_s, "multicast_s": scaled.run.report.seconds,
+        "transfer_s": scaled.run.transfer_seconds,
         "decode_killed_at_s": killed_s.filter(|_| a.kill_decode_at_s.is_some()),
         "decode_stopped_at_s": killed_s.filter(|_| a.stop_decode_at_s.is_some()),
         "decode_left": stats.decode_left, "drain_moved": stats.drain_moved,

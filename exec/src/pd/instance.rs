@@ -188,7 +188,7 @@ impl LlmInstance {
         let llama = Llama::new(model.config.clone())?;
         let compute = Compute::start(llama, model.manifest.clone(), done_tx, format!("llm-{}", mesh.node()), cfg.core)
             .map_err(|e| ServeError::Config(format!("cannot start the compute thread: {e}")))?;
-        let copy = Copy::new(source, multicast, mesh.node());
+        let copy = Copy::new(source, multicast, &*mesh, model.manifest.bytes);
         copy.build_held(model.manifest.bytes, &compute)?;
         let layout = KvLayout::new(&model.config, cfg.page_tokens as usize);
         let shared = Arc::new(Shared {

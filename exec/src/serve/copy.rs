@@ -8,7 +8,7 @@ use bytes::Bytes;
 use cascade_multicast::cluster::MulticastNode;
 use cascade_multicast::Loc;
 use cascade_param_pool::manifest::Manifest;
-use cascade_transport::Region;
+use cascade_transport::{Mesh, Prefault, Region};
 use tracing::{debug, warn};
 
 use super::compute::{Cmd, Compute};
@@ -23,11 +23,23 @@ pub(crate) struct Copy {
 }
 
 impl Copy {
-    /// The copy on `node` that `source` gives.
-    pub(crate) fn new(source: Source, multicast: Arc<MulticastNode>, node: u32) -> Copy {
+    /// The copy on `mesh`'s node that `source` gives. An arriving copy of `bytes` has its region
+    /// allocated now, its pages faulted in on a thread of their own while the instance waits,
+    /// and set aside for the run that will fill it ([`MulticastNode::reserve_target`]); when
+    /// that fails (the node's memory limit), the run allocates it as before.
+    pub(crate) fn new(source: Source, multicast: Arc<MulticastNode>, mesh: &dyn Mesh, bytes: u64) -> Copy {
+        let node = mesh.node();
         let held = match source {
             Source::Held(region) => Some(region),
-            Source::Arriving => None,
+            Source::Arriving => {
+                let reserved = mesh
+                    .alloc_prefault(bytes, Prefault::Background)
+                    .and_then(|r| multicast.reserve_target(Loc::host(node), r));
+                if let Err(e) = reserved {
+                    warn!(node, bytes, error = %e, "cannot set the arriving copy's region aside; the scale-out will allocate it");
+                }
+                None
+            }
         };
         Copy { held: Mutex::new(held), multicast, node }
     }

@@ -155,7 +155,7 @@ impl Instance {
         let name = format!("exec-{}", mesh.node());
         let compute = Compute::start(Bert::new(model.config.clone()), model.manifest.clone(), done_tx, name, cfg.core)
             .map_err(|e| ServeError::Config(format!("cannot start the compute thread: {e}")))?;
-        let copy = Copy::new(source, multicast, mesh.node());
+        let copy = Copy::new(source, multicast, &*mesh, model.manifest.bytes);
         copy.build_held(model.manifest.bytes, &compute)?;
         let meters = Meters::new(&mesh);
         let shared = Arc::new(Shared {

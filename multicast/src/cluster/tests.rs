@@ -570,3 +570,41 @@ async fn a_run_that_cannot_be_planned_asks_no_node_for_anything() {
     // the cluster, warned about as "did not confirm releasing the run's regions").
     assert_eq!(sends(&eps[0]), before, "a run that was never planned sent messages");
 }
+
+/// A region reserved for a target (`MulticastNode::reserve_target`, what a new instance does when
+/// it starts) is the one the next run fills there and a higher layer detaches — its bytes, not
+/// a new allocation's; a reservation of another size is left alone (the run allocates), and one
+/// for a location of another node or a GPU is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reserved_target_region_is_the_one_a_run_fills() {
+    let (eps, nodes) = cluster(4, "reserve").await;
+    let bytes = (3 << 20) + 100;
+    let source = eps[1].register_new(bytes).unwrap();
+    fill(&source, bytes, 4);
+    let reserved =
+        cascade_transport::Mesh::alloc_prefault(&*eps[2], bytes, cascade_transport::Prefault::Background).unwrap();
+    let wrong_size = eps[3].alloc(bytes + 4096).unwrap();
+    nodes[1].reserve_target(Loc::host(2), reserved.clone()).unwrap();
+    nodes[2].reserve_target(Loc::host(3), wrong_size.clone()).unwrap();
+    assert!(nodes[1].reserve_target(Loc::host(3), eps[2].alloc(4096).unwrap()).is_err(), "another node's location");
+    assert!(nodes[1].reserve_target(Loc::gpu(2, 0), eps[2].alloc(4096).unwrap()).is_err(), "a GPU location");
+    let crcs = (0..4).map(|i| ta::crc32(&source, i << 20, (bytes - (i << 20)).min(1 << 20)).unwrap()).collect();
+    let run = 600;
+    nodes[0].lend(run, Loc::host(1), source.clone(), 0).unwrap();
+    let ctl = Controller::new(eps[0].clone()).unwrap();
+    let mut spec = RunSpec::synthetic(topo(4), bytes, vec![Loc::host(1)], vec![Loc::host(2), Loc::host(3)], 1);
+    spec.lent = BTreeSet::from([Loc::host(1)]);
+    spec.run = Some(run);
+    spec.hold = true;
+    spec.start_at_once = true;
+    spec.layout = Some(Layout::new(bytes, 1 << 20, crcs, vec![]).unwrap());
+    let out = ctl.run(&spec).await.unwrap();
+    assert_eq!(out.verified.len(), 2);
+    let two = nodes[1].detach(run, Loc::host(2)).unwrap();
+    let three = nodes[2].detach(run, Loc::host(3)).unwrap();
+    ctl.release(run, &[Loc::host(1), Loc::host(2), Loc::host(3)]).await;
+    assert_eq!(two.id(), reserved.id(), "node 2's copy is the reserved region");
+    assert_eq!(ta::crc32(&reserved, 0, bytes).unwrap(), ta::crc32(&source, 0, bytes).unwrap());
+    assert_ne!(three.id(), wrong_size.id(), "a reservation of another size is not taken");
+    assert_eq!(ta::crc32(&three, 0, bytes).unwrap(), ta::crc32(&source, 0, bytes).unwrap());
+}
