@@ -296,6 +296,25 @@ impl Region {
         }
     }
 
+    /// Faults the pages of `[offset, offset + len)` in by reading a byte of each through the
+    /// mapping: a page fault takes only its area's lock, not the process's memory-map lock that
+    /// `madvise` holds for a whole slice, so the process's allocations never wait behind it.
+    /// The bytes are read atomically and discarded: peers may be writing them.
+    fn touch_range(&self, offset: u64, len: u64) {
+        let Backing::Shared { map, .. } = &self.0.backing else { return };
+        let page = page_size() as usize;
+        let mut at = offset as usize / page * page;
+        let end = (offset + len) as usize;
+        while at < end {
+            // SAFETY: `at` lies inside the mapping (`offset + len ≤ self.len`, callers'
+            // contract; moved down only to its page's start); an atomic byte read through a
+            // valid shared mapping has no alignment requirement and changes nothing.
+            let b = unsafe { std::sync::atomic::AtomicU8::from_ptr(map.as_mut_ptr().add(at)) };
+            b.load(Ordering::Relaxed);
+            at += page;
+        }
+    }
+
     fn wrap(len: u64, backing: Backing) -> Result<Region> {
         // On error `backing` drops here and frees the memory.
         let key = random_key()?;
@@ -546,12 +565,20 @@ const BACKGROUND_SLICE: usize = 2 << 20;
 /// the default priority: at nice 19 the pages came too late for the transfer filling the
 /// region, which then faulted them itself (`cascade demo`'s scale-out 0.33–0.36 s against
 /// 0.30–0.33 s, 2026-11-28).
+///
+/// Each page is faulted in by a read of its first byte ([`Region::touch_range`]), not by
+/// `madvise(MADV_POPULATE_WRITE)`: that holds the process's memory-map lock for the whole
+/// slice, and a nice-19 thread descheduled in the middle of one made the process's own
+/// allocations wait (six such threads on two cores delayed `cascade demo`'s scale-out start
+/// from 5–16 ms to 19–73 ms once the thread worked at all). (`fallocate` on the memfd was tried:
+/// shared memory allocates such pages without clearing them, and the first write through a
+/// mapping still clears each.)
 fn prefault_backwards(region: &std::sync::Weak<Inner>, len: u64) {
     let mut end = len;
     while end > 0 {
         let Some(inner) = region.upgrade() else { return };
         let start = end.saturating_sub(BACKGROUND_SLICE as u64);
-        Region(inner).prefault_range(start, end - start);
+        Region(inner).touch_range(start, end - start);
         end = start;
     }
 }
