@@ -553,12 +553,8 @@ pub enum Prefault {
 /// shm mapping: short enough that the process's memory-map lock is never held for long.
 pub(crate) const POPULATE_SLICE: usize = 32 << 20;
 
-/// The slice [`Prefault::Background`]'s thread populates at a time. Much smaller than
-/// [`POPULATE_SLICE`]: the thread runs while the region's process serves, on a host that may
-/// have fewer cores than busy threads; descheduled in the middle of a slice, it holds the
-/// memory-map lock that every allocation of its process waits for. With 32 MiB slices a
-/// `cascade demo` scale-out's targets took 25–40 ms to answer `Start` (an allocation each,
-/// behind six pre-fault threads on two cores); with 2 MiB, 1–2 ms.
+/// The slice [`Prefault::Background`]'s thread faults in between its checks that the region
+/// still lives (its pages are touched one by one, [`Region::touch_range`]).
 const BACKGROUND_SLICE: usize = 2 << 20;
 
 /// [`Prefault::Background`]'s thread: slices from the end, while the region lives. It runs at
@@ -568,9 +564,10 @@ const BACKGROUND_SLICE: usize = 2 << 20;
 ///
 /// Each page is faulted in by a read of its first byte ([`Region::touch_range`]), not by
 /// `madvise(MADV_POPULATE_WRITE)`: that holds the process's memory-map lock for the whole
-/// slice, and a nice-19 thread descheduled in the middle of one made the process's own
-/// allocations wait (six such threads on two cores delayed `cascade demo`'s scale-out start
-/// from 5–16 ms to 19–73 ms once the thread worked at all). (`fallocate` on the memfd was tried:
+/// slice, and a thread descheduled in the middle of one made the process's own allocations wait:
+/// with 32 MiB slices `cascade demo`'s targets took 25–40 ms to answer `Start`, and with 2 MiB
+/// (once the slices' starts were aligned and the thread worked at all, 2026-12-05) six such
+/// threads on two cores still delayed the scale-out's start from 5–16 ms to 19–73 ms. (`fallocate` on the memfd was tried:
 /// shared memory allocates such pages without clearing them, and the first write through a
 /// mapping still clears each.)
 fn prefault_backwards(region: &std::sync::Weak<Inner>, len: u64) {
