@@ -307,8 +307,10 @@ impl Region {
         let end = (offset + len) as usize;
         while at < end {
             // SAFETY: `at` lies inside the mapping (`offset + len ≤ self.len`, callers'
-            // contract; moved down only to its page's start); an atomic byte read through a
-            // valid shared mapping has no alignment requirement and changes nothing.
+            // contract; moved down only to its page's start), which lives as long as `self`; a
+            // byte has no alignment requirement. The byte may be written meanwhile — by peers
+            // through their own mappings, as the region concurrency contract allows — so it is
+            // read atomically, changes nothing, and its value is discarded.
             let b = unsafe { std::sync::atomic::AtomicU8::from_ptr(map.as_mut_ptr().add(at)) };
             b.load(Ordering::Relaxed);
             at += page;
