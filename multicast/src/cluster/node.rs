@@ -389,9 +389,13 @@ impl MulticastNode {
         Ok(region)
     }
 
-    /// Whether a region reserved at `loc` has exactly `bytes`.
-    fn reserved_fits(&self, loc: Loc, bytes: u64) -> bool {
-        self.state().reserved.get(&loc).is_some_and(|r| r.len() == bytes)
+    /// Takes the region reserved at `loc` if it has exactly `bytes` (one of another size stays).
+    fn take_reserved(&self, loc: Loc, bytes: u64) -> Option<Region> {
+        let mut st = self.state();
+        match st.reserved.get(&loc) {
+            Some(r) if r.len() == bytes => st.reserved.remove(&loc),
+            _ => None,
+        }
     }
 
     async fn prepare(
@@ -409,15 +413,19 @@ impl MulticastNode {
         if let (Some(gpu), Fill::Target | Fill::TargetInBackground) = (loc.gpu, &fill) {
             self.has_gpu(gpu)?;
         }
-        let (region, crcs) = match fill {
-            Fill::Lent => {
+        let reserved = match fill {
+            Fill::Target | Fill::TargetInBackground => self.take_reserved(loc, bytes),
+            _ => None,
+        };
+        let (region, crcs) = match (fill, reserved) {
+            (Fill::Lent, _) => {
                 let region = self.lent_region(run, loc, bytes)?;
                 let r2 = region.clone();
                 // SAFETY: a lent region is a held copy: complete, and written by nobody while lent.
                 let crcs = blocking(move || unsafe { chunk_crcs(&r2, bytes, chunk) }).await?;
                 return Ok(Control::Prepared { region: region.id().0, key: region.key().0, crcs: Some(crcs) });
             }
-            Fill::LentCheckBeside => {
+            (Fill::LentCheckBeside, _) => {
                 let region = self.lent_region(run, loc, bytes)?;
                 // The pass starts with the source (`Start`): the targets' start-up, on the same
                 // cores, does not wait behind it.
@@ -427,7 +435,7 @@ impl MulticastNode {
                 }
                 return Ok(Control::Prepared { region: region.id().0, key: region.key().0, crcs: None });
             }
-            Fill::Synthetic { seed } => {
+            (Fill::Synthetic { seed }, _) => {
                 let region = register_new_blocking(self.mesh.clone(), bytes).await?;
                 let r2 = region.clone();
                 let done = blocking(move || {
@@ -445,22 +453,17 @@ impl MulticastNode {
                     }
                 }
             }
-            Fill::Target | Fill::TargetInBackground if self.reserved_fits(loc, bytes) => {
-                let region = self
-                    .state()
-                    .reserved
-                    .remove(&loc)
-                    .ok_or_else(|| protocol(format!("{loc}'s reserved region was taken")))?;
+            (Fill::Target | Fill::TargetInBackground, Some(region)) => {
                 self.mesh.register(&region)?;
                 debug!(run, %loc, bytes, "the target's region is the one reserved for it");
                 (region, None)
             }
-            Fill::Target => {
+            (Fill::Target, None) => {
                 // Allocating (and pre-faulting) a large region takes long: not on the node's
                 // async workers, whose links would miss their keepalives meanwhile.
                 (register_new_blocking(self.mesh.clone(), bytes).await?, None)
             }
-            Fill::TargetInBackground => (self.mesh.register_new_background(bytes)?, None),
+            (Fill::TargetInBackground, None) => (self.mesh.register_new_background(bytes)?, None),
         };
         let reply = Control::Prepared { region: region.id().0, key: region.key().0, crcs };
         let mut st = self.state();
