@@ -95,6 +95,9 @@ pub(crate) const CACHE_LIMIT: usize = 64;
 pub(crate) struct OneSided {
     pub(crate) engine: Arc<dyn OneSidedEngine>,
     cache: Mutex<Cache>,
+    /// Held while a peer region is looked up: accesses that find nothing cached wait for the
+    /// lookup in flight instead of each making one (each shm answer is a mapping of its own).
+    pub(crate) lookup: tokio::sync::Mutex<()>,
 }
 
 #[derive(Default)]
@@ -105,7 +108,7 @@ struct Cache {
 
 impl OneSided {
     pub(crate) fn new(engine: Arc<dyn OneSidedEngine>) -> Self {
-        OneSided { engine, cache: Mutex::default() }
+        OneSided { engine, cache: Mutex::default(), lookup: tokio::sync::Mutex::new(()) }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Cache> {

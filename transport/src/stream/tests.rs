@@ -103,6 +103,39 @@ async fn rdma_lookup_is_key_checked_by_the_owner() {
     assert!(matches!(unknown, Err(TransportError::Refused { status: Status::UnknownRegion, .. })));
 }
 
+/// Accesses to one peer region that start together (the first WRITEs of a transfer) make one
+/// lookup between them, not one each: the owner answers once and every access gets that answer.
+/// Before 2026-12-05 each made its own (over shm, each answer a mapping of its own).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_first_accesses_to_a_region_look_it_up_once() {
+    let (a_io, b_io) = tokio::io::duplex(1 << 16);
+    let b_regions = RegionTable::new();
+    let region = Region::alloc(8192, Default::default()).unwrap();
+    b_regions.register(&region);
+    let answered = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = answered.clone();
+    let resolver: RkeyResolver = Arc::new(move |r: &Region| {
+        counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        // Slow enough that the accesses below all start before the first answer comes.
+        std::thread::sleep(Duration::from_millis(50));
+        Ok(RemoteMr { addr: 0x7000_0000, rkey: 42, len: r.len() })
+    });
+    let a = link(1, a_io, RegionTable::new(), None);
+    let _b = link(0, b_io, b_regions, Some(resolver));
+    let os = Arc::new(crate::onesided::OneSided::new(Arc::new(RkeyProbe)));
+    let remote = region.remote(0);
+    let tasks: Vec<_> = (0..4)
+        .map(|_| {
+            let (shared, os) = (a.shared.clone(), os.clone());
+            tokio::spawn(async move { one_sided::access(&shared, &os, remote).await.map(|x| x.is_some()) })
+        })
+        .collect();
+    for t in tasks {
+        assert!(t.await.unwrap().unwrap(), "every access gets the answer");
+    }
+    assert_eq!(answered.load(std::sync::atomic::Ordering::SeqCst), 1, "one lookup for four accesses");
+}
+
 #[tokio::test]
 async fn a_node_without_a_device_declines_rdma_lookups() {
     let (a_io, b_io) = tokio::io::duplex(1 << 16);
