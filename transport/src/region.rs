@@ -276,17 +276,17 @@ impl Region {
     /// Faults the pages of `[offset, offset + len)` in (see [`map_fd`] for why by slices).
     fn prefault_range(&self, offset: u64, len: u64) {
         let Backing::Shared { map, .. } = &self.0.backing else { return };
-        // madvise wants a page-aligned start: a range that starts inside a page (a slice
-        // counted back from the end of a region whose length is no whole number of pages)
-        // starts at that page.
+        // madvise refuses a start inside a page (EINVAL): a range that starts inside one starts
+        // at that page.
         let page = page_size() as usize;
         let mut at = offset as usize / page * page;
         let end = (offset + len) as usize;
         while at < end {
             let n = POPULATE_SLICE.min(end - at);
             // SAFETY: the range lies inside the mapping (`offset + len ≤ self.len`, callers'
-            // contract; `at` only moved down to its page's start); populating only faults its pages in — zero-filled if new, untouched if
-            // present — and changes no contents, so it may run while peers write the region.
+            // contract; `at` only moved down to its page's start); populating only faults its
+            // pages in — zero-filled if new, untouched if present — and changes no contents, so
+            // it may run while peers write the region.
             // A kernel without MADV_POPULATE_WRITE refuses it: the pages then fault on first use.
             let r = unsafe { libc::madvise(map.as_mut_ptr().add(at).cast(), n, libc::MADV_POPULATE_WRITE) };
             if r != 0 {
@@ -312,7 +312,7 @@ impl Region {
             // through their own mappings, as the region concurrency contract allows — so it is
             // read atomically, changes nothing, and its value is discarded.
             let b = unsafe { std::sync::atomic::AtomicU8::from_ptr(map.as_mut_ptr().add(at)) };
-            b.load(Ordering::Relaxed);
+            std::hint::black_box(b.load(Ordering::Relaxed));
             at += page;
         }
     }
