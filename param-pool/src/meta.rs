@@ -28,6 +28,8 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom, Write};
+
+pub(crate) use lock::lock_dir;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -80,55 +82,16 @@ pub enum MetaError {
     /// The pool refused a replayed or new event.
     #[error(transparent)]
     Pool(#[from] PoolError),
-    /// Another process holds the data directory: one manager (or `wal salvage`) per directory.
-    #[error("{dir} is in use by another process ({holder}): one pool manager per data directory; stop it first")]
+    /// Another process, or another store of this one, holds the data directory: one manager (or
+    /// `wal salvage`) per directory.
+    #[error("{dir} is in use by {holder}: one pool manager per data directory; stop it first")]
     InUse {
         /// The data directory.
         dir: String,
-        /// Who holds it, as its lock file says (`pid N`), if it says.
+        /// Who holds it: `pid N` (as the kernel or the lock file says), `this process (pid N)`,
+        /// or `a process that did not say which`.
         holder: String,
     },
-}
-
-/// An exclusive `flock(2)` on `dir/LOCK`, held while the returned file is open. The kernel drops
-/// it when the process ends, however it ends, so no stale lock is ever left behind. The file
-/// says which process holds it.
-pub(crate) fn lock_dir(dir: &Path) -> Result<File, MetaError> {
-    use std::os::fd::AsRawFd;
-    let path = dir.join("LOCK");
-    let mut f = OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .read(true)
-        .write(true)
-        .open(&path)
-        .map_err(io(format!("opening {}", path.display())))?;
-    // SAFETY: flock(2) on a descriptor this function owns (open until `f` is dropped); it
-    // touches no memory of this process.
-    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-        let e = std::io::Error::last_os_error();
-        // A file system that keeps no locks (some FUSE and network mounts) cannot tell: go on
-        // unlocked, as before the lock existed, and say so.
-        if matches!(e.raw_os_error(), Some(libc::ENOLCK | libc::EOPNOTSUPP | libc::ENOSYS)) {
-            tracing::warn!(dir = %dir.display(), error = %e, "the data directory cannot be locked here: nothing stops a second manager on it");
-            return Ok(f);
-        }
-        if e.raw_os_error() != Some(libc::EWOULDBLOCK) {
-            return Err(io(format!("locking {}", path.display()))(e));
-        }
-        let mut holder = String::new();
-        let _ = f.read_to_string(&mut holder);
-        let holder = holder.trim();
-        return Err(MetaError::InUse {
-            dir: dir.display().to_string(),
-            holder: if holder.is_empty() { "it did not say which".into() } else { holder.to_string() },
-        });
-    }
-    f.set_len(0)
-        .and_then(|_| f.seek(SeekFrom::Start(0)))
-        .and_then(|_| writeln!(f, "pid {}", std::process::id()))
-        .map_err(io(format!("writing {}", path.display())))?;
-    Ok(f)
 }
 
 fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> MetaError {
@@ -164,7 +127,7 @@ pub struct EmbeddedStore {
     dir: PathBuf,
     wal: File,
     /// The data directory's lock ([`lock_dir`]), held while the store is open.
-    _lock: File,
+    _lock: lock::DirLock,
     /// Bytes of whole, acknowledged records in `wal.log`.
     len: u64,
     /// Set when a failed append could not be cut off: appends fail until it is.
@@ -639,6 +602,7 @@ impl<S: MetaStore> DurablePool<S> {
     }
 }
 
+mod lock;
 pub mod wal;
 
 #[cfg(feature = "etcd")]

@@ -371,3 +371,70 @@ fn k_belongs_to_the_pool_from_its_first_record() {
     let (p, _) = DurablePool::open(EmbeddedStore::open(&d).unwrap(), Pool::new(1, 0..4), 1000).unwrap();
     assert_eq!(p.pool().k(), 3);
 }
+
+/// A dropped store's directory can be opened again at once, even while another thread of the
+/// process is starting programs: a child between fork and exec holds a copy of every descriptor,
+/// the lock's among them.
+#[test]
+fn a_store_reopens_while_other_threads_start_programs() {
+    let d = dir("reopen-spawn");
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let spawner = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let _ = std::process::Command::new("true").status();
+            }
+        })
+    };
+    let mut refused = 0;
+    for _ in 0..2000 {
+        match EmbeddedStore::open(&d) {
+            Ok(s) => drop(s),
+            Err(MetaError::InUse { .. }) => refused += 1,
+            Err(e) => panic!("{e}"),
+        }
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    spawner.join().unwrap();
+    assert_eq!(refused, 0, "opens refused as in use by this very process");
+}
+
+/// A directory another process holds is refused, naming that process as the kernel knows it,
+/// and is free again once that process has gone. (The test runs itself as the other process.)
+#[test]
+fn a_directory_another_process_holds_is_refused_with_its_pid() {
+    use std::io::BufRead;
+    use std::process::{Command, Stdio};
+    const HOLD: &str = "CASCADE_TEST_HOLD_DIR";
+    const NAME: &str = "meta::tests::a_directory_another_process_holds_is_refused_with_its_pid";
+    if let Some(d) = std::env::var_os(HOLD) {
+        let _held = EmbeddedStore::open(Path::new(&d)).unwrap();
+        println!("\nheld");
+        // Until the parent closes stdin, or a minute if it never does.
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || tx.send(std::io::stdin().read_line(&mut String::new())));
+        let _ = rx.recv_timeout(std::time::Duration::from_secs(60));
+        return;
+    }
+    let d = dir("other-process");
+    std::fs::create_dir_all(&*d).unwrap();
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", NAME, "--nocapture", "--test-threads=1"])
+        .env(HOLD, &*d)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Kept open until the child has ended: it still prints its test's result.
+    let mut out = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    assert!(out.by_ref().map_while(Result::ok).any(|l| l == "held"), "the other process never held the directory");
+    match EmbeddedStore::open(&d) {
+        Err(MetaError::InUse { holder, .. }) => assert_eq!(holder, format!("pid {}", child.id())),
+        Err(e) => panic!("{e}"),
+        Ok(_) => panic!("opened a directory another process holds"),
+    }
+    drop(child.stdin.take());
+    assert!(child.wait().unwrap().success());
+    EmbeddedStore::open(&d).expect("free once its holder has gone");
+}
