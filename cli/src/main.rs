@@ -131,8 +131,9 @@ pub(crate) struct Member {
     pub(crate) no_shm: bool,
     /// Most MiB of memory this node gives to regions (multicast buffers, pool copies); what
     /// does not fit is refused before anything is allocated. Default: the memory the system has
-    /// available, less 256 MiB.
-    #[arg(long)]
+    /// available, less 256 MiB. At least 1 (a node that can hold nothing is a typo), and at most
+    /// 2^44 - 1 (the limit in bytes must fit 64 bits).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=u64::MAX >> 20))]
     pub(crate) memory_limit_mib: Option<u64>,
     /// Seconds to wait for the full mesh.
     #[arg(long, default_value_t = 30.0, value_parser = seconds)]

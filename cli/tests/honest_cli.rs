@@ -75,6 +75,10 @@ fn nan_inf_and_negative_numbers_are_refused_without_a_panic() {
     // A misspelt device is refused before the node starts (it started with a warning, its
     // GPU's targets in host memory).
     refused(&["node", "--device", "emulated:0,gpu:1", "--ready-timeout-s", "2"], "expected cuda:N or emulated:N");
+    // A memory limit of nothing, or of more bytes than 64 bits hold (it wrapped to a small one).
+    for mib in ["0", "17592186044416"] {
+        refused(&["node", "--memory-limit-mib", mib, "--ready-timeout-s", "2"], "--memory-limit-mib");
+    }
     // A multicast whose layers would be empty, whose deadline is 0, or with a location on the
     // controller's own node (it serves no copies: its prepare failed with "no such service on
     // the node") is refused before it joins the cluster.
