@@ -35,9 +35,14 @@ pub mod multi_lora;
 pub use kv::KvCache;
 pub use lora::{LoraAdapter, Proj};
 
-/// Query rows of one sequence's attention computed at once ([`Llama`]'s prefill of a long prompt
-/// goes in blocks of this many).
+/// Query rows of one sequence's attention computed at once, at most ([`Llama`]'s prefill of a long
+/// prompt goes in blocks of this many, fewer against a long cache: see [`SCORE_BYTES`]).
 pub const ATTENTION_ROWS: usize = 256;
+
+/// Bytes of attention scores one block of query rows holds at most (all heads), unless a single
+/// row needs more: below glibc's largest threshold for serving an allocation by `mmap` (32 MiB),
+/// so a block's buffers are reused rather than mapped and faulted in afresh every time.
+pub const SCORE_BYTES: usize = 16 << 20;
 
 /// The hyper-parameters of a llama model (`config.json`, Hugging Face's names).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -466,34 +471,43 @@ impl Llama {
     /// Attention of one sequence's new queries `[1, heads, n, d]` (at positions `pos..pos+n`)
     /// over its cached keys and values `[1, kv_heads, S, d]`; returns `[n, heads·d]`.
     ///
-    /// The queries go [`ATTENTION_ROWS`] at a time, each block against only the keys its rows may
-    /// see (up to its last position): a long prompt's prefill holds one block's scores, not all
-    /// n × S of them, and skips the masked half. A prompt of 6,500 tokens took 4.1 GB and 116 s
-    /// with every row at once (now 1.16 GB and 49 s). Rows are independent, so the result is the same.
+    /// Grouped-query attention without copies: query head `h` reads key/value head `h / rep`, so
+    /// the `rep` query heads of one key/value head are stacked as the rows of one matrix and
+    /// multiplied against that head's keys as they lie in the cache. (Before 2026-12-05 the keys
+    /// and values were widened to every query head first: copies of `rep` times the cache, per
+    /// block and per decoded token.)
+    ///
+    /// The queries go in blocks of rows, each against only the keys its rows may see (up to its
+    /// last position): a long prompt's prefill holds one block's scores, not all n × S of them,
+    /// and skips the masked half. A block holds at most [`ATTENTION_ROWS`] rows and
+    /// [`SCORE_BYTES`] of scores; larger buffers cost page faults at every allocation (a prompt
+    /// of 8,189 tokens spent 52 of its 76 s prefill in the kernel with 256-row blocks of 75 MB).
+    /// Rows are independent, so the result is the same.
     fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, pos: usize) -> candle_core::Result<Tensor> {
         let (_, heads, n, d) = q.dims4()?;
         let (_, kv_heads, s, _) = k.dims4()?;
         let rep = heads / kv_heads;
-        // Query head h reads key/value head h / rep.
-        let widen = |x: &Tensor, s: usize| {
-            x.narrow(2, 0, s)?.unsqueeze(2)?.expand((1, kv_heads, rep, s, d))?.reshape((1, heads, s, d))
-        };
-        let mut blocks = Vec::with_capacity(n.div_ceil(ATTENTION_ROWS));
-        for start in (0..n).step_by(ATTENTION_ROWS) {
-            let rows = ATTENTION_ROWS.min(n - start);
+        let q = (q * (1.0 / (d as f64).sqrt()))?;
+        let per_row = heads * s * std::mem::size_of::<f32>();
+        let step = (SCORE_BYTES / per_row).clamp(1, ATTENTION_ROWS);
+        let mut blocks = Vec::with_capacity(n.div_ceil(step));
+        for start in (0..n).step_by(step) {
+            let rows = step.min(n - start);
             // Row i (position pos + i) sees keys 0..=pos + i: this block, keys up to its last row's.
             let seen = (pos + start + rows).min(s);
-            let (kb, vb) = (widen(k, seen)?, widen(v, seen)?);
-            let qb = q.narrow(2, start, rows)?;
-            let mut scores = (qb.matmul(&kb.t()?)? / (d as f64).sqrt())?;
+            let (kb, vb) = (k.narrow(2, 0, seen)?, v.narrow(2, 0, seen)?);
+            // [1, heads, rows, d] is [1, kv_heads, rep·rows, d]: each key/value head's queries.
+            let qb = q.narrow(2, start, rows)?.contiguous()?.reshape((1, kv_heads, rep * rows, d))?;
+            let mut scores = qb.matmul(&kb.t()?)?.reshape((1, heads, rows, seen))?;
             if rows > 1 {
-                let mask: Vec<f32> = (start..start + rows)
-                    .flat_map(|i| (0..seen).map(move |j| if j > pos + i { f32::NEG_INFINITY } else { 0.0 }))
-                    .collect();
+                let mut mask = vec![0f32; rows * seen];
+                for (i, row) in mask.chunks_exact_mut(seen).enumerate() {
+                    row[(pos + start + i + 1).min(seen)..].fill(f32::NEG_INFINITY);
+                }
                 scores = scores.broadcast_add(&Tensor::from_vec(mask, (rows, seen), q.device())?)?;
             }
-            let probs = candle_nn::ops::softmax_last_dim(&scores)?;
-            blocks.push(probs.matmul(&vb)?);
+            let probs = candle_nn::ops::softmax_last_dim(&scores)?.reshape((1, kv_heads, rep * rows, seen))?;
+            blocks.push(probs.matmul(&vb)?.reshape((1, heads, rows, d))?);
         }
         let out = if blocks.len() == 1 { blocks.remove(0) } else { Tensor::cat(&blocks, 2)? };
         out.transpose(1, 2)?.reshape((n, heads * d))
