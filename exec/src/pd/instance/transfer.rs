@@ -63,7 +63,7 @@ pub(super) async fn stage_kv(
             .map(|b| {
                 let (k, v) = cache.get(seq, b).ok_or(ExecError::NotResident { layer: b + 1 })?;
                 let tokens = k.dim(2)?;
-                (0..layout.pages_for(tokens)).map(|i| layout.page_image(k, v, i)).collect()
+                (0..layout.pages_for(tokens)).map(|i| layout.page_image(&k, &v, i)).collect()
             })
             .collect()
     })
