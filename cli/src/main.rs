@@ -13,6 +13,7 @@ use cascade_multicast::{Event, Loc, MeshRates, PlannerKind, Topology};
 use cascade_param_pool::node::start_services;
 use cascade_transport::{ClusterSpec, Endpoint, EndpointConfig, StallWatch};
 use clap::{Args, Parser, Subcommand};
+use say::say;
 
 mod demo;
 mod embed;
@@ -25,6 +26,7 @@ mod models;
 mod pd;
 mod plot;
 mod pool;
+mod say;
 
 #[derive(Parser)]
 #[command(name = "cascade", version, about = "Cascade data plane for model-serving clusters")]
@@ -261,7 +263,7 @@ pub(crate) async fn join_with(
     if let Some(addr) = m.metrics {
         let bound = cascade_transport::metrics::spawn_metrics_server(addr, ep.metrics().clone()).await?;
         // One line a supervisor (or a test) can read the address from, port 0 included.
-        eprintln!("metrics: http://{bound}/metrics");
+        say!("metrics: http://{bound}/metrics");
         tracing::info!(%bound, "serving metrics");
     }
     services(&ep)?;
@@ -307,17 +309,17 @@ pub(crate) const GRACE: Duration = Duration::from_secs(60);
 /// (the instance's `stop_and_wait`) takes no more requests and answers those it took, within
 /// `grace`, or until a second signal. Says on stderr what it does, since an operator waits on it.
 pub(crate) async fn stop_gracefully(node: u32, grace: Duration, stop: impl std::future::Future<Output = ()>) {
-    eprintln!(
+    say!(
         "node {node}: stopping: finishing the requests it holds (at most {} s; signal again to leave now)",
         grace.as_secs()
     );
     let t0 = std::time::Instant::now();
     tokio::select! {
         r = tokio::time::timeout(grace, stop) => match r {
-            Ok(()) => eprintln!("node {node}: instance stopped in {:.2} s", t0.elapsed().as_secs_f64()),
-            Err(_) => eprintln!("node {node}: instance not stopped after {} s: leaving anyway", grace.as_secs()),
+            Ok(()) => say!("node {node}: instance stopped in {:.2} s", t0.elapsed().as_secs_f64()),
+            Err(_) => say!("node {node}: instance not stopped after {} s: leaving anyway", grace.as_secs()),
         },
-        () = shutdown_signal() => eprintln!("node {node}: second signal: leaving now"),
+        () = shutdown_signal() => say!("node {node}: second signal: leaving now"),
     }
 }
 
@@ -356,7 +358,7 @@ async fn node(a: NodeArgs) -> anyhow::Result<()> {
     tokio::select! {
         r = wait_for_mesh(&ep, &m) => r?,
         () = shutdown_signal() => {
-            eprintln!("node {}: stopped before the full mesh formed", m.node);
+            say!("node {}: stopped before the full mesh formed", m.node);
             ep.leave().await;
             return Ok(());
         }

@@ -311,6 +311,44 @@ fn a_stop_before_the_cluster_formed_leaves_no_socket() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
+/// A daemon whose standard error nobody reads any more (a `| tee` that the same Ctrl-C killed)
+/// still stops cleanly on SIGTERM: its last words on stderr panicked with EPIPE before, and it
+/// exited with 101 instead of leaving in order.
+#[test]
+fn a_daemon_whose_stderr_reader_has_gone_still_stops_cleanly() {
+    use std::os::unix::process::ExitStatusExt;
+    let d = scratch("stderr-gone");
+    let port = |_| std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let (a, b) = (port(0), port(1));
+    let c = d.join("cluster.toml");
+    let toml = format!(
+        "name = \"gone\"\n[[nodes]]\nid = 0\naddr = \"127.0.0.1:{a}\"\n[[nodes]]\nid = 1\naddr = \"127.0.0.1:{b}\"\n"
+    );
+    std::fs::write(&c, toml).unwrap();
+    let mut child = Command::new(CASCADE)
+        .args(["node", "--node", "1", "--cluster"])
+        .arg(&c)
+        .env("CASCADE_SECRET", "gone")
+        .env("XDG_RUNTIME_DIR", &d)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Up once it says so; then its reader goes away.
+    let mut err = std::io::BufReader::new(child.stderr.take().unwrap());
+    let mut line = String::new();
+    while !line.contains("endpoint listening") {
+        line.clear();
+        assert!(std::io::BufRead::read_line(&mut err, &mut line).unwrap() > 0, "it ended before it listened");
+    }
+    drop(err);
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    assert!(Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap().success());
+    let status = child.wait().unwrap();
+    assert!(status.success(), "{status:?} (signal {:?})", status.signal());
+    let _ = std::fs::remove_dir_all(&d);
+}
+
 /// `cascade pd` refuses a negative time (it panicked: "cannot convert float seconds to Duration")
 /// and a token budget no decode instance could hold, before its reference run (which went on for
 /// many minutes with `--max-tokens 100000` before every request would have been refused), and a
