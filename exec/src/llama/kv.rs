@@ -22,8 +22,8 @@ pub struct KvCache {
 }
 
 /// One sequence's keys and values in one block: buffers `[1, kv_heads, capacity, head_dim]`
-/// (contiguous) whose first `tokens` positions hold the cache.
-#[derive(Clone)]
+/// (contiguous) whose first `tokens` positions hold the cache. Not `Clone`: two entries sharing
+/// buffers would append into the same room.
 struct Entry {
     k: Tensor,
     v: Tensor,
@@ -95,7 +95,7 @@ impl KvCache {
         }
         let blocks = self.seqs.entry(seq).or_default();
         if blocks.len() <= block {
-            blocks.resize(block + 1, None);
+            blocks.resize_with(block + 1, || None);
         }
         let entry = match &mut blocks[block] {
             Some(e) => {
@@ -117,7 +117,7 @@ impl KvCache {
     pub fn put(&mut self, seq: u64, block: usize, k: Tensor, v: Tensor) {
         let blocks = self.seqs.entry(seq).or_default();
         if blocks.len() <= block {
-            blocks.resize(block + 1, None);
+            blocks.resize_with(block + 1, || None);
         }
         blocks[block] = Some(Entry { tokens: k.dim(2).unwrap_or(0), k, v });
     }
