@@ -20,6 +20,16 @@ fn cluster(dir: &std::path::Path, nodes: usize) -> std::path::PathBuf {
     p
 }
 
+/// A cluster file of two nodes named `name` on loopback ports the system just had free (fixed
+/// ports could be taken on the machine that runs the tests).
+fn two_nodes(name: &str) -> String {
+    let port = || std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let (a, b) = (port(), port());
+    format!(
+        "name = \"{name}\"\n[[nodes]]\nid = 0\naddr = \"127.0.0.1:{a}\"\n[[nodes]]\nid = 1\naddr = \"127.0.0.1:{b}\"\n"
+    )
+}
+
 /// `cascade ARGS` as node 0 of the cluster file `cluster` (the subcommand's words first, then
 /// its options): refused, saying `says`. What it said.
 fn refused_as_node_0(cluster: &std::path::Path, args: &[&str], says: &str) -> String {
@@ -264,7 +274,7 @@ fn a_stop_before_the_cluster_formed_leaves_no_socket() {
     use std::os::unix::process::ExitStatusExt;
     let d = scratch("early-stop");
     let c = d.join("cluster.toml");
-    std::fs::write(&c, "name = \"early\"\n[[nodes]]\nid = 0\naddr = \"127.0.0.1:20320\"\n[[nodes]]\nid = 1\naddr = \"127.0.0.1:20321\"\n").unwrap();
+    std::fs::write(&c, two_nodes("early")).unwrap();
     let sockets = || -> Vec<String> {
         std::fs::read_dir(&d)
             .unwrap()
@@ -318,13 +328,8 @@ fn a_stop_before_the_cluster_formed_leaves_no_socket() {
 fn a_daemon_whose_stderr_reader_has_gone_still_stops_cleanly() {
     use std::os::unix::process::ExitStatusExt;
     let d = scratch("stderr-gone");
-    let port = |_| std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let (a, b) = (port(0), port(1));
     let c = d.join("cluster.toml");
-    let toml = format!(
-        "name = \"gone\"\n[[nodes]]\nid = 0\naddr = \"127.0.0.1:{a}\"\n[[nodes]]\nid = 1\naddr = \"127.0.0.1:{b}\"\n"
-    );
-    std::fs::write(&c, toml).unwrap();
+    std::fs::write(&c, two_nodes("gone")).unwrap();
     let mut child = Command::new(CASCADE)
         .args(["node", "--node", "1", "--cluster"])
         .arg(&c)
