@@ -3,11 +3,12 @@
 //!
 //! Each entry keeps room to grow: a buffer of some capacity along the token axis, of which the
 //! first `tokens` are the cache. An append writes its tokens into the room in place and copies
-//! the cache only when the room runs out, into a buffer half as large again; a decode step
-//! costs its own token, not the whole cache. (Until 2026-12-05 every append concatenated the
-//! cache with its new tokens: a copy of the sequence's whole cache per block and per decoded
-//! token, 189 MB per token for SmolLM2 at 4,000 tokens.) A prompt's prefill gets no room
-//! beyond its tokens, so a prefill-only instance holds exactly what it moves on.
+//! the cache only when the room runs out, into a buffer with room for half as many tokens again
+//! (at least 64): a decode step, or a chunk of a long prompt, costs its own tokens, not the
+//! whole cache. (Until 2026-12-05 every append concatenated the cache with its new tokens: a
+//! copy of the sequence's whole cache per block and per decoded token, 189 MB per token for
+//! SmolLM2 at 4,000 tokens.) A prompt's first prefill gets no room beyond its tokens, so a
+//! prefill-only instance holds exactly what it moves on.
 
 use std::collections::HashMap;
 
@@ -30,7 +31,7 @@ struct Entry {
     tokens: usize,
 }
 
-/// Tokens of room an entry grows by at least (then by half its capacity).
+/// Tokens of room an entry grows with at least (otherwise half its tokens).
 const GROW_MIN: usize = 64;
 
 impl Entry {
@@ -48,12 +49,13 @@ impl Entry {
     fn append(&mut self, k: &Tensor, v: &Tensor) -> candle_core::Result<()> {
         let n = k.dim(2)?;
         let need = self.tokens + n;
-        let cap = self.capacity();
-        if need <= cap {
+        if need <= self.capacity() {
             self.k.slice_set(&k.contiguous()?, 2, self.tokens)?;
             self.v.slice_set(&v.contiguous()?, 2, self.tokens)?;
         } else {
-            let room = need.max(cap + (cap / 2).max(GROW_MIN)) - need;
+            // Room for half as many tokens again: amortised, whether a decode step or a chunk
+            // of a prompt ran out of room.
+            let room = (need / 2).max(GROW_MIN);
             let grow = |old: &Tensor, new: &Tensor| -> candle_core::Result<Tensor> {
                 let (b, h, _, d) = old.dims4()?;
                 let pad = Tensor::zeros((b, h, room, d), old.dtype(), old.device())?;
