@@ -220,3 +220,38 @@ fn a_long_prompt_prefilled_in_blocks_gives_the_logits_of_one_token_at_a_time() {
         assert_eq!(argmax(&whole), argmax(other), "{what}");
     }
 }
+
+/// A prompt prefilled in chunks (a chunk per step, as `Generator` does with prompts over
+/// `PREFILL_CHUNK`) generates what it generates prefilled at once, beside a short prompt that
+/// decodes between the chunks.
+#[test]
+fn a_prompt_prefilled_in_chunks_generates_the_tokens_of_one_prefill() {
+    use cascade_exec::llama::generate::{greedy_running, GreedyLimits};
+    let Some(g) = load() else { return };
+    let m = g.model();
+    let layers = m.layers();
+    let long =
+        g.encode(&"The pool keeps k copies of every model and repairs itself when a node dies. ".repeat(18)).unwrap();
+    let prompts = vec![long, g.encode("What is the capital of France?").unwrap()];
+    let cfg = m.config();
+    let run = |seq_base: u64, prefill_chunk: usize| {
+        let limits = GreedyLimits {
+            prefill_chunk,
+            ..GreedyLimits::all_at_once(seq_base, 8, cfg.eos_token_id, cfg.max_position_embeddings)
+        };
+        greedy_running(
+            |a| m.run(0..layers, a),
+            &prompts,
+            limits,
+            |_, _| {},
+            |i, _| {
+                m.free(seq_base + i as u64);
+            },
+        )
+        .unwrap()
+    };
+    let whole = run(100, usize::MAX);
+    let chunked = run(200, 100);
+    assert!(prompts[0].len() > 250, "{} tokens: three chunks at least", prompts[0].len());
+    assert_eq!(chunked, whole);
+}

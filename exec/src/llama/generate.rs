@@ -82,6 +82,11 @@ pub struct GreedyLimits {
     /// activations of a step grow with its tokens (four prompts of 6,500 tokens packed in one
     /// step took 3.1 GB, one alone 1.16 GB).
     pub max_prefill_tokens: usize,
+    /// A prompt's tokens fed in one step at most: a longer prompt is prefilled in chunks of this
+    /// many over several steps (its first token comes after the last chunk), each attending to
+    /// the cache the earlier chunks left, while the other sequences go on decoding a token per
+    /// step. Chunks of one prompt give its logits of all at once, within float rounding.
+    pub prefill_chunk: usize,
     /// KV positions the running sequences may reach together at most, each counted as its prompt
     /// and `max_tokens` (within the window) from its start: a prompt that would pass it waits
     /// until others finish. The KV cache grows with them (SmolLM2: 45 KiB a position).
@@ -98,6 +103,7 @@ impl GreedyLimits {
             window,
             max_running: usize::MAX,
             max_prefill_tokens: usize::MAX,
+            prefill_chunk: usize::MAX,
             max_kv_tokens: usize::MAX,
         }
     }
@@ -111,6 +117,12 @@ impl GreedyLimits {
 /// [`Generator`]'s prompt tokens prefilled in one step at most ([`GreedyLimits::max_prefill_tokens`]):
 /// one window of SmolLM2.
 pub const PREFILL_TOKENS: usize = 8192;
+
+/// [`Generator`]'s prompt tokens of one sequence fed in one step at most
+/// ([`GreedyLimits::prefill_chunk`]): a step's activations stay a few MB (SmolLM2's MLP holds
+/// 6 KiB a token), under glibc's threshold for mapping every allocation afresh, and the other
+/// sequences decode between a long prompt's chunks instead of waiting for its whole prefill.
+pub const PREFILL_CHUNK: usize = 1024;
 
 /// [`Generator`]'s KV positions held at once at most ([`GreedyLimits::max_kv_tokens`]): [`RUNNING`]
 /// sequences of 2,048 positions, 2.8 GiB of SmolLM2's cache. Short prompts run [`RUNNING`] at a
@@ -184,9 +196,21 @@ pub fn greedy_stream(
     mut on_token: impl FnMut(usize, u32),
     mut finished: impl FnMut(usize, Generated),
 ) -> Result<usize, ExecError> {
-    let GreedyLimits { seq_base, max_tokens, eos, window, max_running, max_prefill_tokens, max_kv_tokens } = limits;
+    let GreedyLimits {
+        seq_base,
+        max_tokens,
+        eos,
+        window,
+        max_running,
+        max_prefill_tokens,
+        prefill_chunk,
+        max_kv_tokens,
+    } = limits;
     if max_running == 0 {
         return Err(ExecError::Input("no sequence may run (max_running 0)".into()));
+    }
+    if prefill_chunk == 0 {
+        return Err(ExecError::Input("no prompt token may be fed (prefill_chunk 0)".into()));
     }
     /// A sequence being generated: its prompt's index, the position of the next token fed, the
     /// tokens to feed, and what it has generated.
@@ -202,7 +226,9 @@ pub fn greedy_stream(
     // A prompt taken that did not fit the step's budgets: the first to start later (FIFO).
     let mut held: Option<(usize, Vec<u32>)> = None;
     loop {
-        let mut prefill = 0usize;
+        // The chunks of the prompts still being prefilled count against the step's budget.
+        let mut prefill: usize =
+            running.iter().filter(|r| r.out.tokens.is_empty()).map(|r| r.fed.len().min(prefill_chunk)).sum();
         let mut kv: usize = running.iter().map(|r| limits.reserve(r.out.prompt_tokens.len())).sum();
         while running.len() < max_running {
             let Some((i, p)) = held.take().or_else(|| waiting.next()) else { break };
@@ -211,7 +237,7 @@ pub fn greedy_stream(
                 return Err(ExecError::Input(format!("prompt {i}: {why}")));
             }
             // One sequence alone always runs, whatever the budgets.
-            let (tokens, reserve) = (p.len(), limits.reserve(p.len()));
+            let (tokens, reserve) = (p.len().min(prefill_chunk), limits.reserve(p.len()));
             if !running.is_empty() && (prefill + tokens > max_prefill_tokens || kv + reserve > max_kv_tokens) {
                 held = Some((i, p));
                 break;
@@ -227,11 +253,20 @@ pub fn greedy_stream(
         if running.is_empty() {
             return Ok(taken);
         }
-        let batch: Vec<(u64, u32, Vec<u32>)> =
-            running.iter().map(|r| (seq_base + r.i as u64, r.pos, r.fed.clone())).collect();
+        let batch: Vec<(u64, u32, Vec<u32>)> = running
+            .iter()
+            .map(|r| (seq_base + r.i as u64, r.pos, r.fed[..r.fed.len().min(prefill_chunk)].to_vec()))
+            .collect();
         let next = argmax(&step(Activation::packed(&batch)?)?)?;
         let mut still = Vec::with_capacity(running.len());
         for (mut r, tok) in running.into_iter().zip(next) {
+            if r.fed.len() > prefill_chunk {
+                // A chunk of its prompt went in; what it predicts is no token yet.
+                r.pos += prefill_chunk as u32;
+                r.fed.drain(..prefill_chunk);
+                still.push(r);
+                continue;
+            }
             r.out.tokens.push(tok);
             on_token(r.i, tok);
             // `tok` is fed next at `at`: only a position inside the window takes it.
@@ -392,6 +427,7 @@ impl Generator {
             window: cfg.max_position_embeddings,
             max_running: RUNNING,
             max_prefill_tokens: PREFILL_TOKENS,
+            prefill_chunk: PREFILL_CHUNK,
             max_kv_tokens: KV_TOKENS,
         };
         let out = greedy_stream(
@@ -583,6 +619,46 @@ mod tests {
             }
             assert_eq!(started, (1..=6).collect::<Vec<u64>>(), "{prefill}, {kv}: in their order");
         }
+    }
+
+    /// A prompt longer than `prefill_chunk` goes in chunks over several steps, each continuing
+    /// where the last ended, while the others decode beside it, and every prompt gives what it
+    /// gives all at once (no token before its last chunk, none missing). A chunk of 0 is refused.
+    #[test]
+    fn a_long_prompt_is_prefilled_in_chunks_while_the_others_decode() {
+        let window = 40;
+        let prompts: Vec<Vec<u32>> = [7, 2, 10, 3].iter().map(|&n| vec![1; n]).collect();
+        let mut reach = 0;
+        let all = greedy(step(&mut reach), &prompts, 1, 4, EOS, window).unwrap();
+        let limits = GreedyLimits { max_running: 3, prefill_chunk: 3, ..GreedyLimits::all_at_once(1, 4, EOS, window) };
+        let mut steps: Vec<Vec<(u64, u32, u32)>> = Vec::new();
+        let mut inner = step(&mut reach);
+        let recording = |a: Activation| {
+            steps.push(a.segments.iter().map(|g| (g.seq, g.pos, g.len)).collect());
+            inner(a)
+        };
+        let got = greedy_running(recording, &prompts, limits, |_, _| {}, |_, _| {}).unwrap();
+        assert_eq!(got, all);
+        // Each sequence's segments, in order: consecutive, none over the chunk.
+        for (i, p) in prompts.iter().enumerate() {
+            let mine: Vec<(u32, u32)> =
+                steps.iter().flatten().filter(|g| g.0 == 1 + i as u64).map(|g| (g.1, g.2)).collect();
+            assert!(mine.iter().all(|&(_, len)| len <= 3), "prompt {i}: {mine:?}");
+            assert!(mine.windows(2).all(|w| w[0].0 + w[0].1 == w[1].0), "prompt {i}: {mine:?}");
+            let prefill: u32 = mine.iter().take_while(|&&(pos, _)| (pos as usize) < p.len()).map(|g| g.1).sum();
+            assert_eq!(prefill as usize, p.len(), "prompt {i}: {mine:?}");
+        }
+        // Prompt 2 (10 tokens: chunks of 3, 3, 3 and 1) overlaps the decode steps of the others.
+        let chunked: Vec<usize> =
+            steps.iter().enumerate().filter(|(_, s)| s.iter().any(|g| g.0 == 3 && g.1 < 10)).map(|(k, _)| k).collect();
+        assert_eq!(chunked.len(), 4, "{steps:?}");
+        assert!(
+            chunked.iter().any(|&k| steps[k].iter().any(|g| g.0 != 3 && g.2 == 1)),
+            "nothing decoded beside its chunks: {steps:?}"
+        );
+        let limits = GreedyLimits { prefill_chunk: 0, ..limits };
+        let mut reach = 0;
+        assert!(greedy_running(step(&mut reach), &prompts, limits, |_, _| {}, |_, _| {}).is_err());
     }
 
     #[test]
