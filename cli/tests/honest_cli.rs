@@ -10,24 +10,27 @@ use std::process::{Command, Stdio};
 
 use common::{scratch, smollm2, CASCADE};
 
-fn cluster(dir: &std::path::Path, nodes: usize) -> std::path::PathBuf {
-    let mut toml = String::from("name = \"honest\"\n");
-    for i in 0..nodes {
-        toml += &format!("[[nodes]]\nid = {i}\naddr = \"127.0.0.1:{}\"\n", 20000 + i);
+/// `dir/cluster.toml` naming a cluster `name` of one loopback node per port, ids from 0.
+fn cluster_file(dir: &std::path::Path, name: &str, ports: impl IntoIterator<Item = u16>) -> std::path::PathBuf {
+    let mut toml = format!("name = \"{name}\"\n");
+    for (i, port) in ports.into_iter().enumerate() {
+        toml += &format!("[[nodes]]\nid = {i}\naddr = \"127.0.0.1:{port}\"\n");
     }
     let p = dir.join("cluster.toml");
     std::fs::write(&p, toml).unwrap();
     p
 }
 
-/// A cluster file of two nodes named `name` on loopback ports the system just had free (fixed
-/// ports could be taken on the machine that runs the tests).
-fn two_nodes(name: &str) -> String {
+/// A cluster of `nodes` on fixed ports, for commands refused before they bind any.
+fn cluster(dir: &std::path::Path, nodes: usize) -> std::path::PathBuf {
+    cluster_file(dir, "honest", (0..nodes).map(|i| 20000 + i as u16))
+}
+
+/// A cluster `name` of two nodes on loopback ports the system just had free, for tests that
+/// start nodes (fixed ports could be taken on the machine that runs the tests).
+fn two_nodes(dir: &std::path::Path, name: &str) -> std::path::PathBuf {
     let port = || std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let (a, b) = (port(), port());
-    format!(
-        "name = \"{name}\"\n[[nodes]]\nid = 0\naddr = \"127.0.0.1:{a}\"\n[[nodes]]\nid = 1\naddr = \"127.0.0.1:{b}\"\n"
-    )
+    cluster_file(dir, name, [port(), port()])
 }
 
 /// `cascade ARGS` as node 0 of the cluster file `cluster` (the subcommand's words first, then
@@ -273,8 +276,7 @@ fn pool_serve_refuses_nodes_it_cannot_have_and_a_k_above_them() {
 fn a_stop_before_the_cluster_formed_leaves_no_socket() {
     use std::os::unix::process::ExitStatusExt;
     let d = scratch("early-stop");
-    let c = d.join("cluster.toml");
-    std::fs::write(&c, two_nodes("early")).unwrap();
+    let c = two_nodes(&d, "early");
     let sockets = || -> Vec<String> {
         std::fs::read_dir(&d)
             .unwrap()
@@ -328,8 +330,7 @@ fn a_stop_before_the_cluster_formed_leaves_no_socket() {
 fn a_daemon_whose_stderr_reader_has_gone_still_stops_cleanly() {
     use std::os::unix::process::ExitStatusExt;
     let d = scratch("stderr-gone");
-    let c = d.join("cluster.toml");
-    std::fs::write(&c, two_nodes("gone")).unwrap();
+    let c = two_nodes(&d, "gone");
     let mut child = Command::new(CASCADE)
         .args(["node", "--node", "1", "--cluster"])
         .arg(&c)
