@@ -522,6 +522,8 @@ pub(crate) fn rate(s: &str) -> Result<f64, String> {
 }
 
 fn main() -> anyhow::Result<()> {
+    // SAFETY: the first thing main does, before any thread exists.
+    unsafe { cascade_exec::threads::settle_compute_threads() };
     let cli = Cli::parse();
     // A report or answer that cannot be written (a full disk) is said in one line, not as a panic.
     cascade_transport::stdout::report_write_failures_briefly();

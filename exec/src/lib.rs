@@ -31,6 +31,7 @@ pub mod pd;
 pub mod pooling;
 pub mod prompts;
 pub mod serve;
+pub mod threads;
 pub mod tokens;
 pub mod weights;
 pub mod zigzag;

@@ -66,6 +66,8 @@ fn iteration_ms(m: &Llama, b: usize, iters: usize, adapter: impl Fn(usize) -> u3
 }
 
 fn main() -> anyhow::Result<()> {
+    // SAFETY: the first thing main does, before any thread exists.
+    unsafe { cascade_exec::threads::settle_compute_threads() };
     // Opens no socket: a closed stdout may end it quietly.
     cascade_benches::exit_quietly_on_closed_stdout();
     let c = Cli::parse();

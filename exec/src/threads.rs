@@ -1,0 +1,89 @@
+//! How many threads `candle`'s CPU kernels use, settled once per process.
+//!
+//! `candle-core` 0.11.1 asks `candle_core::utils::get_num_threads()` for a thread count at every
+//! CPU matrix product (and in other kernels). Unless `RAYON_NUM_THREADS` is set, that call counts
+//! the physical cores afresh each time with `num_cpus::get_physical()`, which opens, formats and
+//! parses `/proc/cpuinfo`: about 270 reads of it per decoded token of SmolLM2-135M, a quarter of
+//! `cascade generate`'s time for one prompt (2026-12-05: 8.2 s for 200 tokens, 2.5 s of it in the
+//! kernel, against 6.2–6.5 s and 1.1 s with the count settled). [`settle_compute_threads`] writes
+//! candle's own answer into `RAYON_NUM_THREADS` once, at start-up, so every later call reads it
+//! from the environment instead.
+
+/// The environment variable both `rayon` and `candle` read for their thread count.
+pub const THREADS_VAR: &str = "RAYON_NUM_THREADS";
+
+/// Sets [`THREADS_VAR`] to the thread count candle would compute for itself (the physical cores,
+/// or the preferred cores of a hybrid CPU, as `candle_core::utils::get_num_threads` decides),
+/// unless it is set already; returns the count in force. The count is the one candle used
+/// before, so its kernels split their work as they did; `rayon`'s global pool, which reads the
+/// same variable, starts with that many threads rather than one per logical CPU (they differ
+/// only with SMT, where one per core is what candle's products wanted anyway).
+///
+/// # Safety
+///
+/// Writes the process environment: call it before any other thread exists (first thing in
+/// `main`), since another thread reading the environment meanwhile is undefined behaviour.
+pub unsafe fn settle_compute_threads() -> usize {
+    if let Some(n) = std::env::var(THREADS_VAR).ok().and_then(|v| v.parse::<usize>().ok()).filter(|&n| n > 0) {
+        return n;
+    }
+    let n = candle_core::utils::get_num_threads();
+    std::env::set_var(THREADS_VAR, n.to_string());
+    n
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Read system calls this thread has made so far (`/proc/thread-self/io`).
+    fn reads() -> u64 {
+        let io = std::fs::read_to_string("/proc/thread-self/io").unwrap();
+        io.lines().find_map(|l| l.strip_prefix("syscr:")).unwrap().trim().parse().unwrap()
+    }
+
+    /// Read system calls of `calls` calls to candle's thread count (net of reading the counter).
+    fn reads_per(calls: u64) -> u64 {
+        let before = reads();
+        for _ in 0..calls {
+            std::hint::black_box(candle_core::utils::get_num_threads());
+        }
+        let during = reads() - before;
+        let before = reads();
+        let idle = reads() - before;
+        during.saturating_sub(idle)
+    }
+
+    /// The count is candle's own, and once settled candle reads it back from the environment
+    /// without reading a file again. (Runs in a child process of its own, so no other thread
+    /// can read the environment while it is written.)
+    #[test]
+    fn the_settled_count_is_candles_own_and_candle_stops_reading_files_for_it() {
+        const CHILD: &str = "CASCADE_TEST_SETTLE_THREADS";
+        if std::env::var_os(CHILD).is_some() {
+            let own = candle_core::utils::get_num_threads();
+            let unsettled = reads_per(100);
+            // SAFETY: the child runs this test alone (`--test-threads=1`, one test selected).
+            let n = unsafe { settle_compute_threads() };
+            assert_eq!(n, own, "the settled count is the one candle computes");
+            assert_eq!(std::env::var(THREADS_VAR).unwrap(), own.to_string());
+            assert_eq!(candle_core::utils::get_num_threads(), own);
+            let settled = reads_per(100);
+            assert_eq!(settled, 0, "100 calls read {settled} times once settled ({unsettled} before)");
+            // A count given by the user is kept.
+            std::env::set_var(THREADS_VAR, "3");
+            // SAFETY: as above.
+            assert_eq!(unsafe { settle_compute_threads() }, 3);
+            return;
+        }
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "threads::tests::the_settled_count_is_candles_own_and_candle_stops_reading_files_for_it"])
+            .args(["--test-threads=1", "--nocapture"])
+            .env(CHILD, "1")
+            .env_remove(THREADS_VAR)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success() && text.contains("1 passed"), "the child failed:\n{text}");
+    }
+}
