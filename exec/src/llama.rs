@@ -1,7 +1,8 @@
 //! A llama-architecture decoder (SmolLM2 and its kin) on the CPU, written on `candle`'s building
 //! blocks: RMSNorm, rotary position embeddings (halves rotated, as Hugging Face's layout wants),
 //! grouped-query attention over a per-sequence KV cache ([`kv`]), a SwiGLU MLP, and a tied or
-//! separate LM head.
+//! separate LM head. The projections of a decode step's few tokens read each weight matrix once
+//! (`projection.rs`), which `gemm` does not do for more than one row.
 //!
 //! Stages follow the pool's layers: stage 0 is the token embeddings, stage `1 + n` is block `n`,
 //! and the last stage is the final norm with the LM head. As with [`crate::bert`], a stage is
@@ -19,7 +20,7 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Module, Tensor};
-use candle_nn::{Embedding, Linear, RmsNorm};
+use candle_nn::{Embedding, RmsNorm};
 use serde::{Deserialize, Serialize};
 
 use crate::activation::Segment;
@@ -31,9 +32,11 @@ pub mod generate;
 pub mod kv;
 pub mod lora;
 pub mod multi_lora;
+mod projection;
 
 pub use kv::KvCache;
 pub use lora::{LoraAdapter, Proj};
+use projection::Projection;
 
 /// Query rows of one sequence's attention computed at once, at most ([`Llama`]'s prefill of a long
 /// prompt goes in blocks of this many, fewer against a long cache: see [`SCORE_BYTES`]).
@@ -137,20 +140,20 @@ impl LlamaConfig {
 /// One block.
 struct Block {
     attn_norm: RmsNorm,
-    q: Linear,
-    k: Linear,
-    v: Linear,
-    o: Linear,
+    q: Projection,
+    k: Projection,
+    v: Projection,
+    o: Projection,
     mlp_norm: RmsNorm,
-    gate: Linear,
-    up: Linear,
-    down: Linear,
+    gate: Projection,
+    up: Projection,
+    down: Projection,
 }
 
 /// The final norm and the LM head.
 struct Head {
     norm: RmsNorm,
-    lm_head: Linear,
+    lm_head: Projection,
 }
 
 enum Stage {
@@ -214,7 +217,7 @@ impl Llama {
     pub fn load_stage(&mut self, s: usize, w: &Weights<'_>) -> Result<(), ExecError> {
         let eps = self.cfg.rms_norm_eps;
         let norm = |name: &str| -> Result<RmsNorm, ExecError> { Ok(RmsNorm::new(w.tensor(name)?, eps)) };
-        let linear = |name: &str| -> Result<Linear, ExecError> { Ok(Linear::new(w.tensor(name)?, None)) };
+        let linear = |name: &str| -> Result<Projection, ExecError> { Ok(Projection::new(w.tensor(name)?)?) };
         let last = self.cfg.num_hidden_layers + 1;
         let stage = match s {
             0 => Stage::Embed(Embedding::new(w.tensor("model.embed_tokens.weight")?, self.cfg.hidden_size)),
@@ -240,7 +243,7 @@ impl Llama {
                 } else {
                     w.tensor("model.embed_tokens.weight")?
                 };
-                Stage::Head(Head { norm: norm("model.norm.weight")?, lm_head: Linear::new(lm_head, None) })
+                Stage::Head(Head { norm: norm("model.norm.weight")?, lm_head: Projection::new(lm_head)? })
             }
             _ => return Err(ExecError::NoSuchLayer { layer: s, layers: self.stages.len() }),
         };
@@ -340,8 +343,7 @@ impl Llama {
                 Proj::O => &mut b.o,
             };
             let Some(d) = a.delta(block, p)? else { continue };
-            let w = (lin.weight() + (d * sign)?)?;
-            *lin = Linear::new(w, None);
+            lin.add(&(d * sign)?)?;
         }
         Ok(())
     }
@@ -357,7 +359,7 @@ impl Llama {
     /// `lin` on every token, plus each segment's own adapter delta where it has one.
     fn project(
         &self,
-        lin: &Linear,
+        lin: &Projection,
         block: usize,
         p: Proj,
         x: &Tensor,
