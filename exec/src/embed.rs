@@ -215,9 +215,27 @@ pub(crate) struct ModelFiles {
     pub(crate) bytes: MappedFile,
 }
 
+/// What [`read_files_while`]'s work is given while the manifest's hashes are computed.
+pub(crate) struct Loading<'a> {
+    pub(crate) config: Option<&'a str>,
+    pub(crate) tokenizer: &'a Tokenizer,
+    /// The manifest's layout: its content hash and chunk crcs are not computed yet (empty).
+    pub(crate) layout: &'a Manifest,
+    pub(crate) bytes: &'a [u8],
+}
+
 /// Reads `dir`'s `model.safetensors`, `tokenizer.json`, `config.json` (optional) and
 /// `sentence_bert_config.json` (optional: [`sentence_bert`]).
 pub(crate) fn read_files(dir: &Path) -> Result<ModelFiles, ExecError> {
+    Ok(read_files_while(dir, |_| ())?.0)
+}
+
+/// [`read_files`], running `work` (a model's loading) while the manifest's content hash and
+/// chunk crcs are computed on another thread ([`Manifest::from_bytes_while`]).
+pub(crate) fn read_files_while<R>(
+    dir: &Path,
+    work: impl FnOnce(Loading<'_>) -> R,
+) -> Result<(ModelFiles, R), ExecError> {
     let weights_path = file(dir, "model.safetensors")?;
     let mut tokenizer = Embedder::tokenizer(&file(dir, "tokenizer.json")?)?;
     sentence_bert(dir, &mut tokenizer)?;
@@ -226,9 +244,12 @@ pub(crate) fn read_files(dir: &Path) -> Result<ModelFiles, ExecError> {
         .map_err(|e| ExecError::Model(format!("reading {}: {e}", weights_path.display())))?;
     let name = dir.file_name().map_or("model".into(), |n| n.to_string_lossy().into_owned());
     // The manifest's errors name the file.
-    let manifest = Manifest::from_bytes(&bytes, &name, 1 << 20, &weights_path.to_string_lossy())
+    let (manifest, done) =
+        Manifest::from_bytes_while(&bytes, &name, 1 << 20, &weights_path.to_string_lossy(), |layout| {
+            work(Loading { config: config.as_deref(), tokenizer: &tokenizer, layout, bytes: &bytes })
+        })
         .map_err(|e| ExecError::Model(e.to_string()))?;
-    Ok(ModelFiles { config, tokenizer, manifest, bytes })
+    Ok((ModelFiles { config, tokenizer, manifest, bytes }, done))
 }
 
 /// The text of an optional file of a model directory: `None` when it is not there.

@@ -297,22 +297,27 @@ pub struct Generator {
 
 impl Generator {
     /// Loads `dir` (every stage).
+    ///
+    /// The model loads while the manifest's SHA-256 and chunk crcs are computed on another
+    /// thread: `cascade generate`'s start took 0.8 s, 0.3 s of it that hash, before 2026-12-05.
     pub fn from_dir(dir: &Path) -> Result<Generator, ExecError> {
-        let files = crate::embed::read_files(dir)?;
-        let cfg = LlamaConfig::from_json(
-            &files.config.ok_or_else(|| ExecError::Model(format!("{}: no config.json", dir.display())))?,
-        )?;
-        let token = |id: u32| files.tokenizer.id_to_token(id).unwrap_or_default();
-        // A template that cannot be read or compiled fails `--chat`, not the model's loading.
-        let chat = super::chat::ChatTemplate::source(dir)
-            .and_then(|source| {
-                source
-                    .map(|s| super::chat::ChatTemplate::new(&s, token(cfg.bos_token_id), token(cfg.eos_token_id)))
-                    .transpose()
-            })
-            .map_err(|e| format!("{}: {e}", dir.display()));
-        let stages = 0..cfg.stages();
-        let model = Llama::load(cfg, &Weights::file(&files.manifest, &files.bytes)?, stages)?;
+        let (files, loaded) = crate::embed::read_files_while(dir, |f| -> Result<_, ExecError> {
+            let cfg = LlamaConfig::from_json(
+                f.config.ok_or_else(|| ExecError::Model(format!("{}: no config.json", dir.display())))?,
+            )?;
+            let token = |id: u32| f.tokenizer.id_to_token(id).unwrap_or_default();
+            // A template that cannot be read or compiled fails `--chat`, not the model's loading.
+            let chat = super::chat::ChatTemplate::source(dir)
+                .and_then(|source| {
+                    source
+                        .map(|s| super::chat::ChatTemplate::new(&s, token(cfg.bos_token_id), token(cfg.eos_token_id)))
+                        .transpose()
+                })
+                .map_err(|e| format!("{}: {e}", dir.display()));
+            let stages = 0..cfg.stages();
+            Ok((Llama::load(cfg, &Weights::file(f.layout, f.bytes)?, stages)?, chat))
+        })?;
+        let (model, chat) = loaded?;
         Ok(Generator { tokenizer: files.tokenizer, model, manifest: files.manifest, next_seq: AtomicU64::new(1), chat })
     }
 

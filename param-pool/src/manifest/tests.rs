@@ -95,6 +95,23 @@ fn content_hash_identifies_the_bytes() {
     assert_eq!(ma.content_hash.len(), 64);
 }
 
+/// A manifest built while other work runs is the one built alone, and the work sees its layout
+/// (layers, tensors, sizes) with the hashes not yet there; the work's result comes back; a
+/// malformed file is refused before any work runs.
+#[test]
+fn a_manifest_built_while_loading_is_the_same_and_the_work_sees_its_layout() {
+    let file = llama_like(3);
+    let alone = Manifest::from_bytes(&file, "t", 64, "mem").unwrap();
+    let (m, seen) = Manifest::from_bytes_while(&file, "t", 64, "mem", |layout| layout.clone()).unwrap();
+    assert_eq!(m, alone);
+    assert!(!m.content_hash.is_empty() && !m.chunk_crcs.is_empty());
+    assert_eq!((seen.layers, seen.bytes, seen.file_bytes, seen.chunk), (m.layers, m.bytes, m.file_bytes, m.chunk));
+    assert!(seen.content_hash.is_empty() && seen.chunk_crcs.is_empty());
+    let mut ran = false;
+    assert!(Manifest::from_bytes_while(&file[..20], "t", 64, "mem", |_| ran = true).is_err());
+    assert!(!ran);
+}
+
 fn err(buf: &[u8]) -> String {
     Manifest::from_bytes(buf, "bad", 64, "bad.safetensors").unwrap_err().to_string()
 }
