@@ -53,29 +53,34 @@ impl Projection {
 
     /// `x · Wᵀ` for `x` of any rank whose last dimension is `in`.
     pub(crate) fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        match self.few_rows(x)? {
+            Some(y) => Ok(y),
+            None => self.lin.forward(x),
+        }
+    }
+
+    /// `x · Wᵀ` by [`product`] when `x` has at most [`SKINNY_ROWS`] rows of f32, `W` lies
+    /// contiguous in f32 on the CPU, and the CPU has the instructions; `None` otherwise.
+    fn few_rows(&self, x: &Tensor) -> candle_core::Result<Option<Tensor>> {
         let w = self.lin.weight();
         let (outputs, inputs) = w.dims2()?;
         let rows = x.elem_count() / inputs.max(1);
         if rows == 0 || rows > SKINNY_ROWS || x.dtype() != DType::F32 || !fast_dots() {
-            return self.lin.forward(x);
+            return Ok(None);
         }
         let xs = x.flatten_all()?.to_vec1::<f32>()?;
         let (storage, layout) = w.storage_and_layout();
-        let candle_core::Storage::Cpu(candle_core::CpuStorage::F32(all)) = &*storage else {
-            drop(storage);
-            return self.lin.forward(x);
-        };
-        let Some((start, end)) = layout.contiguous_offsets() else {
-            drop(storage);
-            return self.lin.forward(x);
+        let (candle_core::Storage::Cpu(candle_core::CpuStorage::F32(all)), Some((start, end))) =
+            (&*storage, layout.contiguous_offsets())
+        else {
+            return Ok(None);
         };
         let y = product(&xs, rows, &all[start..end], outputs, inputs);
-        drop(storage);
         let mut dims = x.dims().to_vec();
         if let Some(last) = dims.last_mut() {
             *last = outputs;
         }
-        Tensor::from_vec(y, dims, &Device::Cpu)
+        Tensor::from_vec(y, dims, &Device::Cpu).map(Some)
     }
 }
 
