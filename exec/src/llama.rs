@@ -153,11 +153,19 @@ struct Block {
 /// The final norm and the LM head.
 struct Head {
     norm: RmsNorm,
-    lm_head: Projection,
+    lm_head: Arc<Projection>,
+}
+
+/// The token embedding table.
+enum TokenTable {
+    /// A table of its own.
+    Own(Embedding),
+    /// The LM head's matrix (tied embeddings), held once for both.
+    Tied(Arc<Projection>),
 }
 
 enum Stage {
-    Embed(Embedding),
+    Embed(TokenTable),
     Block(Box<Block>),
     Head(Head),
 }
@@ -217,10 +225,20 @@ impl Llama {
     pub fn load_stage(&mut self, s: usize, w: &Weights<'_>) -> Result<(), ExecError> {
         let eps = self.cfg.rms_norm_eps;
         let norm = |name: &str| -> Result<RmsNorm, ExecError> { Ok(RmsNorm::new(w.tensor(name)?, eps)) };
-        let linear = |name: &str| -> Result<Projection, ExecError> { Ok(Projection::new(w.tensor(name)?)?) };
+        // An f32 matrix is packed straight from the image's bytes (one copy, not two).
+        let linear = |name: &str| -> Result<Projection, ExecError> {
+            Ok(match w.f32_bytes(name)? {
+                Some((bytes, &[n, k])) => Projection::from_f32_le(bytes, n, k)?,
+                _ => Projection::new(w.tensor(name)?)?,
+            })
+        };
         let last = self.cfg.num_hidden_layers + 1;
         let stage = match s {
-            0 => Stage::Embed(Embedding::new(w.tensor("model.embed_tokens.weight")?, self.cfg.hidden_size)),
+            0 => Stage::Embed(if w.has("lm_head.weight") {
+                TokenTable::Own(Embedding::new(w.tensor("model.embed_tokens.weight")?, self.cfg.hidden_size))
+            } else {
+                TokenTable::Tied(Arc::new(linear("model.embed_tokens.weight")?))
+            }),
             s if s < last => {
                 let p = format!("model.layers.{}", s - 1);
                 Stage::Block(Box::new(Block {
@@ -237,13 +255,13 @@ impl Llama {
             }
             s if s == last => {
                 let lm_head = if w.has("lm_head.weight") {
-                    w.tensor("lm_head.weight")?
-                } else if let Some(Stage::Embed(e)) = &self.stages[0] {
-                    e.embeddings().clone()
+                    Arc::new(linear("lm_head.weight")?)
+                } else if let Some(Stage::Embed(TokenTable::Tied(t))) = &self.stages[0] {
+                    t.clone()
                 } else {
-                    w.tensor("model.embed_tokens.weight")?
+                    Arc::new(linear("model.embed_tokens.weight")?)
                 };
-                Stage::Head(Head { norm: norm("model.norm.weight")?, lm_head: Projection::new(lm_head)? })
+                Stage::Head(Head { norm: norm("model.norm.weight")?, lm_head })
             }
             _ => return Err(ExecError::NoSuchLayer { layer: s, layers: self.stages.len() }),
         };
@@ -288,14 +306,17 @@ impl Llama {
     }
 
     /// Block `block`'s projection `p` as it is now (with a merged adapter folded in), if loaded.
-    pub fn projection(&self, block: usize, p: Proj) -> Option<Tensor> {
-        let Some(Some(Stage::Block(b))) = self.stages.get(block + 1) else { return None };
-        Some(match p {
-            Proj::Q => b.q.weight().clone(),
-            Proj::K => b.k.weight().clone(),
-            Proj::V => b.v.weight().clone(),
-            Proj::O => b.o.weight().clone(),
-        })
+    pub fn projection(&self, block: usize, p: Proj) -> Result<Option<Tensor>, ExecError> {
+        let Some(Some(Stage::Block(b))) = self.stages.get(block + 1) else { return Ok(None) };
+        Ok(Some(
+            match p {
+                Proj::Q => &b.q,
+                Proj::K => &b.k,
+                Proj::V => &b.v,
+                Proj::O => &b.o,
+            }
+            .weight()?,
+        ))
     }
 
     /// The adapter merged into the base weights.
@@ -556,7 +577,10 @@ impl LayerExec for Llama {
                             self.cfg.vocab_size
                         )));
                     }
-                    e.forward(&act.ids)?
+                    match e {
+                        TokenTable::Own(e) => e.forward(&act.ids)?,
+                        TokenTable::Tied(t) => t.rows(&act.ids)?,
+                    }
                 }
                 Stage::Block(b) => {
                     let x = act.hidden.as_ref().ok_or(ExecError::OutOfOrder { have: s, want: 0 })?;

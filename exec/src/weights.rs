@@ -18,6 +18,9 @@ enum Image {
     Packed,
 }
 
+/// A tensor's bytes (little-endian f32) and shape.
+pub(crate) type F32Bytes<'a> = (&'a [u8], &'a [usize]);
+
 /// Tensors by name over an image.
 pub struct Weights<'a> {
     bytes: &'a [u8],
@@ -77,6 +80,19 @@ impl<'a> Weights<'a> {
 
     /// Tensor `name` as an f32 CPU tensor (F16 and BF16 are widened).
     pub fn tensor(&self, name: &str) -> Result<Tensor, ExecError> {
+        let (bytes, dtype, shape) = self.raw(name)?;
+        Ok(Tensor::from_raw_buffer(bytes, dtype, shape, &crate::bert::cpu())?.to_dtype(DType::F32)?)
+    }
+
+    /// Tensor `name`'s bytes and shape where it is stored as f32 (little-endian), to be read
+    /// without a copy in between; `None` for another dtype.
+    pub(crate) fn f32_bytes(&self, name: &str) -> Result<Option<F32Bytes<'a>>, ExecError> {
+        let (bytes, dtype, shape) = self.raw(name)?;
+        Ok((dtype == DType::F32).then_some((bytes, shape)))
+    }
+
+    /// Tensor `name`'s bytes in the image, its dtype and its shape.
+    fn raw(&self, name: &str) -> Result<(&'a [u8], DType, &'a [usize]), ExecError> {
         let &(layer, t) = self.index.get(name).ok_or_else(|| ExecError::Model(format!("no tensor {name:?}")))?;
         let dtype = match t.dtype.as_str() {
             "F32" => DType::F32,
@@ -101,6 +117,6 @@ impl<'a> Weights<'a> {
             .bytes
             .get(start as usize..end as usize)
             .ok_or_else(|| ExecError::Model(format!("tensor {name:?} lies outside the image")))?;
-        Ok(Tensor::from_raw_buffer(bytes, dtype, &t.shape, &crate::bert::cpu())?.to_dtype(DType::F32)?)
+        Ok((bytes, dtype, &t.shape))
     }
 }

@@ -59,14 +59,14 @@ fn merge_then_unmerge_restores_the_weights_and_merged_equals_unmerged() {
     let prompts: Vec<Vec<u32>> = llm_reference().into_iter().take(2).map(|r| r.prompt_tokens).collect();
     let base: Vec<Vec<f32>> = prompts.iter().map(|p| logits(&m, &[(1, p.clone(), 0)]).remove(0)).collect();
     m.add_adapter(1, adapter(&cfg, 1)).unwrap();
-    let w0 = m.projection(7, Proj::Q).unwrap();
+    let w0 = m.projection(7, Proj::Q).unwrap().unwrap();
     let unmerged: Vec<Vec<f32>> = prompts.iter().map(|p| logits(&m, &[(1, p.clone(), 1)]).remove(0)).collect();
     // The test adapter really changes the model.
     let changed = base.iter().zip(&unmerged).map(|(a, b)| max_diff(a, b)).fold(0.0, f32::max);
     assert!(changed > 0.5, "the adapter changes the logits by {changed} only");
     m.merge(1).unwrap();
     assert_eq!(m.merged(), Some(1));
-    let w1 = m.projection(7, Proj::Q).unwrap();
+    let w1 = m.projection(7, Proj::Q).unwrap().unwrap();
     assert!(max_diff(&flat(&w0), &flat(&w1)) > 1e-3, "merging changes W");
     for (p, u) in prompts.iter().zip(&unmerged) {
         let merged = logits(&m, &[(1, p.clone(), 1)]).remove(0);
@@ -80,7 +80,7 @@ fn merge_then_unmerge_restores_the_weights_and_merged_equals_unmerged() {
     assert_eq!(m.unmerge().unwrap(), Some(1));
     assert_eq!(m.unmerge().unwrap(), None);
     // W is restored up to f32 rounding: |W + Δ − Δ − W| ≤ a few ulps of the larger of |W|, |Δ|.
-    let (a, b) = (flat(&w0), flat(&m.projection(7, Proj::Q).unwrap()));
+    let (a, b) = (flat(&w0), flat(&m.projection(7, Proj::Q).unwrap().unwrap()));
     let worst = a.iter().zip(&b).map(|(x, y)| (x - y).abs() / x.abs().max(0.05)).fold(0.0, f32::max);
     assert!(worst < 1e-5, "un-merge left a relative error of {worst}");
     for (p, b0) in prompts.iter().zip(&base) {
@@ -152,7 +152,10 @@ fn peft_files_round_trip_and_a_block_loaded_after_a_merge_gets_it() {
     full.add_adapter(4, a).unwrap();
     full.merge(4).unwrap();
     for block in [3, 20] {
-        assert_eq!(flat(&early.projection(block, Proj::V).unwrap()), flat(&full.projection(block, Proj::V).unwrap()));
+        assert_eq!(
+            flat(&early.projection(block, Proj::V).unwrap().unwrap()),
+            flat(&full.projection(block, Proj::V).unwrap().unwrap())
+        );
     }
 }
 
