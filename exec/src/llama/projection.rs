@@ -77,7 +77,7 @@ impl Projection {
         let (n, k) = w.dims2()?;
         let imp = if fast_kernel() {
             let mut p = Packed { data: vec![0f32; n.div_ceil(PANEL) * k * PANEL], n, k };
-            with_f32(&w, |w| p.each(w, |v| *v, |slot, v| *slot = v))?;
+            with_f32(&w, |w| p.assign(native_bytes(w)))?;
             Imp::Packed(p)
         } else {
             Imp::Linear(Linear::new(w.contiguous()?, None))
@@ -96,7 +96,7 @@ impl Projection {
             return Projection::new(Tensor::from_raw_buffer(bytes, DType::F32, &[n, k], &Device::Cpu)?);
         }
         let mut p = Packed { data: vec![0f32; n.div_ceil(PANEL) * k * PANEL], n, k };
-        p.each(values, |b| f32::from_le_bytes(*b), |slot, v| *slot = v);
+        p.assign(values);
         Ok(Projection { imp: Imp::Packed(p) })
     }
 
@@ -121,7 +121,7 @@ impl Projection {
                         op: "add",
                     });
                 }
-                with_f32(delta, |d| p.each(d, |v| *v, |slot, v| *slot += v))?;
+                with_f32(delta, |d| p.add(d))?;
             }
         }
         Ok(())
@@ -177,21 +177,35 @@ impl Projection {
 }
 
 impl Packed {
-    /// `f(slot, value(d[j][i]))` for the packed `W[j][i]`'s slot of every `j` and `i`; `d` is
-    /// `[n, k]`, row-major. The panels are split over rayon's threads.
-    fn each<T: Sync>(&mut self, d: &[T], value: impl Fn(&T) -> f32 + Sync, f: impl Fn(&mut f32, f32) + Sync) {
+    /// Adds `d` (`[n, k]`, row-major) to the packed `W`, the panels split over rayon's threads.
+    fn add(&mut self, d: &[f32]) {
         let (n, k) = (self.n, self.k);
         if k == 0 {
             return;
         }
         self.data.par_chunks_mut(k * PANEL).enumerate().for_each(|(p, panel)| {
-            let rows: Vec<&[T]> = d[p * PANEL * k..n.min((p + 1) * PANEL) * k].chunks_exact(k).collect();
+            for (c, row) in d[p * PANEL * k..n.min((p + 1) * PANEL) * k].chunks_exact(k).enumerate() {
+                for (slot, v) in panel[c..].iter_mut().step_by(PANEL).zip(row) {
+                    *slot += v;
+                }
+            }
+        });
+    }
+
+    /// Packs `d`, `[n, k]` little-endian f32, row-major, the panels split over rayon's threads.
+    fn assign(&mut self, d: &[[u8; 4]]) {
+        let (n, k) = (self.n, self.k);
+        if k == 0 {
+            return;
+        }
+        self.data.par_chunks_mut(k * PANEL).enumerate().for_each(|(p, panel)| {
+            let rows: Vec<&[[u8; 4]]> = d[p * PANEL * k..n.min((p + 1) * PANEL) * k].chunks_exact(k).collect();
             // 64 inputs at a time: their 4 KB of the panel stay in L1 while the rows fill them.
             for (b, block) in panel.chunks_mut(64 * PANEL).enumerate() {
                 let inputs = b * 64..b * 64 + block.len() / PANEL;
                 for (c, row) in rows.iter().enumerate() {
                     for (slot, v) in block[c..].iter_mut().step_by(PANEL).zip(&row[inputs.clone()]) {
-                        f(slot, value(v));
+                        *slot = f32::from_le_bytes(*v);
                     }
                 }
             }
@@ -213,6 +227,13 @@ impl Packed {
         }
         w
     }
+}
+
+/// `v`'s values as their bytes in memory: little-endian f32 where this module packs (x86_64).
+fn native_bytes(v: &[f32]) -> &[[u8; 4]] {
+    // SAFETY: `[u8; 4]` has f32's size, alignment 1 and no invalid values; the slice covers the
+    // same memory, borrowed for the same lifetime.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<[u8; 4]>(), v.len()) }
 }
 
 /// `f` on `t`'s values as f32, row-major: borrowed where `t` holds them so, else copied.
