@@ -279,6 +279,11 @@ fn product(x: &[f32], rows: usize, w: &Packed) -> Vec<f32> {
     // One group's inputs fit L1 whole; more pass in blocks of KC, so that each panel streams
     // from memory in one pass when there is one group (decoding).
     let kc_max = if rows <= GROUP { k } else { KC };
+    // Groups as even as they can be (8 tokens: 4 and 4, not 6 and 2): a group of few tokens has
+    // too few accumulators to hide the FMA's latency.
+    let count = rows.div_ceil(GROUP);
+    let groups: Vec<(usize, usize)> =
+        (0..count).map(|i| (i * rows / count, (i + 1) * rows / count - i * rows / count)).collect();
     let run = |first: usize| {
         let last = panels.min(first + block);
         for k0 in (0..k).step_by(kc_max) {
@@ -286,8 +291,7 @@ fn product(x: &[f32], rows: usize, w: &Packed) -> Vec<f32> {
             let cached = (CACHED_W_BYTES / (kc * PANEL * 4)).max(1);
             for p0 in (first..last).step_by(cached) {
                 let mine = p0..last.min(p0 + cached);
-                for g0 in (0..rows).step_by(GROUP) {
-                    let g = GROUP.min(rows - g0);
+                for &(g0, g) in &groups {
                     let xs = &x[g0 * k + k0..(g0 + g - 1) * k + k0 + kc];
                     for p in mine.clone() {
                         let slice = &w.data[p * k * PANEL + k0 * PANEL..][..kc * PANEL];
