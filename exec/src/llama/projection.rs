@@ -29,14 +29,15 @@
 //!
 //! | `W` | 1 row | 2 | 4 | 8 | 16 | 32 | 64 | 128 | 512 |
 //! | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |
-//! | 1536 × 576 (gate, up) | 235 / 125 | 340 / 124 | 391 / 160 | 424 / 202 | 528 / 269 | 720 / 450 | 886 / 641 | 1,399 / 1,171 | 4,752 / 5,026 |
-//! | 576 × 1536 (down) | 233 / 132 | 353 / 136 | 315 / 167 | 413 / 239 | 592 / 315 | 603 / 472 | 1,010 / 745 | 1,462 / 1,298 | 5,207 / 5,156 |
-//! | 576 × 576 (q, o) | 87 / 69 | 220 / 71 | 178 / 82 | 249 / 112 | 253 / 134 | 337 / 212 | 484 / 322 | 581 / 532 | 2,200 / 1,797 |
-//! | 49152 × 576 (LM head) | 5,106 / 3,744 | 9,653 / 3,179 | 9,778 / 3,812 | 11,217 / 5,488 | 12,871 / 7,269 | 17,157 / 11,580 | 24,975 / 19,432 | 42,775 / 36,445 | 171,983 / 171,197 |
+//! | 1536 × 576 (gate, up) | 235 / 125 | 340 / 124 | 391 / 160 | 378 / 196 | 428 / 260 | 720 / 450 | 886 / 641 | 1,399 / 1,171 | 4,752 / 5,026 |
+//! | 576 × 1536 (down) | 233 / 132 | 353 / 136 | 315 / 167 | 378 / 224 | 414 / 299 | 603 / 472 | 1,010 / 745 | 1,462 / 1,298 | 5,207 / 5,156 |
+//! | 576 × 576 (q, o) | 87 / 69 | 220 / 71 | 178 / 82 | 207 / 88 | 217 / 121 | 337 / 212 | 484 / 322 | 581 / 532 | 2,200 / 1,797 |
+//! | 49152 × 576 (LM head) | 5,106 / 3,744 | 9,653 / 3,179 | 9,778 / 3,812 | 11,407 / 4,919 | 13,130 / 6,945 | 17,157 / 11,580 | 24,975 / 19,432 | 42,775 / 36,445 | 171,983 / 171,197 |
 //!
-//! Up to 8 rows this is what the dot products it replaces took (they read `W` once for at most 8
-//! tokens and left more to `gemm`: 137, 140, 165, 186 µs for gate at 1–8 rows); from 16 rows on
-//! it is 1.3–2 times faster than `gemm`, and level with it at 512 (a long prompt's prefill).
+//! (The 8 and 16 columns after the groups became even, 6b20c7e.) Up to 8 rows this is what the
+//! dot products it replaces took (they read `W` once for at most 8 tokens and left more to
+//! `gemm`: 137, 140, 165, 192 µs for gate at 1–8 rows, 6.2 ms for the LM head at 8); from 16 rows
+//! on it is 1.3–2 times faster than `gemm`, and level with it at 512 (a long prompt's prefill).
 //! Packing costs one pass over the matrix when the model loads, straight from the image's bytes
 //! ([`Projection::from_f32_le`]): the LM head of 113 MB in about 38 ms on both cores.
 
