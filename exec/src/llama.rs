@@ -1,8 +1,9 @@
 //! A llama-architecture decoder (SmolLM2 and its kin) on the CPU, written on `candle`'s building
 //! blocks: RMSNorm, rotary position embeddings (halves rotated, as Hugging Face's layout wants),
 //! grouped-query attention over a per-sequence KV cache ([`kv`]), a SwiGLU MLP, and a tied or
-//! separate LM head. The projections of a decode step's few tokens read each weight matrix once
-//! (`projection.rs`), which `gemm` does not do for more than one row.
+//! separate LM head (a tied one shares its matrix with the token embeddings). The projections keep
+//! their weights packed in panels from the start and read each matrix once per product, for a
+//! decode step's few tokens as for a prefill's many (`projection.rs`): `gemm` repacks at every call.
 //!
 //! Stages follow the pool's layers: stage 0 is the token embeddings, stage `1 + n` is block `n`,
 //! and the last stage is the final norm with the LM head. As with [`crate::bert`], a stage is

@@ -47,7 +47,8 @@ use rayon::prelude::*;
 
 /// Outputs per panel: two 8-lane registers.
 const PANEL: usize = 16;
-/// Inputs per pass: a group's inputs (6 KB) stay in L1 while the panels pass.
+/// Inputs per pass where there are several groups: a group's inputs (18 KB) stay in L1 while
+/// the panels pass.
 const KC: usize = 768;
 /// Bytes of panels a thread passes over with each group of tokens: they stay in L2 (1 MB per
 /// core here), so `W` comes from memory once.
