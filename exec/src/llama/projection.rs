@@ -302,7 +302,20 @@ fn product(x: &[f32], rows: usize, w: &Packed) -> Vec<f32> {
                         // of y, columns 16·p..16·p + 16 <= width: inside y, which outlives the
                         // loop; panel p is this task's alone (the tasks' panel ranges are
                         // disjoint) and nothing else touches y until every task has ended.
-                        unsafe { kernel(xs, g, k, slice, kc, out.at(g0, p * PANEL), width, k0 == 0) };
+                        unsafe {
+                            kernel(
+                                g,
+                                &Operands {
+                                    x: xs,
+                                    stride: k,
+                                    slice,
+                                    kc,
+                                    acc: out.at(g0, p * PANEL),
+                                    acc_stride: width,
+                                    first: k0 == 0,
+                                },
+                            )
+                        };
                     }
                 }
             }
@@ -338,43 +351,45 @@ impl Columns {
 // SAFETY: the tasks sharing a `Columns` write disjoint columns of `y` (see `product`).
 unsafe impl Sync for Columns {}
 
-/// `acc[t] (+)= x[t] · slice` for the `g ≤ GROUP` tokens `x[t] = x[t · stride..][..kc]` and a
-/// panel's slice of `kc` inputs (`[kc][PANEL]`); token t's `PANEL` sums lie at `acc + t ·
-/// acc_stride`, overwritten when `first`.
-///
-/// # Safety
-/// The CPU has AVX2 and FMA, and `acc + t · acc_stride .. + PANEL` is valid for reads and writes
-/// and not otherwise accessed during the call for every `t < g`.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn kernel(
-    x: &[f32],
-    g: usize,
+/// One call of [`kernel`]: a group of tokens and a panel's slice of inputs.
+struct Operands<'a> {
+    /// The group's inputs: token t's `kc` lie at `x[t · stride..]`.
+    x: &'a [f32],
     stride: usize,
-    slice: &[f32],
+    /// The panel's weights for those inputs, `[kc][PANEL]`.
+    slice: &'a [f32],
     kc: usize,
+    /// Token t's `PANEL` sums lie at `acc + t · acc_stride`.
     acc: *mut f32,
     acc_stride: usize,
+    /// Whether the sums start here (overwritten) or go on (added to).
     first: bool,
-) {
+}
+
+/// `acc[t] (+)= x[t] · slice` for the `g ≤ GROUP` tokens of `o`.
+///
+/// # Safety
+/// The CPU has AVX2 and FMA, and `o.acc + t · o.acc_stride .. + PANEL` is valid for reads and
+/// writes and not otherwise accessed during the call for every `t < g`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn kernel(g: usize, o: &Operands<'_>) {
     // SAFETY: the caller's contract, passed on (every arm).
     unsafe {
         match g {
-            1 => kernel_n::<1>(x, stride, slice, kc, acc, acc_stride, first),
-            2 => kernel_n::<2>(x, stride, slice, kc, acc, acc_stride, first),
-            3 => kernel_n::<3>(x, stride, slice, kc, acc, acc_stride, first),
-            4 => kernel_n::<4>(x, stride, slice, kc, acc, acc_stride, first),
-            5 => kernel_n::<5>(x, stride, slice, kc, acc, acc_stride, first),
-            _ => kernel_n::<6>(x, stride, slice, kc, acc, acc_stride, first),
+            1 => kernel_n::<1>(o),
+            2 => kernel_n::<2>(o),
+            3 => kernel_n::<3>(o),
+            4 => kernel_n::<4>(o),
+            5 => kernel_n::<5>(o),
+            _ => kernel_n::<6>(o),
         }
     }
 }
 
 /// Never called: [`fast_kernel`] is false off x86_64.
 #[cfg(not(target_arch = "x86_64"))]
-#[allow(clippy::too_many_arguments)]
-unsafe fn kernel(_: &[f32], _: usize, _: usize, _: &[f32], _: usize, _: *mut f32, _: usize, _: bool) {
+unsafe fn kernel(_: usize, _: &Operands<'_>) {
     unreachable!("fast_kernel is false off x86_64")
 }
 
@@ -382,15 +397,8 @@ unsafe fn kernel(_: &[f32], _: usize, _: usize, _: &[f32], _: usize, _: *mut f32
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 #[inline]
-unsafe fn kernel_n<const G: usize>(
-    x: &[f32],
-    stride: usize,
-    slice: &[f32],
-    kc: usize,
-    acc: *mut f32,
-    acc_stride: usize,
-    first: bool,
-) {
+unsafe fn kernel_n<const G: usize>(o: &Operands<'_>) {
+    let &Operands { x, stride, slice, kc, acc, acc_stride, first } = o;
     use std::arch::x86_64::{
         __m256, _mm256_broadcast_ss, _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_setzero_ps, _mm256_storeu_ps,
     };
