@@ -552,9 +552,12 @@ impl Llama {
     }
 }
 
-impl Llama {
-    /// [`LayerExec::run`] on the calling thread.
-    fn run_stages(&self, layers: Range<usize>, mut act: Activation) -> Result<Activation, ExecError> {
+impl LayerExec for Llama {
+    fn layers(&self) -> usize {
+        self.stages.len()
+    }
+
+    fn run(&self, layers: Range<usize>, mut act: Activation) -> Result<Activation, ExecError> {
         crate::check_run(self.stages.len(), &layers, &act)?;
         for s in layers {
             let stage = self.stages[s].as_ref().ok_or(ExecError::NotResident { layer: s })?;
@@ -595,17 +598,5 @@ impl Llama {
             act.next_layer = s + 1;
         }
         Ok(act)
-    }
-}
-
-impl LayerExec for Llama {
-    fn layers(&self) -> usize {
-        self.stages.len()
-    }
-
-    fn run(&self, layers: Range<usize>, act: Activation) -> Result<Activation, ExecError> {
-        // On one of rayon's threads: the products' parallel parts then start without waking the
-        // pool from outside at each of them.
-        crate::threads::on_compute_threads(move || self.run_stages(layers, act))
     }
 }

@@ -42,6 +42,15 @@ pub unsafe fn settle_compute_threads() -> usize {
 /// per decoded token of SmolLM2-135M. From a pool thread the same parts start at once, the
 /// caller's thread taking its share (2026-12-06, `cascade generate`: one prompt 37.1–37.8 →
 /// 42.9–44.7 tokens/s, eight 108–112 → 119–126, thirty-two 192–193 → 218–223; the same text).
+///
+/// For a loop that drives one model with the process's compute to itself: the generator
+/// ([`crate::llama::generate::Generator`]) and dLoRA's batcher. Not for a served instance: in a
+/// process that serves several models from their own threads (the tests' in-process clusters),
+/// whole passes queued on the one pool wait behind each other, so a decode instance's step
+/// boundary came hundreds of milliseconds late behind other instances' work (tried in
+/// `LayerExec::run` itself, 2026-12-06: `pd::a_decode_instance_drops_the_requests_of_a_router_it_lost`
+/// failed beside the other tests). `cascade pd`'s and `cascade live`'s instances compute on one
+/// thread each, where this runs the work in place anyway.
 pub fn on_compute_threads<R: Send>(work: impl FnOnce() -> R + Send) -> R {
     if rayon::current_thread_index().is_some() || rayon::current_num_threads() < 2 {
         return work();

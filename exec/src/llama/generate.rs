@@ -438,7 +438,8 @@ impl Generator {
             max_kv_tokens: KV_TOKENS,
         };
         let out = greedy_stream(
-            |a| self.model.run(0..layers, a),
+            // The loop owns the process's compute: each step on rayon's threads.
+            |a| crate::threads::on_compute_threads(|| self.model.run(0..layers, a)),
             prompts,
             limits,
             on_token,

@@ -202,8 +202,10 @@ pub fn serve(
                 choice.batch.iter().map(|&k| (seq_base + live[k].0 as u64, live[k].1, live[k].2.clone())).collect();
             let adapters: Vec<u32> = choice.batch.iter().map(|&k| jobs[live[k].0].adapter + 1).collect();
             let act = Activation::packed(&seqs)?.with_adapters(&adapters)?;
-            let logits =
-                model.run(0..model.layers(), act)?.hidden.ok_or_else(|| ExecError::Input("no logits".into()))?;
+            // The batcher owns the process's compute: each iteration on rayon's threads.
+            let logits = crate::threads::on_compute_threads(|| model.run(0..model.layers(), act))?
+                .hidden
+                .ok_or_else(|| ExecError::Input("no logits".into()))?;
             let rows = logits.squeeze(0)?.to_vec2::<f32>()?;
             for (&k, row) in choice.batch.iter().zip(&rows) {
                 let (tok, margin) = top2(row);
