@@ -78,9 +78,7 @@ impl Projection {
     pub(crate) fn new(w: Tensor) -> candle_core::Result<Projection> {
         let (n, k) = w.dims2()?;
         let imp = if fast_kernel() {
-            let mut p = Packed { data: vec![0f32; n.div_ceil(PANEL) * k * PANEL], n, k };
-            with_f32(&w, |w| p.assign(native_bytes(w)))?;
-            Imp::Packed(p)
+            Imp::Packed(with_f32(&w, |w| Packed::from_le(native_bytes(w), n, k))?)
         } else {
             Imp::Linear(Linear::new(w.contiguous()?, None))
         };
@@ -97,9 +95,7 @@ impl Projection {
         if !fast_kernel() {
             return Projection::new(Tensor::from_raw_buffer(bytes, DType::F32, &[n, k], &Device::Cpu)?);
         }
-        let mut p = Packed { data: vec![0f32; n.div_ceil(PANEL) * k * PANEL], n, k };
-        p.assign(values);
-        Ok(Projection { imp: Imp::Packed(p) })
+        Ok(Projection { imp: Imp::Packed(Packed::from_le(values, n, k)) })
     }
 
     /// `W`, `[out, in]` (a copy where it is packed).
@@ -123,7 +119,7 @@ impl Projection {
                         op: "add",
                     });
                 }
-                with_f32(delta, |d| p.add(d))?;
+                with_f32(delta, |d| p.fill(d, |slot, v| *slot += v))?;
             }
         }
         Ok(())
@@ -149,7 +145,7 @@ impl Projection {
             if j >= p.n {
                 return Err(candle_core::Error::Msg(format!("row {j} of a table of {} rows", p.n)));
             }
-            out.extend(p.data[(j / PANEL) * k * PANEL..][..k * PANEL].iter().skip(j % PANEL).step_by(PANEL));
+            out.extend(p.row(j));
         }
         Tensor::from_vec(out, dims, &Device::Cpu)
     }
@@ -179,55 +175,43 @@ impl Projection {
 }
 
 impl Packed {
-    /// Adds `d` (`[n, k]`, row-major) to the packed `W`, the panels split over rayon's threads.
-    fn add(&mut self, d: &[f32]) {
-        let (n, k) = (self.n, self.k);
-        if k == 0 {
-            return;
-        }
-        self.data.par_chunks_mut(k * PANEL).enumerate().for_each(|(p, panel)| {
-            for (c, row) in d[p * PANEL * k..n.min((p + 1) * PANEL) * k].chunks_exact(k).enumerate() {
-                for (slot, v) in panel[c..].iter_mut().step_by(PANEL).zip(row) {
-                    *slot += v;
-                }
-            }
-        });
+    /// `d`, `[n, k]` little-endian f32, row-major, packed.
+    fn from_le(d: &[[u8; 4]], n: usize, k: usize) -> Packed {
+        let mut p = Packed { data: vec![0f32; n.div_ceil(PANEL) * k * PANEL], n, k };
+        p.fill(d, |slot, v| *slot = f32::from_le_bytes(*v));
+        p
     }
 
-    /// Packs `d`, `[n, k]` little-endian f32, row-major, the panels split over rayon's threads.
-    fn assign(&mut self, d: &[[u8; 4]]) {
+    /// `f(slot, d[j][i])` for the packed `W[j][i]`'s slot of every `j` and `i`; `d` is `[n, k]`,
+    /// row-major. The panels are split over rayon's threads.
+    fn fill<T: Sync>(&mut self, d: &[T], f: impl Fn(&mut f32, &T) + Sync) {
         let (n, k) = (self.n, self.k);
         if k == 0 {
             return;
         }
         self.data.par_chunks_mut(k * PANEL).enumerate().for_each(|(p, panel)| {
-            let rows: Vec<&[[u8; 4]]> = d[p * PANEL * k..n.min((p + 1) * PANEL) * k].chunks_exact(k).collect();
+            let rows: Vec<&[T]> = d[p * PANEL * k..n.min((p + 1) * PANEL) * k].chunks_exact(k).collect();
             // 64 inputs at a time: their 4 KB of the panel stay in L1 while the rows fill them.
             for (b, block) in panel.chunks_mut(64 * PANEL).enumerate() {
                 let inputs = b * 64..b * 64 + block.len() / PANEL;
                 for (c, row) in rows.iter().enumerate() {
                     for (slot, v) in block[c..].iter_mut().step_by(PANEL).zip(&row[inputs.clone()]) {
-                        *slot = f32::from_le_bytes(*v);
+                        f(slot, v);
                     }
                 }
             }
         });
     }
 
+    /// Row `j` of `W` (`j < n`), read from its panel.
+    fn row(&self, j: usize) -> impl Iterator<Item = f32> + '_ {
+        let k = self.k;
+        self.data[(j / PANEL) * k * PANEL..][..k * PANEL].iter().skip(j % PANEL).step_by(PANEL).copied()
+    }
+
     /// `W`, row-major.
     fn unpack(&self) -> Vec<f32> {
-        let k = self.k;
-        let mut w = vec![0f32; self.n * k];
-        if k == 0 {
-            return w;
-        }
-        for (j, row) in w.chunks_exact_mut(k).enumerate() {
-            let panel = &self.data[(j / PANEL) * k * PANEL..][..k * PANEL];
-            for (v, slot) in row.iter_mut().zip(panel.iter().skip(j % PANEL).step_by(PANEL)) {
-                *v = *slot;
-            }
-        }
-        w
+        (0..self.n).flat_map(|j| self.row(j)).collect()
     }
 }
 
@@ -277,7 +261,6 @@ fn product(x: &[f32], rows: usize, w: &Packed) -> Vec<f32> {
     let out = Columns { ptr: y.as_mut_ptr(), width };
     let threads = rayon::current_num_threads();
     let block = panels.div_ceil(threads * 4).max(1);
-    // Panels first..last, their sums into y's columns 16·first..16·last.
     // One group's inputs fit L1 whole; more pass in blocks of KC, so that each panel streams
     // from memory in one pass when there is one group (decoding).
     let kc_max = if rows <= GROUP { k } else { KC };
@@ -286,6 +269,7 @@ fn product(x: &[f32], rows: usize, w: &Packed) -> Vec<f32> {
     let count = rows.div_ceil(GROUP);
     let groups: Vec<(usize, usize)> =
         (0..count).map(|i| (i * rows / count, (i + 1) * rows / count - i * rows / count)).collect();
+    // Panels first..last, their sums into y's columns 16·first..16·last.
     let run = |first: usize| {
         let last = panels.min(first + block);
         for k0 in (0..k).step_by(kc_max) {
