@@ -11,9 +11,10 @@
 use std::ops::Range;
 
 use candle_core::{DType, Device, Module, Tensor};
-use candle_nn::{Embedding, LayerNorm, Linear};
+use candle_nn::{Embedding, LayerNorm};
 use serde::Deserialize;
 
+use crate::projection::Projection;
 use crate::weights::Weights;
 use crate::{Activation, ExecError, LayerExec};
 
@@ -97,19 +98,19 @@ struct Embeddings {
 
 /// One transformer block.
 struct Block {
-    query: Linear,
-    key: Linear,
-    value: Linear,
-    attn_out: Linear,
+    query: Projection,
+    key: Projection,
+    value: Projection,
+    attn_out: Projection,
     attn_norm: LayerNorm,
-    up: Linear,
-    down: Linear,
+    up: Projection,
+    down: Projection,
     out_norm: LayerNorm,
 }
 
 enum Stage {
     Embeddings(Embeddings),
-    Block(Block),
+    Block(Box<Block>),
 }
 
 /// A BERT encoder whose stages are loaded one by one (see the module docs).
@@ -146,8 +147,9 @@ impl Bert {
         let norm = |p: &str| -> Result<LayerNorm, ExecError> {
             Ok(LayerNorm::new(tensor(&format!("{p}.weight"))?, tensor(&format!("{p}.bias"))?, eps))
         };
-        let linear = |p: &str| -> Result<Linear, ExecError> {
-            Ok(Linear::new(tensor(&format!("{p}.weight"))?, Some(tensor(&format!("{p}.bias"))?)))
+        let linear = |p: &str| -> Result<Projection, ExecError> {
+            let weight = format!("{}{p}.weight", self.cfg.tensor_prefix);
+            Ok(Projection::load(w, &weight)?.with_bias(tensor(&format!("{p}.bias"))?)?)
         };
         let stage = match s {
             0 => Stage::Embeddings(Embeddings {
@@ -158,7 +160,7 @@ impl Bert {
             }),
             s if s <= self.cfg.num_hidden_layers => {
                 let p = format!("encoder.layer.{}", s - 1);
-                Stage::Block(Block {
+                Stage::Block(Box::new(Block {
                     query: linear(&format!("{p}.attention.self.query"))?,
                     key: linear(&format!("{p}.attention.self.key"))?,
                     value: linear(&format!("{p}.attention.self.value"))?,
@@ -167,7 +169,7 @@ impl Bert {
                     up: linear(&format!("{p}.intermediate.dense"))?,
                     down: linear(&format!("{p}.output.dense"))?,
                     out_norm: norm(&format!("{p}.output.LayerNorm"))?,
-                })
+                }))
             }
             _ => return Err(ExecError::NoSuchLayer { layer: s, layers: self.stages.len() }),
         };
@@ -202,10 +204,10 @@ impl Bert {
         let scores = (q.matmul(&k.t()?.contiguous()?)? / (d as f64).sqrt())?;
         // Padding: -10000 added to the scores of masked keys, as BERT of the model's era does.
         let bias = ((mask.to_dtype(DType::F32)? - 1.0)? * 10000.0)?.reshape((batch, 1, 1, seq))?;
-        let probs = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&bias)?)?;
+        let probs = crate::vmath::softmax_last_dim(&scores.broadcast_add(&bias)?)?;
         let ctx = probs.matmul(&v)?.transpose(1, 2)?.contiguous()?.reshape((batch, seq, hidden))?;
         let attn = b.attn_norm.forward(&(b.attn_out.forward(&ctx)? + x)?)?;
-        let inner = b.up.forward(&attn)?.gelu_erf()?;
+        let inner = crate::vmath::gelu_erf(&b.up.forward(&attn)?)?;
         b.out_norm.forward(&(b.down.forward(&inner)? + attn)?)
     }
 }

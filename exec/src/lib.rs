@@ -29,10 +29,12 @@ pub mod llama;
 pub mod llmsim;
 pub mod pd;
 pub mod pooling;
+pub(crate) mod projection;
 pub mod prompts;
 pub mod serve;
 pub mod threads;
 pub mod tokens;
+pub(crate) mod vmath;
 pub mod weights;
 pub mod zigzag;
 

@@ -33,11 +33,10 @@ pub mod generate;
 pub mod kv;
 pub mod lora;
 pub mod multi_lora;
-mod projection;
 
+use crate::projection::Projection;
 pub use kv::KvCache;
 pub use lora::{LoraAdapter, Proj};
-use projection::Projection;
 
 /// Query rows of one sequence's attention computed at once, at most ([`Llama`]'s prefill of a long
 /// prompt goes in blocks of this many, fewer against a long cache: see [`SCORE_BYTES`]).
@@ -226,13 +225,7 @@ impl Llama {
     pub fn load_stage(&mut self, s: usize, w: &Weights<'_>) -> Result<(), ExecError> {
         let eps = self.cfg.rms_norm_eps;
         let norm = |name: &str| -> Result<RmsNorm, ExecError> { Ok(RmsNorm::new(w.tensor(name)?, eps)) };
-        // An f32 matrix is packed straight from the image's bytes (one copy, not two).
-        let linear = |name: &str| -> Result<Projection, ExecError> {
-            Ok(match w.f32_bytes(name)? {
-                Some((bytes, &[n, k])) => Projection::from_f32_le(bytes, n, k)?,
-                _ => Projection::new(w.tensor(name)?)?,
-            })
-        };
+        let linear = |name: &str| Projection::load(w, name);
         let last = self.cfg.num_hidden_layers + 1;
         let stage = match s {
             0 => Stage::Embed(if w.has("lm_head.weight") {
@@ -488,7 +481,7 @@ impl Llama {
         let att = Tensor::cat(&outs, 0)?.unsqueeze(0)?;
         let x = (x + self.project(&b.o, block, Proj::O, &att, segments)?)?;
         let h = b.mlp_norm.forward(&x)?;
-        let mlp = b.down.forward(&(b.gate.forward(&h)?.silu()? * b.up.forward(&h)?)?)?;
+        let mlp = b.down.forward(&(crate::vmath::silu_tensor(&b.gate.forward(&h)?)? * b.up.forward(&h)?)?)?;
         Ok((x + mlp)?)
     }
 
@@ -522,15 +515,8 @@ impl Llama {
             let (kb, vb) = (k.narrow(2, 0, seen)?, v.narrow(2, 0, seen)?);
             // [1, heads, rows, d] is [1, kv_heads, rep·rows, d]: each key/value head's queries.
             let qb = q.narrow(2, start, rows)?.contiguous()?.reshape((1, kv_heads, rep * rows, d))?;
-            let mut scores = qb.matmul(&kb.t()?)?.reshape((1, heads, rows, seen))?;
-            if rows > 1 {
-                let mut mask = vec![0f32; rows * seen];
-                for (i, row) in mask.chunks_exact_mut(seen).enumerate() {
-                    row[(pos + start + i + 1).min(seen)..].fill(f32::NEG_INFINITY);
-                }
-                scores = scores.broadcast_add(&Tensor::from_vec(mask, (rows, seen), q.device())?)?;
-            }
-            let probs = candle_nn::ops::softmax_last_dim(&scores)?.reshape((1, kv_heads, rep * rows, seen))?;
+            let scores = qb.matmul(&kb.t()?)?.reshape((1, heads, rows, seen))?;
+            let probs = crate::vmath::causal_softmax(&scores, pos + start)?.reshape((1, kv_heads, rep * rows, seen))?;
             blocks.push(probs.matmul(&vb)?.reshape((1, heads, rows, d))?);
         }
         let out = if blocks.len() == 1 { blocks.remove(0) } else { Tensor::cat(&blocks, 2)? };

@@ -1,4 +1,5 @@
-//! A bias-free projection `y = x · Wᵀ` computed from `W` packed in panels.
+//! A projection `y = x · Wᵀ (+ b)` computed from `W` packed in panels: the llama blocks' and LM
+//! head's (no bias), and BERT's dense layers (with one).
 //!
 //! A decode step multiplies one token per running sequence by every weight matrix: a product of
 //! a few rows by a large `W`. `candle_nn::Linear` hands it to `gemm`, which packs (copies) the
@@ -45,6 +46,10 @@ use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::Linear;
 use rayon::prelude::*;
 
+use crate::vmath::simd_available;
+use crate::weights::Weights;
+use crate::ExecError;
+
 /// Outputs per panel: two 8-lane registers.
 const PANEL: usize = 16;
 /// Inputs per pass where there are several groups: a group's inputs (18 KB) stay in L1 while
@@ -56,13 +61,14 @@ const CACHED_W_BYTES: usize = 256 << 10;
 /// Tokens one kernel call computes: 12 accumulators, two weight registers and a broadcast.
 const GROUP: usize = 6;
 
-/// `y = x · Wᵀ`, `W` `[out, in]` (see the module docs).
+/// `y = x · Wᵀ (+ b)`, `W` `[out, in]` (see the module docs).
 pub(crate) struct Projection {
     imp: Imp,
 }
 
 enum Imp {
-    Packed(Packed),
+    /// `W` packed, and the bias added to each output row.
+    Packed(Packed, Option<Vec<f32>>),
     Linear(Linear),
 }
 
@@ -77,8 +83,8 @@ impl Projection {
     /// From `W`, `[out, in]`.
     pub(crate) fn new(w: Tensor) -> candle_core::Result<Projection> {
         let (n, k) = w.dims2()?;
-        let imp = if fast_kernel() {
-            Imp::Packed(with_f32(&w, |w| Packed::from_le(native_bytes(w), n, k))?)
+        let imp = if simd_available() {
+            Imp::Packed(with_f32(&w, |w| Packed::from_le(native_bytes(w), n, k))?, None)
         } else {
             Imp::Linear(Linear::new(w.contiguous()?, None))
         };
@@ -92,25 +98,49 @@ impl Projection {
         if values.len() != n * k || !rest.is_empty() {
             return Err(candle_core::Error::Msg(format!("{} bytes for a {n} × {k} f32 matrix", bytes.len())));
         }
-        if !fast_kernel() {
+        if !simd_available() {
             return Projection::new(Tensor::from_raw_buffer(bytes, DType::F32, &[n, k], &Device::Cpu)?);
         }
-        Ok(Projection { imp: Imp::Packed(Packed::from_le(values, n, k)) })
+        Ok(Projection { imp: Imp::Packed(Packed::from_le(values, n, k), None) })
+    }
+
+    /// Tensor `name` of `w` (`[out, in]`): an f32 matrix packed straight from the image's bytes
+    /// (one copy, not two), another dtype widened first.
+    pub(crate) fn load(w: &Weights<'_>, name: &str) -> Result<Projection, ExecError> {
+        Ok(match w.f32_bytes(name)? {
+            Some((bytes, &[n, k])) => Projection::from_f32_le(bytes, n, k)?,
+            _ => Projection::new(w.tensor(name)?)?,
+        })
+    }
+
+    /// The same, plus `bias` (`[out]`) on every output.
+    pub(crate) fn with_bias(self, bias: Tensor) -> candle_core::Result<Projection> {
+        let imp = match self.imp {
+            Imp::Linear(l) => Imp::Linear(Linear::new(l.weight().clone(), Some(bias.to_dtype(DType::F32)?))),
+            Imp::Packed(p, _) => {
+                let b = bias.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+                if b.len() != p.n {
+                    return Err(candle_core::Error::Msg(format!("a bias of {} for {} outputs", b.len(), p.n)));
+                }
+                Imp::Packed(p, Some(b))
+            }
+        };
+        Ok(Projection { imp })
     }
 
     /// `W`, `[out, in]` (a copy where it is packed).
     pub(crate) fn weight(&self) -> candle_core::Result<Tensor> {
         match &self.imp {
             Imp::Linear(l) => Ok(l.weight().clone()),
-            Imp::Packed(p) => Tensor::from_vec(p.unpack(), (p.n, p.k), &Device::Cpu),
+            Imp::Packed(p, _) => Tensor::from_vec(p.unpack(), (p.n, p.k), &Device::Cpu),
         }
     }
 
     /// `W + delta` in place of `W`.
     pub(crate) fn add(&mut self, delta: &Tensor) -> candle_core::Result<()> {
         match &mut self.imp {
-            Imp::Linear(l) => *l = Linear::new((l.weight() + delta)?.contiguous()?, None),
-            Imp::Packed(p) => {
+            Imp::Linear(l) => *l = Linear::new((l.weight() + delta)?.contiguous()?, l.bias().cloned()),
+            Imp::Packed(p, _) => {
                 let (n, k) = delta.dims2()?;
                 if (n, k) != (p.n, p.k) {
                     return Err(candle_core::Error::ShapeMismatchBinaryOp {
@@ -133,7 +163,7 @@ impl Projection {
                 let k = l.weight().dim(1)?;
                 return candle_nn::Embedding::new(l.weight().clone(), k).forward(ids);
             }
-            Imp::Packed(p) => p,
+            Imp::Packed(p, _) => p,
         };
         let k = p.k;
         let mut dims = ids.dims().to_vec();
@@ -150,11 +180,11 @@ impl Projection {
         Tensor::from_vec(out, dims, &Device::Cpu)
     }
 
-    /// `x · Wᵀ` for `x` of any rank whose last dimension is `in`.
+    /// `x · Wᵀ (+ b)` for `x` of any rank whose last dimension is `in`.
     pub(crate) fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let p = match &self.imp {
+        let (p, bias) = match &self.imp {
             Imp::Linear(l) => return l.forward(x),
-            Imp::Packed(p) => p,
+            Imp::Packed(p, bias) => (p, bias),
         };
         let dims = x.dims();
         if dims.last() != Some(&p.k) {
@@ -165,7 +195,12 @@ impl Projection {
             });
         }
         let rows = x.elem_count() / p.k.max(1);
-        let y = with_f32(x, |x| product(x, rows, p))?;
+        let mut y = with_f32(x, |x| product(x, rows, p))?;
+        if let Some(b) = bias {
+            for row in y.chunks_exact_mut(p.n) {
+                row.iter_mut().zip(b).for_each(|(y, b)| *y += b);
+            }
+        }
         let mut out = dims.to_vec();
         if let Some(last) = out.last_mut() {
             *last = p.n;
@@ -223,7 +258,7 @@ fn native_bytes(v: &[f32]) -> &[[u8; 4]] {
 }
 
 /// `f` on `t`'s values as f32, row-major: borrowed where `t` holds them so, else copied.
-fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> candle_core::Result<R> {
+pub(crate) fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> candle_core::Result<R> {
     let t = t.to_dtype(DType::F32)?.contiguous()?;
     let (storage, layout) = t.storage_and_layout();
     if let (candle_core::Storage::Cpu(candle_core::CpuStorage::F32(all)), Some((start, end))) =
@@ -235,19 +270,7 @@ fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> candle_core::Result<R
     Ok(f(&t.flatten_all()?.to_vec1::<f32>()?))
 }
 
-/// Whether this CPU has the instructions [`kernel`] is compiled for.
-fn fast_kernel() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
-}
-
-/// `x` `[rows, k]` times `W`ᵀ: `[rows, n]`. Only called when [`fast_kernel`].
+/// `x` `[rows, k]` times `W`ᵀ: `[rows, n]`. Only called when [`simd_available`].
 fn product(x: &[f32], rows: usize, w: &Packed) -> Vec<f32> {
     let (n, k) = (w.n, w.k);
     let panels = n.div_ceil(PANEL);
@@ -281,7 +304,7 @@ fn product(x: &[f32], rows: usize, w: &Packed) -> Vec<f32> {
                     let xs = &x[g0 * k + k0..(g0 + g - 1) * k + k0 + kc];
                     for p in mine.clone() {
                         let slice = &w.data[p * k * PANEL + k0 * PANEL..][..kc * PANEL];
-                        // SAFETY: `product` runs only where `fast_kernel` found AVX2 and FMA, the
+                        // SAFETY: `product` runs only where `simd_available` found AVX2 and FMA, the
                         // features `kernel` is compiled for. The sums are rows g0..g0 + g <= rows
                         // of y, columns 16·p..16·p + 16 <= width: inside y, which outlives the
                         // loop; panel p is this task's alone (the tasks' panel ranges are
@@ -371,10 +394,10 @@ unsafe fn kernel(g: usize, o: &Operands<'_>) {
     }
 }
 
-/// Never called: [`fast_kernel`] is false off x86_64.
+/// Never called: [`simd_available`] is false off x86_64.
 #[cfg(not(target_arch = "x86_64"))]
 unsafe fn kernel(_: usize, _: &Operands<'_>) {
-    unreachable!("fast_kernel is false off x86_64")
+    unreachable!("simd_available is false off x86_64")
 }
 
 /// [`kernel`] for `G` tokens (the same safety contract).
@@ -540,11 +563,11 @@ mod tests {
     #[test]
     fn the_packed_path_is_taken_where_the_cpu_has_it() {
         let p = Projection::new(Tensor::zeros((4, 4), DType::F32, &Device::Cpu).unwrap()).unwrap();
-        if !fast_kernel() {
+        if !simd_available() {
             assert!(matches!(p.imp, Imp::Linear(_)));
             eprintln!("skipped: this CPU lacks AVX2 or FMA, so every product goes through Linear");
             return;
         }
-        assert!(matches!(p.imp, Imp::Packed(_)));
+        assert!(matches!(p.imp, Imp::Packed(..)));
     }
 }
