@@ -9,15 +9,22 @@
 //! sequences decoded hardly faster than eight (2026-12-05).
 //!
 //! On x86_64 with AVX2 and FMA, this module packs `W` once, when the model loads, into panels of
-//! [`PANEL`] outputs (`[panel][input][PANEL]`, the last panel padded with zeros) and keeps only
+//! [`PANEL`](kernel::PANEL) outputs (`[panel][input][PANEL]`, the last panel padded with zeros) and keeps only
 //! that copy. A product runs the kernel `gemm` would run on its own packing: for a group of up
-//! to [`GROUP`] tokens and one panel, two 8-lane accumulators per token, each input's 16 weights
-//! loaded once for the group and each token's input broadcast once for the panel ([`kernel`]).
-//! A thread passes every group over [`CACHED_W_BYTES`] of its panels at a time, which stay in L2,
-//! so `W` comes from memory once; with more than one group, the inputs go in blocks of [`KC`],
+//! to [`GROUP`](kernel::GROUP) tokens and one panel, two 8-lane accumulators per token, each input's 16 weights
+//! loaded once for the group and each token's input broadcast once for the panel ([`kernel`](kernel::kernel)).
+//! A thread passes every group over [`CACHED_W_BYTES`](kernel::CACHED_W_BYTES) of its panels at a time, which stay in L2,
+//! so `W` comes from memory once; with more than one group, the inputs go in blocks of [`KC`](kernel::KC),
 //! so that a group's stay in L1. The panels are split over rayon's threads. On another CPU,
 //! `Linear` computes as before. A tied LM head and the token embedding table it doubles as are
 //! one packed matrix ([`Projection::rows`] looks tokens up in it).
+//!
+//! A model stored in f16 (`cascade model import --dtype f16`) keeps its matrices in f16 panels
+//! ([`packed::Half`]), which the kernel widens to f32 as it loads them (F16C): half the memory,
+//! half the bytes a decode step streams, and the products of the f32 values they widen to,
+//! bit for bit — before, its matrices were widened to f32 when they loaded. Adding to such a
+//! matrix (a LoRA adapter merged) widens it to f32 first, so that taking the delta away again
+//! gives `W` back.
 //!
 //! Each output is one chain of fused multiply-adds over the inputs in order, whatever the number
 //! of tokens, their place in the batch or the thread count: a sequence's logits are the same bits
@@ -42,24 +49,16 @@
 //! Packing costs one pass over the matrix when the model loads, straight from the image's bytes
 //! ([`Projection::from_f32_le`]): the LM head of 113 MB in about 38 ms on both cores.
 
+mod kernel;
+mod packed;
+
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::Linear;
-use rayon::prelude::*;
 
 use crate::vmath::simd_available;
 use crate::weights::Weights;
 use crate::ExecError;
-
-/// Outputs per panel: two 8-lane registers.
-const PANEL: usize = 16;
-/// Inputs per pass where there are several groups: a group's inputs (18 KB) stay in L1 while
-/// the panels pass.
-const KC: usize = 768;
-/// Bytes of panels a thread passes over with each group of tokens: they stay in L2 (1 MB per
-/// core here), so `W` comes from memory once.
-const CACHED_W_BYTES: usize = 256 << 10;
-/// Tokens one kernel call computes: 12 accumulators, two weight registers and a broadcast.
-const GROUP: usize = 6;
+use packed::{Half, Packed};
 
 /// `y = x · Wᵀ (+ b)`, `W` `[out, in]` (see the module docs).
 pub(crate) struct Projection {
@@ -68,15 +67,46 @@ pub(crate) struct Projection {
 
 enum Imp {
     /// `W` packed, and the bias added to each output row.
-    Packed(Packed, Option<Vec<f32>>),
+    Packed(Panels, Option<Vec<f32>>),
     Linear(Linear),
 }
 
-/// `W` `[n, k]` in panels: `data[(j / PANEL) · k · PANEL + i · PANEL + j % PANEL] = W[j][i]`.
-struct Packed {
-    data: Vec<f32>,
-    n: usize,
-    k: usize,
+/// `W`'s panels, of f32 weights or of the f16 a model stores.
+enum Panels {
+    F32(Packed<f32>),
+    F16(Packed<Half>),
+}
+
+impl Panels {
+    /// `(n, k)`: `W` is `[n, k]`.
+    fn shape(&self) -> (usize, usize) {
+        match self {
+            Panels::F32(p) => (p.n, p.k),
+            Panels::F16(p) => (p.n, p.k),
+        }
+    }
+
+    fn product(&self, x: &[f32], rows: usize) -> Vec<f32> {
+        match self {
+            Panels::F32(p) => p.product(x, rows),
+            Panels::F16(p) => p.product(x, rows),
+        }
+    }
+
+    /// Row `j` of `W` (`j < n`) onto `out`.
+    fn extend_row(&self, j: usize, out: &mut Vec<f32>) {
+        match self {
+            Panels::F32(p) => out.extend(p.row(j)),
+            Panels::F16(p) => out.extend(p.row(j)),
+        }
+    }
+
+    fn unpack(&self) -> Vec<f32> {
+        match self {
+            Panels::F32(p) => p.unpack(),
+            Panels::F16(p) => p.unpack(),
+        }
+    }
 }
 
 impl Projection {
@@ -84,7 +114,7 @@ impl Projection {
     pub(crate) fn new(w: Tensor) -> candle_core::Result<Projection> {
         let (n, k) = w.dims2()?;
         let imp = if simd_available() {
-            Imp::Packed(with_f32(&w, |w| Packed::from_le(native_bytes(w), n, k))?, None)
+            Imp::Packed(Panels::F32(with_f32(&w, |w| Packed::from_values(w, n, k, |v| *v))?), None)
         } else {
             Imp::Linear(Linear::new(w.contiguous()?, None))
         };
@@ -101,14 +131,33 @@ impl Projection {
         if !simd_available() {
             return Projection::new(Tensor::from_raw_buffer(bytes, DType::F32, &[n, k], &Device::Cpu)?);
         }
-        Ok(Projection { imp: Imp::Packed(Packed::from_le(values, n, k), None) })
+        Ok(Projection {
+            imp: Imp::Packed(Panels::F32(Packed::from_values(values, n, k, |b| f32::from_le_bytes(*b))), None),
+        })
     }
 
-    /// Tensor `name` of `w` (`[out, in]`): an f32 matrix packed straight from the image's bytes
-    /// (one copy, not two), another dtype widened first.
+    /// From `W`, `[n, k]`, as little-endian f16 bytes (a model stored in f16): kept in f16 where
+    /// the packed kernel runs, half the bytes of f32 to hold and stream, the products of the f32
+    /// values they widen to; widened to f32 (`Linear`) elsewhere.
+    pub(crate) fn from_f16_le(bytes: &[u8], n: usize, k: usize) -> candle_core::Result<Projection> {
+        let (values, rest) = bytes.as_chunks::<2>();
+        if values.len() != n * k || !rest.is_empty() {
+            return Err(candle_core::Error::Msg(format!("{} bytes for a {n} × {k} f16 matrix", bytes.len())));
+        }
+        if !simd_available() {
+            let w = Tensor::from_raw_buffer(bytes, DType::F16, &[n, k], &Device::Cpu)?.to_dtype(DType::F32)?;
+            return Projection::new(w);
+        }
+        let p = Packed::from_values(values, n, k, |b| Half(u16::from_le_bytes(*b)));
+        Ok(Projection { imp: Imp::Packed(Panels::F16(p), None) })
+    }
+
+    /// Tensor `name` of `w` (`[out, in]`): an f32 or f16 matrix packed straight from the image's
+    /// bytes (one copy, not two), another dtype (bf16) widened to f32 first.
     pub(crate) fn load(w: &Weights<'_>, name: &str) -> Result<Projection, ExecError> {
-        Ok(match w.f32_bytes(name)? {
-            Some((bytes, &[n, k])) => Projection::from_f32_le(bytes, n, k)?,
+        Ok(match w.stored(name)? {
+            (bytes, DType::F32, &[n, k]) => Projection::from_f32_le(bytes, n, k)?,
+            (bytes, DType::F16, &[n, k]) => Projection::from_f16_le(bytes, n, k)?,
             _ => Projection::new(w.tensor(name)?)?,
         })
     }
@@ -119,8 +168,8 @@ impl Projection {
             Imp::Linear(l) => Imp::Linear(Linear::new(l.weight().clone(), Some(bias.to_dtype(DType::F32)?))),
             Imp::Packed(p, _) => {
                 let b = bias.to_dtype(DType::F32)?.to_vec1::<f32>()?;
-                if b.len() != p.n {
-                    return Err(candle_core::Error::Msg(format!("a bias of {} for {} outputs", b.len(), p.n)));
+                if b.len() != p.shape().0 {
+                    return Err(candle_core::Error::Msg(format!("a bias of {} for {} outputs", b.len(), p.shape().0)));
                 }
                 Imp::Packed(p, Some(b))
             }
@@ -132,7 +181,7 @@ impl Projection {
     pub(crate) fn weight(&self) -> candle_core::Result<Tensor> {
         match &self.imp {
             Imp::Linear(l) => Ok(l.weight().clone()),
-            Imp::Packed(p, _) => Tensor::from_vec(p.unpack(), (p.n, p.k), &Device::Cpu),
+            Imp::Packed(p, _) => Tensor::from_vec(p.unpack(), p.shape(), &Device::Cpu),
         }
     }
 
@@ -141,15 +190,21 @@ impl Projection {
         match &mut self.imp {
             Imp::Linear(l) => *l = Linear::new((l.weight() + delta)?.contiguous()?, l.bias().cloned()),
             Imp::Packed(p, _) => {
-                let (n, k) = delta.dims2()?;
-                if (n, k) != (p.n, p.k) {
+                if delta.dims2()? != p.shape() {
                     return Err(candle_core::Error::ShapeMismatchBinaryOp {
-                        lhs: (p.n, p.k).into(),
+                        lhs: p.shape().into(),
                         rhs: delta.shape().clone(),
                         op: "add",
                     });
                 }
-                with_f32(delta, |d| p.fill(d, |slot, v| *slot += v))?;
+                // A sum rounded back to f16 would not give W back when the delta is taken away
+                // again (a LoRA adapter merged and unmerged): f16 weights are widened first.
+                if let Panels::F16(h) = p {
+                    *p = Panels::F32(h.widen());
+                }
+                if let Panels::F32(w) = p {
+                    with_f32(delta, |d| w.fill(d, |slot, v| *slot += v))?;
+                }
             }
         }
         Ok(())
@@ -165,17 +220,17 @@ impl Projection {
             }
             Imp::Packed(p, _) => p,
         };
-        let k = p.k;
+        let (n, k) = p.shape();
         let mut dims = ids.dims().to_vec();
         dims.push(k);
         let ids = ids.flatten_all()?.to_dtype(DType::U32)?.to_vec1::<u32>()?;
         let mut out: Vec<f32> = Vec::with_capacity(ids.len() * k);
         for &j in &ids {
             let j = j as usize;
-            if j >= p.n {
-                return Err(candle_core::Error::Msg(format!("row {j} of a table of {} rows", p.n)));
+            if j >= n {
+                return Err(candle_core::Error::Msg(format!("row {j} of a table of {n} rows")));
             }
-            out.extend(p.row(j));
+            p.extend_row(j, &mut out);
         }
         Tensor::from_vec(out, dims, &Device::Cpu)
     }
@@ -187,74 +242,27 @@ impl Projection {
             Imp::Packed(p, bias) => (p, bias),
         };
         let dims = x.dims();
-        if dims.last() != Some(&p.k) {
+        let (n, k) = p.shape();
+        if dims.last() != Some(&k) {
             return Err(candle_core::Error::ShapeMismatchBinaryOp {
                 lhs: x.shape().clone(),
-                rhs: (p.n, p.k).into(),
+                rhs: (n, k).into(),
                 op: "projection",
             });
         }
-        let rows = x.elem_count() / p.k.max(1);
-        let mut y = with_f32(x, |x| product(x, rows, p))?;
+        let rows = x.elem_count() / k.max(1);
+        let mut y = with_f32(x, |x| p.product(x, rows))?;
         if let Some(b) = bias {
-            for row in y.chunks_exact_mut(p.n) {
+            for row in y.chunks_exact_mut(n) {
                 row.iter_mut().zip(b).for_each(|(y, b)| *y += b);
             }
         }
         let mut out = dims.to_vec();
         if let Some(last) = out.last_mut() {
-            *last = p.n;
+            *last = n;
         }
         Tensor::from_vec(y, out, &Device::Cpu)?.to_dtype(x.dtype())
     }
-}
-
-impl Packed {
-    /// `d`, `[n, k]` little-endian f32, row-major, packed.
-    fn from_le(d: &[[u8; 4]], n: usize, k: usize) -> Packed {
-        let mut p = Packed { data: vec![0f32; n.div_ceil(PANEL) * k * PANEL], n, k };
-        p.fill(d, |slot, v| *slot = f32::from_le_bytes(*v));
-        p
-    }
-
-    /// `f(slot, d[j][i])` for the packed `W[j][i]`'s slot of every `j` and `i`; `d` is `[n, k]`,
-    /// row-major. The panels are split over rayon's threads.
-    fn fill<T: Sync>(&mut self, d: &[T], f: impl Fn(&mut f32, &T) + Sync) {
-        let (n, k) = (self.n, self.k);
-        if k == 0 {
-            return;
-        }
-        self.data.par_chunks_mut(k * PANEL).enumerate().for_each(|(p, panel)| {
-            let rows: Vec<&[T]> = d[p * PANEL * k..n.min((p + 1) * PANEL) * k].chunks_exact(k).collect();
-            // 64 inputs at a time: their 4 KB of the panel stay in L1 while the rows fill them.
-            for (b, block) in panel.chunks_mut(64 * PANEL).enumerate() {
-                let inputs = b * 64..b * 64 + block.len() / PANEL;
-                for (c, row) in rows.iter().enumerate() {
-                    for (slot, v) in block[c..].iter_mut().step_by(PANEL).zip(&row[inputs.clone()]) {
-                        f(slot, v);
-                    }
-                }
-            }
-        });
-    }
-
-    /// Row `j` of `W` (`j < n`), read from its panel.
-    fn row(&self, j: usize) -> impl Iterator<Item = f32> + '_ {
-        let k = self.k;
-        self.data[(j / PANEL) * k * PANEL..][..k * PANEL].iter().skip(j % PANEL).step_by(PANEL).copied()
-    }
-
-    /// `W`, row-major.
-    fn unpack(&self) -> Vec<f32> {
-        (0..self.n).flat_map(|j| self.row(j)).collect()
-    }
-}
-
-/// `v`'s values as their bytes in memory: little-endian f32 where this module packs (x86_64).
-fn native_bytes(v: &[f32]) -> &[[u8; 4]] {
-    // SAFETY: `[u8; 4]` has f32's size, alignment 1 and no invalid values; the slice covers the
-    // same memory, borrowed for the same lifetime.
-    unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<[u8; 4]>(), v.len()) }
 }
 
 /// `f` on `t`'s values as f32, row-major: borrowed where `t` holds them so, else copied.
@@ -268,183 +276,6 @@ pub(crate) fn with_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> candle_cor
     }
     drop(storage);
     Ok(f(&t.flatten_all()?.to_vec1::<f32>()?))
-}
-
-/// `x` `[rows, k]` times `W`ᵀ: `[rows, n]`. Only called when [`simd_available`].
-fn product(x: &[f32], rows: usize, w: &Packed) -> Vec<f32> {
-    let (n, k) = (w.n, w.k);
-    let panels = n.div_ceil(PANEL);
-    let width = panels * PANEL;
-    let mut y = vec![0f32; rows * width];
-    if rows == 0 || k == 0 {
-        y.truncate(rows * n);
-        return y;
-    }
-    assert!(x.len() >= rows * k, "product: {} values for {rows} rows of {k}", x.len());
-    let out = Columns { ptr: y.as_mut_ptr(), width };
-    let threads = rayon::current_num_threads();
-    let block = panels.div_ceil(threads * 4).max(1);
-    // One group's inputs fit L1 whole; more pass in blocks of KC, so that each panel streams
-    // from memory in one pass when there is one group (decoding).
-    let kc_max = if rows <= GROUP { k } else { KC };
-    // Groups as even as they can be (8 tokens: 4 and 4, not 6 and 2): a group of few tokens has
-    // too few accumulators to hide the FMA's latency.
-    let count = rows.div_ceil(GROUP);
-    let groups: Vec<(usize, usize)> =
-        (0..count).map(|i| (i * rows / count, (i + 1) * rows / count - i * rows / count)).collect();
-    // Panels first..last, their sums into y's columns 16·first..16·last.
-    let run = |first: usize| {
-        let last = panels.min(first + block);
-        for k0 in (0..k).step_by(kc_max) {
-            let kc = kc_max.min(k - k0);
-            let cached = (CACHED_W_BYTES / (kc * PANEL * 4)).max(1);
-            for p0 in (first..last).step_by(cached) {
-                let mine = p0..last.min(p0 + cached);
-                for &(g0, g) in &groups {
-                    let xs = &x[g0 * k + k0..(g0 + g - 1) * k + k0 + kc];
-                    for p in mine.clone() {
-                        let slice = &w.data[p * k * PANEL + k0 * PANEL..][..kc * PANEL];
-                        // SAFETY: `product` runs only where `simd_available` found AVX2 and FMA, the
-                        // features `kernel` is compiled for. The sums are rows g0..g0 + g <= rows
-                        // of y, columns 16·p..16·p + 16 <= width: inside y, which outlives the
-                        // loop; panel p is this task's alone (the tasks' panel ranges are
-                        // disjoint) and nothing else touches y until every task has ended.
-                        unsafe {
-                            kernel(
-                                g,
-                                &Operands {
-                                    x: xs,
-                                    stride: k,
-                                    slice,
-                                    kc,
-                                    acc: out.at(g0, p * PANEL),
-                                    acc_stride: width,
-                                    first: k0 == 0,
-                                },
-                            )
-                        };
-                    }
-                }
-            }
-        }
-    };
-    if threads > 1 {
-        (0..panels).into_par_iter().step_by(block).for_each(run);
-    } else {
-        (0..panels).step_by(block).for_each(run);
-    }
-    if width != n {
-        for r in 0..rows {
-            y.copy_within(r * width..r * width + n, r * n);
-        }
-        y.truncate(rows * n);
-    }
-    y
-}
-
-/// `y` as the tasks of [`product`] write it: each its own panels' columns of every row.
-struct Columns {
-    ptr: *mut f32,
-    width: usize,
-}
-
-impl Columns {
-    /// Where row `row`'s column `col` lies (valid to write only as `product` says).
-    fn at(&self, row: usize, col: usize) -> *mut f32 {
-        self.ptr.wrapping_add(row * self.width + col)
-    }
-}
-
-// SAFETY: the tasks sharing a `Columns` write disjoint columns of `y` (see `product`).
-unsafe impl Sync for Columns {}
-
-/// One call of [`kernel`]: a group of tokens and a panel's slice of inputs.
-struct Operands<'a> {
-    /// The group's inputs: token t's `kc` lie at `x[t · stride..]`.
-    x: &'a [f32],
-    stride: usize,
-    /// The panel's weights for those inputs, `[kc][PANEL]`.
-    slice: &'a [f32],
-    kc: usize,
-    /// Token t's `PANEL` sums lie at `acc + t · acc_stride`.
-    acc: *mut f32,
-    acc_stride: usize,
-    /// Whether the sums start here (overwritten) or go on (added to).
-    first: bool,
-}
-
-/// `acc[t] (+)= x[t] · slice` for the `g ≤ GROUP` tokens of `o`.
-///
-/// # Safety
-/// The CPU has AVX2 and FMA, and `o.acc + t · o.acc_stride .. + PANEL` is valid for reads and
-/// writes and not otherwise accessed during the call for every `t < g`.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn kernel(g: usize, o: &Operands<'_>) {
-    // SAFETY: the caller's contract, passed on (every arm).
-    unsafe {
-        match g {
-            1 => kernel_n::<1>(o),
-            2 => kernel_n::<2>(o),
-            3 => kernel_n::<3>(o),
-            4 => kernel_n::<4>(o),
-            5 => kernel_n::<5>(o),
-            _ => kernel_n::<6>(o),
-        }
-    }
-}
-
-/// Never called: [`simd_available`] is false off x86_64.
-#[cfg(not(target_arch = "x86_64"))]
-unsafe fn kernel(_: usize, _: &Operands<'_>) {
-    unreachable!("simd_available is false off x86_64")
-}
-
-/// [`kernel`] for `G` tokens (the same safety contract).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-#[inline]
-unsafe fn kernel_n<const G: usize>(o: &Operands<'_>) {
-    let &Operands { x, stride, slice, kc, acc, acc_stride, first } = o;
-    use std::arch::x86_64::{
-        __m256, _mm256_broadcast_ss, _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_setzero_ps, _mm256_storeu_ps,
-    };
-    assert!(
-        kc > 0 && x.len() > (G - 1) * stride + kc - 1 && slice.len() >= kc * PANEL,
-        "kernel: {G} tokens of {kc} inputs (stride {stride}) in {}, a slice of {}",
-        x.len(),
-        slice.len(),
-    );
-    let mut sums: [[__m256; 2]; G] = [[_mm256_setzero_ps(); 2]; G];
-    if !first {
-        for (t, s) in sums.iter_mut().enumerate() {
-            // SAFETY: the caller's contract: token t's PANEL sums at acc + t · acc_stride.
-            *s = unsafe {
-                let at = acc.add(t * acc_stride);
-                [_mm256_loadu_ps(at), _mm256_loadu_ps(at.add(8))]
-            };
-        }
-    }
-    for i in 0..kc {
-        // SAFETY: i < kc and the slice holds kc · PANEL floats (asserted above).
-        let (w0, w1) = unsafe {
-            (_mm256_loadu_ps(slice.as_ptr().add(i * PANEL)), _mm256_loadu_ps(slice.as_ptr().add(i * PANEL + 8)))
-        };
-        for (t, s) in sums.iter_mut().enumerate() {
-            // SAFETY: t · stride + i <= (G − 1) · stride + kc − 1 < x.len() (asserted above).
-            let xb = unsafe { _mm256_broadcast_ss(&*x.as_ptr().add(t * stride + i)) };
-            s[0] = _mm256_fmadd_ps(xb, w0, s[0]);
-            s[1] = _mm256_fmadd_ps(xb, w1, s[1]);
-        }
-    }
-    for (t, s) in sums.iter().enumerate() {
-        // SAFETY: the caller's contract, as above.
-        unsafe {
-            let at = acc.add(t * acc_stride);
-            _mm256_storeu_ps(at, s[0]);
-            _mm256_storeu_ps(at.add(8), s[1]);
-        }
-    }
 }
 
 #[cfg(test)]
@@ -467,8 +298,8 @@ mod tests {
     }
 
     /// The same products as `Linear` over `W` (up to f32 summation order) for one token to more
-    /// than a hundred, inputs within one [`KC`] block and across several, outputs that
-    /// do and do not fill their last [`PANEL`], one thread or several.
+    /// than a hundred, inputs within one [`KC`](kernel::KC) block and across several, outputs that
+    /// do and do not fill their last [`PANEL`](kernel::PANEL), one thread or several.
     #[test]
     fn products_equal_linears_at_every_shape() {
         let dev = Device::Cpu;
@@ -541,6 +372,51 @@ mod tests {
         assert_eq!(max_diff(&p.weight().unwrap(), &w), 0.0);
         assert!(Projection::from_f32_le(&bytes[1..], 19, 33).is_err());
         assert!(Projection::from_f32_le(&bytes, 19, 32).is_err());
+    }
+
+    /// A matrix from f16 bytes gives, bit for bit, what the f32 matrix its values widen to gives:
+    /// products of 1 to 203 tokens with and without a bias, its weight, its rows; it is held
+    /// in f16 where the packed kernel runs; adding to it (and taking it away) does what it does to
+    /// the widened values;
+    /// a wrong length is refused.
+    #[test]
+    fn a_matrix_from_f16_bytes_computes_as_its_widened_values() {
+        let dev = Device::Cpu;
+        let (out, inp) = (37, 600);
+        let w16 = Tensor::randn(0f32, 1.0, (out, inp), &dev).unwrap().to_dtype(DType::F16).unwrap();
+        let wide = w16.to_dtype(DType::F32).unwrap();
+        let bytes: Vec<u8> =
+            w16.flatten_all().unwrap().to_vec1::<half::f16>().unwrap().iter().flat_map(|v| v.to_le_bytes()).collect();
+        let half_p = Projection::from_f16_le(&bytes, out, inp).unwrap();
+        let full_p = Projection::new(wide.clone()).unwrap();
+        if simd_available() {
+            assert!(matches!(half_p.imp, Imp::Packed(Panels::F16(_), _)));
+        }
+        assert_eq!(max_diff(&half_p.weight().unwrap(), &wide), 0.0);
+        for rows in [1, 2, 6, 7, 13, 203] {
+            let x = Tensor::randn(0f32, 1.0, (rows, inp), &dev).unwrap();
+            assert_eq!(rows_of(&half_p.forward(&x).unwrap()), rows_of(&full_p.forward(&x).unwrap()), "{rows} rows");
+        }
+        let bias = Tensor::randn(0f32, 1.0, out, &dev).unwrap();
+        let (hb, fb) = (
+            Projection::from_f16_le(&bytes, out, inp).unwrap().with_bias(bias.clone()).unwrap(),
+            Projection::new(wide.clone()).unwrap().with_bias(bias).unwrap(),
+        );
+        let x = Tensor::randn(0f32, 1.0, (9, inp), &dev).unwrap();
+        assert_eq!(rows_of(&hb.forward(&x).unwrap()), rows_of(&fb.forward(&x).unwrap()));
+        let ids = Tensor::new(&[0u32, 36, 5], &dev).unwrap();
+        assert_eq!(max_diff(&half_p.rows(&ids).unwrap(), &full_p.rows(&ids).unwrap()), 0.0);
+        let d = Tensor::randn(0f32, 1.0, (out, inp), &dev).unwrap();
+        let (mut h, mut f) = (half_p, full_p);
+        h.add(&d).unwrap();
+        f.add(&d).unwrap();
+        assert_eq!(max_diff(&h.weight().unwrap(), &f.weight().unwrap()), 0.0);
+        h.add(&d.neg().unwrap()).unwrap();
+        f.add(&d.neg().unwrap()).unwrap();
+        assert_eq!(max_diff(&h.weight().unwrap(), &f.weight().unwrap()), 0.0, "merged and unmerged");
+        assert!(max_diff(&h.weight().unwrap(), &wide) < 1e-6, "W is back, up to f32 rounding");
+        assert!(Projection::from_f16_le(&bytes[1..], out, inp).is_err());
+        assert!(Projection::from_f16_le(&bytes, out, inp - 1).is_err());
     }
 
     /// `rows` looks up `W`'s rows as an embedding table over `W` does, for ids of any shape, and

@@ -117,11 +117,14 @@ fn silu(x: f32) -> f32 {
     x / (1.0 + exp(-x))
 }
 
-/// Whether this CPU has AVX2 and FMA, which the vector loops are compiled for.
+/// Whether this CPU has AVX2 and FMA, which the vector loops are compiled for, and F16C, which
+/// the packed projections' kernel also uses (every CPU with AVX2 has it).
 pub(crate) fn simd_available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma")
+        std::is_x86_feature_detected!("avx2")
+            && std::is_x86_feature_detected!("fma")
+            && std::is_x86_feature_detected!("f16c")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {

@@ -18,9 +18,6 @@ enum Image {
     Packed,
 }
 
-/// A tensor's bytes (little-endian f32) and shape.
-pub(crate) type F32Bytes<'a> = (&'a [u8], &'a [usize]);
-
 /// Tensors by name over an image.
 pub struct Weights<'a> {
     bytes: &'a [u8],
@@ -80,19 +77,13 @@ impl<'a> Weights<'a> {
 
     /// Tensor `name` as an f32 CPU tensor (F16 and BF16 are widened).
     pub fn tensor(&self, name: &str) -> Result<Tensor, ExecError> {
-        let (bytes, dtype, shape) = self.raw(name)?;
+        let (bytes, dtype, shape) = self.stored(name)?;
         Ok(Tensor::from_raw_buffer(bytes, dtype, shape, &crate::bert::cpu())?.to_dtype(DType::F32)?)
     }
 
-    /// Tensor `name`'s bytes and shape where it is stored as f32 (little-endian), to be read
-    /// without a copy in between; `None` for another dtype.
-    pub(crate) fn f32_bytes(&self, name: &str) -> Result<Option<F32Bytes<'a>>, ExecError> {
-        let (bytes, dtype, shape) = self.raw(name)?;
-        Ok((dtype == DType::F32).then_some((bytes, shape)))
-    }
-
-    /// Tensor `name`'s bytes in the image, its dtype and its shape.
-    fn raw(&self, name: &str) -> Result<(&'a [u8], DType, &'a [usize]), ExecError> {
+    /// Tensor `name`'s bytes in the image, its dtype and its shape, to be read without a copy
+    /// in between.
+    pub(crate) fn stored(&self, name: &str) -> Result<(&'a [u8], DType, &'a [usize]), ExecError> {
         let &(layer, t) = self.index.get(name).ok_or_else(|| ExecError::Model(format!("no tensor {name:?}")))?;
         let dtype = match t.dtype.as_str() {
             "F32" => DType::F32,

@@ -1,0 +1,194 @@
+//! The product of a group of tokens with `W`'s panels: AVX2/FMA, `W`'s weights widened from f16
+//! (F16C) where it is stored so (see the parent module's docs).
+
+use rayon::prelude::*;
+
+use super::packed::{Packed, Weight};
+
+/// Outputs per panel: two 8-lane registers.
+pub(crate) const PANEL: usize = 16;
+/// Inputs per pass where there are several groups: a group's inputs (18 KB) stay in L1 while
+/// the panels pass.
+pub(crate) const KC: usize = 768;
+/// Bytes of panels a thread passes over with each group of tokens: they stay in L2 (1 MB per
+/// core here), so `W` comes from memory once.
+pub(crate) const CACHED_W_BYTES: usize = 256 << 10;
+/// Tokens one kernel call computes: 12 accumulators, two weight registers and a broadcast.
+pub(crate) const GROUP: usize = 6;
+
+/// `x` `[rows, k]` times `W`ᵀ: `[rows, n]`. Only called where
+/// [`crate::vmath::simd_available`].
+pub(super) fn product<W: Weight>(x: &[f32], rows: usize, w: &Packed<W>) -> Vec<f32> {
+    let (n, k) = (w.n, w.k);
+    let panels = n.div_ceil(PANEL);
+    let width = panels * PANEL;
+    let mut y = vec![0f32; rows * width];
+    if rows == 0 || k == 0 {
+        y.truncate(rows * n);
+        return y;
+    }
+    assert!(x.len() >= rows * k, "product: {} values for {rows} rows of {k}", x.len());
+    let out = Columns { ptr: y.as_mut_ptr(), width };
+    let threads = rayon::current_num_threads();
+    let block = panels.div_ceil(threads * 4).max(1);
+    // One group's inputs fit L1 whole; more pass in blocks of KC, so that each panel streams
+    // from memory in one pass when there is one group (decoding).
+    let kc_max = if rows <= GROUP { k } else { KC };
+    // Groups as even as they can be (8 tokens: 4 and 4, not 6 and 2): a group of few tokens has
+    // too few accumulators to hide the FMA's latency.
+    let count = rows.div_ceil(GROUP);
+    let groups: Vec<(usize, usize)> =
+        (0..count).map(|i| (i * rows / count, (i + 1) * rows / count - i * rows / count)).collect();
+    // Panels first..last, their sums into y's columns 16·first..16·last.
+    let run = |first: usize| {
+        let last = panels.min(first + block);
+        for k0 in (0..k).step_by(kc_max) {
+            let kc = kc_max.min(k - k0);
+            let cached = (CACHED_W_BYTES / (kc * PANEL * std::mem::size_of::<W>())).max(1);
+            for p0 in (first..last).step_by(cached) {
+                let mine = p0..last.min(p0 + cached);
+                for &(g0, g) in &groups {
+                    let xs = &x[g0 * k + k0..(g0 + g - 1) * k + k0 + kc];
+                    for p in mine.clone() {
+                        let slice = &w.data[p * k * PANEL + k0 * PANEL..][..kc * PANEL];
+                        // SAFETY: `product` runs only where `simd_available` found AVX2, FMA and F16C,
+                        // the features `kernel` is compiled for. The sums are rows g0..g0 + g <= rows
+                        // of y, columns 16·p..16·p + 16 <= width: inside y, which outlives the
+                        // loop; panel p is this task's alone (the tasks' panel ranges are
+                        // disjoint) and nothing else touches y until every task has ended.
+                        unsafe {
+                            kernel(
+                                g,
+                                &Operands {
+                                    x: xs,
+                                    stride: k,
+                                    slice,
+                                    kc,
+                                    acc: out.at(g0, p * PANEL),
+                                    acc_stride: width,
+                                    first: k0 == 0,
+                                },
+                            )
+                        };
+                    }
+                }
+            }
+        }
+    };
+    if threads > 1 {
+        (0..panels).into_par_iter().step_by(block).for_each(run);
+    } else {
+        (0..panels).step_by(block).for_each(run);
+    }
+    if width != n {
+        for r in 0..rows {
+            y.copy_within(r * width..r * width + n, r * n);
+        }
+        y.truncate(rows * n);
+    }
+    y
+}
+
+/// `y` as the tasks of [`product`] write it: each its own panels' columns of every row.
+struct Columns {
+    ptr: *mut f32,
+    width: usize,
+}
+
+impl Columns {
+    /// Where row `row`'s column `col` lies (valid to write only as `product` says).
+    fn at(&self, row: usize, col: usize) -> *mut f32 {
+        self.ptr.wrapping_add(row * self.width + col)
+    }
+}
+
+// SAFETY: the tasks sharing a `Columns` write disjoint columns of `y` (see `product`).
+unsafe impl Sync for Columns {}
+
+/// One call of [`kernel`]: a group of tokens and a panel's slice of inputs.
+struct Operands<'a, W> {
+    /// The group's inputs: token t's `kc` lie at `x[t · stride..]`.
+    x: &'a [f32],
+    stride: usize,
+    /// The panel's weights for those inputs, `[kc][PANEL]`.
+    slice: &'a [W],
+    kc: usize,
+    /// Token t's `PANEL` sums lie at `acc + t · acc_stride`.
+    acc: *mut f32,
+    acc_stride: usize,
+    /// Whether the sums start here (overwritten) or go on (added to).
+    first: bool,
+}
+
+/// `acc[t] (+)= x[t] · slice` for the `g ≤ GROUP` tokens of `o`.
+///
+/// # Safety
+/// The CPU has AVX2, FMA and F16C, and `o.acc + t · o.acc_stride .. + PANEL` is valid for reads and
+/// writes and not otherwise accessed during the call for every `t < g`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn kernel<W: Weight>(g: usize, o: &Operands<'_, W>) {
+    // SAFETY: the caller's contract, passed on (every arm).
+    unsafe {
+        match g {
+            1 => kernel_n::<1, W>(o),
+            2 => kernel_n::<2, W>(o),
+            3 => kernel_n::<3, W>(o),
+            4 => kernel_n::<4, W>(o),
+            5 => kernel_n::<5, W>(o),
+            _ => kernel_n::<6, W>(o),
+        }
+    }
+}
+
+/// Never called: [`crate::vmath::simd_available`] is false off x86_64.
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn kernel<W: Weight>(_: usize, _: &Operands<'_, W>) {
+    unreachable!("simd_available is false off x86_64")
+}
+
+/// [`kernel`] for `G` tokens (the same safety contract).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn kernel_n<const G: usize, W: Weight>(o: &Operands<'_, W>) {
+    let &Operands { x, stride, slice, kc, acc, acc_stride, first } = o;
+    use std::arch::x86_64::{
+        __m256, _mm256_broadcast_ss, _mm256_fmadd_ps, _mm256_loadu_ps, _mm256_setzero_ps, _mm256_storeu_ps,
+    };
+    assert!(
+        kc > 0 && x.len() > (G - 1) * stride + kc - 1 && slice.len() >= kc * PANEL,
+        "kernel: {G} tokens of {kc} inputs (stride {stride}) in {}, a slice of {}",
+        x.len(),
+        slice.len(),
+    );
+    let mut sums: [[__m256; 2]; G] = [[_mm256_setzero_ps(); 2]; G];
+    if !first {
+        for (t, s) in sums.iter_mut().enumerate() {
+            // SAFETY: the caller's contract: token t's PANEL sums at acc + t · acc_stride.
+            *s = unsafe {
+                let at = acc.add(t * acc_stride);
+                [_mm256_loadu_ps(at), _mm256_loadu_ps(at.add(8))]
+            };
+        }
+    }
+    for i in 0..kc {
+        // SAFETY: i < kc and the slice holds kc · PANEL weights (asserted above); the CPU has
+        // the features, as this function's contract says.
+        let [w0, w1] = unsafe { W::load16(slice.as_ptr().add(i * PANEL)) };
+        for (t, s) in sums.iter_mut().enumerate() {
+            // SAFETY: t · stride + i <= (G − 1) · stride + kc − 1 < x.len() (asserted above).
+            let xb = unsafe { _mm256_broadcast_ss(&*x.as_ptr().add(t * stride + i)) };
+            s[0] = _mm256_fmadd_ps(xb, w0, s[0]);
+            s[1] = _mm256_fmadd_ps(xb, w1, s[1]);
+        }
+    }
+    for (t, s) in sums.iter().enumerate() {
+        // SAFETY: the caller's contract, as above.
+        unsafe {
+            let at = acc.add(t * acc_stride);
+            _mm256_storeu_ps(at, s[0]);
+            _mm256_storeu_ps(at.add(8), s[1]);
+        }
+    }
+}
