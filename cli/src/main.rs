@@ -524,6 +524,9 @@ pub(crate) fn rate(s: &str) -> Result<f64, String> {
 fn main() -> anyhow::Result<()> {
     // SAFETY: the first thing main does, before any thread exists.
     unsafe { cascade_exec::threads::settle_compute_threads() };
+    // Tensors of tens of megabytes are reused from the heap, not faulted in afresh each layer
+    // (where the C library is glibc; elsewhere its allocator is left as it is).
+    cascade_exec::heap::keep_freed_memory();
     let cli = Cli::parse();
     // A report or answer that cannot be written (a full disk) is said in one line, not as a panic.
     cascade_transport::stdout::report_write_failures_briefly();

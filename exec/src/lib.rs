@@ -25,6 +25,7 @@ pub mod coop;
 pub mod embed;
 pub mod emulated;
 pub mod gguf;
+pub mod heap;
 pub mod llama;
 pub mod llmsim;
 pub mod pd;

@@ -44,7 +44,8 @@ pub const ATTENTION_ROWS: usize = 256;
 
 /// Bytes of attention scores one block of query rows holds at most (all heads), unless a single
 /// row needs more: below glibc's largest threshold for serving an allocation by `mmap` (32 MiB),
-/// so a block's buffers are reused rather than mapped and faulted in afresh every time.
+/// so a block's buffers are reused rather than mapped and faulted in afresh every time (in a
+/// process that did not raise the threshold: [`crate::heap::keep_freed_memory`]).
 pub const SCORE_BYTES: usize = 16 << 20;
 
 /// The hyper-parameters of a llama model (`config.json`, Hugging Face's names).
