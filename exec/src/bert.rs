@@ -1,6 +1,7 @@
 //! A BERT encoder (all-MiniLM-L6-v2 and its kin) on the CPU, written on `candle`'s building blocks
-//! (`Linear`, `LayerNorm`, `Embedding`, softmax, exact GELU), with sentence-transformers' mean
-//! pooling and L2 normalisation on top: real sentence embeddings.
+//! (`LayerNorm`, `Embedding`, its products), its dense layers on the crate's packed projections
+//! and GELU and softmax vectorised (`exec/src/vmath.rs`), with sentence-transformers' mean pooling
+//! and L2 normalisation on top: real sentence embeddings.
 //!
 //! The model is cut into the stages the pool moves as layers: stage 0 is the embeddings, stage
 //! `1 + n` is transformer block `n` (the pooler head is not used by sentence embeddings). A stage
@@ -140,7 +141,7 @@ impl Bert {
         &self.cfg
     }
 
-    /// Builds stage `s` from its tensors in `w` (a copy of them into `candle` tensors).
+    /// Builds stage `s` from its tensors in `w` (a copy of them: `candle` tensors, packed panels).
     pub fn load_stage(&mut self, s: usize, w: &Weights<'_>) -> Result<(), ExecError> {
         let eps = self.cfg.layer_norm_eps;
         let tensor = |name: &str| w.tensor(&format!("{}{name}", self.cfg.tensor_prefix));

@@ -8,16 +8,17 @@
 //! so a decode step of two sequences took 2.4 times one of a single sequence, and sixteen
 //! sequences decoded hardly faster than eight (2026-12-05).
 //!
-//! On x86_64 with AVX2 and FMA, this module packs `W` once, when the model loads, into panels of
-//! [`PANEL`](kernel::PANEL) outputs (`[panel][input][PANEL]`, the last panel padded with zeros) and keeps only
-//! that copy. A product runs the kernel `gemm` would run on its own packing: for a group of up
-//! to [`GROUP`](kernel::GROUP) tokens and one panel, two 8-lane accumulators per token, each input's 16 weights
-//! loaded once for the group and each token's input broadcast once for the panel ([`kernel`](kernel::kernel)).
-//! A thread passes every group over [`CACHED_W_BYTES`](kernel::CACHED_W_BYTES) of its panels at a time, which stay in L2,
-//! so `W` comes from memory once; with more than one group, the inputs go in blocks of [`KC`](kernel::KC),
-//! so that a group's stay in L1. The panels are split over rayon's threads. On another CPU,
-//! `Linear` computes as before. A tied LM head and the token embedding table it doubles as are
-//! one packed matrix ([`Projection::rows`] looks tokens up in it).
+//! On x86_64 with AVX2, FMA and F16C, this module packs `W` once, when the model loads, into
+//! panels of [`PANEL`](kernel::PANEL) outputs (`[panel][input][PANEL]`, the last panel padded
+//! with zeros; `packed.rs`) and keeps only that copy. A product runs the kernel `gemm` would run
+//! on its own packing (`kernel.rs`): for a group of up to [`GROUP`](kernel::GROUP) tokens and
+//! one panel, two 8-lane accumulators per token, each input's 16 weights loaded once for the
+//! group and each token's input broadcast once for the panel. A thread passes every group over
+//! [`CACHED_W_BYTES`](kernel::CACHED_W_BYTES) of its panels at a time, which stay in L2, so `W`
+//! comes from memory once; with more than one group, the inputs go in blocks of
+//! [`KC`](kernel::KC), so that a group's stay in L1. The panels are split over rayon's threads.
+//! On another CPU, `Linear` computes as before. A tied LM head and the token embedding table it
+//! doubles as are one packed matrix ([`Projection::rows`] looks tokens up in it).
 //!
 //! A model stored in f16 (`cascade model import --dtype f16`) keeps its matrices in f16 panels
 //! ([`packed::Half`]), which the kernel widens to f32 as it loads them (F16C): half the memory,
