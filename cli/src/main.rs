@@ -87,6 +87,22 @@ enum Cmd {
 }
 
 impl Cmd {
+    /// Whether this process computes a model's layers, allocating and freeing tensors of tens of
+    /// megabytes at every layer: the data plane's daemons (nodes, the pool manager) and the
+    /// import leave the allocator as it is, so that they give freed memory back.
+    fn computes(&self) -> bool {
+        matches!(
+            self,
+            Cmd::Embed(_)
+                | Cmd::Generate(_)
+                | Cmd::Live(_)
+                | Cmd::Instance(_)
+                | Cmd::Pd(_)
+                | Cmd::LoraServe(_)
+                | Cmd::LlmInstance(_)
+        )
+    }
+
     /// A short-lived command that prints its result (not a daemon, not the demo).
     fn prints_and_exits(&self) -> bool {
         match self {
@@ -524,10 +540,12 @@ pub(crate) fn rate(s: &str) -> Result<f64, String> {
 fn main() -> anyhow::Result<()> {
     // SAFETY: the first thing main does, before any thread exists.
     unsafe { cascade_exec::threads::settle_compute_threads() };
-    // Tensors of tens of megabytes are reused from the heap, not faulted in afresh each layer
-    // (where the C library is glibc; elsewhere its allocator is left as it is).
-    cascade_exec::heap::keep_freed_memory();
     let cli = Cli::parse();
+    if cli.cmd.computes() {
+        // Tensors of tens of megabytes are reused from the heap, not faulted in afresh each
+        // layer (where the C library is glibc; elsewhere its allocator is left as it is).
+        cascade_exec::heap::keep_freed_memory();
+    }
     // A report or answer that cannot be written (a full disk) is said in one line, not as a panic.
     cascade_transport::stdout::report_write_failures_briefly();
     if cli.cmd.prints_and_exits() {
