@@ -420,6 +420,32 @@ mod tests {
         assert!(Projection::from_f16_le(&bytes, out, inp - 1).is_err());
     }
 
+    /// A model file's f16 matrix loads into f16 panels and its f32 one into f32 panels (where the
+    /// packed kernel runs), each computing what its values give.
+    #[test]
+    fn a_matrix_loads_in_the_precision_it_is_stored_in() {
+        use safetensors::tensor::TensorView;
+        let (n, k) = (20, 12);
+        let values: Vec<f32> = (0..n * k).map(|i| (i % 17) as f32 / 8.0 - 1.0).collect();
+        let h: Vec<u8> = values.iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect();
+        let f: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let views = [
+            ("h", TensorView::new(safetensors::Dtype::F16, vec![n, k], &h).unwrap()),
+            ("f", TensorView::new(safetensors::Dtype::F32, vec![n, k], &f).unwrap()),
+        ];
+        let bytes = safetensors::serialize(views, None).unwrap();
+        let manifest = cascade_param_pool::manifest::Manifest::from_bytes(&bytes, "t", 1 << 20, "memory").unwrap();
+        let w = Weights::file(&manifest, &bytes).unwrap();
+        let (ph, pf) = (Projection::load(&w, "h").unwrap(), Projection::load(&w, "f").unwrap());
+        if simd_available() {
+            assert!(matches!(ph.imp, Imp::Packed(Panels::F16(_), _)));
+            assert!(matches!(pf.imp, Imp::Packed(Panels::F32(_), _)));
+        }
+        // These values are exact in f16: both give the same products.
+        let x = Tensor::randn(0f32, 1.0, (3, k), &Device::Cpu).unwrap();
+        assert_eq!(rows_of(&ph.forward(&x).unwrap()), rows_of(&pf.forward(&x).unwrap()));
+    }
+
     /// `rows` looks up `W`'s rows as an embedding table over `W` does, for ids of any shape, and
     /// refuses an id past the table.
     #[test]
