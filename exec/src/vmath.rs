@@ -149,28 +149,39 @@ fn map_simd(func: Func, x: &[f32], y: &mut [f32]) {
     }
 }
 
-/// `func` of every value of `x` (f32, on the CPU), or `None` where the vector loops do not apply
-/// (another dtype or device, or a CPU without AVX2 and FMA).
-fn map(func: Func, x: &Tensor) -> candle_core::Result<Option<Tensor>> {
+/// `y`, of `x`'s shape, filled by `fill(c, x_c, y_c)` for chunks `c` of `chunk` values of `x`
+/// (row-major) and `y`, in parallel; `None` where the vector loops do not apply (another dtype
+/// or device, or a CPU without [`simd_available`]'s features), and `fill` is never called.
+fn simd_map(
+    x: &Tensor,
+    chunk: usize,
+    fill: impl Fn(usize, &[f32], &mut [f32]) + Sync,
+) -> candle_core::Result<Option<Tensor>> {
     if x.dtype() != DType::F32 || !x.device().is_cpu() || !simd_available() {
         return Ok(None);
     }
+    let y = crate::projection::with_f32(x, |x| {
+        let mut y = vec![0f32; x.len()];
+        y.par_chunks_mut(chunk).zip(x.par_chunks(chunk)).enumerate().for_each(|(c, (y, x))| fill(c, x, y));
+        y
+    })?;
+    Ok(Some(Tensor::from_vec(y, x.shape(), &Device::Cpu)?))
+}
+
+/// `func` of every value of `x` (see [`simd_map`] for `None`).
+fn map(func: Func, x: &Tensor) -> candle_core::Result<Option<Tensor>> {
     #[cfg(target_arch = "x86_64")]
     {
-        let y = crate::projection::with_f32(x, |x| {
-            let mut y = vec![0f32; x.len()];
-            y.par_chunks_mut(CHUNK).zip(x.par_chunks(CHUNK)).for_each(|(y, x)| {
-                // SAFETY: `simd_available` found AVX2 and FMA on this CPU, the features
-                // `map_simd` is compiled for.
-                unsafe { map_simd(func, x, y) }
-            });
-            y
-        })?;
-        Ok(Some(Tensor::from_vec(y, x.shape(), &Device::Cpu)?))
+        simd_map(x, CHUNK, |_, x, y| {
+            // SAFETY: `simd_map` calls this only where `simd_available` found AVX2 and FMA on
+            // this CPU, the features `map_simd` is compiled for.
+            unsafe { map_simd(func, x, y) }
+        })
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        Ok(None)
+        let _ = func;
+        simd_map(x, CHUNK, |_, _, _| unreachable!("simd_available is false off x86_64"))
     }
 }
 
@@ -193,37 +204,28 @@ pub(crate) fn silu_tensor(x: &Tensor) -> candle_core::Result<Tensor> {
 /// Softmax over the last dimension of `x` (f32, `[…, rows, width]`), where row `i` of each
 /// `[rows, width]` matrix sees only its first `visible(i)` values (at least one): the others
 /// weigh 0, as if masked with −∞. `max`, `exp(x − max)`, their sum and the division by it, in
-/// vector registers; `None` where they do not apply (see [`map`]).
+/// vector registers; `None` where they do not apply (see [`simd_map`]).
 fn softmax_visible(x: &Tensor, visible: impl Fn(usize) -> usize + Sync) -> candle_core::Result<Option<Tensor>> {
-    if x.dtype() != DType::F32 || !x.device().is_cpu() || !simd_available() || x.rank() < 2 {
+    if x.rank() < 2 || x.dim(x.rank() - 1)? == 0 {
         return Ok(None);
     }
+    let (rows, width) = (x.dim(x.rank() - 2)?, x.dim(x.rank() - 1)?);
+    let per_task = (CHUNK / width).max(1);
     #[cfg(target_arch = "x86_64")]
     {
-        let (rows, width) = (x.dim(x.rank() - 2)?, x.dim(x.rank() - 1)?);
-        if width == 0 {
-            return Ok(None);
-        }
-        let y = crate::projection::with_f32(x, |x| {
-            let mut y = vec![0f32; x.len()];
-            let per_task = (CHUNK / width).max(1);
-            y.par_chunks_mut(per_task * width).zip(x.par_chunks(per_task * width)).enumerate().for_each(
-                |(c, (y, x))| {
-                    for (r, (y, x)) in y.chunks_exact_mut(width).zip(x.chunks_exact(width)).enumerate() {
-                        let seen = visible((c * per_task + r) % rows).clamp(1, width);
-                        // SAFETY: `simd_available` found AVX2 and FMA on this CPU, the features
-                        // `softmax_row` is compiled for.
-                        unsafe { softmax_row(&x[..seen], &mut y[..seen]) }
-                    }
-                },
-            );
-            y
-        })?;
-        Ok(Some(Tensor::from_vec(y, x.shape(), &Device::Cpu)?))
+        simd_map(x, per_task * width, |c, x, y| {
+            for (r, (y, x)) in y.chunks_exact_mut(width).zip(x.chunks_exact(width)).enumerate() {
+                let seen = visible((c * per_task + r) % rows).clamp(1, width);
+                // SAFETY: `simd_map` calls this only where `simd_available` found AVX2 and FMA
+                // on this CPU, the features `softmax_row` is compiled for.
+                unsafe { softmax_row(&x[..seen], &mut y[..seen]) }
+            }
+        })
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
-        Ok(None)
+        let _ = (visible, rows);
+        simd_map(x, per_task * width, |_, _, _| unreachable!("simd_available is false off x86_64"))
     }
 }
 
