@@ -11,8 +11,9 @@
 //! operation fails with `PeerDown` and the owner is told through `on_close`.
 //!
 //! A node that closes a link on purpose ([`StreamLink::leave`]) first sends a goodbye frame when
-//! the peer understands one: the writer finishes the frame in flight (for at most
-//! [`GOODBYE_FLUSH`]), writes the goodbye and its reason, and stops. The peer's reader then
+//! the peer understands one: the writer finishes the frame in flight and writes the control
+//! frames already queued, replies among them (each for at most [`GOODBYE_FLUSH`]), writes the
+//! goodbye and its reason, and stops. The peer's reader then
 //! closes its end as a *departure* ([`Closed::graceful`]); every other close is a failure.
 
 use std::collections::HashMap;

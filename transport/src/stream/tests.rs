@@ -246,6 +246,28 @@ async fn a_leaving_link_says_goodbye_and_a_failed_one_does_not() {
     }
 }
 
+/// What was posted before the leave goes out before the goodbye: a small frame queued on the
+/// control lane, not yet picked up by the writer when the link leaves, still lands at the peer
+/// (as an instance's last reply does when its node leaves right after; it used to be dropped).
+#[tokio::test]
+async fn frames_queued_before_a_leave_go_out_before_the_goodbye() {
+    let (a_io, b_io) = tokio::io::duplex(1 << 16);
+    let b_regions = RegionTable::new();
+    let dst = Region::alloc(4096, Default::default()).unwrap();
+    b_regions.register(&dst);
+    let (a, _a_closed) = watched(0, a_io, RegionTable::new(), true);
+    let (_b, b_closed) = watched(1, b_io, b_regions, true);
+    let src = Region::alloc(4096, Default::default()).unwrap();
+    crate::region::test_access::write_local(&src, 0, &[7u8; 4096]).unwrap();
+    // Posted and left at once: the writer task has not run in between.
+    let _h = a.post(vec![Op::write(&src, 0, dst.remote(0), 0, 4096)]);
+    a.leave("done");
+    let theirs = closed_within(b_closed).await;
+    assert!(theirs.graceful, "the peer saw a failure: {theirs:?}");
+    let landed = crate::region::test_access::view(&dst, 0, 4096).unwrap();
+    assert!(landed.iter().all(|&b| b == 7), "the WRITE posted before the leave did not land");
+}
+
 /// A link that leaves while a large WRITE is on the wire finishes that frame first, so the peer
 /// reads a whole frame and then the goodbye (the stream stays in step), not a broken frame.
 #[tokio::test]

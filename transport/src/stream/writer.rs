@@ -26,7 +26,7 @@ pub(super) async fn write_loop<W: FrameSink>(
         // `None`: a keepalive is due.
         let out = tokio::select! {
             biased;
-            _ = stopped(&mut stop) => return say_goodbye(s, &mut w).await,
+            _ = stopped(&mut stop) => return leave(s, &mut w, &mut control).await,
             out = control.recv() => match out { Some(o) => Some(o), None => return Ok(()) },
             out = bulk.recv() => match out { Some(o) => Some(o), None => return Ok(()) },
             _ = tick.tick() => {
@@ -70,10 +70,39 @@ pub(super) async fn write_loop<W: FrameSink>(
             }
         };
         if !finished {
-            return say_goodbye(s, &mut w).await;
+            return leave(s, &mut w, &mut control).await;
         }
         s.last_tx_ms.store(s.now_ms(), Ordering::Relaxed);
     }
+}
+
+/// A leaving link's last writes, where it says goodbye: the control frames already queued
+/// when it left, then the goodbye, each within [`GOODBYE_FLUSH`]. The queued frames include the
+/// replies this node posted just before it left (an instance answers the last batch it held and
+/// its node leaves at once); dropped, their callers saw the node go down instead of the answer.
+/// A link closed as a failure writes nothing more.
+async fn leave<W: FrameSink>(
+    s: &Shared,
+    w: &mut BufWriter<W>,
+    control: &mut mpsc::UnboundedReceiver<Out>,
+) -> io::Result<()> {
+    if !s.says_goodbye() {
+        return Ok(());
+    }
+    let queued = async {
+        while let Ok(out) = control.try_recv() {
+            write_one(s, w, out).await?;
+        }
+        w.flush().await
+    };
+    match tokio::time::timeout(GOODBYE_FLUSH, queued).await {
+        Ok(r) => r?,
+        Err(_) => {
+            debug!(peer = s.peer, "queued frames not written in time: no goodbye");
+            return Ok(());
+        }
+    }
+    say_goodbye(s, w).await
 }
 
 /// Writes this side's goodbye, if it leaves and the peer understands one, within
