@@ -10,7 +10,8 @@ use clap::{Args, Subcommand, ValueEnum};
 #[derive(Subcommand)]
 pub(crate) enum ModelCmd {
     /// Import a llama-architecture GGUF file (e.g. SmolLM2-135M-Instruct.Q4_1.gguf) as a model
-    /// directory: model.safetensors (dequantized, Hugging Face names), config.json, tokenizer.json.
+    /// directory: model.safetensors (dequantized, or with `--dtype quantized` its Q4_1 and Q8_0
+    /// blocks kept; Hugging Face names), config.json, tokenizer.json.
     Import(ImportArgs),
 }
 
@@ -21,6 +22,9 @@ pub(crate) enum Dtype {
     F32,
     /// 16-bit floats (half the bytes; the dequantized values rounded).
     F16,
+    /// The GGUF's Q4_1 and Q8_0 blocks kept as they are (5 and 8.5 bits a weight), computed as
+    /// the exact f32 values they dequantize to; the other tensors in f32.
+    Quantized,
 }
 
 #[derive(Args)]
@@ -32,23 +36,24 @@ pub(crate) struct ImportArgs {
     /// wrote (replaced whole); a directory holding other files is refused.
     #[arg(long)]
     out: PathBuf,
-    /// Storage of the dequantized tensors.
+    /// Storage of the tensors.
     #[arg(long, value_enum, default_value = "f32")]
     dtype: Dtype,
 }
 
 pub(crate) fn model(cmd: ModelCmd) -> anyhow::Result<()> {
     let ModelCmd::Import(a) = cmd;
-    let dtype = match a.dtype {
-        Dtype::F32 => candle_core::DType::F32,
-        Dtype::F16 => candle_core::DType::F16,
+    let storage = match a.dtype {
+        Dtype::F32 => cascade_exec::gguf::Storage::F32,
+        Dtype::F16 => cascade_exec::gguf::Storage::F16,
+        Dtype::Quantized => cascade_exec::gguf::Storage::Quantized,
     };
     let t = Instant::now();
     let bar = indicatif::ProgressBar::new(0).with_style(
-        indicatif::ProgressStyle::with_template("dequantizing {bar:30} {pos}/{len} {msg}")
+        indicatif::ProgressStyle::with_template("importing {bar:30} {pos}/{len} {msg}")
             .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
-    let out = cascade_exec::gguf::import(&a.gguf, &a.out, dtype, |i, n, name| {
+    let out = cascade_exec::gguf::import(&a.gguf, &a.out, storage, |i, n, name| {
         bar.set_length(n as u64);
         bar.set_position(i as u64);
         bar.set_message(name.to_string());

@@ -482,6 +482,41 @@ fn a_model_import_holds_one_tensor_at_a_time() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
+/// `cascade model import --dtype quantized` keeps the GGUF's blocks: a model directory under a
+/// fifth of the f32 import's size whose `generate` prints, byte for byte, what the f32 import's
+/// prints. Skips without the model.
+#[test]
+fn a_quantized_import_generates_what_the_f32_import_generates() {
+    let Some(gguf) = cascade_tests::models::smollm2_gguf() else { return };
+    let d = scratch("import-quantized");
+    let Some(f32_dir) = smollm2(&d) else { return };
+    let out = d.join("quantized");
+    let import = Command::new(CASCADE)
+        .args(["model", "import", "--dtype", "quantized", "--gguf"])
+        .arg(&gguf)
+        .arg("--out")
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(import.status.success(), "{}", String::from_utf8_lossy(&import.stderr));
+    let size = |dir: &std::path::Path| std::fs::metadata(dir.join("model.safetensors")).unwrap().len();
+    assert!(size(&out) < size(&f32_dir) / 5, "{} against {}", size(&out), size(&f32_dir));
+    let generate = |dir: &std::path::Path| {
+        let run = Command::new(CASCADE)
+            .args(["generate", "--json", "--chat", "--max-tokens", "24", "--model"])
+            .arg(dir)
+            .args(["--prompt", "What is the capital of France?", "--prompt", "Write a haiku about the sea."])
+            .output()
+            .unwrap();
+        assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+        String::from_utf8(run.stdout).unwrap()
+    };
+    let (q, f) = (generate(&out), generate(&f32_dir));
+    assert!(q.contains("Paris"), "{q}");
+    assert_eq!(q, f);
+    let _ = std::fs::remove_dir_all(&d);
+}
+
 /// An import that fails while it writes (here a file-size limit of 64 MiB: the 538 MB
 /// `model.safetensors` stops with EFBIG, as on a full disk) says so and leaves the directory's
 /// previous model whole, with no partial file behind, in the directory or beside it: the import

@@ -50,6 +50,7 @@
 //! Packing costs one pass over the matrix when the model loads, straight from the image's bytes
 //! ([`Projection::from_f32_le`]): the LM head of 113 MB in about 38 ms on both cores.
 
+pub(crate) mod blocks;
 mod kernel;
 mod packed;
 
@@ -59,6 +60,7 @@ use candle_nn::Linear;
 use crate::vmath::simd_available;
 use crate::weights::Weights;
 use crate::ExecError;
+use blocks::{Blocks, Kind, Q4_1, Q8_0};
 use packed::{Half, Packed};
 
 /// `y = x · Wᵀ (+ b)`, `W` `[out, in]` (see the module docs).
@@ -72,10 +74,12 @@ enum Imp {
     Linear(Linear),
 }
 
-/// `W`'s panels, of f32 weights or of the f16 a model stores.
+/// `W`'s panels, of f32 weights, of the f16 a model stores, or of the GGUF blocks it keeps.
 enum Panels {
     F32(Packed<f32>),
     F16(Packed<Half>),
+    Q4_1(Blocks<Q4_1>),
+    Q8_0(Blocks<Q8_0>),
 }
 
 impl Panels {
@@ -84,13 +88,17 @@ impl Panels {
         match self {
             Panels::F32(p) => (p.n, p.k),
             Panels::F16(p) => (p.n, p.k),
+            Panels::Q4_1(p) => (p.n, p.k),
+            Panels::Q8_0(p) => (p.n, p.k),
         }
     }
 
     fn product(&self, x: &[f32], rows: usize) -> Vec<f32> {
         match self {
-            Panels::F32(p) => p.product(x, rows),
-            Panels::F16(p) => p.product(x, rows),
+            Panels::F32(p) => kernel::product(x, rows, p),
+            Panels::F16(p) => kernel::product(x, rows, p),
+            Panels::Q4_1(p) => kernel::product(x, rows, p),
+            Panels::Q8_0(p) => kernel::product(x, rows, p),
         }
     }
 
@@ -99,6 +107,8 @@ impl Panels {
         match self {
             Panels::F32(p) => out.extend(p.row(j)),
             Panels::F16(p) => out.extend(p.row(j)),
+            Panels::Q4_1(p) => out.extend(p.row(j)),
+            Panels::Q8_0(p) => out.extend(p.row(j)),
         }
     }
 
@@ -106,6 +116,25 @@ impl Panels {
         match self {
             Panels::F32(p) => p.unpack(),
             Panels::F16(p) => p.unpack(),
+            Panels::Q4_1(p) => p.unpack(),
+            Panels::Q8_0(p) => p.unpack(),
+        }
+    }
+
+    /// The same matrix with f32 weights (itself if it has them).
+    fn widen(&mut self) -> &mut Packed<f32> {
+        let wide = match self {
+            Panels::F32(_) => None,
+            Panels::F16(h) => Some(h.widen()),
+            Panels::Q4_1(q) => Some(q.widen()),
+            Panels::Q8_0(q) => Some(q.widen()),
+        };
+        if let Some(w) = wide {
+            *self = Panels::F32(w);
+        }
+        match self {
+            Panels::F32(w) => w,
+            _ => unreachable!("just set"),
         }
     }
 }
@@ -153,12 +182,33 @@ impl Projection {
         Ok(Projection { imp: Imp::Packed(Panels::F16(p), None) })
     }
 
-    /// Tensor `name` of `w` (`[out, in]`): an f32 or f16 matrix packed straight from the image's
-    /// bytes (one copy, not two), another dtype (bf16) widened to f32 first.
+    /// From `W`, `[n, k]`, as GGUF rows of `kind`'s blocks (a model imported with its blocks
+    /// kept): kept in those blocks where the packed kernel runs (Q4_1: 5 bits a weight, Q8_0:
+    /// 8.5), the products of the f32 values they dequantize to, bit for bit; dequantized to f32
+    /// (`Linear`) elsewhere.
+    pub(crate) fn from_gguf_blocks(bytes: &[u8], kind: Kind, n: usize, k: usize) -> candle_core::Result<Projection> {
+        if !simd_available() {
+            let w = blocks::dequantize(kind, bytes, n, k).map_err(candle_core::Error::Msg)?;
+            return Projection::new(Tensor::from_vec(w, (n, k), &Device::Cpu)?);
+        }
+        let panels = match kind {
+            Kind::Q4_1 => Panels::Q4_1(Blocks::from_gguf(bytes, n, k).map_err(candle_core::Error::Msg)?),
+            Kind::Q8_0 => Panels::Q8_0(Blocks::from_gguf(bytes, n, k).map_err(candle_core::Error::Msg)?),
+        };
+        Ok(Projection { imp: Imp::Packed(panels, None) })
+    }
+
+    /// Tensor `name` of `w` (`[out, in]`): an f32 or f16 matrix, or one of GGUF blocks, packed
+    /// straight from the image's bytes (one copy, not two), another dtype (bf16) widened to f32
+    /// first.
     pub(crate) fn load(w: &Weights<'_>, name: &str) -> Result<Projection, ExecError> {
         Ok(match w.stored(name)? {
             (bytes, DType::F32, &[n, k]) => Projection::from_f32_le(bytes, n, k)?,
             (bytes, DType::F16, &[n, k]) => Projection::from_f16_le(bytes, n, k)?,
+            (bytes, DType::U8, shape) => match blocks::kind_of(shape) {
+                Some((kind, n, k)) => Projection::from_gguf_blocks(bytes, kind, n, k)?,
+                None => return Err(ExecError::Model(format!("tensor {name:?}: U8 {shape:?} is no GGUF block matrix"))),
+            },
             _ => Projection::new(w.tensor(name)?)?,
         })
     }
@@ -198,14 +248,11 @@ impl Projection {
                         op: "add",
                     });
                 }
-                // A sum rounded back to f16 would not give W back when the delta is taken away
-                // again (a LoRA adapter merged and unmerged): f16 weights are widened first.
-                if let Panels::F16(h) = p {
-                    *p = Panels::F32(h.widen());
-                }
-                if let Panels::F32(w) = p {
-                    with_f32(delta, |d| w.fill(d, |slot, v| *slot += v))?;
-                }
+                // A sum rounded back to f16 (or to a block's codes) would not give W back when the
+                // delta is taken away again (a LoRA adapter merged and unmerged): the weights are
+                // widened to f32 first.
+                let w = p.widen();
+                with_f32(delta, |d| w.fill(d, |slot, v| *slot += v))?;
             }
         }
         Ok(())
@@ -444,6 +491,67 @@ mod tests {
         // These values are exact in f16: both give the same products.
         let x = Tensor::randn(0f32, 1.0, (3, k), &Device::Cpu).unwrap();
         assert_eq!(rows_of(&ph.forward(&x).unwrap()), rows_of(&pf.forward(&x).unwrap()));
+    }
+
+    /// A matrix of GGUF blocks (Q4_1, Q8_0) gives, bit for bit, what the f32 matrix it
+    /// dequantizes to gives: products of 1 to 203 tokens on one thread and several, with and
+    /// without a bias, its weight, its rows; it is held in blocks where the packed kernel runs;
+    /// adding to it (and taking it away) does what it does to the f32 values; a matrix loads from
+    /// a model file's U8 `[rows, blocks, bytes]` tensor, and a U8 tensor of another shape is
+    /// refused.
+    #[test]
+    fn a_matrix_of_gguf_blocks_computes_as_its_dequantized_values() {
+        use candle_core::quantized::GgmlDType;
+        let dev = Device::Cpu;
+        let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+        let (out, inp) = (37, 608);
+        let w = Tensor::randn(0f32, 1.0, (out, inp), &dev).unwrap();
+        for (dtype, kind) in [(GgmlDType::Q4_1, Kind::Q4_1), (GgmlDType::Q8_0, Kind::Q8_0)] {
+            let (gguf, values) = blocks::tests::gguf_of(&w, dtype);
+            let wide = Tensor::from_vec(values, (out, inp), &dev).unwrap();
+            let q = Projection::from_gguf_blocks(&gguf, kind, out, inp).unwrap();
+            let f = Projection::new(wide.clone()).unwrap();
+            if simd_available() {
+                assert!(matches!(q.imp, Imp::Packed(Panels::Q4_1(_) | Panels::Q8_0(_), _)));
+            }
+            assert_eq!(max_diff(&q.weight().unwrap(), &wide), 0.0);
+            for rows in (1..=14).chain([31, 203]) {
+                let x = Tensor::randn(0f32, 1.0, (rows, inp), &dev).unwrap();
+                let want = rows_of(&f.forward(&x).unwrap());
+                assert_eq!(rows_of(&q.forward(&x).unwrap()), want, "{kind:?}, {rows} rows");
+                assert_eq!(rows_of(&one.install(|| q.forward(&x)).unwrap()), want, "{kind:?}, {rows} rows, one thread");
+            }
+            let bias = Tensor::randn(0f32, 1.0, out, &dev).unwrap();
+            let qb = Projection::from_gguf_blocks(&gguf, kind, out, inp).unwrap().with_bias(bias.clone()).unwrap();
+            let fb = Projection::new(wide.clone()).unwrap().with_bias(bias).unwrap();
+            let x = Tensor::randn(0f32, 1.0, (9, inp), &dev).unwrap();
+            assert_eq!(rows_of(&qb.forward(&x).unwrap()), rows_of(&fb.forward(&x).unwrap()));
+            let ids = Tensor::new(&[0u32, 36, 5, 16], &dev).unwrap();
+            assert_eq!(max_diff(&q.rows(&ids).unwrap(), &f.rows(&ids).unwrap()), 0.0);
+            let d = Tensor::randn(0f32, 1.0, (out, inp), &dev).unwrap();
+            let mut q = q;
+            q.add(&d).unwrap();
+            assert_eq!(max_diff(&q.weight().unwrap(), &(&wide + &d).unwrap()), 0.0);
+            q.add(&d.neg().unwrap()).unwrap();
+            assert!(max_diff(&q.weight().unwrap(), &wide) < 1e-5, "W is back, up to f32 rounding");
+            assert!(Projection::from_gguf_blocks(&gguf[1..], kind, out, inp).is_err());
+            assert!(Projection::from_gguf_blocks(&gguf, kind, out, inp - 32).is_err());
+
+            use safetensors::tensor::TensorView;
+            let per_block = gguf.len() / (out * inp / 32);
+            let views = [
+                ("q", TensorView::new(safetensors::Dtype::U8, vec![out, inp / 32, per_block], &gguf).unwrap()),
+                ("bad", TensorView::new(safetensors::Dtype::U8, vec![out, gguf.len() / out], &gguf).unwrap()),
+            ];
+            let bytes = safetensors::serialize(views, None).unwrap();
+            let manifest = cascade_param_pool::manifest::Manifest::from_bytes(&bytes, "t", 1 << 20, "memory").unwrap();
+            let weights = Weights::file(&manifest, &bytes).unwrap();
+            let loaded = Projection::load(&weights, "q").unwrap();
+            assert_eq!(rows_of(&loaded.forward(&x).unwrap()), rows_of(&f.forward(&x).unwrap()));
+            assert_eq!(max_diff(&weights.tensor("q").unwrap(), &wide), 0.0);
+            let e = Projection::load(&weights, "bad").err().unwrap().to_string();
+            assert!(e.contains("GGUF") && e.contains("\"bad\""), "{e}");
+        }
     }
 
     /// `rows` looks up `W`'s rows as an embedding table over `W` does, for ids of any shape, and

@@ -7,6 +7,7 @@ use std::collections::HashMap;
 use candle_core::{DType, Tensor};
 use cascade_param_pool::manifest::{Manifest, TensorEntry};
 
+use crate::projection::blocks;
 use crate::ExecError;
 
 /// Where the image's bytes come from.
@@ -75,9 +76,17 @@ impl<'a> Weights<'a> {
         self.index.contains_key(name)
     }
 
-    /// Tensor `name` as an f32 CPU tensor (F16 and BF16 are widened).
+    /// Tensor `name` as an f32 CPU tensor (F16 and BF16 are widened, a matrix of GGUF blocks is
+    /// dequantized to `[rows, inputs]`).
     pub fn tensor(&self, name: &str) -> Result<Tensor, ExecError> {
         let (bytes, dtype, shape) = self.stored(name)?;
+        if dtype == DType::U8 {
+            let (kind, n, k) = blocks::kind_of(shape)
+                .ok_or_else(|| ExecError::Model(format!("tensor {name:?}: U8 {shape:?} is no GGUF block matrix")))?;
+            let w =
+                blocks::dequantize(kind, bytes, n, k).map_err(|e| ExecError::Model(format!("tensor {name:?}: {e}")))?;
+            return Ok(Tensor::from_vec(w, (n, k), &crate::bert::cpu())?);
+        }
         Ok(Tensor::from_raw_buffer(bytes, dtype, shape, &crate::bert::cpu())?.to_dtype(DType::F32)?)
     }
 
@@ -89,8 +98,13 @@ impl<'a> Weights<'a> {
             "F32" => DType::F32,
             "F16" => DType::F16,
             "BF16" => DType::BF16,
+            // A matrix of GGUF blocks, `[rows, blocks, bytes per block]` (`projection::blocks`).
+            "U8" if blocks::kind_of(&t.shape).is_some() => DType::U8,
             other => {
-                return Err(ExecError::Model(format!("tensor {name:?} is {other}; F32, F16 and BF16 are supported")))
+                return Err(ExecError::Model(format!(
+                    "tensor {name:?} is {other} {:?}; F32, F16, BF16 and U8 matrices of GGUF Q4_1 or Q8_0 blocks are supported",
+                    t.shape
+                )))
             }
         };
         let len = t.file_range.end - t.file_range.start;

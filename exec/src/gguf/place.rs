@@ -116,7 +116,6 @@ pub(super) fn put_in_place(tmp: &Path, out: &Path, replaces: bool) -> Result<(),
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::DType;
 
     /// A directory holding files an import does not write (here another model's), a symbolic
     /// link or a plain file is refused before the GGUF is even opened, and left as it was; an
@@ -131,14 +130,17 @@ mod tests {
             std::fs::write(bert.join(f), f).unwrap();
         }
         let missing = Path::new("/nonexistent.gguf");
-        let e = crate::gguf::import(missing, &bert, DType::F32, |_, _, _| {}).unwrap_err().to_string();
+        let e = crate::gguf::import(missing, &bert, crate::gguf::Storage::F32, |_, _, _| {}).unwrap_err().to_string();
         assert!(e.contains("holds sentence_bert_config.json, vocab.txt, which an import does not write"), "{e}");
         assert_eq!(std::fs::read_to_string(bert.join("model.safetensors")).unwrap(), "model.safetensors");
         std::os::unix::fs::symlink(&bert, dir.join("link")).unwrap();
-        let e = crate::gguf::import(missing, &dir.join("link"), DType::F32, |_, _, _| {}).unwrap_err().to_string();
+        let e = crate::gguf::import(missing, &dir.join("link"), crate::gguf::Storage::F32, |_, _, _| {})
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("is a symbolic link"), "{e}");
-        let e =
-            crate::gguf::import(missing, &bert.join("vocab.txt"), DType::F32, |_, _, _| {}).unwrap_err().to_string();
+        let e = crate::gguf::import(missing, &bert.join("vocab.txt"), crate::gguf::Storage::F32, |_, _, _| {})
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("is not a directory"), "{e}");
 
         assert_eq!(target(&dir.join("none")).unwrap(), Target::Missing);

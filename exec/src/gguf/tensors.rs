@@ -2,6 +2,10 @@
 //! converted only when its bytes are written, and dropped after, so an import holds one tensor at
 //! a time rather than the whole dequantized model (SmolLM2-135M: 683 MB at the peak before, for a
 //! 538 MB file; a 7-billion-parameter GGUF would have needed 28 GB).
+//!
+//! With [`Storage::Quantized`] a Q4_1 or Q8_0 matrix is written as its GGUF blocks, unchanged but
+//! for the Q/K rows' order: U8 `[rows, blocks, bytes per block]`, which
+//! [`crate::projection::blocks`] reads.
 
 use std::borrow::Cow;
 use std::cell::RefCell;
@@ -9,9 +13,11 @@ use std::fs::File;
 use std::io::BufReader;
 
 use candle_core::quantized::gguf_file::Content;
-use candle_core::{DType, Device};
+use candle_core::quantized::GgmlDType;
+use candle_core::{DType, Device, Tensor};
 
-use super::{bad, unpermute};
+use super::{bad, unpermute, Storage};
+use crate::projection::blocks::{Block, BLOCK, Q4_1, Q8_0};
 use crate::ExecError;
 
 /// The source of the tensors: the GGUF file open for reading, what they are converted to, and
@@ -19,7 +25,7 @@ use crate::ExecError;
 pub(super) struct Source<'c, P> {
     content: &'c Content,
     reader: RefCell<BufReader<File>>,
-    dtype: DType,
+    storage: Storage,
     /// Tensors written so far, and whom to tell.
     progress: RefCell<(usize, P)>,
     failure: RefCell<Option<ExecError>>,
@@ -32,16 +38,28 @@ pub(super) struct Lazy<'s, 'c, P> {
     name: &'c str,
     /// The heads whose rows llama.cpp permuted (Q and K projections).
     heads: Option<usize>,
+    /// Its shape in the GGUF file.
+    gguf_shape: Vec<usize>,
+    /// How it is written: a dtype, or its GGUF blocks of this many bytes.
+    stored: Stored,
+    /// The shape written: the GGUF's, or `[rows, blocks, bytes per block]`.
     shape: Vec<usize>,
 }
 
+/// How one tensor is written.
+#[derive(Clone, Copy)]
+enum Stored {
+    Values(DType),
+    Blocks(usize),
+}
+
 impl<'c, P: FnMut(usize, usize, &str)> Source<'c, P> {
-    /// Reads the tensors of `content` from `reader`, converted to `dtype`.
-    pub(super) fn new(content: &'c Content, reader: BufReader<File>, dtype: DType, progress: P) -> Self {
+    /// Reads the tensors of `content` from `reader`, to be stored as `storage` says.
+    pub(super) fn new(content: &'c Content, reader: BufReader<File>, storage: Storage, progress: P) -> Self {
         Self {
             content,
             reader: RefCell::new(reader),
-            dtype,
+            storage,
             progress: RefCell::new((0, progress)),
             failure: RefCell::new(None),
         }
@@ -49,7 +67,22 @@ impl<'c, P: FnMut(usize, usize, &str)> Source<'c, P> {
 
     /// The tensor named `name` in the GGUF file, of `shape`, to be read when it is written.
     pub(super) fn tensor(&self, name: &'c str, shape: &[usize], heads: Option<usize>) -> Lazy<'_, 'c, P> {
-        Lazy { source: self, name, heads, shape: shape.to_vec() }
+        let ggml = self.content.tensor_infos.get(name).map(|i| i.ggml_dtype);
+        let stored = match (self.storage, ggml, shape) {
+            (Storage::F16, ..) => Stored::Values(DType::F16),
+            (Storage::Quantized, Some(GgmlDType::Q4_1), &[_, k]) if k.is_multiple_of(BLOCK) => {
+                Stored::Blocks(Q4_1::GGUF_BYTES)
+            }
+            (Storage::Quantized, Some(GgmlDType::Q8_0), &[_, k]) if k.is_multiple_of(BLOCK) => {
+                Stored::Blocks(Q8_0::GGUF_BYTES)
+            }
+            _ => Stored::Values(DType::F32),
+        };
+        let written = match (stored, shape) {
+            (Stored::Blocks(bytes), &[n, k]) => vec![n, k / BLOCK, bytes],
+            _ => shape.to_vec(),
+        };
+        Lazy { source: self, name, heads, gguf_shape: shape.to_vec(), stored, shape: written }
     }
 
     /// The first failure while the tensors were written, if any: the file written is then not
@@ -64,22 +97,39 @@ impl<'c, P: FnMut(usize, usize, &str)> Source<'c, P> {
             .content
             .tensor(&mut *self.reader.borrow_mut(), name, &Device::Cpu)
             .map_err(|e| bad(format!("{name}: {e}")))?;
+        if q.shape().dims() != t.gguf_shape {
+            return Err(bad(format!("{name} read as {:?}, its header says {:?}", q.shape().dims(), t.gguf_shape)));
+        }
+        let dtype = match t.stored {
+            Stored::Values(dtype) => dtype,
+            Stored::Blocks(bytes) => {
+                // The blocks as they are; Q and K rows put back in Hugging Face's order whole.
+                let raw = q.data().map_err(|e| bad(format!("{name}: {e}")))?;
+                let (n, k) = (t.gguf_shape[0], t.gguf_shape[1]);
+                if raw.len() != n * (k / BLOCK) * bytes {
+                    return Err(bad(format!("{name}: {} bytes of blocks for {n} × {k}", raw.len())));
+                }
+                let Some(h) = t.heads else { return Ok(raw.into_owned()) };
+                let rows = Tensor::from_raw_buffer(&raw, DType::U8, &[n, raw.len() / n], &Device::Cpu)?;
+                return Ok(unpermute(&rows, h)?.flatten_all()?.to_vec1::<u8>()?);
+            }
+        };
         let mut w = q.dequantize(&Device::Cpu).map_err(|e| bad(format!("{name}: {e}")))?;
         drop(q);
         if let Some(h) = t.heads {
             w = unpermute(&w, h)?;
         }
-        let w = w.to_dtype(self.dtype)?;
-        if w.dims() != t.shape {
-            return Err(bad(format!("{name} read as {:?}, its header says {:?}", w.dims(), t.shape)));
-        }
+        let w = w.to_dtype(dtype)?;
         Ok(safetensors::View::data(&w).into_owned())
     }
 }
 
 impl<P: FnMut(usize, usize, &str)> safetensors::View for Lazy<'_, '_, P> {
     fn dtype(&self) -> safetensors::Dtype {
-        self.source.dtype.into()
+        match self.stored {
+            Stored::Values(dtype) => dtype.into(),
+            Stored::Blocks(_) => safetensors::Dtype::U8,
+        }
     }
 
     fn shape(&self) -> &[usize] {
@@ -108,6 +158,10 @@ impl<P: FnMut(usize, usize, &str)> safetensors::View for Lazy<'_, '_, P> {
     }
 
     fn data_len(&self) -> usize {
-        self.shape.iter().product::<usize>() * self.source.dtype.size_in_bytes()
+        let size = match self.stored {
+            Stored::Values(dtype) => dtype.size_in_bytes(),
+            Stored::Blocks(_) => 1,
+        };
+        self.shape.iter().product::<usize>() * size
     }
 }

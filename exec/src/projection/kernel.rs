@@ -1,8 +1,12 @@
 //! The product of a group of tokens with `W`'s panels: AVX2/FMA, `W`'s weights widened from f16
 //! (F16C) where it is stored so (see the parent module's docs).
 
+use std::cell::Cell;
+use std::ops::Range;
+
 use rayon::prelude::*;
 
+use super::blocks::{Block, Blocks};
 use super::packed::{Packed, Weight};
 
 /// Outputs per panel: two 8-lane registers.
@@ -16,10 +20,76 @@ pub(crate) const CACHED_W_BYTES: usize = 256 << 10;
 /// Tokens one kernel call computes: 12 accumulators, two weight registers and a broadcast.
 pub(crate) const GROUP: usize = 6;
 
+/// `W` as the kernel reads it: panels `[kc][PANEL]` of f32 or f16 weights, held so or
+/// dequantized a chunk at a time.
+pub(super) trait Source: Sync {
+    /// The weights the kernel reads.
+    type W: Weight;
+
+    /// `(n, k)`: `W` is `[n, k]`.
+    fn shape(&self) -> (usize, usize);
+
+    /// Panels `ps`' weights for inputs `k0..k0 + kc`: borrowed where they are held as the kernel
+    /// reads them, else written into `scratch` first.
+    fn chunk<'a>(&'a self, ps: Range<usize>, k0: usize, kc: usize, scratch: &'a mut Vec<f32>) -> Chunk<'a, Self::W>;
+}
+
+/// Consecutive panels' weights for one range of inputs (see [`Source::chunk`]).
+pub(super) struct Chunk<'a, W> {
+    data: &'a [W],
+    /// From one panel's weights to the next's.
+    stride: usize,
+    /// From a panel's start to the range's first input.
+    offset: usize,
+    kc: usize,
+}
+
+impl<W> Chunk<'_, W> {
+    /// The `i`-th panel's `[kc][PANEL]` weights.
+    fn panel(&self, i: usize) -> &[W] {
+        &self.data[i * self.stride + self.offset..][..self.kc * PANEL]
+    }
+}
+
+impl<W: Weight> Source for Packed<W> {
+    type W = W;
+
+    fn shape(&self) -> (usize, usize) {
+        (self.n, self.k)
+    }
+
+    fn chunk<'a>(&'a self, ps: Range<usize>, k0: usize, kc: usize, _: &'a mut Vec<f32>) -> Chunk<'a, W> {
+        let (k, start) = (self.k, ps.start * self.k * PANEL);
+        Chunk { data: &self.data[start..start + ps.len() * k * PANEL], stride: k * PANEL, offset: k0 * PANEL, kc }
+    }
+}
+
+impl<B: Block> Source for Blocks<B> {
+    type W = f32;
+
+    fn shape(&self) -> (usize, usize) {
+        (self.n, self.k)
+    }
+
+    fn chunk<'a>(&'a self, ps: Range<usize>, k0: usize, kc: usize, scratch: &'a mut Vec<f32>) -> Chunk<'a, f32> {
+        scratch.resize(ps.len() * kc * PANEL, 0.0);
+        for (p, out) in ps.zip(scratch.chunks_exact_mut(kc * PANEL)) {
+            self.dequantize_panel(p, k0, kc, out);
+        }
+        Chunk { data: scratch, stride: kc * PANEL, offset: 0, kc }
+    }
+}
+
+thread_local! {
+    /// The dequantized chunk of [`Source::chunk`], kept between products (up to
+    /// [`CACHED_W_BYTES`]).
+    static SCRATCH: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
+}
+
 /// `x` `[rows, k]` times `W`ᵀ: `[rows, n]`. Only called where
 /// [`crate::vmath::simd_available`].
-pub(super) fn product<W: Weight>(x: &[f32], rows: usize, w: &Packed<W>) -> Vec<f32> {
-    let (n, k) = (w.n, w.k);
+pub(super) fn product<S: Source>(x: &[f32], rows: usize, w: &S) -> Vec<f32> {
+    let (n, k) = w.shape();
     let panels = n.div_ceil(PANEL);
     let width = panels * PANEL;
     let mut y = vec![0f32; rows * width];
@@ -42,15 +112,19 @@ pub(super) fn product<W: Weight>(x: &[f32], rows: usize, w: &Packed<W>) -> Vec<f
     // Panels first..last, their sums into y's columns 16·first..16·last.
     let run = |first: usize| {
         let last = panels.min(first + block);
+        // Taken, not borrowed: nothing here calls back into a product on this thread, but a
+        // scratch of its own would be right even then.
+        let mut scratch = SCRATCH.take();
         for k0 in (0..k).step_by(kc_max) {
             let kc = kc_max.min(k - k0);
-            let cached = (CACHED_W_BYTES / (kc * PANEL * std::mem::size_of::<W>())).max(1);
+            let cached = (CACHED_W_BYTES / (kc * PANEL * std::mem::size_of::<S::W>())).max(1);
             for p0 in (first..last).step_by(cached) {
                 let mine = p0..last.min(p0 + cached);
+                let chunk = w.chunk(mine.clone(), k0, kc, &mut scratch);
                 for &(g0, g) in &groups {
                     let xs = &x[g0 * k + k0..(g0 + g - 1) * k + k0 + kc];
                     for p in mine.clone() {
-                        let slice = &w.data[p * k * PANEL + k0 * PANEL..][..kc * PANEL];
+                        let slice = chunk.panel(p - mine.start);
                         // SAFETY: `product` runs only where `simd_available` found AVX2, FMA and F16C,
                         // the features `kernel` is compiled for. The sums are rows g0..g0 + g <= rows
                         // of y, columns 16·p..16·p + 16 <= width: inside y, which outlives the
@@ -74,6 +148,7 @@ pub(super) fn product<W: Weight>(x: &[f32], rows: usize, w: &Packed<W>) -> Vec<f
                 }
             }
         }
+        SCRATCH.set(scratch);
     };
     if threads > 1 {
         (0..panels).into_par_iter().step_by(block).for_each(run);

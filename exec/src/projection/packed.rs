@@ -5,7 +5,7 @@ use std::arch::x86_64::__m256;
 
 use rayon::prelude::*;
 
-use super::kernel::{self, PANEL};
+use super::kernel::PANEL;
 
 /// A weight as a panel holds it: an f32, or an f16's bits that the kernel widens to f32 as it
 /// loads them (exactly: every f16 is an f32), so that a model stored in f16 streams half the
@@ -111,11 +111,5 @@ impl<W: Weight> Packed<W> {
     /// The same matrix with f32 weights.
     pub(super) fn widen(&self) -> Packed<f32> {
         Packed { data: self.data.par_iter().map(|w| w.to_f32()).collect(), n: self.n, k: self.k }
-    }
-
-    /// `x` `[rows, k]` times `W`ᵀ: `[rows, n]`. Only called where
-    /// [`crate::vmath::simd_available`].
-    pub(super) fn product(&self, x: &[f32], rows: usize) -> Vec<f32> {
-        kernel::product(x, rows, self)
     }
 }

@@ -1,0 +1,370 @@
+//! `W` kept in GGUF's quantized blocks (Q4_1, Q8_0), in panels of [`PANEL`] outputs, and
+//! dequantized a chunk at a time into f32 panels for the kernel.
+//!
+//! GGUF quantizes a row in blocks of 32 weights, each with an f16 scale `d` (and, for Q4_1, an f16
+//! minimum `m`): Q4_1 stores 4-bit codes `q` (the weight `q·d + m`), Q8_0 8-bit signed ones (`q·d`).
+//! A model imported with its blocks kept ([`crate::gguf::Storage::Quantized`]) stores each such
+//! matrix as it came, `[rows, blocks, 20]` (Q4_1) or `[rows, blocks, 34]` (Q8_0) bytes, and here
+//! they are regrouped by panel: for panel `p` and block `b`, the 16 outputs' scales (and minima)
+//! as f16, then, for each of the block's 32 inputs, the 16 outputs' codes (Q4_1: output `r` in
+//! the low nibble of byte `r`, output `r + 8` in its high nibble; Q8_0: one byte each).
+//!
+//! A product dequantizes the panels it is about to use into f32 (`[kc][PANEL]`, as
+//! [`Packed<f32>`](super::packed::Packed) holds them) and runs the f32 kernel over them, so the
+//! scratch is written once and read by every group of tokens. Dequantizing computes each weight
+//! as `candle`'s dequantization does (the code times the scale, exact in f32 for a code of at most
+//! 8 bits and an f16 scale, then for Q4_1 plus the minimum, rounded once), so the weights are bit
+//! for bit those of the f32 import of the same file and the products are bit for bit the f32
+//! model's.
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::__m256;
+
+use super::kernel::PANEL;
+use super::packed::Packed;
+
+/// Weights per block.
+pub(crate) const BLOCK: usize = 32;
+
+/// A GGUF block type.
+pub(crate) trait Block: Send + Sync + 'static {
+    /// Its name, for errors.
+    const NAME: &'static str;
+    /// Bytes of one block in a GGUF row.
+    const GGUF_BYTES: usize;
+    /// Whether blocks carry a minimum `m` besides the scale `d`.
+    const MIN: bool;
+    /// Bytes of codes per input of a panel (16 outputs).
+    const CODE_BYTES: usize;
+
+    /// A GGUF block's scale and minimum (f16 bits; 0 without one) and its 32 codes, as stored.
+    fn parse(block: &[u8]) -> (u16, u16, [u8; BLOCK]);
+
+    /// The weight of `code` under scale `d` and minimum `m`, as `candle` dequantizes it.
+    fn value(code: u8, d: f32, m: f32) -> f32;
+
+    /// Writes `codes[r]` (output `r` of the panel, `r < PANEL`) into `out`, `CODE_BYTES` long.
+    fn pack(codes: &[u8; PANEL], out: &mut [u8]);
+
+    /// Reads output `r`'s code back from one input's `CODE_BYTES`.
+    fn unpack(codes: &[u8], r: usize) -> u8;
+
+    /// The 16 weights of one input: its codes at `ptr`, the panel's scales and minima.
+    ///
+    /// # Safety
+    /// `CODE_BYTES` are readable at `ptr`; the CPU has AVX2, FMA and F16C.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn weights16(ptr: *const u8, d: &[__m256; 2], m: &[__m256; 2]) -> [__m256; 2];
+}
+
+/// GGUF's Q4_1: 4-bit codes, `q·d + m`.
+pub(crate) struct Q4_1;
+
+/// GGUF's Q8_0: 8-bit signed codes, `q·d`.
+pub(crate) struct Q8_0;
+
+fn half(bytes: &[u8]) -> u16 {
+    u16::from_le_bytes([bytes[0], bytes[1]])
+}
+
+impl Block for Q4_1 {
+    const NAME: &'static str = "Q4_1";
+    const GGUF_BYTES: usize = 20;
+    const MIN: bool = true;
+    const CODE_BYTES: usize = PANEL / 2;
+
+    fn parse(block: &[u8]) -> (u16, u16, [u8; BLOCK]) {
+        let qs = &block[4..20];
+        let codes = std::array::from_fn(|i| if i < 16 { qs[i] & 0x0f } else { qs[i - 16] >> 4 });
+        (half(block), half(&block[2..]), codes)
+    }
+
+    fn value(code: u8, d: f32, m: f32) -> f32 {
+        f32::from(code) * d + m
+    }
+
+    fn pack(codes: &[u8; PANEL], out: &mut [u8]) {
+        for (r, o) in out.iter_mut().enumerate().take(PANEL / 2) {
+            *o = codes[r] | (codes[r + PANEL / 2] << 4);
+        }
+    }
+
+    fn unpack(codes: &[u8], r: usize) -> u8 {
+        if r < PANEL / 2 {
+            codes[r] & 0x0f
+        } else {
+            codes[r - PANEL / 2] >> 4
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn weights16(ptr: *const u8, d: &[__m256; 2], m: &[__m256; 2]) -> [__m256; 2] {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's contract: 8 bytes readable at ptr.
+        let v = unsafe { _mm_loadl_epi64(ptr.cast::<__m128i>()) };
+        let mask = _mm_set1_epi8(0x0f);
+        let lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(v, mask)));
+        let hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), mask)));
+        // `(q as f32) * d + m`, as candle computes it (the product is exact).
+        [_mm256_add_ps(_mm256_mul_ps(lo, d[0]), m[0]), _mm256_add_ps(_mm256_mul_ps(hi, d[1]), m[1])]
+    }
+}
+
+impl Block for Q8_0 {
+    const NAME: &'static str = "Q8_0";
+    const GGUF_BYTES: usize = 34;
+    const MIN: bool = false;
+    const CODE_BYTES: usize = PANEL;
+
+    fn parse(block: &[u8]) -> (u16, u16, [u8; BLOCK]) {
+        (half(block), 0, std::array::from_fn(|i| block[2 + i]))
+    }
+
+    fn value(code: u8, d: f32, _: f32) -> f32 {
+        f32::from(code as i8) * d
+    }
+
+    fn pack(codes: &[u8; PANEL], out: &mut [u8]) {
+        out[..PANEL].copy_from_slice(codes);
+    }
+
+    fn unpack(codes: &[u8], r: usize) -> u8 {
+        codes[r]
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn weights16(ptr: *const u8, d: &[__m256; 2], _: &[__m256; 2]) -> [__m256; 2] {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's contract: 16 bytes readable at ptr.
+        let v = unsafe { _mm_loadu_si128(ptr.cast::<__m128i>()) };
+        let lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+        let hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)));
+        [_mm256_mul_ps(lo, d[0]), _mm256_mul_ps(hi, d[1])]
+    }
+}
+
+/// Which block type a stored tensor of `shape` (`[rows, blocks, bytes per block]`, U8) holds, with
+/// its matrix's `(rows, inputs)`.
+pub(crate) fn kind_of(shape: &[usize]) -> Option<(Kind, usize, usize)> {
+    match *shape {
+        [n, b, bytes] if bytes == Q4_1::GGUF_BYTES => Some((Kind::Q4_1, n, b * BLOCK)),
+        [n, b, bytes] if bytes == Q8_0::GGUF_BYTES => Some((Kind::Q8_0, n, b * BLOCK)),
+        _ => None,
+    }
+}
+
+/// A block type, as a value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kind {
+    Q4_1,
+    Q8_0,
+}
+
+/// `W` `[n, k]` dequantized from GGUF rows (`gguf` is `n` rows of `k / 32` blocks), row-major.
+pub(crate) fn dequantize(kind: Kind, gguf: &[u8], n: usize, k: usize) -> Result<Vec<f32>, String> {
+    fn rows<B: Block>(gguf: &[u8], n: usize, k: usize) -> Result<Vec<f32>, String> {
+        check::<B>(gguf, n, k)?;
+        let mut out = Vec::with_capacity(n * k);
+        for block in gguf.chunks_exact(B::GGUF_BYTES) {
+            let (d, m, codes) = B::parse(block);
+            let (d, m) = (half::f16::from_bits(d).to_f32(), half::f16::from_bits(m).to_f32());
+            out.extend(codes.iter().map(|&q| B::value(q, d, m)));
+        }
+        Ok(out)
+    }
+    match kind {
+        Kind::Q4_1 => rows::<Q4_1>(gguf, n, k),
+        Kind::Q8_0 => rows::<Q8_0>(gguf, n, k),
+    }
+}
+
+fn check<B: Block>(gguf: &[u8], n: usize, k: usize) -> Result<(), String> {
+    if !k.is_multiple_of(BLOCK) || gguf.len() != n * (k / BLOCK) * B::GGUF_BYTES {
+        return Err(format!("{} bytes for a {n} × {k} {} matrix", gguf.len(), B::NAME));
+    }
+    Ok(())
+}
+
+/// `W` `[n, k]` in panels of GGUF blocks (see the module docs).
+pub(crate) struct Blocks<B> {
+    /// Per panel, per block: the scales (and minima) as f16 bits, then the codes.
+    data: Vec<u8>,
+    pub(super) n: usize,
+    pub(super) k: usize,
+    _block: std::marker::PhantomData<B>,
+}
+
+impl<B: Block> Blocks<B> {
+    /// Bytes of one panel's block: `PANEL` scales, `PANEL` minima if any, 32 inputs' codes.
+    const UNIT: usize = PANEL * 2 * (1 + B::MIN as usize) + BLOCK * B::CODE_BYTES;
+    /// Offset of the codes in a unit.
+    const CODES: usize = PANEL * 2 * (1 + B::MIN as usize);
+
+    /// From GGUF rows: `n` rows of `k / 32` blocks of `B`.
+    pub(crate) fn from_gguf(gguf: &[u8], n: usize, k: usize) -> Result<Blocks<B>, String> {
+        check::<B>(gguf, n, k)?;
+        let blocks = k / BLOCK;
+        let panels = n.div_ceil(PANEL);
+        let mut data = vec![0u8; panels * blocks * Self::UNIT];
+        let row = blocks * B::GGUF_BYTES;
+        for (p, panel) in data.chunks_exact_mut(blocks * Self::UNIT).enumerate() {
+            for (b, unit) in panel.chunks_exact_mut(Self::UNIT).enumerate() {
+                // Outputs past n (the last panel's padding) keep scale 0, minimum 0, code 0.
+                let mut codes = [[0u8; PANEL]; BLOCK];
+                for r in 0..PANEL.min(n - p * PANEL) {
+                    let j = p * PANEL + r;
+                    let (d, m, q) = B::parse(&gguf[j * row + b * B::GGUF_BYTES..][..B::GGUF_BYTES]);
+                    unit[2 * r..2 * r + 2].copy_from_slice(&d.to_le_bytes());
+                    if B::MIN {
+                        unit[2 * (PANEL + r)..2 * (PANEL + r) + 2].copy_from_slice(&m.to_le_bytes());
+                    }
+                    for (i, c) in q.iter().enumerate() {
+                        codes[i][r] = *c;
+                    }
+                }
+                for (i, c) in codes.iter().enumerate() {
+                    B::pack(c, &mut unit[Self::CODES + i * B::CODE_BYTES..][..B::CODE_BYTES]);
+                }
+            }
+        }
+        Ok(Blocks { data, n, k, _block: std::marker::PhantomData })
+    }
+
+    fn unit(&self, p: usize, b: usize) -> &[u8] {
+        &self.data[(p * (self.k / BLOCK) + b) * Self::UNIT..][..Self::UNIT]
+    }
+
+    /// `W[j][i]`.
+    fn at(&self, j: usize, i: usize) -> f32 {
+        let u = self.unit(j / PANEL, i / BLOCK);
+        let r = j % PANEL;
+        let d = half::f16::from_bits(half(&u[2 * r..])).to_f32();
+        let m = if B::MIN { half::f16::from_bits(half(&u[2 * (PANEL + r)..])).to_f32() } else { 0.0 };
+        let code = B::unpack(&u[Self::CODES + (i % BLOCK) * B::CODE_BYTES..], r);
+        B::value(code, d, m)
+    }
+
+    /// Row `j` of `W` (`j < n`).
+    pub(super) fn row(&self, j: usize) -> impl Iterator<Item = f32> + '_ {
+        (0..self.k).map(move |i| self.at(j, i))
+    }
+
+    /// `W`, row-major.
+    pub(super) fn unpack(&self) -> Vec<f32> {
+        (0..self.n).flat_map(|j| self.row(j)).collect()
+    }
+
+    /// The same matrix with f32 weights.
+    pub(super) fn widen(&self) -> Packed<f32> {
+        Packed::from_values(&self.unpack(), self.n, self.k, |v| *v)
+    }
+
+    /// Panel `p`'s weights for inputs `k0..k0 + kc` (multiples of 32) as f32, `[kc][PANEL]`,
+    /// into `out`. Only called where [`crate::vmath::simd_available`].
+    pub(super) fn dequantize_panel(&self, p: usize, k0: usize, kc: usize, out: &mut [f32]) {
+        assert!(
+            k0.is_multiple_of(BLOCK) && kc.is_multiple_of(BLOCK) && k0 + kc <= self.k && out.len() >= kc * PANEL,
+            "dequantize_panel: inputs {k0}..+{kc} of {}, {} out",
+            self.k,
+            out.len()
+        );
+        for (b, out) in (k0 / BLOCK..(k0 + kc) / BLOCK).zip(out.chunks_exact_mut(BLOCK * PANEL)) {
+            let unit = self.unit(p, b);
+            // SAFETY: `unit` is one whole unit (UNIT bytes: the scales, minima and 32 inputs' codes
+            // that `decode_unit` reads) and `out` holds BLOCK · PANEL values; the caller runs this
+            // only where `simd_available` found AVX2, FMA and F16C.
+            #[cfg(target_arch = "x86_64")]
+            unsafe {
+                decode_unit::<B>(unit.as_ptr(), Self::CODES, out)
+            };
+            #[cfg(not(target_arch = "x86_64"))]
+            {
+                let _ = (unit, out);
+                unreachable!("simd_available is false off x86_64");
+            }
+        }
+    }
+}
+
+/// One unit's 32 inputs × 16 outputs into `out`.
+///
+/// # Safety
+/// A whole unit of `B` is readable at `unit` (its codes from `codes` on), `out` holds
+/// `BLOCK · PANEL` values, and the CPU has AVX2, FMA and F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn decode_unit<B: Block>(unit: *const u8, codes: usize, out: &mut [f32]) {
+    use std::arch::x86_64::*;
+    assert!(out.len() >= BLOCK * PANEL);
+    // SAFETY: the caller's contract: the unit's scales (and minima) are its first 32 (64) bytes,
+    // its codes CODE_BYTES per input from `codes`; out has room for BLOCK · PANEL values.
+    unsafe {
+        let d = [halves8(unit), halves8(unit.add(16))];
+        let m = if B::MIN { [halves8(unit.add(32)), halves8(unit.add(48))] } else { [_mm256_setzero_ps(); 2] };
+        for i in 0..BLOCK {
+            let [w0, w1] = B::weights16(unit.add(codes + i * B::CODE_BYTES), &d, &m);
+            _mm256_storeu_ps(out.as_mut_ptr().add(i * PANEL), w0);
+            _mm256_storeu_ps(out.as_mut_ptr().add(i * PANEL + 8), w1);
+        }
+    }
+}
+
+/// The 8 f16 at `ptr` as f32.
+///
+/// # Safety
+/// 16 bytes are readable at `ptr`, and the CPU has F16C and AVX.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn halves8(ptr: *const u8) -> __m256 {
+    use std::arch::x86_64::{__m128i, _mm256_cvtph_ps, _mm_loadu_si128};
+    // SAFETY: the caller's contract.
+    unsafe { _mm256_cvtph_ps(_mm_loadu_si128(ptr.cast::<__m128i>())) }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use candle_core::quantized::{GgmlDType, QTensor};
+    use candle_core::{Device, Tensor};
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    /// GGUF rows of `w` in `dtype`, and what `candle` dequantizes them to.
+    pub(crate) fn gguf_of(w: &Tensor, dtype: GgmlDType) -> (Vec<u8>, Vec<f32>) {
+        let q = QTensor::quantize(w, dtype).unwrap();
+        let deq = q.dequantize(&Device::Cpu).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        (q.data().unwrap().into_owned(), deq)
+    }
+
+    /// Both block types dequantize to `candle`'s values bit for bit, from GGUF rows and from the
+    /// panels, for outputs that do and do not fill their last panel; wrong lengths are refused.
+    #[test]
+    fn blocks_dequantize_to_candles_values_bit_for_bit() {
+        for (n, k) in [(37, 64), (16, 32), (5, 96)] {
+            let w = Tensor::randn(0f32, 1.0, (n, k), &Device::Cpu).unwrap();
+            for (dtype, kind) in [(GgmlDType::Q4_1, Kind::Q4_1), (GgmlDType::Q8_0, Kind::Q8_0)] {
+                let (gguf, want) = gguf_of(&w, dtype);
+                assert_eq!(bits(&dequantize(kind, &gguf, n, k).unwrap()), bits(&want), "{kind:?} {n}×{k}");
+                let unpacked = match kind {
+                    Kind::Q4_1 => Blocks::<Q4_1>::from_gguf(&gguf, n, k).unwrap().unpack(),
+                    Kind::Q8_0 => Blocks::<Q8_0>::from_gguf(&gguf, n, k).unwrap().unpack(),
+                };
+                assert_eq!(bits(&unpacked), bits(&want), "{kind:?} {n}×{k} from panels");
+                assert!(dequantize(kind, &gguf[1..], n, k).is_err());
+                assert!(dequantize(kind, &gguf, n + 1, k).is_err());
+                assert!(Blocks::<Q4_1>::from_gguf(&gguf, n, k + 32).is_err());
+            }
+        }
+        assert_eq!(kind_of(&[7, 3, 20]), Some((Kind::Q4_1, 7, 96)));
+        assert_eq!(kind_of(&[7, 3, 34]), Some((Kind::Q8_0, 7, 96)));
+        assert_eq!(kind_of(&[7, 60]), None);
+        assert_eq!(kind_of(&[7, 3, 18]), None);
+    }
+}
