@@ -200,9 +200,9 @@ pub(crate) struct Blocks<B> {
 
 impl<B: Block> Blocks<B> {
     /// Bytes of one panel's block: `PANEL` scales, `PANEL` minima if any, 32 inputs' codes.
-    const UNIT: usize = PANEL * 2 * (1 + B::MIN as usize) + BLOCK * B::CODE_BYTES;
+    pub(super) const UNIT: usize = PANEL * 2 * (1 + B::MIN as usize) + BLOCK * B::CODE_BYTES;
     /// Offset of the codes in a unit.
-    const CODES: usize = PANEL * 2 * (1 + B::MIN as usize);
+    pub(super) const CODES: usize = PANEL * 2 * (1 + B::MIN as usize);
 
     /// From GGUF rows: `n` rows of `k / 32` blocks of `B`.
     pub(crate) fn from_gguf(gguf: &[u8], n: usize, k: usize) -> Result<Blocks<B>, String> {
@@ -236,6 +236,31 @@ impl<B: Block> Blocks<B> {
 
     fn unit(&self, p: usize, b: usize) -> &[u8] {
         &self.data[(p * (self.k / BLOCK) + b) * Self::UNIT..][..Self::UNIT]
+    }
+
+    /// Panel `p`'s units, one per block of inputs.
+    pub(super) fn panel_units(&self, p: usize) -> &[u8] {
+        let len = self.k / BLOCK * Self::UNIT;
+        &self.data[p * len..][..len]
+    }
+
+    /// A unit's 16 scales and 16 minima (zero without them) as f32.
+    ///
+    /// # Safety
+    /// `unit` is a whole unit of `B`, and the CPU has AVX2, FMA and F16C.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    pub(super) unsafe fn scales(unit: &[u8]) -> ([__m256; 2], [__m256; 2]) {
+        use std::arch::x86_64::_mm256_setzero_ps;
+        assert!(unit.len() >= Self::CODES);
+        let at = unit.as_ptr();
+        // SAFETY: the scales (and minima) are the unit's first 32 (64) bytes, asserted there.
+        unsafe {
+            let d = [halves8(at), halves8(at.add(16))];
+            let m = if B::MIN { [halves8(at.add(32)), halves8(at.add(48))] } else { [_mm256_setzero_ps(); 2] };
+            (d, m)
+        }
     }
 
     /// `W[j][i]`.
@@ -279,7 +304,7 @@ impl<B: Block> Blocks<B> {
             // only where `simd_available` found AVX2, FMA and F16C.
             #[cfg(target_arch = "x86_64")]
             unsafe {
-                decode_unit::<B>(unit.as_ptr(), Self::CODES, out)
+                decode_unit::<B>(unit, out)
             };
             #[cfg(not(target_arch = "x86_64"))]
             {
@@ -293,20 +318,19 @@ impl<B: Block> Blocks<B> {
 /// One unit's 32 inputs × 16 outputs into `out`.
 ///
 /// # Safety
-/// A whole unit of `B` is readable at `unit` (its codes from `codes` on), `out` holds
-/// `BLOCK · PANEL` values, and the CPU has AVX2, FMA and F16C.
+/// `unit` is a whole unit of `B`, and the CPU has AVX2, FMA and F16C.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn decode_unit<B: Block>(unit: *const u8, codes: usize, out: &mut [f32]) {
-    use std::arch::x86_64::*;
-    assert!(out.len() >= BLOCK * PANEL);
-    // SAFETY: the caller's contract: the unit's scales (and minima) are its first 32 (64) bytes,
-    // its codes CODE_BYTES per input from `codes`; out has room for BLOCK · PANEL values.
+unsafe fn decode_unit<B: Block>(unit: &[u8], out: &mut [f32]) {
+    use std::arch::x86_64::_mm256_storeu_ps;
+    assert!(out.len() >= BLOCK * PANEL && unit.len() >= Blocks::<B>::UNIT);
+    // SAFETY: the caller's contract: a whole unit, whose codes lie CODE_BYTES per input from
+    // CODES on; out has room for BLOCK · PANEL values (asserted).
     unsafe {
-        let d = [halves8(unit), halves8(unit.add(16))];
-        let m = if B::MIN { [halves8(unit.add(32)), halves8(unit.add(48))] } else { [_mm256_setzero_ps(); 2] };
+        let (d, m) = Blocks::<B>::scales(unit);
+        let codes = unit.as_ptr().add(Blocks::<B>::CODES);
         for i in 0..BLOCK {
-            let [w0, w1] = B::weights16(unit.add(codes + i * B::CODE_BYTES), &d, &m);
+            let [w0, w1] = B::weights16(codes.add(i * B::CODE_BYTES), &d, &m);
             _mm256_storeu_ps(out.as_mut_ptr().add(i * PANEL), w0);
             _mm256_storeu_ps(out.as_mut_ptr().add(i * PANEL + 8), w1);
         }
