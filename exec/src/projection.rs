@@ -27,6 +27,11 @@
 //! matrix (a LoRA adapter merged) widens it to f32 first, so that taking the delta away again
 //! gives `W` back.
 //!
+//! A model imported with its GGUF blocks kept (`cascade model import --dtype quantized`) keeps
+//! its Q4_1 and Q8_0 matrices in panels of those blocks ([`blocks`]: 5 and 8.5 bits a weight),
+//! dequantized as a product reads them to exactly the f32 values the f32 import holds, so its
+//! products are the f32 model's bit for bit. Adding to such a matrix widens it to f32 first.
+//!
 //! Each output is one chain of fused multiply-adds over the inputs in order, whatever the number
 //! of tokens, their place in the batch or the thread count: a sequence's logits are the same bits
 //! whether it decodes alone or with 31 others (before, up to 8 tokens went through dot products

@@ -9,9 +9,11 @@
 //! as f16, then, for each of the block's 32 inputs, the 16 outputs' codes (Q4_1: output `r` in
 //! the low nibble of byte `r`, output `r + 8` in its high nibble; Q8_0: one byte each).
 //!
-//! A product dequantizes the panels it is about to use into f32 (`[kc][PANEL]`, as
-//! [`Packed<f32>`](super::packed::Packed) holds them) and runs the f32 kernel over them, so the
-//! scratch is written once and read by every group of tokens. Dequantizing computes each weight
+//! A product of a few tokens (one group, decoding) dequantizes each input's 16 weights in
+//! registers as it multiplies them (`kernel::kernel_blocks`); one of more tokens dequantizes the
+//! panels it is about to use into f32 (`[kc][PANEL]`, as [`Packed<f32>`](super::packed::Packed)
+//! holds them) and runs the f32 kernel over them, so that scratch is written once and read by
+//! every group. Either way the multiply-adds run in the f32 kernel's order. Dequantizing computes each weight
 //! as `candle`'s dequantization does (the code times the scale, exact in f32 for a code of at most
 //! 8 bits and an f16 scale, then for Q4_1 plus the minimum, rounded once), so the weights are bit
 //! for bit those of the f32 import of the same file and the products are bit for bit the f32
