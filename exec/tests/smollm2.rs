@@ -12,6 +12,7 @@ mod common;
 
 use common::{llm_reference, smollm2_dir};
 
+use cascade_exec::gguf::Storage;
 use cascade_exec::llama::generate::{greedy, Generator};
 use cascade_exec::llama::{Llama, LlamaConfig};
 use cascade_exec::weights::Weights;
@@ -146,17 +147,31 @@ fn bad_batches_are_refused_and_leave_the_cache_alone() {
     assert!(m.free(seq) && !m.free(seq));
 }
 
-/// An f16 import loads and, rounded as it is, agrees with the reference up to the first near-tie.
-#[test]
-fn an_f16_import_agrees_with_the_reference_until_the_first_near_tie() {
-    let Some(dir) = smollm2_dir() else { return };
+/// The f32 model's directory, its GGUF, and a fresh import of that GGUF as `storage`.
+struct Imported {
+    dir: std::path::PathBuf,
+    gguf: std::path::PathBuf,
+    out: std::path::PathBuf,
+    imported: cascade_exec::gguf::Imported,
+}
+
+/// [`Imported`], or `None` after saying that the test skips (no model, or no GGUF beside it).
+fn import_as(storage: Storage) -> Option<Imported> {
+    let dir = smollm2_dir()?;
     let gguf = dir.parent().unwrap().join("SmolLM2-135M-Instruct.Q4_1.gguf");
     if !gguf.is_file() {
         eprintln!("SKIPPED: no GGUF beside {}", dir.display());
-        return;
+        return None;
     }
-    let out = std::env::temp_dir().join(format!("cascade-f16-{}", std::process::id()));
-    let imported = cascade_exec::gguf::import(&gguf, &out, cascade_exec::gguf::Storage::F16, |_, _, _| {}).unwrap();
+    let out = std::env::temp_dir().join(format!("cascade-{storage:?}-{}", std::process::id()));
+    let imported = cascade_exec::gguf::import(&gguf, &out, storage, |_, _, _| {}).unwrap();
+    Some(Imported { dir, gguf, out, imported })
+}
+
+/// An f16 import loads and, rounded as it is, agrees with the reference up to the first near-tie.
+#[test]
+fn an_f16_import_agrees_with_the_reference_until_the_first_near_tie() {
+    let Some(Imported { dir, gguf, out, imported }) = import_as(Storage::F16) else { return };
     let f32_bytes = std::fs::metadata(dir.join("model.safetensors")).unwrap().len();
     assert!(imported.bytes < f32_bytes / 2 + (1 << 20), "{} vs {f32_bytes}", imported.bytes);
     assert!(!imported.replaced);
@@ -173,7 +188,7 @@ fn an_f16_import_agrees_with_the_reference_until_the_first_near_tie() {
     }
     // Imported again over itself: replaced whole, with nothing left beside it.
     drop(g);
-    let again = cascade_exec::gguf::import(&gguf, &out, cascade_exec::gguf::Storage::F16, |_, _, _| {}).unwrap();
+    let again = cascade_exec::gguf::import(&gguf, &out, Storage::F16, |_, _, _| {}).unwrap();
     assert!(again.replaced);
     assert_eq!(std::fs::metadata(out.join("model.safetensors")).unwrap().len(), imported.bytes);
     let name = out.file_name().unwrap().to_string_lossy().into_owned();
@@ -192,15 +207,7 @@ fn an_f16_import_agrees_with_the_reference_until_the_first_near_tie() {
 /// prompts.
 #[test]
 fn a_quantized_import_computes_what_the_f32_import_computes() {
-    let Some(dir) = smollm2_dir() else { return };
-    let gguf = dir.parent().unwrap().join("SmolLM2-135M-Instruct.Q4_1.gguf");
-    if !gguf.is_file() {
-        eprintln!("SKIPPED: no GGUF beside {}", dir.display());
-        return;
-    }
-    let out = std::env::temp_dir().join(format!("cascade-quantized-{}", std::process::id()));
-    let imported =
-        cascade_exec::gguf::import(&gguf, &out, cascade_exec::gguf::Storage::Quantized, |_, _, _| {}).unwrap();
+    let Some(Imported { dir, out, imported, .. }) = import_as(Storage::Quantized) else { return };
     let f32_bytes = std::fs::metadata(dir.join("model.safetensors")).unwrap().len();
     assert!(imported.bytes < f32_bytes / 5, "{} vs {f32_bytes}", imported.bytes);
     let (q, f) = (Generator::from_dir(&out).unwrap(), Generator::from_dir(&dir).unwrap());
