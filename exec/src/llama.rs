@@ -29,6 +29,7 @@ use crate::weights::Weights;
 use crate::{Activation, ExecError, LayerExec};
 
 pub mod chat;
+mod few;
 pub mod generate;
 pub mod kv;
 pub mod lora;
@@ -501,11 +502,17 @@ impl Llama {
     /// [`SCORE_BYTES`] of scores; larger buffers cost page faults at every allocation (a prompt
     /// of 8,189 tokens spent 52 of its 76 s prefill in the kernel with 256-row blocks of 75 MB).
     /// Rows are independent, so the result is the same.
+    ///
+    /// Up to [`few::FEW`] rows (decode steps) read the cache in place instead ([`few::attend`]):
+    /// `matmul` would pack every head's keys and values first.
     fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, pos: usize) -> candle_core::Result<Tensor> {
         let (_, heads, n, d) = q.dims4()?;
         let (_, kv_heads, s, _) = k.dims4()?;
         let rep = heads / kv_heads;
         let q = (q * (1.0 / (d as f64).sqrt()))?;
+        if let Some(out) = few::attend(&q, k, v, pos)? {
+            return Ok(out);
+        }
         let per_row = heads * s * std::mem::size_of::<f32>();
         let step = (SCORE_BYTES / per_row).clamp(1, ATTENTION_ROWS);
         let mut blocks = Vec::with_capacity(n.div_ceil(step));

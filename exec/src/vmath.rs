@@ -232,7 +232,7 @@ fn softmax_visible(x: &Tensor, visible: impl Fn(usize) -> usize + Sync) -> candl
 /// `y = softmax(x)`, one row; eight lanes of partial maxima and sums.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-fn softmax_row(x: &[f32], y: &mut [f32]) {
+pub(crate) fn softmax_row(x: &[f32], y: &mut [f32]) {
     const L: usize = 8;
     let mut lanes = [f32::NEG_INFINITY; L];
     let (body, tail) = x.as_chunks::<L>();
