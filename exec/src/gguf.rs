@@ -266,7 +266,7 @@ pub enum Storage {
     /// f16: the dequantized values rounded (half the bytes of f32).
     F16,
     /// Q4_1 and Q8_0 matrices kept in their GGUF blocks, as U8 `[rows, blocks, bytes per block]`
-    /// (5 and 8.5 bits a weight; SmolLM2-135M: 101 MB against 538 MB), which load into panels of
+    /// (5 and 8.5 bits a weight; SmolLM2-135M: 96.6 MB against 538 MB), which load into panels of
     /// those blocks and compute, bit for bit, what the f32 import computes; every other tensor
     /// (the norms, other block types) dequantized to f32.
     Quantized,
