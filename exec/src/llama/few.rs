@@ -57,8 +57,6 @@ pub(crate) fn attend(q: &Tensor, k: &Tensor, v: &Tensor, pos: usize) -> candle_c
     if n > FEW || !crate::vmath::simd_available() || kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
         return Ok(None);
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    return Ok(None);
     let rep = heads / kv_heads;
     let q = q.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
     let mut out = vec![0f32; n * heads * d];
@@ -120,6 +118,12 @@ unsafe fn head(q: &[f32], seen: &[usize], k: &Cached<'_>, v: &Cached<'_>, g: usi
         }
     }
     out
+}
+
+/// Never called: [`crate::vmath::simd_available`] is false off x86_64.
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn head(_: &[f32], _: &[usize], _: &Cached<'_>, _: &Cached<'_>, _: usize, _: usize) -> Vec<f32> {
+    unreachable!("simd_available is false off x86_64")
 }
 
 /// `a · b` in eight lanes of partial sums.
