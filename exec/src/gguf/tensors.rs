@@ -165,3 +165,69 @@ impl<P: FnMut(usize, usize, &str)> safetensors::View for Lazy<'_, '_, P> {
         self.shape.iter().product::<usize>() * size
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::projection::blocks::{dequantize, Kind};
+    use candle_core::quantized::{gguf_file, QTensor};
+
+    /// A quantized import writes Q4_1 and Q8_0 matrices as their blocks (U8 `[rows, blocks,
+    /// bytes]`, a Q projection's rows un-permuted whole) and every other tensor — another block
+    /// type (Q4_K here), an f32 norm — dequantized to f32; each holds the values the f32 import
+    /// would write, bit for bit.
+    #[test]
+    fn a_quantized_import_keeps_q4_1_and_q8_0_blocks_and_dequantizes_the_rest() {
+        let dev = Device::Cpu;
+        let w = |rows: usize, cols: usize| Tensor::randn(0f32, 1.0, (rows, cols), &dev).unwrap();
+        let tensors = [
+            ("blk.0.attn_q.weight", QTensor::quantize(&w(64, 256), GgmlDType::Q4_1).unwrap(), Some(2)),
+            ("token_embd.weight", QTensor::quantize(&w(32, 256), GgmlDType::Q8_0).unwrap(), None),
+            ("blk.0.ffn_up.weight", QTensor::quantize(&w(16, 256), GgmlDType::Q4K).unwrap(), None),
+            (
+                "blk.0.attn_norm.weight",
+                QTensor::quantize(&w(1, 256).squeeze(0).unwrap(), GgmlDType::F32).unwrap(),
+                None,
+            ),
+        ];
+        let path = std::env::temp_dir().join(format!("cascade-tensors-{}.gguf", std::process::id()));
+        {
+            let mut f = File::create(&path).unwrap();
+            let named: Vec<(&str, &QTensor)> = tensors.iter().map(|(n, q, _)| (*n, q)).collect();
+            gguf_file::write(&mut f, &[], &named).unwrap();
+        }
+        let mut r = BufReader::new(File::open(&path).unwrap());
+        let content = Content::read(&mut r).unwrap();
+        let source = Source::new(&content, r, Storage::Quantized, |_, _, _| {});
+        let lazy: Vec<_> =
+            tensors.iter().map(|(n, q, heads)| (n.to_string(), source.tensor(n, q.shape().dims(), *heads))).collect();
+        let bytes = safetensors::serialize(lazy, None).unwrap();
+        assert!(source.failure().is_none());
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for (name, q, heads) in &tensors {
+            let view = st.tensor(name).unwrap();
+            let mut want = q.dequantize(&dev).unwrap();
+            if let Some(h) = heads {
+                want = unpermute(&want, *h).unwrap();
+            }
+            let want = want.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let dims = q.shape().dims();
+            let got = match q.dtype() {
+                GgmlDType::Q4_1 | GgmlDType::Q8_0 => {
+                    let (kind, bytes) = if q.dtype() == GgmlDType::Q4_1 { (Kind::Q4_1, 20) } else { (Kind::Q8_0, 34) };
+                    assert_eq!(view.dtype(), safetensors::Dtype::U8, "{name}");
+                    assert_eq!(view.shape(), [dims[0], dims[1] / 32, bytes], "{name}");
+                    dequantize(kind, view.data(), dims[0], dims[1]).unwrap()
+                }
+                _ => {
+                    assert_eq!(view.dtype(), safetensors::Dtype::F32, "{name}");
+                    assert_eq!(view.shape(), dims, "{name}");
+                    view.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
+                }
+            };
+            assert_eq!(bits(&got), bits(&want), "{name}");
+        }
+        let _ = std::fs::remove_file(&path);
+    }
+}
