@@ -63,7 +63,7 @@ use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::Linear;
 
 use crate::vmath::simd_available;
-use crate::weights::Weights;
+use crate::weights::{Encoding, Weights};
 use crate::ExecError;
 use blocks::{Blocks, Kind, Q4_1, Q8_0};
 use packed::{Half, Packed};
@@ -208,12 +208,11 @@ impl Projection {
     /// first.
     pub(crate) fn load(w: &Weights<'_>, name: &str) -> Result<Projection, ExecError> {
         Ok(match w.stored(name)? {
-            (bytes, DType::F32, &[n, k]) => Projection::from_f32_le(bytes, n, k)?,
-            (bytes, DType::F16, &[n, k]) => Projection::from_f16_le(bytes, n, k)?,
-            (bytes, DType::U8, shape) => match blocks::kind_of(shape) {
-                Some((kind, n, k)) => Projection::from_gguf_blocks(bytes, kind, n, k)?,
-                None => return Err(ExecError::Model(format!("tensor {name:?}: U8 {shape:?} is no GGUF block matrix"))),
-            },
+            (bytes, Encoding::Values(DType::F32), &[n, k]) => Projection::from_f32_le(bytes, n, k)?,
+            (bytes, Encoding::Values(DType::F16), &[n, k]) => Projection::from_f16_le(bytes, n, k)?,
+            (bytes, Encoding::Blocks { kind, rows, inputs }, _) => {
+                Projection::from_gguf_blocks(bytes, kind, rows, inputs)?
+            }
             _ => Projection::new(w.tensor(name)?)?,
         })
     }

@@ -19,6 +19,16 @@ enum Image {
     Packed,
 }
 
+/// How a stored tensor's bytes encode it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Encoding {
+    /// Values of this dtype.
+    Values(DType),
+    /// A matrix `[rows, inputs]` as GGUF rows of `kind`'s blocks: a U8 tensor `[rows, blocks,
+    /// bytes per block]` (`projection::blocks`).
+    Blocks { kind: blocks::Kind, rows: usize, inputs: usize },
+}
+
 /// Tensors by name over an image.
 pub struct Weights<'a> {
     bytes: &'a [u8],
@@ -79,28 +89,28 @@ impl<'a> Weights<'a> {
     /// Tensor `name` as an f32 CPU tensor (F16 and BF16 are widened, a matrix of GGUF blocks is
     /// dequantized to `[rows, inputs]`).
     pub fn tensor(&self, name: &str) -> Result<Tensor, ExecError> {
-        let (bytes, dtype, shape) = self.stored(name)?;
-        if dtype == DType::U8 {
-            let (kind, n, k) = blocks::kind_of(shape)
-                .ok_or_else(|| ExecError::Model(format!("tensor {name:?}: U8 {shape:?} is no GGUF block matrix")))?;
-            let w =
-                blocks::dequantize(kind, bytes, n, k).map_err(|e| ExecError::Model(format!("tensor {name:?}: {e}")))?;
-            return Ok(Tensor::from_vec(w, (n, k), &crate::bert::cpu())?);
+        match self.stored(name)? {
+            (bytes, Encoding::Blocks { kind, rows, inputs }, _) => {
+                let w = blocks::dequantize(kind, bytes, rows, inputs)
+                    .map_err(|e| ExecError::Model(format!("tensor {name:?}: {e}")))?;
+                Ok(Tensor::from_vec(w, (rows, inputs), &crate::bert::cpu())?)
+            }
+            (bytes, Encoding::Values(dtype), shape) => {
+                Ok(Tensor::from_raw_buffer(bytes, dtype, shape, &crate::bert::cpu())?.to_dtype(DType::F32)?)
+            }
         }
-        Ok(Tensor::from_raw_buffer(bytes, dtype, shape, &crate::bert::cpu())?.to_dtype(DType::F32)?)
     }
 
-    /// Tensor `name`'s bytes in the image, its dtype and its shape, to be read without a copy
-    /// in between.
-    pub(crate) fn stored(&self, name: &str) -> Result<(&'a [u8], DType, &'a [usize]), ExecError> {
+    /// Tensor `name`'s bytes in the image, how they encode it, and its shape, to be read without
+    /// a copy in between.
+    pub(crate) fn stored(&self, name: &str) -> Result<(&'a [u8], Encoding, &'a [usize]), ExecError> {
         let &(layer, t) = self.index.get(name).ok_or_else(|| ExecError::Model(format!("no tensor {name:?}")))?;
-        let dtype = match t.dtype.as_str() {
-            "F32" => DType::F32,
-            "F16" => DType::F16,
-            "BF16" => DType::BF16,
-            // A matrix of GGUF blocks, `[rows, blocks, bytes per block]` (`projection::blocks`).
-            "U8" if blocks::kind_of(&t.shape).is_some() => DType::U8,
-            other => {
+        let encoding = match (t.dtype.as_str(), blocks::kind_of(&t.shape)) {
+            ("F32", _) => Encoding::Values(DType::F32),
+            ("F16", _) => Encoding::Values(DType::F16),
+            ("BF16", _) => Encoding::Values(DType::BF16),
+            ("U8", Some((kind, rows, inputs))) => Encoding::Blocks { kind, rows, inputs },
+            (other, _) => {
                 return Err(ExecError::Model(format!(
                     "tensor {name:?} is {other} {:?}; F32, F16, BF16 and U8 matrices of GGUF Q4_1 or Q8_0 blocks are supported",
                     t.shape
@@ -122,6 +132,6 @@ impl<'a> Weights<'a> {
             .bytes
             .get(start as usize..end as usize)
             .ok_or_else(|| ExecError::Model(format!("tensor {name:?} lies outside the image")))?;
-        Ok((bytes, dtype, &t.shape))
+        Ok((bytes, encoding, &t.shape))
     }
 }

@@ -13,11 +13,10 @@ use std::fs::File;
 use std::io::BufReader;
 
 use candle_core::quantized::gguf_file::Content;
-use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Tensor};
 
 use super::{bad, unpermute, Storage};
-use crate::projection::blocks::{Block, BLOCK, Q4_1, Q8_0};
+use crate::projection::blocks::{Kind, BLOCK};
 use crate::ExecError;
 
 /// The source of the tensors: the GGUF file open for reading, what they are converted to, and
@@ -40,7 +39,7 @@ pub(super) struct Lazy<'s, 'c, P> {
     heads: Option<usize>,
     /// Its shape in the GGUF file.
     gguf_shape: Vec<usize>,
-    /// How it is written: a dtype, or its GGUF blocks of this many bytes.
+    /// How it is written: a dtype, or its GGUF blocks.
     stored: Stored,
     /// The shape written: the GGUF's, or `[rows, blocks, bytes per block]`.
     shape: Vec<usize>,
@@ -50,7 +49,7 @@ pub(super) struct Lazy<'s, 'c, P> {
 #[derive(Clone, Copy)]
 enum Stored {
     Values(DType),
-    Blocks(usize),
+    Blocks(Kind),
 }
 
 impl<'c, P: FnMut(usize, usize, &str)> Source<'c, P> {
@@ -67,20 +66,13 @@ impl<'c, P: FnMut(usize, usize, &str)> Source<'c, P> {
 
     /// The tensor named `name` in the GGUF file, of `shape`, to be read when it is written.
     pub(super) fn tensor(&self, name: &'c str, shape: &[usize], heads: Option<usize>) -> Lazy<'_, 'c, P> {
-        let ggml = self.content.tensor_infos.get(name).map(|i| i.ggml_dtype);
-        let stored = match (self.storage, ggml, shape) {
-            (Storage::F16, ..) => Stored::Values(DType::F16),
-            (Storage::Quantized, Some(GgmlDType::Q4_1), &[_, k]) if k.is_multiple_of(BLOCK) => {
-                Stored::Blocks(Q4_1::GGUF_BYTES)
+        let kind = self.content.tensor_infos.get(name).and_then(|i| Kind::of_ggml(i.ggml_dtype));
+        let (stored, written) = match (self.storage, kind, shape) {
+            (Storage::F16, ..) => (Stored::Values(DType::F16), shape.to_vec()),
+            (Storage::Quantized, Some(kind), &[n, k]) if k.is_multiple_of(BLOCK) => {
+                (Stored::Blocks(kind), vec![n, k / BLOCK, kind.gguf_bytes()])
             }
-            (Storage::Quantized, Some(GgmlDType::Q8_0), &[_, k]) if k.is_multiple_of(BLOCK) => {
-                Stored::Blocks(Q8_0::GGUF_BYTES)
-            }
-            _ => Stored::Values(DType::F32),
-        };
-        let written = match (stored, shape) {
-            (Stored::Blocks(bytes), &[n, k]) => vec![n, k / BLOCK, bytes],
-            _ => shape.to_vec(),
+            _ => (Stored::Values(DType::F32), shape.to_vec()),
         };
         Lazy { source: self, name, heads, gguf_shape: shape.to_vec(), stored, shape: written }
     }
@@ -102,13 +94,11 @@ impl<'c, P: FnMut(usize, usize, &str)> Source<'c, P> {
         }
         let dtype = match t.stored {
             Stored::Values(dtype) => dtype,
-            Stored::Blocks(bytes) => {
+            Stored::Blocks(kind) => {
                 // The blocks as they are; Q and K rows put back in Hugging Face's order whole.
                 let raw = q.data().map_err(|e| bad(format!("{name}: {e}")))?;
                 let (n, k) = (t.gguf_shape[0], t.gguf_shape[1]);
-                if raw.len() != n * (k / BLOCK) * bytes {
-                    return Err(bad(format!("{name}: {} bytes of blocks for {n} × {k}", raw.len())));
-                }
+                kind.check(raw.len(), n, k).map_err(|e| bad(format!("{name}: {e}")))?;
                 let Some(h) = t.heads else { return Ok(raw.into_owned()) };
                 let rows = Tensor::from_raw_buffer(&raw, DType::U8, &[n, raw.len() / n], &Device::Cpu)?;
                 return Ok(unpermute(&rows, h)?.flatten_all()?.to_vec1::<u8>()?);
@@ -169,8 +159,8 @@ impl<P: FnMut(usize, usize, &str)> safetensors::View for Lazy<'_, '_, P> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::projection::blocks::{dequantize, Kind};
-    use candle_core::quantized::{gguf_file, QTensor};
+    use crate::projection::blocks::dequantize;
+    use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 
     /// A quantized import writes Q4_1 and Q8_0 matrices as their blocks (U8 `[rows, blocks,
     /// bytes]`, a Q projection's rows un-permuted whole) and every other tensor — another block
@@ -216,6 +206,7 @@ mod tests {
             let got = match q.dtype() {
                 GgmlDType::Q4_1 | GgmlDType::Q8_0 => {
                     let (kind, bytes) = if q.dtype() == GgmlDType::Q4_1 { (Kind::Q4_1, 20) } else { (Kind::Q8_0, 34) };
+                    assert_eq!(Kind::of_ggml(q.dtype()), Some(kind));
                     assert_eq!(view.dtype(), safetensors::Dtype::U8, "{name}");
                     assert_eq!(view.shape(), [dims[0], dims[1] / 32, bytes], "{name}");
                     dequantize(kind, view.data(), dims[0], dims[1]).unwrap()

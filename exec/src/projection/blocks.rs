@@ -30,10 +30,10 @@ pub(crate) const BLOCK: usize = 32;
 
 /// A GGUF block type.
 pub(crate) trait Block: Send + Sync + 'static {
-    /// Its name, for errors.
-    const NAME: &'static str;
+    /// Which one, as a value.
+    const KIND: Kind;
     /// Bytes of one block in a GGUF row.
-    const GGUF_BYTES: usize;
+    const GGUF_BYTES: usize = Self::KIND.gguf_bytes();
     /// Whether blocks carry a minimum `m` besides the scale `d`.
     const MIN: bool;
     /// Bytes of codes per input of a panel (16 outputs).
@@ -70,8 +70,7 @@ fn half(bytes: &[u8]) -> u16 {
 }
 
 impl Block for Q4_1 {
-    const NAME: &'static str = "Q4_1";
-    const GGUF_BYTES: usize = 20;
+    const KIND: Kind = Kind::Q4_1;
     const MIN: bool = true;
     const CODE_BYTES: usize = PANEL / 2;
 
@@ -115,8 +114,7 @@ impl Block for Q4_1 {
 }
 
 impl Block for Q8_0 {
-    const NAME: &'static str = "Q8_0";
-    const GGUF_BYTES: usize = 34;
+    const KIND: Kind = Kind::Q8_0;
     const MIN: bool = false;
     const CODE_BYTES: usize = PANEL;
 
@@ -153,8 +151,7 @@ impl Block for Q8_0 {
 /// its matrix's `(rows, inputs)`.
 pub(crate) fn kind_of(shape: &[usize]) -> Option<(Kind, usize, usize)> {
     match *shape {
-        [n, b, bytes] if bytes == Q4_1::GGUF_BYTES => Some((Kind::Q4_1, n, b * BLOCK)),
-        [n, b, bytes] if bytes == Q8_0::GGUF_BYTES => Some((Kind::Q8_0, n, b * BLOCK)),
+        [n, b, bytes] => Kind::ALL.into_iter().find(|k| k.gguf_bytes() == bytes).map(|k| (k, n, b * BLOCK)),
         _ => None,
     }
 }
@@ -166,10 +163,41 @@ pub(crate) enum Kind {
     Q8_0,
 }
 
+impl Kind {
+    /// Every block type kept as blocks.
+    pub(crate) const ALL: [Kind; 2] = [Kind::Q4_1, Kind::Q8_0];
+
+    /// Bytes of one block in a GGUF row: the scale (and minimum) as f16, then the codes.
+    pub(crate) const fn gguf_bytes(self) -> usize {
+        match self {
+            Kind::Q4_1 => 4 + BLOCK / 2,
+            Kind::Q8_0 => 2 + BLOCK,
+        }
+    }
+
+    /// The block type of a GGUF tensor's type, if it is one kept as blocks.
+    pub(crate) fn of_ggml(t: candle_core::quantized::GgmlDType) -> Option<Kind> {
+        use candle_core::quantized::GgmlDType;
+        match t {
+            GgmlDType::Q4_1 => Some(Kind::Q4_1),
+            GgmlDType::Q8_0 => Some(Kind::Q8_0),
+            _ => None,
+        }
+    }
+
+    /// That `len` bytes are `n` GGUF rows of `k` weights in these blocks.
+    pub(crate) fn check(self, len: usize, n: usize, k: usize) -> Result<(), String> {
+        if !k.is_multiple_of(BLOCK) || len != n * (k / BLOCK) * self.gguf_bytes() {
+            return Err(format!("{len} bytes for a {n} × {k} {self:?} matrix"));
+        }
+        Ok(())
+    }
+}
+
 /// `W` `[n, k]` dequantized from GGUF rows (`gguf` is `n` rows of `k / 32` blocks), row-major.
 pub(crate) fn dequantize(kind: Kind, gguf: &[u8], n: usize, k: usize) -> Result<Vec<f32>, String> {
     fn rows<B: Block>(gguf: &[u8], n: usize, k: usize) -> Result<Vec<f32>, String> {
-        check::<B>(gguf, n, k)?;
+        B::KIND.check(gguf.len(), n, k)?;
         let mut out = Vec::with_capacity(n * k);
         for block in gguf.chunks_exact(B::GGUF_BYTES) {
             let (d, m, codes) = B::parse(block);
@@ -182,13 +210,6 @@ pub(crate) fn dequantize(kind: Kind, gguf: &[u8], n: usize, k: usize) -> Result<
         Kind::Q4_1 => rows::<Q4_1>(gguf, n, k),
         Kind::Q8_0 => rows::<Q8_0>(gguf, n, k),
     }
-}
-
-fn check<B: Block>(gguf: &[u8], n: usize, k: usize) -> Result<(), String> {
-    if !k.is_multiple_of(BLOCK) || gguf.len() != n * (k / BLOCK) * B::GGUF_BYTES {
-        return Err(format!("{} bytes for a {n} × {k} {} matrix", gguf.len(), B::NAME));
-    }
-    Ok(())
 }
 
 /// `W` `[n, k]` in panels of GGUF blocks (see the module docs).
@@ -208,7 +229,7 @@ impl<B: Block> Blocks<B> {
 
     /// From GGUF rows: `n` rows of `k / 32` blocks of `B`.
     pub(crate) fn from_gguf(gguf: &[u8], n: usize, k: usize) -> Result<Blocks<B>, String> {
-        check::<B>(gguf, n, k)?;
+        B::KIND.check(gguf.len(), n, k)?;
         let blocks = k / BLOCK;
         let panels = n.div_ceil(PANEL);
         let mut data = vec![0u8; panels * blocks * Self::UNIT];
