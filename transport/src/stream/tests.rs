@@ -82,6 +82,14 @@ async fn rkey_lookup(link: &StreamLink, region: RegionId, key: RemoteKey) -> Res
     Ok(got.map(|a| *a.downcast::<RemoteMr>().unwrap()))
 }
 
+/// A region table holding one new region of `len` bytes (a peer's side of a test), and that region.
+fn registered(len: u64) -> (RegionTable, Region) {
+    let table = RegionTable::new();
+    let region = Region::alloc(len, Default::default()).unwrap();
+    table.register(&region);
+    (table, region)
+}
+
 /// A stand-in for the RDMA device's lookup: answers with a registration derived from the region.
 fn fake_resolver() -> RkeyResolver {
     Arc::new(|r: &Region| Ok(RemoteMr { addr: 0x7000_0000 + u64::from(r.id().0), rkey: 42, len: r.len() }))
@@ -90,9 +98,7 @@ fn fake_resolver() -> RkeyResolver {
 #[tokio::test]
 async fn rdma_lookup_is_key_checked_by_the_owner() {
     let (a_io, b_io) = tokio::io::duplex(1 << 16);
-    let b_regions = RegionTable::new();
-    let region = Region::alloc(8192, Default::default()).unwrap();
-    b_regions.register(&region);
+    let (b_regions, region) = registered(8192);
     let a = link(1, a_io, RegionTable::new(), None);
     let _b = link(0, b_io, b_regions, Some(fake_resolver()));
     let got = rkey_lookup(&a, region.id(), region.key()).await.unwrap();
@@ -109,9 +115,7 @@ async fn rdma_lookup_is_key_checked_by_the_owner() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_first_accesses_to_a_region_look_it_up_once() {
     let (a_io, b_io) = tokio::io::duplex(1 << 16);
-    let b_regions = RegionTable::new();
-    let region = Region::alloc(8192, Default::default()).unwrap();
-    b_regions.register(&region);
+    let (b_regions, region) = registered(8192);
     let answered = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let counted = answered.clone();
     let resolver: RkeyResolver = Arc::new(move |r: &Region| {
@@ -139,9 +143,7 @@ async fn concurrent_first_accesses_to_a_region_look_it_up_once() {
 #[tokio::test]
 async fn a_node_without_a_device_declines_rdma_lookups() {
     let (a_io, b_io) = tokio::io::duplex(1 << 16);
-    let b_regions = RegionTable::new();
-    let region = Region::alloc(4096, Default::default()).unwrap();
-    b_regions.register(&region);
+    let (b_regions, region) = registered(4096);
     let a = link(1, a_io, RegionTable::new(), None);
     let _b = link(0, b_io, b_regions, None);
     let got = rkey_lookup(&a, region.id(), region.key()).await.unwrap();
@@ -151,10 +153,8 @@ async fn a_node_without_a_device_declines_rdma_lookups() {
 #[tokio::test]
 async fn written_notice_verifies_the_crc_at_the_owner() {
     let (a_io, b_io) = tokio::io::duplex(1 << 16);
-    let b_regions = RegionTable::new();
-    let region = Region::alloc(4096, Default::default()).unwrap();
+    let (b_regions, region) = registered(4096);
     ta::fill(&region, 0, 4096, 7).unwrap();
-    b_regions.register(&region);
     let a = link(1, a_io, RegionTable::new(), None);
     let _b = link(0, b_io, b_regions, None);
     let good = ta::crc32(&region, 0, 4096).unwrap();
@@ -252,9 +252,7 @@ async fn a_leaving_link_says_goodbye_and_a_failed_one_does_not() {
 #[tokio::test]
 async fn frames_queued_before_a_leave_go_out_before_the_goodbye() {
     let (a_io, b_io) = tokio::io::duplex(1 << 16);
-    let b_regions = RegionTable::new();
-    let dst = Region::alloc(4096, Default::default()).unwrap();
-    b_regions.register(&dst);
+    let (b_regions, dst) = registered(4096);
     let (a, _a_closed) = watched(0, a_io, RegionTable::new(), true);
     let (_b, b_closed) = watched(1, b_io, b_regions, true);
     let src = Region::alloc(4096, Default::default()).unwrap();
@@ -273,9 +271,7 @@ async fn frames_queued_before_a_leave_go_out_before_the_goodbye() {
 #[tokio::test]
 async fn a_goodbye_follows_the_frame_in_flight() {
     let (a_io, b_io) = tokio::io::duplex(1 << 16);
-    let b_regions = RegionTable::new();
-    let dst = Region::alloc(4 << 20, Default::default()).unwrap();
-    b_regions.register(&dst);
+    let (b_regions, dst) = registered(4 << 20);
     let (a, _a_closed) = watched(0, a_io, RegionTable::new(), true);
     let (_b, b_closed) = watched(1, b_io, b_regions, true);
     let src = Region::alloc(4 << 20, Default::default()).unwrap();
