@@ -1,5 +1,5 @@
-//! `cascade generate`: greedy text from a real decoder LLM on the CPU, for prompts given on the
-//! command line or read, one per line, from a file or standard input.
+//! `cascade generate`: text from a real decoder LLM on the CPU, greedy or sampled, for prompts
+//! given on the command line or read, one per line, from a file or standard input.
 
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
@@ -9,6 +9,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use cascade_exec::llama::generate::{Generated, Generator, RUNNING};
+use cascade_exec::llama::sample::Decoding;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -41,10 +42,46 @@ pub(crate) struct GenerateArgs {
     /// prompts run at once, fewer when they are long or this is large (8 at 8,192).
     #[arg(long, default_value_t = 32)]
     max_tokens: usize,
-    /// Print one JSON object per prompt: {prompt_tokens, tokens, text, at_window}, or {error}
-    /// for a prompt that could not be generated from.
+    /// Sample each token instead of taking the most likely one: the logits divided by this
+    /// temperature, then cut by --top-k and --top-p (Hugging Face's order). 0, the default, is
+    /// greedy.
+    #[arg(long, default_value_t = 0.0, value_name = "T")]
+    temperature: f32,
+    /// With --temperature: only the K most likely tokens are drawn from (0: every token).
+    #[arg(long, default_value_t = 0, value_name = "K")]
+    top_k: usize,
+    /// With --temperature: only the most likely tokens whose probabilities sum to at least P are
+    /// drawn from (1: every token).
+    #[arg(long, default_value_t = 1.0, value_name = "P")]
+    top_p: f32,
+    /// With --temperature: the seed; the same seed, model and prompts give the same text
+    /// (prompt N draws from its own generator, whatever runs beside it). Without it, a random
+    /// seed, printed so that the run can be repeated.
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Print one JSON object per prompt: {prompt_tokens, tokens, text, at_window} (and seed,
+    /// when sampling), or {error} for a prompt that could not be generated from.
     #[arg(long)]
     json: bool,
+}
+
+impl GenerateArgs {
+    /// How tokens are chosen, and the seed when they are sampled.
+    fn decoding(&self) -> anyhow::Result<(Decoding, Option<u64>)> {
+        if self.temperature == 0.0 {
+            let set = [(self.top_k != 0, "--top-k"), (self.top_p != 1.0, "--top-p"), (self.seed.is_some(), "--seed")];
+            if let Some((_, name)) = set.iter().find(|(given, _)| *given) {
+                bail!("{name} applies to sampling: give --temperature above 0 as well (0, the default, is greedy)");
+            }
+        }
+        let seed = match self.seed {
+            Some(s) => s,
+            None if self.temperature != 0.0 => getrandom::u64().context("drawing a random seed")?,
+            None => 0,
+        };
+        let d = Decoding::new(self.temperature, self.top_k, self.top_p, seed)?;
+        Ok((d, matches!(d, Decoding::Sample(_)).then_some(seed)))
+    }
 }
 
 /// Text generated so far and shown (escaped as `{:?}` shows it, without the quotes).
@@ -90,6 +127,7 @@ enum Outcome {
 fn show(
     out: &mut impl Write,
     a: &GenerateArgs,
+    seed: Option<u64>,
     g: &Generator,
     prompt: &str,
     o: &Outcome,
@@ -108,7 +146,10 @@ fn show(
     };
     let text = g.decode(&o.tokens)?;
     if a.json {
-        let v = serde_json::json!({"prompt_tokens": o.prompt_tokens, "tokens": o.tokens, "text": text, "at_window": o.at_window});
+        let mut v = serde_json::json!({"prompt_tokens": o.prompt_tokens, "tokens": o.tokens, "text": text, "at_window": o.at_window});
+        if let Some(seed) = seed {
+            v["seed"] = seed.into();
+        }
         writeln!(out, "{v}")?;
     } else if let Some(shown) = streamed {
         writeln!(out, "{}\"", escaped(text.get(shown.len()..).unwrap_or_default()))?;
@@ -131,6 +172,8 @@ fn show(
 /// The prompts' results, printed in the prompts' order as they come in any order.
 struct InOrder<'a> {
     a: &'a GenerateArgs,
+    /// The seed, when tokens are sampled.
+    seed: Option<u64>,
     g: &'a Generator,
     bar: Option<ProgressBar>,
     /// With one prompt shown as it is generated: what was shown, which its result line ends.
@@ -171,8 +214,8 @@ impl InOrder<'_> {
             let mut stdout = std::io::stdout().lock();
             let streamed = self.streamed.map(|s| s.borrow().text.clone());
             let shown = match &self.bar {
-                Some(b) => b.suspend(|| show(&mut stdout, self.a, self.g, &prompt, &o, streamed.as_ref())),
-                None => show(&mut stdout, self.a, self.g, &prompt, &o, streamed.as_ref()),
+                Some(b) => b.suspend(|| show(&mut stdout, self.a, self.seed, self.g, &prompt, &o, streamed.as_ref())),
+                None => show(&mut stdout, self.a, self.seed, self.g, &prompt, &o, streamed.as_ref()),
             };
             self.failed = shown.err();
         }
@@ -187,6 +230,7 @@ pub(crate) fn generate(a: GenerateArgs) -> anyhow::Result<()> {
     if a.max_tokens == 0 {
         bail!("--max-tokens must be at least 1");
     }
+    let (decoding, seed) = a.decoding()?;
     let input = crate::input::given_then_lines(a.prompt.clone(), a.prompt_file.clone(), "--prompt-file", PROMPT_LINE)?;
     // Read ahead, so that a prompt typed or piped in while others run starts as soon as a slot
     // is free, and one alone is answered without waiting for more.
@@ -211,6 +255,7 @@ pub(crate) fn generate(a: GenerateArgs) -> anyhow::Result<()> {
     let shown = RefCell::new(Streamed::default());
     let order = RefCell::new(InOrder {
         a: &a,
+        seed,
         g: &g,
         bar,
         streamed: stream.then_some(&shown),
@@ -268,6 +313,7 @@ pub(crate) fn generate(a: GenerateArgs) -> anyhow::Result<()> {
     g.generate_stream(
         prompts,
         a.max_tokens,
+        decoding,
         |_, tok| {
             if stream {
                 let mut shown = shown.borrow_mut();
@@ -299,8 +345,18 @@ pub(crate) fn generate(a: GenerateArgs) -> anyhow::Result<()> {
     }
     let (prompts, generated) = order.generated;
     if !a.json && prompts > 0 {
+        let how = match decoding {
+            Decoding::Greedy => "greedy".to_string(),
+            Decoding::Sample(s) => format!(
+                "sampled at temperature {}{}{}, seed {}",
+                s.temperature,
+                if s.top_k > 0 { format!(", top-k {}", s.top_k) } else { String::new() },
+                if s.top_p < 1.0 { format!(", top-p {}", s.top_p) } else { String::new() },
+                s.seed
+            ),
+        };
         println!(
-            "({} stages on the CPU; model loaded in {:.1} s; {} tokens generated for {} in {:.2} s, {:.1} tokens/s)",
+            "({} stages on the CPU; model loaded in {:.1} s; {} tokens generated ({how}) for {} in {:.2} s, {:.1} tokens/s)",
             g.model().config().stages(),
             loaded.as_secs_f64(),
             generated,

@@ -61,8 +61,8 @@ enum Cmd {
     /// texts are cut, modules.json and 1_Pooling/config.json the pooling, as sentence-transformers
     /// does; without modules.json, all-MiniLM-L6-v2's mean and L2 normalisation).
     Embed(embed::EmbedArgs),
-    /// Greedy text generation with a real llama-architecture LLM on the CPU (a directory that
-    /// `cascade model import --gguf` wrote).
+    /// Text generation with a real llama-architecture LLM on the CPU, greedy or sampled (a
+    /// directory that `cascade model import --gguf` wrote).
     Generate(generate::GenerateArgs),
     /// LLM serving with prefill/decode disaggregation on this machine: SmolLM2 in four instance
     /// processes, a burst, a prefill→decode mutation and a live scale-out in its middle; every

@@ -347,6 +347,59 @@ fn several_prompts_are_shown_in_their_order_whichever_finishes_first() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
+/// `cascade generate --temperature`: sampled text from the real model. One seed gives one text
+/// (the same prompt twice in a run draws twice, from two generators: prompt N's own); another
+/// seed another; top-k 1 is the greedy text whatever the temperature; JSON says the seed, and a
+/// random one is drawn and said when none is given. Sampling settings without a temperature are
+/// refused. Skips without the model.
+#[test]
+fn generate_samples_reproducibly_from_a_seed() {
+    let d = scratch("sampling");
+    let Some(model) = smollm2(&d) else { return };
+    let story = "Tell me a story about a cat.";
+    let run = |extra: &[&str]| {
+        let out = Command::new(CASCADE)
+            .args(["generate", "--chat", "--json", "--max-tokens", "16", "--model"])
+            .arg(&model)
+            .args(["--prompt", story, "--prompt", story])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect::<Vec<serde_json::Value>>()
+    };
+    let texts =
+        |rows: &[serde_json::Value]| rows.iter().map(|r| r["text"].as_str().unwrap().to_string()).collect::<Vec<_>>();
+    let sampled = run(&["--temperature", "1.2", "--seed", "11"]);
+    assert_eq!(texts(&sampled), texts(&run(&["--temperature", "1.2", "--seed", "11"])), "one seed, two texts");
+    assert_ne!(texts(&sampled)[0], texts(&sampled)[1], "two prompts drew the same tokens");
+    assert_ne!(texts(&sampled), texts(&run(&["--temperature", "1.2", "--seed", "12"])), "two seeds, one text");
+    assert!(sampled.iter().all(|r| r["seed"] == 11), "{sampled:?}");
+    let greedy = run(&[]);
+    assert!(greedy.iter().all(|r| r.get("seed").is_none()), "{greedy:?}");
+    assert_ne!(texts(&sampled), texts(&greedy));
+    assert_eq!(texts(&run(&["--temperature", "3", "--top-k", "1", "--seed", "5"])), texts(&greedy));
+    let drawn = run(&["--temperature", "0.7"]);
+    assert!(drawn[0]["seed"].as_u64().is_some() && drawn[0]["seed"] == drawn[1]["seed"], "{drawn:?}");
+
+    for bad in
+        [&["--top-p", "0.9"][..], &["--seed", "3"], &["--temperature=-1"], &["--temperature", "1", "--top-p", "0"]]
+    {
+        let out = Command::new(CASCADE)
+            .args(["generate", "--prompt", "x", "--model"])
+            .arg(&model)
+            .args(bad)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && (err.contains("temperature") || err.contains("top-p")), "{bad:?}: {err}");
+    }
+    let _ = std::fs::remove_dir_all(&d);
+}
+
 /// `cascade generate --prompt-file`: prompts from a file or standard input, after any
 /// `--prompt`, answered in their order, each as `--prompt` answers it; an empty line is answered
 /// in its place with its error while the others are generated, and the run exits non-zero naming

@@ -34,6 +34,7 @@ pub mod generate;
 pub mod kv;
 pub mod lora;
 pub mod multi_lora;
+pub mod sample;
 
 use crate::projection::Projection;
 pub use kv::KvCache;

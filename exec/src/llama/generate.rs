@@ -1,5 +1,6 @@
-//! Greedy generation over a llama model directory (`model.safetensors`, `config.json`,
-//! `tokenizer.json`, as `cascade model import --gguf` writes them): each step runs one packed
+//! Generation, greedy or sampled ([`super::sample`]), over a llama model directory
+//! (`model.safetensors`, `config.json`, `tokenizer.json`, as `cascade model import --gguf` writes
+//! them): each step runs one packed
 //! batch of the running sequences — a starting prompt's prefill (or a chunk of a long one,
 //! [`GreedyLimits::prefill_chunk`]) beside the others' decode steps — and every sequence decodes
 //! one token per step until it emits end-of-sequence, reaches its token budget or fills the
@@ -14,11 +15,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use cascade_param_pool::manifest::Manifest;
 use tokenizers::Tokenizer;
 
+use super::sample::{Decoding, Sampler};
 use super::{Llama, LlamaConfig};
 use crate::weights::Weights;
 use crate::{Activation, ExecError, LayerExec};
 
-/// One prompt's greedy continuation.
+/// One prompt's continuation.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct Generated {
     /// The prompt's tokens.
@@ -34,6 +36,12 @@ pub struct Generated {
 pub fn argmax(act: &Activation) -> Result<Vec<u32>, ExecError> {
     let logits = act.hidden.as_ref().ok_or_else(|| ExecError::Input("no logits".into()))?;
     Ok(logits.squeeze(0)?.argmax(1)?.to_vec1::<u32>()?)
+}
+
+/// Every segment's logits of a head's output, as rows of f32.
+fn logit_rows(act: &Activation) -> Result<Vec<Vec<f32>>, ExecError> {
+    let logits = act.hidden.as_ref().ok_or_else(|| ExecError::Input("no logits".into()))?;
+    Ok(logits.squeeze(0)?.to_dtype(candle_core::DType::F32)?.to_vec2::<f32>()?)
 }
 
 /// Greedy generation: `step` runs a packed batch through every stage and returns the head's
@@ -192,9 +200,24 @@ pub fn refusal(prompt: &[u32], window: usize) -> Option<String> {
 /// A prompt that [`refusal`] refuses ends the run with an error when it is reached (the
 /// sequences then running are abandoned: their caches are the caller's to free).
 pub fn greedy_stream(
+    step: impl FnMut(Activation) -> Result<Activation, ExecError>,
+    prompts: impl IntoIterator<Item = Vec<u32>>,
+    limits: GreedyLimits,
+    on_token: impl FnMut(usize, u32),
+    finished: impl FnMut(usize, Generated),
+) -> Result<usize, ExecError> {
+    decode_stream(step, prompts, limits, Decoding::Greedy, on_token, finished)
+}
+
+/// [`greedy_stream`] choosing each token as `decoding` says: greedily, or sampled by each
+/// prompt's own seeded [`Sampler`] (prompt `i` of the stream draws from `Sampler::new(_, i)`,
+/// and only when the step gives it a token: a prompt's chunks draw nothing). Greedy and sampled
+/// runs stop, batch and budget alike.
+pub fn decode_stream(
     mut step: impl FnMut(Activation) -> Result<Activation, ExecError>,
     prompts: impl IntoIterator<Item = Vec<u32>>,
     limits: GreedyLimits,
+    decoding: Decoding,
     mut on_token: impl FnMut(usize, u32),
     mut finished: impl FnMut(usize, Generated),
 ) -> Result<usize, ExecError> {
@@ -221,6 +244,7 @@ pub fn greedy_stream(
         pos: u32,
         fed: Vec<u32>,
         out: Generated,
+        sampler: Option<Sampler>,
     }
     let mut waiting = prompts.into_iter().enumerate();
     let mut taken = 0;
@@ -249,7 +273,11 @@ pub fn greedy_stream(
             if max_tokens == 0 {
                 finished(i, out);
             } else {
-                running.push(Running { i, pos: 0, fed: p, out });
+                let sampler = match decoding {
+                    Decoding::Greedy => None,
+                    Decoding::Sample(s) => Some(Sampler::new(s, i as u64)),
+                };
+                running.push(Running { i, pos: 0, fed: p, out, sampler });
             }
         }
         if running.is_empty() {
@@ -259,7 +287,22 @@ pub fn greedy_stream(
             .iter()
             .map(|r| (seq_base + r.i as u64, r.pos, r.fed[..r.fed.len().min(prefill_chunk)].to_vec()))
             .collect();
-        let next = argmax(&step(Activation::packed(&batch)?)?)?;
+        let out = step(Activation::packed(&batch)?)?;
+        let next = match decoding {
+            Decoding::Greedy => argmax(&out)?,
+            Decoding::Sample(_) => {
+                let rows = logit_rows(&out)?;
+                let mut next = Vec::with_capacity(running.len());
+                for (r, row) in running.iter_mut().zip(rows) {
+                    let gives_token = r.fed.len() <= prefill_chunk;
+                    next.push(match &mut r.sampler {
+                        Some(s) if gives_token => s.pick(&row)?,
+                        _ => 0,
+                    });
+                }
+                next
+            }
+        };
         let mut still = Vec::with_capacity(running.len());
         for (mut r, tok) in running.into_iter().zip(next) {
             if r.fed.len() > prefill_chunk {
@@ -399,15 +442,16 @@ impl Generator {
         mut on_done: impl FnMut(usize, &Generated),
     ) -> Result<Vec<Generated>, ExecError> {
         every_result(prompts, self.model.config().max_position_embeddings, |each| {
-            self.generate_stream(prompts.iter().cloned(), max_tokens, on_token, |i, g| {
+            self.generate_stream(prompts.iter().cloned(), max_tokens, Decoding::Greedy, on_token, |i, g| {
                 on_done(i, &g);
                 each(i, g);
             })
         })
     }
 
-    /// Greedy continuations of prompts as they come ([`greedy_stream`]: [`RUNNING`] sequences at
-    /// a time, the next prompt taken as one finishes), each handed to `on_done(i, generated)` and
+    /// Continuations of prompts as they come ([`decode_stream`]: [`RUNNING`] sequences at a
+    /// time, the next prompt taken as one finishes; each token chosen as `decoding` says, prompt
+    /// `i` sampling from its own seeded generator), each handed to `on_done(i, generated)` and
     /// not kept, its cache freed: memory stays bounded however many prompts there are. Returns
     /// how many prompts it took. A prompt [`refusal`] refuses ends the run with an error when it
     /// is reached; the caches of the sequences then running are freed.
@@ -418,6 +462,7 @@ impl Generator {
         &self,
         prompts: impl IntoIterator<Item = Vec<u32>>,
         max_tokens: usize,
+        decoding: Decoding,
         on_token: impl FnMut(usize, u32),
         mut on_done: impl FnMut(usize, Generated),
     ) -> Result<usize, ExecError> {
@@ -437,11 +482,12 @@ impl Generator {
             prefill_chunk: PREFILL_CHUNK,
             max_kv_tokens: KV_TOKENS,
         };
-        let out = greedy_stream(
+        let out = decode_stream(
             // The loop owns the process's compute: each step on rayon's threads.
             |a| crate::threads::on_compute_threads(|| self.model.run(0..layers, a)),
             prompts,
             limits,
+            decoding,
             on_token,
             |i, g| {
                 self.model.free(base + i as u64);
@@ -480,15 +526,14 @@ mod tests {
     /// A stand-in for a model's stages: each segment's next token is `(pos + len) % 40` (never
     /// `EOS`), or `EOS` for sequence 99. Records the furthest position any batch reaches.
     fn step(reach: &mut u32) -> impl FnMut(Activation) -> Result<Activation, ExecError> + '_ {
-        move |mut a: Activation| {
+        move |a: Activation| {
             let mut rows = vec![0f32; a.segments.len() * VOCAB];
             for (k, g) in a.segments.iter().enumerate() {
                 *reach = (*reach).max(g.pos + g.len);
                 let tok = if g.seq == 99 { EOS as usize } else { (g.pos + g.len) as usize % 40 };
                 rows[k * VOCAB + tok] = 1.0;
             }
-            a.hidden = Some(Tensor::from_vec(rows, (1, a.segments.len(), VOCAB), &Device::Cpu)?);
-            Ok(a)
+            a_with(a, rows)
         }
     }
 
@@ -555,6 +600,50 @@ mod tests {
         assert!(tokens_at_finish.iter().all(|&n| n == (6, 6)), "finished before its last token: {tokens_at_finish:?}");
         let limits = GreedyLimits { max_running: 0, ..limits };
         assert!(greedy_running(step(&mut reach), &prompts, limits, |_, _| {}, |_, _| {}).is_err());
+    }
+
+    /// A stand-in whose logits spread over the vocabulary (a different spread at each position
+    /// and sequence length): sampling has choices to make.
+    fn spread(a: Activation) -> Result<Activation, ExecError> {
+        let mut rows = vec![0f32; a.segments.len() * VOCAB];
+        for (k, g) in a.segments.iter().enumerate() {
+            for (t, l) in rows[k * VOCAB..(k + 1) * VOCAB - 1].iter_mut().enumerate() {
+                *l = ((t as u32 * 7 + g.pos + g.len) % 11) as f32 * 0.3;
+            }
+        }
+        a_with(a, rows)
+    }
+
+    fn a_with(mut a: Activation, rows: Vec<f32>) -> Result<Activation, ExecError> {
+        a.hidden = Some(Tensor::from_vec(rows, (1, a.segments.len(), VOCAB), &Device::Cpu)?);
+        Ok(a)
+    }
+
+    /// Sampled tokens depend on the seed and each prompt's index, not on what runs beside it:
+    /// all at once, two at a time, or with prompts prefilled in chunks of 2, the same tokens; a
+    /// prompt's chunks draw nothing (its tokens are those of its unchunked run). A temperature
+    /// of 0 is greedy.
+    #[test]
+    fn sampled_tokens_do_not_depend_on_batching_or_chunking() {
+        let window = 40;
+        let prompts: Vec<Vec<u32>> = (0..5).map(|k| vec![1; 1 + 2 * k]).collect();
+        let run = |limits: GreedyLimits, d: Decoding| {
+            let mut out = vec![None; prompts.len()];
+            decode_stream(spread, prompts.clone(), limits, d, |_, _| {}, |i, g| out[i] = Some(g)).unwrap();
+            out.into_iter().map(|g| g.unwrap().tokens).collect::<Vec<_>>()
+        };
+        let all = GreedyLimits::all_at_once(1, 12, EOS, window);
+        let sampled = |seed| Decoding::new(1.0, 0, 0.9, seed).unwrap();
+        let at_once = run(all, sampled(5));
+        assert_eq!(run(GreedyLimits { max_running: 2, ..all }, sampled(5)), at_once);
+        assert_eq!(run(GreedyLimits { prefill_chunk: 2, ..all }, sampled(5)), at_once);
+        assert_ne!(run(all, sampled(6)), at_once, "another seed, the same tokens");
+        let greedy = run(all, Decoding::Greedy);
+        assert_ne!(at_once, greedy);
+        assert_eq!(run(all, Decoding::new(0.0, 0, 0.9, 5).unwrap()), greedy);
+        // Prompts 1 and 2 are not alike, and draw from different generators: a prompt's tokens
+        // vary across its steps rather than repeating the greedy choice.
+        assert!(at_once.iter().any(|t| t.windows(2).any(|w| w[0] != w[1])));
     }
 
     /// Prompts taken from an iterator are taken only as slots free (never more than the bound
