@@ -537,8 +537,18 @@ pub(crate) fn rate(s: &str) -> Result<f64, String> {
     Ok(v)
 }
 
-fn main() -> anyhow::Result<()> {
-    // SAFETY: the first thing main does, before any thread exists.
+fn main() -> std::process::ExitCode {
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            say::error(&e);
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> anyhow::Result<()> {
+    // SAFETY: the first thing the program does, before any thread exists.
     unsafe { cascade_exec::threads::settle_compute_threads() };
     let cli = Cli::parse();
     if cli.cmd.computes() {

@@ -214,6 +214,32 @@ fn an_error_names_each_cause_once() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
+/// A failed command says why in anyhow's words without a stack backtrace, even with
+/// `RUST_BACKTRACE=1` set (kept by many for panics), and exits with 1; `RUST_LIB_BACKTRACE=1`
+/// asks for the backtrace and gets it.
+#[test]
+fn an_error_has_no_backtrace_unless_asked_for() {
+    let d = scratch("error-words");
+    let bad = d.join("bad.toml");
+    std::fs::write(&bad, "[[nodes]]\nid = \"zero\"\n").unwrap();
+    let run = |var: &str| {
+        let mut c = Command::new(CASCADE);
+        c.arg("check-cluster").arg(&bad).env("RUST_BACKTRACE", "1").env_remove("RUST_LIB_BACKTRACE");
+        if !var.is_empty() {
+            c.env(var, "1");
+        }
+        let out = c.output().unwrap();
+        assert_eq!(out.status.code(), Some(1));
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let err = run("");
+    assert!(err.starts_with("Error: ") && err.contains(&format!("cluster file {}: ", bad.display())), "{err}");
+    assert!(!err.contains("Stack backtrace"), "{err}");
+    let asked = run("RUST_LIB_BACKTRACE");
+    assert!(asked.starts_with("Error: ") && asked.contains("Stack backtrace"), "{asked}");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
 /// `cascade live` refuses a policy or a link rate named twice (a policy ran twice a round and
 /// entered its medians twice; a rate re-ran the comparison over the first one's directory), and
 /// says at once when its plot's font is missing instead of after every round has run.
