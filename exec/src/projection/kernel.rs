@@ -22,8 +22,11 @@ pub(crate) const CACHED_W_BYTES: usize = 256 << 10;
 /// Tokens one kernel call computes: 12 accumulators, two weight registers and a broadcast.
 pub(crate) const GROUP: usize = 6;
 /// Up to how many groups a product dequantizes a block matrix in registers for each group
-/// rather than once into a chunk that every group reads.
-const DIRECT_GROUPS: usize = 1;
+/// rather than once into a chunk that every group reads. Two (up to 12 tokens, a batch of
+/// decode steps): eight prompts decoding together took 2.76–3.00 s of CPU against 2.95–3.25 s
+/// with one; twelve and sixteen prompts measured alike with either, and three groups lost
+/// (sixteen prompts 5.27–5.59 s against 5.02–5.18 s).
+const DIRECT_GROUPS: usize = 2;
 
 /// `W` as the kernel reads it: panels `[kc][PANEL]` of f32 or f16 weights, held so or
 /// dequantized a chunk at a time.
