@@ -210,9 +210,8 @@ pub fn greedy_stream(
 }
 
 /// [`greedy_stream`] choosing each token as `decoding` says: greedily, or sampled by each
-/// prompt's own seeded [`Sampler`] (prompt `i` of the stream draws from `Sampler::new(_, i)`,
-/// and only when the step gives it a token: a prompt's chunks draw nothing). Greedy and sampled
-/// runs stop, batch and budget alike.
+/// prompt's own seeded [`Sampler`] (prompt `i` of the stream draws its `n`-th token with
+/// `Sampler::new(_, i)`'s draw `n`). Greedy and sampled runs stop, batch and budget alike.
 pub fn decode_stream(
     mut step: impl FnMut(Activation) -> Result<Activation, ExecError>,
     prompts: impl IntoIterator<Item = Vec<u32>>,
@@ -296,7 +295,7 @@ pub fn decode_stream(
                 for (r, row) in running.iter_mut().zip(rows) {
                     let gives_token = r.fed.len() <= prefill_chunk;
                     next.push(match &mut r.sampler {
-                        Some(s) if gives_token => s.pick(&row)?,
+                        Some(s) if gives_token => s.pick(&row, r.out.tokens.len() as u64)?,
                         _ => 0,
                     });
                 }
@@ -620,9 +619,8 @@ mod tests {
     }
 
     /// Sampled tokens depend on the seed and each prompt's index, not on what runs beside it:
-    /// all at once, two at a time, or with prompts prefilled in chunks of 2, the same tokens; a
-    /// prompt's chunks draw nothing (its tokens are those of its unchunked run). A temperature
-    /// of 0 is greedy.
+    /// all at once, two at a time, or with prompts prefilled in chunks of 2, the same tokens. A
+    /// temperature of 0 is greedy.
     #[test]
     fn sampled_tokens_do_not_depend_on_batching_or_chunking() {
         let window = 40;

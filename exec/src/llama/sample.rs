@@ -8,11 +8,14 @@
 //! from the kept ones in proportion to their probabilities. Ties are broken by the lower token id,
 //! so the kept set is one set whatever order the vocabulary is scanned in.
 //!
-//! Each sequence draws from its own generator, seeded from the run's seed and the sequence's
-//! index in the run ([`Sampler::new`]): a prompt's continuation depends on the seed, its index
-//! and its own logits, not on which other prompts share its batches, when they started, or how
-//! its prompt was chunked. The generator is SplitMix64 ([`cascade_sched::arrival::Rng`], the
-//! simulators' own), stable across builds, so a seed reproduces a text.
+//! The draw for a sequence's `n`-th token is a function of the run's seed, the sequence's index
+//! in the run and `n` alone ([`Sampler::pick`]), not a generator's state: a prompt's
+//! continuation depends on the seed, its index and its own logits — not on which other prompts
+//! share its batches, when they started, or how its prompt was chunked — and a sequence taken
+//! up elsewhere (a migrated request) would draw on as it would have where it was, with nothing
+//! to carry but the seed and its index. The draws come from SplitMix64
+//! ([`cascade_sched::arrival::Rng`], the simulators' own), stable across builds, so a seed
+//! reproduces a text.
 
 use cascade_sched::arrival::Rng;
 
@@ -59,11 +62,12 @@ pub struct Sampling {
     pub seed: u64,
 }
 
-/// One sequence's sampler: the settings and its own generator.
+/// One sequence's sampler: the settings and its own stream of draws.
 #[derive(Debug, Clone)]
 pub struct Sampler {
     s: Sampling,
-    rng: Rng,
+    /// The sequence's seed, hashed from (seed, index).
+    stream: u64,
     /// Scratch: the candidates as (tempered logit, token id).
     cand: Vec<(f32, u32)>,
 }
@@ -75,15 +79,15 @@ const FIRST_SORTED: usize = 64;
 impl Sampler {
     /// The sampler of the run's sequence `index` (its prompt's place among the run's prompts).
     pub fn new(s: Sampling, index: u64) -> Sampler {
-        // One generator per sequence, its seed hashed from (seed, index): SplitMix64 streams
-        // from nearby seeds would otherwise overlap.
-        let seed = Rng::new(s.seed.wrapping_add(index.wrapping_mul(0xd1b5_4a32_d192_ed03))).next_u64();
-        Sampler { s, rng: Rng::new(seed), cand: Vec::new() }
+        // Hashed, not added: SplitMix64 streams from nearby seeds would overlap.
+        let stream = Rng::new(s.seed.wrapping_add(index.wrapping_mul(0xd1b5_4a32_d192_ed03))).next_u64();
+        Sampler { s, stream, cand: Vec::new() }
     }
 
-    /// Draws the next token from `logits` (one per token of the vocabulary). NaN logits are
-    /// never drawn; a row with no finite logit is refused.
-    pub fn pick(&mut self, logits: &[f32]) -> Result<u32, ExecError> {
+    /// The sequence's `n`-th generated token (from 0), drawn from `logits` (one per token of
+    /// the vocabulary). NaN and infinite logits are never drawn; a row with no finite logit is
+    /// refused.
+    pub fn pick(&mut self, logits: &[f32], n: u64) -> Result<u32, ExecError> {
         let inv_t = 1.0 / self.s.temperature;
         self.cand.clear();
         self.cand.extend(logits.iter().enumerate().filter(|(_, l)| l.is_finite()).map(|(i, &l)| (l * inv_t, i as u32)));
@@ -127,7 +131,7 @@ impl Sampler {
         let total = if kept < self.cand.len() { self.cand[..kept].iter().map(|c| weight(c.0)).sum() } else { total };
         let kept = &self.cand[..kept];
         // unit() is in (0, 1]: a token of weight 0 is never drawn.
-        let target = self.rng.unit() * total;
+        let target = Rng::new(self.stream ^ n.wrapping_mul(0x9e37_79b9_7f4a_7c15)).unit() * total;
         let mut sum = 0.0;
         for c in kept {
             sum += weight(c.0);
@@ -154,8 +158,8 @@ mod tests {
     fn counts(s: Sampling, logits: &[f32], n: usize) -> Vec<usize> {
         let mut k = Sampler::new(s, 3);
         let mut c = vec![0; logits.len()];
-        for _ in 0..n {
-            c[k.pick(logits).unwrap() as usize] += 1;
+        for t in 0..n {
+            c[k.pick(logits, t as u64).unwrap() as usize] += 1;
         }
         c
     }
@@ -233,15 +237,22 @@ mod tests {
     }
 
     #[test]
-    fn a_seed_and_an_index_give_one_sequence_of_draws() {
+    fn a_seed_an_index_and_a_token_number_give_one_draw() {
         let s = sampling(1.0, 0, 1.0);
         let draw = |seed: u64, index: u64| {
             let mut k = Sampler::new(Sampling { seed, ..s }, index);
-            (0..64).map(|_| k.pick(&LOGITS).unwrap()).collect::<Vec<_>>()
+            (0..64).map(|n| k.pick(&LOGITS, n).unwrap()).collect::<Vec<_>>()
         };
         assert_eq!(draw(1, 0), draw(1, 0));
         assert_ne!(draw(1, 0), draw(1, 1));
         assert_ne!(draw(1, 0), draw(2, 0));
+        // Draw n is a function of (seed, index, n), not of the draws before it: taken in
+        // reverse, or by a fresh sampler (a sequence resumed elsewhere), the same tokens.
+        let mut k = Sampler::new(Sampling { seed: 1, ..s }, 0);
+        let mut reversed: Vec<u32> = (0..64).rev().map(|n| k.pick(&LOGITS, n).unwrap()).collect();
+        reversed.reverse();
+        assert_eq!(reversed, draw(1, 0));
+        assert_eq!(Sampler::new(Sampling { seed: 1, ..s }, 0).pick(&LOGITS, 40).unwrap(), draw(1, 0)[40]);
     }
 
     #[test]
@@ -251,9 +262,9 @@ mod tests {
             assert!(Decoding::new(t, 0, p, 1).is_err(), "temperature {t}, top-p {p}");
         }
         let mut k = Sampler::new(sampling(1.0, 0, 1.0), 0);
-        assert!(k.pick(&[f32::NAN, f32::NEG_INFINITY]).is_err());
-        for _ in 0..1000 {
-            assert_eq!(k.pick(&[f32::NAN, 0.0, f32::NEG_INFINITY, f32::NAN]).unwrap(), 1);
+        assert!(k.pick(&[f32::NAN, f32::NEG_INFINITY], 0).is_err());
+        for n in 0..1000 {
+            assert_eq!(k.pick(&[f32::NAN, 0.0, f32::NEG_INFINITY, f32::NAN], n).unwrap(), 1);
         }
     }
 }
