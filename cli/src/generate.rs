@@ -42,6 +42,17 @@ pub(crate) struct GenerateArgs {
     /// prompts run at once, fewer when they are long or this is large (8 at 8,192).
     #[arg(long, default_value_t = 32)]
     max_tokens: usize,
+    #[command(flatten)]
+    sampling: SamplingArgs,
+    /// Print one JSON object per prompt: {prompt_tokens, tokens, text, at_window} (and seed,
+    /// when sampling), or {error} for a prompt that could not be generated from.
+    #[arg(long)]
+    json: bool,
+}
+
+/// How `generate` and `pd` choose each token: greedily, or sampled.
+#[derive(Args)]
+pub(crate) struct SamplingArgs {
     /// Sample each token instead of taking the most likely one: the logits divided by this
     /// temperature, then cut by --top-k and --top-p (Hugging Face's order). 0, the default, is
     /// greedy.
@@ -54,20 +65,16 @@ pub(crate) struct GenerateArgs {
     /// drawn from (1: every token).
     #[arg(long, default_value_t = 1.0, value_name = "P")]
     top_p: f32,
-    /// With --temperature: the seed; the same seed, model and prompts give the same text
-    /// (prompt N draws from its own generator, whatever runs beside it). Without it, a random
-    /// seed, printed so that the run can be repeated.
+    /// With --temperature: the seed; the same seed, model and prompts give the same text (the
+    /// n-th token of prompt or request N is drawn from the seed, N and n alone, whatever runs
+    /// beside it). Without it, a random seed, printed so that the run can be repeated.
     #[arg(long)]
     seed: Option<u64>,
-    /// Print one JSON object per prompt: {prompt_tokens, tokens, text, at_window} (and seed,
-    /// when sampling), or {error} for a prompt that could not be generated from.
-    #[arg(long)]
-    json: bool,
 }
 
-impl GenerateArgs {
+impl SamplingArgs {
     /// How tokens are chosen, and the seed when they are sampled.
-    fn decoding(&self) -> anyhow::Result<(Decoding, Option<u64>)> {
+    pub(crate) fn decoding(&self) -> anyhow::Result<(Decoding, Option<u64>)> {
         if self.temperature == 0.0 {
             let set = [(self.top_k != 0, "--top-k"), (self.top_p != 1.0, "--top-p"), (self.seed.is_some(), "--seed")];
             if let Some((_, name)) = set.iter().find(|(given, _)| *given) {
@@ -230,7 +237,7 @@ pub(crate) fn generate(a: GenerateArgs) -> anyhow::Result<()> {
     if a.max_tokens == 0 {
         bail!("--max-tokens must be at least 1");
     }
-    let (decoding, seed) = a.decoding()?;
+    let (decoding, seed) = a.sampling.decoding()?;
     let input = crate::input::given_then_lines(a.prompt.clone(), a.prompt_file.clone(), "--prompt-file", PROMPT_LINE)?;
     // Read ahead, so that a prompt typed or piped in while others run starts as soon as a slot
     // is free, and one alone is answered without waiting for more.
@@ -345,16 +352,7 @@ pub(crate) fn generate(a: GenerateArgs) -> anyhow::Result<()> {
     }
     let (prompts, generated) = order.generated;
     if !a.json && prompts > 0 {
-        let how = match decoding {
-            Decoding::Greedy => "greedy".to_string(),
-            Decoding::Sample(s) => format!(
-                "sampled at temperature {}{}{}, seed {}",
-                s.temperature,
-                if s.top_k > 0 { format!(", top-k {}", s.top_k) } else { String::new() },
-                if s.top_p < 1.0 { format!(", top-p {}", s.top_p) } else { String::new() },
-                s.seed
-            ),
-        };
+        let how = described(decoding);
         println!(
             "({} stages on the CPU; model loaded in {:.1} s; {} tokens generated ({how}) for {} in {:.2} s, {:.1} tokens/s)",
             g.model().config().stages(),
@@ -375,6 +373,20 @@ pub(crate) fn generate(a: GenerateArgs) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// "greedy", or "sampled at temperature T, top-k K, top-p P, seed S" (the cuts when set).
+pub(crate) fn described(decoding: Decoding) -> String {
+    match decoding {
+        Decoding::Greedy => "greedy".to_string(),
+        Decoding::Sample(s) => format!(
+            "sampled at temperature {}{}{}, seed {}",
+            s.temperature,
+            if s.top_k > 0 { format!(", top-k {}", s.top_k) } else { String::new() },
+            if s.top_p < 1.0 { format!(", top-p {}", s.top_p) } else { String::new() },
+            s.seed
+        ),
+    }
 }
 
 /// `line`'s tokens as a prompt (with `chat`, a user message in the model's chat template, the

@@ -66,7 +66,8 @@ enum Cmd {
     Generate(generate::GenerateArgs),
     /// LLM serving with prefill/decode disaggregation on this machine: SmolLM2 in four instance
     /// processes, a burst, a prefill→decode mutation and a live scale-out in its middle; every
-    /// answer checked against single-process greedy; TTFT/TBT per request.
+    /// answer checked against single-process generation (greedy, or sampled with --temperature);
+    /// TTFT/TBT per request.
     Pd(pd::PdArgs),
     /// dLoRA on the real SmolLM2: several LoRA adapters (seeded test doubles, or PEFT directories
     /// with --adapter), a skewed stream, merged/unmerged batching chosen per iteration; every

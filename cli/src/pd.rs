@@ -4,7 +4,8 @@
 //! generation requests arrives; in its middle one prefill instance mutates into a decode one and
 //! the empty instance is scaled out by multicast from the other prefill instance, serving its
 //! first layers cooperatively while the rest arrives. Every answer is checked against
-//! single-process greedy generation; TTFT and the gaps between tokens are measured per request;
+//! single-process generation, greedy or, with `--temperature`, sampled alike; TTFT and the gaps
+//! between tokens are measured per request;
 //! `report.json` goes to `--out`. With `--kill-decode-at-s`, the first decode instance's process
 //! is killed (SIGKILL) after the mutation: the router redoes the requests it was decoding on the
 //! mutated instance, and still none is lost; with `--replace-lost-decode` as well, the router
@@ -18,8 +19,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use cascade_exec::llama::generate::Generator;
+use cascade_exec::llama::sample::Decoding;
 use cascade_exec::pd::kv::KvLayout;
 use cascade_exec::pd::migrate::RebalanceConfig;
+use cascade_exec::pd::proto::SeqSampling;
 use cascade_exec::pd::router::{self, GenAnswer, GenRequest, MonitorConfig, PdCmd, PdRouterConfig};
 use cascade_exec::pd::{LlmConfig, LlmInstance, PdModel, Role};
 use cascade_exec::serve::{load_packed, scale_out, DispatchConfig, LivePolicy, Source};
@@ -151,6 +154,11 @@ pub(crate) struct PdArgs {
     /// demo it lowered the kill runs' TTFT p99 a little and raised their p50 (README).
     #[arg(long)]
     replace_lost_decode: bool,
+    /// Sampled requests: request N's n-th token is drawn from the seed, N and n wherever it is
+    /// computed (prefill instance, decode instance, after a move), so the reference is one
+    /// process drawing for the same requests.
+    #[command(flatten)]
+    sampling: crate::generate::SamplingArgs,
 }
 
 const PROMPTS: [&str; 6] = [
@@ -182,6 +190,7 @@ pub(crate) fn run(a: PdArgs) -> anyhow::Result<()> {
             a.scale_after_s
         );
     }
+    let (decoding, _) = a.sampling.decoding()?;
     crate::models::ensure_smollm2(&a.model)?;
     std::fs::create_dir_all(&a.out)?;
     let model_dir = std::fs::canonicalize(&a.model)?;
@@ -201,17 +210,36 @@ pub(crate) fn run(a: PdArgs) -> anyhow::Result<()> {
             room.saturating_sub(longest)
         );
     }
-    println!("single-process greedy reference for {} …", crate::count(prompts.len(), "prompt", "prompts"));
+    // Greedy: one answer per prompt (request N answers prompt N mod their number). Sampled: one
+    // per request, each drawn as request N draws.
+    let reference: Vec<Vec<u32>> = match decoding {
+        Decoding::Greedy => prompts.clone(),
+        Decoding::Sample(_) => (0..a.requests).map(|i| prompts[i % prompts.len()].clone()).collect(),
+    };
+    println!(
+        "single-process {} reference for {} …",
+        crate::generate::described(decoding),
+        match decoding {
+            Decoding::Greedy => crate::count(prompts.len(), "prompt", "prompts"),
+            Decoding::Sample(_) => crate::count(reference.len(), "request", "requests"),
+        }
+    );
     // A prompt file's many prompts take minutes: counted on a bar on stderr (drawn on a terminal).
-    let bar = indicatif::ProgressBar::new(prompts.len() as u64).with_style(
-        indicatif::ProgressStyle::with_template("reference {bar:30} {pos}/{len} prompts, {elapsed}")
+    let bar = indicatif::ProgressBar::new(reference.len() as u64).with_style(
+        indicatif::ProgressStyle::with_template("reference {bar:30} {pos}/{len}, {elapsed}")
             .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
-    let expected: Vec<Vec<u32>> = g
-        .generate_each(&prompts, a.max_tokens as usize, |_, _| {}, |_, _| bar.inc(1))?
-        .into_iter()
-        .map(|o| o.tokens)
-        .collect();
+    let mut expected = Reference { decoding, answers: vec![Vec::new(); reference.len()] };
+    g.generate_stream(
+        reference.iter().cloned(),
+        a.max_tokens as usize,
+        decoding,
+        |_, _| {},
+        |i, o| {
+            bar.inc(1);
+            expected.answers[i] = o.tokens;
+        },
+    )?;
     bar.finish_and_clear();
     // What the router needs of the model, taken from the reference's load (not read again).
     let model = PdModel {
@@ -285,6 +313,14 @@ pub(crate) fn run(a: PdArgs) -> anyhow::Result<()> {
     res
 }
 
+/// The single-process answers every request is checked against, and how they were drawn.
+struct Reference {
+    decoding: Decoding,
+    /// Greedy: one per prompt (request N answers prompt N mod their number); sampled: one per
+    /// request.
+    answers: Vec<Vec<u32>>,
+}
+
 fn pct(v: &mut [f64], q: f64) -> f64 {
     v.sort_by(f64::total_cmp);
     v.get(((q * v.len() as f64).ceil() as usize).clamp(1, v.len().max(1)) - 1).copied().unwrap_or(0.0)
@@ -295,7 +331,7 @@ async fn drive(
     cluster: &Path,
     model: &PdModel,
     prompts: &[Vec<u32>],
-    expected: &[Vec<u32>],
+    expected: &Reference,
     out: &Path,
     kill_decode: &(dyn Fn(bool) -> anyhow::Result<()> + Sync),
 ) -> anyhow::Result<()> {
@@ -361,11 +397,16 @@ async fn drive(
     let start = Instant::now();
     let sender = {
         let (prompts, n, rate, max_tokens) = (prompts.to_vec(), a.requests, a.rate, a.max_tokens);
+        let sampling = match expected.decoding {
+            Decoding::Greedy => None,
+            Decoding::Sample(s) => Some(s),
+        };
         tokio::spawn(async move {
             for i in 0..n {
                 tokio::time::sleep_until((start + Duration::from_secs_f64(i as f64 / rate)).into()).await;
                 let prompt = prompts[i % prompts.len()].clone();
-                let _ = req_tx.send(GenRequest { id: i as u64, prompt, max_tokens, adapter: 0 });
+                let sample = sampling.map(|sampling| SeqSampling { sampling, index: i as u64 });
+                let _ = req_tx.send(GenRequest { id: i as u64, prompt, max_tokens, adapter: 0, sample });
             }
         })
     };
@@ -413,7 +454,7 @@ async fn drive(
     let mut rows = Vec::new();
     for x in &answers {
         *seen.entry(x.id).or_insert(0) += 1;
-        let want = &expected[x.id as usize % expected.len()];
+        let want = &expected.answers[x.id as usize % expected.answers.len()];
         let ok = x.result.as_ref().is_ok_and(|t| t == want);
         if !ok {
             wrong += 1;
@@ -435,6 +476,7 @@ async fn drive(
     let decoded_by_mutated = answers.iter().filter(|x| x.decode == MUTATES).count();
     let report = serde_json::json!({
         "requests": a.requests, "prompt_file": a.prompt_file, "prompts": prompts.len(),
+        "decoding": crate::generate::described(expected.decoding),
         "answered": answers.len(), "lost": lost, "answered_twice": twice,
         "not_equal_to_reference": wrong, "requeued": stats.requeued, "stale_tokens_dropped": stats.stale_tokens,
         "decodes_stalled": stats.stalled, "monitor_rounds": stats.monitor_rounds, "migrated": stats.migrated,
@@ -452,10 +494,11 @@ async fn drive(
     });
     std::fs::write(out.join("report.json"), serde_json::to_string_pretty(&report)?)?;
     println!(
-        "{} of {} answered ({lost} lost, {twice} twice, {wrong} not equal to single-process greedy); \
+        "{} of {} answered ({lost} lost, {twice} twice, {wrong} not equal to single-process {}); \
          TTFT p50 {:.0} ms p99 {:.0} ms; TBT p50 {:.0} ms p99 {:.0} ms",
         answers.len(),
         a.requests,
+        crate::generate::described(expected.decoding),
         pct(&mut ttft, 0.5),
         pct(&mut ttft.clone(), 0.99),
         pct(&mut tbt, 0.5),

@@ -65,10 +65,16 @@ fn disaggregated_serving_answers_every_request_with_the_greedy_tokens() {
 
 /// SIGTERM to the decode instance while it decodes (its first requests decode from about 4 s on
 /// here, 24 tokens each): it leaves, the router moves its requests with their KV to the mutated
-/// instance, and the process exits once they are gone.
+/// instance, and the process exits once they are gone. The requests are sampled (`--temperature`):
+/// a moved one draws on where it went as it would have where it was, and every answer equals
+/// what one process draws for the same request.
 #[test]
 fn a_decode_instance_told_to_terminate_hands_its_requests_over_with_their_kv() {
-    let Some((r, stdout, out)) = pd("stop", &["--max-tokens", "24", "--stop-decode-at-s", "5"]) else { return };
+    let args =
+        ["--max-tokens", "24", "--stop-decode-at-s", "5", "--temperature", "0.9", "--top-p", "0.95", "--seed", "3"];
+    let Some((r, stdout, out)) = pd("stop", &args) else { return };
+    assert_eq!(r["decoding"], "sampled at temperature 0.9, top-p 0.95, seed 3");
+    assert!(stdout.contains("0 not equal to single-process sampled at temperature 0.9"), "{stdout}");
     assert!(r["decode_stopped_at_s"].as_f64().is_some_and(|t| t >= 5.0), "{}", r["decode_stopped_at_s"]);
     assert!(stdout.contains("stopped the decode instance"), "{stdout}");
     assert_eq!(r["decode_left"], 1, "the router heard it leave:\n{stdout}");

@@ -14,10 +14,11 @@ use std::time::Duration;
 
 use cascade_exec::llama::generate::Generator;
 use cascade_exec::llama::multi_lora::{serve_alone, LoraJob};
+use cascade_exec::llama::sample::{Decoding, Sampling};
 use cascade_exec::llama::{LoraAdapter, Proj};
 use cascade_exec::pd::kv::KvLayout;
 use cascade_exec::pd::migrate::{rebalance, RebalanceConfig};
-use cascade_exec::pd::proto::Written;
+use cascade_exec::pd::proto::{SeqSampling, Written};
 use cascade_exec::pd::router::{self, GenAnswer, GenRequest, MonitorConfig, PdCmd, PdRouterConfig};
 use cascade_exec::pd::{LlmConfig, LlmInstance, LlmMsg, PdModel, Role};
 use cascade_exec::serve::{load_packed, scale_out, DispatchConfig, LivePolicy, Source, Split};
@@ -225,11 +226,15 @@ impl Routed {
     /// Sends request `i`: the reference's prompt `i` (cyclically), `max_tokens` tokens.
     fn send(&self, i: usize) {
         let (prompt, _) = &self.want[i % self.want.len()];
-        let req = GenRequest { id: i as u64, prompt: prompt.clone(), max_tokens: self.max_tokens, adapter: 0 };
+        let req =
+            GenRequest { id: i as u64, prompt: prompt.clone(), max_tokens: self.max_tokens, adapter: 0, sample: None };
         self.req_tx.send(req).unwrap();
     }
 }
 
+/// A prefill split after 1, 7, 16 or 31 stages lands both halves of the KV on the decode
+/// instance, which decodes the reference's tokens — and, for sampled requests, the tokens one
+/// process draws. Every page goes back after.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_split_prefill_moves_both_halves_of_the_kv_to_the_decode_instance() {
     let Some(c) = cluster(&[Some(Role::Prefill), Some(Role::Prefill), Some(Role::Decode)], "pd-split").await else {
@@ -238,7 +243,23 @@ async fn a_split_prefill_moves_both_halves_of_the_kv_to_the_decode_instance() {
     let mesh: Arc<dyn Mesh> = c.eps[0].clone();
     let mut inbox = mesh.subscribe::<LlmMsg>(1024).unwrap();
     let layers = c.model.config.stages() as u32;
-    for (i, (prompt, want)) in expected().into_iter().enumerate() {
+    // Greedy, then sampled: the first token is drawn where the split prefill ends (node 1),
+    // the rest on node 3, each as one process draws it.
+    let sampling = Sampling { temperature: 1.1, top_k: 50, top_p: 0.9, seed: 7 };
+    let greedy = expected();
+    let g = Generator::from_dir(&smollm2_dir().unwrap()).unwrap();
+    let mut drawn = vec![Vec::new(); greedy.len()];
+    let prompts = greedy.iter().map(|(p, _)| p.clone());
+    g.generate_stream(prompts, MAX_TOKENS as usize, Decoding::Sample(sampling), |_, _| {}, |i, d| drawn[i] = d.tokens)
+        .unwrap();
+    assert_ne!(drawn, greedy.iter().map(|(_, t)| t.clone()).collect::<Vec<_>>(), "sampling drew the greedy tokens");
+    let sampled = greedy
+        .iter()
+        .zip(&drawn)
+        .enumerate()
+        .map(|(i, ((p, _), d))| (p.clone(), d.clone(), Some(SeqSampling { sampling, index: i as u64 })));
+    let runs: Vec<_> = greedy.iter().map(|(p, t)| (p.clone(), t.clone(), None)).chain(sampled).collect();
+    for (i, (prompt, want, sample)) in runs.into_iter().enumerate() {
         let req = 100 + i as u64;
         let tokens = prompt.len() as u32 + MAX_TOKENS;
         let LlmMsg::Reserved { grant } =
@@ -247,7 +268,7 @@ async fn a_split_prefill_moves_both_halves_of_the_kv_to_the_decode_instance() {
             panic!("no reservation")
         };
         // Stages [0, k) on node 2, the rest on node 1: KV blocks from both.
-        let k = [1, 7, 16, 31][i];
+        let k = [1, 7, 16, 31][i % 4];
         let split = Some(Split { layers: k, then: 1 });
         let msg = LlmMsg::Prefill {
             req,
@@ -258,13 +279,14 @@ async fn a_split_prefill_moves_both_halves_of_the_kv_to_the_decode_instance() {
             split,
             router: 0,
             adapter: 0,
+            sample,
         };
         let LlmMsg::Prefilled { first, on_first, decoding, .. } =
             mesh.call(2, &msg, Duration::from_secs(120)).await.unwrap()
         else {
             panic!("prefill failed")
         };
-        assert_eq!((on_first, decoding), (k, true));
+        assert_eq!((on_first, decoding), (k, want.len() > 1));
         let mut got = vec![first];
         while got.len() < want.len() {
             let m = inbox.recv().await.unwrap();
@@ -274,7 +296,7 @@ async fn a_split_prefill_moves_both_halves_of_the_kv_to_the_decode_instance() {
                 assert_eq!(done, got.len() == want.len());
             }
         }
-        assert_eq!(got, want, "split after {k} of {layers} stages");
+        assert_eq!(got, want, "split after {k} of {layers} stages, {sample:?}");
     }
     // Every page went back; nobody decodes any more.
     match mesh.call(3, &LlmMsg::Status, Duration::from_secs(10)).await.unwrap() {
@@ -331,6 +353,7 @@ async fn a_request_its_first_token_ends_moves_no_kv_and_one_that_decodes_does() 
             split: None,
             router: 0,
             adapter: 0,
+            sample: None,
         };
         let LlmMsg::Prefilled { first, decoding, .. } = mesh.call(1, &msg, limit).await.unwrap() else {
             panic!("prefill failed")
@@ -393,6 +416,7 @@ async fn a_kv_move_that_fails_leaves_no_staging_region_registered() {
                 split: None,
                 router: 0,
                 adapter: 0,
+                sample: None,
             };
             (mesh.call(1, &msg, limit).await.unwrap(), lease)
         }
@@ -552,6 +576,7 @@ async fn requests_migrate_with_their_adapters_and_answer_as_if_served_alone() {
             split: None,
             router: 0,
             adapter,
+            sample: None,
         };
         let answer = mesh.call(1, &msg, Duration::from_secs(120)).await.unwrap();
         let LlmMsg::Prefilled { first, decoding: true, .. } = answer else { panic!("prefill: {answer:?}") };
@@ -641,17 +666,28 @@ async fn requests_migrate_with_their_adapters_and_answer_as_if_served_alone() {
 /// first near-tie the reference recorded, where float arithmetic may break it differently).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_router_rebalances_requests_onto_a_decode_instance_that_joined() {
-    rebalance_onto_a_joined_instance(false, "pd-rebalance").await;
+    rebalance_onto_a_joined_instance(false, "pd-rebalance", None).await;
+}
+
+/// The same with sampled requests (temperature 1.1, top-p 0.95): each request's first token is
+/// drawn on the prefill instance and the rest on the decode instances, a moved request's next
+/// draws on the instance it moved to — and every answer equals what one process draws for the
+/// same prompt, settings and index (`Generator::generate_stream`), while differing from the
+/// greedy answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sampled_requests_migrate_and_draw_what_one_process_draws() {
+    let sampling = Sampling { temperature: 1.1, top_k: 0, top_p: 0.95, seed: 42 };
+    rebalance_onto_a_joined_instance(false, "pd-sampled", Some(sampling)).await;
 }
 
 /// The same, but nobody asks: the router's own monitor (`PdRouterConfig::monitor`) runs the
 /// rounds on its timer and moves requests to the instance that joined.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_routers_monitor_rebalances_on_its_own() {
-    rebalance_onto_a_joined_instance(true, "pd-monitor").await;
+    rebalance_onto_a_joined_instance(true, "pd-monitor", None).await;
 }
 
-async fn rebalance_onto_a_joined_instance(by_monitor: bool, tag: &str) {
+async fn rebalance_onto_a_joined_instance(by_monitor: bool, tag: &str, sampling: Option<Sampling>) {
     let roles = [Some(Role::Prefill), Some(Role::Decode), Some(Role::Decode)];
     let Some(c) = cluster(&roles, tag).await else { return };
     const LONG: u32 = 24;
@@ -662,8 +698,9 @@ async fn rebalance_onto_a_joined_instance(by_monitor: bool, tag: &str) {
     let Routed { mesh, req_tx, cmd_tx, mut ans_rx, routing, .. } = Routed::start(&c, cfg);
     let reference = llm_reference();
     for (i, r) in reference.iter().enumerate() {
+        let sample = sampling.map(|sampling| SeqSampling { sampling, index: i as u64 });
         req_tx
-            .send(GenRequest { id: i as u64, prompt: r.prompt_tokens.clone(), max_tokens: LONG, adapter: 0 })
+            .send(GenRequest { id: i as u64, prompt: r.prompt_tokens.clone(), max_tokens: LONG, adapter: 0, sample })
             .unwrap();
     }
     // Wait until all four decode on node 2.
@@ -699,15 +736,34 @@ async fn rebalance_onto_a_joined_instance(by_monitor: bool, tag: &str) {
     } else {
         assert_eq!((stats.monitor_rounds, stats.migrated), (0, 0), "no monitor was configured");
     }
+    // Sampled: what one process draws for each prompt (index i) with the same settings.
+    let drawn: Option<Vec<Vec<u32>>> = sampling.map(|s| {
+        let g = Generator::from_dir(&smollm2_dir().unwrap()).unwrap();
+        let mut out = vec![Vec::new(); reference.len()];
+        let prompts = reference.iter().map(|r| r.prompt_tokens.clone());
+        g.generate_stream(prompts, LONG as usize, Decoding::Sample(s), |_, _| {}, |i, d| out[i] = d.tokens).unwrap();
+        out
+    });
     for a in &answers {
         let want = &reference[a.id as usize];
         let tokens = a.result.as_ref().unwrap();
-        let sure = want.margins.iter().position(|&m| m < 0.3).unwrap_or(want.tokens.len()).min(LONG as usize);
-        assert_eq!(tokens[..sure.min(tokens.len())], want.tokens[..sure.min(tokens.len())], "request {}", a.id);
+        if let Some(drawn) = &drawn {
+            assert_eq!(tokens, &drawn[a.id as usize], "request {}: pd drew otherwise than one process", a.id);
+        } else {
+            let sure = want.margins.iter().position(|&m| m < 0.3).unwrap_or(want.tokens.len()).min(LONG as usize);
+            assert_eq!(tokens[..sure.min(tokens.len())], want.tokens[..sure.min(tokens.len())], "request {}", a.id);
+        }
         assert!(tokens.len() == LONG as usize || tokens.last() == Some(&c.model.config.eos_token_id));
         assert_eq!(a.gaps.len(), tokens.len() - 1, "every token once");
         let on = if moved.contains(&a.id) { 3 } else { 2 };
         assert_eq!(a.decode, on, "request {} finished on node {}", a.id, a.decode);
+    }
+    if sampling.is_some() {
+        let greedy = |a: &GenAnswer| {
+            let t = a.result.as_ref().unwrap();
+            t[..] == reference[a.id as usize].tokens[..t.len().min(reference[a.id as usize].tokens.len())]
+        };
+        assert!(!answers.iter().all(greedy), "every sampled answer is the greedy one: sampling was ignored");
     }
     for e in &c.eps {
         e.shutdown();
@@ -950,11 +1006,11 @@ async fn a_request_longer_than_the_context_window_is_refused_alone() {
     // Through the router: the long request fails at once, the other decodes.
     let r = Routed::start(&c, router_cfg(&c, 1, vec![], vec![2]));
     let prompt = r.want[0].0.clone();
-    r.req_tx.send(GenRequest { id: 0, prompt: prompt.clone(), max_tokens: window, adapter: 0 }).unwrap();
+    r.req_tx.send(GenRequest { id: 0, prompt: prompt.clone(), max_tokens: window, adapter: 0, sample: None }).unwrap();
     r.send(1);
     // "Until end of sequence": prompt + u32::MAX tokens overflowed the router's sum (a panic in
     // a debug build, a wrapped reservation of a few tokens in a release one).
-    r.req_tx.send(GenRequest { id: 2, prompt, max_tokens: u32::MAX, adapter: 0 }).unwrap();
+    r.req_tx.send(GenRequest { id: 2, prompt, max_tokens: u32::MAX, adapter: 0, sample: None }).unwrap();
     let (stats, answers, want) = r.finish(Duration::from_secs(120)).await;
     let answer = |id| answers.iter().find(|a| a.id == id).unwrap_or_else(|| panic!("request {id} unanswered"));
     for id in [0, 2] {
@@ -1068,7 +1124,7 @@ async fn a_decode_instance_drops_the_requests_of_a_router_it_lost() {
     // The yardstick, under whatever load this machine has now (a debug decode step takes
     // ~120 ms alone, several times that beside the other tests): the same request decoded
     // whole with every link up, from its first step on node 2 until its pages are free.
-    r.req_tx.send(GenRequest { id: 0, prompt: prompt.clone(), max_tokens: 900, adapter: 0 }).unwrap();
+    r.req_tx.send(GenRequest { id: 0, prompt: prompt.clone(), max_tokens: 900, adapter: 0, sample: None }).unwrap();
     decoding().await;
     let started = std::time::Instant::now();
     while status(0).await != (0, KV_PAGES) {
@@ -1079,7 +1135,7 @@ async fn a_decode_instance_drops_the_requests_of_a_router_it_lost() {
     let mut r = r;
     assert!(r.ans_rx.recv().await.unwrap().result.is_ok());
 
-    r.req_tx.send(GenRequest { id: 1, prompt, max_tokens: 900, adapter: 0 }).unwrap();
+    r.req_tx.send(GenRequest { id: 1, prompt, max_tokens: 900, adapter: 0, sample: None }).unwrap();
     decoding().await;
     fabric.set_link(0, 2, false);
     let cut = std::time::Instant::now();
@@ -1154,7 +1210,18 @@ async fn free_pages(c: &Cluster, on: u32) -> u32 {
 
 /// A start as the prefill instance of reservation `kv` sends it.
 fn start(req: u64, kv: &cascade_exec::pd::KvGrant, crcs: Vec<u32>, prompt_len: u32) -> LlmMsg {
-    LlmMsg::Start { req, attempt: 1, lease: kv.lease, crcs, prompt_len, first: 1, max_tokens: 2, router: 0, adapter: 0 }
+    LlmMsg::Start {
+        req,
+        attempt: 1,
+        lease: kv.lease,
+        crcs,
+        prompt_len,
+        first: 1,
+        max_tokens: 2,
+        router: 0,
+        adapter: 0,
+        sample: None,
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1277,6 +1344,7 @@ async fn a_migrated_adapter_image_with_foreign_bytes_is_refused() {
             router: 0,
             adapter: 5,
             adapter_image: Some(written),
+            sample: None,
         };
         let r = c.meshes[1].call(1, &resume, limit).await.unwrap();
         if foreign {
@@ -1351,7 +1419,17 @@ async fn a_release_of_a_started_attempt_stops_its_decode_and_nothing_else() {
                 other => panic!("reserve {req}: {other:?}"),
             };
             let lease = kv.lease;
-            let msg = LlmMsg::Prefill { req, attempt: 1, prompt, max_tokens, kv, split: None, router: 0, adapter: 0 };
+            let msg = LlmMsg::Prefill {
+                req,
+                attempt: 1,
+                prompt,
+                max_tokens,
+                kv,
+                split: None,
+                router: 0,
+                adapter: 0,
+                sample: None,
+            };
             match mesh.call(1, &msg, limit).await {
                 Ok(LlmMsg::Prefilled { first, decoding: true, .. }) => (lease, first),
                 other => panic!("prefill {req}: {other:?}"),
@@ -1442,6 +1520,7 @@ async fn a_decode_of_an_attempt_given_up_on_streams_nothing_into_the_answer_and_
         max_tokens: 600,
         router: 0,
         adapter: 0,
+        sample: None,
     };
     assert_eq!(c.meshes[1].call(2, &stale, limit).await.unwrap(), LlmMsg::Ack);
     let abort = LlmMsg::Abort { req: 5, attempt: 0, message: "a stale decode failed".into() };
@@ -1521,7 +1600,18 @@ async fn a_release_during_a_failed_hand_over_still_stops_the_request() {
     let layout = KvLayout::new(&c.model.config, 16);
     let crcs = fill_pages(&c.meshes[1], layout, &kv, layout.pages_for(prompt_len as usize), 0).await;
     let lease = kv.lease;
-    let go = LlmMsg::Start { req, attempt: 1, lease, crcs, prompt_len, first: 1, max_tokens, router: 0, adapter: 0 };
+    let go = LlmMsg::Start {
+        req,
+        attempt: 1,
+        lease,
+        crcs,
+        prompt_len,
+        first: 1,
+        max_tokens,
+        router: 0,
+        adapter: 0,
+        sample: None,
+    };
     assert_eq!(c.meshes[1].call(2, &go, limit).await.unwrap(), LlmMsg::Ack);
     // Pages on node 3 whose lease is gone: the Resume there will be refused.
     let there = reserve(&c, 0, 3, req, 700).await;

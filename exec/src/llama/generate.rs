@@ -38,10 +38,37 @@ pub fn argmax(act: &Activation) -> Result<Vec<u32>, ExecError> {
     Ok(logits.squeeze(0)?.argmax(1)?.to_vec1::<u32>()?)
 }
 
-/// Every segment's logits of a head's output, as rows of f32.
-fn logit_rows(act: &Activation) -> Result<Vec<Vec<f32>>, ExecError> {
+/// The next token of every segment of a head's output: for segment `k` whose `draws[k]` is
+/// `Some((sampler, n))` the sampler's draw for its `n`-th token, for the others the greedy
+/// choice ([`argmax`]). One entry of `draws` per segment.
+pub fn choose<'a>(
+    act: &Activation,
+    draws: impl IntoIterator<Item = Option<(&'a mut Sampler, u64)>>,
+) -> Result<Vec<u32>, ExecError> {
+    let draws: Vec<_> = draws.into_iter().collect();
+    if draws.iter().all(Option::is_none) {
+        let greedy = argmax(act)?;
+        if greedy.len() != draws.len() {
+            return Err(ExecError::Input(format!("{} segments' logits for {} sequences", greedy.len(), draws.len())));
+        }
+        return Ok(greedy);
+    }
     let logits = act.hidden.as_ref().ok_or_else(|| ExecError::Input("no logits".into()))?;
-    Ok(logits.squeeze(0)?.to_dtype(candle_core::DType::F32)?.to_vec2::<f32>()?)
+    let rows = logits.squeeze(0)?.to_dtype(candle_core::DType::F32)?.to_vec2::<f32>()?;
+    if rows.len() != draws.len() {
+        return Err(ExecError::Input(format!("{} segments' logits for {} sequences", rows.len(), draws.len())));
+    }
+    rows.iter()
+        .zip(draws)
+        .map(|(row, d)| match d {
+            Some((sampler, n)) => sampler.pick(row, n),
+            // The first largest, as argmax.
+            None => {
+                Ok(row.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &l)| if l > b.1 { (i, l) } else { b }).0
+                    as u32)
+            }
+        })
+        .collect()
 }
 
 /// Greedy generation: `step` runs a packed batch through every stage and returns the head's
@@ -287,21 +314,14 @@ pub fn decode_stream(
             .map(|r| (seq_base + r.i as u64, r.pos, r.fed[..r.fed.len().min(prefill_chunk)].to_vec()))
             .collect();
         let out = step(Activation::packed(&batch)?)?;
-        let next = match decoding {
-            Decoding::Greedy => argmax(&out)?,
-            Decoding::Sample(_) => {
-                let rows = logit_rows(&out)?;
-                let mut next = Vec::with_capacity(running.len());
-                for (r, row) in running.iter_mut().zip(rows) {
-                    let gives_token = r.fed.len() <= prefill_chunk;
-                    next.push(match &mut r.sampler {
-                        Some(s) if gives_token => s.pick(&row, r.out.tokens.len() as u64)?,
-                        _ => 0,
-                    });
-                }
-                next
-            }
-        };
+        // A row that ends a chunk of its prompt gives no token: nothing is drawn for it.
+        let next = choose(
+            &out,
+            running.iter_mut().map(|r| {
+                let n = r.out.tokens.len() as u64;
+                r.sampler.as_mut().filter(|_| r.fed.len() <= prefill_chunk).map(|s| (s, n))
+            }),
+        )?;
         let mut still = Vec::with_capacity(running.len());
         for (mut r, tok) in running.into_iter().zip(next) {
             if r.fed.len() > prefill_chunk {

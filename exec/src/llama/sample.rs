@@ -49,7 +49,7 @@ impl Decoding {
 }
 
 /// Sampling's settings ([`Decoding::new`] checks them).
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Sampling {
     /// Logits are divided by it: below 1 sharpens the distribution, above 1 flattens it.
     pub temperature: f32,
@@ -62,14 +62,43 @@ pub struct Sampling {
     pub seed: u64,
 }
 
-/// One sequence's sampler: the settings and its own stream of draws.
-#[derive(Debug, Clone)]
+/// How one sequence samples: the settings and its index in the run, all that its draws depend
+/// on ([`Sampler::pick`]); what a request carries from instance to instance.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct SeqSampling {
+    /// The settings (the run's seed among them).
+    pub sampling: Sampling,
+    /// The sequence's index in the run.
+    pub index: u64,
+}
+
+impl Sampling {
+    /// Checks the settings as [`Decoding::new`] does (a temperature above 0): a peer's message
+    /// is not trusted to.
+    pub fn check(&self) -> Result<(), ExecError> {
+        match Decoding::new(self.temperature, self.top_k, self.top_p, self.seed)? {
+            Decoding::Sample(_) => Ok(()),
+            Decoding::Greedy => Err(ExecError::Input("sampling at temperature 0".into())),
+        }
+    }
+}
+
+/// One sequence's sampler: the settings and its own stream of draws. A clone starts with an
+/// empty scratch.
+#[derive(Debug)]
 pub struct Sampler {
     s: Sampling,
+    index: u64,
     /// The sequence's seed, hashed from (seed, index).
     stream: u64,
     /// Scratch: the candidates as (tempered logit, token id).
     cand: Vec<(f32, u32)>,
+}
+
+impl Clone for Sampler {
+    fn clone(&self) -> Sampler {
+        Sampler { s: self.s, index: self.index, stream: self.stream, cand: Vec::new() }
+    }
 }
 
 /// Candidates sorted first in [`Sampler::pick`]'s nucleus search; doubled until the nucleus is
@@ -81,7 +110,17 @@ impl Sampler {
     pub fn new(s: Sampling, index: u64) -> Sampler {
         // Hashed, not added: SplitMix64 streams from nearby seeds would overlap.
         let stream = Rng::new(s.seed.wrapping_add(index.wrapping_mul(0xd1b5_4a32_d192_ed03))).next_u64();
-        Sampler { s, stream, cand: Vec::new() }
+        Sampler { s, index, stream, cand: Vec::new() }
+    }
+
+    /// The sampler `spec` describes.
+    pub fn of(spec: SeqSampling) -> Sampler {
+        Sampler::new(spec.sampling, spec.index)
+    }
+
+    /// What this sampler is: enough to make it again elsewhere ([`Sampler::of`]).
+    pub fn spec(&self) -> SeqSampling {
+        SeqSampling { sampling: self.s, index: self.index }
     }
 
     /// The sequence's `n`-th generated token (from 0), drawn from `logits` (one per token of

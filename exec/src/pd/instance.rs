@@ -24,6 +24,7 @@ use transfer::admit;
 use super::kv::{KvLayout, Pages};
 use super::proto::{KvGrant, LlmMsg, ReqLoad, Role};
 use super::PdModel;
+use crate::llama::sample::Sampler;
 use crate::llama::{Llama, LoraAdapter};
 use crate::serve::compute::{Cmd, Compute, Finished};
 use crate::serve::copy::Copy;
@@ -85,6 +86,8 @@ struct Seq {
     adapter: u32,
     /// The reservation of its KV pages here.
     lease: u64,
+    /// How its tokens are drawn (`None`: greedily).
+    sampler: Option<Sampler>,
 }
 
 /// A `Migrate` waiting for the decode loop to hand its request over between two steps.
@@ -404,9 +407,22 @@ async fn serve_llm(sh: Arc<Shared>, mut inbox: Inbox<LlmMsg>) {
                 tokio::spawn(async move {
                     let _working = working;
                     let a = match msg {
-                        LlmMsg::Start { req, attempt, lease, crcs, prompt_len, first, max_tokens, router, adapter } => {
+                        LlmMsg::Start {
+                            req,
+                            attempt,
+                            lease,
+                            crcs,
+                            prompt_len,
+                            first,
+                            max_tokens,
+                            router,
+                            adapter,
+                            sample,
+                        } => {
                             let (pos, last, generated) = (prompt_len, first, 1);
-                            let seq = Seq { req, pos, last, generated, max_tokens, router, attempt, adapter, lease };
+                            let sampler = sample.map(Sampler::of);
+                            let seq =
+                                Seq { req, pos, last, generated, max_tokens, router, attempt, adapter, lease, sampler };
                             admit(&sh, seq, &crcs, None).await
                         }
                         LlmMsg::Resume {
@@ -421,8 +437,11 @@ async fn serve_llm(sh: Arc<Shared>, mut inbox: Inbox<LlmMsg>) {
                             router,
                             adapter,
                             adapter_image,
+                            sample,
                         } => {
-                            let seq = Seq { req, pos, last, generated, max_tokens, router, attempt, adapter, lease };
+                            let sampler = sample.map(Sampler::of);
+                            let seq =
+                                Seq { req, pos, last, generated, max_tokens, router, attempt, adapter, lease, sampler };
                             admit(&sh, seq, &crcs, adapter_image).await
                         }
                         other => prefill(&sh, other).await,

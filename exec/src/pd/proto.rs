@@ -1,5 +1,5 @@
-//! The LLM service's messages (service [`ServiceId::LLM`], version 6), binary-encoded on the
-//! typed control plane.
+//! The LLM service's messages (service [`ServiceId::LLM`], version 7: sampling), binary-encoded on
+//! the typed control plane.
 //!
 //! ```text
 //! router  -> decode   Reserve{req, tokens}                         -> Reserved{grant} | Failed
@@ -37,6 +37,11 @@
 //! against them before it decodes: foreign bytes make it refuse the start (the request is redone)
 //! rather than decode from them.
 //!
+//! `Prefill`, `Continue`, `Start` and `Resume` carry how the request's tokens are drawn
+//! ([`SeqSampling`]; `None`: greedily): the first where its prefill ends, the others on its
+//! decode instance. The n-th token's draw depends only on the request's settings, its index and
+//! n, so a request redone, split or migrated draws as it would have in one process.
+//!
 //! Each dispatch of a request is an *attempt*, numbered by the router; the number travels with
 //! the prefill (`Prefill`, `Continue`, `Start`) and with a migration (`Resume`), and every
 //! `Token` and `Abort` carries it, and the lease it decodes under. The router takes tokens only
@@ -48,6 +53,7 @@
 use cascade_transport::{binary_message, NodeId, ServiceId};
 use serde::{Deserialize, Serialize};
 
+pub use crate::llama::sample::SeqSampling;
 pub use crate::serve::Split;
 
 /// Pages of a decode instance's registered KV region granted to one request.
@@ -158,6 +164,8 @@ pub enum LlmMsg {
         router: NodeId,
         /// The LoRA adapter it is served with (0: the base model).
         adapter: u32,
+        /// How its tokens are drawn (`None`: greedily).
+        sample: Option<SeqSampling>,
     },
     /// The rest of a split prefill: `act` is the activation after the asker's stages, whose KV
     /// it already wrote to `kv`.
@@ -176,6 +184,8 @@ pub enum LlmMsg {
         router: NodeId,
         /// crc32 of each block's pages the asker WROTE, in block order.
         crcs: Vec<u32>,
+        /// How its tokens are drawn (`None`: greedily).
+        sample: Option<SeqSampling>,
     },
     /// The prefill is done: its first token, and whether a decode instance now generates the
     /// rest (false when the first token ended it).
@@ -209,6 +219,8 @@ pub enum LlmMsg {
         router: NodeId,
         /// The LoRA adapter it is served with (0: the base model).
         adapter: u32,
+        /// How its tokens are drawn (`None`: greedily).
+        sample: Option<SeqSampling>,
     },
     /// A decode instance's load, for migration decisions.
     Load,
@@ -274,6 +286,9 @@ pub enum LlmMsg {
         adapter: u32,
         /// The adapter's image in the granted region, when one was written.
         adapter_image: Option<Written>,
+        /// How its tokens are drawn (`None`: greedily): the `n`-th token's draw depends on this
+        /// and `n` alone, so it goes on here as it would have there.
+        sample: Option<SeqSampling>,
     },
     /// A generated token: `index` 1 is the second token of the answer (index 0 is `first`).
     Token {
@@ -335,7 +350,7 @@ pub enum LlmMsg {
     },
 }
 
-binary_message!(LlmMsg, ServiceId::LLM, 6);
+binary_message!(LlmMsg, ServiceId::LLM, 7);
 
 impl LlmMsg {
     /// The error for an answer from `node` that its call did not expect: its refusal (`Failed`)
@@ -371,6 +386,7 @@ mod tests {
                 split: Some(Split { layers: 5, then: 1 }),
                 router: 0,
                 adapter: 2,
+                sample: None,
             },
             LlmMsg::Continue {
                 req: 1,
@@ -380,6 +396,15 @@ mod tests {
                 kv,
                 router: 0,
                 crcs: vec![7, 8],
+                sample: Some(SeqSampling {
+                    sampling: crate::llama::sample::Sampling {
+                        temperature: 0.7,
+                        top_k: 40,
+                        top_p: 0.9,
+                        seed: u64::MAX,
+                    },
+                    index: 3,
+                }),
             },
             LlmMsg::Prefilled { req: 1, first: 7042, on_first: 5, decoding: true },
             LlmMsg::Start {
@@ -392,6 +417,7 @@ mod tests {
                 max_tokens: 32,
                 router: 0,
                 adapter: 0,
+                sample: None,
             },
             LlmMsg::Load,
             LlmMsg::Loads {
@@ -419,6 +445,7 @@ mod tests {
                 router: 0,
                 adapter: 3,
                 adapter_image: Some(Written { bytes: 1000, crc: 0xdead_beef }),
+                sample: None,
             },
             LlmMsg::Token { req: 1, attempt: 2, lease: 12, index: 3, token: 198, done: false },
             LlmMsg::Abort { req: 1, attempt: 2, message: "gone".into() },

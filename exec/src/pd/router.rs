@@ -54,7 +54,7 @@ use crate::serve::{DispatchConfig, ServeError};
 use state::{Action, Prefilled, Routing};
 
 /// A generation request.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct GenRequest {
     /// Its id: a request whose id is still pending is answered at once with an error (under
     /// that id), and the pending one goes on.
@@ -65,6 +65,10 @@ pub struct GenRequest {
     pub max_tokens: u32,
     /// The LoRA adapter to serve it with (0: the base model).
     pub adapter: u32,
+    /// How its tokens are drawn (`None`: greedily). `index` places it in its run: a request
+    /// with the settings and index of prompt `index` of a [`crate::llama::generate::Generator`]
+    /// run draws the same tokens from the same logits.
+    pub sample: Option<super::proto::SeqSampling>,
 }
 
 /// A request's answer.

@@ -9,7 +9,8 @@ use tracing::{debug, info, warn};
 
 use super::transfer::hand_over;
 use super::{failed, lock, release, retire, run, Handover, Seq, Shared};
-use crate::llama::generate::argmax;
+use crate::llama::generate::choose;
+use crate::llama::sample::Sampler;
 use crate::pd::proto::LlmMsg;
 use crate::serve::compute::Cmd;
 use crate::serve::ServeError;
@@ -158,8 +159,14 @@ pub(super) async fn decode_loop(sh: Arc<Shared>) {
                 }
             }
         }
-        let (batch, adapters): (Vec<_>, Vec<u32>) =
-            lock(&sh.running).iter().map(|s| ((s.req, s.pos, vec![s.last]), s.adapter)).unzip();
+        // The step's sequences, adapters and samplers (each with the number of the token it
+        // draws), taken together.
+        let (mut batch, mut adapters, mut samplers) = (Vec::new(), Vec::new(), Vec::<Option<(Sampler, u64)>>::new());
+        for s in lock(&sh.running).iter() {
+            batch.push((s.req, s.pos, vec![s.last]));
+            adapters.push(s.adapter);
+            samplers.push(s.sampler.clone().map(|k| (k, u64::from(s.generated))));
+        }
         if batch.is_empty() {
             if drain_until.is_some() {
                 // Leaving: the requests away may come back, or the window end, unannounced.
@@ -170,7 +177,9 @@ pub(super) async fn decode_loop(sh: Arc<Shared>) {
             continue;
         }
         let result = match Activation::packed(&batch).and_then(|a| a.with_adapters(&adapters)) {
-            Ok(act) => run(&sh, act, layers).await.and_then(|a| Ok(argmax(&a)?)),
+            Ok(act) => run(&sh, act, layers)
+                .await
+                .and_then(|a| Ok(choose(&a, samplers.iter_mut().map(|d| d.as_mut().map(|(k, n)| (k, *n))))?)),
             Err(e) => Err(e.into()),
         };
         let mut finished = Vec::new();

@@ -9,7 +9,8 @@ use cascade_transport::ServiceExt;
 
 use super::transfer::{move_kv, stage_kv};
 use super::{lock, run, with_model, Shared};
-use crate::llama::generate::argmax;
+use crate::llama::generate::choose;
+use crate::llama::sample::Sampler;
 use crate::pd::proto::{LlmMsg, Role};
 use crate::serve::ServeError;
 use crate::{Activation, ExecError};
@@ -33,8 +34,8 @@ pub(super) async fn prefill(sh: &Arc<Shared>, msg: LlmMsg) -> Result<LlmMsg, Ser
         return Err(ServeError::Peer("not a prefill instance (mutated to decode)".into()));
     }
     let layers = sh.compute.layers();
-    let (req, attempt, seq, act, max_tokens, kv, split, router, mut crcs) = match msg {
-        LlmMsg::Prefill { req, attempt, prompt, max_tokens, kv, split, router, adapter } => {
+    let (req, attempt, seq, act, max_tokens, kv, split, router, mut crcs, sample) = match msg {
+        LlmMsg::Prefill { req, attempt, prompt, max_tokens, kv, split, router, adapter, sample } => {
             if prompt.is_empty() || prompt.len() > sh.cfg.max_prompt as usize {
                 return Err(ServeError::Input(format!("{} prompt tokens: 1 to {}", prompt.len(), sh.cfg.max_prompt)));
             }
@@ -43,15 +44,18 @@ pub(super) async fn prefill(sh: &Arc<Shared>, msg: LlmMsg) -> Result<LlmMsg, Ser
             }
             let seq = prefill_seq(sh);
             let act = Activation::packed(&[(seq, 0, prompt)])?.with_adapters(&[adapter])?;
-            (req, attempt, seq, act, max_tokens, kv, split, router, Vec::new())
+            (req, attempt, seq, act, max_tokens, kv, split, router, Vec::new(), sample)
         }
-        LlmMsg::Continue { req, attempt, act, max_tokens, kv, router, crcs } => {
+        LlmMsg::Continue { req, attempt, act, max_tokens, kv, router, crcs, sample } => {
             let act = Activation::from_bytes(&act)?;
             let seq = act.segments.first().ok_or_else(|| ServeError::Input("an activation of no sequence".into()))?.seq;
-            (req, attempt, seq, act, max_tokens, kv, None, router, crcs)
+            (req, attempt, seq, act, max_tokens, kv, None, router, crcs, sample)
         }
         other => return Err(ServeError::Protocol(format!("not a prefill: {other:?}"))),
     };
+    if let Some(Err(e)) = sample.map(|s| s.sampling.check()) {
+        return Err(ServeError::Input(e.to_string()));
+    }
     let adapter = act.segments.first().map_or(0, |g| g.adapter);
     let from = act.next_layer;
     let prompt_len = act.ids.dims2().map_err(ExecError::from)?.1 as u32;
@@ -77,7 +81,7 @@ pub(super) async fn prefill(sh: &Arc<Shared>, msg: LlmMsg) -> Result<LlmMsg, Ser
         let moved = move_kv(sh, seq, blocks, &kv).await;
         free().await?;
         crcs.extend(moved?);
-        let cont = LlmMsg::Continue { req, attempt, act: out.to_bytes()?, max_tokens, kv, router, crcs };
+        let cont = LlmMsg::Continue { req, attempt, act: out.to_bytes()?, max_tokens, kv, router, crcs, sample };
         return match sh.mesh.call(s.then, &cont, sh.cfg.op_timeout).await? {
             LlmMsg::Prefilled { req, first, decoding, .. } => {
                 Ok(LlmMsg::Prefilled { req, first, on_first: s.layers, decoding })
@@ -85,7 +89,9 @@ pub(super) async fn prefill(sh: &Arc<Shared>, msg: LlmMsg) -> Result<LlmMsg, Ser
             other => Err(other.unexpected_from(s.then)),
         };
     }
-    let first = argmax(&out)?.first().copied().ok_or_else(|| ServeError::Protocol("no logits".into()))?;
+    // The answer's token 0: drawn as the request says, or greedily.
+    let mut sampler = sample.map(Sampler::of);
+    let first = choose(&out, [sampler.as_mut().map(|s| (s, 0))])?[0];
     let decoding = first != sh.model.config.eos_token_id && max_tokens > 1;
     if !decoding {
         // Nothing decodes from this KV: it stays here and is freed (the router releases the pages).
@@ -98,7 +104,7 @@ pub(super) async fn prefill(sh: &Arc<Shared>, msg: LlmMsg) -> Result<LlmMsg, Ser
     let mut staged = staged?;
     crcs.append(&mut staged.crcs);
     let lease = kv.lease;
-    let start = LlmMsg::Start { req, attempt, lease, crcs, prompt_len, first, max_tokens, router, adapter };
+    let start = LlmMsg::Start { req, attempt, lease, crcs, prompt_len, first, max_tokens, router, adapter, sample };
     // `Start` rides behind the WRITEs: the decode instance takes it after their bytes landed
     // and checks each block's copy against its crc before decoding from it.
     match staged.call(sh, &start).await? {

@@ -115,6 +115,7 @@ pub(super) async fn prefill(
         split,
         router: mesh.node(),
         adapter: req.adapter,
+        sample: req.sample,
     };
     let r = match mesh.call(to, &msg, timeout).await {
         Ok(LlmMsg::Prefilled { first, decoding, on_first, .. }) => {

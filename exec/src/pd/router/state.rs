@@ -190,6 +190,8 @@ impl Routing {
             Some(format!("request id {} is already pending", req.id))
         } else if req.prompt.is_empty() || req.max_tokens == 0 {
             Some(format!("{} prompt tokens, {} to generate: both must be at least 1", req.prompt.len(), req.max_tokens))
+        } else if let Some(Err(e)) = req.sample.map(|s| s.sampling.check()) {
+            Some(e.to_string())
         } else {
             None
         };

@@ -32,7 +32,7 @@ fn routing(more: Vec<u32>) -> (Routing, mpsc::UnboundedReceiver<GenAnswer>) {
 }
 
 fn request(r: &mut Routing, id: u64) {
-    r.arrive(GenRequest { id, prompt: vec![1, 2, 3], max_tokens: 3, adapter: 0 });
+    r.arrive(GenRequest { id, prompt: vec![1, 2, 3], max_tokens: 3, adapter: 0, sample: None });
 }
 
 /// The calls `r` names now that `pick` picks.
@@ -58,20 +58,25 @@ fn decoding(node: u32, attempt: u32) -> Outcome {
 }
 
 /// A request whose id is pending already is refused under that id, and the pending one is
-/// still served and answered; so is one asking for no token or with no prompt.
+/// still served and answered; so is one asking for no token, with no prompt, or with sampling
+/// settings out of range.
 #[test]
 fn a_duplicate_id_or_an_empty_request_is_refused_and_the_pending_one_kept() {
     let (mut r, mut answers) = routing(vec![]);
     request(&mut r, 5);
     request(&mut r, 5);
-    r.arrive(GenRequest { id: 6, prompt: vec![1], max_tokens: 0, adapter: 0 });
-    r.arrive(GenRequest { id: 7, prompt: vec![], max_tokens: 4, adapter: 0 });
+    r.arrive(GenRequest { id: 6, prompt: vec![1], max_tokens: 0, adapter: 0, sample: None });
+    r.arrive(GenRequest { id: 7, prompt: vec![], max_tokens: 4, adapter: 0, sample: None });
+    let sampling = crate::llama::sample::Sampling { temperature: 1.0, top_k: 0, top_p: 1.5, seed: 1 };
+    let sample = Some(crate::pd::proto::SeqSampling { sampling, index: 0 });
+    r.arrive(GenRequest { id: 8, prompt: vec![1], max_tokens: 4, adapter: 0, sample });
     let refused: Vec<(u64, String)> =
         std::iter::from_fn(|| answers.try_recv().ok()).map(|a| (a.id, a.result.unwrap_err())).collect();
-    assert_eq!(refused.len(), 3, "{refused:?}");
+    assert_eq!(refused.len(), 4, "{refused:?}");
     assert!(refused[0] == (5, "request id 5 is already pending".into()), "{refused:?}");
     assert!(refused[1].1.contains("0 to generate") && refused[2].1.contains("0 prompt tokens"), "{refused:?}");
-    assert_eq!(r.stats.failed, 3);
+    assert!(refused[3].0 == 8 && refused[3].1.contains("top-p 1.5"), "{refused:?}");
+    assert_eq!(r.stats.failed, 4);
     // The first request 5 goes on: one prefill, and its tokens answer it.
     assert_eq!(prefills(&mut r), vec![(5, 1, 1)]);
     r.prefilled(5, 1, decoding(2, 1));
