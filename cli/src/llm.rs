@@ -75,5 +75,14 @@ pub(crate) fn model(cmd: ModelCmd) -> anyhow::Result<()> {
         t.elapsed().as_secs_f64(),
         if out.replaced { " (replacing the model an earlier import left there)" } else { "" }
     );
+    if !out.widened.is_empty() {
+        let types: Vec<String> = out.widened.iter().map(|(t, n)| format!("{n} {t}")).collect();
+        eprintln!(
+            "note: {} matrices kept as their GGUF blocks; {} written dequantized to f32 instead: --dtype quantized \
+             keeps Q4_1 and Q8_0 blocks only",
+            out.kept_as_blocks,
+            types.join(", ")
+        );
+    }
     Ok(())
 }

@@ -29,6 +29,7 @@ use std::io::BufReader;
 use std::path::Path;
 
 use candle_core::quantized::gguf_file::{Content, Value};
+use candle_core::quantized::GgmlDType;
 use candle_core::Tensor;
 use place::{put_in_place, staging, target, Target};
 use serde_json::json;
@@ -49,6 +50,12 @@ pub struct Imported {
     pub vocabulary: usize,
     /// Whether the directory held a model (an earlier import), which this one replaced.
     pub replaced: bool,
+    /// With [`Storage::Quantized`]: matrices written as their GGUF blocks.
+    pub kept_as_blocks: usize,
+    /// With [`Storage::Quantized`]: matrices of another quantized GGML type (Q4_K, Q6_K, …),
+    /// written dequantized to f32 instead, counted by type — such a directory is not the fifth of
+    /// the f32 import's size that a Q4_1 one is.
+    pub widened: std::collections::BTreeMap<String, usize>,
 }
 
 fn bad(why: impl std::fmt::Display) -> ExecError {
@@ -336,13 +343,20 @@ fn write_model(
     // Every name and shape is checked before a tensor is read; each is then read as it is written.
     let source = tensors::Source::new(&c, r, storage, progress);
     let mut lazy = Vec::with_capacity(c.tensor_infos.len());
+    let mut widened = std::collections::BTreeMap::new();
     for (name, info) in &c.tensor_infos {
         let (hf, heads) = hf_name(name, &cfg)?;
         check_shape(&cfg, &hf, info.shape.dims())?;
-        lazy.push((hf, source.tensor(name, info.shape.dims(), heads)));
+        let t = source.tensor(name, info.shape.dims(), heads);
+        let quantized = !matches!(info.ggml_dtype, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16);
+        if storage == Storage::Quantized && quantized && !t.as_blocks() {
+            *widened.entry(format!("{:?}", info.ggml_dtype)).or_insert(0) += 1;
+        }
+        lazy.push((hf, t));
     }
     check_blocks(&cfg, lazy.iter().map(|(n, _)| n.as_str()))?;
     let count = lazy.len();
+    let kept_as_blocks = lazy.iter().filter(|(_, t)| t.as_blocks()).count();
 
     let failed = |file: &str, e: &dyn std::fmt::Display| bad(format!("{}: {e}", named.join(file).display()));
     let model_path = dir.join("model.safetensors");
@@ -370,7 +384,7 @@ fn write_model(
     std::fs::set_permissions(&model_path, mode).map_err(|e| failed("model.safetensors", &e))?;
     let bytes = std::fs::metadata(&model_path).map_err(|e| failed("model.safetensors", &e))?.len();
     let vocabulary = meta(&c, "tokenizer.ggml.tokens")?.to_vec().map_err(bad)?.len();
-    Ok(Imported { config: cfg, tensors: count, bytes, vocabulary, replaced: false })
+    Ok(Imported { config: cfg, tensors: count, bytes, vocabulary, replaced: false, kept_as_blocks, widened })
 }
 
 /// Refuses a tensor (by its Hugging Face name) whose shape is not the one the metadata implies.

@@ -210,6 +210,8 @@ fn a_quantized_import_computes_what_the_f32_import_computes() {
     let Some(Imported { dir, out, imported, .. }) = import_as(Storage::Quantized) else { return };
     let f32_bytes = std::fs::metadata(dir.join("model.safetensors")).unwrap().len();
     assert!(imported.bytes < f32_bytes / 5, "{} vs {f32_bytes}", imported.bytes);
+    // Its 210 Q4_1 matrices and its Q8_0 embedding kept as blocks; no other quantized type.
+    assert_eq!((imported.kept_as_blocks, imported.widened.len()), (211, 0), "{:?}", imported.widened);
     let (q, f) = (Generator::from_dir(&out).unwrap(), Generator::from_dir(&dir).unwrap());
     let bits = |g: &Generator, act: Activation| -> Vec<u32> {
         let h = g.model().run(0..g.model().layers(), act).unwrap().hidden.unwrap();
@@ -304,4 +306,43 @@ fn a_prompt_prefilled_in_chunks_generates_the_tokens_of_one_prefill() {
     let chunked = run(200, 100);
     assert!(prompts[0].len() > 250, "{} tokens: three chunks at least", prompts[0].len());
     assert_eq!(chunked, whole);
+}
+
+/// A quantized import of a GGUF holding another block type says so: the real GGUF with one
+/// block's `ffn_down` requantized to Q4_K imports with 210 matrices kept as blocks and that one
+/// counted as widened to f32 (`cascade model import` prints it), and the directory loads.
+#[test]
+fn a_quantized_import_counts_the_matrices_it_widens() {
+    use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
+    use candle_core::Device;
+    let Some(dir) = smollm2_dir() else { return };
+    let gguf = dir.parent().unwrap().join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    if !gguf.is_file() {
+        eprintln!("SKIPPED: no GGUF beside {}", dir.display());
+        return;
+    }
+    let mut r = std::io::BufReader::new(std::fs::File::open(&gguf).unwrap());
+    let content = gguf_file::Content::read(&mut r).unwrap();
+    let mut tensors: Vec<(String, QTensor)> = Vec::new();
+    for name in content.tensor_infos.keys() {
+        let mut q = content.tensor(&mut r, name, &Device::Cpu).unwrap();
+        if name == "blk.3.ffn_down.weight" {
+            q = QTensor::quantize(&q.dequantize(&Device::Cpu).unwrap(), GgmlDType::Q4K).unwrap();
+        }
+        tensors.push((name.clone(), q));
+    }
+    let mixed = std::env::temp_dir().join(format!("cascade-q4k-{}.gguf", std::process::id()));
+    {
+        let meta: Vec<(&str, &gguf_file::Value)> = content.metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        let named: Vec<(&str, &QTensor)> = tensors.iter().map(|(n, q)| (n.as_str(), q)).collect();
+        gguf_file::write(&mut std::fs::File::create(&mixed).unwrap(), &meta, &named).unwrap();
+    }
+    let out = std::env::temp_dir().join(format!("cascade-q4k-import-{}", std::process::id()));
+    let imported = cascade_exec::gguf::import(&mixed, &out, Storage::Quantized, |_, _, _| {}).unwrap();
+    assert_eq!(imported.kept_as_blocks, 210);
+    assert_eq!(imported.widened.into_iter().collect::<Vec<_>>(), [("Q4K".to_string(), 1)]);
+    let g = Generator::from_dir(&out).unwrap();
+    assert_eq!(g.generate(&[llm_reference()[0].prompt_tokens.clone()], 2).unwrap()[0].tokens.len(), 2);
+    let _ = std::fs::remove_file(&mixed);
+    let _ = std::fs::remove_dir_all(&out);
 }

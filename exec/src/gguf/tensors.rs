@@ -52,6 +52,13 @@ enum Stored {
     Blocks(Kind),
 }
 
+impl<P> Lazy<'_, '_, P> {
+    /// Whether it is written as its GGUF blocks.
+    pub(super) fn as_blocks(&self) -> bool {
+        matches!(self.stored, Stored::Blocks(_))
+    }
+}
+
 impl<'c, P: FnMut(usize, usize, &str)> Source<'c, P> {
     /// Reads the tensors of `content` from `reader`, to be stored as `storage` says.
     pub(super) fn new(content: &'c Content, reader: BufReader<File>, storage: Storage, progress: P) -> Self {
@@ -191,6 +198,8 @@ mod tests {
         let source = Source::new(&content, r, Storage::Quantized, |_, _, _| {});
         let lazy: Vec<_> =
             tensors.iter().map(|(n, q, heads)| (n.to_string(), source.tensor(n, q.shape().dims(), *heads))).collect();
+        let blocks: Vec<bool> = lazy.iter().map(|(_, t)| t.as_blocks()).collect();
+        assert_eq!(blocks, [true, true, false, false], "Q4_1 and Q8_0 as blocks, Q4_K and f32 not");
         let bytes = safetensors::serialize(lazy, None).unwrap();
         assert!(source.failure().is_none());
         let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
