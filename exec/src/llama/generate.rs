@@ -1,10 +1,10 @@
 //! Generation, greedy or sampled ([`super::sample`]), over a llama model directory
 //! (`model.safetensors`, `config.json`, `tokenizer.json`, as `cascade model import --gguf` writes
-//! them): each step runs one packed
-//! batch of the running sequences — a starting prompt's prefill (or a chunk of a long one,
-//! [`GreedyLimits::prefill_chunk`]) beside the others' decode steps — and every sequence decodes
-//! one token per step until it emits end-of-sequence, reaches its token budget or fills the
-//! model's context window; a prompt starts as a running one finishes ([`GreedyLimits`]).
+//! them): each step runs one packed batch of the running sequences — a starting prompt's prefill
+//! (or a chunk of a long one, [`GreedyLimits::prefill_chunk`]) beside the others' decode steps —
+//! and every sequence decodes one token per step until it emits end-of-sequence, reaches its
+//! token budget or fills the model's context window; a prompt starts as a running one finishes
+//! ([`GreedyLimits`]).
 //!
 //! [`greedy`] drives any step function, so the same loop runs on one executor, on a split across
 //! two ([`crate::llama`] stages `[0, k)` and `[k, L)`), or through the transport.

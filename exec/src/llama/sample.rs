@@ -91,7 +91,7 @@ pub struct Sampler {
     index: u64,
     /// The sequence's seed, hashed from (seed, index).
     stream: u64,
-    /// Scratch: the candidates as (tempered logit, token id).
+    /// Scratch: the candidates as (logit, token id).
     cand: Vec<(f32, u32)>,
 }
 
@@ -129,7 +129,7 @@ impl Sampler {
     pub fn pick(&mut self, logits: &[f32], n: u64) -> Result<u32, ExecError> {
         let inv_t = 1.0 / self.s.temperature;
         self.cand.clear();
-        self.cand.extend(logits.iter().enumerate().filter(|(_, l)| l.is_finite()).map(|(i, &l)| (l * inv_t, i as u32)));
+        self.cand.extend(logits.iter().enumerate().filter(|(_, l)| l.is_finite()).map(|(i, &l)| (l, i as u32)));
         if self.cand.is_empty() {
             return Err(ExecError::Input(format!("no finite logit among {} to sample from", logits.len())));
         }
@@ -140,8 +140,10 @@ impl Sampler {
             self.cand.truncate(self.s.top_k);
         }
         let max = self.cand.iter().map(|c| c.0).fold(f32::NEG_INFINITY, f32::max);
-        // exp in f32 (a pass over the vocabulary in f64 cost about 0.5 ms a token), summed in f64.
-        let weight = |l: f32| (l - max).exp() as f64;
+        // The tempered softmax's weight: exp((l − max)/T), the difference taken before the
+        // division, so that a tiny temperature gives 0 (and the largest 1), never ∞ − ∞. exp in
+        // f32 (a pass over the vocabulary in f64 cost about 0.5 ms a token), summed in f64.
+        let weight = |l: f32| if l >= max { 1.0 } else { ((l - max) * inv_t).exp() as f64 };
         let total: f64 = self.cand.iter().map(|c| weight(c.0)).sum();
         let kept = if self.s.top_p < 1.0 {
             // The nucleus: sort the largest few, and more only while they do not reach top_p.
@@ -302,6 +304,11 @@ mod tests {
         }
         let mut k = Sampler::new(sampling(1.0, 0, 1.0), 0);
         assert!(k.pick(&[f32::NAN, f32::NEG_INFINITY], 0).is_err());
+        // A temperature so small that the logits over it overflow is the greedy choice, not NaN.
+        for t in [1e-30, f32::MIN_POSITIVE / 4.0] {
+            let mut k = Sampler::new(sampling(t, 0, 0.9), 0);
+            assert!((0..100).all(|n| k.pick(&LOGITS, n).unwrap() == 3), "temperature {t}");
+        }
         for n in 0..1000 {
             assert_eq!(k.pick(&[f32::NAN, 0.0, f32::NEG_INFINITY, f32::NAN], n).unwrap(), 1);
         }
