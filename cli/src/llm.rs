@@ -10,8 +10,8 @@ use clap::{Args, Subcommand, ValueEnum};
 #[derive(Subcommand)]
 pub(crate) enum ModelCmd {
     /// Import a llama-architecture GGUF file (e.g. SmolLM2-135M-Instruct.Q4_1.gguf) as a model
-    /// directory: model.safetensors (dequantized, or with `--dtype quantized` its Q4_1 and Q8_0
-    /// blocks kept; Hugging Face names), config.json, tokenizer.json.
+    /// directory: model.safetensors (dequantized, or with `--dtype quantized` its Q4_0, Q4_1,
+    /// Q5_0, Q5_1 and Q8_0 blocks kept; Hugging Face names), config.json, tokenizer.json.
     Import(ImportArgs),
 }
 
@@ -22,8 +22,9 @@ pub(crate) enum Dtype {
     F32,
     /// 16-bit floats (half the bytes; the dequantized values rounded).
     F16,
-    /// The GGUF's Q4_1 and Q8_0 blocks kept as they are (5 and 8.5 bits a weight), computed as
-    /// the exact f32 values they dequantize to; the other tensors in f32.
+    /// The GGUF's Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 blocks kept as they are (4.5 to 8.5 bits a
+    /// weight), computed as the exact f32 values they dequantize to; the other tensors (other
+    /// block types among them, as a note says) in f32.
     Quantized,
 }
 
@@ -79,9 +80,10 @@ pub(crate) fn model(cmd: ModelCmd) -> anyhow::Result<()> {
         let types: Vec<String> = out.widened.iter().map(|(t, n)| format!("{n} {t}")).collect();
         eprintln!(
             "note: {} matrices kept as their GGUF blocks; {} written dequantized to f32 instead: --dtype quantized \
-             keeps Q4_1 and Q8_0 blocks only",
+             keeps {} blocks only",
             out.kept_as_blocks,
-            types.join(", ")
+            types.join(", "),
+            cascade_exec::gguf::KEPT_BLOCKS
         );
     }
     Ok(())

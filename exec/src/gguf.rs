@@ -265,6 +265,9 @@ fn tokenizer_json(c: &Content) -> Result<serde_json::Value, ExecError> {
 /// may hold.
 pub const IMPORT_FILES: [&str; 3] = ["config.json", "model.safetensors", "tokenizer.json"];
 
+/// The GGUF block types a [`Storage::Quantized`] import keeps as blocks.
+pub const KEPT_BLOCKS: &str = crate::projection::blocks::KEPT;
+
 /// How [`import`] stores a model's tensors.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Storage {
@@ -272,10 +275,11 @@ pub enum Storage {
     F32,
     /// f16: the dequantized values rounded (half the bytes of f32).
     F16,
-    /// Q4_1 and Q8_0 matrices kept in their GGUF blocks, as U8 `[rows, blocks, bytes per block]`
-    /// (5 and 8.5 bits a weight; SmolLM2-135M: 96.6 MB against 538 MB), which load into panels of
-    /// those blocks and compute, bit for bit, what the f32 import computes; every other tensor
-    /// (the norms, other block types) dequantized to f32.
+    /// Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 matrices ([`KEPT_BLOCKS`]) kept in their GGUF blocks, as
+    /// U8 `[rows, blocks, bytes per block]` (4.5 to 8.5 bits a weight; SmolLM2-135M's Q4_1:
+    /// 96.6 MB against 538 MB), which load into panels of those blocks and compute, bit for bit,
+    /// what the f32 import computes; every other tensor (the norms, other block types such as the
+    /// K-quants) dequantized to f32.
     Quantized,
 }
 
@@ -370,7 +374,8 @@ fn write_model(
     config_json["torch_dtype"] = json!(if storage == Storage::F16 { "float16" } else { "float32" });
     if storage == Storage::Quantized {
         // Not a Hugging Face key: what `projection::blocks` reads, said where a person looks.
-        config_json["quantization"] = json!("GGUF Q4_1 and Q8_0 blocks kept: U8 [rows, blocks, 20 or 34 bytes]");
+        config_json["quantization"] =
+            json!(format!("GGUF {KEPT_BLOCKS} blocks kept: U8 [rows, blocks, bytes per block: 18, 20, 22, 24 or 34]"));
     }
     if let Some(t) = c.metadata.get("tokenizer.chat_template").and_then(|v| v.to_string().ok()) {
         config_json["chat_template"] = json!(t);

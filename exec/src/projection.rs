@@ -65,7 +65,7 @@ use candle_nn::Linear;
 use crate::vmath::simd_available;
 use crate::weights::{Encoding, Weights};
 use crate::ExecError;
-use blocks::{Blocks, Kind, Q4_1, Q8_0};
+use blocks::{AnyBlocks, Kind};
 use packed::{Half, Packed};
 
 /// `y = x · Wᵀ (+ b)`, `W` `[out, in]` (see the module docs).
@@ -79,12 +79,12 @@ enum Imp {
     Linear(Linear),
 }
 
-/// `W`'s panels, of f32 weights, of the f16 a model stores, or of the GGUF blocks it keeps.
+/// `W`'s panels, of f32 weights, of the f16 a model stores, or of the GGUF blocks it keeps (of
+/// one kind per matrix, behind [`AnyBlocks`]: one dynamic call per product).
 enum Panels {
     F32(Packed<f32>),
     F16(Packed<Half>),
-    Q4_1(Blocks<Q4_1>),
-    Q8_0(Blocks<Q8_0>),
+    Blocks(Box<dyn AnyBlocks>),
 }
 
 impl Panels {
@@ -93,8 +93,7 @@ impl Panels {
         match self {
             Panels::F32(p) => (p.n, p.k),
             Panels::F16(p) => (p.n, p.k),
-            Panels::Q4_1(p) => (p.n, p.k),
-            Panels::Q8_0(p) => (p.n, p.k),
+            Panels::Blocks(p) => p.shape(),
         }
     }
 
@@ -102,8 +101,7 @@ impl Panels {
         match self {
             Panels::F32(p) => kernel::product(x, rows, p),
             Panels::F16(p) => kernel::product(x, rows, p),
-            Panels::Q4_1(p) => kernel::product(x, rows, p),
-            Panels::Q8_0(p) => kernel::product(x, rows, p),
+            Panels::Blocks(p) => p.product(x, rows),
         }
     }
 
@@ -112,8 +110,7 @@ impl Panels {
         match self {
             Panels::F32(p) => out.extend(p.row(j)),
             Panels::F16(p) => out.extend(p.row(j)),
-            Panels::Q4_1(p) => out.extend(p.row(j)),
-            Panels::Q8_0(p) => out.extend(p.row(j)),
+            Panels::Blocks(p) => p.extend_row(j, out),
         }
     }
 
@@ -121,8 +118,7 @@ impl Panels {
         match self {
             Panels::F32(p) => p.unpack(),
             Panels::F16(p) => p.unpack(),
-            Panels::Q4_1(p) => p.unpack(),
-            Panels::Q8_0(p) => p.unpack(),
+            Panels::Blocks(p) => p.unpack(),
         }
     }
 
@@ -131,8 +127,7 @@ impl Panels {
         let wide = match self {
             Panels::F32(_) => None,
             Panels::F16(h) => Some(h.widen()),
-            Panels::Q4_1(q) => Some(q.widen()),
-            Panels::Q8_0(q) => Some(q.widen()),
+            Panels::Blocks(q) => Some(q.widen()),
         };
         if let Some(w) = wide {
             *self = Panels::F32(w);
@@ -196,10 +191,7 @@ impl Projection {
             let w = blocks::dequantize(kind, bytes, n, k).map_err(candle_core::Error::Msg)?;
             return Projection::new(Tensor::from_vec(w, (n, k), &Device::Cpu)?);
         }
-        let panels = match kind {
-            Kind::Q4_1 => Panels::Q4_1(Blocks::from_gguf(bytes, n, k).map_err(candle_core::Error::Msg)?),
-            Kind::Q8_0 => Panels::Q8_0(Blocks::from_gguf(bytes, n, k).map_err(candle_core::Error::Msg)?),
-        };
+        let panels = Panels::Blocks(kind.panels(bytes, n, k).map_err(candle_core::Error::Msg)?);
         Ok(Projection { imp: Imp::Packed(panels, None) })
     }
 
@@ -497,7 +489,7 @@ mod tests {
         assert_eq!(rows_of(&ph.forward(&x).unwrap()), rows_of(&pf.forward(&x).unwrap()));
     }
 
-    /// A matrix of GGUF blocks (Q4_1, Q8_0) gives, bit for bit, what the f32 matrix it
+    /// A matrix of GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) gives, bit for bit, what the f32 matrix it
     /// dequantizes to gives: products of 1 to 203 tokens on one thread and several, with and
     /// without a bias, its weight, its rows; it is held in blocks where the packed kernel runs;
     /// adding to it (and taking it away) does what it does to the f32 values; a matrix loads from
@@ -505,18 +497,17 @@ mod tests {
     /// refused.
     #[test]
     fn a_matrix_of_gguf_blocks_computes_as_its_dequantized_values() {
-        use candle_core::quantized::GgmlDType;
         let dev = Device::Cpu;
         let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
         let (out, inp) = (37, 608);
         let w = Tensor::randn(0f32, 1.0, (out, inp), &dev).unwrap();
-        for (dtype, kind) in [(GgmlDType::Q4_1, Kind::Q4_1), (GgmlDType::Q8_0, Kind::Q8_0)] {
+        for (dtype, kind) in blocks::tests::KINDS {
             let (gguf, values) = blocks::tests::gguf_of(&w, dtype);
             let wide = Tensor::from_vec(values, (out, inp), &dev).unwrap();
             let q = Projection::from_gguf_blocks(&gguf, kind, out, inp).unwrap();
             let f = Projection::new(wide.clone()).unwrap();
             if simd_available() {
-                assert!(matches!(q.imp, Imp::Packed(Panels::Q4_1(_) | Panels::Q8_0(_), _)));
+                assert!(matches!(q.imp, Imp::Packed(Panels::Blocks(_), _)));
             }
             assert_eq!(max_diff(&q.weight().unwrap(), &wide), 0.0);
             for rows in (1..=14).chain([31, 203]) {

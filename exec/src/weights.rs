@@ -112,8 +112,9 @@ impl<'a> Weights<'a> {
             ("U8", Some((kind, rows, inputs))) => Encoding::Blocks { kind, rows, inputs },
             (other, _) => {
                 return Err(ExecError::Model(format!(
-                    "tensor {name:?} is {other} {:?}; F32, F16, BF16 and U8 matrices of GGUF Q4_1 or Q8_0 blocks are supported",
-                    t.shape
+                    "tensor {name:?} is {other} {:?}; F32, F16, BF16 and U8 matrices of GGUF blocks ({}) are supported",
+                    t.shape,
+                    blocks::KEPT
                 )))
             }
         };

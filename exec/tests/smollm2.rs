@@ -308,11 +308,13 @@ fn a_prompt_prefilled_in_chunks_generates_the_tokens_of_one_prefill() {
     assert_eq!(chunked, whole);
 }
 
-/// A quantized import of a GGUF holding another block type says so: the real GGUF with one
-/// block's `ffn_down` requantized to Q4_K imports with 210 matrices kept as blocks and that one
-/// counted as widened to f32 (`cascade model import` prints it), and the directory loads.
+/// Every kept block type computes what the f32 import computes, and a type not kept is said:
+/// the real GGUF with a few matrices requantized — a Q projection to Q4_0 (its rows un-permuted
+/// whole), others to Q5_0 and Q5_1, one `ffn_down` to Q4_K — imports with 210 matrices kept as
+/// blocks and the Q4_K one counted as widened to f32 (`cascade model import` prints it), and its
+/// hidden states after a prefill are those of the same file's f32 import, bit for bit.
 #[test]
-fn a_quantized_import_counts_the_matrices_it_widens() {
+fn a_mixed_quantized_import_computes_what_its_f32_import_computes_and_counts_what_it_widens() {
     use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
     use candle_core::Device;
     let Some(dir) = smollm2_dir() else { return };
@@ -326,8 +328,15 @@ fn a_quantized_import_counts_the_matrices_it_widens() {
     let mut tensors: Vec<(String, QTensor)> = Vec::new();
     for name in content.tensor_infos.keys() {
         let mut q = content.tensor(&mut r, name, &Device::Cpu).unwrap();
-        if name == "blk.3.ffn_down.weight" {
-            q = QTensor::quantize(&q.dequantize(&Device::Cpu).unwrap(), GgmlDType::Q4K).unwrap();
+        let to = match name.as_str() {
+            "blk.3.ffn_down.weight" => Some(GgmlDType::Q4K),
+            "blk.4.attn_q.weight" => Some(GgmlDType::Q4_0),
+            "blk.5.attn_k.weight" => Some(GgmlDType::Q5_0),
+            "blk.6.ffn_up.weight" => Some(GgmlDType::Q5_1),
+            _ => None,
+        };
+        if let Some(to) = to {
+            q = QTensor::quantize(&q.dequantize(&Device::Cpu).unwrap(), to).unwrap();
         }
         tensors.push((name.clone(), q));
     }
@@ -341,8 +350,16 @@ fn a_quantized_import_counts_the_matrices_it_widens() {
     let imported = cascade_exec::gguf::import(&mixed, &out, Storage::Quantized, |_, _, _| {}).unwrap();
     assert_eq!(imported.kept_as_blocks, 210);
     assert_eq!(imported.widened.into_iter().collect::<Vec<_>>(), [("Q4K".to_string(), 1)]);
-    let g = Generator::from_dir(&out).unwrap();
-    assert_eq!(g.generate(&[llm_reference()[0].prompt_tokens.clone()], 2).unwrap()[0].tokens.len(), 2);
+    let wide = std::env::temp_dir().join(format!("cascade-q4k-f32-{}", std::process::id()));
+    cascade_exec::gguf::import(&mixed, &wide, Storage::F32, |_, _, _| {}).unwrap();
+    let bits = |dir: &std::path::Path| -> Vec<u32> {
+        let g = Generator::from_dir(dir).unwrap();
+        let act = Activation::packed(&[(1, 0, llm_reference()[0].prompt_tokens.clone())]).unwrap();
+        let h = g.model().run(0..g.model().layers(), act).unwrap().hidden.unwrap();
+        h.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|v| v.to_bits()).collect()
+    };
+    assert_eq!(bits(&out), bits(&wide), "the quantized import computes otherwise than the f32 one");
     let _ = std::fs::remove_file(&mixed);
     let _ = std::fs::remove_dir_all(&out);
+    let _ = std::fs::remove_dir_all(&wide);
 }

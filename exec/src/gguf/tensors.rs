@@ -3,8 +3,8 @@
 //! a time rather than the whole dequantized model (SmolLM2-135M: 683 MB at the peak before, for a
 //! 538 MB file; a 7-billion-parameter GGUF would have needed 28 GB).
 //!
-//! With [`Storage::Quantized`] a Q4_1 or Q8_0 matrix is written as its GGUF blocks, unchanged but
-//! for the Q/K rows' order: U8 `[rows, blocks, bytes per block]`, which
+//! With [`Storage::Quantized`] a Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 matrix is written as its GGUF
+//! blocks, unchanged but for the Q/K rows' order: U8 `[rows, blocks, bytes per block]`, which
 //! [`crate::projection::blocks`] reads.
 
 use std::borrow::Cow;
@@ -214,8 +214,9 @@ mod tests {
             let dims = q.shape().dims();
             let got = match q.dtype() {
                 GgmlDType::Q4_1 | GgmlDType::Q8_0 => {
-                    let (kind, bytes) = if q.dtype() == GgmlDType::Q4_1 { (Kind::Q4_1, 20) } else { (Kind::Q8_0, 34) };
-                    assert_eq!(Kind::of_ggml(q.dtype()), Some(kind));
+                    let kind = Kind::of_ggml(q.dtype()).unwrap();
+                    let bytes = if q.dtype() == GgmlDType::Q4_1 { 20 } else { 34 };
+                    assert_eq!(kind.gguf_bytes(), bytes);
                     assert_eq!(view.dtype(), safetensors::Dtype::U8, "{name}");
                     assert_eq!(view.shape(), [dims[0], dims[1] / 32, bytes], "{name}");
                     dequantize(kind, view.data(), dims[0], dims[1]).unwrap()

@@ -1,23 +1,26 @@
-//! `W` kept in GGUF's quantized blocks (Q4_1, Q8_0), in panels of [`PANEL`] outputs, and
-//! dequantized a chunk at a time into f32 panels for the kernel.
+//! `W` kept in GGUF's quantized blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), in panels of [`PANEL`]
+//! outputs, and dequantized a chunk at a time into f32 panels for the kernel.
 //!
-//! GGUF quantizes a row in blocks of 32 weights, each with an f16 scale `d` (and, for Q4_1, an f16
-//! minimum `m`): Q4_1 stores 4-bit codes `q` (the weight `q·d + m`), Q8_0 8-bit signed ones (`q·d`).
-//! A model imported with its blocks kept ([`crate::gguf::Storage::Quantized`]) stores each such
-//! matrix as it came, `[rows, blocks, 20]` (Q4_1) or `[rows, blocks, 34]` (Q8_0) bytes, and here
-//! they are regrouped by panel: for panel `p` and block `b`, the 16 outputs' scales (and minima)
-//! as f16, then, for each of the block's 32 inputs, the 16 outputs' codes (Q4_1: output `r` in
-//! the low nibble of byte `r`, output `r + 8` in its high nibble; Q8_0: one byte each).
+//! GGUF quantizes a row in blocks of 32 weights, each with an f16 scale `d` (and, for Q4_1 and
+//! Q5_1, an f16 minimum `m`): Q4_0 stores 4-bit codes `q` (the weight `(q − 8)·d`), Q4_1 4-bit
+//! ones (`q·d + m`), Q5_0 and Q5_1 5-bit ones (`(q − 16)·d`, `q·d + m`; the fifth bits in a 32-bit
+//! word per block), Q8_0 8-bit signed ones (`q·d`). A model imported with its blocks kept
+//! ([`crate::gguf::Storage::Quantized`]) stores each such matrix as it came, `[rows, blocks,
+//! bytes]` (18, 20, 22, 24 or 34 bytes a block: the last dimension says which type), and here they
+//! are regrouped by panel: for panel `p` and block `b`, the 16 outputs' scales (and minima) as
+//! f16, then, for each of the block's 32 inputs, the 16 outputs' codes (Q4_0 and Q4_1: output `r`
+//! in the low nibble of byte `r`, output `r + 8` in its high nibble; Q5_0 as a signed byte
+//! `q − 16`, Q5_1 and Q8_0 one byte each).
 //!
-//! A product of a few tokens (one group, decoding) dequantizes each input's 16 weights in
-//! registers as it multiplies them (`kernel::kernel_blocks`); one of more tokens dequantizes the
-//! panels it is about to use into f32 (`[kc][PANEL]`, as [`Packed<f32>`](super::packed::Packed)
-//! holds them) and runs the f32 kernel over them, so that scratch is written once and read by
-//! every group. Either way the multiply-adds run in the f32 kernel's order. Dequantizing computes each weight
-//! as `candle`'s dequantization does (the code times the scale, exact in f32 for a code of at most
-//! 8 bits and an f16 scale, then for Q4_1 plus the minimum, rounded once), so the weights are bit
-//! for bit those of the f32 import of the same file and the products are bit for bit the f32
-//! model's.
+//! A product of a few tokens (one or two groups, decoding) dequantizes each input's 16 weights
+//! in registers as it multiplies them (`kernel::kernel_blocks`); one of more tokens dequantizes
+//! the panels it is about to use into f32 (`[kc][PANEL]`, as
+//! [`Packed<f32>`](super::packed::Packed) holds them) and runs the f32 kernel over them, so that
+//! scratch is written once and read by every group. Either way the multiply-adds run in the f32
+//! kernel's order. Dequantizing computes each weight as `candle`'s dequantization does (the code,
+//! less its offset, times the scale, exact in f32 for a code of at most 8 bits and an f16 scale,
+//! then for Q4_1 and Q5_1 plus the minimum, rounded once), so the weights are bit for bit those
+//! of the f32 import of the same file and the products are bit for bit the f32 model's.
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::__m256;
@@ -85,17 +88,11 @@ impl Block for Q4_1 {
     }
 
     fn pack(codes: &[u8; PANEL], out: &mut [u8]) {
-        for (r, o) in out.iter_mut().enumerate().take(PANEL / 2) {
-            *o = codes[r] | (codes[r + PANEL / 2] << 4);
-        }
+        pack_nibbles(codes, out);
     }
 
     fn unpack(codes: &[u8], r: usize) -> u8 {
-        if r < PANEL / 2 {
-            codes[r] & 0x0f
-        } else {
-            codes[r - PANEL / 2] >> 4
-        }
+        unpack_nibble(codes, r)
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -104,10 +101,7 @@ impl Block for Q4_1 {
     unsafe fn weights16(ptr: *const u8, d: &[__m256; 2], m: &[__m256; 2]) -> [__m256; 2] {
         use std::arch::x86_64::*;
         // SAFETY: the caller's contract: 8 bytes readable at ptr.
-        let v = unsafe { _mm_loadl_epi64(ptr.cast::<__m128i>()) };
-        let mask = _mm_set1_epi8(0x0f);
-        let lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(v, mask)));
-        let hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), mask)));
+        let [lo, hi] = unsafe { nibbles16(ptr, 0) };
         // `(q as f32) * d + m`, as candle computes it (the product is exact).
         [_mm256_add_ps(_mm256_mul_ps(lo, d[0]), m[0]), _mm256_add_ps(_mm256_mul_ps(hi, d[1]), m[1])]
     }
@@ -147,6 +141,161 @@ impl Block for Q8_0 {
     }
 }
 
+/// GGUF's Q4_0: 4-bit codes, `(q − 8)·d`. Its panels hold the codes as Q4_1's do.
+pub(crate) struct Q4_0;
+
+/// GGUF's Q5_0: 5-bit codes (the fifth bit in a 32-bit word per block), `(q − 16)·d`. Its panels
+/// hold `q − 16` as a signed byte, as Q8_0's hold their codes.
+pub(crate) struct Q5_0;
+
+/// GGUF's Q5_1: 5-bit codes, `q·d + m`. Its panels hold each code in a byte.
+pub(crate) struct Q5_1;
+
+/// A Q5 block's 32 five-bit codes: element `j < 16` is the low nibble of `qs[j]` with bit `j` of
+/// `qh` above it, element `j + 16` the high nibble with bit `j + 16` (as ggml and candle read them).
+fn codes5(qh: &[u8], qs: &[u8]) -> [u8; BLOCK] {
+    let qh = u32::from_le_bytes([qh[0], qh[1], qh[2], qh[3]]);
+    std::array::from_fn(|i| {
+        let (j, nibble) = if i < 16 { (i, qs[i] & 0x0f) } else { (i - 16, qs[i - 16] >> 4) };
+        nibble | ((((qh >> (j + 16 * (i / 16))) & 1) as u8) << 4)
+    })
+}
+
+impl Block for Q4_0 {
+    const KIND: Kind = Kind::Q4_0;
+    const MIN: bool = false;
+    const CODE_BYTES: usize = PANEL / 2;
+
+    fn parse(block: &[u8]) -> (u16, u16, [u8; BLOCK]) {
+        let qs = &block[2..18];
+        (half(block), 0, std::array::from_fn(|i| if i < 16 { qs[i] & 0x0f } else { qs[i - 16] >> 4 }))
+    }
+
+    fn value(code: u8, d: f32, _: f32) -> f32 {
+        (i32::from(code) - 8) as f32 * d
+    }
+
+    fn pack(codes: &[u8; PANEL], out: &mut [u8]) {
+        pack_nibbles(codes, out);
+    }
+
+    fn unpack(codes: &[u8], r: usize) -> u8 {
+        unpack_nibble(codes, r)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn weights16(ptr: *const u8, d: &[__m256; 2], _: &[__m256; 2]) -> [__m256; 2] {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's contract: 8 bytes readable at ptr.
+        let [lo, hi] = unsafe { nibbles16(ptr, 8) };
+        // `((q − 8) as f32) * d`, as candle computes it (exact).
+        [_mm256_mul_ps(lo, d[0]), _mm256_mul_ps(hi, d[1])]
+    }
+}
+
+impl Block for Q5_0 {
+    const KIND: Kind = Kind::Q5_0;
+    const MIN: bool = false;
+    const CODE_BYTES: usize = PANEL;
+
+    fn parse(block: &[u8]) -> (u16, u16, [u8; BLOCK]) {
+        let codes = codes5(&block[2..6], &block[6..22]);
+        (half(block), 0, codes.map(|q| (i32::from(q) - 16) as i8 as u8))
+    }
+
+    fn value(code: u8, d: f32, _: f32) -> f32 {
+        Q8_0::value(code, d, 0.0)
+    }
+
+    fn pack(codes: &[u8; PANEL], out: &mut [u8]) {
+        Q8_0::pack(codes, out);
+    }
+
+    fn unpack(codes: &[u8], r: usize) -> u8 {
+        Q8_0::unpack(codes, r)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn weights16(ptr: *const u8, d: &[__m256; 2], m: &[__m256; 2]) -> [__m256; 2] {
+        // SAFETY: the caller's contract, passed on: Q8_0's panels of signed bytes.
+        unsafe { Q8_0::weights16(ptr, d, m) }
+    }
+}
+
+impl Block for Q5_1 {
+    const KIND: Kind = Kind::Q5_1;
+    const MIN: bool = true;
+    const CODE_BYTES: usize = PANEL;
+
+    fn parse(block: &[u8]) -> (u16, u16, [u8; BLOCK]) {
+        (half(block), half(&block[2..]), codes5(&block[4..8], &block[8..24]))
+    }
+
+    fn value(code: u8, d: f32, m: f32) -> f32 {
+        f32::from(code) * d + m
+    }
+
+    fn pack(codes: &[u8; PANEL], out: &mut [u8]) {
+        out[..PANEL].copy_from_slice(codes);
+    }
+
+    fn unpack(codes: &[u8], r: usize) -> u8 {
+        codes[r]
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn weights16(ptr: *const u8, d: &[__m256; 2], m: &[__m256; 2]) -> [__m256; 2] {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's contract: 16 bytes readable at ptr.
+        let v = unsafe { _mm_loadu_si128(ptr.cast::<__m128i>()) };
+        let lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+        let hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)));
+        // `(q as f32) * d + m`, as candle computes it (the product is exact).
+        [_mm256_add_ps(_mm256_mul_ps(lo, d[0]), m[0]), _mm256_add_ps(_mm256_mul_ps(hi, d[1]), m[1])]
+    }
+}
+
+/// Codes of a panel's 16 outputs in 8 bytes: output `r` in the low nibble of byte `r`, output
+/// `r + 8` in its high nibble.
+fn pack_nibbles(codes: &[u8; PANEL], out: &mut [u8]) {
+    for (r, o) in out.iter_mut().enumerate().take(PANEL / 2) {
+        *o = codes[r] | (codes[r + PANEL / 2] << 4);
+    }
+}
+
+/// Output `r`'s code from [`pack_nibbles`]' bytes.
+fn unpack_nibble(codes: &[u8], r: usize) -> u8 {
+    if r < PANEL / 2 {
+        codes[r] & 0x0f
+    } else {
+        codes[r - PANEL / 2] >> 4
+    }
+}
+
+/// The 16 nibbles at `ptr` ([`pack_nibbles`]' layout) less `offset`, as f32: outputs 0–7, 8–15.
+///
+/// # Safety
+/// 8 bytes are readable at `ptr`; the CPU has AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn nibbles16(ptr: *const u8, offset: i32) -> [__m256; 2] {
+    use std::arch::x86_64::*;
+    // SAFETY: the caller's contract: 8 bytes readable at ptr.
+    let v = unsafe { _mm_loadl_epi64(ptr.cast::<__m128i>()) };
+    let mask = _mm_set1_epi8(0x0f);
+    let off = _mm256_set1_epi32(offset);
+    let lo = _mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_and_si128(v, mask)), off);
+    let hi = _mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), mask)), off);
+    [_mm256_cvtepi32_ps(lo), _mm256_cvtepi32_ps(hi)]
+}
+
 /// Which block type a stored tensor of `shape` (`[rows, blocks, bytes per block]`, U8) holds, with
 /// its matrix's `(rows, inputs)`.
 pub(crate) fn kind_of(shape: &[usize]) -> Option<(Kind, usize, usize)> {
@@ -159,18 +308,28 @@ pub(crate) fn kind_of(shape: &[usize]) -> Option<(Kind, usize, usize)> {
 /// A block type, as a value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Kind {
+    Q4_0,
     Q4_1,
+    Q5_0,
+    Q5_1,
     Q8_0,
 }
 
+/// The block types kept as blocks, as a person reads them.
+pub(crate) const KEPT: &str = "Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0";
+
 impl Kind {
     /// Every block type kept as blocks.
-    pub(crate) const ALL: [Kind; 2] = [Kind::Q4_1, Kind::Q8_0];
+    pub(crate) const ALL: [Kind; 5] = [Kind::Q4_0, Kind::Q4_1, Kind::Q5_0, Kind::Q5_1, Kind::Q8_0];
 
-    /// Bytes of one block in a GGUF row: the scale (and minimum) as f16, then the codes.
+    /// Bytes of one block in a GGUF row: the scale (and minimum) as f16, the fifth bits of Q5's
+    /// codes, then the codes. Each type's is its own: a stored tensor's last dimension says which.
     pub(crate) const fn gguf_bytes(self) -> usize {
         match self {
+            Kind::Q4_0 => 2 + BLOCK / 2,
             Kind::Q4_1 => 4 + BLOCK / 2,
+            Kind::Q5_0 => 2 + 4 + BLOCK / 2,
+            Kind::Q5_1 => 4 + 4 + BLOCK / 2,
             Kind::Q8_0 => 2 + BLOCK,
         }
     }
@@ -179,9 +338,26 @@ impl Kind {
     pub(crate) fn of_ggml(t: candle_core::quantized::GgmlDType) -> Option<Kind> {
         use candle_core::quantized::GgmlDType;
         match t {
+            GgmlDType::Q4_0 => Some(Kind::Q4_0),
             GgmlDType::Q4_1 => Some(Kind::Q4_1),
+            GgmlDType::Q5_0 => Some(Kind::Q5_0),
+            GgmlDType::Q5_1 => Some(Kind::Q5_1),
             GgmlDType::Q8_0 => Some(Kind::Q8_0),
             _ => None,
+        }
+    }
+
+    /// `n` GGUF rows of `k` weights in these blocks as panels (see the module docs).
+    pub(super) fn panels(self, gguf: &[u8], n: usize, k: usize) -> Result<Box<dyn AnyBlocks>, String> {
+        fn boxed<B: Block>(gguf: &[u8], n: usize, k: usize) -> Result<Box<dyn AnyBlocks>, String> {
+            Ok(Box::new(Blocks::<B>::from_gguf(gguf, n, k)?))
+        }
+        match self {
+            Kind::Q4_0 => boxed::<Q4_0>(gguf, n, k),
+            Kind::Q4_1 => boxed::<Q4_1>(gguf, n, k),
+            Kind::Q5_0 => boxed::<Q5_0>(gguf, n, k),
+            Kind::Q5_1 => boxed::<Q5_1>(gguf, n, k),
+            Kind::Q8_0 => boxed::<Q8_0>(gguf, n, k),
         }
     }
 
@@ -207,8 +383,47 @@ pub(crate) fn dequantize(kind: Kind, gguf: &[u8], n: usize, k: usize) -> Result<
         Ok(out)
     }
     match kind {
+        Kind::Q4_0 => rows::<Q4_0>(gguf, n, k),
         Kind::Q4_1 => rows::<Q4_1>(gguf, n, k),
+        Kind::Q5_0 => rows::<Q5_0>(gguf, n, k),
+        Kind::Q5_1 => rows::<Q5_1>(gguf, n, k),
         Kind::Q8_0 => rows::<Q8_0>(gguf, n, k),
+    }
+}
+
+/// A matrix of GGUF blocks of one kind, whichever: what a projection holds.
+pub(super) trait AnyBlocks: Send + Sync {
+    /// `(n, k)`: `W` is `[n, k]`.
+    fn shape(&self) -> (usize, usize);
+    /// `x · Wᵀ` for `rows` rows of `x`.
+    fn product(&self, x: &[f32], rows: usize) -> Vec<f32>;
+    /// Row `j` of `W` onto `out`.
+    fn extend_row(&self, j: usize, out: &mut Vec<f32>);
+    /// `W`, row-major.
+    fn unpack(&self) -> Vec<f32>;
+    /// The same matrix with f32 weights.
+    fn widen(&self) -> Packed<f32>;
+}
+
+impl<B: Block> AnyBlocks for Blocks<B> {
+    fn shape(&self) -> (usize, usize) {
+        (self.n, self.k)
+    }
+
+    fn product(&self, x: &[f32], rows: usize) -> Vec<f32> {
+        super::kernel::product(x, rows, self)
+    }
+
+    fn extend_row(&self, j: usize, out: &mut Vec<f32>) {
+        out.extend(self.row(j));
+    }
+
+    fn unpack(&self) -> Vec<f32> {
+        Blocks::unpack(self)
+    }
+
+    fn widen(&self) -> Packed<f32> {
+        Blocks::widen(self)
     }
 }
 
@@ -390,19 +605,28 @@ pub(crate) mod tests {
         (q.data().unwrap().into_owned(), deq)
     }
 
-    /// Both block types dequantize to `candle`'s values bit for bit, from GGUF rows and from the
+    /// Every block type kept, with the GGUF type candle quantizes to.
+    pub(crate) const KINDS: [(GgmlDType, Kind); 5] = [
+        (GgmlDType::Q4_0, Kind::Q4_0),
+        (GgmlDType::Q4_1, Kind::Q4_1),
+        (GgmlDType::Q5_0, Kind::Q5_0),
+        (GgmlDType::Q5_1, Kind::Q5_1),
+        (GgmlDType::Q8_0, Kind::Q8_0),
+    ];
+
+    /// Every block type dequantizes to `candle`'s values bit for bit, from GGUF rows and from the
     /// panels, for outputs that do and do not fill their last panel; wrong lengths are refused.
     #[test]
     fn blocks_dequantize_to_candles_values_bit_for_bit() {
+        assert_eq!(KINDS.map(|(_, k)| k), Kind::ALL);
         for (n, k) in [(37, 64), (16, 32), (5, 96)] {
             let w = Tensor::randn(0f32, 1.0, (n, k), &Device::Cpu).unwrap();
-            for (dtype, kind) in [(GgmlDType::Q4_1, Kind::Q4_1), (GgmlDType::Q8_0, Kind::Q8_0)] {
+            for (dtype, kind) in KINDS {
+                assert_eq!(Kind::of_ggml(dtype), Some(kind));
                 let (gguf, want) = gguf_of(&w, dtype);
+                assert_eq!(gguf.len(), n * k / BLOCK * kind.gguf_bytes(), "{kind:?}");
                 assert_eq!(bits(&dequantize(kind, &gguf, n, k).unwrap()), bits(&want), "{kind:?} {n}×{k}");
-                let unpacked = match kind {
-                    Kind::Q4_1 => Blocks::<Q4_1>::from_gguf(&gguf, n, k).unwrap().unpack(),
-                    Kind::Q8_0 => Blocks::<Q8_0>::from_gguf(&gguf, n, k).unwrap().unpack(),
-                };
+                let unpacked = kind.panels(&gguf, n, k).unwrap().unpack();
                 assert_eq!(bits(&unpacked), bits(&want), "{kind:?} {n}×{k} from panels");
                 assert!(dequantize(kind, &gguf[1..], n, k).is_err());
                 assert!(dequantize(kind, &gguf, n + 1, k).is_err());
@@ -411,7 +635,10 @@ pub(crate) mod tests {
         }
         assert_eq!(kind_of(&[7, 3, 20]), Some((Kind::Q4_1, 7, 96)));
         assert_eq!(kind_of(&[7, 3, 34]), Some((Kind::Q8_0, 7, 96)));
+        assert_eq!(kind_of(&[7, 3, 18]), Some((Kind::Q4_0, 7, 96)));
+        assert_eq!(kind_of(&[7, 3, 22]), Some((Kind::Q5_0, 7, 96)));
+        assert_eq!(kind_of(&[7, 3, 24]), Some((Kind::Q5_1, 7, 96)));
         assert_eq!(kind_of(&[7, 60]), None);
-        assert_eq!(kind_of(&[7, 3, 18]), None);
+        assert_eq!(kind_of(&[7, 3, 19]), None);
     }
 }
