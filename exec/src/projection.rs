@@ -28,7 +28,8 @@
 //! gives `W` back.
 //!
 //! A model imported with its GGUF blocks kept (`cascade model import --dtype quantized`) keeps
-//! its Q4_1 and Q8_0 matrices in panels of those blocks ([`blocks`]: 5 and 8.5 bits a weight),
+//! its Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 matrices in panels of those blocks ([`blocks`]: 4.5 to 9
+//! bits a weight),
 //! dequantized as a product reads them to exactly the f32 values the f32 import holds, so its
 //! products are the f32 model's bit for bit. Adding to such a matrix widens it to f32 first.
 //!
@@ -183,9 +184,10 @@ impl Projection {
     }
 
     /// From `W`, `[n, k]`, as GGUF rows of `kind`'s blocks (a model imported with its blocks
-    /// kept): kept in those blocks where the packed kernel runs (Q4_1: 5 bits a weight, Q8_0:
-    /// 8.5), the products of the f32 values they dequantize to, bit for bit; dequantized to f32
-    /// (`Linear`) elsewhere.
+    /// kept): kept in those blocks where the packed kernel runs (in memory, bits a weight: Q4_0
+    /// 4.5, Q4_1 5, Q8_0 8.5, and Q5_0 8.5 and Q5_1 9, whose panels hold a byte a code), the
+    /// products of the f32 values they dequantize to, bit for bit; dequantized to f32 (`Linear`)
+    /// elsewhere.
     pub(crate) fn from_gguf_blocks(bytes: &[u8], kind: Kind, n: usize, k: usize) -> candle_core::Result<Projection> {
         if !simd_available() {
             let w = blocks::dequantize(kind, bytes, n, k).map_err(candle_core::Error::Msg)?;
