@@ -39,8 +39,11 @@ pub(crate) trait Block: Send + Sync + 'static {
     const GGUF_BYTES: usize = Self::KIND.gguf_bytes();
     /// Whether blocks carry a minimum `m` besides the scale `d`.
     const MIN: bool;
+    /// Whether a panel holds a code per nibble (output `r` in the low nibble of byte `r`, output
+    /// `r + 8` in its high nibble), else one per byte.
+    const NIBBLES: bool;
     /// Bytes of codes per input of a panel (16 outputs).
-    const CODE_BYTES: usize;
+    const CODE_BYTES: usize = if Self::NIBBLES { PANEL / 2 } else { PANEL };
 
     /// A GGUF block's scale and minimum (f16 bits; 0 without one) and its 32 codes, as stored.
     fn parse(block: &[u8]) -> (u16, u16, [u8; BLOCK]);
@@ -49,10 +52,24 @@ pub(crate) trait Block: Send + Sync + 'static {
     fn value(code: u8, d: f32, m: f32) -> f32;
 
     /// Writes `codes[r]` (output `r` of the panel, `r < PANEL`) into `out`, `CODE_BYTES` long.
-    fn pack(codes: &[u8; PANEL], out: &mut [u8]);
+    fn pack(codes: &[u8; PANEL], out: &mut [u8]) {
+        if Self::NIBBLES {
+            for (r, o) in out.iter_mut().enumerate().take(PANEL / 2) {
+                *o = codes[r] | (codes[r + PANEL / 2] << 4);
+            }
+        } else {
+            out[..PANEL].copy_from_slice(codes);
+        }
+    }
 
     /// Reads output `r`'s code back from one input's `CODE_BYTES`.
-    fn unpack(codes: &[u8], r: usize) -> u8;
+    fn unpack(codes: &[u8], r: usize) -> u8 {
+        match (Self::NIBBLES, r < PANEL / 2) {
+            (false, _) => codes[r],
+            (true, true) => codes[r] & 0x0f,
+            (true, false) => codes[r - PANEL / 2] >> 4,
+        }
+    }
 
     /// The 16 weights of one input: its codes at `ptr`, the panel's scales and minima.
     ///
@@ -75,7 +92,7 @@ fn half(bytes: &[u8]) -> u16 {
 impl Block for Q4_1 {
     const KIND: Kind = Kind::Q4_1;
     const MIN: bool = true;
-    const CODE_BYTES: usize = PANEL / 2;
+    const NIBBLES: bool = true;
 
     fn parse(block: &[u8]) -> (u16, u16, [u8; BLOCK]) {
         let qs = &block[4..20];
@@ -85,14 +102,6 @@ impl Block for Q4_1 {
 
     fn value(code: u8, d: f32, m: f32) -> f32 {
         f32::from(code) * d + m
-    }
-
-    fn pack(codes: &[u8; PANEL], out: &mut [u8]) {
-        pack_nibbles(codes, out);
-    }
-
-    fn unpack(codes: &[u8], r: usize) -> u8 {
-        unpack_nibble(codes, r)
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -110,7 +119,7 @@ impl Block for Q4_1 {
 impl Block for Q8_0 {
     const KIND: Kind = Kind::Q8_0;
     const MIN: bool = false;
-    const CODE_BYTES: usize = PANEL;
+    const NIBBLES: bool = false;
 
     fn parse(block: &[u8]) -> (u16, u16, [u8; BLOCK]) {
         (half(block), 0, std::array::from_fn(|i| block[2 + i]))
@@ -120,23 +129,13 @@ impl Block for Q8_0 {
         f32::from(code as i8) * d
     }
 
-    fn pack(codes: &[u8; PANEL], out: &mut [u8]) {
-        out[..PANEL].copy_from_slice(codes);
-    }
-
-    fn unpack(codes: &[u8], r: usize) -> u8 {
-        codes[r]
-    }
-
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
     unsafe fn weights16(ptr: *const u8, d: &[__m256; 2], _: &[__m256; 2]) -> [__m256; 2] {
         use std::arch::x86_64::*;
         // SAFETY: the caller's contract: 16 bytes readable at ptr.
-        let v = unsafe { _mm_loadu_si128(ptr.cast::<__m128i>()) };
-        let lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
-        let hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)));
+        let [lo, hi] = unsafe { bytes16(ptr, true) };
         [_mm256_mul_ps(lo, d[0]), _mm256_mul_ps(hi, d[1])]
     }
 }
@@ -164,7 +163,7 @@ fn codes5(qh: &[u8], qs: &[u8]) -> [u8; BLOCK] {
 impl Block for Q4_0 {
     const KIND: Kind = Kind::Q4_0;
     const MIN: bool = false;
-    const CODE_BYTES: usize = PANEL / 2;
+    const NIBBLES: bool = true;
 
     fn parse(block: &[u8]) -> (u16, u16, [u8; BLOCK]) {
         let qs = &block[2..18];
@@ -173,14 +172,6 @@ impl Block for Q4_0 {
 
     fn value(code: u8, d: f32, _: f32) -> f32 {
         (i32::from(code) - 8) as f32 * d
-    }
-
-    fn pack(codes: &[u8; PANEL], out: &mut [u8]) {
-        pack_nibbles(codes, out);
-    }
-
-    fn unpack(codes: &[u8], r: usize) -> u8 {
-        unpack_nibble(codes, r)
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -198,7 +189,7 @@ impl Block for Q4_0 {
 impl Block for Q5_0 {
     const KIND: Kind = Kind::Q5_0;
     const MIN: bool = false;
-    const CODE_BYTES: usize = PANEL;
+    const NIBBLES: bool = false;
 
     fn parse(block: &[u8]) -> (u16, u16, [u8; BLOCK]) {
         let codes = codes5(&block[2..6], &block[6..22]);
@@ -207,14 +198,6 @@ impl Block for Q5_0 {
 
     fn value(code: u8, d: f32, _: f32) -> f32 {
         Q8_0::value(code, d, 0.0)
-    }
-
-    fn pack(codes: &[u8; PANEL], out: &mut [u8]) {
-        Q8_0::pack(codes, out);
-    }
-
-    fn unpack(codes: &[u8], r: usize) -> u8 {
-        Q8_0::unpack(codes, r)
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -229,22 +212,14 @@ impl Block for Q5_0 {
 impl Block for Q5_1 {
     const KIND: Kind = Kind::Q5_1;
     const MIN: bool = true;
-    const CODE_BYTES: usize = PANEL;
+    const NIBBLES: bool = false;
 
     fn parse(block: &[u8]) -> (u16, u16, [u8; BLOCK]) {
         (half(block), half(&block[2..]), codes5(&block[4..8], &block[8..24]))
     }
 
     fn value(code: u8, d: f32, m: f32) -> f32 {
-        f32::from(code) * d + m
-    }
-
-    fn pack(codes: &[u8; PANEL], out: &mut [u8]) {
-        out[..PANEL].copy_from_slice(codes);
-    }
-
-    fn unpack(codes: &[u8], r: usize) -> u8 {
-        codes[r]
+        Q4_1::value(code, d, m)
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -253,32 +228,33 @@ impl Block for Q5_1 {
     unsafe fn weights16(ptr: *const u8, d: &[__m256; 2], m: &[__m256; 2]) -> [__m256; 2] {
         use std::arch::x86_64::*;
         // SAFETY: the caller's contract: 16 bytes readable at ptr.
-        let v = unsafe { _mm_loadu_si128(ptr.cast::<__m128i>()) };
-        let lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
-        let hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)));
+        let [lo, hi] = unsafe { bytes16(ptr, false) };
         // `(q as f32) * d + m`, as candle computes it (the product is exact).
         [_mm256_add_ps(_mm256_mul_ps(lo, d[0]), m[0]), _mm256_add_ps(_mm256_mul_ps(hi, d[1]), m[1])]
     }
 }
 
-/// Codes of a panel's 16 outputs in 8 bytes: output `r` in the low nibble of byte `r`, output
-/// `r + 8` in its high nibble.
-fn pack_nibbles(codes: &[u8; PANEL], out: &mut [u8]) {
-    for (r, o) in out.iter_mut().enumerate().take(PANEL / 2) {
-        *o = codes[r] | (codes[r + PANEL / 2] << 4);
-    }
-}
-
-/// Output `r`'s code from [`pack_nibbles`]' bytes.
-fn unpack_nibble(codes: &[u8], r: usize) -> u8 {
-    if r < PANEL / 2 {
-        codes[r] & 0x0f
+/// The 16 bytes at `ptr` (one a code, outputs 0–15), signed or not, as f32: outputs 0–7, 8–15.
+///
+/// # Safety
+/// 16 bytes are readable at `ptr`; the CPU has AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn bytes16(ptr: *const u8, signed: bool) -> [__m256; 2] {
+    use std::arch::x86_64::*;
+    // SAFETY: the caller's contract: 16 bytes readable at ptr.
+    let v = unsafe { _mm_loadu_si128(ptr.cast::<__m128i>()) };
+    let high = _mm_srli_si128(v, 8);
+    let (lo, hi) = if signed {
+        (_mm256_cvtepi8_epi32(v), _mm256_cvtepi8_epi32(high))
     } else {
-        codes[r - PANEL / 2] >> 4
-    }
+        (_mm256_cvtepu8_epi32(v), _mm256_cvtepu8_epi32(high))
+    };
+    [_mm256_cvtepi32_ps(lo), _mm256_cvtepi32_ps(hi)]
 }
 
-/// The 16 nibbles at `ptr` ([`pack_nibbles`]' layout) less `offset`, as f32: outputs 0–7, 8–15.
+/// The 16 nibbles at `ptr` ([`Block::NIBBLES`]' layout) less `offset`, as f32: outputs 0–7, 8–15.
 ///
 /// # Safety
 /// 8 bytes are readable at `ptr`; the CPU has AVX2.
