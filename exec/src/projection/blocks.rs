@@ -39,21 +39,43 @@ pub(crate) trait Block: Send + Sync + 'static {
     const GGUF_BYTES: usize = Self::KIND.gguf_bytes();
     /// Whether blocks carry a minimum `m` besides the scale `d`.
     const MIN: bool;
-    /// Whether a panel holds a code per nibble (output `r` in the low nibble of byte `r`, output
-    /// `r + 8` in its high nibble), else one per byte.
-    const NIBBLES: bool;
+    /// How a panel holds the codes, and the multiple of the scale each stands for.
+    const CODES: Codes;
     /// Bytes of codes per input of a panel (16 outputs).
-    const CODE_BYTES: usize = if Self::NIBBLES { PANEL / 2 } else { PANEL };
+    const CODE_BYTES: usize = match Self::CODES {
+        Codes::Nibbles { .. } => PANEL / 2,
+        Codes::Bytes { .. } => PANEL,
+    };
 
-    /// A GGUF block's scale and minimum (f16 bits; 0 without one) and its 32 codes, as stored.
+    /// A GGUF block's scale and minimum (f16 bits; 0 without one) and its 32 codes, as a panel
+    /// holds them.
     fn parse(block: &[u8]) -> (u16, u16, [u8; BLOCK]);
 
-    /// The weight of `code` under scale `d` and minimum `m`, as `candle` dequantizes it.
-    fn value(code: u8, d: f32, m: f32) -> f32;
+    /// The multiple of the scale that `code` stands for, as `candle` computes it before it
+    /// scales.
+    fn level(code: u8) -> f32 {
+        match Self::CODES {
+            Codes::Nibbles { offset } => (i32::from(code) - offset) as f32,
+            Codes::Bytes { signed: true } => f32::from(code as i8),
+            Codes::Bytes { signed: false } => f32::from(code),
+        }
+    }
+
+    /// The weight of `code` under scale `d` and minimum `m`, as `candle` dequantizes it: the
+    /// level times the scale (exact: at most 8 bits times an f16), plus the minimum where there
+    /// is one, rounded once.
+    fn value(code: u8, d: f32, m: f32) -> f32 {
+        let w = Self::level(code) * d;
+        if Self::MIN {
+            w + m
+        } else {
+            w
+        }
+    }
 
     /// Writes `codes[r]` (output `r` of the panel, `r < PANEL`) into `out`, `CODE_BYTES` long.
     fn pack(codes: &[u8; PANEL], out: &mut [u8]) {
-        if Self::NIBBLES {
+        if matches!(Self::CODES, Codes::Nibbles { .. }) {
             for (r, o) in out.iter_mut().enumerate().take(PANEL / 2) {
                 *o = codes[r] | (codes[r + PANEL / 2] << 4);
             }
@@ -64,23 +86,67 @@ pub(crate) trait Block: Send + Sync + 'static {
 
     /// Reads output `r`'s code back from one input's `CODE_BYTES`.
     fn unpack(codes: &[u8], r: usize) -> u8 {
-        match (Self::NIBBLES, r < PANEL / 2) {
-            (false, _) => codes[r],
-            (true, true) => codes[r] & 0x0f,
-            (true, false) => codes[r - PANEL / 2] >> 4,
+        match (Self::CODES, r < PANEL / 2) {
+            (Codes::Bytes { .. }, _) => codes[r],
+            (Codes::Nibbles { .. }, true) => codes[r] & 0x0f,
+            (Codes::Nibbles { .. }, false) => codes[r - PANEL / 2] >> 4,
         }
     }
-
-    /// The 16 weights of one input: its codes at `ptr`, the panel's scales and minima.
-    ///
-    /// # Safety
-    /// `CODE_BYTES` are readable at `ptr`; the CPU has AVX2, FMA and F16C.
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn weights16(ptr: *const u8, d: &[__m256; 2], m: &[__m256; 2]) -> [__m256; 2];
 }
 
-/// GGUF's Q4_1: 4-bit codes, `q·d + m`.
+/// How a block type's panels hold its codes (see [`Block::CODES`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Codes {
+    /// A code per nibble (output `r` in the low nibble of byte `r`, output `r + 8` in its high
+    /// nibble), standing for `q − offset`.
+    Nibbles {
+        /// Subtracted from each code.
+        offset: i32,
+    },
+    /// A code per byte, signed or not, standing for itself.
+    Bytes {
+        /// Whether the byte is signed.
+        signed: bool,
+    },
+}
+
+/// The 16 weights of one input of `B`'s panel: its codes at `ptr`, the panel's scales and
+/// minima — [`Block::value`] of each, in registers.
+///
+/// # Safety
+/// `B::CODE_BYTES` are readable at `ptr`; the CPU has AVX2, FMA and F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(super) unsafe fn weights16<B: Block>(ptr: *const u8, d: &[__m256; 2], m: &[__m256; 2]) -> [__m256; 2] {
+    use std::arch::x86_64::*;
+    // SAFETY: the caller's contract, passed on.
+    let [lo, hi] = unsafe {
+        match B::CODES {
+            Codes::Nibbles { offset } => nibbles16(ptr, offset),
+            Codes::Bytes { signed } => bytes16(ptr, signed),
+        }
+    };
+    let (lo, hi) = (_mm256_mul_ps(lo, d[0]), _mm256_mul_ps(hi, d[1]));
+    if B::MIN {
+        [_mm256_add_ps(lo, m[0]), _mm256_add_ps(hi, m[1])]
+    } else {
+        [lo, hi]
+    }
+}
+
+/// GGUF's Q4_0: 4-bit codes, `(q − 8)·d`, held in nibbles.
+pub(crate) struct Q4_0;
+
+/// GGUF's Q4_1: 4-bit codes, `q·d + m`, held in nibbles.
 pub(crate) struct Q4_1;
+
+/// GGUF's Q5_0: 5-bit codes (the fifth bit in a 32-bit word per block), `(q − 16)·d`. Its panels
+/// hold `q − 16` as a signed byte, as Q8_0's hold their codes.
+pub(crate) struct Q5_0;
+
+/// GGUF's Q5_1: 5-bit codes, `q·d + m`, a byte each.
+pub(crate) struct Q5_1;
 
 /// GGUF's Q8_0: 8-bit signed codes, `q·d`.
 pub(crate) struct Q8_0;
@@ -89,149 +155,86 @@ fn half(bytes: &[u8]) -> u16 {
     u16::from_le_bytes([bytes[0], bytes[1]])
 }
 
-impl Block for Q4_1 {
-    const KIND: Kind = Kind::Q4_1;
-    const MIN: bool = true;
-    const NIBBLES: bool = true;
-
-    fn parse(block: &[u8]) -> (u16, u16, [u8; BLOCK]) {
-        let qs = &block[4..20];
-        let codes = std::array::from_fn(|i| if i < 16 { qs[i] & 0x0f } else { qs[i - 16] >> 4 });
-        (half(block), half(&block[2..]), codes)
-    }
-
-    fn value(code: u8, d: f32, m: f32) -> f32 {
-        f32::from(code) * d + m
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[inline]
-    unsafe fn weights16(ptr: *const u8, d: &[__m256; 2], m: &[__m256; 2]) -> [__m256; 2] {
-        use std::arch::x86_64::*;
-        // SAFETY: the caller's contract: 8 bytes readable at ptr.
-        let [lo, hi] = unsafe { nibbles16(ptr, 0) };
-        // `(q as f32) * d + m`, as candle computes it (the product is exact).
-        [_mm256_add_ps(_mm256_mul_ps(lo, d[0]), m[0]), _mm256_add_ps(_mm256_mul_ps(hi, d[1]), m[1])]
-    }
+/// A block's 32 four-bit codes from its 16 bytes: element `j < 16` is the low nibble of `qs[j]`,
+/// element `j + 16` the high one (as ggml and candle read them).
+fn nibbles32(qs: &[u8]) -> [u8; BLOCK] {
+    std::array::from_fn(|i| if i < 16 { qs[i] & 0x0f } else { qs[i - 16] >> 4 })
 }
 
-impl Block for Q8_0 {
-    const KIND: Kind = Kind::Q8_0;
-    const MIN: bool = false;
-    const NIBBLES: bool = false;
-
-    fn parse(block: &[u8]) -> (u16, u16, [u8; BLOCK]) {
-        (half(block), 0, std::array::from_fn(|i| block[2 + i]))
-    }
-
-    fn value(code: u8, d: f32, _: f32) -> f32 {
-        f32::from(code as i8) * d
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[inline]
-    unsafe fn weights16(ptr: *const u8, d: &[__m256; 2], _: &[__m256; 2]) -> [__m256; 2] {
-        use std::arch::x86_64::*;
-        // SAFETY: the caller's contract: 16 bytes readable at ptr.
-        let [lo, hi] = unsafe { bytes16(ptr, true) };
-        [_mm256_mul_ps(lo, d[0]), _mm256_mul_ps(hi, d[1])]
-    }
-}
-
-/// GGUF's Q4_0: 4-bit codes, `(q − 8)·d`. Its panels hold the codes as Q4_1's do.
-pub(crate) struct Q4_0;
-
-/// GGUF's Q5_0: 5-bit codes (the fifth bit in a 32-bit word per block), `(q − 16)·d`. Its panels
-/// hold `q − 16` as a signed byte, as Q8_0's hold their codes.
-pub(crate) struct Q5_0;
-
-/// GGUF's Q5_1: 5-bit codes, `q·d + m`. Its panels hold each code in a byte.
-pub(crate) struct Q5_1;
-
-/// A Q5 block's 32 five-bit codes: element `j < 16` is the low nibble of `qs[j]` with bit `j` of
-/// `qh` above it, element `j + 16` the high nibble with bit `j + 16` (as ggml and candle read them).
+/// A Q5 block's 32 five-bit codes: [`nibbles32`] of `qs`, with bit `i` of `qh` above element `i`.
 fn codes5(qh: &[u8], qs: &[u8]) -> [u8; BLOCK] {
     let qh = u32::from_le_bytes([qh[0], qh[1], qh[2], qh[3]]);
-    std::array::from_fn(|i| {
-        let (j, nibble) = if i < 16 { (i, qs[i] & 0x0f) } else { (i - 16, qs[i - 16] >> 4) };
-        nibble | ((((qh >> (j + 16 * (i / 16))) & 1) as u8) << 4)
-    })
+    let low = nibbles32(qs);
+    std::array::from_fn(|i| low[i] | ((((qh >> i) & 1) as u8) << 4))
 }
 
 impl Block for Q4_0 {
     const KIND: Kind = Kind::Q4_0;
     const MIN: bool = false;
-    const NIBBLES: bool = true;
+    const CODES: Codes = Codes::Nibbles { offset: 8 };
 
     fn parse(block: &[u8]) -> (u16, u16, [u8; BLOCK]) {
-        let qs = &block[2..18];
-        (half(block), 0, std::array::from_fn(|i| if i < 16 { qs[i] & 0x0f } else { qs[i - 16] >> 4 }))
+        (half(block), 0, nibbles32(&block[2..18]))
     }
+}
 
-    fn value(code: u8, d: f32, _: f32) -> f32 {
-        (i32::from(code) - 8) as f32 * d
-    }
+impl Block for Q4_1 {
+    const KIND: Kind = Kind::Q4_1;
+    const MIN: bool = true;
+    const CODES: Codes = Codes::Nibbles { offset: 0 };
 
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[inline]
-    unsafe fn weights16(ptr: *const u8, d: &[__m256; 2], _: &[__m256; 2]) -> [__m256; 2] {
-        use std::arch::x86_64::*;
-        // SAFETY: the caller's contract: 8 bytes readable at ptr.
-        let [lo, hi] = unsafe { nibbles16(ptr, 8) };
-        // `((q − 8) as f32) * d`, as candle computes it (exact).
-        [_mm256_mul_ps(lo, d[0]), _mm256_mul_ps(hi, d[1])]
+    fn parse(block: &[u8]) -> (u16, u16, [u8; BLOCK]) {
+        (half(block), half(&block[2..]), nibbles32(&block[4..20]))
     }
 }
 
 impl Block for Q5_0 {
     const KIND: Kind = Kind::Q5_0;
     const MIN: bool = false;
-    const NIBBLES: bool = false;
+    const CODES: Codes = Codes::Bytes { signed: true };
 
     fn parse(block: &[u8]) -> (u16, u16, [u8; BLOCK]) {
         let codes = codes5(&block[2..6], &block[6..22]);
         (half(block), 0, codes.map(|q| (i32::from(q) - 16) as i8 as u8))
-    }
-
-    fn value(code: u8, d: f32, _: f32) -> f32 {
-        Q8_0::value(code, d, 0.0)
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[inline]
-    unsafe fn weights16(ptr: *const u8, d: &[__m256; 2], m: &[__m256; 2]) -> [__m256; 2] {
-        // SAFETY: the caller's contract, passed on: Q8_0's panels of signed bytes.
-        unsafe { Q8_0::weights16(ptr, d, m) }
     }
 }
 
 impl Block for Q5_1 {
     const KIND: Kind = Kind::Q5_1;
     const MIN: bool = true;
-    const NIBBLES: bool = false;
+    const CODES: Codes = Codes::Bytes { signed: false };
 
     fn parse(block: &[u8]) -> (u16, u16, [u8; BLOCK]) {
         (half(block), half(&block[2..]), codes5(&block[4..8], &block[8..24]))
     }
+}
 
-    fn value(code: u8, d: f32, m: f32) -> f32 {
-        Q4_1::value(code, d, m)
-    }
+impl Block for Q8_0 {
+    const KIND: Kind = Kind::Q8_0;
+    const MIN: bool = false;
+    const CODES: Codes = Codes::Bytes { signed: true };
 
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[inline]
-    unsafe fn weights16(ptr: *const u8, d: &[__m256; 2], m: &[__m256; 2]) -> [__m256; 2] {
-        use std::arch::x86_64::*;
-        // SAFETY: the caller's contract: 16 bytes readable at ptr.
-        let [lo, hi] = unsafe { bytes16(ptr, false) };
-        // `(q as f32) * d + m`, as candle computes it (the product is exact).
-        [_mm256_add_ps(_mm256_mul_ps(lo, d[0]), m[0]), _mm256_add_ps(_mm256_mul_ps(hi, d[1]), m[1])]
+    fn parse(block: &[u8]) -> (u16, u16, [u8; BLOCK]) {
+        (half(block), 0, std::array::from_fn(|i| block[2 + i]))
     }
+}
+
+/// The 16 nibbles at `ptr` ([`Codes::Nibbles`]' layout) less `offset`, as f32: outputs 0–7, 8–15.
+///
+/// # Safety
+/// 8 bytes are readable at `ptr`; the CPU has AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn nibbles16(ptr: *const u8, offset: i32) -> [__m256; 2] {
+    use std::arch::x86_64::*;
+    // SAFETY: the caller's contract: 8 bytes readable at ptr.
+    let v = unsafe { _mm_loadl_epi64(ptr.cast::<__m128i>()) };
+    let mask = _mm_set1_epi8(0x0f);
+    let off = _mm256_set1_epi32(offset);
+    let lo = _mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_and_si128(v, mask)), off);
+    let hi = _mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), mask)), off);
+    [_mm256_cvtepi32_ps(lo), _mm256_cvtepi32_ps(hi)]
 }
 
 /// The 16 bytes at `ptr` (one a code, outputs 0–15), signed or not, as f32: outputs 0–7, 8–15.
@@ -251,24 +254,6 @@ unsafe fn bytes16(ptr: *const u8, signed: bool) -> [__m256; 2] {
     } else {
         (_mm256_cvtepu8_epi32(v), _mm256_cvtepu8_epi32(high))
     };
-    [_mm256_cvtepi32_ps(lo), _mm256_cvtepi32_ps(hi)]
-}
-
-/// The 16 nibbles at `ptr` ([`Block::NIBBLES`]' layout) less `offset`, as f32: outputs 0–7, 8–15.
-///
-/// # Safety
-/// 8 bytes are readable at `ptr`; the CPU has AVX2.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-unsafe fn nibbles16(ptr: *const u8, offset: i32) -> [__m256; 2] {
-    use std::arch::x86_64::*;
-    // SAFETY: the caller's contract: 8 bytes readable at ptr.
-    let v = unsafe { _mm_loadl_epi64(ptr.cast::<__m128i>()) };
-    let mask = _mm_set1_epi8(0x0f);
-    let off = _mm256_set1_epi32(offset);
-    let lo = _mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_and_si128(v, mask)), off);
-    let hi = _mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(v, 4), mask)), off);
     [_mm256_cvtepi32_ps(lo), _mm256_cvtepi32_ps(hi)]
 }
 
@@ -544,7 +529,7 @@ unsafe fn decode_unit<B: Block>(unit: &[u8], out: &mut [f32]) {
         let (d, m) = Blocks::<B>::scales(unit);
         let codes = unit.as_ptr().add(Blocks::<B>::CODES);
         for i in 0..BLOCK {
-            let [w0, w1] = B::weights16(codes.add(i * B::CODE_BYTES), &d, &m);
+            let [w0, w1] = weights16::<B>(codes.add(i * B::CODE_BYTES), &d, &m);
             _mm256_storeu_ps(out.as_mut_ptr().add(i * PANEL), w0);
             _mm256_storeu_ps(out.as_mut_ptr().add(i * PANEL + 8), w1);
         }

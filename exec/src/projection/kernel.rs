@@ -381,7 +381,9 @@ unsafe fn kernel_blocks_n<const G: usize, B: Block>(units: &[u8], o: &Operands<'
         for j in 0..BLOCK {
             let i = b * BLOCK + j;
             // SAFETY: as above; input j's codes lie inside the unit.
-            let [w0, w1] = unsafe { B::weights16(u.as_ptr().add(Blocks::<B>::CODES + j * B::CODE_BYTES), &d, &m) };
+            let [w0, w1] = unsafe {
+                super::blocks::weights16::<B>(u.as_ptr().add(Blocks::<B>::CODES + j * B::CODE_BYTES), &d, &m)
+            };
             for (t, s) in sums.iter_mut().enumerate() {
                 // SAFETY: t · stride + i <= (G − 1) · stride + kc − 1 < x.len() (asserted above).
                 let xb = unsafe { _mm256_broadcast_ss(&*x.as_ptr().add(t * stride + i)) };
