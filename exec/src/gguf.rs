@@ -347,20 +347,21 @@ fn write_model(
     // Every name and shape is checked before a tensor is read; each is then read as it is written.
     let source = tensors::Source::new(&c, r, storage, progress);
     let mut lazy = Vec::with_capacity(c.tensor_infos.len());
-    let mut widened = std::collections::BTreeMap::new();
+    let (mut kept_as_blocks, mut widened) = (0, std::collections::BTreeMap::new());
     for (name, info) in &c.tensor_infos {
         let (hf, heads) = hf_name(name, &cfg)?;
         check_shape(&cfg, &hf, info.shape.dims())?;
         let t = source.tensor(name, info.shape.dims(), heads);
         let quantized = !matches!(info.ggml_dtype, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16);
-        if storage == Storage::Quantized && quantized && !t.as_blocks() {
+        if t.as_blocks() {
+            kept_as_blocks += 1;
+        } else if storage == Storage::Quantized && quantized {
             *widened.entry(format!("{:?}", info.ggml_dtype)).or_insert(0) += 1;
         }
         lazy.push((hf, t));
     }
     check_blocks(&cfg, lazy.iter().map(|(n, _)| n.as_str()))?;
     let count = lazy.len();
-    let kept_as_blocks = lazy.iter().filter(|(_, t)| t.as_blocks()).count();
 
     let failed = |file: &str, e: &dyn std::fmt::Display| bad(format!("{}: {e}", named.join(file).display()));
     let model_path = dir.join("model.safetensors");
