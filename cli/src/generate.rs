@@ -73,8 +73,8 @@ pub(crate) struct SamplingArgs {
 }
 
 impl SamplingArgs {
-    /// How tokens are chosen, and the seed when they are sampled.
-    pub(crate) fn decoding(&self) -> anyhow::Result<(Decoding, Option<u64>)> {
+    /// How tokens are chosen (the seed drawn here when sampling without one).
+    pub(crate) fn decoding(&self) -> anyhow::Result<Decoding> {
         if self.temperature == 0.0 {
             let set = [(self.top_k != 0, "--top-k"), (self.top_p != 1.0, "--top-p"), (self.seed.is_some(), "--seed")];
             if let Some((_, name)) = set.iter().find(|(given, _)| *given) {
@@ -86,8 +86,7 @@ impl SamplingArgs {
             None if self.temperature != 0.0 => getrandom::u64().context("drawing a random seed")?,
             None => 0,
         };
-        let d = Decoding::new(self.temperature, self.top_k, self.top_p, seed)?;
-        Ok((d, matches!(d, Decoding::Sample(_)).then_some(seed)))
+        Ok(Decoding::new(self.temperature, self.top_k, self.top_p, seed)?)
     }
 }
 
@@ -237,7 +236,8 @@ pub(crate) fn generate(a: GenerateArgs) -> anyhow::Result<()> {
     if a.max_tokens == 0 {
         bail!("--max-tokens must be at least 1");
     }
-    let (decoding, seed) = a.sampling.decoding()?;
+    let decoding = a.sampling.decoding()?;
+    let seed = decoding.sampling().map(|s| s.seed);
     let input = crate::input::given_then_lines(a.prompt.clone(), a.prompt_file.clone(), "--prompt-file", PROMPT_LINE)?;
     // Read ahead, so that a prompt typed or piped in while others run starts as soon as a slot
     // is free, and one alone is answered without waiting for more.

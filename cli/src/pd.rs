@@ -190,7 +190,7 @@ pub(crate) fn run(a: PdArgs) -> anyhow::Result<()> {
             a.scale_after_s
         );
     }
-    let (decoding, _) = a.sampling.decoding()?;
+    let decoding = a.sampling.decoding()?;
     crate::models::ensure_smollm2(&a.model)?;
     std::fs::create_dir_all(&a.out)?;
     let model_dir = std::fs::canonicalize(&a.model)?;
@@ -397,10 +397,7 @@ async fn drive(
     let start = Instant::now();
     let sender = {
         let (prompts, n, rate, max_tokens) = (prompts.to_vec(), a.requests, a.rate, a.max_tokens);
-        let sampling = match expected.decoding {
-            Decoding::Greedy => None,
-            Decoding::Sample(s) => Some(s),
-        };
+        let sampling = expected.decoding.sampling();
         tokio::spawn(async move {
             for i in 0..n {
                 tokio::time::sleep_until((start + Duration::from_secs_f64(i as f64 / rate)).into()).await;

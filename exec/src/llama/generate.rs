@@ -63,12 +63,24 @@ pub fn choose<'a>(
         .map(|(row, d)| match d {
             Some((sampler, n)) => sampler.pick(row, n),
             // The first largest, as argmax.
-            None => {
-                Ok(row.iter().enumerate().fold((0, f32::NEG_INFINITY), |b, (i, &l)| if l > b.1 { (i, l) } else { b }).0
-                    as u32)
-            }
+            None => Ok(top2(row).0),
         })
         .collect()
+}
+
+/// The first largest logit of `row` and its margin over the next largest.
+pub(crate) fn top2(row: &[f32]) -> (u32, f32) {
+    let mut best = (0usize, f32::NEG_INFINITY);
+    let mut second = f32::NEG_INFINITY;
+    for (i, &x) in row.iter().enumerate() {
+        if x > best.1 {
+            second = best.1;
+            best = (i, x);
+        } else if x > second {
+            second = x;
+        }
+    }
+    (best.0 as u32, best.1 - second)
 }
 
 /// Greedy generation: `step` runs a packed batch through every stage and returns the head's
@@ -299,10 +311,7 @@ pub fn decode_stream(
             if max_tokens == 0 {
                 finished(i, out);
             } else {
-                let sampler = match decoding {
-                    Decoding::Greedy => None,
-                    Decoding::Sample(s) => Some(Sampler::new(s, i as u64)),
-                };
+                let sampler = decoding.sampling().map(|s| Sampler::new(s, i as u64));
                 running.push(Running { i, pos: 0, fed: p, out, sampler });
             }
         }

@@ -16,6 +16,7 @@ use cascade_sched::lora::{Batcher, Mode, Runnable};
 use cascade_transport::metrics::{Counter, FloatGauge, Histogram};
 use cascade_transport::Metrics;
 
+use super::generate::top2;
 use super::Llama;
 use crate::{Activation, ExecError, LayerExec};
 
@@ -285,21 +286,6 @@ pub fn serve_alone(model: &mut Llama, job: &LoraJob, seq: u64) -> Result<LoraSer
     let alone = LoraJob { arrival: 0, ..job.clone() };
     let (mut out, _) = serve(model, &mut b, std::slice::from_ref(&alone), seq, None)?;
     Ok(out.remove(0))
-}
-
-/// The first largest logit and its margin over the next largest.
-fn top2(row: &[f32]) -> (u32, f32) {
-    let mut best = (0usize, f32::NEG_INFINITY);
-    let mut second = f32::NEG_INFINITY;
-    for (i, &x) in row.iter().enumerate() {
-        if x > best.1 {
-            second = best.1;
-            best = (i, x);
-        } else if x > second {
-            second = x;
-        }
-    }
-    (best.0 as u32, best.1 - second)
 }
 
 /// Where a batched response first differs from the same request served alone, if it does:

@@ -46,6 +46,14 @@ impl Decoding {
         }
         Ok(Decoding::Sample(Sampling { temperature, top_k, top_p, seed }))
     }
+
+    /// The sampling settings, or `None` for greedy.
+    pub fn sampling(self) -> Option<Sampling> {
+        match self {
+            Decoding::Greedy => None,
+            Decoding::Sample(s) => Some(s),
+        }
+    }
 }
 
 /// Sampling's settings ([`Decoding::new`] checks them).
@@ -83,22 +91,15 @@ impl Sampling {
     }
 }
 
-/// One sequence's sampler: the settings and its own stream of draws. A clone starts with an
-/// empty scratch.
+/// One sequence's sampler: the settings and its own stream of draws, with a scratch kept
+/// between draws. What a sequence carries elsewhere is its [`SeqSampling`].
 #[derive(Debug)]
 pub struct Sampler {
     s: Sampling,
-    index: u64,
     /// The sequence's seed, hashed from (seed, index).
     stream: u64,
     /// Scratch: the candidates as (logit, token id).
     cand: Vec<(f32, u32)>,
-}
-
-impl Clone for Sampler {
-    fn clone(&self) -> Sampler {
-        Sampler { s: self.s, index: self.index, stream: self.stream, cand: Vec::new() }
-    }
 }
 
 /// Candidates sorted first in [`Sampler::pick`]'s nucleus search; doubled until the nucleus is
@@ -110,17 +111,12 @@ impl Sampler {
     pub fn new(s: Sampling, index: u64) -> Sampler {
         // Hashed, not added: SplitMix64 streams from nearby seeds would overlap.
         let stream = Rng::new(s.seed.wrapping_add(index.wrapping_mul(0xd1b5_4a32_d192_ed03))).next_u64();
-        Sampler { s, index, stream, cand: Vec::new() }
+        Sampler { s, stream, cand: Vec::new() }
     }
 
     /// The sampler `spec` describes.
     pub fn of(spec: SeqSampling) -> Sampler {
         Sampler::new(spec.sampling, spec.index)
-    }
-
-    /// What this sampler is: enough to make it again elsewhere ([`Sampler::of`]).
-    pub fn spec(&self) -> SeqSampling {
-        SeqSampling { sampling: self.s, index: self.index }
     }
 
     /// The sequence's `n`-th generated token (from 0), drawn from `logits` (one per token of

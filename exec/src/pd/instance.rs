@@ -22,9 +22,8 @@ use prefill::prefill;
 use transfer::admit;
 
 use super::kv::{KvLayout, Pages};
-use super::proto::{KvGrant, LlmMsg, ReqLoad, Role};
+use super::proto::{KvGrant, LlmMsg, ReqLoad, Role, SeqSampling};
 use super::PdModel;
-use crate::llama::sample::Sampler;
 use crate::llama::{Llama, LoraAdapter};
 use crate::serve::compute::{Cmd, Compute, Finished};
 use crate::serve::copy::Copy;
@@ -87,7 +86,7 @@ struct Seq {
     /// The reservation of its KV pages here.
     lease: u64,
     /// How its tokens are drawn (`None`: greedily).
-    sampler: Option<Sampler>,
+    sample: Option<SeqSampling>,
 }
 
 /// A `Migrate` waiting for the decode loop to hand its request over between two steps.
@@ -420,9 +419,8 @@ async fn serve_llm(sh: Arc<Shared>, mut inbox: Inbox<LlmMsg>) {
                             sample,
                         } => {
                             let (pos, last, generated) = (prompt_len, first, 1);
-                            let sampler = sample.map(Sampler::of);
                             let seq =
-                                Seq { req, pos, last, generated, max_tokens, router, attempt, adapter, lease, sampler };
+                                Seq { req, pos, last, generated, max_tokens, router, attempt, adapter, lease, sample };
                             admit(&sh, seq, &crcs, None).await
                         }
                         LlmMsg::Resume {
@@ -439,9 +437,8 @@ async fn serve_llm(sh: Arc<Shared>, mut inbox: Inbox<LlmMsg>) {
                             adapter_image,
                             sample,
                         } => {
-                            let sampler = sample.map(Sampler::of);
                             let seq =
-                                Seq { req, pos, last, generated, max_tokens, router, attempt, adapter, lease, sampler };
+                                Seq { req, pos, last, generated, max_tokens, router, attempt, adapter, lease, sample };
                             admit(&sh, seq, &crcs, adapter_image).await
                         }
                         other => prefill(&sh, other).await,

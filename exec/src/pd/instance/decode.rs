@@ -165,7 +165,7 @@ pub(super) async fn decode_loop(sh: Arc<Shared>) {
         for s in lock(&sh.running).iter() {
             batch.push((s.req, s.pos, vec![s.last]));
             adapters.push(s.adapter);
-            samplers.push(s.sampler.clone().map(|k| (k, u64::from(s.generated))));
+            samplers.push(s.sample.map(|k| (Sampler::of(k), u64::from(s.generated))));
         }
         if batch.is_empty() {
             if drain_until.is_some() {

@@ -227,7 +227,7 @@ pub(super) async fn admit(
     if lock(&sh.running).len() >= sh.cfg.max_running {
         return Err(ServeError::Peer(format!("{} requests decoding already", sh.cfg.max_running)));
     }
-    if let Some(Err(e)) = seq.sampler.as_ref().map(|s| s.spec().sampling.check()) {
+    if let Some(Err(e)) = seq.sample.map(|s| s.sampling.check()) {
         return Err(ServeError::Input(e.to_string()));
     }
     let (req, lease) = (seq.req, seq.lease);
@@ -395,7 +395,7 @@ pub(super) async fn hand_over(sh: Arc<Shared>, seq: Seq, h: Handover) {
             router: seq.router,
             adapter: seq.adapter,
             adapter_image,
-            sample: seq.sampler.as_ref().map(|s| s.spec()),
+            sample: seq.sample,
         };
         match sh.mesh.call(h.kv.node, &resume, sh.cfg.op_timeout).await? {
             LlmMsg::Ack => Ok(()),
