@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{bail, Context};
-use cascade_exec::llama::generate::{Generated, Generator, RUNNING};
+use cascade_exec::llama::generate::{Generated, Generator, StreamPrompt, RUNNING};
 use cascade_exec::llama::sample::Decoding;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -311,7 +311,8 @@ pub(crate) fn generate(a: GenerateArgs) -> anyhow::Result<()> {
             Ok(tokens) => {
                 handed.borrow_mut().insert(given, (i, prompt));
                 given += 1;
-                return Some(tokens);
+                // Drawn as its line's index: a refused line before it changes none of its draws.
+                return Some(StreamPrompt { tokens, draws_as: Some(i as u64) });
             }
             Err(why) => order.borrow_mut().finish(i, prompt, Outcome::Refused(why)),
         }

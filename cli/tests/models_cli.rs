@@ -384,6 +384,24 @@ fn generate_samples_reproducibly_from_a_seed() {
     assert_eq!(texts(&run(&["--temperature", "3", "--top-k", "1", "--seed", "5"])), texts(&greedy));
     let drawn = run(&["--temperature", "0.7"]);
     assert!(drawn[0]["seed"].as_u64().is_some() && drawn[0]["seed"] == drawn[1]["seed"], "{drawn:?}");
+    // A prompt draws as its own place among them: one refused before it (an empty one, not
+    // chat-templated) changes nothing it draws.
+    let third = |middle: &str| {
+        let out = Command::new(CASCADE)
+            .args(["generate", "--json", "--max-tokens", "16", "--temperature", "1.2", "--seed", "11"])
+            .args(["--prompt", story, "--prompt", middle, "--prompt", story, "--model"])
+            .arg(&model)
+            .output()
+            .unwrap();
+        let rows: Vec<serde_json::Value> =
+            String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        assert_eq!(rows.len(), 3, "{rows:?}");
+        (out.status.success(), rows[2]["text"].as_str().unwrap().to_string())
+    };
+    let (answered, after_a_prompt) = third("Name a colour.");
+    let (refused, after_a_refusal) = third("");
+    assert!(answered && !refused);
+    assert_eq!(after_a_refusal, after_a_prompt, "a refused prompt moved the draws of the one after it");
 
     for bad in
         [&["--top-p", "0.9"][..], &["--seed", "3"], &["--temperature=-1"], &["--temperature", "1", "--top-p", "0"]]

@@ -248,12 +248,30 @@ pub fn greedy_stream(
     decode_stream(step, prompts, limits, Decoding::Greedy, on_token, finished)
 }
 
+/// A prompt as [`decode_stream`] takes it: its tokens and, where they differ from its place in
+/// the stream, the index its sampled tokens are drawn as. A caller that skips some of its
+/// prompts (a line refused) keeps the others' draws those of their own places this way.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StreamPrompt {
+    /// The prompt's tokens.
+    pub tokens: Vec<u32>,
+    /// The index its [`Sampler`] draws as; `None`: its place in the stream.
+    pub draws_as: Option<u64>,
+}
+
+impl From<Vec<u32>> for StreamPrompt {
+    fn from(tokens: Vec<u32>) -> StreamPrompt {
+        StreamPrompt { tokens, draws_as: None }
+    }
+}
+
 /// [`greedy_stream`] choosing each token as `decoding` says: greedily, or sampled by each
 /// prompt's own seeded [`Sampler`] (prompt `i` of the stream draws its `n`-th token with
-/// `Sampler::new(_, i)`'s draw `n`). Greedy and sampled runs stop, batch and budget alike.
-pub fn decode_stream(
+/// `Sampler::new(_, i)`'s draw `n`, or with the index its [`StreamPrompt::draws_as`] gives).
+/// Greedy and sampled runs stop, batch and budget alike.
+pub fn decode_stream<P: Into<StreamPrompt>>(
     mut step: impl FnMut(Activation) -> Result<Activation, ExecError>,
-    prompts: impl IntoIterator<Item = Vec<u32>>,
+    prompts: impl IntoIterator<Item = P>,
     limits: GreedyLimits,
     decoding: Decoding,
     mut on_token: impl FnMut(usize, u32),
@@ -284,34 +302,36 @@ pub fn decode_stream(
         out: Generated,
         sampler: Option<Sampler>,
     }
-    let mut waiting = prompts.into_iter().enumerate();
+    let mut waiting = prompts.into_iter().map(Into::into).enumerate();
     let mut taken = 0;
     let mut running: Vec<Running> = Vec::new();
     // A prompt taken that did not fit the step's budgets: the first to start later (FIFO).
-    let mut held: Option<(usize, Vec<u32>)> = None;
+    let mut held: Option<(usize, StreamPrompt)> = None;
     loop {
         // The chunks of the prompts still being prefilled count against the step's budget.
         let mut prefill: usize =
             running.iter().filter(|r| r.out.tokens.is_empty()).map(|r| r.fed.len().min(prefill_chunk)).sum();
         let mut kv: usize = running.iter().map(|r| limits.reserve(r.out.prompt_tokens.len())).sum();
         while running.len() < max_running {
-            let Some((i, p)) = held.take().or_else(|| waiting.next()) else { break };
+            let Some((i, prompt)) = held.take().or_else(|| waiting.next()) else { break };
             taken = i + 1;
-            if let Some(why) = refusal(&p, window) {
+            let p = &prompt.tokens;
+            if let Some(why) = refusal(p, window) {
                 return Err(ExecError::Input(format!("prompt {i}: {why}")));
             }
             // One sequence alone always runs, whatever the budgets.
             let (tokens, reserve) = (p.len().min(prefill_chunk), limits.reserve(p.len()));
             if !running.is_empty() && (prefill + tokens > max_prefill_tokens || kv + reserve > max_kv_tokens) {
-                held = Some((i, p));
+                held = Some((i, prompt));
                 break;
             }
+            let StreamPrompt { tokens: p, draws_as } = prompt;
             (prefill, kv) = (prefill + tokens, kv + reserve);
             let out = Generated { prompt_tokens: p.clone(), tokens: Vec::new(), at_window: false };
             if max_tokens == 0 {
                 finished(i, out);
             } else {
-                let sampler = decoding.sampling().map(|s| Sampler::new(s, i as u64));
+                let sampler = decoding.sampling().map(|s| Sampler::new(s, draws_as.unwrap_or(i as u64)));
                 running.push(Running { i, pos: 0, fed: p, out, sampler });
             }
         }
@@ -479,16 +499,16 @@ impl Generator {
 
     /// Continuations of prompts as they come ([`decode_stream`]: [`RUNNING`] sequences at a
     /// time, the next prompt taken as one finishes; each token chosen as `decoding` says, prompt
-    /// `i` sampling from its own seeded generator), each handed to `on_done(i, generated)` and
+    /// `i` sampling from its own seeded generator, or as its [`StreamPrompt::draws_as`] says), each handed to `on_done(i, generated)` and
     /// not kept, its cache freed: memory stays bounded however many prompts there are. Returns
     /// how many prompts it took. A prompt [`refusal`] refuses ends the run with an error when it
     /// is reached; the caches of the sequences then running are freed.
     ///
     /// One run takes sequence ids from a range of 2⁴⁰ of its own, so runs on one generator never
     /// share a cache.
-    pub fn generate_stream(
+    pub fn generate_stream<P: Into<StreamPrompt>>(
         &self,
-        prompts: impl IntoIterator<Item = Vec<u32>>,
+        prompts: impl IntoIterator<Item = P>,
         max_tokens: usize,
         decoding: Decoding,
         on_token: impl FnMut(usize, u32),
@@ -671,6 +691,18 @@ mod tests {
         // Prompts 1 and 2 are not alike, and draw from different generators: a prompt's tokens
         // vary across its steps rather than repeating the greedy choice.
         assert!(at_once.iter().any(|t| t.windows(2).any(|w| w[0] != w[1])));
+        // Prompt 2 left out: the others, drawn as their own indices, draw what they drew; drawn as
+        // their places in the shorter stream, the ones after it do not.
+        let skipped = |draws_as: bool| {
+            let rest = [0, 1, 3, 4]
+                .map(|k| StreamPrompt { tokens: prompts[k].clone(), draws_as: draws_as.then_some(k as u64) });
+            let mut out = vec![Vec::new(); rest.len()];
+            decode_stream(spread, rest, all, sampled(5), |_, _| {}, |i, g| out[i] = g.tokens).unwrap();
+            out
+        };
+        let kept = [0, 1, 3, 4].map(|k| at_once[k].clone());
+        assert_eq!(skipped(true), kept);
+        assert_ne!(skipped(false)[2..], kept[2..]);
     }
 
     /// Prompts taken from an iterator are taken only as slots free (never more than the bound
