@@ -10,6 +10,7 @@ use std::time::Instant;
 use anyhow::{bail, Context};
 use cascade_exec::llama::generate::{Generated, Generator, StreamPrompt, RUNNING};
 use cascade_exec::llama::sample::Decoding;
+use cascade_exec::llama::stop::StopStrings;
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -44,8 +45,13 @@ pub(crate) struct GenerateArgs {
     max_tokens: usize,
     #[command(flatten)]
     sampling: SamplingArgs,
+    /// End a prompt's generation as soon as its text holds this string, and cut the text where
+    /// it begins (the tokens generated are all kept); repeat for several (at most 16).
+    #[arg(long, value_name = "TEXT")]
+    stop: Vec<String>,
     /// Print one JSON object per prompt: {prompt_tokens, tokens, text, at_window} (and seed,
-    /// when sampling), or {error} for a prompt that could not be generated from.
+    /// when sampling; stop, the stop string that cut the text), or {error} for a prompt that
+    /// could not be generated from.
     #[arg(long)]
     json: bool,
 }
@@ -99,11 +105,19 @@ struct Streamed {
 
 impl Streamed {
     /// Takes `tok` and prints the text it completes: a token may end in the middle of a
-    /// character, whose bytes then wait for the next one.
-    fn push(&mut self, g: &Generator, tok: u32) {
+    /// character, whose bytes then wait for the next one, and text that may begin a stop string
+    /// waits until it is known not to (a stop string is never shown).
+    fn push(&mut self, g: &Generator, stops: &StopStrings, tok: u32) {
         self.tokens.push(tok);
-        let Ok(text) = g.decode(&self.tokens) else { return };
-        if text.ends_with('\u{FFFD}') || !text.starts_with(&self.text) {
+        let Ok(mut text) = g.decode(&self.tokens) else { return };
+        if text.ends_with('\u{FFFD}') {
+            return;
+        }
+        match stops.cut(&text) {
+            Some((at, _)) => text.truncate(at),
+            None => text.truncate(text.len() - stops.held_back(&text)),
+        }
+        if !text.starts_with(&self.text) {
             return;
         }
         print!("{}", escaped(&text[self.text.len()..]));
@@ -132,13 +146,12 @@ enum Outcome {
 /// if it filled the context window.
 fn show(
     out: &mut impl Write,
-    a: &GenerateArgs,
-    seed: Option<u64>,
-    g: &Generator,
+    run: &InOrder,
     prompt: &str,
     o: &Outcome,
     streamed: Option<&String>,
 ) -> anyhow::Result<()> {
+    let InOrder { a, seed, stops, g, .. } = *run;
     let o = match o {
         Outcome::Done(o) => o,
         Outcome::Refused(why) if a.json => {
@@ -150,11 +163,20 @@ fn show(
             return Ok(out.flush()?);
         }
     };
-    let text = g.decode(&o.tokens)?;
+    let mut text = g.decode(&o.tokens)?;
+    // Cut where its first stop string begins (one that ended it, or one the last token completed
+    // beside end-of-sequence or the budget).
+    let stop = stops.cut(&text).map(|(at, stop)| {
+        text.truncate(at);
+        stop
+    });
     if a.json {
         let mut v = serde_json::json!({"prompt_tokens": o.prompt_tokens, "tokens": o.tokens, "text": text, "at_window": o.at_window});
         if let Some(seed) = seed {
             v["seed"] = seed.into();
+        }
+        if let Some(stop) = stop {
+            v["stop"] = stop.into();
         }
         writeln!(out, "{v}")?;
     } else if let Some(shown) = streamed {
@@ -180,6 +202,7 @@ struct InOrder<'a> {
     a: &'a GenerateArgs,
     /// The seed, when tokens are sampled.
     seed: Option<u64>,
+    stops: &'a StopStrings,
     g: &'a Generator,
     bar: Option<ProgressBar>,
     /// With one prompt shown as it is generated: what was shown, which its result line ends.
@@ -220,8 +243,8 @@ impl InOrder<'_> {
             let mut stdout = std::io::stdout().lock();
             let streamed = self.streamed.map(|s| s.borrow().text.clone());
             let shown = match &self.bar {
-                Some(b) => b.suspend(|| show(&mut stdout, self.a, self.seed, self.g, &prompt, &o, streamed.as_ref())),
-                None => show(&mut stdout, self.a, self.seed, self.g, &prompt, &o, streamed.as_ref()),
+                Some(b) => b.suspend(|| show(&mut stdout, self, &prompt, &o, streamed.as_ref())),
+                None => show(&mut stdout, self, &prompt, &o, streamed.as_ref()),
             };
             self.failed = shown.err();
         }
@@ -238,6 +261,7 @@ pub(crate) fn generate(a: GenerateArgs) -> anyhow::Result<()> {
     }
     let decoding = a.sampling.decoding()?;
     let seed = decoding.sampling().map(|s| s.seed);
+    let stops = StopStrings::new(a.stop.clone()).context("--stop")?;
     let input = crate::input::given_then_lines(a.prompt.clone(), a.prompt_file.clone(), "--prompt-file", PROMPT_LINE)?;
     // Read ahead, so that a prompt typed or piped in while others run starts as soon as a slot
     // is free, and one alone is answered without waiting for more.
@@ -263,6 +287,7 @@ pub(crate) fn generate(a: GenerateArgs) -> anyhow::Result<()> {
     let order = RefCell::new(InOrder {
         a: &a,
         seed,
+        stops: &stops,
         g: &g,
         bar,
         streamed: stream.then_some(&shown),
@@ -322,13 +347,14 @@ pub(crate) fn generate(a: GenerateArgs) -> anyhow::Result<()> {
         prompts,
         a.max_tokens,
         decoding,
+        &stops,
         |_, tok| {
             if stream {
                 let mut shown = shown.borrow_mut();
                 if shown.tokens.is_empty() {
                     print!("{:?} → \"", crate::shorten(&a.prompt[0]));
                 }
-                shown.push(&g, tok);
+                shown.push(&g, &stops, tok);
             }
         },
         |k, o| {

@@ -234,6 +234,7 @@ pub(crate) fn run(a: PdArgs) -> anyhow::Result<()> {
         reference.iter().cloned(),
         a.max_tokens as usize,
         decoding,
+        &cascade_exec::llama::stop::StopStrings::default(),
         |_, _| {},
         |i, o| {
             bar.inc(1);

@@ -418,6 +418,56 @@ fn generate_samples_reproducibly_from_a_seed() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
+/// `cascade generate --stop`: a prompt's generation ends at the token that completes a stop
+/// string, its text cut where the string begins, its tokens those the unstopped run began with;
+/// the JSON line names the string, and one prompt streamed never shows it. A prompt without the
+/// string is answered as without `--stop`; an empty stop string is refused.
+#[test]
+fn generate_stops_at_a_stop_string_and_cuts_the_text_there() {
+    let d = scratch("stop");
+    let Some(model) = smollm2(&d) else { return };
+    let (cat, sky) = ("Tell me a story about a cat.", "Why is the sky blue?");
+    let run = |prompts: &[&str], extra: &[&str]| {
+        let mut c = Command::new(CASCADE);
+        c.args(["generate", "--chat", "--max-tokens", "40", "--model"]).arg(&model);
+        for p in prompts {
+            c.args(["--prompt", p]);
+        }
+        let out = c.args(extra).output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let rows = |out: String| out.lines().map(|l| serde_json::from_str(l).unwrap()).collect::<Vec<serde_json::Value>>();
+    let full = rows(run(&[cat, sky], &["--json"]));
+    let text = full[0]["text"].as_str().unwrap();
+    // Two words from the middle of the cat story, with their spaces (more than one token: the
+    // first may not be shown until the second shows it is no stop); absent from the sky's answer.
+    let words: Vec<&str> = text.split_whitespace().collect();
+    let stop = format!(" {} {}", words[words.len() / 2], words[words.len() / 2 + 1]);
+    let cut = &text[..text.find(&stop).unwrap()];
+    assert!(!full[1]["text"].as_str().unwrap().contains(&stop), "pick another word: {full:?}");
+
+    let stopped = rows(run(&[cat, sky], &["--json", "--stop", &stop, "--stop", "never said"]));
+    assert_eq!(stopped[0]["text"], cut);
+    assert_eq!(stopped[0]["stop"], stop.as_str());
+    let (all, some) = (full[0]["tokens"].as_array().unwrap(), stopped[0]["tokens"].as_array().unwrap());
+    assert!(some.len() < all.len() && all.starts_with(some), "{some:?} is not where {all:?} began");
+    assert_eq!(stopped[1], full[1], "a prompt without the stop string changed");
+
+    let shown = run(&[cat], &["--stop", &stop]);
+    let line = shown.lines().next().unwrap();
+    assert!(line.ends_with(&format!("→ {cut:?}")), "{line:?} is not {cut:?}");
+
+    let out = Command::new(CASCADE)
+        .args(["generate", "--prompt", "x", "--stop", "", "--model"])
+        .arg(&model)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--stop") && err.contains("empty"), "{err}");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
 /// `cascade generate --prompt-file`: prompts from a file or standard input, after any
 /// `--prompt`, answered in their order, each as `--prompt` answers it; an empty line is answered
 /// in its place with its error while the others are generated, and the run exits non-zero naming

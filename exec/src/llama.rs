@@ -35,6 +35,7 @@ pub mod kv;
 pub mod lora;
 pub mod multi_lora;
 pub mod sample;
+pub mod stop;
 
 use crate::projection::Projection;
 pub use kv::KvCache;

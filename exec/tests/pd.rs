@@ -15,6 +15,7 @@ use std::time::Duration;
 use cascade_exec::llama::generate::Generator;
 use cascade_exec::llama::multi_lora::{serve_alone, LoraJob};
 use cascade_exec::llama::sample::{Decoding, Sampling};
+use cascade_exec::llama::stop::StopStrings;
 use cascade_exec::llama::{LoraAdapter, Proj};
 use cascade_exec::pd::kv::KvLayout;
 use cascade_exec::pd::migrate::{rebalance, RebalanceConfig};
@@ -250,8 +251,16 @@ async fn a_split_prefill_moves_both_halves_of_the_kv_to_the_decode_instance() {
     let g = Generator::from_dir(&smollm2_dir().unwrap()).unwrap();
     let mut drawn = vec![Vec::new(); greedy.len()];
     let prompts = greedy.iter().map(|(p, _)| p.clone());
-    g.generate_stream(prompts, MAX_TOKENS as usize, Decoding::Sample(sampling), |_, _| {}, |i, d| drawn[i] = d.tokens)
-        .unwrap();
+    let none = StopStrings::default();
+    g.generate_stream(
+        prompts,
+        MAX_TOKENS as usize,
+        Decoding::Sample(sampling),
+        &none,
+        |_, _| {},
+        |i, d| drawn[i] = d.tokens,
+    )
+    .unwrap();
     assert_ne!(drawn, greedy.iter().map(|(_, t)| t.clone()).collect::<Vec<_>>(), "sampling drew the greedy tokens");
     let sampled = greedy
         .iter()
@@ -741,7 +750,9 @@ async fn rebalance_onto_a_joined_instance(by_monitor: bool, tag: &str, sampling:
         let g = Generator::from_dir(&smollm2_dir().unwrap()).unwrap();
         let mut out = vec![Vec::new(); reference.len()];
         let prompts = reference.iter().map(|r| r.prompt_tokens.clone());
-        g.generate_stream(prompts, LONG as usize, Decoding::Sample(s), |_, _| {}, |i, d| out[i] = d.tokens).unwrap();
+        let none = StopStrings::default();
+        g.generate_stream(prompts, LONG as usize, Decoding::Sample(s), &none, |_, _| {}, |i, d| out[i] = d.tokens)
+            .unwrap();
         out
     });
     for a in &answers {

@@ -16,6 +16,7 @@ use cascade_param_pool::manifest::Manifest;
 use tokenizers::Tokenizer;
 
 use super::sample::{Decoding, Sampler};
+use super::stop::StopStrings;
 use super::{Llama, LlamaConfig};
 use crate::weights::Weights;
 use crate::{Activation, ExecError, LayerExec};
@@ -30,6 +31,8 @@ pub struct Generated {
     /// Whether generation stopped because prompt and tokens filled the model's context window
     /// (before end-of-sequence and before the token budget).
     pub at_window: bool,
+    /// Whether the caller's stop check ended it (its text holds a stop string: [`super::stop`]).
+    pub stopped: bool,
 }
 
 /// The greedy choice (the first largest logit) of every segment of a head's output.
@@ -245,7 +248,7 @@ pub fn greedy_stream(
     on_token: impl FnMut(usize, u32),
     finished: impl FnMut(usize, Generated),
 ) -> Result<usize, ExecError> {
-    decode_stream(step, prompts, limits, Decoding::Greedy, on_token, finished)
+    decode_stream(step, prompts, limits, Decoding::Greedy, |_| false, on_token, finished)
 }
 
 /// A prompt as [`decode_stream`] takes it: its tokens and, where they differ from its place in
@@ -268,12 +271,15 @@ impl From<Vec<u32>> for StreamPrompt {
 /// [`greedy_stream`] choosing each token as `decoding` says: greedily, or sampled by each
 /// prompt's own seeded [`Sampler`] (prompt `i` of the stream draws its `n`-th token with
 /// `Sampler::new(_, i)`'s draw `n`, or with the index its [`StreamPrompt::draws_as`] gives).
-/// Greedy and sampled runs stop, batch and budget alike.
+/// Greedy and sampled runs stop, batch and budget alike. After each token but end-of-sequence,
+/// `stop(tokens)` is asked whether the sequence's tokens so far end it ([`Generated::stopped`]:
+/// a stop string, [`super::stop`]); `|_| false` asks nothing.
 pub fn decode_stream<P: Into<StreamPrompt>>(
     mut step: impl FnMut(Activation) -> Result<Activation, ExecError>,
     prompts: impl IntoIterator<Item = P>,
     limits: GreedyLimits,
     decoding: Decoding,
+    mut stop: impl FnMut(&[u32]) -> bool,
     mut on_token: impl FnMut(usize, u32),
     mut finished: impl FnMut(usize, Generated),
 ) -> Result<usize, ExecError> {
@@ -327,7 +333,7 @@ pub fn decode_stream<P: Into<StreamPrompt>>(
             }
             let StreamPrompt { tokens: p, draws_as } = prompt;
             (prefill, kv) = (prefill + tokens, kv + reserve);
-            let out = Generated { prompt_tokens: p.clone(), tokens: Vec::new(), at_window: false };
+            let out = Generated { prompt_tokens: p.clone(), tokens: Vec::new(), at_window: false, stopped: false };
             if max_tokens == 0 {
                 finished(i, out);
             } else {
@@ -362,6 +368,11 @@ pub fn decode_stream<P: Into<StreamPrompt>>(
             }
             r.out.tokens.push(tok);
             on_token(r.i, tok);
+            if tok != eos && stop(&r.out.tokens) {
+                r.out.stopped = true;
+                finished(r.i, r.out);
+                continue;
+            }
             // `tok` is fed next at `at`: only a position inside the window takes it.
             let at = r.pos + r.fed.len() as u32;
             let more = tok != eos && r.out.tokens.len() < max_tokens;
@@ -490,7 +501,8 @@ impl Generator {
         mut on_done: impl FnMut(usize, &Generated),
     ) -> Result<Vec<Generated>, ExecError> {
         every_result(prompts, self.model.config().max_position_embeddings, |each| {
-            self.generate_stream(prompts.iter().cloned(), max_tokens, Decoding::Greedy, on_token, |i, g| {
+            let none = StopStrings::default();
+            self.generate_stream(prompts.iter().cloned(), max_tokens, Decoding::Greedy, &none, on_token, |i, g| {
                 on_done(i, &g);
                 each(i, g);
             })
@@ -499,8 +511,10 @@ impl Generator {
 
     /// Continuations of prompts as they come ([`decode_stream`]: [`RUNNING`] sequences at a
     /// time, the next prompt taken as one finishes; each token chosen as `decoding` says, prompt
-    /// `i` sampling from its own seeded generator, or as its [`StreamPrompt::draws_as`] says), each handed to `on_done(i, generated)` and
-    /// not kept, its cache freed: memory stays bounded however many prompts there are. Returns
+    /// `i` sampling from its own seeded generator, or as its [`StreamPrompt::draws_as`] says; a
+    /// sequence whose text comes to hold one of `stops` ended there, [`Generated::stopped`]), each
+    /// handed to `on_done(i, generated)` and not kept, its cache freed: memory stays bounded
+    /// however many prompts there are. Returns
     /// how many prompts it took. A prompt [`refusal`] refuses ends the run with an error when it
     /// is reached; the caches of the sequences then running are freed.
     ///
@@ -511,6 +525,7 @@ impl Generator {
         prompts: impl IntoIterator<Item = P>,
         max_tokens: usize,
         decoding: Decoding,
+        stops: &StopStrings,
         on_token: impl FnMut(usize, u32),
         mut on_done: impl FnMut(usize, Generated),
     ) -> Result<usize, ExecError> {
@@ -536,6 +551,11 @@ impl Generator {
             prompts,
             limits,
             decoding,
+            // The text of the last few tokens: a stop string ending in the newest one lies in it.
+            |tokens| {
+                let tail = &tokens[tokens.len().saturating_sub(stops.tail_tokens())..];
+                !stops.is_empty() && self.decode(tail).is_ok_and(|t| stops.hit(&t))
+            },
             on_token,
             |i, g| {
                 self.model.free(base + i as u64);
@@ -609,6 +629,41 @@ mod tests {
         assert_eq!((out[0].tokens.clone(), out[0].at_window), (vec![EOS], false));
     }
 
+    /// A stop check ends only the sequence it is true of, after the token that made it true,
+    /// and the sequences beside it go on as without it; a stopped one has its cache freed like
+    /// any other (its slot taken by the next prompt).
+    #[test]
+    fn a_stop_check_ends_the_sequence_it_is_true_of() {
+        let window = 40;
+        let mut reach = 0;
+        // The stand-in's token is its position mod 40: a prompt of 2 generates 2, 3, 4, …
+        let prompts = [vec![1; 2], vec![1; 5], vec![1; 8]];
+        let run = |stop: &mut dyn FnMut(&[u32]) -> bool, reach: &mut u32| {
+            let mut out = vec![None; prompts.len()];
+            let limits = GreedyLimits { max_running: 2, ..GreedyLimits::all_at_once(1, 10, EOS, window) };
+            decode_stream(
+                step(reach),
+                prompts.clone(),
+                limits,
+                Decoding::Greedy,
+                stop,
+                |_, _| {},
+                |i, g| out[i] = Some(g),
+            )
+            .unwrap();
+            out.into_iter().map(Option::unwrap).collect::<Vec<_>>()
+        };
+        let plain = run(&mut |_| false, &mut reach);
+        // Ends once a sequence has generated a 6: the first after 2, 3, 4, 5, 6; the second at
+        // once; the third (8, 9, …) never.
+        let stopped = run(&mut |t| t.last() == Some(&6), &mut reach);
+        assert_eq!(stopped[0].tokens, [2, 3, 4, 5, 6]);
+        assert_eq!(stopped[1].tokens, [5, 6]);
+        assert_eq!(stopped[2].tokens, plain[2].tokens, "a stop of others changed the third");
+        assert_eq!(stopped.iter().map(|g| g.stopped).collect::<Vec<_>>(), [true, true, false]);
+        assert!(plain.iter().all(|g| !g.stopped && g.tokens.len() == 10));
+    }
+
     /// With at most two sequences running, five prompts give what they give all at once; no
     /// batch holds more than two, later prompts start as earlier ones finish, and each sequence
     /// is reported finished once, when its last token is out.
@@ -676,7 +731,7 @@ mod tests {
         let prompts: Vec<Vec<u32>> = (0..5).map(|k| vec![1; 1 + 2 * k]).collect();
         let run = |limits: GreedyLimits, d: Decoding| {
             let mut out = vec![None; prompts.len()];
-            decode_stream(spread, prompts.clone(), limits, d, |_, _| {}, |i, g| out[i] = Some(g)).unwrap();
+            decode_stream(spread, prompts.clone(), limits, d, |_| false, |_, _| {}, |i, g| out[i] = Some(g)).unwrap();
             out.into_iter().map(|g| g.unwrap().tokens).collect::<Vec<_>>()
         };
         let all = GreedyLimits::all_at_once(1, 12, EOS, window);
@@ -697,7 +752,7 @@ mod tests {
             let rest = [0, 1, 3, 4]
                 .map(|k| StreamPrompt { tokens: prompts[k].clone(), draws_as: draws_as.then_some(k as u64) });
             let mut out = vec![Vec::new(); rest.len()];
-            decode_stream(spread, rest, all, sampled(5), |_, _| {}, |i, g| out[i] = g.tokens).unwrap();
+            decode_stream(spread, rest, all, sampled(5), |_| false, |_, _| {}, |i, g| out[i] = g.tokens).unwrap();
             out
         };
         let kept = [0, 1, 3, 4].map(|k| at_once[k].clone());
