@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use cascade_exec::llama::generate::Generator;
 use cascade_exec::llama::sample::Decoding;
+use cascade_exec::llama::stop::StopStrings;
 use cascade_exec::pd::kv::KvLayout;
 use cascade_exec::pd::migrate::RebalanceConfig;
 use cascade_exec::pd::proto::SeqSampling;
@@ -159,6 +160,11 @@ pub(crate) struct PdArgs {
     /// process drawing for the same requests.
     #[command(flatten)]
     sampling: crate::generate::SamplingArgs,
+    /// End a request at the first token whose text completes this string (the router reads the
+    /// tokens as they stream and tells the decode instance to stop); repeat for several. The
+    /// reference ends its answers alike.
+    #[arg(long, value_name = "TEXT")]
+    stop: Vec<String>,
 }
 
 const PROMPTS: [&str; 6] = [
@@ -191,6 +197,7 @@ pub(crate) fn run(a: PdArgs) -> anyhow::Result<()> {
         );
     }
     let decoding = a.sampling.decoding()?;
+    let stops = StopStrings::new(a.stop.clone()).context("--stop")?;
     crate::models::ensure_smollm2(&a.model)?;
     std::fs::create_dir_all(&a.out)?;
     let model_dir = std::fs::canonicalize(&a.model)?;
@@ -229,12 +236,12 @@ pub(crate) fn run(a: PdArgs) -> anyhow::Result<()> {
         indicatif::ProgressStyle::with_template("reference {bar:30} {pos}/{len}, {elapsed}")
             .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
-    let mut expected = Reference { decoding, answers: vec![Vec::new(); reference.len()] };
+    let mut expected = Reference { decoding, stops, answers: vec![Vec::new(); reference.len()] };
     g.generate_stream(
         reference.iter().cloned(),
         a.max_tokens as usize,
         decoding,
-        &cascade_exec::llama::stop::StopStrings::default(),
+        &expected.stops,
         |_, _| {},
         |i, o| {
             bar.inc(1);
@@ -317,6 +324,8 @@ pub(crate) fn run(a: PdArgs) -> anyhow::Result<()> {
 /// The single-process answers every request is checked against, and how they were drawn.
 struct Reference {
     decoding: Decoding,
+    /// The stop strings every request ends at.
+    stops: StopStrings,
     /// Greedy: one per prompt (request N answers prompt N mod their number); sampled: one per
     /// request.
     answers: Vec<Vec<u32>>,
@@ -365,6 +374,7 @@ async fn drive(
         replace_lost_decode: a.replace_lost_decode,
         // Past the longest migration the call time-out allows.
         stall_after: Duration::from_secs(150),
+        tokenizer: Some(model.tokenizer.clone()),
     };
     let (req_tx, req_rx) = mpsc::unbounded_channel();
     let (cmd_tx, cmd_rx) = mpsc::unbounded_channel();
@@ -398,13 +408,20 @@ async fn drive(
     let start = Instant::now();
     let sender = {
         let (prompts, n, rate, max_tokens) = (prompts.to_vec(), a.requests, a.rate, a.max_tokens);
-        let sampling = expected.decoding.sampling();
+        let (sampling, stop) = (expected.decoding.sampling(), expected.stops.clone());
         tokio::spawn(async move {
             for i in 0..n {
                 tokio::time::sleep_until((start + Duration::from_secs_f64(i as f64 / rate)).into()).await;
                 let prompt = prompts[i % prompts.len()].clone();
                 let sample = sampling.map(|sampling| SeqSampling { sampling, index: i as u64 });
-                let _ = req_tx.send(GenRequest { id: i as u64, prompt, max_tokens, adapter: 0, sample });
+                let _ = req_tx.send(GenRequest {
+                    id: i as u64,
+                    prompt,
+                    max_tokens,
+                    adapter: 0,
+                    sample,
+                    stop: stop.clone(),
+                });
             }
         })
     };
@@ -465,6 +482,7 @@ async fn drive(
             "tbt_ms": x.gaps.iter().map(|g| g.as_secs_f64() * 1e3).collect::<Vec<_>>(),
             "prefill_node": x.prefill.0, "split_stages": x.prefill.1, "decode_node": x.decode,
             "attempts": x.attempts, "tokens": x.result.as_ref().ok(), "equal_to_reference": ok,
+            "stopped": x.stopped,
         }));
     }
     let lost = (0..a.requests as u64).filter(|i| !seen.contains_key(i)).count();
@@ -477,6 +495,7 @@ async fn drive(
         "decoding": crate::generate::described(expected.decoding),
         "answered": answers.len(), "lost": lost, "answered_twice": twice,
         "not_equal_to_reference": wrong, "requeued": stats.requeued, "stale_tokens_dropped": stats.stale_tokens,
+        "stop_strings": expected.stops.strings(), "stopped_at_a_stop_string": stats.stopped,
         "decodes_stalled": stats.stalled, "monitor_rounds": stats.monitor_rounds, "migrated": stats.migrated,
         "ttft_p50_ms": pct(&mut ttft.clone(), 0.5), "ttft_p99_ms": pct(&mut ttft.clone(), 0.99),
         "tbt_p50_ms": pct(&mut tbt.clone(), 0.5), "tbt_p99_ms": pct(&mut tbt.clone(), 0.99),
@@ -511,6 +530,14 @@ async fn drive(
         on(NEW),
         out.join("report.json").display()
     );
+    if !expected.stops.is_empty() {
+        println!(
+            "{} ended at a stop string; {} stale tokens dropped (those decoded past a stop before its decode \
+             stopped among them)",
+            crate::count(stats.stopped as usize, "request", "requests"),
+            stats.stale_tokens
+        );
+    }
     if let (Some(at), Some(_)) = (killed_s, a.stop_decode_at_s) {
         println!(
             "node {DECODE} was stopped at {at:.1} s: {} of its requests moved with their KV to another decode \

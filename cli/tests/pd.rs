@@ -48,16 +48,22 @@ fn pd(tag: &str, args: &[&str]) -> Option<(serde_json::Value, String, PathBuf)> 
     Some((r, stdout, out))
 }
 
-/// With the user's prompts (`--prompt-file`: the burst cycles through the file's lines).
+/// With the user's prompts (`--prompt-file`: the burst cycles through the file's lines), and a
+/// stop string (`" a"`) that ends the first line's answer after five of its six tokens: the
+/// router ends those requests there, as the reference does.
 #[test]
 fn disaggregated_serving_answers_every_request_with_the_greedy_tokens() {
     let prompts = std::env::temp_dir().join(format!("cascade-pd-prompts-{}.txt", std::process::id()));
     std::fs::write(&prompts, "Rust is a language that\nThe largest planet is\n<|im_start|>user\nHi!<|im_end|>\n")
         .unwrap();
-    let args = ["--max-tokens", "6", "--kill-decode-at-s", "0.8", "--prompt-file", prompts.to_str().unwrap()];
+    let args =
+        ["--max-tokens", "6", "--kill-decode-at-s", "0.8", "--prompt-file", prompts.to_str().unwrap(), "--stop", " a"];
     let Some((r, stdout, out)) = pd("kill", &args) else { return };
     let _ = std::fs::remove_file(&prompts);
     assert_eq!(r["prompts"], 4, "the file's four lines");
+    let stopped = r["per_request"].as_array().unwrap().iter().filter(|x| x["stopped"] == true).count();
+    assert!(stopped > 0 && r["stopped_at_a_stop_string"] == stopped, "{stopped} stopped:\n{stdout}");
+    assert!(stdout.contains("ended at a stop string"), "{stdout}");
     assert!(r["decode_killed_at_s"].as_f64().is_some_and(|t| t >= 0.8), "{}", r["decode_killed_at_s"]);
     assert!(stdout.contains("killed the decode instance"), "{stdout}");
     let _ = std::fs::remove_dir_all(&out);

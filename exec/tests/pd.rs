@@ -148,6 +148,7 @@ fn router_cfg(c: &Cluster, old: u32, more: Vec<u32>, decode: Vec<u32>) -> PdRout
         monitor: None,
         replace_lost_decode: false,
         stall_after: Duration::from_secs(150),
+        tokenizer: Some(c.model.tokenizer.clone()),
     }
 }
 
@@ -227,8 +228,14 @@ impl Routed {
     /// Sends request `i`: the reference's prompt `i` (cyclically), `max_tokens` tokens.
     fn send(&self, i: usize) {
         let (prompt, _) = &self.want[i % self.want.len()];
-        let req =
-            GenRequest { id: i as u64, prompt: prompt.clone(), max_tokens: self.max_tokens, adapter: 0, sample: None };
+        let req = GenRequest {
+            id: i as u64,
+            prompt: prompt.clone(),
+            max_tokens: self.max_tokens,
+            adapter: 0,
+            sample: None,
+            stop: Default::default(),
+        };
         self.req_tx.send(req).unwrap();
     }
 }
@@ -709,7 +716,14 @@ async fn rebalance_onto_a_joined_instance(by_monitor: bool, tag: &str, sampling:
     for (i, r) in reference.iter().enumerate() {
         let sample = sampling.map(|sampling| SeqSampling { sampling, index: i as u64 });
         req_tx
-            .send(GenRequest { id: i as u64, prompt: r.prompt_tokens.clone(), max_tokens: LONG, adapter: 0, sample })
+            .send(GenRequest {
+                id: i as u64,
+                prompt: r.prompt_tokens.clone(),
+                max_tokens: LONG,
+                adapter: 0,
+                sample,
+                stop: Default::default(),
+            })
             .unwrap();
     }
     // Wait until all four decode on node 2.
@@ -1017,11 +1031,22 @@ async fn a_request_longer_than_the_context_window_is_refused_alone() {
     // Through the router: the long request fails at once, the other decodes.
     let r = Routed::start(&c, router_cfg(&c, 1, vec![], vec![2]));
     let prompt = r.want[0].0.clone();
-    r.req_tx.send(GenRequest { id: 0, prompt: prompt.clone(), max_tokens: window, adapter: 0, sample: None }).unwrap();
+    r.req_tx
+        .send(GenRequest {
+            id: 0,
+            prompt: prompt.clone(),
+            max_tokens: window,
+            adapter: 0,
+            sample: None,
+            stop: Default::default(),
+        })
+        .unwrap();
     r.send(1);
     // "Until end of sequence": prompt + u32::MAX tokens overflowed the router's sum (a panic in
     // a debug build, a wrapped reservation of a few tokens in a release one).
-    r.req_tx.send(GenRequest { id: 2, prompt, max_tokens: u32::MAX, adapter: 0, sample: None }).unwrap();
+    r.req_tx
+        .send(GenRequest { id: 2, prompt, max_tokens: u32::MAX, adapter: 0, sample: None, stop: Default::default() })
+        .unwrap();
     let (stats, answers, want) = r.finish(Duration::from_secs(120)).await;
     let answer = |id| answers.iter().find(|a| a.id == id).unwrap_or_else(|| panic!("request {id} unanswered"));
     for id in [0, 2] {
@@ -1135,7 +1160,16 @@ async fn a_decode_instance_drops_the_requests_of_a_router_it_lost() {
     // The yardstick, under whatever load this machine has now (a debug decode step takes
     // ~120 ms alone, several times that beside the other tests): the same request decoded
     // whole with every link up, from its first step on node 2 until its pages are free.
-    r.req_tx.send(GenRequest { id: 0, prompt: prompt.clone(), max_tokens: 900, adapter: 0, sample: None }).unwrap();
+    r.req_tx
+        .send(GenRequest {
+            id: 0,
+            prompt: prompt.clone(),
+            max_tokens: 900,
+            adapter: 0,
+            sample: None,
+            stop: Default::default(),
+        })
+        .unwrap();
     decoding().await;
     let started = std::time::Instant::now();
     while status(0).await != (0, KV_PAGES) {
@@ -1146,7 +1180,9 @@ async fn a_decode_instance_drops_the_requests_of_a_router_it_lost() {
     let mut r = r;
     assert!(r.ans_rx.recv().await.unwrap().result.is_ok());
 
-    r.req_tx.send(GenRequest { id: 1, prompt, max_tokens: 900, adapter: 0, sample: None }).unwrap();
+    r.req_tx
+        .send(GenRequest { id: 1, prompt, max_tokens: 900, adapter: 0, sample: None, stop: Default::default() })
+        .unwrap();
     decoding().await;
     fabric.set_link(0, 2, false);
     let cut = std::time::Instant::now();
@@ -1680,4 +1716,54 @@ async fn a_prefill_node_that_runs_an_instance_again_prefills_again() {
     answers.extend(rest);
     check(&answers, answers.len(), &want);
     assert_eq!(stats.failed, 0);
+}
+
+/// Requests with stop strings (`"."`, `"Elwes"`) through the router: each is answered with the
+/// reference's tokens up to the first whose text completes one — found here by decoding the
+/// whole answer so far, not the router's tail — or all of them where none does, with `stopped`
+/// saying which; the decode instance is told to stop each stopped one (a token or two past the
+/// stop at most, of 30 it would decode) and ends with every KV page free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stop_strings_end_requests_at_the_router_and_their_decodes() {
+    let roles = [Some(Role::Prefill), Some(Role::Decode)];
+    let Some((c, _fabric)) = mem_cluster(&roles) else { return };
+    const ASKED: u32 = 30;
+    let r = Routed::start(&c, router_cfg(&c, 1, vec![], vec![2])).asking(ASKED);
+    let stop = StopStrings::new(vec![".".into(), "Elwes".into()]).unwrap();
+    let tokenizer = c.model.tokenizer.clone();
+    let cut = |t: &[u32]| {
+        let holds = |n: usize| {
+            let text = tokenizer.decode(&t[..=n], false).unwrap();
+            stop.strings().iter().any(|s| text.contains(s.as_str()))
+        };
+        (0..t.len()).find(|&n| holds(n)).map_or((t.to_vec(), false), |n| (t[..=n].to_vec(), true))
+    };
+    let want: Vec<(Vec<u32>, bool)> = r.want.iter().map(|(_, t)| cut(t)).collect();
+    let n = 2 * want.len();
+    for i in 0..n {
+        let prompt = r.want[i % want.len()].0.clone();
+        let req = GenRequest { id: i as u64, prompt, max_tokens: ASKED, adapter: 0, sample: None, stop: stop.clone() };
+        r.req_tx.send(req).unwrap();
+    }
+    let mesh = r.mesh.clone();
+    let (stats, answers, _) = r.finish(Duration::from_secs(300)).await;
+    assert_eq!(answers.len(), n);
+    for a in &answers {
+        let (tokens, stopped) = &want[a.id as usize % want.len()];
+        assert_eq!((a.result.as_ref().unwrap(), a.stopped), (tokens, *stopped), "request {}", a.id);
+    }
+    let stopped = want.iter().filter(|w| w.1).count() as u64 * 2;
+    assert!(stopped > 0 && stopped < n as u64, "the prompts should include stopped and unstopped ones: {want:?}");
+    assert_eq!(stats.stopped, stopped);
+    assert!(stats.stale_tokens <= 2 * stopped, "{} tokens decoded past the stops", stats.stale_tokens);
+    let t0 = std::time::Instant::now();
+    loop {
+        match mesh.call(2, &LlmMsg::Status, Duration::from_secs(10)).await {
+            Ok(LlmMsg::State { running: 0, free_pages, .. }) if free_pages == KV_PAGES => break,
+            Ok(_) => {}
+            other => panic!("status of node 2: {other:?}"),
+        }
+        assert!(t0.elapsed() < Duration::from_secs(60), "node 2 never freed every page");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
 }

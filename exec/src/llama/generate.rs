@@ -551,11 +551,7 @@ impl Generator {
             prompts,
             limits,
             decoding,
-            // The text of the last few tokens: a stop string ending in the newest one lies in it.
-            |tokens| {
-                let tail = &tokens[tokens.len().saturating_sub(stops.tail_tokens())..];
-                !stops.is_empty() && self.decode(tail).is_ok_and(|t| stops.hit(&t))
-            },
+            |tokens| stops.ended(&self.tokenizer, tokens),
             on_token,
             |i, g| {
                 self.model.free(base + i as u64);

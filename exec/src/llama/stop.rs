@@ -2,12 +2,15 @@
 //! first one begins (the `stop` of OpenAI's completions and of `transformers`' `stop_strings`,
 //! which also cut the text there; the tokens generated are kept whole).
 //!
-//! Sans IO: [`StopStrings::hit`] takes the text of a sequence's last tokens
-//! ([`StopStrings::tail_tokens`] of them, decoded by the caller), so a step costs the decoding of
-//! a few tokens, not of all generated so far. A stop string ending in the newest token lies in
+//! Sans IO: [`StopStrings::ended`] decodes a sequence's last tokens ([`StopStrings::tail_tokens`]
+//! of them) and looks for the strings there, so a step costs the decoding of a few tokens, not of
+//! all generated so far; `generate`'s loop and the `pd` router, which sees the tokens a decode
+//! instance streams, both ask it. A stop string ending in the newest token lies in
 //! that tail: every token is at least one byte of text, and two more are decoded than the longest
 //! stop string has bytes — one for a character split across tokens, one for a decoder that drops
 //! the first token's leading space.
+
+use tokenizers::Tokenizer;
 
 use crate::ExecError;
 
@@ -65,6 +68,18 @@ impl StopStrings {
     /// it has fewer) holds a stop string.
     pub fn hit(&self, tail: &str) -> bool {
         self.stops.iter().any(|s| tail.contains(s.as_str()))
+    }
+
+    /// Whether a sequence whose tokens are `tokens` holds a stop string ending in its last token:
+    /// [`StopStrings::hit`] on the text `tokenizer` decodes its last
+    /// [`StopStrings::tail_tokens`] tokens to (special tokens kept, as `generate` shows them). A
+    /// tail that does not decode holds none.
+    pub fn ended(&self, tokenizer: &Tokenizer, tokens: &[u32]) -> bool {
+        if self.stops.is_empty() {
+            return false;
+        }
+        let tail = &tokens[tokens.len().saturating_sub(self.tail_tokens())..];
+        tokenizer.decode(tail, false).is_ok_and(|t| self.hit(&t))
     }
 
     /// Where `text` is cut: the start of the first stop string in it, and that string (the

@@ -69,6 +69,10 @@ pub struct GenRequest {
     /// with the settings and index of prompt `index` of a [`crate::llama::generate::Generator`]
     /// run draws the same tokens from the same logits.
     pub sample: Option<super::proto::SeqSampling>,
+    /// Its stop strings: the router ends its answer at the first token whose text completes one
+    /// (as [`crate::llama::generate::Generator::generate_stream`] ends it) and tells its decode
+    /// to stop. Needs [`PdRouterConfig::tokenizer`]; none: only the instance ends it.
+    pub stop: crate::llama::stop::StopStrings,
 }
 
 /// A request's answer.
@@ -88,6 +92,8 @@ pub struct GenAnswer {
     pub decode: u32,
     /// Prefill attempts.
     pub attempts: u32,
+    /// Whether one of its stop strings ended it (its last token completes one).
+    pub stopped: bool,
 }
 
 /// What the router is told while it runs.
@@ -161,6 +167,9 @@ pub struct PdRouterConfig {
     /// holds nothing for good. Longer than a migration between decode instances can take (a
     /// moving request streams nothing meanwhile; `call_timeout` bounds it).
     pub stall_after: Duration,
+    /// The model's tokenizer, which reads the text of the tokens a request with stop strings
+    /// ([`GenRequest::stop`]) gets; without it such a request is refused.
+    pub tokenizer: Option<Arc<tokenizers::Tokenizer>>,
 }
 
 /// What the router counted.
@@ -178,8 +187,11 @@ pub struct RouterStats {
     pub monitor_failed: u64,
     /// Requests the monitor's rounds moved to another decode instance.
     pub migrated: u64,
-    /// Tokens of attempts the router had given up on (dropped; their decodes told to stop).
+    /// Tokens of attempts the router had given up on, or of requests it answered already (a
+    /// decode goes on for a step or two after a stop string): dropped, their decodes told to stop.
     pub stale_tokens: u64,
+    /// Requests answered at one of their stop strings (their decodes told to stop).
+    pub stopped: u64,
     /// Decodes given up on because no token came for [`PdRouterConfig::stall_after`].
     pub stalled: u64,
     /// Prefill instances turned into decode ones to replace lost decode instances

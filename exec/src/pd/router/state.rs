@@ -56,6 +56,10 @@ struct Pending {
     lease: u64,
     /// When its current attempt last made progress (the prefill's answer, a token).
     progress: Instant,
+    /// Tokens of its answer checked for its stop strings (the first ones, in order).
+    checked: usize,
+    /// Whether a stop string ended it.
+    stopped: bool,
 }
 
 impl Pending {
@@ -65,6 +69,29 @@ impl Pending {
         self.first = None;
         self.tokens.clear();
         self.done_at = None;
+        self.checked = 0;
+        self.stopped = false;
+    }
+
+    /// Checks the tokens of its answer that arrived in order since the last check for its stop
+    /// strings: at the first that completes one, the answer ends there (the tokens after it
+    /// dropped, none more waited for) and whether its decode may still run is returned.
+    fn stop_at_a_stop_string(&mut self, tokenizer: &tokenizers::Tokenizer) -> Option<bool> {
+        let (first, _) = self.first?;
+        if self.req.stop.is_empty() || self.stopped {
+            return None;
+        }
+        let mut answer = vec![first];
+        answer.extend((1..).map_while(|i| self.tokens.get(&i).map(|t| t.0)));
+        let end = (self.checked..answer.len()).find(|&n| self.req.stop.ended(tokenizer, &answer[..=n]));
+        self.checked = answer.len();
+        let end = end? as u32;
+        // The instance ended it there itself: its decode is over.
+        let over = self.done_at == Some(end);
+        self.done_at = Some(end);
+        self.tokens.retain(|&i, _| i <= end);
+        self.stopped = true;
+        Some(!over)
     }
 
     /// Whether every token of its answer arrived.
@@ -192,6 +219,8 @@ impl Routing {
             Some(format!("{} prompt tokens, {} to generate: both must be at least 1", req.prompt.len(), req.max_tokens))
         } else if let Some(Err(e)) = req.sample.map(|s| s.sampling.check()) {
             Some(e.to_string())
+        } else if !req.stop.is_empty() && self.cfg.tokenizer.is_none() {
+            Some("stop strings, and no tokenizer at the router to read the tokens' text".into())
         } else {
             None
         };
@@ -206,6 +235,7 @@ impl Routing {
                 prefill: (0, 0),
                 decode: 0,
                 attempts: 0,
+                stopped: false,
             };
             let _ = self.answers.send(no);
             return;
@@ -224,6 +254,8 @@ impl Routing {
             decode: 0,
             lease: 0,
             progress: Instant::now(),
+            checked: 0,
+            stopped: false,
         };
         self.pending.insert(p.req.id, p);
     }
@@ -267,9 +299,14 @@ impl Routing {
                     p.decode = from;
                     p.lease = lease;
                     p.progress = Instant::now();
-                    p.tokens.insert(index, (token, p.progress));
-                    if done {
-                        p.done_at = Some(index);
+                    // Past a stop string (the decode went on a step before its stop came):
+                    // nothing of the answer.
+                    if !p.stopped {
+                        p.tokens.insert(index, (token, p.progress));
+                        if done {
+                            p.done_at = Some(index);
+                        }
+                        self.check_stop(req);
                     }
                 }
                 // An attempt given up on (or of a request answered already) still decodes
@@ -340,7 +377,21 @@ impl Routing {
         }
     }
 
-    /// Tells `node` to stop decoding `req` under `lease` (an attempt given up on).
+    /// Checks request `id`'s answer for its stop strings ([`Pending::stop_at_a_stop_string`]);
+    /// at one, its decode, if it still runs, is told to stop.
+    fn check_stop(&mut self, id: u64) {
+        let (Some(tokenizer), Some(p)) = (&self.cfg.tokenizer, self.pending.get_mut(&id)) else { return };
+        let Some(running) = p.stop_at_a_stop_string(tokenizer) else { return };
+        debug!(req = id, tokens = p.checked, "a stop string ends the answer");
+        self.stats.stopped += 1;
+        let (node, lease) = (p.decode, p.lease);
+        if running {
+            self.stop(node, id, lease);
+        }
+    }
+
+    /// Tells `node` to stop decoding `req` under `lease` (an attempt given up on, or one a stop
+    /// string ended).
     fn stop(&mut self, node: u32, req: u64, lease: u64) {
         self.actions.push(Action::Stop { node, req, lease });
     }
@@ -393,6 +444,7 @@ impl Routing {
                         p.done_at = Some(0);
                     }
                 }
+                self.check_stop(id);
             }
             Outcome::Failed(e) => self.failed(id, e),
         }
@@ -632,6 +684,8 @@ impl Routing {
         count("cascade_llm_router_requeued", help, &[], s.requeued - was.requeued);
         let help = "Tokens of attempts the LLM router had given up on (dropped; their decodes told to stop)";
         count("cascade_llm_router_stale_tokens", help, &[], s.stale_tokens - was.stale_tokens);
+        let help = "Requests the LLM router answered at one of their stop strings";
+        count("cascade_llm_router_stopped", help, &[], s.stopped - was.stopped);
         let help = "Prefill instances the LLM router turned into decode ones in place of lost decode instances";
         count("cascade_llm_router_decode_replaced", help, &[], s.decode_replaced - was.decode_replaced);
         let help = "Decode instances that left (a scale-in) while decoding the LLM router's requests";
@@ -654,7 +708,16 @@ fn answer(p: Pending, result: Result<Vec<u32>, String>) -> GenAnswer {
         }
         last = Some(*at);
     }
-    GenAnswer { id: p.req.id, result, ttft, gaps, prefill: p.prefill, decode: p.decode, attempts: p.attempts }
+    GenAnswer {
+        id: p.req.id,
+        result,
+        ttft,
+        gaps,
+        prefill: p.prefill,
+        decode: p.decode,
+        attempts: p.attempts,
+        stopped: p.stopped,
+    }
 }
 
 #[cfg(test)]

@@ -26,13 +26,21 @@ fn routing(more: Vec<u32>) -> (Routing, mpsc::UnboundedReceiver<GenAnswer>) {
         monitor: None,
         replace_lost_decode: false,
         stall_after: Duration::from_secs(30),
+        tokenizer: None,
     };
     let (tx, rx) = mpsc::unbounded_channel();
     (Routing::new(cfg, tx), rx)
 }
 
 fn request(r: &mut Routing, id: u64) {
-    r.arrive(GenRequest { id, prompt: vec![1, 2, 3], max_tokens: 3, adapter: 0, sample: None });
+    r.arrive(GenRequest {
+        id,
+        prompt: vec![1, 2, 3],
+        max_tokens: 3,
+        adapter: 0,
+        sample: None,
+        stop: Default::default(),
+    });
 }
 
 /// The calls `r` names now that `pick` picks.
@@ -65,11 +73,11 @@ fn a_duplicate_id_or_an_empty_request_is_refused_and_the_pending_one_kept() {
     let (mut r, mut answers) = routing(vec![]);
     request(&mut r, 5);
     request(&mut r, 5);
-    r.arrive(GenRequest { id: 6, prompt: vec![1], max_tokens: 0, adapter: 0, sample: None });
-    r.arrive(GenRequest { id: 7, prompt: vec![], max_tokens: 4, adapter: 0, sample: None });
+    r.arrive(GenRequest { id: 6, prompt: vec![1], max_tokens: 0, adapter: 0, sample: None, stop: Default::default() });
+    r.arrive(GenRequest { id: 7, prompt: vec![], max_tokens: 4, adapter: 0, sample: None, stop: Default::default() });
     let sampling = crate::llama::sample::Sampling { temperature: 1.0, top_k: 0, top_p: 1.5, seed: 1 };
     let sample = Some(crate::pd::proto::SeqSampling { sampling, index: 0 });
-    r.arrive(GenRequest { id: 8, prompt: vec![1], max_tokens: 4, adapter: 0, sample });
+    r.arrive(GenRequest { id: 8, prompt: vec![1], max_tokens: 4, adapter: 0, sample, stop: Default::default() });
     let refused: Vec<(u64, String)> =
         std::iter::from_fn(|| answers.try_recv().ok()).map(|a| (a.id, a.result.unwrap_err())).collect();
     assert_eq!(refused.len(), 4, "{refused:?}");
@@ -346,4 +354,70 @@ fn back_pressure_retries_without_spending_attempts() {
         assert_eq!(prefills(&mut r), vec![(1, attempt, 1)]);
     }
     assert_eq!((r.stats.failed, r.stats.requeued), (0, 0));
+}
+
+/// A word-level tokenizer of the words `t0`…`t11`: token `i` reads `ti`, tokens joined by spaces.
+fn words() -> std::sync::Arc<tokenizers::Tokenizer> {
+    let vocab: serde_json::Map<String, serde_json::Value> = (0..12).map(|i| (format!("t{i}"), i.into())).collect();
+    let json = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [], "normalizer": null,
+        "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null, "decoder": null,
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "t0"}
+    });
+    std::sync::Arc::new(tokenizers::Tokenizer::from_bytes(json.to_string().as_bytes()).unwrap())
+}
+
+fn stopping(r: &mut Routing, id: u64, stop: &[&str]) {
+    let stop = crate::llama::stop::StopStrings::new(stop.iter().map(|s| s.to_string()).collect()).unwrap();
+    r.arrive(GenRequest { id, prompt: vec![1, 2, 3], max_tokens: 9, adapter: 0, sample: None, stop });
+}
+
+fn stops(r: &mut Routing) -> Vec<(u32, u64, u64)> {
+    taken(r, |a| match a {
+        Action::Stop { node, req, lease } => Some((node, req, lease)),
+        _ => None,
+    })
+}
+
+/// The router ends an answer at the first token whose text completes one of its stop strings —
+/// checked in the answer's order, whatever order the tokens arrive in; the first token counts —
+/// and tells its decode to stop, unless the instance ended it there itself; tokens past the stop
+/// are not taken. Without a tokenizer, stop strings are refused.
+#[test]
+fn a_stop_string_ends_the_answer_and_its_decode() {
+    let (mut r, mut answers) = routing(vec![]);
+    stopping(&mut r, 4, &["t8"]);
+    let refused = answers.try_recv().unwrap();
+    assert!(refused.result.unwrap_err().contains("no tokenizer"));
+    r.cfg.tokenizer = Some(words());
+    stopping(&mut r, 5, &["t8 t9", "t11"]);
+    stopping(&mut r, 6, &["t7"]);
+    stopping(&mut r, 7, &["t9"]);
+    assert_eq!(prefills(&mut r), [(5, 1, 1), (6, 1, 1)]);
+    r.prefilled(5, 1, decoding(2, 1));
+    // Request 6's first token is its stop: answered with it; its decode (node 3) stopped.
+    r.prefilled(6, 1, decoding(3, 1));
+    assert_eq!(stops(&mut r), [(3, 6, 41)]);
+    assert_eq!(prefills(&mut r), [(7, 1, 1)]);
+    r.prefilled(7, 1, decoding(3, 1));
+    // Request 5: "t9" before "t8" reads no stop yet; "t8" completes "t8 t9", and "t10" that came
+    // meanwhile is dropped.
+    r.message(2, token(5, 1, 2, 9, false));
+    r.message(2, token(5, 1, 3, 10, false));
+    assert!(stops(&mut r).is_empty());
+    r.message(2, token(5, 1, 1, 8, false));
+    assert_eq!(stops(&mut r), [(2, 5, 41)]);
+    // Request 7 ends at "t9" as the instance ends it: nothing to stop.
+    r.message(3, token(7, 1, 1, 8, false));
+    r.message(3, token(7, 1, 2, 9, true));
+    assert!(stops(&mut r).is_empty());
+    r.after(Instant::now());
+    let mut got: Vec<(u64, Vec<u32>, bool)> =
+        std::iter::from_fn(|| answers.try_recv().ok()).map(|a| (a.id, a.result.unwrap(), a.stopped)).collect();
+    got.sort();
+    assert_eq!(got, [(5, vec![7, 8, 9], true), (6, vec![7], true), (7, vec![7, 8, 9], true)]);
+    assert_eq!(r.stats.stopped, 3);
+    // A token decoded before the stop came: stale, its decode told to stop again.
+    r.message(2, token(5, 1, 4, 11, false));
+    assert_eq!((stops(&mut r), r.stats.stale_tokens), (vec![(2, 5, 41)], 1));
 }
