@@ -22,6 +22,12 @@
 //! when it holds every stage or is the one loading. A command naming it ([`PdCmd::Decode`] or
 //! [`PdCmd::Scaling`]) takes it back at once.
 //!
+//! A request with stop strings ([`GenRequest::stop`]) is checked token by token as its answer's
+//! tokens arrive in order ([`PdRouterConfig::tokenizer`] reads their text): at the first that
+//! completes one it is answered with the tokens up to it, and its decode is told to stop with a
+//! `Release` of its lease, as an attempt given up on is; a token the decode had begun meanwhile
+//! comes back stale.
+//!
 //! A lost decode instance is replaced ([`PdRouterConfig::replace_lost_decode`]): once a prefill
 //! instance holding every stage can be spared, it is mutated into a decode instance, so a dead
 //! decode instance does not leave the survivors with its load for good.
