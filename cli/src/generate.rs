@@ -337,7 +337,7 @@ pub(crate) fn generate(a: GenerateArgs) -> anyhow::Result<()> {
                 handed.borrow_mut().insert(given, (i, prompt));
                 given += 1;
                 // Drawn as its line's index: a refused line before it changes none of its draws.
-                return Some(StreamPrompt { tokens, draws_as: Some(i as u64) });
+                return Some(StreamPrompt { tokens, draws_as: Some(i as u64), ..StreamPrompt::default() });
             }
             Err(why) => order.borrow_mut().finish(i, prompt, Outcome::Refused(why)),
         }

@@ -160,9 +160,10 @@ impl GreedyLimits {
         }
     }
 
-    /// The KV positions a sequence with a prompt of `prompt` tokens may reach.
-    fn reserve(&self, prompt: usize) -> usize {
-        prompt.saturating_add(self.max_tokens).min(self.window)
+    /// The KV positions a sequence with a prompt of `prompt` tokens and a budget of `max_tokens`
+    /// may reach.
+    fn reserve(&self, prompt: usize, max_tokens: usize) -> usize {
+        prompt.saturating_add(max_tokens).min(self.window)
     }
 }
 
@@ -248,23 +249,30 @@ pub fn greedy_stream(
     on_token: impl FnMut(usize, u32),
     finished: impl FnMut(usize, Generated),
 ) -> Result<usize, ExecError> {
-    decode_stream(step, prompts, limits, Decoding::Greedy, |_| false, on_token, finished)
+    decode_stream(step, prompts, limits, Decoding::Greedy, |_, _| false, on_token, finished)
 }
 
-/// A prompt as [`decode_stream`] takes it: its tokens and, where they differ from its place in
-/// the stream, the index its sampled tokens are drawn as. A caller that skips some of its
-/// prompts (a line refused) keeps the others' draws those of their own places this way.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// A prompt as [`decode_stream`] takes it: its tokens and what it asks for itself, where it
+/// differs from the run's — requests of one run each with their own budget, decoding and stop
+/// strings (`cascade generate --batch`).
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct StreamPrompt {
     /// The prompt's tokens.
     pub tokens: Vec<u32>,
-    /// The index its [`Sampler`] draws as; `None`: its place in the stream.
+    /// The index its [`Sampler`] draws as; `None`: its place in the stream. A caller that skips
+    /// some of its prompts (a line refused) keeps the others' draws those of their own places.
     pub draws_as: Option<u64>,
+    /// Tokens to generate at most; `None`: the run's ([`GreedyLimits::max_tokens`]).
+    pub max_tokens: Option<usize>,
+    /// How its tokens are chosen; `None`: the run's.
+    pub decoding: Option<Decoding>,
+    /// Its stop strings; `None`: the run's (handed to `decode_stream`'s stop check as they are).
+    pub stop: Option<StopStrings>,
 }
 
 impl From<Vec<u32>> for StreamPrompt {
     fn from(tokens: Vec<u32>) -> StreamPrompt {
-        StreamPrompt { tokens, draws_as: None }
+        StreamPrompt { tokens, ..StreamPrompt::default() }
     }
 }
 
@@ -272,14 +280,16 @@ impl From<Vec<u32>> for StreamPrompt {
 /// prompt's own seeded [`Sampler`] (prompt `i` of the stream draws its `n`-th token with
 /// `Sampler::new(_, i)`'s draw `n`, or with the index its [`StreamPrompt::draws_as`] gives).
 /// Greedy and sampled runs stop, batch and budget alike. After each token but end-of-sequence,
-/// `stop(tokens)` is asked whether the sequence's tokens so far end it ([`Generated::stopped`]:
-/// a stop string, [`super::stop`]); `|_| false` asks nothing.
+/// `stop(prompt's stop strings, tokens)` is asked whether the sequence's tokens so far end it
+/// ([`Generated::stopped`]: a stop string, [`super::stop`]); `|_, _| false` asks nothing. A
+/// prompt's own budget and decoding ([`StreamPrompt`]) replace `limits.max_tokens` and
+/// `decoding` for it.
 pub fn decode_stream<P: Into<StreamPrompt>>(
     mut step: impl FnMut(Activation) -> Result<Activation, ExecError>,
     prompts: impl IntoIterator<Item = P>,
     limits: GreedyLimits,
     decoding: Decoding,
-    mut stop: impl FnMut(&[u32]) -> bool,
+    mut stop: impl FnMut(Option<&StopStrings>, &[u32]) -> bool,
     mut on_token: impl FnMut(usize, u32),
     mut finished: impl FnMut(usize, Generated),
 ) -> Result<usize, ExecError> {
@@ -307,6 +317,8 @@ pub fn decode_stream<P: Into<StreamPrompt>>(
         fed: Vec<u32>,
         out: Generated,
         sampler: Option<Sampler>,
+        max_tokens: usize,
+        stop: Option<StopStrings>,
     }
     let mut waiting = prompts.into_iter().map(Into::into).enumerate();
     let mut taken = 0;
@@ -317,7 +329,7 @@ pub fn decode_stream<P: Into<StreamPrompt>>(
         // The chunks of the prompts still being prefilled count against the step's budget.
         let mut prefill: usize =
             running.iter().filter(|r| r.out.tokens.is_empty()).map(|r| r.fed.len().min(prefill_chunk)).sum();
-        let mut kv: usize = running.iter().map(|r| limits.reserve(r.out.prompt_tokens.len())).sum();
+        let mut kv: usize = running.iter().map(|r| limits.reserve(r.out.prompt_tokens.len(), r.max_tokens)).sum();
         while running.len() < max_running {
             let Some((i, prompt)) = held.take().or_else(|| waiting.next()) else { break };
             taken = i + 1;
@@ -326,19 +338,21 @@ pub fn decode_stream<P: Into<StreamPrompt>>(
                 return Err(ExecError::Input(format!("prompt {i}: {why}")));
             }
             // One sequence alone always runs, whatever the budgets.
-            let (tokens, reserve) = (p.len().min(prefill_chunk), limits.reserve(p.len()));
+            let budget = prompt.max_tokens.unwrap_or(max_tokens);
+            let (tokens, reserve) = (p.len().min(prefill_chunk), limits.reserve(p.len(), budget));
             if !running.is_empty() && (prefill + tokens > max_prefill_tokens || kv + reserve > max_kv_tokens) {
                 held = Some((i, prompt));
                 break;
             }
-            let StreamPrompt { tokens: p, draws_as } = prompt;
+            let StreamPrompt { tokens: p, draws_as, decoding: own, stop: stops, .. } = prompt;
             (prefill, kv) = (prefill + tokens, kv + reserve);
             let out = Generated { prompt_tokens: p.clone(), tokens: Vec::new(), at_window: false, stopped: false };
-            if max_tokens == 0 {
+            if budget == 0 {
                 finished(i, out);
             } else {
-                let sampler = decoding.sampling().map(|s| Sampler::new(s, draws_as.unwrap_or(i as u64)));
-                running.push(Running { i, pos: 0, fed: p, out, sampler });
+                let draws = own.unwrap_or(decoding).sampling();
+                let sampler = draws.map(|s| Sampler::new(s, draws_as.unwrap_or(i as u64)));
+                running.push(Running { i, pos: 0, fed: p, out, sampler, max_tokens: budget, stop: stops });
             }
         }
         if running.is_empty() {
@@ -368,14 +382,14 @@ pub fn decode_stream<P: Into<StreamPrompt>>(
             }
             r.out.tokens.push(tok);
             on_token(r.i, tok);
-            if tok != eos && stop(&r.out.tokens) {
+            if tok != eos && stop(r.stop.as_ref(), &r.out.tokens) {
                 r.out.stopped = true;
                 finished(r.i, r.out);
                 continue;
             }
             // `tok` is fed next at `at`: only a position inside the window takes it.
             let at = r.pos + r.fed.len() as u32;
-            let more = tok != eos && r.out.tokens.len() < max_tokens;
+            let more = tok != eos && r.out.tokens.len() < r.max_tokens;
             if more && (at as usize) < window {
                 still.push(Running { pos: at, fed: vec![tok], ..r });
                 continue;
@@ -551,7 +565,7 @@ impl Generator {
             prompts,
             limits,
             decoding,
-            |tokens| stops.ended(&self.tokenizer, tokens),
+            |own, tokens| own.unwrap_or(stops).ended(&self.tokenizer, tokens),
             on_token,
             |i, g| {
                 self.model.free(base + i as u64);
@@ -634,7 +648,7 @@ mod tests {
         let mut reach = 0;
         // The stand-in's token is its position mod 40: a prompt of 2 generates 2, 3, 4, …
         let prompts = [vec![1; 2], vec![1; 5], vec![1; 8]];
-        let run = |stop: &mut dyn FnMut(&[u32]) -> bool, reach: &mut u32| {
+        let run = |stop: &mut dyn FnMut(Option<&StopStrings>, &[u32]) -> bool, reach: &mut u32| {
             let mut out = vec![None; prompts.len()];
             let limits = GreedyLimits { max_running: 2, ..GreedyLimits::all_at_once(1, 10, EOS, window) };
             decode_stream(
@@ -649,10 +663,10 @@ mod tests {
             .unwrap();
             out.into_iter().map(Option::unwrap).collect::<Vec<_>>()
         };
-        let plain = run(&mut |_| false, &mut reach);
+        let plain = run(&mut |_, _| false, &mut reach);
         // Ends once a sequence has generated a 6: the first after 2, 3, 4, 5, 6; the second at
         // once; the third (8, 9, …) never.
-        let stopped = run(&mut |t| t.last() == Some(&6), &mut reach);
+        let stopped = run(&mut |_, t| t.last() == Some(&6), &mut reach);
         assert_eq!(stopped[0].tokens, [2, 3, 4, 5, 6]);
         assert_eq!(stopped[1].tokens, [5, 6]);
         assert_eq!(stopped[2].tokens, plain[2].tokens, "a stop of others changed the third");
@@ -727,7 +741,8 @@ mod tests {
         let prompts: Vec<Vec<u32>> = (0..5).map(|k| vec![1; 1 + 2 * k]).collect();
         let run = |limits: GreedyLimits, d: Decoding| {
             let mut out = vec![None; prompts.len()];
-            decode_stream(spread, prompts.clone(), limits, d, |_| false, |_, _| {}, |i, g| out[i] = Some(g)).unwrap();
+            decode_stream(spread, prompts.clone(), limits, d, |_, _| false, |_, _| {}, |i, g| out[i] = Some(g))
+                .unwrap();
             out.into_iter().map(|g| g.unwrap().tokens).collect::<Vec<_>>()
         };
         let all = GreedyLimits::all_at_once(1, 12, EOS, window);
@@ -745,15 +760,67 @@ mod tests {
         // Prompt 2 left out: the others, drawn as their own indices, draw what they drew; drawn as
         // their places in the shorter stream, the ones after it do not.
         let skipped = |draws_as: bool| {
-            let rest = [0, 1, 3, 4]
-                .map(|k| StreamPrompt { tokens: prompts[k].clone(), draws_as: draws_as.then_some(k as u64) });
+            let rest = [0, 1, 3, 4].map(|k| StreamPrompt {
+                tokens: prompts[k].clone(),
+                draws_as: draws_as.then_some(k as u64),
+                ..Default::default()
+            });
             let mut out = vec![Vec::new(); rest.len()];
-            decode_stream(spread, rest, all, sampled(5), |_| false, |_, _| {}, |i, g| out[i] = g.tokens).unwrap();
+            decode_stream(spread, rest, all, sampled(5), |_, _| false, |_, _| {}, |i, g| out[i] = g.tokens).unwrap();
             out
         };
         let kept = [0, 1, 3, 4].map(|k| at_once[k].clone());
         assert_eq!(skipped(true), kept);
         assert_ne!(skipped(false)[2..], kept[2..]);
+    }
+
+    /// A prompt's own budget, decoding and stop strings replace the run's for it alone: in a
+    /// greedy run of 12 tokens, one prompt sampled gives what it gives in a sampled run, one of
+    /// 3 tokens the first 3 of its greedy answer, and the stop check is handed a prompt's own
+    /// strings (none: the run's, `None`).
+    #[test]
+    fn a_prompt_asks_for_its_own_budget_decoding_and_stop_strings() {
+        let prompts: Vec<Vec<u32>> = (0..4).map(|k| vec![1; 1 + 2 * k]).collect();
+        let all = GreedyLimits::all_at_once(1, 12, EOS, 40);
+        let sampled = Decoding::new(1.0, 0, 0.9, 5).unwrap();
+        let run = |prompts: Vec<StreamPrompt>, d: Decoding| {
+            let mut out = vec![Vec::new(); prompts.len()];
+            let mut asked = Vec::new();
+            decode_stream(
+                spread,
+                prompts,
+                GreedyLimits { max_running: 2, ..all },
+                d,
+                |own, _| {
+                    // What the check was handed; the sequences stop only by their budgets.
+                    asked.push(own.cloned());
+                    false
+                },
+                |_, _| {},
+                |i, g| out[i] = g.tokens,
+            )
+            .unwrap();
+            (out, asked)
+        };
+        let plain = |d| run(prompts.iter().cloned().map(StreamPrompt::from).collect(), d).0;
+        let (greedy, drawn) = (plain(Decoding::Greedy), plain(sampled));
+        let stop = StopStrings::new(vec!["x".into()]).unwrap();
+        let mixed: Vec<StreamPrompt> = vec![
+            prompts[0].clone().into(),
+            StreamPrompt { tokens: prompts[1].clone(), decoding: Some(sampled), ..Default::default() },
+            StreamPrompt { tokens: prompts[2].clone(), max_tokens: Some(3), ..Default::default() },
+            StreamPrompt { tokens: prompts[3].clone(), stop: Some(stop.clone()), ..Default::default() },
+        ];
+        let (out, asked) = run(mixed, Decoding::Greedy);
+        assert_eq!(out[0], greedy[0]);
+        assert_eq!(out[1], drawn[1], "its own sampling");
+        assert_ne!(drawn[1], greedy[1]);
+        assert_eq!(out[2], greedy[2][..3], "its own budget");
+        assert_eq!(out[3], greedy[3]);
+        // Asked once per token but end-of-sequence: prompt 3's with its own strings.
+        let own = asked.iter().filter(|a| a.as_ref() == Some(&stop)).count();
+        assert_eq!(own, out[3].iter().filter(|&&t| t != EOS).count());
+        assert!(asked.contains(&None));
     }
 
     /// Prompts taken from an iterator are taken only as slots free (never more than the bound
