@@ -18,7 +18,7 @@ use crate::count;
 use crate::input::PROMPT_LINE;
 
 #[derive(Args)]
-#[command(group = clap::ArgGroup::new("input").required(true).multiple(true).args(["prompt", "prompt_file"]))]
+#[command(group = clap::ArgGroup::new("input").required(true).multiple(true).args(["prompt", "prompt_file", "batch"]))]
 pub(crate) struct GenerateArgs {
     /// The model directory (`cascade model import --gguf` writes one).
     #[arg(long, default_value = crate::models::SMOLLM2)]
@@ -33,6 +33,14 @@ pub(crate) struct GenerateArgs {
     /// in part.
     #[arg(long, value_name = "FILE")]
     prompt_file: Option<PathBuf>,
+    /// Requests in OpenAI's Batch API input format, one JSON object per line (`-`: standard
+    /// input): {"custom_id", "method": "POST", "url": "/v1/completions" or
+    /// "/v1/chat/completions", "body": {prompt or messages, max_tokens, temperature, top_p,
+    /// top_k, seed, stop, …}}, each with its own settings; answered one JSON line each, in their
+    /// order, in that API's output format. --max-tokens is the budget of a request without one;
+    /// --seed the seed of one without one (random otherwise). Instead of --prompt/--prompt-file.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["prompt", "prompt_file", "chat", "json", "stop"])]
+    batch: Option<PathBuf>,
     /// Render each prompt as a user message in the model's chat template (its Jinja, as
     /// `transformers` renders it; SmolLM2's is ChatML with a default system message), the
     /// assistant's turn opened.
@@ -133,6 +141,14 @@ fn escaped(text: &str) -> String {
     quoted[1..quoted.len() - 1].to_string()
 }
 
+/// What a line of input asked for, as its answer shows it.
+enum Given {
+    /// A prompt (`--prompt`, a line of `--prompt-file`).
+    Prompt(String),
+    /// A request of a `--batch` file.
+    Request(crate::batch::Asked),
+}
+
 /// What became of one prompt.
 enum Outcome {
     /// Generated from.
@@ -147,11 +163,23 @@ enum Outcome {
 fn show(
     out: &mut impl Write,
     run: &InOrder,
-    prompt: &str,
+    given: &Given,
     o: &Outcome,
     streamed: Option<&String>,
 ) -> anyhow::Result<()> {
-    let InOrder { a, seed, stops, g, .. } = *run;
+    let InOrder { a, seed, stops, g, created, .. } = *run;
+    let prompt = match given {
+        Given::Prompt(p) => p,
+        Given::Request(asked) => {
+            // The model's directory as given, as vLLM names a model served without another name.
+            let model = a.model.display().to_string();
+            let o = match o {
+                Outcome::Done(o) => Ok(o),
+                Outcome::Refused(why) => Err(why.as_str()),
+            };
+            return crate::batch::show(out, g, &model, created, asked, o);
+        }
+    };
     let o = match o {
         Outcome::Done(o) => o,
         Outcome::Refused(why) if a.json => {
@@ -204,11 +232,13 @@ struct InOrder<'a> {
     seed: Option<u64>,
     stops: &'a StopStrings,
     g: &'a Generator,
+    /// When the run started, in Unix seconds (a `--batch` answer's `created`).
+    created: u64,
     bar: Option<ProgressBar>,
     /// With one prompt shown as it is generated: what was shown, which its result line ends.
     streamed: Option<&'a RefCell<Streamed>>,
-    /// Finished prompts waiting for an earlier one: index → (prompt, outcome).
-    waiting: BTreeMap<usize, (String, Outcome)>,
+    /// Finished prompts waiting for an earlier one: index → (what it asked, outcome).
+    waiting: BTreeMap<usize, (Given, Outcome)>,
     /// The next prompt to print.
     next: usize,
     /// Prompts generated from, and their tokens.
@@ -221,7 +251,7 @@ struct InOrder<'a> {
 }
 
 impl InOrder<'_> {
-    fn finish(&mut self, i: usize, prompt: String, o: Outcome) {
+    fn finish(&mut self, i: usize, prompt: Given, o: Outcome) {
         match &o {
             Outcome::Done(g) => {
                 self.generated.0 += 1;
@@ -259,10 +289,18 @@ pub(crate) fn generate(a: GenerateArgs) -> anyhow::Result<()> {
     if a.max_tokens == 0 {
         bail!("--max-tokens must be at least 1");
     }
-    let decoding = a.sampling.decoding()?;
+    // A batch's requests say how each is decoded; the run gives a seed to those that do not.
+    let batch = match &a.batch {
+        Some(_) => Some(batch_defaults(&a)?),
+        None => None,
+    };
+    let decoding = if batch.is_some() { Decoding::Greedy } else { a.sampling.decoding()? };
     let seed = decoding.sampling().map(|s| s.seed);
     let stops = StopStrings::new(a.stop.clone()).context("--stop")?;
-    let input = crate::input::given_then_lines(a.prompt.clone(), a.prompt_file.clone(), "--prompt-file", PROMPT_LINE)?;
+    let input = match &a.batch {
+        Some(file) => crate::input::given_then_lines(Vec::new(), Some(file.clone()), "--batch", PROMPT_LINE)?,
+        None => crate::input::given_then_lines(a.prompt.clone(), a.prompt_file.clone(), "--prompt-file", PROMPT_LINE)?,
+    };
     // Read ahead, so that a prompt typed or piped in while others run starts as soon as a slot
     // is free, and one alone is answered without waiting for more.
     let rx = crate::input::read_ahead(input, 4 * RUNNING);
@@ -278,7 +316,7 @@ pub(crate) fn generate(a: GenerateArgs) -> anyhow::Result<()> {
     // with several, each is shown once it and every prompt before it are done, in their order.
     let stream = !a.json && a.prompt.len() == 1 && a.prompt_file.is_none();
     // Progress on stderr when prompts may queue (indicatif draws nothing when it is no terminal).
-    let bar = (a.prompt_file.is_some() || a.prompt.len() > RUNNING).then(|| {
+    let bar = (a.prompt_file.is_some() || a.batch.is_some() || a.prompt.len() > RUNNING).then(|| {
         let style = ProgressStyle::with_template("generating: {pos} prompts done, {msg}, {elapsed} {spinner}")
             .unwrap_or_else(|_| ProgressStyle::default_spinner());
         ProgressBar::new_spinner().with_style(style)
@@ -289,6 +327,7 @@ pub(crate) fn generate(a: GenerateArgs) -> anyhow::Result<()> {
         seed,
         stops: &stops,
         g: &g,
+        created: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()),
         bar,
         streamed: stream.then_some(&shown),
         waiting: BTreeMap::new(),
@@ -299,7 +338,7 @@ pub(crate) fn generate(a: GenerateArgs) -> anyhow::Result<()> {
         failed: None,
     });
     // The prompts handed to the generator, by its index: (their index among all, the prompt).
-    let handed: RefCell<HashMap<usize, (usize, String)>> = RefCell::new(HashMap::new());
+    let handed: RefCell<HashMap<usize, (usize, Given)>> = RefCell::new(HashMap::new());
     let mut read_failed: Option<anyhow::Error> = None;
     let (mut read, mut given, mut ended) = (0usize, 0usize, false);
     let prompts = std::iter::from_fn(|| loop {
@@ -330,16 +369,26 @@ pub(crate) fn generate(a: GenerateArgs) -> anyhow::Result<()> {
         };
         let i = read;
         read += 1;
-        let tokens = line_prompt(&g, &line, a.chat);
-        let prompt = line.text;
-        match tokens.map_err(|e| e.to_string()).and_then(|t| t) {
-            Ok(tokens) => {
-                handed.borrow_mut().insert(given, (i, prompt));
-                given += 1;
+        let (asked, prompt) = match &batch {
+            Some(defaults) => match crate::batch::parse(&g, &line.text, line.cut, i, defaults) {
+                Ok((asked, prompt)) => (Given::Request(asked), prompt),
+                Err(e) => (Given::Request(crate::batch::Asked::unread(i)), Err(e.to_string())),
+            },
+            None => {
+                let tokens = line_prompt(&g, &line, a.chat).map_err(|e| e.to_string()).and_then(|t| t);
                 // Drawn as its line's index: a refused line before it changes none of its draws.
-                return Some(StreamPrompt { tokens, draws_as: Some(i as u64), ..StreamPrompt::default() });
+                let prompt =
+                    tokens.map(|tokens| StreamPrompt { tokens, draws_as: Some(i as u64), ..Default::default() });
+                (Given::Prompt(line.text), prompt)
             }
-            Err(why) => order.borrow_mut().finish(i, prompt, Outcome::Refused(why)),
+        };
+        match prompt {
+            Ok(prompt) => {
+                handed.borrow_mut().insert(given, (i, asked));
+                given += 1;
+                return Some(prompt);
+            }
+            Err(why) => order.borrow_mut().finish(i, asked, Outcome::Refused(why)),
         }
     });
     let t = Instant::now();
@@ -374,11 +423,23 @@ pub(crate) fn generate(a: GenerateArgs) -> anyhow::Result<()> {
         return Err(e.context(format!("after {} prompts", count(order.next, "prompt", "prompts"))));
     }
     if read == 0 {
+        if let Some(file) = &a.batch {
+            bail!("--batch {} holds no line: nothing to generate", file.display());
+        }
         let path = a.prompt_file.as_deref().unwrap_or(std::path::Path::new("-"));
         bail!("--prompt-file {} holds no line, and no --prompt was given: nothing to generate", path.display());
     }
     let (prompts, generated) = order.generated;
-    if !a.json && prompts > 0 {
+    if let (Some(defaults), true) = (&batch, prompts > 0) {
+        // Standard output holds the answers alone.
+        eprintln!(
+            "({} answered in {:.2} s, {generated} tokens, {:.1} tokens/s; seed {} for requests without one)",
+            count(prompts, "request", "requests"),
+            ran.as_secs_f64(),
+            generated as f64 / ran.as_secs_f64().max(1e-9),
+            defaults.seed
+        );
+    } else if !a.json && prompts > 0 {
         let how = described(decoding);
         println!(
             "({} stages on the CPU; model loaded in {:.1} s; {} tokens generated ({how}) for {} in {:.2} s, {:.1} tokens/s)",
@@ -391,15 +452,30 @@ pub(crate) fn generate(a: GenerateArgs) -> anyhow::Result<()> {
         );
     }
     if order.refused_count > 0 {
-        let first: Vec<String> = order.refused.iter().map(|(i, why)| format!("prompt {}: {why}", i + 1)).collect();
+        let (one, many) = if batch.is_some() { ("request", "requests") } else { ("prompt", "prompts") };
+        let first: Vec<String> = order.refused.iter().map(|(i, why)| format!("{one} {}: {why}", i + 1)).collect();
         bail!(
             "{} not generated (of {read}): {}{}",
-            count(order.refused_count, "prompt", "prompts"),
+            count(order.refused_count, one, many),
             first.join("; "),
             if order.refused_count > first.len() { "; …" } else { "" }
         );
     }
     Ok(())
+}
+
+/// What `--batch` gives a request that does not say: `--max-tokens`, and `--seed` or a random
+/// seed; the other sampling flags are the requests' own to set.
+fn batch_defaults(a: &GenerateArgs) -> anyhow::Result<crate::batch::Defaults> {
+    let s = &a.sampling;
+    if s.temperature != 0.0 || s.top_k != 0 || s.top_p != 1.0 {
+        bail!("--batch: each request's body sets its temperature, top_k and top_p (--seed seeds those without a seed)");
+    }
+    let seed = match s.seed {
+        Some(seed) => seed,
+        None => getrandom::u64().context("drawing a random seed")?,
+    };
+    Ok(crate::batch::Defaults { max_tokens: a.max_tokens, seed })
 }
 
 /// "greedy", or "sampled at temperature T, top-k K, top-p P, seed S" (the cuts when set).

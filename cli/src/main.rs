@@ -15,6 +15,7 @@ use cascade_transport::{ClusterSpec, Endpoint, EndpointConfig, StallWatch};
 use clap::{Args, Parser, Subcommand};
 use say::say;
 
+mod batch;
 mod demo;
 mod embed;
 mod generate;

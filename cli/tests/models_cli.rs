@@ -468,6 +468,95 @@ fn generate_stops_at_a_stop_string_and_cuts_the_text_there() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
+/// `cascade generate --batch`: requests in OpenAI's Batch API input format, each with its own
+/// settings, answered in their order in that API's output format: a greedy completion and chat
+/// completion say what `--prompt` (and `--chat`) generate, a stop string cuts the text and
+/// finishes it with "stop", one seed gives one text on any line, and a request that cannot be
+/// served is answered with a 400 and its reason while the others are served (the run exits
+/// non-zero naming it).
+#[test]
+fn generate_answers_a_batch_file_in_openai_batch_format() {
+    let d = scratch("batch");
+    let Some(model) = smollm2(&d) else { return };
+    let (story, colors) = ("Tell me a story about a cat.", "The three primary colors are");
+    let plain = |extra: &[&str]| {
+        let out =
+            Command::new(CASCADE).args(["generate", "--json", "--model"]).arg(&model).args(extra).output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        v["text"].as_str().unwrap().to_string()
+    };
+    let chat = plain(&["--chat", "--prompt", story, "--max-tokens", "16"]);
+    let text = plain(&["--prompt", colors, "--max-tokens", "10"]);
+    let seeded = serde_json::json!({"messages": [{"role": "user", "content": story}], "max_tokens": 12, "seed": 7});
+    let lines = [
+        serde_json::json!({"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "any", "messages": [{"role": "user", "content": story}], "max_tokens": 16, "temperature": 0}}),
+        serde_json::json!({"custom_id": "text", "method": "POST", "url": "/v1/completions",
+            "body": {"prompt": colors, "max_tokens": 10, "temperature": 0}}),
+        serde_json::json!({"custom_id": "seeded", "method": "POST", "url": "/v1/chat/completions", "body": seeded}),
+        serde_json::json!({"custom_id": "cut", "method": "POST", "url": "/v1/completions",
+            "body": {"prompt": colors, "max_tokens": 10, "temperature": 0, "stop": [" colors", "never"]}}),
+        serde_json::json!({"custom_id": "penalty", "method": "POST", "url": "/v1/completions",
+            "body": {"prompt": colors, "presence_penalty": 1}}),
+        serde_json::json!({"custom_id": "two", "method": "POST", "url": "/v1/completions", "body": {"prompt": colors, "n": 2}}),
+        serde_json::json!({"custom_id": "seeded again", "method": "POST", "url": "/v1/chat/completions", "body": seeded}),
+    ];
+    let mut file: Vec<String> = lines.iter().map(|l| l.to_string()).collect();
+    file.insert(5, "not json".into());
+    let path = d.join("batch.jsonl");
+    std::fs::write(&path, file.join("\n") + "\n").unwrap();
+    let out =
+        Command::new(CASCADE).args(["generate", "--batch"]).arg(&path).arg("--model").arg(&model).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("3 requests not generated (of 8)"), "{err}");
+    assert!(err.contains("request 5: body.presence_penalty is not supported here"), "{err}");
+    let rows: Vec<serde_json::Value> =
+        String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let ids: Vec<Option<&str>> = rows.iter().map(|r| r["custom_id"].as_str()).collect();
+    let want = [Some("chat"), Some("text"), Some("seeded"), Some("cut"), Some("penalty"), None, Some("two")];
+    assert_eq!(ids, [&want[..], &[Some("seeded again")]].concat());
+    let body = |k: usize| &rows[k]["response"]["body"];
+    let choice = |k: usize| &body(k)["choices"][0];
+    assert_eq!(rows[0]["response"]["status_code"], 200);
+    assert_eq!(body(0)["object"], "chat.completion");
+    assert_eq!(choice(0)["message"]["content"], chat.trim_end_matches("<|im_end|>"));
+    assert_eq!(body(1)["object"], "text_completion");
+    assert_eq!(choice(1)["text"], text.as_str());
+    assert_eq!(
+        (choice(1)["finish_reason"].as_str(), body(1)["usage"]["completion_tokens"].as_u64()),
+        (Some("length"), Some(10))
+    );
+    assert_eq!(choice(2)["message"]["content"], choice(7)["message"]["content"], "one seed, two texts");
+    assert_ne!(
+        choice(2)["message"]["content"],
+        choice(0)["message"]["content"],
+        "a seeded request drew the greedy text"
+    );
+    let cut = &text[..text.find(" colors").expect("the greedy text names the colors")];
+    assert_eq!((choice(3)["text"].as_str(), choice(3)["finish_reason"].as_str()), (Some(cut), Some("stop")));
+    for (k, why) in [(4, "presence_penalty"), (5, "not a JSON request"), (6, "one answer per request")] {
+        assert_eq!(rows[k]["response"]["status_code"], 400, "{}", rows[k]);
+        assert!(body(k)["error"]["message"].as_str().unwrap().contains(why), "{}", rows[k]);
+    }
+
+    let refused = |extra: &[&str]| {
+        let out = Command::new(CASCADE)
+            .args(["generate", "--batch"])
+            .arg(&path)
+            .arg("--model")
+            .arg(&model)
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    assert!(refused(&["--prompt", "x"]).contains("cannot be used with"));
+    assert!(refused(&["--temperature", "1"]).contains("each request's body sets"));
+    let _ = std::fs::remove_dir_all(&d);
+}
+
 /// `cascade generate --prompt-file`: prompts from a file or standard input, after any
 /// `--prompt`, answered in their order, each as `--prompt` answers it; an empty line is answered
 /// in its place with its error while the others are generated, and the run exits non-zero naming
