@@ -327,7 +327,7 @@ pub(crate) fn generate(a: GenerateArgs) -> anyhow::Result<()> {
         seed,
         stops: &stops,
         g: &g,
-        created: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()),
+        created: crate::openai::now(),
         bar,
         streamed: stream.then_some(&shown),
         waiting: BTreeMap::new(),
@@ -466,7 +466,7 @@ pub(crate) fn generate(a: GenerateArgs) -> anyhow::Result<()> {
 
 /// What `--batch` gives a request that does not say: `--max-tokens`, and `--seed` or a random
 /// seed; the other sampling flags are the requests' own to set.
-fn batch_defaults(a: &GenerateArgs) -> anyhow::Result<crate::batch::Defaults> {
+fn batch_defaults(a: &GenerateArgs) -> anyhow::Result<crate::openai::Defaults> {
     let s = &a.sampling;
     if s.temperature != 0.0 || s.top_k != 0 || s.top_p != 1.0 {
         bail!("--batch: each request's body sets its temperature, top_k and top_p (--seed seeds those without a seed)");
@@ -475,7 +475,7 @@ fn batch_defaults(a: &GenerateArgs) -> anyhow::Result<crate::batch::Defaults> {
         Some(seed) => seed,
         None => getrandom::u64().context("drawing a random seed")?,
     };
-    Ok(crate::batch::Defaults { max_tokens: a.max_tokens, seed })
+    Ok(crate::openai::Defaults { max_tokens: a.max_tokens, seed })
 }
 
 /// "greedy", or "sampled at temperature T, top-k K, top-p P, seed S" (the cuts when set).

@@ -24,6 +24,7 @@ mod live;
 mod llm;
 mod lora;
 mod models;
+mod openai;
 mod pd;
 mod plot;
 mod pool;

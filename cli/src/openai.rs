@@ -1,0 +1,245 @@
+//! The request and answer bodies of OpenAI's completions and chat completions API, as
+//! `cascade generate --batch` and `cascade llm-server` take and give them.
+//!
+//! What a body may hold: `model` (any string: the model served is the one loaded), `prompt` (a
+//! string, or a list of one) or `messages` (`system`/`user`/`assistant` messages with string
+//! content, rendered by the model's chat template with the assistant's turn opened),
+//! `max_tokens` (or `max_completion_tokens`), `temperature`, `top_p`, `top_k` (as vLLM takes it),
+//! `seed`, `stop` (a string or a list of at most 16), and `n` 1, `stream` false, `user`. Any other
+//! field is refused, naming it, rather than ignored (`logprobs`, `n` 2, penalties and streamed
+//! answers are not computed here).
+//!
+//! Where this departs from OpenAI's defaults: a request without `max_tokens` gets the server's
+//! (or run's) `--max-tokens` (OpenAI: 16 for completions, none for chat), so that each reserves
+//! a bounded part of the KV cache. As OpenAI, a request without `temperature` samples at 1. A
+//! request with a `seed` draws its `n`-th token from the seed and `n` alone — the same body and
+//! seed give the same text wherever and whenever it comes; one without draws from the run's
+//! seed and the index it is given.
+
+use cascade_exec::llama::chat::Message;
+use cascade_exec::llama::generate::{Generated, Generator, StreamPrompt};
+use cascade_exec::llama::sample::Decoding;
+use cascade_exec::llama::stop::StopStrings;
+use cascade_exec::ExecError;
+use serde_json::{json, Map, Value};
+
+/// The body fields a request may hold.
+const FIELDS: [&str; 13] = [
+    "model",
+    "prompt",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "n",
+    "stream",
+    "user",
+];
+
+/// What the run gives a request that does not say.
+pub(crate) struct Defaults {
+    /// Tokens to generate at most.
+    pub(crate) max_tokens: usize,
+    /// The seed of a request without one.
+    pub(crate) seed: u64,
+}
+
+/// A request's prompt and stop strings, from its body (`chat`: a chat completion's, with
+/// `messages`), or why it cannot be served. `index` is the index a request without a seed draws
+/// as (a request with one draws as 0: its seed alone decides). `Err` only when the model's
+/// tokenizer or template fails.
+pub(crate) fn request(
+    g: &Generator,
+    body: &Value,
+    chat: bool,
+    defaults: &Defaults,
+    index: u64,
+) -> Result<Result<Request, String>, ExecError> {
+    let refuse = |why: String| Ok(Err(why));
+    let Some(body) = body.as_object() else {
+        return refuse("no body (an object)".into());
+    };
+    if let Some(k) = body.keys().find(|k| !FIELDS.contains(&k.as_str())) {
+        return refuse(format!("body.{k} is not supported here"));
+    }
+    let settings = match Settings::of(body, chat, defaults) {
+        Ok(s) => s,
+        Err(why) => return refuse(why),
+    };
+    let text = match (chat, body.get("prompt"), body.get("messages")) {
+        (false, Some(p), None) => match p {
+            Value::String(s) => s.clone(),
+            Value::Array(a) if a.len() == 1 && a[0].is_string() => a[0].as_str().unwrap_or_default().to_string(),
+            _ => return refuse("body.prompt: a string (or a list of one)".into()),
+        },
+        (true, None, Some(m)) => match conversation(g, m)? {
+            Ok(text) => text,
+            Err(why) => return refuse(why),
+        },
+        (false, ..) => return refuse("a completion's body needs a prompt (and no messages)".into()),
+        (true, ..) => return refuse("a chat completion's body needs messages (and no prompt)".into()),
+    };
+    let tokens = match g.prompt(&text)? {
+        Ok(t) => t,
+        Err(why) => return refuse(why),
+    };
+    let prompt = StreamPrompt {
+        tokens,
+        // A seed of its own: its draws are its own, wherever it comes.
+        draws_as: Some(if settings.own_seed { 0 } else { index }),
+        max_tokens: Some(settings.max_tokens),
+        decoding: Some(settings.decoding),
+        stop: Some(settings.stops.clone()),
+    };
+    Ok(Ok(Request { prompt, stops: settings.stops }))
+}
+
+/// A request taken: the prompt to generate from, and where its text is cut.
+pub(crate) struct Request {
+    /// Its tokens and settings.
+    pub(crate) prompt: StreamPrompt,
+    /// Its stop strings.
+    pub(crate) stops: StopStrings,
+}
+
+/// The body of a completion's answer (`chat`: a chat completion's) to request number `n`:
+/// its text (without end-of-sequence, cut at its first stop string), why it finished and the
+/// tokens it counted.
+pub(crate) fn completion(
+    g: &Generator,
+    model: &str,
+    created: u64,
+    n: usize,
+    chat: bool,
+    stops: &StopStrings,
+    o: &Generated,
+) -> Result<Value, ExecError> {
+    let eos = g.model().config().eos_token_id;
+    let ended = o.tokens.last() == Some(&eos);
+    let shown = if ended { &o.tokens[..o.tokens.len() - 1] } else { &o.tokens[..] };
+    let mut text = g.decode(shown)?;
+    if let Some((at, _)) = stops.cut(&text) {
+        text.truncate(at);
+    }
+    let finish = if ended || o.stopped { "stop" } else { "length" };
+    let choice = if chat {
+        json!({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": finish})
+    } else {
+        json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish})
+    };
+    let (p, c) = (o.prompt_tokens.len(), o.tokens.len());
+    Ok(json!({
+        "id": format!("{}-{n}", if chat { "chatcmpl" } else { "cmpl" }),
+        "object": if chat { "chat.completion" } else { "text_completion" },
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "usage": {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c},
+    }))
+}
+
+/// The body of an error answer, as OpenAI's API gives one.
+pub(crate) fn error(why: &str) -> Value {
+    json!({"error": {"message": why, "type": "invalid_request_error", "param": null, "code": null}})
+}
+
+/// Now, in Unix seconds (a completion's `created`).
+pub(crate) fn now() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+/// A request's settings, checked.
+struct Settings {
+    max_tokens: usize,
+    decoding: Decoding,
+    own_seed: bool,
+    stops: StopStrings,
+}
+
+impl Settings {
+    fn of(body: &Map<String, Value>, chat: bool, defaults: &Defaults) -> Result<Settings, String> {
+        let number = |k: &str| -> Result<Option<f64>, String> {
+            body.get(k)
+                .filter(|v| !v.is_null())
+                .map(|v| v.as_f64().ok_or(format!("body.{k} {v}: a number")))
+                .transpose()
+        };
+        let count = |k: &str| -> Result<Option<u64>, String> {
+            body.get(k)
+                .filter(|v| !v.is_null())
+                .map(|v| v.as_u64().ok_or(format!("body.{k} {v}: a whole number, 0 or more")))
+                .transpose()
+        };
+        if let Some(n) = count("n")?.filter(|&n| n != 1) {
+            return Err(format!("body.n {n}: one answer per request here"));
+        }
+        if body.get("stream").is_some_and(|s| s != &Value::Bool(false)) {
+            return Err("body.stream: answers come whole here (false)".into());
+        }
+        if !chat && body.contains_key("max_completion_tokens") {
+            return Err("body.max_completion_tokens is a chat completion's; a completion's is max_tokens".into());
+        }
+        let budget = match (count("max_tokens")?, count("max_completion_tokens")?) {
+            (Some(_), Some(_)) => return Err("body.max_tokens and body.max_completion_tokens: one of them".into()),
+            (m, c) => m.or(c),
+        };
+        let max_tokens = match budget {
+            Some(0) => return Err("body.max_tokens 0: at least 1".into()),
+            Some(n) => usize::try_from(n).unwrap_or(usize::MAX),
+            None => defaults.max_tokens,
+        };
+        let temperature = number("temperature")?.unwrap_or(1.0);
+        if !(0.0..=2.0).contains(&temperature) {
+            return Err(format!("body.temperature {temperature}: from 0 to 2"));
+        }
+        let top_p = number("top_p")?.unwrap_or(1.0);
+        let top_k = count("top_k")?.unwrap_or(0);
+        let seed = match body.get("seed").filter(|v| !v.is_null()) {
+            None => None,
+            // OpenAI's seed is a signed 64-bit integer: its bits.
+            Some(v) => Some(v.as_i64().map(|s| s as u64).or(v.as_u64()).ok_or(format!("body.seed {v}: an integer"))?),
+        };
+        let decoding = Decoding::new(
+            temperature as f32,
+            usize::try_from(top_k).unwrap_or(usize::MAX),
+            top_p as f32,
+            seed.unwrap_or(defaults.seed),
+        )
+        .map_err(|e| format!("body: {e}"))?;
+        let stops = match body.get("stop") {
+            None | Some(Value::Null) => Vec::new(),
+            Some(Value::String(s)) => vec![s.clone()],
+            Some(Value::Array(a)) if a.iter().all(Value::is_string) => {
+                a.iter().filter_map(Value::as_str).map(str::to_string).collect()
+            }
+            Some(v) => return Err(format!("body.stop {v}: a string or a list of strings")),
+        };
+        let stops = StopStrings::new(stops).map_err(|e| format!("body.stop: {e}"))?;
+        Ok(Settings { max_tokens, decoding, own_seed: seed.is_some(), stops })
+    }
+}
+
+/// `messages` rendered by the model's chat template, the assistant's turn opened.
+fn conversation(g: &Generator, messages: &Value) -> Result<Result<String, String>, ExecError> {
+    let Some(list) = messages.as_array().filter(|l| !l.is_empty()) else {
+        return Ok(Err("body.messages: a list of at least one message".into()));
+    };
+    let mut each = Vec::with_capacity(list.len());
+    for (k, m) in list.iter().enumerate() {
+        let role = m.get("role").and_then(Value::as_str);
+        let content = m.get("content").and_then(Value::as_str);
+        match (role, content) {
+            (Some(role @ ("system" | "user" | "assistant")), Some(content)) => each.push(Message { role, content }),
+            _ => return Ok(Err(format!("body.messages[{k}]: a role (system, user or assistant) and string content"))),
+        }
+    }
+    let template = match g.chat_template() {
+        Ok(t) => t,
+        Err(e) => return Ok(Err(format!("a chat completion, and the model has no usable chat template: {e}"))),
+    };
+    Ok(template.render(&each, true).map_err(|e| e.to_string()))
+}
