@@ -22,6 +22,7 @@ mod generate;
 mod input;
 mod live;
 mod llm;
+mod llm_server;
 mod lora;
 mod models;
 mod openai;
@@ -77,6 +78,11 @@ enum Cmd {
     LoraServe(lora::LoraServeArgs),
     /// Serve an LLM on this node: a prefill or decode instance (requests from `cascade pd`'s router).
     LlmInstance(pd::LlmInstanceArgs),
+    /// Serve an LLM over HTTP with OpenAI's completions and chat completions API (POST
+    /// /v1/completions, /v1/chat/completions; GET /v1/models, /health): requests from every
+    /// connection batched together as they come, each with its own budget, sampling and stop
+    /// strings.
+    LlmServer(llm_server::LlmServerArgs),
     /// Model files: import a GGUF file as a model directory.
     Model {
         #[command(subcommand)]
@@ -103,6 +109,7 @@ impl Cmd {
                 | Cmd::Pd(_)
                 | Cmd::LoraServe(_)
                 | Cmd::LlmInstance(_)
+                | Cmd::LlmServer(_)
         )
     }
 
@@ -118,7 +125,8 @@ impl Cmd {
             | Cmd::Instance(_)
             | Cmd::Pd(_)
             | Cmd::LoraServe(_)
-            | Cmd::LlmInstance(_) => false,
+            | Cmd::LlmInstance(_)
+            | Cmd::LlmServer(_) => false,
         }
     }
 }
@@ -592,6 +600,7 @@ fn run() -> anyhow::Result<()> {
         Cmd::Pd(a) => pd::run(a),
         Cmd::LoraServe(a) => lora::run(a),
         Cmd::LlmInstance(a) => tokio::runtime::Runtime::new()?.block_on(pd::instance(a)),
+        Cmd::LlmServer(a) => llm_server::run(a),
         Cmd::Model { cmd } => llm::model(cmd),
         Cmd::Live(a) => live::run(a),
         Cmd::Instance(a) => tokio::runtime::Runtime::new()?.block_on(live::instance(a)),

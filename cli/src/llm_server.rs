@@ -1,0 +1,215 @@
+//! `cascade llm-server`: an LLM served over HTTP with OpenAI's completions and chat completions
+//! API (`POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`),
+//! the bodies as [`crate::openai`] takes and gives them.
+//!
+//! The requests of every connection go to one generation loop on a thread of its own
+//! ([`Generator::generate_stream`]): up to 32 decode together, a request arriving while others
+//! run joins the next step, and one finished hands its slot to the next — continuous batching,
+//! each with its own budget, sampling and stop strings. A request is tokenised (and its chat
+//! rendered) on a blocking thread of the HTTP runtime, not on the loop; the loop's answer comes
+//! back through a oneshot channel. Answers come whole (`stream: true` is refused). A request
+//! without a seed draws as the server's count of requests, from `--seed` (random otherwise).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+
+use anyhow::Context;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use cascade_exec::llama::generate::{Generated, Generator, StreamPrompt};
+use cascade_exec::llama::sample::Decoding;
+use cascade_exec::llama::stop::StopStrings;
+use clap::Args;
+use serde_json::{json, Value};
+use tokio::sync::oneshot;
+
+use crate::openai::Defaults;
+
+#[derive(Args)]
+pub(crate) struct LlmServerArgs {
+    /// The model directory (`cascade model import --gguf` writes one).
+    #[arg(long, default_value = crate::models::SMOLLM2)]
+    model: PathBuf,
+    /// The address to listen on (port 0: any free one; the address taken is printed).
+    #[arg(long, default_value = "127.0.0.1:8000")]
+    listen: SocketAddr,
+    /// Tokens a request without max_tokens generates at most.
+    #[arg(long, default_value_t = 256)]
+    max_tokens: usize,
+    /// The seed of the requests without one (random otherwise, and printed).
+    #[arg(long)]
+    seed: Option<u64>,
+}
+
+/// A request for the generation loop: its prompt, and where its answer goes.
+struct Job {
+    prompt: StreamPrompt,
+    reply: oneshot::Sender<Generated>,
+}
+
+/// What every request's handler shares.
+struct Served {
+    g: Arc<Generator>,
+    /// The model's name in answers: its directory, as given.
+    model: String,
+    defaults: Defaults,
+    /// Requests taken so far: a request's number, and the index one without a seed draws as.
+    taken: AtomicU64,
+    /// The generation loop's queue (`None` once the server stops).
+    jobs: Mutex<Option<mpsc::Sender<Job>>>,
+}
+
+/// An answer: its status and JSON body.
+type Answer = (StatusCode, Json<Value>);
+
+fn refused(status: StatusCode, why: &str) -> Answer {
+    (status, Json(crate::openai::error(why)))
+}
+
+/// Runs the server until Ctrl-C (or SIGTERM).
+pub(crate) fn run(a: LlmServerArgs) -> anyhow::Result<()> {
+    if a.max_tokens == 0 {
+        anyhow::bail!("--max-tokens must be at least 1");
+    }
+    crate::models::ensure_smollm2(&a.model)?;
+    let g =
+        Arc::new(Generator::from_dir(&a.model).with_context(|| format!("loading the model in {}", a.model.display()))?);
+    let seed = match a.seed {
+        Some(s) => s,
+        None => getrandom::u64().context("drawing a random seed")?,
+    };
+    let (tx, rx) = mpsc::channel::<Job>();
+    let looping = {
+        let g = g.clone();
+        std::thread::Builder::new().name("generation".into()).spawn(move || generation(&g, &rx))?
+    };
+    let served = Arc::new(Served {
+        g,
+        model: a.model.display().to_string(),
+        defaults: Defaults { max_tokens: a.max_tokens, seed },
+        taken: AtomicU64::new(0),
+        jobs: Mutex::new(Some(tx)),
+    });
+    let app = Router::new()
+        .route("/v1/completions", post(|s, body| answer(s, body, false)))
+        .route("/v1/chat/completions", post(|s, body| answer(s, body, true)))
+        .route("/v1/models", get(models))
+        .route("/health", get(|| async { "ok" }))
+        .with_state(served.clone());
+    let rt = tokio::runtime::Runtime::new()?;
+    rt.block_on(async {
+        let listener =
+            tokio::net::TcpListener::bind(a.listen).await.with_context(|| format!("listening on {}", a.listen))?;
+        let at = listener.local_addr()?;
+        println!(
+            "listening on http://{at} (model {}; POST /v1/completions, /v1/chat/completions; seed {seed} for requests \
+             without one)",
+            served.model
+        );
+        use std::io::Write;
+        std::io::stdout().flush()?;
+        axum::serve(listener, app).with_graceful_shutdown(stopped()).await?;
+        anyhow::Ok(())
+    })?;
+    // No new request: the loop ends once the ones it runs are answered.
+    served.jobs.lock().map_err(|_| anyhow::anyhow!("the queue's lock was poisoned"))?.take();
+    drop(rt);
+    looping.join().map_err(|_| anyhow::anyhow!("the generation loop panicked"))?;
+    println!("stopped after {} requests", served.taken.load(Ordering::Relaxed));
+    Ok(())
+}
+
+/// Ctrl-C or SIGTERM.
+async fn stopped() {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending().await } } => {}
+    }
+}
+
+/// The generation loop: jobs as they come, batched by [`Generator::generate_stream`], each
+/// answer sent back when its sequence ends. Returns when the queue closes.
+fn generation(g: &Generator, rx: &mpsc::Receiver<Job>) {
+    let none = StopStrings::default();
+    loop {
+        let replies = std::cell::RefCell::new(std::collections::HashMap::new());
+        let mut closed = false;
+        let mut k = 0usize;
+        let jobs = std::iter::from_fn(|| {
+            // While sequences run, a job not yet sent is not waited for; with none, the loop waits.
+            let job = if replies.borrow().is_empty() {
+                let j = rx.recv().ok();
+                closed = j.is_none();
+                j?
+            } else {
+                rx.try_recv().ok()?
+            };
+            replies.borrow_mut().insert(k, job.reply);
+            k += 1;
+            Some(job.prompt)
+        });
+        let run = g.generate_stream(
+            jobs,
+            usize::MAX,
+            Decoding::Greedy,
+            &none,
+            |_, _| {},
+            |i, out| {
+                if let Some(reply) = replies.borrow_mut().remove(&i) {
+                    let _ = reply.send(out);
+                }
+            },
+        );
+        if let Err(e) = run {
+            // The requests it ran are answered with errors (their senders dropped); the loop goes on.
+            tracing::error!(error = %e, "a generation step failed: the requests running are answered with an error");
+        }
+        if closed {
+            return;
+        }
+    }
+}
+
+/// `POST /v1/completions` (`chat`: `/v1/chat/completions`).
+async fn answer(State(s): State<Arc<Served>>, body: axum::body::Bytes, chat: bool) -> Answer {
+    let body: Value = match serde_json::from_slice(&body) {
+        Ok(v) => v,
+        Err(e) => return refused(StatusCode::BAD_REQUEST, &format!("not a JSON body: {e}")),
+    };
+    let n = s.taken.fetch_add(1, Ordering::Relaxed);
+    let taking = {
+        let s = s.clone();
+        tokio::task::spawn_blocking(move || crate::openai::request(&s.g, &body, chat, &s.defaults, n))
+    };
+    let request = match taking.await {
+        Ok(Ok(Ok(r))) => r,
+        Ok(Ok(Err(why))) => return refused(StatusCode::BAD_REQUEST, &why),
+        Ok(Err(e)) => return refused(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string()),
+        Err(e) => return refused(StatusCode::INTERNAL_SERVER_ERROR, &format!("taking the request: {e}")),
+    };
+    let (reply, answered) = oneshot::channel();
+    let queued = match s.jobs.lock() {
+        Ok(jobs) => jobs.as_ref().is_some_and(|q| q.send(Job { prompt: request.prompt, reply }).is_ok()),
+        Err(_) => false,
+    };
+    if !queued {
+        return refused(StatusCode::SERVICE_UNAVAILABLE, "the server is stopping");
+    }
+    let Ok(out) = answered.await else {
+        return refused(StatusCode::INTERNAL_SERVER_ERROR, "its generation failed (the server's log says why)");
+    };
+    match crate::openai::completion(&s.g, &s.model, crate::openai::now(), n as usize, chat, &request.stops, &out) {
+        Ok(body) => (StatusCode::OK, Json(body)),
+        Err(e) => refused(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string()),
+    }
+}
+
+/// `GET /v1/models`: the one model served.
+async fn models(State(s): State<Arc<Served>>) -> Json<Value> {
+    Json(json!({"object": "list", "data": [{"id": s.model, "object": "model", "created": 0, "owned_by": "cascade"}]}))
+}

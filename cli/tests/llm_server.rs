@@ -1,0 +1,153 @@
+//! `cascade llm-server` over HTTP with the real SmolLM2: OpenAI's completions and chat
+//! completions answered as `cascade generate` answers the same prompts, requests from several
+//! connections at once each answered alike, bad requests refused with their reasons, and a
+//! SIGTERM ending the server cleanly. Skips, saying so, without the model.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+
+use common::{scratch, smollm2, CASCADE};
+use serde_json::{json, Value};
+
+/// One HTTP/1.1 request to `addr` (`host:port`), the connection closed after: its status and
+/// JSON body (`Value::Null` for a body that is not JSON).
+fn call(addr: &str, method: &str, path: &str, body: Option<&Value>) -> (u16, Value) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    // A request never answered fails the test rather than hanging it.
+    s.set_read_timeout(Some(std::time::Duration::from_secs(120))).unwrap();
+    let body = body.map(Value::to_string).unwrap_or_default();
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\
+         Connection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut reply = String::new();
+    s.read_to_string(&mut reply).unwrap();
+    let (head, body) = reply.split_once("\r\n\r\n").unwrap();
+    let status = head.split(' ').nth(1).unwrap().parse().unwrap();
+    (status, serde_json::from_str(body).unwrap_or(Value::Null))
+}
+
+/// The server's process, killed if the test fails before it stops it (a server left running
+/// would hold the test's output open, and `cargo test` would wait for it).
+struct Server(Option<Child>);
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.0.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// The server on a free port, and its address.
+fn start(model: &std::path::Path) -> (Server, String) {
+    let mut child = Command::new(CASCADE)
+        .args(["llm-server", "--listen", "127.0.0.1:0", "--model"])
+        .arg(model)
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.as_mut().unwrap()).read_line(&mut line).unwrap();
+    let addr = line.split("http://").nth(1).and_then(|r| r.split_whitespace().next()).unwrap().to_string();
+    (Server(Some(child)), addr)
+}
+
+/// What `cascade generate --json` answers `extra`'s prompts: their texts.
+fn generated(model: &std::path::Path, extra: &[&str]) -> Vec<String> {
+    let out = Command::new(CASCADE).args(["generate", "--json", "--model"]).arg(model).args(extra).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap()["text"].as_str().unwrap().to_string())
+        .collect()
+}
+
+#[test]
+fn the_server_answers_completions_as_generate_does_from_several_connections_at_once() {
+    let d = scratch("llm-server");
+    let Some(model) = smollm2(&d) else { return };
+    let prompts = ["The capital of France is", "def fibonacci(n):", "The three primary colors are", "Water boils at"];
+    let story = "Tell me a story about a cat.";
+    let mut args: Vec<&str> = vec!["--max-tokens", "8"];
+    prompts.iter().for_each(|p| args.extend(["--prompt", p]));
+    let want = generated(&model, &args);
+    let chat = generated(&model, &["--chat", "--max-tokens", "12", "--prompt", story]);
+
+    let (mut server, addr) = start(&model);
+    // Four connections at once: each answered with its own prompt's greedy text.
+    let texts: Vec<(u16, Value)> = std::thread::scope(|s| {
+        let each: Vec<_> = prompts
+            .iter()
+            .map(|p| {
+                let addr = &addr;
+                s.spawn(move || {
+                    call(
+                        addr,
+                        "POST",
+                        "/v1/completions",
+                        Some(&json!({"prompt": p, "max_tokens": 8, "temperature": 0})),
+                    )
+                })
+            })
+            .collect();
+        each.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for ((status, body), want) in texts.iter().zip(&want) {
+        assert_eq!(*status, 200, "{body}");
+        assert_eq!(body["object"], "text_completion");
+        assert_eq!(body["choices"][0]["text"], want.as_str(), "{body}");
+        assert_eq!(body["usage"]["completion_tokens"], 8);
+    }
+    let messages = json!([{"role": "user", "content": story}]);
+    let (status, body) = call(
+        &addr,
+        "POST",
+        "/v1/chat/completions",
+        Some(&json!({"messages": messages, "max_tokens": 12, "temperature": 0})),
+    );
+    assert_eq!((status, body["object"].as_str()), (200, Some("chat.completion")), "{body}");
+    assert_eq!(body["choices"][0]["message"]["content"], chat[0].trim_end_matches("<|im_end|>"));
+    // One seed, one text, whenever it comes.
+    let seeded = json!({"messages": messages, "max_tokens": 12, "seed": 3, "temperature": 1.0});
+    let first = call(&addr, "POST", "/v1/chat/completions", Some(&seeded)).1;
+    let again = call(&addr, "POST", "/v1/chat/completions", Some(&seeded)).1;
+    assert_eq!(first["choices"], again["choices"]);
+
+    for (body, why) in [
+        (json!({"prompt": "x", "logprobs": 2}), "body.logprobs is not supported here"),
+        (json!({"prompt": "x", "stream": true}), "body.stream"),
+        (json!({"messages": messages}), "needs a prompt"),
+        (json!({"prompt": ""}), "an empty prompt"),
+    ] {
+        let (status, answer) = call(&addr, "POST", "/v1/completions", Some(&body));
+        assert_eq!(status, 400, "{body}: {answer}");
+        assert!(answer["error"]["message"].as_str().unwrap().contains(why), "{body}: {answer}");
+    }
+    let mut s = TcpStream::connect(&addr).unwrap();
+    write!(s, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nConnection: close\r\n\r\n{{x}}")
+        .unwrap();
+    let mut reply = String::new();
+    s.read_to_string(&mut reply).unwrap();
+    assert!(reply.starts_with("HTTP/1.1 400") && reply.contains("not a JSON body"), "{reply}");
+    assert_eq!(call(&addr, "GET", "/nothing", None).0, 404);
+    let (status, listed) = call(&addr, "GET", "/v1/models", None);
+    assert_eq!((status, listed["data"][0]["id"].as_str()), (200, model.to_str()));
+
+    // SIGTERM: the server stops, saying how many requests it took.
+    let mut server = server.0.take().unwrap();
+    assert!(Command::new("kill").arg(server.id().to_string()).status().unwrap().success());
+    let status = server.wait().unwrap();
+    let mut rest = String::new();
+    server.stdout.take().unwrap().read_to_string(&mut rest).unwrap();
+    assert!(status.success() && rest.contains("stopped after 11 requests"), "{status:?}: {rest}");
+    let _ = std::fs::remove_dir_all(&d);
+}
