@@ -66,9 +66,12 @@ pub(crate) fn parse(
         other => return Ok((asked, Err(format!("url {other:?}: /v1/completions or /v1/chat/completions")))),
     };
     let body = request.get("body").unwrap_or(&Value::Null);
-    let taken = crate::openai::request(g, body, asked.chat, defaults, line as u64)?.map(|r| {
+    let taken = crate::openai::request(g, body, asked.chat, defaults, line as u64)?.and_then(|r| {
+        if r.stream {
+            return Err("body.stream: a batch's answers come whole (false)".into());
+        }
         asked.stops = r.stops;
-        r.prompt
+        Ok(r.prompt)
     });
     Ok((asked, taken))
 }

@@ -117,14 +117,8 @@ impl Streamed {
     /// waits until it is known not to (a stop string is never shown).
     fn push(&mut self, g: &Generator, stops: &StopStrings, tok: u32) {
         self.tokens.push(tok);
-        let Ok(mut text) = g.decode(&self.tokens) else { return };
-        if text.ends_with('\u{FFFD}') {
-            return;
-        }
-        match stops.cut(&text) {
-            Some((at, _)) => text.truncate(at),
-            None => text.truncate(text.len() - stops.held_back(&text)),
-        }
+        // (End of sequence, which `visible` leaves out, is printed with the rest by `show`.)
+        let Some(text) = crate::openai::visible(g, stops, &self.tokens) else { return };
         if !text.starts_with(&self.text) {
             return;
         }

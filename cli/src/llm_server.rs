@@ -7,7 +7,8 @@
 //! run joins the next step, and one finished hands its slot to the next — continuous batching,
 //! each with its own budget, sampling and stop strings. A request is tokenised (and its chat
 //! rendered) on a blocking thread of the HTTP runtime, not on the loop; the loop's answer comes
-//! back through a oneshot channel. Answers come whole (`stream: true` is refused). A request
+//! back through a oneshot channel. With `stream: true` the answer comes as server-sent events,
+//! a chunk of text as its tokens come (none of a stop string), as OpenAI streams it. A request
 //! without a seed draws as the server's count of requests, from `--seed` (random otherwise).
 
 use std::net::SocketAddr;
@@ -18,6 +19,7 @@ use std::sync::{mpsc, Arc, Mutex};
 use anyhow::Context;
 use axum::extract::State;
 use axum::http::StatusCode;
+use axum::response::sse::{Event, Sse};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use cascade_exec::llama::generate::{Generated, Generator, StreamPrompt};
@@ -45,10 +47,12 @@ pub(crate) struct LlmServerArgs {
     seed: Option<u64>,
 }
 
-/// A request for the generation loop: its prompt, and where its answer goes.
+/// A request for the generation loop: its prompt, where its answer goes, and (streamed) where
+/// each token goes as it comes.
 struct Job {
     prompt: StreamPrompt,
     reply: oneshot::Sender<Generated>,
+    tokens: Option<tokio::sync::mpsc::UnboundedSender<u32>>,
 }
 
 /// What every request's handler shares.
@@ -133,7 +137,8 @@ async fn stopped() {
 }
 
 /// The generation loop: jobs as they come, batched by [`Generator::generate_stream`], each
-/// answer sent back when its sequence ends. Returns when the queue closes.
+/// answer sent back when its sequence ends (a streamed one's tokens as they come). Returns when
+/// the queue closes.
 fn generation(g: &Generator, rx: &mpsc::Receiver<Job>) {
     let none = StopStrings::default();
     loop {
@@ -149,23 +154,22 @@ fn generation(g: &Generator, rx: &mpsc::Receiver<Job>) {
             } else {
                 rx.try_recv().ok()?
             };
-            replies.borrow_mut().insert(k, job.reply);
+            replies.borrow_mut().insert(k, (job.reply, job.tokens));
             k += 1;
             Some(job.prompt)
         });
-        let run = g.generate_stream(
-            jobs,
-            usize::MAX,
-            Decoding::Greedy,
-            &none,
-            |_, _| {},
-            |i, out| {
-                if let Some(reply) = replies.borrow_mut().remove(&i) {
-                    let _ = reply.send(out);
-                }
-            },
-        );
-        if let Err(e) = run {
+        let on_token = |i, tok| {
+            if let Some((_, Some(tokens))) = replies.borrow().get(&i) {
+                let _ = tokens.send(tok);
+            }
+        };
+        // Its token channel closes as its answer is sent: every token came before.
+        let on_done = |i, out| {
+            if let Some((reply, _)) = replies.borrow_mut().remove(&i) {
+                let _ = reply.send(out);
+            }
+        };
+        if let Err(e) = g.generate_stream(jobs, usize::MAX, Decoding::Greedy, &none, on_token, on_done) {
             // The requests it ran are answered with errors (their senders dropped); the loop goes on.
             tracing::error!(error = %e, "a generation step failed: the requests running are answered with an error");
         }
@@ -175,11 +179,30 @@ fn generation(g: &Generator, rx: &mpsc::Receiver<Job>) {
     }
 }
 
-/// `POST /v1/completions` (`chat`: `/v1/chat/completions`).
-async fn answer(State(s): State<Arc<Served>>, body: axum::body::Bytes, chat: bool) -> Answer {
+/// `POST /v1/completions` (`chat`: `/v1/chat/completions`): the answer whole, or as server-sent
+/// events (`stream: true`).
+async fn answer(State(s): State<Arc<Served>>, body: axum::body::Bytes, chat: bool) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    match taken(s, body, chat).await {
+        Ok(Taken::Whole(a)) | Err(a) => a.into_response(),
+        Ok(Taken::Streamed(sse)) => sse.into_response(),
+    }
+}
+
+/// The events of a streamed answer.
+type Events = std::pin::Pin<Box<dyn futures_util::Stream<Item = Result<Event, std::convert::Infallible>> + Send>>;
+
+/// A request's answer: whole, or as server-sent events.
+enum Taken {
+    Whole(Answer),
+    Streamed(Sse<Events>),
+}
+
+/// A request taken and queued: its answer (`Err`: refused).
+async fn taken(s: Arc<Served>, body: axum::body::Bytes, chat: bool) -> Result<Taken, Answer> {
     let body: Value = match serde_json::from_slice(&body) {
         Ok(v) => v,
-        Err(e) => return refused(StatusCode::BAD_REQUEST, &format!("not a JSON body: {e}")),
+        Err(e) => return Err(refused(StatusCode::BAD_REQUEST, &format!("not a JSON body: {e}"))),
     };
     let n = s.taken.fetch_add(1, Ordering::Relaxed);
     let taking = {
@@ -188,24 +211,108 @@ async fn answer(State(s): State<Arc<Served>>, body: axum::body::Bytes, chat: boo
     };
     let request = match taking.await {
         Ok(Ok(Ok(r))) => r,
-        Ok(Ok(Err(why))) => return refused(StatusCode::BAD_REQUEST, &why),
-        Ok(Err(e)) => return refused(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string()),
-        Err(e) => return refused(StatusCode::INTERNAL_SERVER_ERROR, &format!("taking the request: {e}")),
+        Ok(Ok(Err(why))) => return Err(refused(StatusCode::BAD_REQUEST, &why)),
+        Ok(Err(e)) => return Err(refused(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string())),
+        Err(e) => return Err(refused(StatusCode::INTERNAL_SERVER_ERROR, &format!("taking the request: {e}"))),
     };
     let (reply, answered) = oneshot::channel();
+    let (tokens, streamed) = match request.stream {
+        true => {
+            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+            (Some(tx), Some(rx))
+        }
+        false => (None, None),
+    };
     let queued = match s.jobs.lock() {
-        Ok(jobs) => jobs.as_ref().is_some_and(|q| q.send(Job { prompt: request.prompt, reply }).is_ok()),
+        Ok(jobs) => jobs.as_ref().is_some_and(|q| q.send(Job { prompt: request.prompt, reply, tokens }).is_ok()),
         Err(_) => false,
     };
     if !queued {
-        return refused(StatusCode::SERVICE_UNAVAILABLE, "the server is stopping");
+        return Err(refused(StatusCode::SERVICE_UNAVAILABLE, "the server is stopping"));
+    }
+    if let Some(rx) = streamed {
+        let events = Streaming {
+            s,
+            n,
+            chat,
+            stops: request.stops,
+            rx,
+            answered: Some(answered),
+            tokens: Vec::new(),
+            sent: String::new(),
+            events: 0,
+            over: false,
+        };
+        let events: Events = Box::pin(futures_util::stream::unfold(events, Streaming::next));
+        return Ok(Taken::Streamed(Sse::new(events)));
     }
     let Ok(out) = answered.await else {
-        return refused(StatusCode::INTERNAL_SERVER_ERROR, "its generation failed (the server's log says why)");
+        return Err(refused(StatusCode::INTERNAL_SERVER_ERROR, "its generation failed (the server's log says why)"));
     };
     match crate::openai::completion(&s.g, &s.model, crate::openai::now(), n as usize, chat, &request.stops, &out) {
-        Ok(body) => (StatusCode::OK, Json(body)),
-        Err(e) => refused(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string()),
+        Ok(body) => Ok(Taken::Whole((StatusCode::OK, Json(body)))),
+        Err(e) => Err(refused(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string())),
+    }
+}
+
+/// A streamed answer between two events: the tokens so far and the text sent.
+struct Streaming {
+    s: Arc<Served>,
+    n: u64,
+    chat: bool,
+    stops: StopStrings,
+    rx: tokio::sync::mpsc::UnboundedReceiver<u32>,
+    /// The whole answer, until it came.
+    answered: Option<oneshot::Receiver<Generated>>,
+    tokens: Vec<u32>,
+    sent: String,
+    /// Chunks sent (the first opens the assistant's message).
+    events: usize,
+    /// `[DONE]` sent.
+    over: bool,
+}
+
+impl Streaming {
+    /// The next event: a chunk of new text as tokens come, the last chunk (the rest of the text,
+    /// and why it finished) once the answer is whole, then `[DONE]`, as OpenAI streams them.
+    async fn next(mut self) -> Option<(Result<Event, std::convert::Infallible>, Streaming)> {
+        if self.over {
+            return None;
+        }
+        let created = crate::openai::now();
+        while let Some(tok) = self.rx.recv().await {
+            self.tokens.push(tok);
+            let Some(text) = crate::openai::visible(&self.s.g, &self.stops, &self.tokens) else { continue };
+            if text.len() > self.sent.len() && text.starts_with(&self.sent) {
+                let delta = text[self.sent.len()..].to_string();
+                self.sent = text;
+                return Some((Ok(self.event(created, &delta, None)), self));
+            }
+        }
+        let Some(answered) = self.answered.take() else {
+            self.over = true;
+            return Some((Ok(Event::default().data("[DONE]")), self));
+        };
+        let event = match answered.await {
+            Ok(out) => {
+                let finish = crate::openai::finish_reason(&self.s.g, &out);
+                let text = crate::openai::visible(&self.s.g, &self.stops, &out.tokens).unwrap_or_default();
+                let delta = text.get(self.sent.len()..).unwrap_or_default().to_string();
+                self.event(created, &delta, Some(finish))
+            }
+            Err(_) => {
+                let why = "its generation failed (the server's log says why)";
+                Event::default().data(crate::openai::error(why).to_string())
+            }
+        };
+        Some((Ok(event), self))
+    }
+
+    fn event(&mut self, created: u64, delta: &str, finish: Option<&str>) -> Event {
+        let role = self.events == 0;
+        self.events += 1;
+        let chunk = crate::openai::chunk(&self.s.model, created, self.n, self.chat, delta, role, finish);
+        Event::default().data(chunk.to_string())
     }
 }
 

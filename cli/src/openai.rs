@@ -5,9 +5,9 @@
 //! string, or a list of one) or `messages` (`system`/`user`/`assistant` messages with string
 //! content, rendered by the model's chat template with the assistant's turn opened),
 //! `max_tokens` (or `max_completion_tokens`), `temperature`, `top_p`, `top_k` (as vLLM takes it),
-//! `seed`, `stop` (a string or a list of at most 16), and `n` 1, `stream` false, `user`. Any other
-//! field is refused, naming it, rather than ignored (`logprobs`, `n` 2, penalties and streamed
-//! answers are not computed here).
+//! `seed`, `stop` (a string or a list of at most 16), `stream` (the server sends the answer as
+//! server-sent events; a batch refuses it), and `n` 1, `user`. Any other field is refused, naming
+//! it, rather than ignored (`logprobs`, `n` 2 and penalties are not computed here).
 //!
 //! Where this departs from OpenAI's defaults: a request without `max_tokens` gets the server's
 //! (or run's) `--max-tokens` (OpenAI: 16 for completions, none for chat), so that each reserves
@@ -95,15 +95,18 @@ pub(crate) fn request(
         decoding: Some(settings.decoding),
         stop: Some(settings.stops.clone()),
     };
-    Ok(Ok(Request { prompt, stops: settings.stops }))
+    let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
+    Ok(Ok(Request { prompt, stops: settings.stops, stream }))
 }
 
-/// A request taken: the prompt to generate from, and where its text is cut.
+/// A request taken: the prompt to generate from, where its text is cut, and how it is answered.
 pub(crate) struct Request {
     /// Its tokens and settings.
     pub(crate) prompt: StreamPrompt,
     /// Its stop strings.
     pub(crate) stops: StopStrings,
+    /// Whether its answer is sent as it is generated (`stream: true`).
+    pub(crate) stream: bool,
 }
 
 /// The body of a completion's answer (`chat`: a chat completion's) to request number `n`:
@@ -125,7 +128,7 @@ pub(crate) fn completion(
     if let Some((at, _)) = stops.cut(&text) {
         text.truncate(at);
     }
-    let finish = if ended || o.stopped { "stop" } else { "length" };
+    let finish = finish_reason(g, o);
     let choice = if chat {
         json!({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": finish})
     } else {
@@ -140,6 +143,64 @@ pub(crate) fn completion(
         "choices": [choice],
         "usage": {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c},
     }))
+}
+
+/// The text of `tokens` (a sequence so far) that can be shown while more may come: none while
+/// it ends inside a character (its last bytes wait for the next token), cut where a stop string
+/// begins, and short of an end that could begin one (a stop string is never shown). End of
+/// sequence is not text.
+pub(crate) fn visible(g: &Generator, stops: &StopStrings, tokens: &[u32]) -> Option<String> {
+    let eos = g.model().config().eos_token_id;
+    let tokens = tokens.strip_suffix(&[eos]).unwrap_or(tokens);
+    let mut text = g.decode(tokens).ok()?;
+    if text.ends_with('\u{FFFD}') {
+        return None;
+    }
+    match stops.cut(&text) {
+        Some((at, _)) => text.truncate(at),
+        None => text.truncate(text.len() - stops.held_back(&text)),
+    }
+    Some(text)
+}
+
+/// One event of a streamed answer to request number `n`: `delta`, the text since the last, and
+/// (with the last) why it finished — a `text_completion` chunk, or a `chat.completion.chunk`
+/// (`role`: the first, opening the assistant's message).
+pub(crate) fn chunk(
+    model: &str,
+    created: u64,
+    n: u64,
+    chat: bool,
+    delta: &str,
+    role: bool,
+    finish: Option<&str>,
+) -> Value {
+    let choice = if chat {
+        let mut d = json!({"content": delta});
+        if role {
+            d["role"] = "assistant".into();
+        }
+        json!({"index": 0, "delta": d, "logprobs": null, "finish_reason": finish})
+    } else {
+        json!({"index": 0, "text": delta, "logprobs": null, "finish_reason": finish})
+    };
+    json!({
+        "id": format!("{}-{n}", if chat { "chatcmpl" } else { "cmpl" }),
+        "object": if chat { "chat.completion.chunk" } else { "text_completion" },
+        "created": created,
+        "model": model,
+        "choices": [choice],
+    })
+}
+
+/// Why a finished sequence finished: `"stop"` at end of sequence or a stop string, `"length"`
+/// at its budget or the context window.
+pub(crate) fn finish_reason(g: &Generator, o: &Generated) -> &'static str {
+    if o.tokens.last() == Some(&g.model().config().eos_token_id) || o.stopped {
+        "stop"
+    } else {
+        "length"
+    }
 }
 
 /// The body of an error answer, as OpenAI's API gives one.
@@ -177,8 +238,8 @@ impl Settings {
         if let Some(n) = count("n")?.filter(|&n| n != 1) {
             return Err(format!("body.n {n}: one answer per request here"));
         }
-        if body.get("stream").is_some_and(|s| s != &Value::Bool(false)) {
-            return Err("body.stream: answers come whole here (false)".into());
+        if body.get("stream").is_some_and(|s| !s.is_boolean() && !s.is_null()) {
+            return Err("body.stream: true or false".into());
         }
         if !chat && body.contains_key("max_completion_tokens") {
             return Err("body.max_completion_tokens is a chat completion's; a completion's is max_tokens".into());

@@ -1,7 +1,7 @@
 //! `cascade llm-server` over HTTP with the real SmolLM2: OpenAI's completions and chat
 //! completions answered as `cascade generate` answers the same prompts, requests from several
-//! connections at once each answered alike, bad requests refused with their reasons, and a
-//! SIGTERM ending the server cleanly. Skips, saying so, without the model.
+//! connections at once each answered alike, streamed answers whose chunks make the same text,
+//! bad requests refused with their reasons, and a SIGTERM ending the server cleanly. Skips, saying so, without the model.
 #![allow(clippy::unwrap_used)]
 
 mod common;
@@ -32,6 +32,37 @@ fn call(addr: &str, method: &str, path: &str, body: Option<&Value>) -> (u16, Val
     let (head, body) = reply.split_once("\r\n\r\n").unwrap();
     let status = head.split(' ').nth(1).unwrap().parse().unwrap();
     (status, serde_json::from_str(body).unwrap_or(Value::Null))
+}
+
+/// A streamed answer's events: the `data:` of each, from a chunked HTTP/1.1 response to `body`.
+fn events(addr: &str, path: &str, body: &Value) -> Vec<String> {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(120))).unwrap();
+    let body = body.to_string();
+    write!(
+        s,
+        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\
+         Connection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut reply = Vec::new();
+    s.read_to_end(&mut reply).unwrap();
+    let text = String::from_utf8(reply).unwrap();
+    let (head, mut rest) = text.split_once("\r\n\r\n").unwrap();
+    assert!(head.starts_with("HTTP/1.1 200") && head.contains("text/event-stream"), "{head}");
+    // Undo the chunked transfer encoding.
+    let mut stream = String::new();
+    loop {
+        let (size, after) = rest.split_once("\r\n").unwrap();
+        let size = usize::from_str_radix(size.trim(), 16).unwrap();
+        if size == 0 {
+            break;
+        }
+        stream.push_str(&after[..size]);
+        rest = &after[size + 2..];
+    }
+    stream.lines().filter_map(|l| l.strip_prefix("data: ")).map(str::to_string).collect()
 }
 
 /// The server's process, killed if the test fails before it stops it (a server left running
@@ -122,9 +153,42 @@ fn the_server_answers_completions_as_generate_does_from_several_connections_at_o
     let again = call(&addr, "POST", "/v1/chat/completions", Some(&seeded)).1;
     assert_eq!(first["choices"], again["choices"]);
 
+    // Streamed: chunks whose text makes the whole answer's, the first opening the assistant's
+    // message, the last saying why it finished, then [DONE]; a stop string spanning tokens is
+    // never sent.
+    let whole = chat[0].trim_end_matches("<|im_end|>");
+    let streamed = events(
+        &addr,
+        "/v1/chat/completions",
+        &json!({"messages": messages, "max_tokens": 12, "temperature": 0, "stream": true}),
+    );
+    assert_eq!(streamed.last().map(String::as_str), Some("[DONE]"), "{streamed:?}");
+    let chunks: Vec<Value> = streamed[..streamed.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+    assert!(chunks.len() > 2, "{chunks:?}");
+    let text: String = chunks.iter().map(|c| c["choices"][0]["delta"]["content"].as_str().unwrap()).collect();
+    assert_eq!(text, whole);
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    assert_eq!(chunks[0]["object"], "chat.completion.chunk");
+    let finish: Vec<&Value> = chunks.iter().map(|c| &c["choices"][0]["finish_reason"]).collect();
+    assert!(
+        finish[..finish.len() - 1].iter().all(|f| f.is_null()) && finish.last().unwrap() == &"length",
+        "{finish:?}"
+    );
+    let words: Vec<&str> = whole.split_whitespace().collect();
+    let stop = format!(" {} {}", words[words.len() / 2], words[words.len() / 2 + 1]);
+    let cut = &whole[..whole.find(&stop).unwrap()];
+    let streamed = events(
+        &addr,
+        "/v1/chat/completions",
+        &json!({"messages": messages, "max_tokens": 12, "temperature": 0, "stream": true, "stop": stop}),
+    );
+    let chunks: Vec<Value> = streamed[..streamed.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+    let text: String = chunks.iter().map(|c| c["choices"][0]["delta"]["content"].as_str().unwrap()).collect();
+    assert_eq!((text.as_str(), chunks.last().unwrap()["choices"][0]["finish_reason"].as_str()), (cut, Some("stop")));
+
     for (body, why) in [
         (json!({"prompt": "x", "logprobs": 2}), "body.logprobs is not supported here"),
-        (json!({"prompt": "x", "stream": true}), "body.stream"),
+        (json!({"prompt": "x", "stream": "yes"}), "body.stream"),
         (json!({"messages": messages}), "needs a prompt"),
         (json!({"prompt": ""}), "an empty prompt"),
     ] {
@@ -148,6 +212,6 @@ fn the_server_answers_completions_as_generate_does_from_several_connections_at_o
     let status = server.wait().unwrap();
     let mut rest = String::new();
     server.stdout.take().unwrap().read_to_string(&mut rest).unwrap();
-    assert!(status.success() && rest.contains("stopped after 11 requests"), "{status:?}: {rest}");
+    assert!(status.success() && rest.contains("stopped after 13 requests"), "{status:?}: {rest}");
     let _ = std::fs::remove_dir_all(&d);
 }
