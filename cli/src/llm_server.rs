@@ -1,5 +1,6 @@
 //! `cascade llm-server`: an LLM served over HTTP with OpenAI's completions and chat completions
-//! API (`POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`),
+//! API (`POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`;
+//! `GET /metrics`: requests by outcome, tokens, times to first token and to answer),
 //! the bodies as [`crate::openai`] takes and gives them.
 //!
 //! The requests of every connection go to one generation loop on a thread of its own
@@ -25,6 +26,7 @@ use axum::{Json, Router};
 use cascade_exec::llama::generate::{Generated, Generator, StreamPrompt};
 use cascade_exec::llama::sample::Decoding;
 use cascade_exec::llama::stop::StopStrings;
+use cascade_transport::metrics::Metrics;
 use clap::Args;
 use serde_json::{json, Value};
 use tokio::sync::oneshot;
@@ -53,6 +55,17 @@ struct Job {
     prompt: StreamPrompt,
     reply: oneshot::Sender<Generated>,
     tokens: Option<tokio::sync::mpsc::UnboundedSender<u32>>,
+    /// When it was queued (its time to first token is counted from there).
+    queued: std::time::Instant,
+}
+
+/// A job the loop runs: where its answer and tokens go, when it was queued, whether its first
+/// token came.
+struct Running {
+    reply: oneshot::Sender<Generated>,
+    tokens: Option<tokio::sync::mpsc::UnboundedSender<u32>>,
+    queued: std::time::Instant,
+    first: bool,
 }
 
 /// What every request's handler shares.
@@ -65,6 +78,27 @@ struct Served {
     taken: AtomicU64,
     /// The generation loop's queue (`None` once the server stops).
     jobs: Mutex<Option<mpsc::Sender<Job>>>,
+    /// What `/metrics` shows.
+    metrics: Arc<Metrics>,
+}
+
+impl Served {
+    /// Counts a request answered (`outcome`: answered, refused or failed).
+    fn count(&self, outcome: &str) {
+        let help = "Requests the LLM server took, by outcome (answered, refused: a 4xx, failed: a 5xx)";
+        self.metrics.counter("cascade_llm_server_requests", help, &[("outcome", outcome)]).inc();
+    }
+
+    /// Counts an answer's prompt and completion tokens.
+    fn tokens(&self, o: &Generated) {
+        let help = "Tokens of the LLM server's answered requests, by kind (prompt, completion)";
+        self.metrics
+            .counter("cascade_llm_server_tokens", help, &[("kind", "prompt")])
+            .inc_by(o.prompt_tokens.len() as u64);
+        self.metrics
+            .counter("cascade_llm_server_tokens", help, &[("kind", "completion")])
+            .inc_by(o.tokens.len() as u64);
+    }
 }
 
 /// An answer: its status and JSON body.
@@ -87,9 +121,10 @@ pub(crate) fn run(a: LlmServerArgs) -> anyhow::Result<()> {
         None => getrandom::u64().context("drawing a random seed")?,
     };
     let (tx, rx) = mpsc::channel::<Job>();
+    let metrics = Arc::new(Metrics::new());
     let looping = {
-        let g = g.clone();
-        std::thread::Builder::new().name("generation".into()).spawn(move || generation(&g, &rx))?
+        let (g, metrics) = (g.clone(), metrics.clone());
+        std::thread::Builder::new().name("generation".into()).spawn(move || generation(&g, &rx, &metrics))?
     };
     let served = Arc::new(Served {
         g,
@@ -97,12 +132,14 @@ pub(crate) fn run(a: LlmServerArgs) -> anyhow::Result<()> {
         defaults: Defaults { max_tokens: a.max_tokens, seed },
         taken: AtomicU64::new(0),
         jobs: Mutex::new(Some(tx)),
+        metrics,
     });
     let app = Router::new()
         .route("/v1/completions", post(|s, body| answer(s, body, false)))
         .route("/v1/chat/completions", post(|s, body| answer(s, body, true)))
         .route("/v1/models", get(models))
         .route("/health", get(|| async { "ok" }))
+        .route("/metrics", get(metrics_text))
         .with_state(served.clone());
     let rt = tokio::runtime::Runtime::new()?;
     rt.block_on(async {
@@ -139,8 +176,13 @@ async fn stopped() {
 /// The generation loop: jobs as they come, batched by [`Generator::generate_stream`], each
 /// answer sent back when its sequence ends (a streamed one's tokens as they come). Returns when
 /// the queue closes.
-fn generation(g: &Generator, rx: &mpsc::Receiver<Job>) {
+fn generation(g: &Generator, rx: &mpsc::Receiver<Job>, metrics: &Metrics) {
     let none = StopStrings::default();
+    let ttft = metrics.histogram(
+        "cascade_llm_server_first_token_seconds",
+        "From a request's queueing to its first token in the LLM server's generation loop",
+        &[],
+    );
     loop {
         let replies = std::cell::RefCell::new(std::collections::HashMap::new());
         let mut closed = false;
@@ -154,19 +196,26 @@ fn generation(g: &Generator, rx: &mpsc::Receiver<Job>) {
             } else {
                 rx.try_recv().ok()?
             };
-            replies.borrow_mut().insert(k, (job.reply, job.tokens));
+            let running = Running { reply: job.reply, tokens: job.tokens, queued: job.queued, first: false };
+            replies.borrow_mut().insert(k, running);
             k += 1;
             Some(job.prompt)
         });
         let on_token = |i, tok| {
-            if let Some((_, Some(tokens))) = replies.borrow().get(&i) {
+            let mut replies = replies.borrow_mut();
+            let Some(r) = replies.get_mut(&i) else { return };
+            if !r.first {
+                r.first = true;
+                ttft.observe(r.queued.elapsed().as_secs_f64());
+            }
+            if let Some(tokens) = &r.tokens {
                 let _ = tokens.send(tok);
             }
         };
         // Its token channel closes as its answer is sent: every token came before.
         let on_done = |i, out| {
-            if let Some((reply, _)) = replies.borrow_mut().remove(&i) {
-                let _ = reply.send(out);
+            if let Some(r) = replies.borrow_mut().remove(&i) {
+                let _ = r.reply.send(out);
             }
         };
         if let Err(e) = g.generate_stream(jobs, usize::MAX, Decoding::Greedy, &none, on_token, on_done) {
@@ -183,10 +232,31 @@ fn generation(g: &Generator, rx: &mpsc::Receiver<Job>) {
 /// events (`stream: true`).
 async fn answer(State(s): State<Arc<Served>>, body: axum::body::Bytes, chat: bool) -> axum::response::Response {
     use axum::response::IntoResponse;
-    match taken(s, body, chat).await {
+    let (served, t) = (s.clone(), std::time::Instant::now());
+    let answer = taken(s, body, chat).await;
+    let outcome = match &answer {
+        Ok(_) => "answered",
+        Err((status, _)) if status.is_client_error() => "refused",
+        Err(_) => "failed",
+    };
+    served.count(outcome);
+    if !matches!(answer, Ok(Taken::Streamed(_))) {
+        let help =
+            "Requests the LLM server answered whole, from arrival to answer (streamed ones: to their first event)";
+        served.metrics.histogram("cascade_llm_server_request_seconds", help, &[]).observe(t.elapsed().as_secs_f64());
+    }
+    match answer {
         Ok(Taken::Whole(a)) | Err(a) => a.into_response(),
         Ok(Taken::Streamed(sse)) => sse.into_response(),
     }
+}
+
+/// `GET /metrics`: the server's counters in the OpenMetrics text format.
+async fn metrics_text(State(s): State<Arc<Served>>) -> impl axum::response::IntoResponse {
+    (
+        [(axum::http::header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")],
+        s.metrics.render(),
+    )
 }
 
 /// The events of a streamed answer.
@@ -224,7 +294,10 @@ async fn taken(s: Arc<Served>, body: axum::body::Bytes, chat: bool) -> Result<Ta
         false => (None, None),
     };
     let queued = match s.jobs.lock() {
-        Ok(jobs) => jobs.as_ref().is_some_and(|q| q.send(Job { prompt: request.prompt, reply, tokens }).is_ok()),
+        Ok(jobs) => jobs.as_ref().is_some_and(|q| {
+            let queued = std::time::Instant::now();
+            q.send(Job { prompt: request.prompt, reply, tokens, queued }).is_ok()
+        }),
         Err(_) => false,
     };
     if !queued {
@@ -249,6 +322,7 @@ async fn taken(s: Arc<Served>, body: axum::body::Bytes, chat: bool) -> Result<Ta
     let Ok(out) = answered.await else {
         return Err(refused(StatusCode::INTERNAL_SERVER_ERROR, "its generation failed (the server's log says why)"));
     };
+    s.tokens(&out);
     match crate::openai::completion(&s.g, &s.model, crate::openai::now(), n as usize, chat, &request.stops, &out) {
         Ok(body) => Ok(Taken::Whole((StatusCode::OK, Json(body)))),
         Err(e) => Err(refused(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string())),
@@ -295,6 +369,7 @@ impl Streaming {
         };
         let event = match answered.await {
             Ok(out) => {
+                self.s.tokens(&out);
                 let finish = crate::openai::finish_reason(&self.s.g, &out);
                 let text = crate::openai::visible(&self.s.g, &self.stops, &out.tokens).unwrap_or_default();
                 let delta = text.get(self.sent.len()..).unwrap_or_default().to_string();

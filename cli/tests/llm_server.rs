@@ -206,6 +206,20 @@ fn the_server_answers_completions_as_generate_does_from_several_connections_at_o
     let (status, listed) = call(&addr, "GET", "/v1/models", None);
     assert_eq!((status, listed["data"][0]["id"].as_str()), (200, model.to_str()));
 
+    // What /metrics counted: nine answered (two streamed), five refused (one no JSON), a first
+    // token timed for each answered one.
+    let mut m = TcpStream::connect(&addr).unwrap();
+    write!(m, "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
+    let mut metrics = String::new();
+    m.read_to_string(&mut metrics).unwrap();
+    for line in [
+        "cascade_llm_server_requests_total{outcome=\"answered\"} 9",
+        "cascade_llm_server_requests_total{outcome=\"refused\"} 5",
+        "cascade_llm_server_first_token_seconds_count{} 9",
+    ] {
+        assert!(metrics.contains(line), "{line} not in:\n{metrics}");
+    }
+
     // SIGTERM: the server stops, saying how many requests it took.
     let mut server = server.0.take().unwrap();
     assert!(Command::new("kill").arg(server.id().to_string()).status().unwrap().success());
