@@ -8,7 +8,9 @@
 //! run joins the next step, and one finished hands its slot to the next — continuous batching,
 //! each with its own budget, sampling and stop strings. A request is tokenised (and its chat
 //! rendered) on a blocking thread of the HTTP runtime, not on the loop; the loop's answer comes
-//! back through a oneshot channel. With `stream: true` the answer comes as server-sent events,
+//! back through a oneshot channel; a client that goes away (its connection closed before its
+//! answer is whole) ends its generation after the next token. With `stream: true` the answer
+//! comes as server-sent events,
 //! a chunk of text as its tokens come (none of a stop string), as OpenAI streams it. A request
 //! without a seed draws as the server's count of requests, from `--seed` (random otherwise).
 
@@ -215,7 +217,10 @@ fn generation(g: &Generator, rx: &mpsc::Receiver<Job>, metrics: &Metrics) {
         // Its token channel closes as its answer is sent: every token came before.
         let on_done = |i, out| {
             if let Some(r) = replies.borrow_mut().remove(&i) {
-                let _ = r.reply.send(out);
+                if r.reply.send(out).is_err() {
+                    let help = "Requests the LLM server stopped generating because their client went away";
+                    metrics.counter("cascade_llm_server_cancelled", help, &[]).inc();
+                }
             }
         };
         if let Err(e) = g.generate_stream(jobs, usize::MAX, Decoding::Greedy, &none, on_token, on_done) {
@@ -286,6 +291,10 @@ async fn taken(s: Arc<Served>, body: axum::body::Bytes, chat: bool) -> Result<Ta
         Err(e) => return Err(refused(StatusCode::INTERNAL_SERVER_ERROR, &format!("taking the request: {e}"))),
     };
     let (reply, answered) = oneshot::channel();
+    // Dropped before the answer is whole (the client went away), it ends the generation.
+    let mut cancel = Cancel::new();
+    let mut prompt = request.prompt;
+    prompt.cancel = Some(cancel.0.clone());
     let (tokens, streamed) = match request.stream {
         true => {
             let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
@@ -296,7 +305,7 @@ async fn taken(s: Arc<Served>, body: axum::body::Bytes, chat: bool) -> Result<Ta
     let queued = match s.jobs.lock() {
         Ok(jobs) => jobs.as_ref().is_some_and(|q| {
             let queued = std::time::Instant::now();
-            q.send(Job { prompt: request.prompt, reply, tokens, queued }).is_ok()
+            q.send(Job { prompt, reply, tokens, queued }).is_ok()
         }),
         Err(_) => false,
     };
@@ -311,6 +320,7 @@ async fn taken(s: Arc<Served>, body: axum::body::Bytes, chat: bool) -> Result<Ta
             stops: request.stops,
             rx,
             answered: Some(answered),
+            cancel,
             tokens: Vec::new(),
             sent: String::new(),
             events: 0,
@@ -322,6 +332,7 @@ async fn taken(s: Arc<Served>, body: axum::body::Bytes, chat: bool) -> Result<Ta
     let Ok(out) = answered.await else {
         return Err(refused(StatusCode::INTERNAL_SERVER_ERROR, "its generation failed (the server's log says why)"));
     };
+    cancel.1 = true;
     s.tokens(&out);
     match crate::openai::completion(&s.g, &s.model, crate::openai::now(), n as usize, chat, &request.stops, &out) {
         Ok(body) => Ok(Taken::Whole((StatusCode::OK, Json(body)))),
@@ -338,6 +349,8 @@ struct Streaming {
     rx: tokio::sync::mpsc::UnboundedReceiver<u32>,
     /// The whole answer, until it came.
     answered: Option<oneshot::Receiver<Generated>>,
+    /// Ends the generation if the stream is dropped before the answer is whole.
+    cancel: Cancel,
     tokens: Vec<u32>,
     sent: String,
     /// Chunks sent (the first opens the assistant's message).
@@ -369,6 +382,7 @@ impl Streaming {
         };
         let event = match answered.await {
             Ok(out) => {
+                self.cancel.1 = true;
                 self.s.tokens(&out);
                 let finish = crate::openai::finish_reason(&self.s.g, &out);
                 let text = crate::openai::visible(&self.s.g, &self.stops, &out.tokens).unwrap_or_default();
@@ -388,6 +402,24 @@ impl Streaming {
         self.events += 1;
         let chunk = crate::openai::chunk(&self.s.model, created, self.n, self.chat, delta, role, finish);
         Event::default().data(chunk.to_string())
+    }
+}
+
+/// A request's cancel flag, set when this is dropped before the answer is whole (`.1`): the
+/// handler's future or the event stream dropped because the client went away.
+struct Cancel(Arc<std::sync::atomic::AtomicBool>, bool);
+
+impl Cancel {
+    fn new() -> Cancel {
+        Cancel(Arc::new(std::sync::atomic::AtomicBool::new(false)), false)
+    }
+}
+
+impl Drop for Cancel {
+    fn drop(&mut self) {
+        if !self.1 {
+            self.0.store(true, Ordering::Relaxed);
+        }
     }
 }
 

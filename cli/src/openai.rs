@@ -94,6 +94,7 @@ pub(crate) fn request(
         max_tokens: Some(settings.max_tokens),
         decoding: Some(settings.decoding),
         stop: Some(settings.stops.clone()),
+        cancel: None,
     };
     let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
     Ok(Ok(Request { prompt, stops: settings.stops, stream }))

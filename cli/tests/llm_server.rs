@@ -34,6 +34,16 @@ fn call(addr: &str, method: &str, path: &str, body: Option<&Value>) -> (u16, Val
     (status, serde_json::from_str(body).unwrap_or(Value::Null))
 }
 
+/// `GET path`: the whole response as text (status line, headers, body).
+fn call_text(addr: &str, path: &str) -> String {
+    let mut m = TcpStream::connect(addr).unwrap();
+    m.set_read_timeout(Some(std::time::Duration::from_secs(120))).unwrap();
+    write!(m, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
+    let mut text = String::new();
+    m.read_to_string(&mut text).unwrap();
+    text
+}
+
 /// A streamed answer's events: the `data:` of each, from a chunked HTTP/1.1 response to `body`.
 fn events(addr: &str, path: &str, body: &Value) -> Vec<String> {
     let mut s = TcpStream::connect(addr).unwrap();
@@ -208,10 +218,7 @@ fn the_server_answers_completions_as_generate_does_from_several_connections_at_o
 
     // What /metrics counted: nine answered (two streamed), five refused (one no JSON), a first
     // token timed for each answered one.
-    let mut m = TcpStream::connect(&addr).unwrap();
-    write!(m, "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
-    let mut metrics = String::new();
-    m.read_to_string(&mut metrics).unwrap();
+    let metrics = call_text(&addr, "/metrics");
     for line in [
         "cascade_llm_server_requests_total{outcome=\"answered\"} 9",
         "cascade_llm_server_requests_total{outcome=\"refused\"} 5",
@@ -220,12 +227,42 @@ fn the_server_answers_completions_as_generate_does_from_several_connections_at_o
         assert!(metrics.contains(line), "{line} not in:\n{metrics}");
     }
 
+    // A client that goes away mid-stream: its generation ends (4,000 tokens would take minutes).
+    let mut c = TcpStream::connect(&addr).unwrap();
+    c.set_read_timeout(Some(std::time::Duration::from_secs(120))).unwrap();
+    let long =
+        json!({"messages": messages, "max_tokens": 4000, "temperature": 0, "stream": true, "stop": "never said"})
+            .to_string();
+    write!(
+        c,
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{long}",
+        long.len()
+    )
+    .unwrap();
+    let mut lines = BufReader::new(c);
+    let mut line = String::new();
+    while !line.starts_with("data: ") {
+        line.clear();
+        assert!(lines.read_line(&mut line).unwrap() > 0, "the stream ended before its first event");
+    }
+    drop(lines);
+    let gone = std::time::Instant::now();
+    loop {
+        let metrics = call_text(&addr, "/metrics");
+        if metrics.contains("cascade_llm_server_cancelled_total{} 1") {
+            break;
+        }
+        assert!(gone.elapsed() < std::time::Duration::from_secs(60), "still generating for a client gone:\n{metrics}");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    eprintln!("generation for a client gone ended {:?} after it left", gone.elapsed());
+
     // SIGTERM: the server stops, saying how many requests it took.
     let mut server = server.0.take().unwrap();
     assert!(Command::new("kill").arg(server.id().to_string()).status().unwrap().success());
     let status = server.wait().unwrap();
     let mut rest = String::new();
     server.stdout.take().unwrap().read_to_string(&mut rest).unwrap();
-    assert!(status.success() && rest.contains("stopped after 13 requests"), "{status:?}: {rest}");
+    assert!(status.success() && rest.contains("stopped after 14 requests"), "{status:?}: {rest}");
     let _ = std::fs::remove_dir_all(&d);
 }

@@ -31,7 +31,8 @@ pub struct Generated {
     /// Whether generation stopped because prompt and tokens filled the model's context window
     /// (before end-of-sequence and before the token budget).
     pub at_window: bool,
-    /// Whether the caller's stop check ended it (its text holds a stop string: [`super::stop`]).
+    /// Whether the caller's stop check ended it (its text holds a stop string: [`super::stop`]),
+    /// or its [`StreamPrompt::cancel`] flag.
     pub stopped: bool,
 }
 
@@ -255,7 +256,7 @@ pub fn greedy_stream(
 /// A prompt as [`decode_stream`] takes it: its tokens and what it asks for itself, where it
 /// differs from the run's — requests of one run each with their own budget, decoding and stop
 /// strings (`cascade generate --batch`).
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Debug, Clone, Default)]
 pub struct StreamPrompt {
     /// The prompt's tokens.
     pub tokens: Vec<u32>,
@@ -268,6 +269,9 @@ pub struct StreamPrompt {
     pub decoding: Option<Decoding>,
     /// Its stop strings; `None`: the run's (handed to `decode_stream`'s stop check as they are).
     pub stop: Option<StopStrings>,
+    /// Set (by whoever waits for it — a client that went away), it ends the sequence after its
+    /// next token, as a stop check would ([`Generated::stopped`]), freeing its slot and cache.
+    pub cancel: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
 }
 
 impl From<Vec<u32>> for StreamPrompt {
@@ -319,6 +323,7 @@ pub fn decode_stream<P: Into<StreamPrompt>>(
         sampler: Option<Sampler>,
         max_tokens: usize,
         stop: Option<StopStrings>,
+        cancel: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
     }
     let mut waiting = prompts.into_iter().map(Into::into).enumerate();
     let mut taken = 0;
@@ -344,7 +349,7 @@ pub fn decode_stream<P: Into<StreamPrompt>>(
                 held = Some((i, prompt));
                 break;
             }
-            let StreamPrompt { tokens: p, draws_as, decoding: own, stop: stops, .. } = prompt;
+            let StreamPrompt { tokens: p, draws_as, decoding: own, stop: stops, cancel, .. } = prompt;
             (prefill, kv) = (prefill + tokens, kv + reserve);
             let out = Generated { prompt_tokens: p.clone(), tokens: Vec::new(), at_window: false, stopped: false };
             if budget == 0 {
@@ -352,7 +357,7 @@ pub fn decode_stream<P: Into<StreamPrompt>>(
             } else {
                 let draws = own.unwrap_or(decoding).sampling();
                 let sampler = draws.map(|s| Sampler::new(s, draws_as.unwrap_or(i as u64)));
-                running.push(Running { i, pos: 0, fed: p, out, sampler, max_tokens: budget, stop: stops });
+                running.push(Running { i, pos: 0, fed: p, out, sampler, max_tokens: budget, stop: stops, cancel });
             }
         }
         if running.is_empty() {
@@ -382,7 +387,8 @@ pub fn decode_stream<P: Into<StreamPrompt>>(
             }
             r.out.tokens.push(tok);
             on_token(r.i, tok);
-            if tok != eos && stop(r.stop.as_ref(), &r.out.tokens) {
+            let cancelled = r.cancel.as_ref().is_some_and(|c| c.load(std::sync::atomic::Ordering::Relaxed));
+            if tok != eos && (cancelled || stop(r.stop.as_ref(), &r.out.tokens)) {
                 r.out.stopped = true;
                 finished(r.i, r.out);
                 continue;
@@ -777,7 +783,7 @@ mod tests {
     /// A prompt's own budget, decoding and stop strings replace the run's for it alone: in a
     /// greedy run of 12 tokens, one prompt sampled gives what it gives in a sampled run, one of
     /// 3 tokens the first 3 of its greedy answer, and the stop check is handed a prompt's own
-    /// strings (none: the run's, `None`).
+    /// strings (none: the run's, `None`). A prompt cancelled ends after its next token.
     #[test]
     fn a_prompt_asks_for_its_own_budget_decoding_and_stop_strings() {
         let prompts: Vec<Vec<u32>> = (0..4).map(|k| vec![1; 1 + 2 * k]).collect();
@@ -817,6 +823,14 @@ mod tests {
         assert_ne!(drawn[1], greedy[1]);
         assert_eq!(out[2], greedy[2][..3], "its own budget");
         assert_eq!(out[3], greedy[3]);
+        // A prompt whose flag is set ends after its first token, the others as before.
+        let flag = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let cancelled = vec![
+            StreamPrompt { tokens: prompts[0].clone(), cancel: Some(flag), ..Default::default() },
+            prompts[1].clone().into(),
+        ];
+        let (cut, _) = run(cancelled, Decoding::Greedy);
+        assert_eq!((cut[0].len(), &cut[1]), (1, &greedy[1]));
         // Asked once per token but end-of-sequence: prompt 3's with its own strings.
         let own = asked.iter().filter(|a| a.as_ref() == Some(&stop)).count();
         assert_eq!(own, out[3].iter().filter(|&&t| t != EOS).count());
