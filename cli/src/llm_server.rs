@@ -321,6 +321,8 @@ async fn taken(s: Arc<Served>, body: axum::body::Bytes, chat: bool) -> Result<Ta
             rx,
             answered: Some(answered),
             cancel,
+            wants_usage: request.usage,
+            usage: None,
             tokens: Vec::new(),
             sent: String::new(),
             events: 0,
@@ -351,6 +353,10 @@ struct Streaming {
     answered: Option<oneshot::Receiver<Generated>>,
     /// Ends the generation if the stream is dropped before the answer is whole.
     cancel: Cancel,
+    /// Whether a last chunk gives the tokens counted (`stream_options.include_usage`), and that
+    /// chunk's usage once the answer is whole.
+    wants_usage: bool,
+    usage: Option<Value>,
     tokens: Vec<u32>,
     sent: String,
     /// Chunks sent (the first opens the assistant's message).
@@ -376,6 +382,13 @@ impl Streaming {
                 return Some((Ok(self.event(created, &delta, None)), self));
             }
         }
+        if let Some(usage) = self.usage.take() {
+            // The last chunk before [DONE]: no choice, the tokens counted.
+            let mut chunk = crate::openai::chunk(&self.s.model, created, self.n, self.chat, "", false, None);
+            chunk["choices"] = json!([]);
+            chunk["usage"] = usage;
+            return Some((Ok(Event::default().data(chunk.to_string())), self));
+        }
         let Some(answered) = self.answered.take() else {
             self.over = true;
             return Some((Ok(Event::default().data("[DONE]")), self));
@@ -384,6 +397,10 @@ impl Streaming {
             Ok(out) => {
                 self.cancel.1 = true;
                 self.s.tokens(&out);
+                if self.wants_usage {
+                    let (p, c) = (out.prompt_tokens.len(), out.tokens.len());
+                    self.usage = Some(json!({"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}));
+                }
                 let finish = crate::openai::finish_reason(&self.s.g, &out);
                 let text = crate::openai::visible(&self.s.g, &self.stops, &out.tokens).unwrap_or_default();
                 let delta = text.get(self.sent.len()..).unwrap_or_default().to_string();

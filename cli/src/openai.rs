@@ -6,8 +6,11 @@
 //! content, rendered by the model's chat template with the assistant's turn opened),
 //! `max_tokens` (or `max_completion_tokens`), `temperature`, `top_p`, `top_k` (as vLLM takes it),
 //! `seed`, `stop` (a string or a list of at most 16), `stream` (the server sends the answer as
-//! server-sent events; a batch refuses it), and `n` 1, `user`. Any other field is refused, naming
-//! it, rather than ignored (`logprobs`, `n` 2 and penalties are not computed here).
+//! server-sent events; a batch refuses it) with `stream_options.include_usage`, and `n` 1,
+//! `user`. A message's content is a string or a list of text parts. Fields clients send with
+//! their defaults (`presence_penalty` 0, `logprobs` false, `logit_bias` {}, …: [`NEUTRAL`]) are
+//! accepted with those values; any other field or value is refused, naming it, rather than
+//! ignored (log-probabilities, `n` 2, penalties and tools are not computed here).
 //!
 //! Where this departs from OpenAI's defaults: a request without `max_tokens` gets the server's
 //! (or run's) `--max-tokens` (OpenAI: 16 for completions, none for chat), so that each reserves
@@ -24,7 +27,7 @@ use cascade_exec::ExecError;
 use serde_json::{json, Map, Value};
 
 /// The body fields a request may hold.
-const FIELDS: [&str; 13] = [
+const FIELDS: [&str; 14] = [
     "model",
     "prompt",
     "messages",
@@ -37,7 +40,24 @@ const FIELDS: [&str; 13] = [
     "stop",
     "n",
     "stream",
+    "stream_options",
     "user",
+];
+
+/// Whether a field's value asks for nothing beyond the default.
+type AsksNothing = fn(&Value) -> bool;
+
+/// Fields clients send with a value that asks for nothing (OpenAI's defaults): accepted with that
+/// value, refused with any other, naming it. `null` is always accepted.
+const NEUTRAL: [(&str, AsksNothing); 8] = [
+    ("presence_penalty", |v| v.as_f64() == Some(0.0)),
+    ("frequency_penalty", |v| v.as_f64() == Some(0.0)),
+    ("logprobs", |v| v == &Value::Bool(false)),
+    ("logit_bias", |v| v.as_object().is_some_and(Map::is_empty)),
+    ("echo", |v| v == &Value::Bool(false)),
+    ("best_of", |v| v.as_u64() == Some(1)),
+    ("response_format", |v| v.get("type").and_then(Value::as_str) == Some("text")),
+    ("parallel_tool_calls", |v| v.is_boolean()),
 ];
 
 /// What the run gives a request that does not say.
@@ -63,8 +83,15 @@ pub(crate) fn request(
     let Some(body) = body.as_object() else {
         return refuse("no body (an object)".into());
     };
-    if let Some(k) = body.keys().find(|k| !FIELDS.contains(&k.as_str())) {
-        return refuse(format!("body.{k} is not supported here"));
+    for (k, v) in body {
+        let neutral =
+            NEUTRAL.iter().find(|(name, _)| name == k).map(|(_, asks_nothing)| v.is_null() || asks_nothing(v));
+        match neutral {
+            Some(true) => {}
+            Some(false) => return refuse(format!("body.{k} {v} is not supported here (only its default)")),
+            None if !FIELDS.contains(&k.as_str()) => return refuse(format!("body.{k} is not supported here")),
+            None => {}
+        }
     }
     let settings = match Settings::of(body, chat, defaults) {
         Ok(s) => s,
@@ -97,7 +124,15 @@ pub(crate) fn request(
         cancel: None,
     };
     let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
-    Ok(Ok(Request { prompt, stops: settings.stops, stream }))
+    let usage = match body.get("stream_options").filter(|o| !o.is_null()) {
+        None => false,
+        Some(_) if !stream => return refuse("body.stream_options applies to a streamed answer (stream: true)".into()),
+        Some(o) => match o.get("include_usage") {
+            Some(Value::Bool(b)) if o.as_object().is_some_and(|m| m.len() == 1) => *b,
+            _ => return refuse(format!("body.stream_options {o}: only include_usage (true or false)")),
+        },
+    };
+    Ok(Ok(Request { prompt, stops: settings.stops, stream, usage }))
 }
 
 /// A request taken: the prompt to generate from, where its text is cut, and how it is answered.
@@ -108,6 +143,8 @@ pub(crate) struct Request {
     pub(crate) stops: StopStrings,
     /// Whether its answer is sent as it is generated (`stream: true`).
     pub(crate) stream: bool,
+    /// Streamed, whether a last chunk gives the tokens counted (`stream_options.include_usage`).
+    pub(crate) usage: bool,
 }
 
 /// The body of a completion's answer (`chat`: a chat completion's) to request number `n`:
@@ -293,15 +330,34 @@ fn conversation(g: &Generator, messages: &Value) -> Result<Result<String, String
     let mut each = Vec::with_capacity(list.len());
     for (k, m) in list.iter().enumerate() {
         let role = m.get("role").and_then(Value::as_str);
-        let content = m.get("content").and_then(Value::as_str);
+        // A string, or a list of parts (as newer clients send it) of which only text is read.
+        let content = match m.get("content") {
+            Some(Value::String(s)) => Some(s.clone()),
+            Some(Value::Array(parts)) => {
+                let mut text = String::new();
+                for (j, part) in parts.iter().enumerate() {
+                    match (part.get("type").and_then(Value::as_str), part.get("text").and_then(Value::as_str)) {
+                        (Some("text"), Some(t)) => text.push_str(t),
+                        (kind, _) => {
+                            return Ok(Err(format!(
+                            "body.messages[{k}].content[{j}]: a part of type {kind:?}; only text parts are read here"
+                        )))
+                        }
+                    }
+                }
+                Some(text)
+            }
+            _ => None,
+        };
         match (role, content) {
-            (Some(role @ ("system" | "user" | "assistant")), Some(content)) => each.push(Message { role, content }),
-            _ => return Ok(Err(format!("body.messages[{k}]: a role (system, user or assistant) and string content"))),
+            (Some(role @ ("system" | "user" | "assistant")), Some(content)) => each.push((role, content)),
+            _ => return Ok(Err(format!("body.messages[{k}]: a role (system, user or assistant) and text content"))),
         }
     }
     let template = match g.chat_template() {
         Ok(t) => t,
         Err(e) => return Ok(Err(format!("a chat completion, and the model has no usable chat template: {e}"))),
     };
-    Ok(template.render(&each, true).map_err(|e| e.to_string()))
+    let messages: Vec<Message<'_>> = each.iter().map(|(role, content)| Message { role, content }).collect();
+    Ok(template.render(&messages, true).map_err(|e| e.to_string()))
 }

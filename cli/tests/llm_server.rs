@@ -167,13 +167,18 @@ fn the_server_answers_completions_as_generate_does_from_several_connections_at_o
     // message, the last saying why it finished, then [DONE]; a stop string spanning tokens is
     // never sent.
     let whole = chat[0].trim_end_matches("<|im_end|>");
-    let streamed = events(
-        &addr,
-        "/v1/chat/completions",
-        &json!({"messages": messages, "max_tokens": 12, "temperature": 0, "stream": true}),
-    );
-    assert_eq!(streamed.last().map(String::as_str), Some("[DONE]"), "{streamed:?}");
-    let chunks: Vec<Value> = streamed[..streamed.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+    // Sent as clients send it: the content as text parts, the defaults said outright, and the
+    // tokens counted asked for in a last chunk.
+    let as_clients_send = json!({
+        "messages": [{"role": "user", "content": [{"type": "text", "text": story}]}], "max_tokens": 12,
+        "temperature": 0, "stream": true, "stream_options": {"include_usage": true}, "n": 1,
+        "presence_penalty": 0, "frequency_penalty": 0.0, "logprobs": false, "logit_bias": {}, "top_p": 1
+    });
+    let mut streamed = events(&addr, "/v1/chat/completions", &as_clients_send);
+    assert_eq!(streamed.pop().as_deref(), Some("[DONE]"), "{streamed:?}");
+    let usage: Value = serde_json::from_str(&streamed.pop().unwrap()).unwrap();
+    assert_eq!((&usage["choices"], &usage["usage"]["completion_tokens"]), (&json!([]), &json!(12)), "{usage}");
+    let chunks: Vec<Value> = streamed.iter().map(|e| serde_json::from_str(e).unwrap()).collect();
     assert!(chunks.len() > 2, "{chunks:?}");
     let text: String = chunks.iter().map(|c| c["choices"][0]["delta"]["content"].as_str().unwrap()).collect();
     assert_eq!(text, whole);
@@ -197,8 +202,9 @@ fn the_server_answers_completions_as_generate_does_from_several_connections_at_o
     assert_eq!((text.as_str(), chunks.last().unwrap()["choices"][0]["finish_reason"].as_str()), (cut, Some("stop")));
 
     for (body, why) in [
-        (json!({"prompt": "x", "logprobs": 2}), "body.logprobs is not supported here"),
+        (json!({"prompt": "x", "logprobs": 2}), "body.logprobs 2 is not supported here"),
         (json!({"prompt": "x", "stream": "yes"}), "body.stream"),
+        (json!({"prompt": "x", "presence_penalty": 0.5}), "body.presence_penalty 0.5 is not supported here"),
         (json!({"messages": messages}), "needs a prompt"),
         (json!({"prompt": ""}), "an empty prompt"),
     ] {
@@ -216,12 +222,12 @@ fn the_server_answers_completions_as_generate_does_from_several_connections_at_o
     let (status, listed) = call(&addr, "GET", "/v1/models", None);
     assert_eq!((status, listed["data"][0]["id"].as_str()), (200, model.to_str()));
 
-    // What /metrics counted: nine answered (two streamed), five refused (one no JSON), a first
+    // What /metrics counted: nine answered (two streamed), six refused (one no JSON), a first
     // token timed for each answered one.
     let metrics = call_text(&addr, "/metrics");
     for line in [
         "cascade_llm_server_requests_total{outcome=\"answered\"} 9",
-        "cascade_llm_server_requests_total{outcome=\"refused\"} 5",
+        "cascade_llm_server_requests_total{outcome=\"refused\"} 6",
         "cascade_llm_server_first_token_seconds_count{} 9",
     ] {
         assert!(metrics.contains(line), "{line} not in:\n{metrics}");
@@ -263,6 +269,6 @@ fn the_server_answers_completions_as_generate_does_from_several_connections_at_o
     let status = server.wait().unwrap();
     let mut rest = String::new();
     server.stdout.take().unwrap().read_to_string(&mut rest).unwrap();
-    assert!(status.success() && rest.contains("stopped after 14 requests"), "{status:?}: {rest}");
+    assert!(status.success() && rest.contains("stopped after 15 requests"), "{status:?}: {rest}");
     let _ = std::fs::remove_dir_all(&d);
 }

@@ -510,7 +510,7 @@ fn generate_answers_a_batch_file_in_openai_batch_format() {
         Command::new(CASCADE).args(["generate", "--batch"]).arg(&path).arg("--model").arg(&model).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("3 requests not generated (of 8)"), "{err}");
-    assert!(err.contains("request 5: body.presence_penalty is not supported here"), "{err}");
+    assert!(err.contains("request 5: body.presence_penalty 1 is not supported here"), "{err}");
     let rows: Vec<serde_json::Value> =
         String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     let ids: Vec<Option<&str>> = rows.iter().map(|r| r["custom_id"].as_str()).collect();
