@@ -49,6 +49,11 @@ pub(crate) struct LlmServerArgs {
     /// The seed of the requests without one (random otherwise, and printed).
     #[arg(long)]
     seed: Option<u64>,
+    /// Requests that may wait for a slot in the generation loop (32 run at once); one more is
+    /// answered 429 at once, to be sent again, rather than queued without bound. 0: none waits
+    /// (a request is taken only while the loop is idle).
+    #[arg(long, default_value_t = 1024)]
+    max_waiting: usize,
 }
 
 /// A request for the generation loop: its prompt, where its answer goes, and (streamed) where
@@ -79,15 +84,18 @@ struct Served {
     /// Requests taken so far: a request's number, and the index one without a seed draws as.
     taken: AtomicU64,
     /// The generation loop's queue (`None` once the server stops).
-    jobs: Mutex<Option<mpsc::Sender<Job>>>,
+    jobs: Mutex<Option<mpsc::SyncSender<Job>>>,
     /// What `/metrics` shows.
     metrics: Arc<Metrics>,
+    /// Requests that may wait for the loop at most.
+    max_waiting: usize,
 }
 
 impl Served {
     /// Counts a request answered (`outcome`: answered, refused or failed).
     fn count(&self, outcome: &str) {
-        let help = "Requests the LLM server took, by outcome (answered, refused: a 4xx, failed: a 5xx)";
+        let help =
+            "Requests the LLM server took, by outcome (answered, busy: a 429, refused: another 4xx, failed: a 5xx)";
         self.metrics.counter("cascade_llm_server_requests", help, &[("outcome", outcome)]).inc();
     }
 
@@ -122,7 +130,7 @@ pub(crate) fn run(a: LlmServerArgs) -> anyhow::Result<()> {
         Some(s) => s,
         None => getrandom::u64().context("drawing a random seed")?,
     };
-    let (tx, rx) = mpsc::channel::<Job>();
+    let (tx, rx) = mpsc::sync_channel::<Job>(a.max_waiting);
     let metrics = Arc::new(Metrics::new());
     let looping = {
         let (g, metrics) = (g.clone(), metrics.clone());
@@ -135,6 +143,7 @@ pub(crate) fn run(a: LlmServerArgs) -> anyhow::Result<()> {
         taken: AtomicU64::new(0),
         jobs: Mutex::new(Some(tx)),
         metrics,
+        max_waiting: a.max_waiting,
     });
     let app = Router::new()
         .route("/v1/completions", post(|s, body| answer(s, body, false)))
@@ -241,6 +250,7 @@ async fn answer(State(s): State<Arc<Served>>, body: axum::body::Bytes, chat: boo
     let answer = taken(s, body, chat).await;
     let outcome = match &answer {
         Ok(_) => "answered",
+        Err((StatusCode::TOO_MANY_REQUESTS, _)) => "busy",
         Err((status, _)) if status.is_client_error() => "refused",
         Err(_) => "failed",
     };
@@ -302,15 +312,23 @@ async fn taken(s: Arc<Served>, body: axum::body::Bytes, chat: bool) -> Result<Ta
         }
         false => (None, None),
     };
-    let queued = match s.jobs.lock() {
-        Ok(jobs) => jobs.as_ref().is_some_and(|q| {
-            let queued = std::time::Instant::now();
-            q.send(Job { prompt, reply, tokens, queued }).is_ok()
+    let job = Job { prompt, reply, tokens, queued: std::time::Instant::now() };
+    // Whether it was queued (`Some(true)`), or the queue was full (`Some(false)`).
+    let sent = match s.jobs.lock() {
+        Ok(jobs) => jobs.as_ref().and_then(|q| match q.try_send(job) {
+            Ok(()) => Some(true),
+            Err(mpsc::TrySendError::Full(_)) => Some(false),
+            Err(mpsc::TrySendError::Disconnected(_)) => None,
         }),
-        Err(_) => false,
+        Err(_) => None,
     };
-    if !queued {
-        return Err(refused(StatusCode::SERVICE_UNAVAILABLE, "the server is stopping"));
+    match sent {
+        Some(true) => {}
+        Some(false) => {
+            let why = format!("{} requests wait already: send it again later", s.max_waiting);
+            return Err(refused(StatusCode::TOO_MANY_REQUESTS, &why));
+        }
+        None => return Err(refused(StatusCode::SERVICE_UNAVAILABLE, "the server is stopping")),
     }
     if let Some(rx) = streamed {
         let events = Streaming {

@@ -34,6 +34,57 @@ fn call(addr: &str, method: &str, path: &str, body: Option<&Value>) -> (u16, Val
     (status, serde_json::from_str(body).unwrap_or(Value::Null))
 }
 
+/// A streamed chat request of 4,000 tokens (minutes of generation), read up to its first event:
+/// the connection, open.
+fn long_stream(addr: &str) -> BufReader<TcpStream> {
+    let mut c = TcpStream::connect(addr).unwrap();
+    c.set_read_timeout(Some(std::time::Duration::from_secs(120))).unwrap();
+    let messages = json!([{"role": "user", "content": "Tell me a story about a cat."}]);
+    let long =
+        json!({"messages": messages, "max_tokens": 4000, "temperature": 0, "stream": true, "stop": "never said"})
+            .to_string();
+    write!(
+        c,
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{long}",
+        long.len()
+    )
+    .unwrap();
+    let mut lines = BufReader::new(c);
+    let mut line = String::new();
+    while !line.starts_with("data: ") {
+        line.clear();
+        assert!(lines.read_line(&mut line).unwrap() > 0, "the stream ended before its first event");
+    }
+    lines
+}
+
+/// With no request allowed to wait (`--max-waiting 0`), one sent while another runs is answered
+/// 429 at once, saying so, and counted; once the running one is gone, a request is served.
+#[test]
+fn a_request_beyond_the_waiting_bound_is_answered_429() {
+    let d = scratch("llm-server-busy");
+    let Some(model) = smollm2(&d) else { return };
+    let (_server, addr) = start(&model, &["--max-waiting", "0"]);
+    let running = long_stream(&addr);
+    let short = json!({"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0});
+    let (status, body) = call(&addr, "POST", "/v1/completions", Some(&short));
+    assert_eq!(status, 429, "{body}");
+    assert!(body["error"]["message"].as_str().unwrap().contains("0 requests wait already"), "{body}");
+    assert!(call_text(&addr, "/metrics").contains("cascade_llm_server_requests_total{outcome=\"busy\"} 1"));
+    drop(running);
+    let t = std::time::Instant::now();
+    loop {
+        let (status, body) = call(&addr, "POST", "/v1/completions", Some(&short));
+        if status == 200 {
+            break;
+        }
+        assert_eq!(status, 429, "{body}");
+        assert!(t.elapsed() < std::time::Duration::from_secs(60), "never served after the running one left");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let _ = std::fs::remove_dir_all(&d);
+}
+
 /// `GET path`: the whole response as text (status line, headers, body).
 fn call_text(addr: &str, path: &str) -> String {
     let mut m = TcpStream::connect(addr).unwrap();
@@ -88,11 +139,12 @@ impl Drop for Server {
     }
 }
 
-/// The server on a free port, and its address.
-fn start(model: &std::path::Path) -> (Server, String) {
+/// The server on a free port (with `extra` arguments), and its address.
+fn start(model: &std::path::Path, extra: &[&str]) -> (Server, String) {
     let mut child = Command::new(CASCADE)
         .args(["llm-server", "--listen", "127.0.0.1:0", "--model"])
         .arg(model)
+        .args(extra)
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
@@ -123,7 +175,7 @@ fn the_server_answers_completions_as_generate_does_from_several_connections_at_o
     let want = generated(&model, &args);
     let chat = generated(&model, &["--chat", "--max-tokens", "12", "--prompt", story]);
 
-    let (mut server, addr) = start(&model);
+    let (mut server, addr) = start(&model, &[]);
     // Four connections at once: each answered with its own prompt's greedy text.
     let texts: Vec<(u16, Value)> = std::thread::scope(|s| {
         let each: Vec<_> = prompts
@@ -234,24 +286,7 @@ fn the_server_answers_completions_as_generate_does_from_several_connections_at_o
     }
 
     // A client that goes away mid-stream: its generation ends (4,000 tokens would take minutes).
-    let mut c = TcpStream::connect(&addr).unwrap();
-    c.set_read_timeout(Some(std::time::Duration::from_secs(120))).unwrap();
-    let long =
-        json!({"messages": messages, "max_tokens": 4000, "temperature": 0, "stream": true, "stop": "never said"})
-            .to_string();
-    write!(
-        c,
-        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{long}",
-        long.len()
-    )
-    .unwrap();
-    let mut lines = BufReader::new(c);
-    let mut line = String::new();
-    while !line.starts_with("data: ") {
-        line.clear();
-        assert!(lines.read_line(&mut line).unwrap() > 0, "the stream ended before its first event");
-    }
-    drop(lines);
+    drop(long_stream(&addr));
     let gone = std::time::Instant::now();
     loop {
         let metrics = call_text(&addr, "/metrics");
