@@ -70,6 +70,9 @@ pub(crate) fn parse(
         if r.stream {
             return Err("body.stream: a batch's answers come whole (false)".into());
         }
+        if r.choices > 1 {
+            return Err(format!("body.n {}: one choice per line in a batch", r.choices));
+        }
         asked.stops = r.stops;
         Ok(r.prompt)
     });
@@ -90,7 +93,8 @@ pub(crate) fn show(
     let response = match o {
         Err(why) => json!({"status_code": 400, "request_id": request_id, "body": crate::openai::error(why)}),
         Ok(o) => {
-            let body = crate::openai::completion(g, model, created, asked.line, asked.chat, &asked.stops, o)?;
+            let one = std::slice::from_ref(o);
+            let body = crate::openai::completion(g, model, created, asked.line, asked.chat, &asked.stops, one)?;
             json!({"status_code": 200, "request_id": request_id, "body": body})
         }
     };

@@ -8,11 +8,12 @@
 //! run joins the next step, and one finished hands its slot to the next — continuous batching,
 //! each with its own budget, sampling and stop strings. A request is tokenised (and its chat
 //! rendered) on a blocking thread of the HTTP runtime, not on the loop; the loop's answer comes
-//! back through a oneshot channel; a client that goes away (its connection closed before its
+//! back through a oneshot channel (`n` choices: the prompt queued that many times); a client that goes away (its connection closed before its
 //! answer is whole) ends its generation after the next token. With `stream: true` the answer
 //! comes as server-sent events,
-//! a chunk of text as its tokens come (none of a stop string), as OpenAI streams it. A request
-//! without a seed draws as the server's count of requests, from `--seed` (random otherwise).
+//! a chunk of text as its tokens come (none of a stop string), as OpenAI streams it. A choice
+//! without a seed of its own draws as the server's count of such choices, from `--seed`
+//! (random otherwise).
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -81,8 +82,10 @@ struct Served {
     /// The model's name in answers: its directory, as given.
     model: String,
     defaults: Defaults,
-    /// Requests taken so far: a request's number, and the index one without a seed draws as.
+    /// Requests taken so far (a request's number).
     taken: AtomicU64,
+    /// Choices drawn so far without a seed of their own: the index the next draws as.
+    draws: AtomicU64,
     /// The generation loop's queue (`None` once the server stops).
     jobs: Mutex<Option<mpsc::SyncSender<Job>>>,
     /// What `/metrics` shows.
@@ -141,6 +144,7 @@ pub(crate) fn run(a: LlmServerArgs) -> anyhow::Result<()> {
         model: a.model.display().to_string(),
         defaults: Defaults { max_tokens: a.max_tokens, seed },
         taken: AtomicU64::new(0),
+        draws: AtomicU64::new(0),
         jobs: Mutex::new(Some(tx)),
         metrics,
         max_waiting: a.max_waiting,
@@ -300,11 +304,11 @@ async fn taken(s: Arc<Served>, body: axum::body::Bytes, chat: bool) -> Result<Ta
         Ok(Err(e)) => return Err(refused(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string())),
         Err(e) => return Err(refused(StatusCode::INTERNAL_SERVER_ERROR, &format!("taking the request: {e}"))),
     };
-    let (reply, answered) = oneshot::channel();
     // Dropped before the answer is whole (the client went away), it ends the generation.
     let mut cancel = Cancel::new();
-    let mut prompt = request.prompt;
-    prompt.cancel = Some(cancel.0.clone());
+    // Choice k draws as its own index: 0, 1, … under the request's own seed, the next of the
+    // server's count of choices drawn otherwise.
+    let first = if request.own_seed { 0 } else { s.draws.fetch_add(request.choices as u64, Ordering::Relaxed) };
     let (tokens, streamed) = match request.stream {
         true => {
             let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
@@ -312,13 +316,29 @@ async fn taken(s: Arc<Served>, body: axum::body::Bytes, chat: bool) -> Result<Ta
         }
         false => (None, None),
     };
-    let job = Job { prompt, reply, tokens, queued: std::time::Instant::now() };
-    // Whether it was queued (`Some(true)`), or the queue was full (`Some(false)`).
+    let mut answers = Vec::with_capacity(request.choices);
+    let mut jobs = Vec::with_capacity(request.choices);
+    for k in 0..request.choices {
+        let (reply, answered) = oneshot::channel();
+        let mut prompt = request.prompt.clone();
+        prompt.draws_as = Some(first + k as u64);
+        prompt.cancel = Some(cancel.0.clone());
+        jobs.push(Job { prompt, reply, tokens: tokens.clone(), queued: std::time::Instant::now() });
+        answers.push(answered);
+    }
+    drop(tokens);
+    // Whether every choice was queued (`Some(true)`), or the queue was full (`Some(false)`: those
+    // queued end at once, their flag set as `cancel` drops).
     let sent = match s.jobs.lock() {
-        Ok(jobs) => jobs.as_ref().and_then(|q| match q.try_send(job) {
-            Ok(()) => Some(true),
-            Err(mpsc::TrySendError::Full(_)) => Some(false),
-            Err(mpsc::TrySendError::Disconnected(_)) => None,
+        Ok(queue) => queue.as_ref().and_then(|q| {
+            jobs.into_iter()
+                .map(|job| match q.try_send(job) {
+                    Ok(()) => Some(true),
+                    Err(mpsc::TrySendError::Full(_)) => Some(false),
+                    Err(mpsc::TrySendError::Disconnected(_)) => None,
+                })
+                .find(|sent| sent != &Some(true))
+                .unwrap_or(Some(true))
         }),
         Err(_) => None,
     };
@@ -337,7 +357,7 @@ async fn taken(s: Arc<Served>, body: axum::body::Bytes, chat: bool) -> Result<Ta
             chat,
             stops: request.stops,
             rx,
-            answered: Some(answered),
+            answered: answers.pop(),
             cancel,
             wants_usage: request.usage,
             usage: None,
@@ -349,12 +369,19 @@ async fn taken(s: Arc<Served>, body: axum::body::Bytes, chat: bool) -> Result<Ta
         let events: Events = Box::pin(futures_util::stream::unfold(events, Streaming::next));
         return Ok(Taken::Streamed(Sse::new(events)));
     }
-    let Ok(out) = answered.await else {
-        return Err(refused(StatusCode::INTERNAL_SERVER_ERROR, "its generation failed (the server's log says why)"));
-    };
+    let mut outs = Vec::with_capacity(answers.len());
+    for answered in answers {
+        let Ok(out) = answered.await else {
+            return Err(refused(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "its generation failed (the server's log says why)",
+            ));
+        };
+        s.tokens(&out);
+        outs.push(out);
+    }
     cancel.1 = true;
-    s.tokens(&out);
-    match crate::openai::completion(&s.g, &s.model, crate::openai::now(), n as usize, chat, &request.stops, &out) {
+    match crate::openai::completion(&s.g, &s.model, crate::openai::now(), n as usize, chat, &request.stops, &outs) {
         Ok(body) => Ok(Taken::Whole((StatusCode::OK, Json(body)))),
         Err(e) => Err(refused(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string())),
     }

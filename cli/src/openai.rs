@@ -6,8 +6,8 @@
 //! content, rendered by the model's chat template with the assistant's turn opened),
 //! `max_tokens` (or `max_completion_tokens`), `temperature`, `top_p`, `top_k` (as vLLM takes it),
 //! `seed`, `stop` (a string or a list of at most 16), `stream` (the server sends the answer as
-//! server-sent events; a batch refuses it) with `stream_options.include_usage`, and `n` 1,
-//! `user`. A message's content is a string or a list of text parts. Fields clients send with
+//! server-sent events; a batch refuses it) with `stream_options.include_usage`, `n` (up to 16
+//! choices, each drawn as its own index; one when streamed or in a batch), and `user`. A message's content is a string or a list of text parts. Fields clients send with
 //! their defaults (`presence_penalty` 0, `logprobs` false, `logit_bias` {}, …: [`NEUTRAL`]) are
 //! accepted with those values; any other field or value is refused, naming it, rather than
 //! ignored (log-probabilities, `n` 2, penalties and tools are not computed here).
@@ -132,7 +132,17 @@ pub(crate) fn request(
             _ => return refuse(format!("body.stream_options {o}: only include_usage (true or false)")),
         },
     };
-    Ok(Ok(Request { prompt, stops: settings.stops, stream, usage }))
+    if settings.choices > 1 && stream {
+        return refuse(format!("body.n {}: one choice when streamed", settings.choices));
+    }
+    Ok(Ok(Request {
+        prompt,
+        stops: settings.stops,
+        stream,
+        usage,
+        choices: settings.choices,
+        own_seed: settings.own_seed,
+    }))
 }
 
 /// A request taken: the prompt to generate from, where its text is cut, and how it is answered.
@@ -145,11 +155,19 @@ pub(crate) struct Request {
     pub(crate) stream: bool,
     /// Streamed, whether a last chunk gives the tokens counted (`stream_options.include_usage`).
     pub(crate) usage: bool,
+    /// Choices asked for (`n`): the prompt generated from that many times, choice `k` drawing
+    /// as its own index.
+    pub(crate) choices: usize,
+    /// Whether it gave its own seed (its choices draw as 0, 1, …).
+    pub(crate) own_seed: bool,
 }
 
+/// Choices one request may ask for at most (`n`).
+pub(crate) const MAX_CHOICES: u64 = 16;
+
 /// The body of a completion's answer (`chat`: a chat completion's) to request number `n`:
-/// its text (without end-of-sequence, cut at its first stop string), why it finished and the
-/// tokens it counted.
+/// each choice's text (without end-of-sequence, cut at its first stop string) and why it
+/// finished, and the tokens counted.
 pub(crate) fn completion(
     g: &Generator,
     model: &str,
@@ -157,28 +175,33 @@ pub(crate) fn completion(
     n: usize,
     chat: bool,
     stops: &StopStrings,
-    o: &Generated,
+    choices: &[Generated],
 ) -> Result<Value, ExecError> {
     let eos = g.model().config().eos_token_id;
-    let ended = o.tokens.last() == Some(&eos);
-    let shown = if ended { &o.tokens[..o.tokens.len() - 1] } else { &o.tokens[..] };
-    let mut text = g.decode(shown)?;
-    if let Some((at, _)) = stops.cut(&text) {
-        text.truncate(at);
+    let mut each = Vec::with_capacity(choices.len());
+    for (k, o) in choices.iter().enumerate() {
+        let ended = o.tokens.last() == Some(&eos);
+        let shown = if ended { &o.tokens[..o.tokens.len() - 1] } else { &o.tokens[..] };
+        let mut text = g.decode(shown)?;
+        if let Some((at, _)) = stops.cut(&text) {
+            text.truncate(at);
+        }
+        let finish = finish_reason(g, o);
+        each.push(if chat {
+            json!({"index": k, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": finish})
+        } else {
+            json!({"index": k, "text": text, "logprobs": null, "finish_reason": finish})
+        });
     }
-    let finish = finish_reason(g, o);
-    let choice = if chat {
-        json!({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": finish})
-    } else {
-        json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish})
-    };
-    let (p, c) = (o.prompt_tokens.len(), o.tokens.len());
+    // The prompt counted once, as OpenAI counts it for several choices.
+    let p = choices.first().map_or(0, |o| o.prompt_tokens.len());
+    let c: usize = choices.iter().map(|o| o.tokens.len()).sum();
     Ok(json!({
         "id": format!("{}-{n}", if chat { "chatcmpl" } else { "cmpl" }),
         "object": if chat { "chat.completion" } else { "text_completion" },
         "created": created,
         "model": model,
-        "choices": [choice],
+        "choices": each,
         "usage": {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c},
     }))
 }
@@ -257,6 +280,7 @@ struct Settings {
     decoding: Decoding,
     own_seed: bool,
     stops: StopStrings,
+    choices: usize,
 }
 
 impl Settings {
@@ -273,9 +297,11 @@ impl Settings {
                 .map(|v| v.as_u64().ok_or(format!("body.{k} {v}: a whole number, 0 or more")))
                 .transpose()
         };
-        if let Some(n) = count("n")?.filter(|&n| n != 1) {
-            return Err(format!("body.n {n}: one answer per request here"));
-        }
+        let choices = match count("n")? {
+            None => 1,
+            Some(n @ 1..=MAX_CHOICES) => n as usize,
+            Some(n) => return Err(format!("body.n {n}: from 1 to {MAX_CHOICES} choices")),
+        };
         if body.get("stream").is_some_and(|s| !s.is_boolean() && !s.is_null()) {
             return Err("body.stream: true or false".into());
         }
@@ -318,7 +344,7 @@ impl Settings {
             Some(v) => return Err(format!("body.stop {v}: a string or a list of strings")),
         };
         let stops = StopStrings::new(stops).map_err(|e| format!("body.stop: {e}"))?;
-        Ok(Settings { max_tokens, decoding, own_seed: seed.is_some(), stops })
+        Ok(Settings { max_tokens, decoding, own_seed: seed.is_some(), stops, choices })
     }
 }
 

@@ -209,11 +209,19 @@ fn the_server_answers_completions_as_generate_does_from_several_connections_at_o
     );
     assert_eq!((status, body["object"].as_str()), (200, Some("chat.completion")), "{body}");
     assert_eq!(body["choices"][0]["message"]["content"], chat[0].trim_end_matches("<|im_end|>"));
-    // One seed, one text, whenever it comes.
-    let seeded = json!({"messages": messages, "max_tokens": 12, "seed": 3, "temperature": 1.0});
+    // One seed, one text, whenever it comes — three choices (n), each its own draw, the prompt
+    // counted once.
+    let seeded = json!({"messages": messages, "max_tokens": 12, "seed": 3, "temperature": 1.0, "n": 3});
     let first = call(&addr, "POST", "/v1/chat/completions", Some(&seeded)).1;
     let again = call(&addr, "POST", "/v1/chat/completions", Some(&seeded)).1;
     assert_eq!(first["choices"], again["choices"]);
+    let texts: Vec<&Value> = (0..3).map(|k| &first["choices"][k]["message"]["content"]).collect();
+    assert!(texts[0] != texts[1] && texts[1] != texts[2], "{first}");
+    assert_eq!(
+        (first["choices"][2]["index"].as_u64(), first["usage"]["completion_tokens"].as_u64()),
+        (Some(2), Some(36))
+    );
+    assert_eq!(first["usage"]["prompt_tokens"], body["usage"]["prompt_tokens"]);
 
     // Streamed: chunks whose text makes the whole answer's, the first opening the assistant's
     // message, the last saying why it finished, then [DONE]; a stop string spanning tokens is
@@ -275,12 +283,12 @@ fn the_server_answers_completions_as_generate_does_from_several_connections_at_o
     assert_eq!((status, listed["data"][0]["id"].as_str()), (200, model.to_str()));
 
     // What /metrics counted: nine answered (two streamed), six refused (one no JSON), a first
-    // token timed for each answered one.
+    // token timed for each choice of the answered ones (two of them of three choices).
     let metrics = call_text(&addr, "/metrics");
     for line in [
         "cascade_llm_server_requests_total{outcome=\"answered\"} 9",
         "cascade_llm_server_requests_total{outcome=\"refused\"} 6",
-        "cascade_llm_server_first_token_seconds_count{} 9",
+        "cascade_llm_server_first_token_seconds_count{} 13",
     ] {
         assert!(metrics.contains(line), "{line} not in:\n{metrics}");
     }
