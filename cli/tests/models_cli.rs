@@ -535,7 +535,7 @@ fn generate_answers_a_batch_file_in_openai_batch_format() {
     );
     let cut = &text[..text.find(" colors").expect("the greedy text names the colors")];
     assert_eq!((choice(3)["text"].as_str(), choice(3)["finish_reason"].as_str()), (Some(cut), Some("stop")));
-    for (k, why) in [(4, "presence_penalty"), (5, "not a JSON request"), (6, "one answer per request")] {
+    for (k, why) in [(4, "presence_penalty"), (5, "not a JSON request"), (6, "one choice per line in a batch")] {
         assert_eq!(rows[k]["response"]["status_code"], 400, "{}", rows[k]);
         assert!(body(k)["error"]["message"].as_str().unwrap().contains(why), "{}", rows[k]);
     }
