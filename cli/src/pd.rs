@@ -23,7 +23,7 @@ use cascade_exec::llama::sample::Decoding;
 use cascade_exec::llama::stop::StopStrings;
 use cascade_exec::pd::kv::KvLayout;
 use cascade_exec::pd::migrate::RebalanceConfig;
-use cascade_exec::pd::proto::SeqSampling;
+use cascade_exec::pd::proto::{LlmMsg, SeqSampling};
 use cascade_exec::pd::router::{self, GenAnswer, GenRequest, MonitorConfig, PdCmd, PdRouterConfig};
 use cascade_exec::pd::{LlmConfig, LlmInstance, PdModel, Role};
 use cascade_exec::serve::{load_packed, scale_out, DispatchConfig, LivePolicy, Source};
@@ -31,7 +31,7 @@ use cascade_multicast::cluster::{Controller, MulticastNode};
 use cascade_multicast::Topology;
 use cascade_sched::lora::dispatch::ClusterConfig;
 use cascade_sched::lora::CostModel;
-use cascade_transport::Mesh;
+use cascade_transport::{Mesh, ServiceExt};
 use clap::{Args, ValueEnum};
 use tokio::sync::{mpsc, oneshot};
 
@@ -142,12 +142,14 @@ pub(crate) struct PdArgs {
     rebalance_every_ms: u64,
     /// Kill the decode instance (node 3) with SIGKILL this many seconds into the burst, after
     /// the mutation gave the burst a second decode instance (so it must be later than
-    /// `--scale-after-s`); its requests are redone from their prompts.
+    /// `--scale-after-s`) — or, if it decodes nothing then, once it decodes a request (60 s at
+    /// most); its requests are redone from their prompts.
     #[arg(long, conflicts_with = "stop_decode_at_s", value_parser = crate::seconds)]
     kill_decode_at_s: Option<f64>,
     /// Stop the decode instance (node 3) with SIGTERM this many seconds into the burst, after
-    /// the mutation (a graceful scale-in): it leaves, the router moves the requests it decodes,
-    /// with their KV, to the mutated instance, and it exits.
+    /// the mutation (a graceful scale-in) — or, if it decodes nothing then, once it decodes a
+    /// request (60 s at most): it leaves, the router moves the requests it decodes, with their
+    /// KV, to the mutated instance, and it exits.
     #[arg(long, value_parser = crate::seconds)]
     stop_decode_at_s: Option<f64>,
     /// Replace a lost decode instance: the router turns a prefill instance into a decode one
@@ -441,6 +443,16 @@ async fn drive(
         let graceful = a.stop_decode_at_s.is_some();
         let Some(at) = a.kill_decode_at_s.or(a.stop_decode_at_s) else { return Ok(None) };
         tokio::time::sleep_until((start + Duration::from_secs_f64(at)).into()).await;
+        // An instance stopped or killed while it decodes nothing shows nothing moved or redone
+        // (on a loaded machine the first decodes may start many seconds later): it waits for
+        // one, asking the instance.
+        let waited = Instant::now();
+        while waited.elapsed() < Duration::from_secs(60) {
+            match mesh.call(DECODE, &LlmMsg::Status, Duration::from_secs(10)).await {
+                Ok(LlmMsg::State { running: 0, .. }) => tokio::time::sleep(Duration::from_millis(10)).await,
+                _ => break,
+            }
+        }
         kill_decode(graceful)?;
         let at = start.elapsed().as_secs_f64();
         bar.suspend(|| {
