@@ -69,8 +69,8 @@ fn disaggregated_serving_answers_every_request_with_the_greedy_tokens() {
     let _ = std::fs::remove_dir_all(&out);
 }
 
-/// SIGTERM to the decode instance while it decodes (its first requests decode from about 4 s on
-/// here, 24 tokens each): it leaves, the router moves its requests with their KV to the mutated
+/// SIGTERM to the decode instance while it decodes (at 5 s, or once it decodes a request: in a
+/// loaded debug run the first tokens may come after 14 s; 24 tokens each): it leaves, the router moves its requests with their KV to the mutated
 /// instance, and the process exits once they are gone. The requests are sampled (`--temperature`):
 /// a moved one draws on where it went as it would have where it was, and every answer equals
 /// what one process draws for the same request.
