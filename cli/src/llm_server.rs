@@ -447,7 +447,8 @@ impl Streaming {
                     self.usage = Some(json!({"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}));
                 }
                 let finish = crate::openai::finish_reason(&self.s.g, &out);
-                let text = crate::openai::visible(&self.s.g, &self.stops, &out.tokens).unwrap_or_default();
+                // The whole answer's text: nothing held back any more.
+                let text = crate::openai::answer_text(&self.s.g, &self.stops, &out.tokens).unwrap_or_default();
                 let delta = text.get(self.sent.len()..).unwrap_or_default().to_string();
                 self.event(created, &delta, Some(finish))
             }

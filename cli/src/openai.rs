@@ -177,15 +177,9 @@ pub(crate) fn completion(
     stops: &StopStrings,
     choices: &[Generated],
 ) -> Result<Value, ExecError> {
-    let eos = g.model().config().eos_token_id;
     let mut each = Vec::with_capacity(choices.len());
     for (k, o) in choices.iter().enumerate() {
-        let ended = o.tokens.last() == Some(&eos);
-        let shown = if ended { &o.tokens[..o.tokens.len() - 1] } else { &o.tokens[..] };
-        let mut text = g.decode(shown)?;
-        if let Some((at, _)) = stops.cut(&text) {
-            text.truncate(at);
-        }
+        let text = answer_text(g, stops, &o.tokens)?;
         let finish = finish_reason(g, o);
         each.push(if chat {
             json!({"index": k, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": finish})
@@ -211,17 +205,26 @@ pub(crate) fn completion(
 /// begins, and short of an end that could begin one (a stop string is never shown). End of
 /// sequence is not text.
 pub(crate) fn visible(g: &Generator, stops: &StopStrings, tokens: &[u32]) -> Option<String> {
-    let eos = g.model().config().eos_token_id;
-    let tokens = tokens.strip_suffix(&[eos]).unwrap_or(tokens);
-    let mut text = g.decode(tokens).ok()?;
+    let mut text = answer_text(g, stops, tokens).ok()?;
     if text.ends_with('\u{FFFD}') {
         return None;
     }
-    match stops.cut(&text) {
-        Some((at, _)) => text.truncate(at),
-        None => text.truncate(text.len() - stops.held_back(&text)),
+    // Cut already where a stop string begins; otherwise short of what could begin one.
+    if stops.cut(&text).is_none() {
+        text.truncate(text.len() - stops.held_back(&text));
     }
     Some(text)
+}
+
+/// The text of a finished sequence's `tokens` as its answer gives it: without end of sequence,
+/// cut where its first stop string begins. (A streamed answer's chunks add up to it.)
+pub(crate) fn answer_text(g: &Generator, stops: &StopStrings, tokens: &[u32]) -> Result<String, ExecError> {
+    let eos = g.model().config().eos_token_id;
+    let mut text = g.decode(tokens.strip_suffix(&[eos]).unwrap_or(tokens))?;
+    if let Some((at, _)) = stops.cut(&text) {
+        text.truncate(at);
+    }
+    Ok(text)
 }
 
 /// One event of a streamed answer to request number `n`: `delta`, the text since the last, and

@@ -260,6 +260,21 @@ fn the_server_answers_completions_as_generate_does_from_several_connections_at_o
     let chunks: Vec<Value> = streamed[..streamed.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
     let text: String = chunks.iter().map(|c| c["choices"][0]["delta"]["content"].as_str().unwrap()).collect();
     assert_eq!((text.as_str(), chunks.last().unwrap()["choices"][0]["finish_reason"].as_str()), (cut, Some("stop")));
+    // A stop string the answer's end only begins (held back while more might come) is sent with
+    // the last chunk once the answer is whole: the chunks still make the whole text.
+    let tail: String = whole.chars().rev().take(3).collect::<Vec<_>>().into_iter().rev().collect();
+    let begun = format!("{tail}never");
+    let streamed = events(
+        &addr,
+        "/v1/chat/completions",
+        &json!({"messages": messages, "max_tokens": 12, "temperature": 0, "stream": true, "stop": begun}),
+    );
+    let chunks: Vec<Value> = streamed[..streamed.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+    let text: String = chunks.iter().map(|c| c["choices"][0]["delta"]["content"].as_str().unwrap()).collect();
+    assert_eq!(
+        (text.as_str(), chunks.last().unwrap()["choices"][0]["finish_reason"].as_str()),
+        (whole, Some("length"))
+    );
 
     for (body, why) in [
         (json!({"prompt": "x", "logprobs": 2}), "body.logprobs 2 is not supported here"),
@@ -282,13 +297,13 @@ fn the_server_answers_completions_as_generate_does_from_several_connections_at_o
     let (status, listed) = call(&addr, "GET", "/v1/models", None);
     assert_eq!((status, listed["data"][0]["id"].as_str()), (200, model.to_str()));
 
-    // What /metrics counted: nine answered (two streamed), six refused (one no JSON), a first
+    // What /metrics counted: ten answered (three streamed), six refused (one no JSON), a first
     // token timed for each choice of the answered ones (two of them of three choices).
     let metrics = call_text(&addr, "/metrics");
     for line in [
-        "cascade_llm_server_requests_total{outcome=\"answered\"} 9",
+        "cascade_llm_server_requests_total{outcome=\"answered\"} 10",
         "cascade_llm_server_requests_total{outcome=\"refused\"} 6",
-        "cascade_llm_server_first_token_seconds_count{} 13",
+        "cascade_llm_server_first_token_seconds_count{} 14",
     ] {
         assert!(metrics.contains(line), "{line} not in:\n{metrics}");
     }
@@ -312,6 +327,6 @@ fn the_server_answers_completions_as_generate_does_from_several_connections_at_o
     let status = server.wait().unwrap();
     let mut rest = String::new();
     server.stdout.take().unwrap().read_to_string(&mut rest).unwrap();
-    assert!(status.success() && rest.contains("stopped after 15 requests"), "{status:?}: {rest}");
+    assert!(status.success() && rest.contains("stopped after 16 requests"), "{status:?}: {rest}");
     let _ = std::fs::remove_dir_all(&d);
 }
