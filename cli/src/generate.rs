@@ -95,12 +95,16 @@ impl SamplingArgs {
                 bail!("{name} applies to sampling: give --temperature above 0 as well (0, the default, is greedy)");
             }
         }
-        let seed = match self.seed {
-            Some(s) => s,
-            None if self.temperature != 0.0 => getrandom::u64().context("drawing a random seed")?,
-            None => 0,
-        };
+        let seed = if self.temperature != 0.0 { given_or_random(self.seed)? } else { 0 };
         Ok(Decoding::new(self.temperature, self.top_k, self.top_p, seed)?)
+    }
+}
+
+/// The seed given, or a random one (printed by the caller, so that a run can be repeated).
+pub(crate) fn given_or_random(seed: Option<u64>) -> anyhow::Result<u64> {
+    match seed {
+        Some(s) => Ok(s),
+        None => getrandom::u64().context("drawing a random seed"),
     }
 }
 
@@ -465,11 +469,7 @@ fn batch_defaults(a: &GenerateArgs) -> anyhow::Result<crate::openai::Defaults> {
     if s.temperature != 0.0 || s.top_k != 0 || s.top_p != 1.0 {
         bail!("--batch: each request's body sets its temperature, top_k and top_p (--seed seeds those without a seed)");
     }
-    let seed = match s.seed {
-        Some(seed) => seed,
-        None => getrandom::u64().context("drawing a random seed")?,
-    };
-    Ok(crate::openai::Defaults { max_tokens: a.max_tokens, seed })
+    Ok(crate::openai::Defaults { max_tokens: a.max_tokens, seed: given_or_random(s.seed)? })
 }
 
 /// "greedy", or "sampled at temperature T, top-k K, top-p P, seed S" (the cuts when set).

@@ -129,10 +129,7 @@ pub(crate) fn run(a: LlmServerArgs) -> anyhow::Result<()> {
     crate::models::ensure_smollm2(&a.model)?;
     let g =
         Arc::new(Generator::from_dir(&a.model).with_context(|| format!("loading the model in {}", a.model.display()))?);
-    let seed = match a.seed {
-        Some(s) => s,
-        None => getrandom::u64().context("drawing a random seed")?,
-    };
+    let seed = crate::generate::given_or_random(a.seed)?;
     let (tx, rx) = mpsc::sync_channel::<Job>(a.max_waiting);
     let metrics = Arc::new(Metrics::new());
     let looping = {
