@@ -66,7 +66,7 @@ pub(crate) fn parse(
         other => return Ok((asked, Err(format!("url {other:?}: /v1/completions or /v1/chat/completions")))),
     };
     let body = request.get("body").unwrap_or(&Value::Null);
-    let taken = crate::openai::request(g, body, asked.chat, defaults, line as u64)?.and_then(|r| {
+    let taken = crate::openai::request(g.text(), body, asked.chat, defaults, line as u64)?.and_then(|r| {
         if r.stream {
             return Err("body.stream: a batch's answers come whole (false)".into());
         }
@@ -94,7 +94,7 @@ pub(crate) fn show(
         Err(why) => json!({"status_code": 400, "request_id": request_id, "body": crate::openai::error(why)}),
         Ok(o) => {
             let one = std::slice::from_ref(o);
-            let body = crate::openai::completion(g, model, created, asked.line, asked.chat, &asked.stops, one)?;
+            let body = crate::openai::completion(g.text(), model, created, asked.line, asked.chat, &asked.stops, one)?;
             json!({"status_code": 200, "request_id": request_id, "body": body})
         }
     };

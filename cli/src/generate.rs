@@ -122,7 +122,7 @@ impl Streamed {
     fn push(&mut self, g: &Generator, stops: &StopStrings, tok: u32) {
         self.tokens.push(tok);
         // (End of sequence, which `visible` leaves out, is printed with the rest by `show`.)
-        let Some(text) = crate::openai::visible(g, stops, &self.tokens) else { return };
+        let Some(text) = crate::openai::visible(g.text(), stops, &self.tokens) else { return };
         if !text.starts_with(&self.text) {
             return;
         }

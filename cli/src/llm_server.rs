@@ -3,22 +3,22 @@
 //! `GET /metrics`: requests by outcome, tokens, times to first token and to answer),
 //! the bodies as [`crate::openai`] takes and gives them.
 //!
-//! The requests of every connection go to one generation loop on a thread of its own
-//! ([`Generator::generate_stream`]): up to 32 decode together, a request arriving while others
-//! run joins the next step, and one finished hands its slot to the next — continuous batching,
-//! each with its own budget, sampling and stop strings. A request is tokenised (and its chat
-//! rendered) on a blocking thread of the HTTP runtime, not on the loop; the loop's answer comes
-//! back through a oneshot channel (`n` choices: the prompt queued that many times); a client that goes away (its connection closed before its
-//! answer is whole) ends its generation after the next token. With `stream: true` the answer
-//! comes as server-sent events,
-//! a chunk of text as its tokens come (none of a stop string), as OpenAI streams it. A choice
-//! without a seed of its own draws as the server's count of such choices, from `--seed`
-//! (random otherwise).
+//! Where the requests are computed is a [`Backend`]: by default one generation loop on a thread
+//! of this process ([`local`]: continuous batching, up to 32 sequences decoding together); with
+//! `--pd`, prefill and decode instance processes behind the LLM router
+//! ([`cluster`]: prefill/decode disaggregation, each request's KV moved to a decode instance).
+//! A request is tokenised (and its chat rendered) on a blocking thread of the HTTP runtime; its
+//! answer comes back through a oneshot channel (`n` choices: the prompt submitted that many
+//! times); a client that goes away (its connection closed before its answer is whole) ends its
+//! generation. With `stream: true` the answer comes as server-sent events, a chunk of text as
+//! its tokens come (none of a stop string), as OpenAI streams it. A choice without a seed of its
+//! own draws as the server's count of such choices, from `--seed` (random otherwise): the same
+//! tokens on either backend.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{mpsc, Arc, Mutex};
+use std::sync::Arc;
 
 use anyhow::Context;
 use axum::extract::State;
@@ -27,14 +27,17 @@ use axum::response::sse::{Event, Sse};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use cascade_exec::llama::generate::{Generated, Generator, StreamPrompt};
-use cascade_exec::llama::sample::Decoding;
 use cascade_exec::llama::stop::StopStrings;
+use cascade_exec::llama::text::ModelText;
 use cascade_transport::metrics::Metrics;
 use clap::Args;
 use serde_json::{json, Value};
 use tokio::sync::oneshot;
 
 use crate::openai::Defaults;
+
+mod cluster;
+mod local;
 
 #[derive(Args)]
 pub(crate) struct LlmServerArgs {
@@ -52,33 +55,59 @@ pub(crate) struct LlmServerArgs {
     seed: Option<u64>,
     /// Requests that may wait for a slot in the generation loop (32 run at once); one more is
     /// answered 429 at once, to be sent again, rather than queued without bound. 0: none waits
-    /// (a request is taken only while the loop is idle).
+    /// (a request is taken only while the loop is idle). With `--pd`: requests the router holds
+    /// unanswered, running or not.
     #[arg(long, default_value_t = 1024)]
     max_waiting: usize,
+    /// Serve with prefill/decode disaggregation.
+    #[command(flatten)]
+    pd: cluster::PdServeArgs,
 }
 
-/// A request for the generation loop: its prompt, where its answer goes, and (streamed) where
-/// each token goes as it comes.
-struct Job {
-    prompt: StreamPrompt,
-    reply: oneshot::Sender<Generated>,
-    tokens: Option<tokio::sync::mpsc::UnboundedSender<u32>>,
+/// A request's choice for the backend: its prompt and settings, where its answer goes, and
+/// (streamed) where each token goes as it comes.
+pub(crate) struct Job {
+    pub(crate) prompt: StreamPrompt,
+    pub(crate) reply: oneshot::Sender<Generated>,
+    pub(crate) tokens: Option<tokio::sync::mpsc::UnboundedSender<u32>>,
     /// When it was queued (its time to first token is counted from there).
-    queued: std::time::Instant,
+    pub(crate) queued: std::time::Instant,
 }
 
-/// A job the loop runs: where its answer and tokens go, when it was queued, whether its first
-/// token came.
-struct Running {
-    reply: oneshot::Sender<Generated>,
-    tokens: Option<tokio::sync::mpsc::UnboundedSender<u32>>,
-    queued: std::time::Instant,
-    first: bool,
+/// Why a backend did not take a request.
+pub(crate) enum Refused {
+    /// Too many wait already (429).
+    Busy(String),
+    /// It cannot be served as asked (400).
+    Input(String),
+    /// The server is stopping (503).
+    Stopping,
+}
+
+/// Where the server's requests are computed: this process's generation loop ([`local`]), or
+/// prefill and decode instances behind the LLM router ([`cluster`]).
+pub(crate) trait Backend: Send + Sync {
+    /// Takes the jobs of one request (its choices), all or none. A job whose answer's receiver
+    /// is dropped (its client went away) is ended early.
+    fn submit(&self, jobs: Vec<Job>) -> Result<(), Refused>;
+    /// Takes no more jobs; returns once every job taken is answered and the backend stopped.
+    fn close(&self, rt: &tokio::runtime::Runtime) -> anyhow::Result<()>;
+    /// Resolves, with why, if the backend can no longer serve (an instance process exited).
+    fn broken(&self) -> futures_util::future::BoxFuture<'static, anyhow::Error> {
+        Box::pin(std::future::pending())
+    }
+    /// Metrics of its own for `/metrics` (the server's counters go there too); `None`: the server's.
+    fn metrics(&self) -> Option<Arc<Metrics>> {
+        None
+    }
 }
 
 /// What every request's handler shares.
 struct Served {
-    g: Arc<Generator>,
+    /// The model's tokenizer and chat template.
+    text: Arc<ModelText>,
+    /// Where requests are computed.
+    backend: Arc<dyn Backend>,
     /// The model's name in answers: its directory, as given.
     model: String,
     defaults: Defaults,
@@ -86,12 +115,8 @@ struct Served {
     taken: AtomicU64,
     /// Choices drawn so far without a seed of their own: the index the next draws as.
     draws: AtomicU64,
-    /// The generation loop's queue (`None` once the server stops).
-    jobs: Mutex<Option<mpsc::SyncSender<Job>>>,
     /// What `/metrics` shows.
     metrics: Arc<Metrics>,
-    /// Requests that may wait for the loop at most.
-    max_waiting: usize,
 }
 
 impl Served {
@@ -127,24 +152,29 @@ pub(crate) fn run(a: LlmServerArgs) -> anyhow::Result<()> {
         anyhow::bail!("--max-tokens must be at least 1");
     }
     crate::models::ensure_smollm2(&a.model)?;
-    let g =
-        Arc::new(Generator::from_dir(&a.model).with_context(|| format!("loading the model in {}", a.model.display()))?);
     let seed = crate::generate::given_or_random(a.seed)?;
-    let (tx, rx) = mpsc::sync_channel::<Job>(a.max_waiting);
     let metrics = Arc::new(Metrics::new());
-    let looping = {
-        let (g, metrics) = (g.clone(), metrics.clone());
-        std::thread::Builder::new().name("generation".into()).spawn(move || generation(&g, &rx, &metrics))?
+    let (text, backend, rt, serving): (_, Arc<dyn Backend>, _, _) = if a.pd.pd {
+        let (c, rt) = cluster::Cluster::start(&a.model, &a.pd, a.max_waiting)?;
+        let what = c.describe();
+        (c.text(), c, rt, what)
+    } else {
+        let g = Arc::new(
+            Generator::from_dir(&a.model).with_context(|| format!("loading the model in {}", a.model.display()))?,
+        );
+        let l = local::Local::start(g.clone(), metrics.clone(), a.max_waiting)?;
+        (g.text().clone(), Arc::new(l), tokio::runtime::Runtime::new()?, "this process".to_string())
     };
+    // A cluster's metrics are its router's node's (the router's and the transport's counters too).
+    let metrics = backend.metrics().unwrap_or(metrics);
     let served = Arc::new(Served {
-        g,
+        text,
+        backend: backend.clone(),
         model: a.model.display().to_string(),
         defaults: Defaults { max_tokens: a.max_tokens, seed },
         taken: AtomicU64::new(0),
         draws: AtomicU64::new(0),
-        jobs: Mutex::new(Some(tx)),
         metrics,
-        max_waiting: a.max_waiting,
     });
     let app = Router::new()
         .route("/v1/completions", post(|s, body| answer(s, body, false)))
@@ -153,27 +183,36 @@ pub(crate) fn run(a: LlmServerArgs) -> anyhow::Result<()> {
         .route("/health", get(|| async { "ok" }))
         .route("/metrics", get(metrics_text))
         .with_state(served.clone());
-    let rt = tokio::runtime::Runtime::new()?;
-    rt.block_on(async {
+    let served_out = rt.block_on(async {
         let listener =
             tokio::net::TcpListener::bind(a.listen).await.with_context(|| format!("listening on {}", a.listen))?;
         let at = listener.local_addr()?;
         println!(
-            "listening on http://{at} (model {}; POST /v1/completions, /v1/chat/completions; seed {seed} for requests \
-             without one)",
+            "listening on http://{at} (model {}, computed by {serving}; POST /v1/completions, /v1/chat/completions; \
+             seed {seed} for requests without one)",
             served.model
         );
         use std::io::Write;
         std::io::stdout().flush()?;
-        axum::serve(listener, app).with_graceful_shutdown(stopped()).await?;
-        anyhow::Ok(())
-    })?;
-    // No new request: the loop ends once the ones it runs are answered.
-    served.jobs.lock().map_err(|_| anyhow::anyhow!("the queue's lock was poisoned"))?.take();
-    drop(rt);
-    looping.join().map_err(|_| anyhow::anyhow!("the generation loop panicked"))?;
+        // Ctrl-C or SIGTERM, or a backend that can no longer serve (what broke comes back).
+        let (broke, why) = oneshot::channel();
+        let broken = backend.broken();
+        let stop = async move {
+            tokio::select! {
+                _ = stopped() => {}
+                e = broken => drop(broke.send(e)),
+            }
+        };
+        axum::serve(listener, app).with_graceful_shutdown(stop).await?;
+        anyhow::Ok(why.await.ok())
+    });
+    // No new request: the backend stops once the ones it runs are answered.
+    let closed = backend.close(&rt);
     println!("stopped after {} requests", served.taken.load(Ordering::Relaxed));
-    Ok(())
+    if let Some(e) = served_out? {
+        return Err(e.context("the server stopped"));
+    }
+    closed
 }
 
 /// Ctrl-C or SIGTERM.
@@ -182,64 +221,6 @@ async fn stopped() {
     tokio::select! {
         _ = tokio::signal::ctrl_c() => {}
         _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending().await } } => {}
-    }
-}
-
-/// The generation loop: jobs as they come, batched by [`Generator::generate_stream`], each
-/// answer sent back when its sequence ends (a streamed one's tokens as they come). Returns when
-/// the queue closes.
-fn generation(g: &Generator, rx: &mpsc::Receiver<Job>, metrics: &Metrics) {
-    let none = StopStrings::default();
-    let ttft = metrics.histogram(
-        "cascade_llm_server_first_token_seconds",
-        "From a request's queueing to its first token in the LLM server's generation loop",
-        &[],
-    );
-    loop {
-        let replies = std::cell::RefCell::new(std::collections::HashMap::new());
-        let mut closed = false;
-        let mut k = 0usize;
-        let jobs = std::iter::from_fn(|| {
-            // While sequences run, a job not yet sent is not waited for; with none, the loop waits.
-            let job = if replies.borrow().is_empty() {
-                let j = rx.recv().ok();
-                closed = j.is_none();
-                j?
-            } else {
-                rx.try_recv().ok()?
-            };
-            let running = Running { reply: job.reply, tokens: job.tokens, queued: job.queued, first: false };
-            replies.borrow_mut().insert(k, running);
-            k += 1;
-            Some(job.prompt)
-        });
-        let on_token = |i, tok| {
-            let mut replies = replies.borrow_mut();
-            let Some(r) = replies.get_mut(&i) else { return };
-            if !r.first {
-                r.first = true;
-                ttft.observe(r.queued.elapsed().as_secs_f64());
-            }
-            if let Some(tokens) = &r.tokens {
-                let _ = tokens.send(tok);
-            }
-        };
-        // Its token channel closes as its answer is sent: every token came before.
-        let on_done = |i, out| {
-            if let Some(r) = replies.borrow_mut().remove(&i) {
-                if r.reply.send(out).is_err() {
-                    let help = "Requests the LLM server stopped generating because their client went away";
-                    metrics.counter("cascade_llm_server_cancelled", help, &[]).inc();
-                }
-            }
-        };
-        if let Err(e) = g.generate_stream(jobs, usize::MAX, Decoding::Greedy, &none, on_token, on_done) {
-            // The requests it ran are answered with errors (their senders dropped); the loop goes on.
-            tracing::error!(error = %e, "a generation step failed: the requests running are answered with an error");
-        }
-        if closed {
-            return;
-        }
     }
 }
 
@@ -293,7 +274,7 @@ async fn taken(s: Arc<Served>, body: axum::body::Bytes, chat: bool) -> Result<Ta
     let n = s.taken.fetch_add(1, Ordering::Relaxed);
     let taking = {
         let s = s.clone();
-        tokio::task::spawn_blocking(move || crate::openai::request(&s.g, &body, chat, &s.defaults, n))
+        tokio::task::spawn_blocking(move || crate::openai::request(&s.text, &body, chat, &s.defaults, n))
     };
     let request = match taking.await {
         Ok(Ok(Ok(r))) => r,
@@ -324,28 +305,12 @@ async fn taken(s: Arc<Served>, body: axum::body::Bytes, chat: bool) -> Result<Ta
         answers.push(answered);
     }
     drop(tokens);
-    // Whether every choice was queued (`Some(true)`), or the queue was full (`Some(false)`: those
-    // queued end at once, their flag set as `cancel` drops).
-    let sent = match s.jobs.lock() {
-        Ok(queue) => queue.as_ref().and_then(|q| {
-            jobs.into_iter()
-                .map(|job| match q.try_send(job) {
-                    Ok(()) => Some(true),
-                    Err(mpsc::TrySendError::Full(_)) => Some(false),
-                    Err(mpsc::TrySendError::Disconnected(_)) => None,
-                })
-                .find(|sent| sent != &Some(true))
-                .unwrap_or(Some(true))
-        }),
-        Err(_) => None,
-    };
-    match sent {
-        Some(true) => {}
-        Some(false) => {
-            let why = format!("{} requests wait already: send it again later", s.max_waiting);
-            return Err(refused(StatusCode::TOO_MANY_REQUESTS, &why));
-        }
-        None => return Err(refused(StatusCode::SERVICE_UNAVAILABLE, "the server is stopping")),
+    // Refused, the jobs queued already end at once: their flag is set as `cancel` drops.
+    match s.backend.submit(jobs) {
+        Ok(()) => {}
+        Err(Refused::Busy(why)) => return Err(refused(StatusCode::TOO_MANY_REQUESTS, &why)),
+        Err(Refused::Input(why)) => return Err(refused(StatusCode::BAD_REQUEST, &why)),
+        Err(Refused::Stopping) => return Err(refused(StatusCode::SERVICE_UNAVAILABLE, "the server is stopping")),
     }
     if let Some(rx) = streamed {
         let events = Streaming {
@@ -378,7 +343,7 @@ async fn taken(s: Arc<Served>, body: axum::body::Bytes, chat: bool) -> Result<Ta
         outs.push(out);
     }
     cancel.1 = true;
-    match crate::openai::completion(&s.g, &s.model, crate::openai::now(), n as usize, chat, &request.stops, &outs) {
+    match crate::openai::completion(&s.text, &s.model, crate::openai::now(), n as usize, chat, &request.stops, &outs) {
         Ok(body) => Ok(Taken::Whole((StatusCode::OK, Json(body)))),
         Err(e) => Err(refused(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string())),
     }
@@ -417,7 +382,7 @@ impl Streaming {
         let created = crate::openai::now();
         while let Some(tok) = self.rx.recv().await {
             self.tokens.push(tok);
-            let Some(text) = crate::openai::visible(&self.s.g, &self.stops, &self.tokens) else { continue };
+            let Some(text) = crate::openai::visible(&self.s.text, &self.stops, &self.tokens) else { continue };
             if text.len() > self.sent.len() && text.starts_with(&self.sent) {
                 let delta = text[self.sent.len()..].to_string();
                 self.sent = text;
@@ -443,9 +408,9 @@ impl Streaming {
                     let (p, c) = (out.prompt_tokens.len(), out.tokens.len());
                     self.usage = Some(json!({"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}));
                 }
-                let finish = crate::openai::finish_reason(&self.s.g, &out);
+                let finish = crate::openai::finish_reason(&self.s.text, &out);
                 // The whole answer's text: nothing held back any more.
-                let text = crate::openai::answer_text(&self.s.g, &self.stops, &out.tokens).unwrap_or_default();
+                let text = crate::openai::answer_text(&self.s.text, &self.stops, &out.tokens).unwrap_or_default();
                 let delta = text.get(self.sent.len()..).unwrap_or_default().to_string();
                 self.event(created, &delta, Some(finish))
             }

@@ -20,9 +20,10 @@
 //! seed and the index it is given.
 
 use cascade_exec::llama::chat::Message;
-use cascade_exec::llama::generate::{Generated, Generator, StreamPrompt};
+use cascade_exec::llama::generate::{Generated, StreamPrompt};
 use cascade_exec::llama::sample::Decoding;
 use cascade_exec::llama::stop::StopStrings;
+use cascade_exec::llama::text::ModelText;
 use cascade_exec::ExecError;
 use serde_json::{json, Map, Value};
 
@@ -73,7 +74,7 @@ pub(crate) struct Defaults {
 /// as (a request with one draws as 0: its seed alone decides). `Err` only when the model's
 /// tokenizer or template fails.
 pub(crate) fn request(
-    g: &Generator,
+    g: &ModelText,
     body: &Value,
     chat: bool,
     defaults: &Defaults,
@@ -169,7 +170,7 @@ pub(crate) const MAX_CHOICES: u64 = 16;
 /// each choice's text (without end-of-sequence, cut at its first stop string) and why it
 /// finished, and the tokens counted.
 pub(crate) fn completion(
-    g: &Generator,
+    g: &ModelText,
     model: &str,
     created: u64,
     n: usize,
@@ -204,7 +205,7 @@ pub(crate) fn completion(
 /// it ends inside a character (its last bytes wait for the next token), cut where a stop string
 /// begins, and short of an end that could begin one (a stop string is never shown). End of
 /// sequence is not text.
-pub(crate) fn visible(g: &Generator, stops: &StopStrings, tokens: &[u32]) -> Option<String> {
+pub(crate) fn visible(g: &ModelText, stops: &StopStrings, tokens: &[u32]) -> Option<String> {
     let mut text = answer_text(g, stops, tokens).ok()?;
     if text.ends_with('\u{FFFD}') {
         return None;
@@ -218,8 +219,8 @@ pub(crate) fn visible(g: &Generator, stops: &StopStrings, tokens: &[u32]) -> Opt
 
 /// The text of a finished sequence's `tokens` as its answer gives it: without end of sequence,
 /// cut where its first stop string begins. (A streamed answer's chunks add up to it.)
-pub(crate) fn answer_text(g: &Generator, stops: &StopStrings, tokens: &[u32]) -> Result<String, ExecError> {
-    let eos = g.model().config().eos_token_id;
+pub(crate) fn answer_text(g: &ModelText, stops: &StopStrings, tokens: &[u32]) -> Result<String, ExecError> {
+    let eos = g.eos();
     let mut text = g.decode(tokens.strip_suffix(&[eos]).unwrap_or(tokens))?;
     if let Some((at, _)) = stops.cut(&text) {
         text.truncate(at);
@@ -259,8 +260,8 @@ pub(crate) fn chunk(
 
 /// Why a finished sequence finished: `"stop"` at end of sequence or a stop string, `"length"`
 /// at its budget or the context window.
-pub(crate) fn finish_reason(g: &Generator, o: &Generated) -> &'static str {
-    if o.tokens.last() == Some(&g.model().config().eos_token_id) || o.stopped {
+pub(crate) fn finish_reason(g: &ModelText, o: &Generated) -> &'static str {
+    if o.tokens.last() == Some(&g.eos()) || o.stopped {
         "stop"
     } else {
         "length"
@@ -352,7 +353,7 @@ impl Settings {
 }
 
 /// `messages` rendered by the model's chat template, the assistant's turn opened.
-fn conversation(g: &Generator, messages: &Value) -> Result<Result<String, String>, ExecError> {
+fn conversation(g: &ModelText, messages: &Value) -> Result<Result<String, String>, ExecError> {
     let Some(list) = messages.as_array().filter(|l| !l.is_empty()) else {
         return Ok(Err("body.messages: a list of at least one message".into()));
     };

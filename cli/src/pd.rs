@@ -264,32 +264,9 @@ pub(crate) fn run(a: PdArgs) -> anyhow::Result<()> {
         bail!("could not reserve 5 loopback ports");
     }
     let cluster = crate::demo::write_cluster(&out, &addrs, &out)?;
-    let exe = std::env::current_exe().context("locating the cascade binary")?;
-    // The cores this process may use (a container's cpuset may start above 0).
-    let cores = cascade_exec::serve::allowed_cores().context("reading this process's CPU affinity")?;
-    let mut children = Vec::new();
-    for node in 1..=4u32 {
-        let mut c = Command::new(&exe);
-        c.arg("llm-instance").arg("--cluster").arg(&cluster).args([
-            "--node",
-            &node.to_string(),
-            "--ready-timeout-s",
-            "120",
-        ]);
-        c.arg("--model").arg(&model_dir).args(["--role", if node == DECODE { "decode" } else { "prefill" }]);
-        if !cores.is_empty() {
-            c.args(["--core", &cores[(node as usize - 1) % cores.len()].to_string()]);
-        }
-        if node == NEW {
-            c.arg("--arriving");
-        }
-        c.env("CASCADE_SECRET", SECRET).env("RAYON_NUM_THREADS", "1");
-        c.env("RUST_LOG", std::env::var("CASCADE_PD_LOG").unwrap_or_else(|_| "info".into()));
-        c.env("XDG_RUNTIME_DIR", &out);
-        c.stdout(Stdio::null()).stderr(std::fs::File::create(out.join(format!("node-{node}.log")))?);
-        children.push(cascade_devcluster::process::spawn_node(&mut c).context("starting an instance")?);
-    }
-    std::env::set_var("CASCADE_SECRET", SECRET);
+    let roles: Vec<(u32, Role, bool)> =
+        (1..=4u32).map(|node| (node, if node == DECODE { Role::Decode } else { Role::Prefill }, node == NEW)).collect();
+    let children = spawn_instances(&cluster, &model_dir, &out, &roles)?;
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let children = std::sync::Mutex::new(children);
     let decode_stopped = std::sync::atomic::AtomicBool::new(false);
@@ -321,6 +298,52 @@ pub(crate) fn run(a: PdArgs) -> anyhow::Result<()> {
     });
     crate::demo::stop_nodes(children.into_inner().unwrap_or_else(|e| e.into_inner()), &out);
     res
+}
+
+/// Starts an LLM instance process (`cascade llm-instance`) for each of `nodes` — its node id,
+/// role, and whether its copy arrives by multicast (`arriving`) — in the cluster `cluster`,
+/// serving the model in `model_dir`, each pinned to a core of its own (this process's cores in
+/// turn), its log in `out/node-N.log`. This process joins as node 0 with the same secret.
+pub(crate) fn spawn_instances(
+    cluster: &Path,
+    model_dir: &Path,
+    out: &Path,
+    nodes: &[(u32, Role, bool)],
+) -> anyhow::Result<Vec<std::process::Child>> {
+    let exe = std::env::current_exe().context("locating the cascade binary")?;
+    // The cores this process may use (a container's cpuset may start above 0).
+    let cores = cascade_exec::serve::allowed_cores().context("reading this process's CPU affinity")?;
+    let mut children = Vec::new();
+    for &(node, role, arriving) in nodes {
+        let mut c = Command::new(&exe);
+        c.arg("llm-instance").arg("--cluster").arg(cluster).args([
+            "--node",
+            &node.to_string(),
+            "--ready-timeout-s",
+            "120",
+        ]);
+        c.arg("--model").arg(model_dir).args(["--role", if role == Role::Decode { "decode" } else { "prefill" }]);
+        if !cores.is_empty() {
+            c.args(["--core", &cores[(node as usize - 1) % cores.len()].to_string()]);
+        }
+        if arriving {
+            c.arg("--arriving");
+        }
+        c.env("CASCADE_SECRET", SECRET).env("RAYON_NUM_THREADS", "1");
+        c.env("RUST_LOG", std::env::var("CASCADE_PD_LOG").unwrap_or_else(|_| "info".into()));
+        c.env("XDG_RUNTIME_DIR", out);
+        c.stdout(Stdio::null()).stderr(std::fs::File::create(out.join(format!("node-{node}.log")))?);
+        let started = cascade_devcluster::process::spawn_node(&mut c).context("starting an instance");
+        match started {
+            Ok(child) => children.push(child),
+            Err(e) => {
+                crate::demo::stop_nodes(children, out);
+                return Err(e);
+            }
+        }
+    }
+    std::env::set_var("CASCADE_SECRET", SECRET);
+    Ok(children)
 }
 
 /// The single-process answers every request is checked against, and how they were drawn.
@@ -423,6 +446,7 @@ async fn drive(
                     adapter: 0,
                     sample,
                     stop: stop.clone(),
+                    tokens: None,
                 });
             }
         })

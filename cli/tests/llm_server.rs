@@ -1,7 +1,9 @@
 //! `cascade llm-server` over HTTP with the real SmolLM2: OpenAI's completions and chat
 //! completions answered as `cascade generate` answers the same prompts, requests from several
 //! connections at once each answered alike, streamed answers whose chunks make the same text,
-//! bad requests refused with their reasons, and a SIGTERM ending the server cleanly. Skips, saying so, without the model.
+//! bad requests refused with their reasons, and a SIGTERM ending the server cleanly; the same
+//! with `--pd` (prefill and decode instance processes behind the router). Skips, saying so,
+//! without the model.
 #![allow(clippy::unwrap_used)]
 
 mod common;
@@ -133,6 +135,16 @@ struct Server(Option<Child>);
 impl Drop for Server {
     fn drop(&mut self) {
         if let Some(mut c) = self.0.take() {
+            // Two SIGTERMs: a server with instance processes (`--pd`) kills them at the second;
+            // SIGKILL would leave them serving.
+            for _ in 0..2 {
+                let _ = Command::new("kill").arg(c.id().to_string()).status();
+                std::thread::sleep(std::time::Duration::from_millis(200));
+            }
+            let t = std::time::Instant::now();
+            while c.try_wait().ok().flatten().is_none() && t.elapsed() < std::time::Duration::from_secs(10) {
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
             let _ = c.kill();
             let _ = c.wait();
         }
@@ -328,5 +340,104 @@ fn the_server_answers_completions_as_generate_does_from_several_connections_at_o
     let mut rest = String::new();
     server.stdout.take().unwrap().read_to_string(&mut rest).unwrap();
     assert!(status.success() && rest.contains("stopped after 16 requests"), "{status:?}: {rest}");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// Waits (60 s at most) until `/metrics` holds `line`; how long it took.
+fn metric_reaches(addr: &str, line: &str) -> std::time::Duration {
+    let t = std::time::Instant::now();
+    loop {
+        let metrics = call_text(addr, "/metrics");
+        if metrics.contains(line) {
+            return t.elapsed();
+        }
+        assert!(t.elapsed() < std::time::Duration::from_secs(60), "{line} never came:\n{metrics}");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
+/// With `--pd` the answers come from a prefill and a decode instance process behind the router:
+/// the same texts as `cascade generate`'s (greedy, and sampled from a request's seed, choice by
+/// choice), from several connections at once; streamed, cut at a stop string; a client that goes
+/// away cancels its request at the router; SIGTERM answers the request in flight, then stops
+/// the instances and the server.
+#[test]
+fn the_pd_server_answers_as_generate_does_cancels_and_stops_gracefully() {
+    let d = scratch("llm-server-pd");
+    let Some(model) = smollm2(&d) else { return };
+    let prompts = ["The capital of France is", "def fibonacci(n):", "Water boils at"];
+    let mut args: Vec<&str> = vec!["--max-tokens", "8"];
+    prompts.iter().for_each(|p| args.extend(["--prompt", p]));
+    let want = generated(&model, &args);
+    let story = "Once upon a time";
+    let sampled = generated(
+        &model,
+        &["--max-tokens", "10", "--temperature", "0.9", "--seed", "5", "--prompt", story, "--prompt", story],
+    );
+    let logs = d.join("logs");
+    let (mut server, addr) = start(&model, &["--pd", "--logs", logs.to_str().unwrap()]);
+    let texts: Vec<(u16, Value)> = std::thread::scope(|s| {
+        let each: Vec<_> = prompts
+            .iter()
+            .map(|p| {
+                let addr = &addr;
+                let body = json!({"prompt": p, "max_tokens": 8, "temperature": 0});
+                s.spawn(move || call(addr, "POST", "/v1/completions", Some(&body)))
+            })
+            .collect();
+        each.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for ((status, body), want) in texts.iter().zip(&want) {
+        assert_eq!((*status, body["choices"][0]["text"].as_str()), (200, Some(want.as_str())), "{body}");
+    }
+    let seeded = json!({"prompt": story, "max_tokens": 10, "temperature": 0.9, "seed": 5, "n": 2});
+    let (status, body) = call(&addr, "POST", "/v1/completions", Some(&seeded));
+    assert_eq!(status, 200, "{body}");
+    let got: Vec<&str> = (0..2).map(|k| body["choices"][k]["text"].as_str().unwrap()).collect();
+    assert_eq!(got, sampled.iter().map(String::as_str).collect::<Vec<_>>(), "{body}");
+    // Streamed with a stop string in the middle of the greedy answer: the text up to it.
+    let whole = &want[0];
+    let words: Vec<&str> = whole.split_whitespace().collect();
+    let stop = format!(" {}", words[words.len() / 2]);
+    let cut = &whole[..whole.find(&stop).unwrap()];
+    let streamed = events(
+        &addr,
+        "/v1/completions",
+        &json!({"prompt": prompts[0], "max_tokens": 8, "temperature": 0, "stream": true, "stop": stop}),
+    );
+    let chunks: Vec<Value> = streamed[..streamed.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+    let text: String = chunks.iter().map(|c| c["choices"][0]["text"].as_str().unwrap()).collect();
+    assert_eq!((text.as_str(), chunks.last().unwrap()["choices"][0]["finish_reason"].as_str()), (cut, Some("stop")));
+
+    // A client gone mid-stream: the router cancels its request and stops its decode.
+    drop(long_stream(&addr));
+    let took = metric_reaches(&addr, "cascade_llm_router_requests_total{outcome=\"cancelled\"} 1");
+    eprintln!("the router cancelled the request of a client gone {took:?} after it left");
+
+    // SIGTERM with a request in flight: it is answered, then everything stops.
+    let in_flight = std::thread::spawn({
+        let addr = addr.clone();
+        move || call(&addr, "POST", "/v1/completions", Some(&json!({"prompt": "The sky is", "max_tokens": 16})))
+    });
+    metric_reaches(&addr, "cascade_llm_router_pending{} 1");
+    let mut server = server.0.take().unwrap();
+    assert!(Command::new("kill").arg(server.id().to_string()).status().unwrap().success());
+    let (status, body) = in_flight.join().unwrap();
+    assert_eq!((status, body["usage"]["completion_tokens"].as_u64()), (200, Some(16)), "{body}");
+    let exited = server.wait().unwrap();
+    let mut rest = String::new();
+    server.stdout.take().unwrap().read_to_string(&mut rest).unwrap();
+    assert!(exited.success() && rest.contains("1 cancelled") && rest.contains("stopped after 7 requests"), "{rest}");
+    // No instance of this server runs any more.
+    let cluster = std::fs::canonicalize(&logs).unwrap().join("cluster.toml");
+    let cluster = cluster.to_str().unwrap();
+    let left: Vec<String> = std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| std::fs::read(e.path().join("cmdline")).ok())
+        .map(|c| String::from_utf8_lossy(&c).replace('\0', " "))
+        .filter(|c| c.contains(cluster))
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
     let _ = std::fs::remove_dir_all(&d);
 }

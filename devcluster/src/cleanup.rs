@@ -7,9 +7,11 @@
 //! namespaces and node processes are also registered here, and the first one registered in a
 //! process starts a watcher for those signals that kills the processes, deletes the
 //! namespaces, and then exits as the signal would have (status 128 + its number). From then on
-//! the process ends on these signals through the watcher. A run's scratch directories and the
-//! same-host sockets of its clusters are registered too, and removed after the processes are
-//! killed: a killed node cannot remove its socket, nor an exiting process its endpoint's.
+//! the process ends on these signals through the watcher — unless it asked for a graceful stop
+//! ([`graceful`]): then the first SIGINT or SIGTERM is its own to handle, and a second one ends
+//! it. A run's scratch directories and the same-host sockets of its clusters are registered too,
+//! and removed after the processes are killed: a killed node cannot remove its socket, nor an
+//! exiting process its endpoint's.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -46,6 +48,15 @@ pub(crate) fn namespace(name: &str) {
 /// Namespace `name` is gone.
 pub(crate) fn forget_namespace(name: &str) {
     registry().namespaces.remove(name);
+}
+
+/// Whether the first SIGINT or SIGTERM is left to the process ([`graceful`]).
+static GRACEFUL: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// The first SIGINT or SIGTERM is left to the process; a second one cleans up and exits.
+pub(crate) fn graceful() {
+    GRACEFUL.store(true, std::sync::atomic::Ordering::Relaxed);
+    watch();
 }
 
 /// Process `pid`, a child, is killed on an interrupt until [`forget_child`].
@@ -121,10 +132,19 @@ fn start() -> std::io::Result<()> {
     };
     std::thread::Builder::new().name("devcluster-signals".into()).spawn(move || {
         let number = rt.block_on(async move {
-            tokio::select! {
-                _ = int.recv() => libc::SIGINT,
-                _ = term.recv() => libc::SIGTERM,
-                _ = hup.recv() => libc::SIGHUP,
+            let mut left_to_the_process = false;
+            loop {
+                let number = tokio::select! {
+                    _ = int.recv() => libc::SIGINT,
+                    _ = term.recv() => libc::SIGTERM,
+                    _ = hup.recv() => libc::SIGHUP,
+                };
+                let graceful = GRACEFUL.load(std::sync::atomic::Ordering::Relaxed);
+                if number == libc::SIGHUP || !graceful || left_to_the_process {
+                    return number;
+                }
+                left_to_the_process = true;
+                eprintln!("stopping gracefully: interrupt again to kill its processes at once");
             }
         });
         clean_up();

@@ -52,6 +52,13 @@ pub fn keep_dir(dir: &std::path::Path) {
     cleanup::forget_dir(dir);
 }
 
+/// The first SIGINT or SIGTERM from now on is left to this process — a server that finishes
+/// its requests and then stops its nodes itself — and only a second one (or SIGHUP) kills what
+/// was registered and exits, as every interrupt does otherwise.
+pub fn interrupt_gracefully() {
+    cleanup::graceful();
+}
+
 /// The lowest port [`free_addrs`] hands out.
 const LOWEST_PORT: u32 = 10_000;
 

@@ -218,7 +218,6 @@ pub(crate) struct ModelFiles {
 /// What [`read_files_while`]'s work is given while the manifest's hashes are computed.
 pub(crate) struct Loading<'a> {
     pub(crate) config: Option<&'a str>,
-    pub(crate) tokenizer: &'a Tokenizer,
     /// The manifest's layout: its content hash and chunk crcs are not computed yet (empty).
     pub(crate) layout: &'a Manifest,
     pub(crate) bytes: &'a [u8],
@@ -246,7 +245,7 @@ pub(crate) fn read_files_while<R>(
     // The manifest's errors name the file.
     let (manifest, done) =
         Manifest::from_bytes_while(&bytes, &name, 1 << 20, &weights_path.to_string_lossy(), |layout| {
-            work(Loading { config: config.as_deref(), tokenizer: &tokenizer, layout, bytes: &bytes })
+            work(Loading { config: config.as_deref(), layout, bytes: &bytes })
         })
         .map_err(|e| ExecError::Model(e.to_string()))?;
     Ok((ModelFiles { config, tokenizer, manifest, bytes }, done))

@@ -36,6 +36,7 @@ pub mod lora;
 pub mod multi_lora;
 pub mod sample;
 pub mod stop;
+pub mod text;
 
 use crate::projection::Projection;
 pub use kv::KvCache;

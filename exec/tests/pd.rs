@@ -235,6 +235,7 @@ impl Routed {
             adapter: 0,
             sample: None,
             stop: Default::default(),
+            tokens: None,
         };
         self.req_tx.send(req).unwrap();
     }
@@ -723,6 +724,7 @@ async fn rebalance_onto_a_joined_instance(by_monitor: bool, tag: &str, sampling:
                 adapter: 0,
                 sample,
                 stop: Default::default(),
+                tokens: None,
             })
             .unwrap();
     }
@@ -1039,13 +1041,22 @@ async fn a_request_longer_than_the_context_window_is_refused_alone() {
             adapter: 0,
             sample: None,
             stop: Default::default(),
+            tokens: None,
         })
         .unwrap();
     r.send(1);
     // "Until end of sequence": prompt + u32::MAX tokens overflowed the router's sum (a panic in
     // a debug build, a wrapped reservation of a few tokens in a release one).
     r.req_tx
-        .send(GenRequest { id: 2, prompt, max_tokens: u32::MAX, adapter: 0, sample: None, stop: Default::default() })
+        .send(GenRequest {
+            id: 2,
+            prompt,
+            max_tokens: u32::MAX,
+            adapter: 0,
+            sample: None,
+            stop: Default::default(),
+            tokens: None,
+        })
         .unwrap();
     let (stats, answers, want) = r.finish(Duration::from_secs(120)).await;
     let answer = |id| answers.iter().find(|a| a.id == id).unwrap_or_else(|| panic!("request {id} unanswered"));
@@ -1168,6 +1179,7 @@ async fn a_decode_instance_drops_the_requests_of_a_router_it_lost() {
             adapter: 0,
             sample: None,
             stop: Default::default(),
+            tokens: None,
         })
         .unwrap();
     decoding().await;
@@ -1181,7 +1193,15 @@ async fn a_decode_instance_drops_the_requests_of_a_router_it_lost() {
     assert!(r.ans_rx.recv().await.unwrap().result.is_ok());
 
     r.req_tx
-        .send(GenRequest { id: 1, prompt, max_tokens: 900, adapter: 0, sample: None, stop: Default::default() })
+        .send(GenRequest {
+            id: 1,
+            prompt,
+            max_tokens: 900,
+            adapter: 0,
+            sample: None,
+            stop: Default::default(),
+            tokens: None,
+        })
         .unwrap();
     decoding().await;
     fabric.set_link(0, 2, false);
@@ -1742,7 +1762,15 @@ async fn stop_strings_end_requests_at_the_router_and_their_decodes() {
     let n = 2 * want.len();
     for i in 0..n {
         let prompt = r.want[i % want.len()].0.clone();
-        let req = GenRequest { id: i as u64, prompt, max_tokens: ASKED, adapter: 0, sample: None, stop: stop.clone() };
+        let req = GenRequest {
+            id: i as u64,
+            prompt,
+            max_tokens: ASKED,
+            adapter: 0,
+            sample: None,
+            stop: stop.clone(),
+            tokens: None,
+        };
         r.req_tx.send(req).unwrap();
     }
     let mesh = r.mesh.clone();

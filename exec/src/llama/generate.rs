@@ -11,12 +11,14 @@
 
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use cascade_param_pool::manifest::Manifest;
 use tokenizers::Tokenizer;
 
 use super::sample::{Decoding, Sampler};
 use super::stop::StopStrings;
+use super::text::ModelText;
 use super::{Llama, LlamaConfig};
 use crate::weights::Weights;
 use crate::{Activation, ExecError, LayerExec};
@@ -407,14 +409,12 @@ pub fn decode_stream<P: Into<StreamPrompt>>(
     }
 }
 
-/// A loaded llama model with its tokenizer.
+/// A loaded llama model with its text side (tokenizer, chat template: [`ModelText`]).
 pub struct Generator {
-    tokenizer: Tokenizer,
+    text: Arc<ModelText>,
     model: Llama,
     manifest: Manifest,
     next_seq: AtomicU64,
-    /// The model's chat template: none, or why it cannot be used (unreadable, or it did not compile).
-    chat: Result<Option<super::chat::ChatTemplate>, String>,
 }
 
 impl Generator {
@@ -427,35 +427,22 @@ impl Generator {
             let cfg = LlamaConfig::from_json(
                 f.config.ok_or_else(|| ExecError::Model(format!("{}: no config.json", dir.display())))?,
             )?;
-            let token = |id: u32| f.tokenizer.id_to_token(id).unwrap_or_default();
-            // A template that cannot be read or compiled fails `--chat`, not the model's loading.
-            let chat = super::chat::ChatTemplate::source(dir)
-                .and_then(|source| {
-                    source
-                        .map(|s| super::chat::ChatTemplate::new(&s, token(cfg.bos_token_id), token(cfg.eos_token_id)))
-                        .transpose()
-                })
-                .map_err(|e| format!("{}: {e}", dir.display()));
             let stages = 0..cfg.stages();
-            Ok((Llama::load(cfg, &Weights::file(f.layout, f.bytes)?, stages)?, chat))
+            Llama::load(cfg, &Weights::file(f.layout, f.bytes)?, stages)
         })?;
-        let (model, chat) = loaded?;
-        Ok(Generator { tokenizer: files.tokenizer, model, manifest: files.manifest, next_seq: AtomicU64::new(1), chat })
+        let model = loaded?;
+        let text = Arc::new(ModelText::new(files.tokenizer, model.config(), dir));
+        Ok(Generator { text, model, manifest: files.manifest, next_seq: AtomicU64::new(1) })
     }
 
-    /// The model's chat template (`config.json`'s `chat_template`, which `cascade model import`
-    /// keeps from the GGUF, or `tokenizer_config.json`'s or `chat_template.jinja`); an error
-    /// when it has none or it does not compile.
+    /// The model's text side: tokenizer, chat template, end of sequence, window.
+    pub fn text(&self) -> &Arc<ModelText> {
+        &self.text
+    }
+
+    /// The model's chat template ([`ModelText::chat_template`]).
     pub fn chat_template(&self) -> Result<&super::chat::ChatTemplate, ExecError> {
-        match &self.chat {
-            Ok(Some(t)) => Ok(t),
-            Ok(None) => Err(ExecError::Model(
-                "the model has no chat template (config.json's chat_template, tokenizer_config.json's or a \
-                 chat_template.jinja file): give the prompt as the model expects it"
-                    .into(),
-            )),
-            Err(e) => Err(ExecError::Model(e.clone())),
-        }
+        self.text.chat_template()
     }
 
     /// The model.
@@ -475,33 +462,22 @@ impl Generator {
 
     /// The tokenizer.
     pub fn tokenizer(&self) -> &Tokenizer {
-        &self.tokenizer
+        self.text.tokenizer()
     }
 
-    /// `text`'s tokens (special tokens such as `<|im_start|>` recognised; what the tokenizer adds
-    /// around a text added: a beginning-of-sequence token where the model's tokenizer says so,
-    /// none for SmolLM2).
+    /// `text`'s tokens ([`ModelText::encode`]).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, ExecError> {
-        encode(&self.tokenizer, text)
+        self.text.encode(text)
     }
 
-    /// `text`'s tokens as a prompt ([`Generator::encode`]), or why it cannot be continued within
-    /// the model's context window ([`refusal`]): `Ok(Err(why))`. A text longer than
-    /// [`tokens::FIRST`](crate::tokens::FIRST) bytes is tokenised only until it is known to hold
-    /// more tokens than the window ("at least N tokens"), not whole (a 10 MB line took 1.5 GB).
+    /// `text`'s tokens as a prompt, or why it cannot be continued ([`ModelText::prompt`]).
     pub fn prompt(&self, text: &str) -> Result<Result<Vec<u32>, String>, ExecError> {
-        let window = self.model.config().max_position_embeddings;
-        let e = crate::tokens::encode_enough(&self.tokenizer, text, true, crate::tokens::FIRST, |e| e.len() > window)?;
-        let tokens = e.encoding.get_ids();
-        if !e.whole {
-            return Ok(Err(format!("at least {} tokens; the model's context window is {window}", tokens.len())));
-        }
-        Ok(refusal(tokens, window).map_or_else(|| Ok(tokens.to_vec()), Err))
+        self.text.prompt(text)
     }
 
     /// `tokens` as text (special tokens kept).
     pub fn decode(&self, tokens: &[u32]) -> Result<String, ExecError> {
-        self.tokenizer.decode(tokens, false).map_err(|e| ExecError::Input(format!("decoding: {e}")))
+        self.text.decode(tokens)
     }
 
     /// Greedy continuations of `prompts`, [`RUNNING`] sequences at a time (in prompt order);
@@ -571,7 +547,7 @@ impl Generator {
             prompts,
             limits,
             decoding,
-            |own, tokens| own.unwrap_or(stops).ended(&self.tokenizer, tokens),
+            |own, tokens| own.unwrap_or(stops).ended(self.text.tokenizer(), tokens),
             on_token,
             |i, g| {
                 self.model.free(base + i as u64);

@@ -22,6 +22,10 @@
 //! when it holds every stage or is the one loading. A command naming it ([`PdCmd::Decode`] or
 //! [`PdCmd::Scaling`]) takes it back at once.
 //!
+//! A request that streams its tokens ([`GenRequest::tokens`]) gets its answer's in-order prefix
+//! as it grows, each token once. A request cancelled ([`PdCmd::Cancel`]) is answered with an error
+//! at once and its decode told to stop.
+//!
 //! A request with stop strings ([`GenRequest::stop`]) is checked token by token as its answer's
 //! tokens arrive in order ([`PdRouterConfig::tokenizer`] reads their text): at the first that
 //! completes one it is answered with the tokens up to it, and its decode is told to stop with a
@@ -79,6 +83,24 @@ pub struct GenRequest {
     /// (as [`crate::llama::generate::Generator::generate_stream`] ends it) and tells its decode
     /// to stop. Needs [`PdRouterConfig::tokenizer`]; none: only the instance ends it.
     pub stop: crate::llama::stop::StopStrings,
+    /// Where its answer's tokens go as they arrive, in order, each once (`None`: only the whole
+    /// answer): what the router streams is the answer's in-order prefix, cut at a stop string.
+    /// A redone attempt repeats the tokens already streamed — the router's redo rests on that
+    /// (greedy, or sampled as the request's index draws) — and they are not sent again; should
+    /// one differ, the request is answered with an error rather than with text that contradicts
+    /// what was streamed.
+    pub tokens: Option<TokenSink>,
+}
+
+/// Where a request's tokens are streamed ([`GenRequest::tokens`]); two are equal when they feed
+/// the same channel.
+#[derive(Debug, Clone)]
+pub struct TokenSink(pub mpsc::UnboundedSender<u32>);
+
+impl PartialEq for TokenSink {
+    fn eq(&self, other: &TokenSink) -> bool {
+        self.0.same_channel(&other.0)
+    }
 }
 
 /// A request's answer.
@@ -122,6 +144,13 @@ pub enum PdCmd {
     Decode {
         /// The instance.
         node: u32,
+    },
+    /// Request `id` is no longer wanted (its client went away): it is answered at once with an
+    /// error (`"cancelled"`), its decode, if one runs, is told to stop, and a prefill of it in
+    /// flight is let go when it answers. Nothing happens for an id not pending.
+    Cancel {
+        /// The request.
+        id: u64,
     },
     /// One co-migration round over the decode instances now ([`super::migrate::rebalance`]),
     /// run beside the routing; `done` is told what it did.
@@ -198,6 +227,11 @@ pub struct RouterStats {
     pub stale_tokens: u64,
     /// Requests answered at one of their stop strings (their decodes told to stop).
     pub stopped: u64,
+    /// Requests cancelled ([`PdCmd::Cancel`]) before they were answered.
+    pub cancelled: u64,
+    /// Requests answered with an error because a redone attempt's tokens differed from those
+    /// streamed already ([`GenRequest::tokens`]).
+    pub diverged: u64,
     /// Decodes given up on because no token came for [`PdRouterConfig::stall_after`].
     pub stalled: u64,
     /// Prefill instances turned into decode ones to replace lost decode instances

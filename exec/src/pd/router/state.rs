@@ -60,6 +60,9 @@ struct Pending {
     checked: usize,
     /// Whether a stop string ended it.
     stopped: bool,
+    /// The tokens streamed to [`GenRequest::tokens`] so far (kept across attempts: a redone
+    /// one must repeat them).
+    streamed: Vec<u32>,
 }
 
 impl Pending {
@@ -92,6 +95,28 @@ impl Pending {
         self.tokens.retain(|&i, _| i <= end);
         self.stopped = true;
         Some(!over)
+    }
+
+    /// Streams the tokens of its answer that arrived in order and were not streamed yet (up to a
+    /// stop string, once one ended it). Returns false when a redone attempt's token differs from
+    /// the one streamed at its place.
+    fn stream(&mut self) -> bool {
+        let (Some(sink), Some((first, _))) = (&self.req.tokens, self.first) else { return true };
+        let token = |i: usize| if i == 0 { Some(first) } else { self.tokens.get(&(i as u32)).map(|t| t.0) };
+        // The tokens already streamed that this attempt has given again must be the same.
+        let mut n = 0;
+        while let Some(t) = token(n) {
+            match self.streamed.get(n) {
+                Some(&was) if was != t => return false,
+                Some(_) => {}
+                None => {
+                    let _ = sink.0.send(t);
+                    self.streamed.push(t);
+                }
+            }
+            n += 1;
+        }
+        true
     }
 
     /// Whether every token of its answer arrived.
@@ -196,7 +221,11 @@ impl Routing {
     /// Sends what the dispatcher lets go now, each dispatch a new attempt.
     pub(super) fn dispatch(&mut self) {
         while let Some(x) = self.d.next_dispatch() {
-            let Some(p) = self.pending.get_mut(&x.batch) else { continue };
+            // Cancelled while it waited: the dispatcher lets it go.
+            let Some(p) = self.pending.get_mut(&x.batch) else {
+                self.d.done(x.batch);
+                continue;
+            };
             p.attempts += 1;
             p.numbered += 1;
             let attempt = p.numbered;
@@ -256,6 +285,7 @@ impl Routing {
             progress: Instant::now(),
             checked: 0,
             stopped: false,
+            streamed: Vec::new(),
         };
         self.pending.insert(p.req.id, p);
     }
@@ -279,6 +309,7 @@ impl Routing {
                 self.add_decode(node);
                 self.decode_target = self.decode_target.max(self.decode.len());
             }
+            PdCmd::Cancel { id } => self.cancel(id),
             PdCmd::Rebalance { config, done } => {
                 self.actions.push(Action::Rebalance { nodes: self.decode.clone(), config, done: Some(done) });
             }
@@ -306,7 +337,7 @@ impl Routing {
                         if done {
                             p.done_at = Some(index);
                         }
-                        self.check_stop(req);
+                        self.took(req);
                     }
                 }
                 // An attempt given up on (or of a request answered already) still decodes
@@ -377,6 +408,42 @@ impl Routing {
         }
     }
 
+    /// Request `id`'s answer grew: it is checked for its stop strings, and what arrived in order
+    /// is streamed; a redone attempt that diverges from what was streamed ends it with an error
+    /// (and its decode, if it still runs).
+    fn took(&mut self, id: u64) {
+        self.check_stop(id);
+        let Some(p) = self.pending.get_mut(&id) else { return };
+        if p.stream() {
+            return;
+        }
+        warn!(req = id, "a redone attempt's tokens differ from those streamed: the request fails");
+        if let Some(p) = self.pending.remove(&id) {
+            self.d.done(id);
+            self.stats.diverged += 1;
+            self.stats.failed += 1;
+            if p.done_at.is_none() {
+                self.stop(p.decode, id, p.lease);
+            }
+            let why = "a redone attempt's tokens differ from those already streamed".to_string();
+            let _ = self.answers.send(answer(p, Err(why)));
+        }
+    }
+
+    /// Request `id` is no longer wanted ([`PdCmd::Cancel`]): answered with an error now; its
+    /// decode, if one runs, is told to stop. Still queued at the dispatcher, it is dropped when
+    /// its turn comes ([`Routing::dispatch`]); prefilling, its prefill's answer lets it go
+    /// ([`Routing::prefilled`]).
+    fn cancel(&mut self, id: u64) {
+        let Some(p) = self.pending.remove(&id) else { return };
+        debug!(req = id, "cancelled");
+        self.stats.cancelled += 1;
+        if p.current.is_some() && p.first.is_some() && !p.complete() {
+            self.stop(p.decode, id, p.lease);
+        }
+        let _ = self.answers.send(answer(p, Err("cancelled".into())));
+    }
+
     /// Checks request `id`'s answer for its stop strings ([`Pending::stop_at_a_stop_string`]);
     /// at one, its decode, if it still runs, is told to stop.
     fn check_stop(&mut self, id: u64) {
@@ -404,7 +471,14 @@ impl Routing {
 
     /// Attempt `attempt` of request `id` answered its prefill call.
     pub(super) fn prefilled(&mut self, id: u64, attempt: u32, r: Outcome) {
-        let Some(current) = self.pending.get(&id).map(|p| p.current) else { return };
+        let Some(current) = self.pending.get(&id).map(|p| p.current) else {
+            // Answered meanwhile (cancelled): the dispatcher lets it go, its decode stops.
+            self.d.done(id);
+            if let Outcome::Done { decoding: true, node, lease, .. } = r {
+                self.stop(node, id, lease);
+            }
+            return;
+        };
         if current != Some(attempt) {
             // Its decode aborted before this answer came: the decode, if it still runs, stops,
             // and the request is redone.
@@ -444,7 +518,7 @@ impl Routing {
                         p.done_at = Some(0);
                     }
                 }
-                self.check_stop(id);
+                self.took(id);
             }
             Outcome::Failed(e) => self.failed(id, e),
         }
@@ -677,13 +751,18 @@ impl Routing {
                 m.counter(name, help, pairs).inc_by(by);
             }
         };
-        let help = "Requests the LLM router answered, by outcome";
-        count("cascade_llm_router_requests", help, &[("outcome", "answered")], s.answered - was.answered);
-        count("cascade_llm_router_requests", help, &[("outcome", "failed")], s.failed - was.failed);
+        let requests_help = "Requests the LLM router answered, by outcome";
+        count("cascade_llm_router_requests", requests_help, &[("outcome", "answered")], s.answered - was.answered);
+        count("cascade_llm_router_requests", requests_help, &[("outcome", "failed")], s.failed - was.failed);
         let help = "Prefills the LLM router dispatched again (a failure, an abort, a lost instance)";
         count("cascade_llm_router_requeued", help, &[], s.requeued - was.requeued);
         let help = "Tokens of attempts the LLM router had given up on (dropped; their decodes told to stop)";
         count("cascade_llm_router_stale_tokens", help, &[], s.stale_tokens - was.stale_tokens);
+        count("cascade_llm_router_requests", requests_help, &[("outcome", "cancelled")], s.cancelled - was.cancelled);
+        let help =
+            "Requests the LLM router answered with an error because a redone attempt's tokens differed from those \
+                    streamed";
+        count("cascade_llm_router_diverged", help, &[], s.diverged - was.diverged);
         let help = "Requests the LLM router answered at one of their stop strings";
         count("cascade_llm_router_stopped", help, &[], s.stopped - was.stopped);
         let help = "Prefill instances the LLM router turned into decode ones in place of lost decode instances";

@@ -40,6 +40,7 @@ fn request(r: &mut Routing, id: u64) {
         adapter: 0,
         sample: None,
         stop: Default::default(),
+        tokens: None,
     });
 }
 
@@ -73,11 +74,35 @@ fn a_duplicate_id_or_an_empty_request_is_refused_and_the_pending_one_kept() {
     let (mut r, mut answers) = routing(vec![]);
     request(&mut r, 5);
     request(&mut r, 5);
-    r.arrive(GenRequest { id: 6, prompt: vec![1], max_tokens: 0, adapter: 0, sample: None, stop: Default::default() });
-    r.arrive(GenRequest { id: 7, prompt: vec![], max_tokens: 4, adapter: 0, sample: None, stop: Default::default() });
+    r.arrive(GenRequest {
+        id: 6,
+        prompt: vec![1],
+        max_tokens: 0,
+        adapter: 0,
+        sample: None,
+        stop: Default::default(),
+        tokens: None,
+    });
+    r.arrive(GenRequest {
+        id: 7,
+        prompt: vec![],
+        max_tokens: 4,
+        adapter: 0,
+        sample: None,
+        stop: Default::default(),
+        tokens: None,
+    });
     let sampling = crate::llama::sample::Sampling { temperature: 1.0, top_k: 0, top_p: 1.5, seed: 1 };
     let sample = Some(crate::pd::proto::SeqSampling { sampling, index: 0 });
-    r.arrive(GenRequest { id: 8, prompt: vec![1], max_tokens: 4, adapter: 0, sample, stop: Default::default() });
+    r.arrive(GenRequest {
+        id: 8,
+        prompt: vec![1],
+        max_tokens: 4,
+        adapter: 0,
+        sample,
+        stop: Default::default(),
+        tokens: None,
+    });
     let refused: Vec<(u64, String)> =
         std::iter::from_fn(|| answers.try_recv().ok()).map(|a| (a.id, a.result.unwrap_err())).collect();
     assert_eq!(refused.len(), 4, "{refused:?}");
@@ -369,7 +394,7 @@ fn words() -> std::sync::Arc<tokenizers::Tokenizer> {
 
 fn stopping(r: &mut Routing, id: u64, stop: &[&str]) {
     let stop = crate::llama::stop::StopStrings::new(stop.iter().map(|s| s.to_string()).collect()).unwrap();
-    r.arrive(GenRequest { id, prompt: vec![1, 2, 3], max_tokens: 9, adapter: 0, sample: None, stop });
+    r.arrive(GenRequest { id, prompt: vec![1, 2, 3], max_tokens: 9, adapter: 0, sample: None, stop, tokens: None });
 }
 
 fn stops(r: &mut Routing) -> Vec<(u32, u64, u64)> {
@@ -420,4 +445,104 @@ fn a_stop_string_ends_the_answer_and_its_decode() {
     // A token decoded before the stop came: stale, its decode told to stop again.
     r.message(2, token(5, 1, 4, 11, false));
     assert_eq!((stops(&mut r), r.stats.stale_tokens), (vec![(2, 5, 41)], 1));
+}
+
+/// A request that streams, with its channel.
+fn streaming(r: &mut Routing, id: u64, stop: &[&str]) -> mpsc::UnboundedReceiver<u32> {
+    let stop = crate::llama::stop::StopStrings::new(stop.iter().map(|s| s.to_string()).collect()).unwrap();
+    let (tx, rx) = mpsc::unbounded_channel();
+    let tokens = Some(super::super::TokenSink(tx));
+    r.arrive(GenRequest { id, prompt: vec![1, 2, 3], max_tokens: 9, adapter: 0, sample: None, stop, tokens });
+    rx
+}
+
+fn drained(rx: &mut mpsc::UnboundedReceiver<u32>) -> Vec<u32> {
+    std::iter::from_fn(|| rx.try_recv().ok()).collect()
+}
+
+/// A streamed answer's tokens go out in the answer's order, each once, whatever order they
+/// arrive in; none past a stop string.
+#[test]
+fn a_streamed_answer_goes_out_in_order_each_token_once_and_none_past_a_stop() {
+    let (mut r, mut answers) = routing(vec![]);
+    r.cfg.tokenizer = Some(words());
+    let mut rx = streaming(&mut r, 5, &["t10"]);
+    assert_eq!(prefills(&mut r), [(5, 1, 1)]);
+    r.prefilled(5, 1, decoding(2, 1));
+    assert_eq!(drained(&mut rx), [7]);
+    r.message(2, token(5, 1, 2, 9, false));
+    assert_eq!(drained(&mut rx), [] as [u32; 0], "token 2 waits for token 1");
+    r.message(2, token(5, 1, 1, 8, false));
+    assert_eq!(drained(&mut rx), [8, 9]);
+    r.message(2, token(5, 1, 4, 11, false));
+    r.message(2, token(5, 1, 3, 10, false));
+    assert_eq!(drained(&mut rx), [10], "t10 ends it: t11 is not streamed");
+    r.after(Instant::now());
+    assert_eq!(answers.try_recv().unwrap().result, Ok(vec![7, 8, 9, 10]));
+}
+
+/// A request redone after its decode instance was lost streams only what the first attempt had
+/// not; an attempt whose tokens differ from those streamed ends it with an error (and its decode).
+#[test]
+fn a_redone_stream_repeats_nothing_and_one_that_diverges_fails() {
+    let (mut r, mut answers) = routing(vec![]);
+    let mut rx = streaming(&mut r, 5, &[]);
+    let mut other = streaming(&mut r, 6, &[]);
+    assert_eq!(prefills(&mut r), [(5, 1, 1), (6, 1, 1)]);
+    r.prefilled(5, 1, decoding(2, 1));
+    r.prefilled(6, 1, decoding(2, 1));
+    r.message(2, token(5, 1, 1, 8, false));
+    r.message(2, token(6, 1, 1, 8, false));
+    assert_eq!((drained(&mut rx), drained(&mut other)), (vec![7, 8], vec![7, 8]));
+    r.peer_event(lost(2));
+    assert_eq!(prefills(&mut r), [(5, 2, 1), (6, 2, 1)]);
+    r.prefilled(5, 2, decoding(3, 2));
+    r.prefilled(6, 2, decoding(3, 2));
+    r.message(3, token(5, 2, 1, 8, false));
+    r.message(3, token(5, 2, 2, 9, true));
+    assert_eq!(drained(&mut rx), [9]);
+    // Request 6's second attempt gives 5 where 8 was streamed.
+    stops(&mut r);
+    r.message(3, token(6, 2, 1, 5, false));
+    assert_eq!(stops(&mut r), [(3, 6, 42)]);
+    r.after(Instant::now());
+    let mut got: Vec<(u64, Result<Vec<u32>, String>)> =
+        std::iter::from_fn(|| answers.try_recv().ok()).map(|a| (a.id, a.result)).collect();
+    got.sort();
+    assert_eq!(got[0], (5, Ok(vec![7, 8, 9])));
+    assert!(got[1].0 == 6 && got[1].1.as_ref().unwrap_err().contains("differ"), "{got:?}");
+    assert_eq!((r.stats.diverged, r.stats.failed, r.stats.answered), (1, 1, 1));
+    assert!(drained(&mut other).is_empty());
+}
+
+/// A cancelled request is answered at once; queued, it is never prefilled; decoding, its decode
+/// is told to stop; prefilling, its decode is stopped when the prefill answers. The dispatcher
+/// holds none of them afterwards.
+#[test]
+fn a_cancelled_request_is_answered_at_once_and_its_work_stopped_wherever_it_is() {
+    let (mut r, mut answers) = routing(vec![]);
+    for id in 1..=4 {
+        request(&mut r, id);
+    }
+    // Two at a time on node 1: 1 and 2 go, 3 and 4 wait.
+    assert_eq!(prefills(&mut r), [(1, 1, 1), (2, 1, 1)]);
+    r.prefilled(1, 1, decoding(2, 1));
+    stops(&mut r);
+    r.command(PdCmd::Cancel { id: 1 });
+    assert_eq!(stops(&mut r), [(2, 1, 41)], "its decode stops");
+    r.command(PdCmd::Cancel { id: 2 });
+    assert!(stops(&mut r).is_empty(), "its prefill has not answered");
+    r.command(PdCmd::Cancel { id: 3 });
+    r.command(PdCmd::Cancel { id: 99 });
+    let got: Vec<(u64, Result<Vec<u32>, String>)> =
+        std::iter::from_fn(|| answers.try_recv().ok()).map(|a| (a.id, a.result)).collect();
+    assert_eq!(got, [(1, Err("cancelled".into())), (2, Err("cancelled".into())), (3, Err("cancelled".into()))]);
+    r.prefilled(2, 1, decoding(3, 1));
+    assert_eq!(stops(&mut r), [(3, 2, 41)], "the cancelled prefill's decode stops");
+    // Request 3 is skipped; 4 goes.
+    assert_eq!(prefills(&mut r), [(4, 1, 1)]);
+    assert_eq!(r.d.outstanding(), 1);
+    r.message(2, token(1, 1, 1, 8, false));
+    assert_eq!((r.stats.stale_tokens, stops(&mut r)), (1, vec![(2, 1, 41)]));
+    assert_eq!((r.stats.cancelled, r.stats.failed), (3, 0));
 }
