@@ -26,7 +26,7 @@ use cascade_exec::pd::migrate::RebalanceConfig;
 use cascade_exec::pd::proto::{LlmMsg, SeqSampling};
 use cascade_exec::pd::router::{self, GenAnswer, GenRequest, MonitorConfig, PdCmd, PdRouterConfig};
 use cascade_exec::pd::{LlmConfig, LlmInstance, PdModel, Role};
-use cascade_exec::serve::{load_packed, scale_out, DispatchConfig, LivePolicy, Source};
+use cascade_exec::serve::{load_packed, scale_out, Source};
 use cascade_multicast::cluster::{Controller, MulticastNode};
 use cascade_multicast::Topology;
 use cascade_sched::lora::dispatch::ClusterConfig;
@@ -372,22 +372,7 @@ async fn drive(
 ) -> anyhow::Result<()> {
     let ep = crate::join(&Member::driver(cluster), true).await?;
     let mesh: Arc<dyn Mesh> = ep.clone();
-    let layers = model.config.stages() as u32;
     let cfg = PdRouterConfig {
-        dispatch: DispatchConfig {
-            policy: LivePolicy::Zigzag,
-            layers,
-            old: OLD,
-            per_instance: 2,
-            max_coop: 4,
-            load_ratio: 2,
-        },
-        more_prefill: vec![MUTATES],
-        decode: vec![DECODE],
-        call_timeout: Duration::from_secs(120),
-        poll_every: Duration::from_millis(10),
-        max_attempts: 20,
-        retry_after: Duration::from_millis(20),
         monitor: (a.rebalance_every_ms > 0).then(|| MonitorConfig {
             every: Duration::from_millis(a.rebalance_every_ms),
             rounds: RebalanceConfig {
@@ -397,9 +382,7 @@ async fn drive(
             },
         }),
         replace_lost_decode: a.replace_lost_decode,
-        // Past the longest migration the call time-out allows.
-        stall_after: Duration::from_secs(150),
-        tokenizer: Some(model.tokenizer.clone()),
+        ..PdRouterConfig::new(model, OLD, vec![MUTATES], vec![DECODE])
     };
     let (req_tx, req_rx) = mpsc::unbounded_channel();
     let (cmd_tx, cmd_rx) = mpsc::unbounded_channel();

@@ -22,7 +22,7 @@ use cascade_exec::pd::migrate::{rebalance, RebalanceConfig};
 use cascade_exec::pd::proto::{SeqSampling, Written};
 use cascade_exec::pd::router::{self, GenAnswer, GenRequest, MonitorConfig, PdCmd, PdRouterConfig};
 use cascade_exec::pd::{LlmConfig, LlmInstance, LlmMsg, PdModel, Role};
-use cascade_exec::serve::{load_packed, scale_out, DispatchConfig, LivePolicy, Source, Split};
+use cascade_exec::serve::{load_packed, scale_out, Source, Split};
 use cascade_multicast::cluster::{Controller, MulticastNode};
 use cascade_multicast::Topology;
 use cascade_transport::mem::MemFabric;
@@ -129,27 +129,7 @@ fn expected_up_to(max: u32) -> Vec<(Vec<u32>, Vec<u32>)> {
 }
 
 fn router_cfg(c: &Cluster, old: u32, more: Vec<u32>, decode: Vec<u32>) -> PdRouterConfig {
-    let layers = c.model.config.stages() as u32;
-    PdRouterConfig {
-        dispatch: DispatchConfig {
-            policy: LivePolicy::Zigzag,
-            layers,
-            old,
-            per_instance: 2,
-            max_coop: 4,
-            load_ratio: 2,
-        },
-        more_prefill: more,
-        decode,
-        call_timeout: Duration::from_secs(120),
-        poll_every: Duration::from_millis(10),
-        max_attempts: 20,
-        retry_after: Duration::from_millis(20),
-        monitor: None,
-        replace_lost_decode: false,
-        stall_after: Duration::from_secs(150),
-        tokenizer: Some(c.model.tokenizer.clone()),
-    }
+    PdRouterConfig::new(&c.model, old, more, decode)
 }
 
 /// The co-migration rounds of these tests: a trigger at 2 requests above the average, the CPU

@@ -28,7 +28,7 @@ use cascade_exec::llama::sample::{Decoding, SeqSampling};
 use cascade_exec::llama::text::ModelText;
 use cascade_exec::pd::router::{self, GenAnswer, GenRequest, PdCmd, PdRouterConfig, RouterStats, TokenSink};
 use cascade_exec::pd::{LlmConfig, LlmMsg, PdModel, Role};
-use cascade_exec::serve::{DispatchConfig, LivePolicy, ServeError};
+use cascade_exec::serve::ServeError;
 use cascade_transport::metrics::Metrics;
 use cascade_transport::Endpoint;
 use cascade_transport::{Mesh, ServiceExt};
@@ -139,27 +139,7 @@ impl Cluster {
             })
             .map_err(stop)?;
         let kv = LlmConfig::default();
-        let cfg = PdRouterConfig {
-            dispatch: DispatchConfig {
-                policy: LivePolicy::Zigzag,
-                layers: m.config.stages() as u32,
-                old: 1,
-                per_instance: 2,
-                max_coop: 4,
-                load_ratio: 2,
-            },
-            more_prefill: (2..=p).collect(),
-            decode: (p + 1..=p + d).collect(),
-            call_timeout: Duration::from_secs(120),
-            poll_every: Duration::from_millis(10),
-            max_attempts: 20,
-            retry_after: Duration::from_millis(20),
-            monitor: None,
-            replace_lost_decode: false,
-            // Past the longest call the time-out allows.
-            stall_after: Duration::from_secs(150),
-            tokenizer: Some(m.tokenizer.clone()),
-        };
+        let cfg = PdRouterConfig::new(&m, 1, (2..=p).collect(), (p + 1..=p + d).collect());
         let (req_tx, req_rx) = mpsc::unbounded_channel();
         let (cmd_tx, cmd_rx) = mpsc::unbounded_channel();
         let (ans_tx, mut ans_rx) = mpsc::unbounded_channel::<GenAnswer>();

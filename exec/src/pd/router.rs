@@ -207,6 +207,36 @@ pub struct PdRouterConfig {
     pub tokenizer: Option<Arc<tokenizers::Tokenizer>>,
 }
 
+impl PdRouterConfig {
+    /// The router of `model`'s instances: prefill instance `old` (the one an arriving instance
+    /// pairs with; zigzag splits, 2 prefills in flight per instance, 4 cooperative at most) and
+    /// `more_prefill`, decode instances `decode`; calls limited to 120 s, 20 attempts a request
+    /// 20 ms apart, a decode silent for 150 s (past the longest call) given up on, no monitor, no
+    /// replacement of a lost decode instance, stop strings read with the model's tokenizer.
+    pub fn new(model: &super::PdModel, old: u32, more_prefill: Vec<u32>, decode: Vec<u32>) -> PdRouterConfig {
+        PdRouterConfig {
+            dispatch: DispatchConfig {
+                policy: crate::serve::LivePolicy::Zigzag,
+                layers: model.config.stages() as u32,
+                old,
+                per_instance: 2,
+                max_coop: 4,
+                load_ratio: 2,
+            },
+            more_prefill,
+            decode,
+            call_timeout: Duration::from_secs(120),
+            poll_every: Duration::from_millis(10),
+            max_attempts: 20,
+            retry_after: Duration::from_millis(20),
+            monitor: None,
+            replace_lost_decode: false,
+            stall_after: Duration::from_secs(150),
+            tokenizer: Some(model.tokenizer.clone()),
+        }
+    }
+}
+
 /// What the router counted.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RouterStats {
