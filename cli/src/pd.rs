@@ -303,7 +303,9 @@ pub(crate) fn run(a: PdArgs) -> anyhow::Result<()> {
 /// Starts an LLM instance process (`cascade llm-instance`) for each of `nodes` — its node id,
 /// role, and whether its copy arrives by multicast (`arriving`) — in the cluster `cluster`,
 /// serving the model in `model_dir`, each pinned to a core of its own (this process's cores in
-/// turn), its log in `out/node-N.log`. This process joins as node 0 with the same secret.
+/// turn), its log in `out/node-N.log`. This process joins as node 0 with the same secret. Call
+/// it from the main thread: the instances get SIGTERM when the calling thread ends
+/// ([`cascade_devcluster::process::spawn_node_tied`]), so they never outlive this process.
 pub(crate) fn spawn_instances(
     cluster: &Path,
     model_dir: &Path,
@@ -333,7 +335,8 @@ pub(crate) fn spawn_instances(
         c.env("RUST_LOG", std::env::var("CASCADE_PD_LOG").unwrap_or_else(|_| "info".into()));
         c.env("XDG_RUNTIME_DIR", out);
         c.stdout(Stdio::null()).stderr(std::fs::File::create(out.join(format!("node-{node}.log")))?);
-        let started = cascade_devcluster::process::spawn_node(&mut c).context("starting an instance");
+        // Tied to this (the main) thread: a SIGKILLed or crashed tool leaves no instance serving.
+        let started = cascade_devcluster::process::spawn_node_tied(&mut c).context("starting an instance");
         match started {
             Ok(child) => children.push(child),
             Err(e) => {

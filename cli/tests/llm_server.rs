@@ -429,15 +429,49 @@ fn the_pd_server_answers_as_generate_does_cancels_and_stops_gracefully() {
     server.stdout.take().unwrap().read_to_string(&mut rest).unwrap();
     assert!(exited.success() && rest.contains("1 cancelled") && rest.contains("stopped after 7 requests"), "{rest}");
     // No instance of this server runs any more.
-    let cluster = std::fs::canonicalize(&logs).unwrap().join("cluster.toml");
+    assert!(instances(&logs).is_empty(), "{:?}", instances(&logs));
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// The command lines of the processes running with the cluster file in `logs` (a `--pd`
+/// server's instances; zombies not reaped yet have none).
+fn instances(logs: &std::path::Path) -> Vec<String> {
+    let cluster = std::fs::canonicalize(logs).unwrap().join("cluster.toml");
     let cluster = cluster.to_str().unwrap();
-    let left: Vec<String> = std::fs::read_dir("/proc")
+    std::fs::read_dir("/proc")
         .unwrap()
         .flatten()
-        .filter_map(|e| std::fs::read(e.path().join("cmdline")).ok())
-        .map(|c| String::from_utf8_lossy(&c).replace('\0', " "))
+        .filter_map(|e| {
+            Some((e.file_name().to_str()?.parse::<u32>().ok()?, std::fs::read(e.path().join("cmdline")).ok()?))
+        })
+        .map(|(pid, c)| format!("{pid}: {}", String::from_utf8_lossy(&c).replace('\0', " ")))
         .filter(|c| c.contains(cluster))
-        .collect();
-    assert!(left.is_empty(), "{left:?}");
+        .collect()
+}
+
+/// A `--pd` server killed outright (SIGKILL: no handler runs) takes its instance processes with
+/// it: the kernel sends them SIGTERM as it dies.
+#[test]
+fn a_killed_pd_server_leaves_no_instance_serving() {
+    let d = scratch("llm-server-pd-killed");
+    let Some(model) = smollm2(&d) else { return };
+    let logs = d.join("logs");
+    let (mut server, _addr) = start(&model, &["--pd", "--decode-instances", "2", "--logs", logs.to_str().unwrap()]);
+    assert_eq!(instances(&logs).len(), 3, "{:?}", instances(&logs));
+    let mut server = server.0.take().unwrap();
+    server.kill().unwrap();
+    server.wait().unwrap();
+    let t = std::time::Instant::now();
+    while !instances(&logs).is_empty() {
+        if t.elapsed() > std::time::Duration::from_secs(30) {
+            let left = instances(&logs);
+            for pid in left.iter().filter_map(|l| l.split(':').next()) {
+                let _ = Command::new("kill").arg(pid).status();
+            }
+            panic!("left serving: {left:?}");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    eprintln!("the instances were gone {:?} after the server was killed", t.elapsed());
     let _ = std::fs::remove_dir_all(&d);
 }

@@ -27,6 +27,30 @@ pub fn spawn_node(cmd: &mut std::process::Command) -> std::io::Result<Child> {
     Ok(child)
 }
 
+/// [`spawn_node`], and the node is also sent SIGTERM when the thread that calls this ends —
+/// with it, if it is the main thread, this whole process, however it ends (SIGKILL, a crash):
+/// a server's instances do not outlive it. Call it from a thread that lives as long as the node
+/// should (the kernel ties the signal to the thread that forked, not to the process).
+pub fn spawn_node_tied(cmd: &mut std::process::Command) -> std::io::Result<Child> {
+    use std::os::unix::process::CommandExt;
+    let parent = std::process::id();
+    // SAFETY: the closure runs in the child between fork and exec, where only async-signal-safe
+    // calls are allowed: prctl(2) and getppid(2) are, and it allocates nothing.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // The parent died before the prctl: no signal will come for it.
+            if u32::try_from(libc::getppid()).ok() != Some(parent) {
+                libc::raise(libc::SIGTERM);
+            }
+            Ok(())
+        });
+    }
+    spawn_node(cmd)
+}
+
 /// Whether process `pid` has exited: it is not there, or it is a zombie its parent has not reaped
 /// yet. For a process this one did not start (a node a namespaced run's launcher started), where
 /// no `Child` can tell. A pid reused after the parent reaped it reads as running.
