@@ -7,10 +7,13 @@
 //! `max_tokens` (or `max_completion_tokens`), `temperature`, `top_p`, `top_k` (as vLLM takes it),
 //! `seed`, `stop` (a string or a list of at most 16), `stream` (the server sends the answer as
 //! server-sent events; a batch refuses it) with `stream_options.include_usage`, `n` (up to 16
-//! choices, each drawn as its own index; one when streamed or in a batch), and `user`. A message's content is a string or a list of text parts. Fields clients send with
-//! their defaults (`presence_penalty` 0, `logprobs` false, `logit_bias` {}, …: [`NEUTRAL`]) are
+//! choices, each drawn as its own index; one when streamed or in a batch), `logprobs` (a chat
+//! completion's `true` with `top_logprobs` 0–20, a completion's 0–5: each answer token's
+//! log-probability under the model, before temperature, with that many alternatives; not
+//! streamed), and `user`. A message's content is a string or a list of text parts. Fields clients
+//! send with their defaults (`presence_penalty` 0, `logit_bias` {}, …: [`NEUTRAL`]) are
 //! accepted with those values; any other field or value is refused, naming it, rather than
-//! ignored (log-probabilities, `n` 2, penalties and tools are not computed here).
+//! ignored (penalties, logit biases and tools are not computed here).
 //!
 //! Where this departs from OpenAI's defaults: a request without `max_tokens` gets the server's
 //! (or run's) `--max-tokens` (OpenAI: 16 for completions, none for chat), so that each reserves
@@ -28,7 +31,7 @@ use cascade_exec::ExecError;
 use serde_json::{json, Map, Value};
 
 /// The body fields a request may hold.
-const FIELDS: [&str; 14] = [
+const FIELDS: [&str; 16] = [
     "model",
     "prompt",
     "messages",
@@ -43,6 +46,8 @@ const FIELDS: [&str; 14] = [
     "stream",
     "stream_options",
     "user",
+    "logprobs",
+    "top_logprobs",
 ];
 
 /// Whether a field's value asks for nothing beyond the default.
@@ -50,10 +55,9 @@ type AsksNothing = fn(&Value) -> bool;
 
 /// Fields clients send with a value that asks for nothing (OpenAI's defaults): accepted with that
 /// value, refused with any other, naming it. `null` is always accepted.
-const NEUTRAL: [(&str, AsksNothing); 8] = [
+const NEUTRAL: [(&str, AsksNothing); 7] = [
     ("presence_penalty", |v| v.as_f64() == Some(0.0)),
     ("frequency_penalty", |v| v.as_f64() == Some(0.0)),
-    ("logprobs", |v| v == &Value::Bool(false)),
     ("logit_bias", |v| v.as_object().is_some_and(Map::is_empty)),
     ("echo", |v| v == &Value::Bool(false)),
     ("best_of", |v| v.as_u64() == Some(1)),
@@ -123,6 +127,7 @@ pub(crate) fn request(
         decoding: Some(settings.decoding),
         stop: Some(settings.stops.clone()),
         cancel: None,
+        logprobs: settings.logprobs,
     };
     let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
     let usage = match body.get("stream_options").filter(|o| !o.is_null()) {
@@ -133,6 +138,9 @@ pub(crate) fn request(
             _ => return refuse(format!("body.stream_options {o}: only include_usage (true or false)")),
         },
     };
+    if settings.logprobs.is_some() && stream {
+        return refuse("body.logprobs with stream: log-probabilities come with whole answers here".into());
+    }
     if settings.choices > 1 && stream {
         return refuse(format!("body.n {}: one choice when streamed", settings.choices));
     }
@@ -182,10 +190,11 @@ pub(crate) fn completion(
     for (k, o) in choices.iter().enumerate() {
         let text = answer_text(g, stops, &o.tokens)?;
         let finish = finish_reason(g, o);
+        let logprobs = logprobs(g, o, &text, chat)?;
         each.push(if chat {
-            json!({"index": k, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": finish})
+            json!({"index": k, "message": {"role": "assistant", "content": text}, "logprobs": logprobs, "finish_reason": finish})
         } else {
-            json!({"index": k, "text": text, "logprobs": null, "finish_reason": finish})
+            json!({"index": k, "text": text, "logprobs": logprobs, "finish_reason": finish})
         });
     }
     // The prompt counted once, as OpenAI counts it for several choices.
@@ -199,6 +208,52 @@ pub(crate) fn completion(
         "choices": each,
         "usage": {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c},
     }))
+}
+
+/// A choice's `logprobs` (`null` unless its request asked): for each token of its answer whose
+/// text begins before the answer's `text` ends (cut at a stop string; end of sequence not among
+/// them), the token, its log-probability and the most likely alternatives' — a chat
+/// completion's `{"content": [{token, logprob, bytes, top_logprobs}]}`, a completion's
+/// `{tokens, token_logprobs, top_logprobs, text_offset}` (offsets in characters of prompt and
+/// answer together, as OpenAI's legacy API counts them).
+fn logprobs(g: &ModelText, o: &Generated, text: &str, chat: bool) -> Result<Value, ExecError> {
+    if o.logprobs.is_empty() {
+        return Ok(Value::Null);
+    }
+    let lossy = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    // Characters begun in `b`: its bytes that are not continuation bytes.
+    let chars = |b: &[u8]| b.iter().filter(|&&x| x & 0xC0 != 0x80).count();
+    let mut at = (0usize, chars(g.decode(&o.prompt_tokens)?.as_bytes()));
+    let (mut content, mut tokens, mut token_lps, mut tops, mut offsets) = (vec![], vec![], vec![], vec![], vec![]);
+    for (&tok, lp) in o.tokens.iter().zip(&o.logprobs) {
+        if tok == g.eos() || at.0 >= text.len() {
+            break;
+        }
+        let bytes = g.token_bytes(tok);
+        if chat {
+            let top: Vec<Value> = lp
+                .top
+                .iter()
+                .map(|&(t, l)| {
+                    let b = g.token_bytes(t);
+                    json!({"token": lossy(&b), "logprob": l, "bytes": b})
+                })
+                .collect();
+            content.push(json!({"token": lossy(&bytes), "logprob": lp.logprob, "bytes": bytes, "top_logprobs": top}));
+        } else {
+            let top: Map<String, Value> = lp.top.iter().map(|&(t, l)| (lossy(&g.token_bytes(t)), json!(l))).collect();
+            tokens.push(lossy(&bytes));
+            token_lps.push(lp.logprob);
+            tops.push(top);
+            offsets.push(at.1);
+        }
+        at = (at.0 + bytes.len(), at.1 + chars(&bytes));
+    }
+    Ok(if chat {
+        json!({"content": content, "refusal": null})
+    } else {
+        json!({"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets})
+    })
 }
 
 /// The text of `tokens` (a sequence so far) that can be shown while more may come: none while
@@ -285,6 +340,8 @@ struct Settings {
     own_seed: bool,
     stops: StopStrings,
     choices: usize,
+    /// Log-probabilities asked for: with this many alternatives at each token.
+    logprobs: Option<usize>,
 }
 
 impl Settings {
@@ -348,7 +405,39 @@ impl Settings {
             Some(v) => return Err(format!("body.stop {v}: a string or a list of strings")),
         };
         let stops = StopStrings::new(stops).map_err(|e| format!("body.stop: {e}"))?;
-        Ok(Settings { max_tokens, decoding, own_seed: seed.is_some(), stops, choices })
+        let logprobs = Settings::logprobs(body, chat)?;
+        Ok(Settings { max_tokens, decoding, own_seed: seed.is_some(), stops, choices, logprobs })
+    }
+
+    /// A chat completion's `logprobs: true` with `top_logprobs` alternatives (0 to 20), or a
+    /// completion's `logprobs` alternatives (0 to 5), as OpenAI takes them; `None`: not asked.
+    fn logprobs(body: &Map<String, Value>, chat: bool) -> Result<Option<usize>, String> {
+        let get = |k: &str| body.get(k).filter(|v| !v.is_null());
+        let top = get("top_logprobs");
+        if chat {
+            let asked = match get("logprobs") {
+                None | Some(Value::Bool(false)) => false,
+                Some(Value::Bool(true)) => true,
+                Some(v) => return Err(format!("body.logprobs {v}: true or false")),
+            };
+            let n = match top.map(|v| (v, v.as_u64())) {
+                None => 0,
+                Some((_, Some(n @ 0..=20))) if asked => n as usize,
+                Some((v, Some(0..=20))) => return Err(format!("body.top_logprobs {v} needs logprobs: true")),
+                Some((v, _)) => return Err(format!("body.top_logprobs {v}: from 0 to 20")),
+            };
+            return Ok(asked.then_some(n));
+        }
+        if top.is_some() {
+            return Err("body.top_logprobs is a chat completion's; a completion's is logprobs, a number".into());
+        }
+        match get("logprobs") {
+            None | Some(Value::Bool(false)) => Ok(None),
+            Some(v) => match v.as_u64() {
+                Some(n @ 0..=5) => Ok(Some(n as usize)),
+                _ => Err(format!("body.logprobs {v}: from 0 to 5 (the alternatives at each token)")),
+            },
+        }
     }
 }
 

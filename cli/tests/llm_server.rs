@@ -289,7 +289,7 @@ fn the_server_answers_completions_as_generate_does_from_several_connections_at_o
     );
 
     for (body, why) in [
-        (json!({"prompt": "x", "logprobs": 2}), "body.logprobs 2 is not supported here"),
+        (json!({"prompt": "x", "logprobs": 7}), "body.logprobs 7: from 0 to 5"),
         (json!({"prompt": "x", "stream": "yes"}), "body.stream"),
         (json!({"prompt": "x", "presence_penalty": 0.5}), "body.presence_penalty 0.5 is not supported here"),
         (json!({"messages": messages}), "needs a prompt"),
@@ -395,6 +395,8 @@ fn the_pd_server_answers_as_generate_does_cancels_and_stops_gracefully() {
     assert_eq!(status, 200, "{body}");
     let got: Vec<&str> = (0..2).map(|k| body["choices"][k]["text"].as_str().unwrap()).collect();
     assert_eq!(got, sampled.iter().map(String::as_str).collect::<Vec<_>>(), "{body}");
+    let (status, body) = call(&addr, "POST", "/v1/completions", Some(&json!({"prompt": story, "logprobs": 1})));
+    assert!(status == 400 && body["error"]["message"].as_str().unwrap().contains("not computed with --pd"), "{body}");
     // Streamed with a stop string in the middle of the greedy answer: the text up to it.
     let whole = &want[0];
     let words: Vec<&str> = whole.split_whitespace().collect();
@@ -427,7 +429,7 @@ fn the_pd_server_answers_as_generate_does_cancels_and_stops_gracefully() {
     let exited = server.wait().unwrap();
     let mut rest = String::new();
     server.stdout.take().unwrap().read_to_string(&mut rest).unwrap();
-    assert!(exited.success() && rest.contains("1 cancelled") && rest.contains("stopped after 7 requests"), "{rest}");
+    assert!(exited.success() && rest.contains("1 cancelled") && rest.contains("stopped after 8 requests"), "{rest}");
     // No instance of this server runs any more.
     assert!(instances(&logs).is_empty(), "{:?}", instances(&logs));
     let _ = std::fs::remove_dir_all(&d);
@@ -473,5 +475,63 @@ fn a_killed_pd_server_leaves_no_instance_serving() {
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
     eprintln!("the instances were gone {:?} after the server was killed", t.elapsed());
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// Log-probabilities (`logprobs`) against the independent reference (`exec/testdata`: numpy over
+/// the GGUF's weights): the gap between the two most likely tokens' log-probabilities is the gap
+/// between their logits, the reference's margin, at every step up to its first near-tie; each
+/// greedy token's is the largest; a chat completion gives the same numbers in its own shape, with
+/// each token's bytes making the answer's text; streamed or with --pd they are refused.
+#[test]
+fn log_probabilities_match_the_independent_references_margins() {
+    let d = scratch("llm-server-logprobs");
+    let Some(model) = smollm2(&d) else { return };
+    let (_server, addr) = start(&model, &[]);
+    let reference: Value = serde_json::from_str(include_str!("../../exec/testdata/smollm2_reference.json")).unwrap();
+    for r in reference["prompts"].as_array().unwrap().iter().take(2) {
+        let margins: Vec<f64> = r["margins"].as_array().unwrap().iter().map(|m| m.as_f64().unwrap()).collect();
+        let steps = margins.iter().position(|&m| m < 0.3).unwrap() + 1;
+        let body = json!({"prompt": r["prompt"], "max_tokens": steps, "temperature": 0, "logprobs": 2});
+        let (status, answer) = call(&addr, "POST", "/v1/completions", Some(&body));
+        assert_eq!(status, 200, "{answer}");
+        let lp = &answer["choices"][0]["logprobs"];
+        let tops = lp["top_logprobs"].as_array().unwrap();
+        assert_eq!(tops.len(), steps, "{lp}");
+        for (k, (top, margin)) in tops.iter().zip(&margins).enumerate() {
+            let mut v: Vec<f64> = top.as_object().unwrap().values().map(|x| x.as_f64().unwrap()).collect();
+            v.sort_by(|a, b| b.total_cmp(a));
+            assert!(
+                ((v[0] - v[1]) - margin).abs() < 0.05,
+                "{}: step {k}: gap {} against {margin}",
+                r["prompt"],
+                v[0] - v[1]
+            );
+            assert!(v[0] <= 0.0 && v[0] == lp["token_logprobs"][k].as_f64().unwrap(), "{lp}");
+        }
+        let text: String = lp["tokens"].as_array().unwrap().iter().map(|t| t.as_str().unwrap()).collect();
+        assert_eq!(text, answer["choices"][0]["text"].as_str().unwrap());
+    }
+    let messages = json!([{"role": "user", "content": "What is the capital of France?"}]);
+    let body = json!({"messages": messages, "max_tokens": 12, "temperature": 0, "logprobs": true, "top_logprobs": 3});
+    let (status, answer) = call(&addr, "POST", "/v1/chat/completions", Some(&body));
+    assert_eq!(status, 200, "{answer}");
+    let content = answer["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    let bytes: Vec<u8> =
+        content.iter().flat_map(|c| c["bytes"].as_array().unwrap().iter().map(|b| b.as_u64().unwrap() as u8)).collect();
+    assert_eq!(String::from_utf8(bytes).unwrap(), answer["choices"][0]["message"]["content"].as_str().unwrap());
+    for c in content {
+        let top = c["top_logprobs"].as_array().unwrap();
+        assert_eq!((top.len(), &top[0]["token"], &top[0]["logprob"]), (3, &c["token"], &c["logprob"]), "{c}");
+    }
+    for (body, why) in [
+        (json!({"messages": messages, "logprobs": true, "stream": true}), "log-probabilities come with whole answers"),
+        (json!({"messages": messages, "top_logprobs": 2}), "needs logprobs: true"),
+        (json!({"messages": messages, "logprobs": true, "top_logprobs": 21}), "from 0 to 20"),
+    ] {
+        let (status, answer) = call(&addr, "POST", "/v1/chat/completions", Some(&body));
+        assert_eq!(status, 400, "{body}: {answer}");
+        assert!(answer["error"]["message"].as_str().unwrap().contains(why), "{body}: {answer}");
+    }
     let _ = std::fs::remove_dir_all(&d);
 }

@@ -32,6 +32,7 @@ pub mod chat;
 mod few;
 pub mod generate;
 pub mod kv;
+pub mod logprob;
 pub mod lora;
 pub mod multi_lora;
 pub mod sample;

@@ -254,7 +254,9 @@ impl Follow {
                     let help = "From a request's queueing to its first token";
                     m.histogram("cascade_llm_server_first_token_seconds", help, &[]).observe(ttft.as_secs_f64());
                     let at_window = self.prompt_tokens.len() + tokens.len() >= self.room;
-                    let _ = self.reply.send(Generated { prompt_tokens: self.prompt_tokens, tokens, at_window, stopped });
+                    let prompt_tokens = self.prompt_tokens;
+                    let logprobs = Vec::new();
+                    let _ = self.reply.send(Generated { prompt_tokens, tokens, at_window, stopped, logprobs });
                 }
                 // Its reply dropped: the handler answers that the generation failed.
                 Ok(GenAnswer { result: Err(why), .. }) => tracing::warn!(req = self.id, %why, "a request failed"),
@@ -278,6 +280,13 @@ impl Backend for Cluster {
                 "a prompt of {n} tokens: the prefill instances take {} at most",
                 self.max_prompt
             )));
+        }
+        if jobs.iter().any(|j| j.prompt.logprobs.is_some()) {
+            return Err(Refused::Input(
+                "body.logprobs: log-probabilities are not computed with --pd (the decode instances send tokens \
+                 only)"
+                    .into(),
+            ));
         }
         let mut waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
         if waiting.len() + jobs.len() > self.max_held {

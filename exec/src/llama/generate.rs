@@ -16,6 +16,7 @@ use std::sync::Arc;
 use cascade_param_pool::manifest::Manifest;
 use tokenizers::Tokenizer;
 
+use super::logprob::{logprob_of, TokenLogprob, MAX_TOP_LOGPROBS};
 use super::sample::{Decoding, Sampler};
 use super::stop::StopStrings;
 use super::text::ModelText;
@@ -24,7 +25,7 @@ use crate::weights::Weights;
 use crate::{Activation, ExecError, LayerExec};
 
 /// One prompt's continuation.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct Generated {
     /// The prompt's tokens.
     pub prompt_tokens: Vec<u32>,
@@ -36,6 +37,10 @@ pub struct Generated {
     /// Whether the caller's stop check ended it (its text holds a stop string: [`super::stop`]),
     /// or its [`StreamPrompt::cancel`] flag.
     pub stopped: bool,
+    /// Each generated token's log-probability, when its prompt asked ([`StreamPrompt::logprobs`]);
+    /// empty otherwise.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub logprobs: Vec<TokenLogprob>,
 }
 
 /// The greedy choice (the first largest logit) of every segment of a head's output.
@@ -59,8 +64,7 @@ pub fn choose<'a>(
         }
         return Ok(greedy);
     }
-    let logits = act.hidden.as_ref().ok_or_else(|| ExecError::Input("no logits".into()))?;
-    let rows = logits.squeeze(0)?.to_dtype(candle_core::DType::F32)?.to_vec2::<f32>()?;
+    let rows = logit_rows(act)?;
     if rows.len() != draws.len() {
         return Err(ExecError::Input(format!("{} segments' logits for {} sequences", rows.len(), draws.len())));
     }
@@ -72,6 +76,12 @@ pub fn choose<'a>(
             None => Ok(top2(row).0),
         })
         .collect()
+}
+
+/// The logits of every segment of a head's output, as rows of f32.
+fn logit_rows(act: &Activation) -> Result<Vec<Vec<f32>>, ExecError> {
+    let logits = act.hidden.as_ref().ok_or_else(|| ExecError::Input("no logits".into()))?;
+    Ok(logits.squeeze(0)?.to_dtype(candle_core::DType::F32)?.to_vec2::<f32>()?)
 }
 
 /// The first largest logit of `row` and its margin over the next largest.
@@ -274,6 +284,9 @@ pub struct StreamPrompt {
     /// Set (by whoever waits for it — a client that went away), it ends the sequence after its
     /// next token, as a stop check would ([`Generated::stopped`]), freeing its slot and cache.
     pub cancel: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
+    /// `Some(n)`: each generated token's log-probability is computed, with the `n` most likely
+    /// tokens' at its step (at most [`MAX_TOP_LOGPROBS`]), into [`Generated::logprobs`].
+    pub logprobs: Option<usize>,
 }
 
 impl From<Vec<u32>> for StreamPrompt {
@@ -326,6 +339,7 @@ pub fn decode_stream<P: Into<StreamPrompt>>(
         max_tokens: usize,
         stop: Option<StopStrings>,
         cancel: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
+        logprobs: Option<usize>,
     }
     let mut waiting = prompts.into_iter().map(Into::into).enumerate();
     let mut taken = 0;
@@ -351,15 +365,23 @@ pub fn decode_stream<P: Into<StreamPrompt>>(
                 held = Some((i, prompt));
                 break;
             }
-            let StreamPrompt { tokens: p, draws_as, decoding: own, stop: stops, cancel, .. } = prompt;
+            let StreamPrompt { tokens: p, draws_as, decoding: own, stop: stops, cancel, logprobs, .. } = prompt;
             (prefill, kv) = (prefill + tokens, kv + reserve);
-            let out = Generated { prompt_tokens: p.clone(), tokens: Vec::new(), at_window: false, stopped: false };
+            let out = Generated {
+                prompt_tokens: p.clone(),
+                tokens: Vec::new(),
+                at_window: false,
+                stopped: false,
+                logprobs: Vec::new(),
+            };
+            let logprobs = logprobs.map(|n| n.min(MAX_TOP_LOGPROBS));
             if budget == 0 {
                 finished(i, out);
             } else {
                 let draws = own.unwrap_or(decoding).sampling();
                 let sampler = draws.map(|s| Sampler::new(s, draws_as.unwrap_or(i as u64)));
-                running.push(Running { i, pos: 0, fed: p, out, sampler, max_tokens: budget, stop: stops, cancel });
+                let max_tokens = budget;
+                running.push(Running { i, pos: 0, fed: p, out, sampler, max_tokens, stop: stops, cancel, logprobs });
             }
         }
         if running.is_empty() {
@@ -378,8 +400,13 @@ pub fn decode_stream<P: Into<StreamPrompt>>(
                 r.sampler.as_mut().filter(|_| r.fed.len() <= prefill_chunk).map(|s| (s, n))
             }),
         )?;
+        // The logits as rows, when a sequence that gives a token now wants its log-probability.
+        let rows = match running.iter().any(|r| r.logprobs.is_some() && r.fed.len() <= prefill_chunk) {
+            true => Some(logit_rows(&out)?),
+            false => None,
+        };
         let mut still = Vec::with_capacity(running.len());
-        for (mut r, tok) in running.into_iter().zip(next) {
+        for (k, (mut r, tok)) in running.into_iter().zip(next).enumerate() {
             if r.fed.len() > prefill_chunk {
                 // A chunk of its prompt went in; what it predicts is no token yet.
                 r.pos += prefill_chunk as u32;
@@ -388,6 +415,9 @@ pub fn decode_stream<P: Into<StreamPrompt>>(
                 continue;
             }
             r.out.tokens.push(tok);
+            if let (Some(top), Some(row)) = (r.logprobs, rows.as_ref().and_then(|rows| rows.get(k))) {
+                r.out.logprobs.push(logprob_of(row, tok, top));
+            }
             on_token(r.i, tok);
             let cancelled = r.cancel.as_ref().is_some_and(|c| c.load(std::sync::atomic::Ordering::Relaxed));
             if tok != eos && (cancelled || stop(r.stop.as_ref(), &r.out.tokens)) {
@@ -654,6 +684,40 @@ mod tests {
         assert_eq!(stopped[2].tokens, plain[2].tokens, "a stop of others changed the third");
         assert_eq!(stopped.iter().map(|g| g.stopped).collect::<Vec<_>>(), [true, true, false]);
         assert!(plain.iter().all(|g| !g.stopped && g.tokens.len() == 10));
+    }
+
+    /// A prompt that asks for log-probabilities gets one per generated token — the token its
+    /// step chose, first among the alternatives — and one that does not gets none; asking
+    /// changes no token.
+    #[test]
+    fn log_probabilities_come_for_the_prompts_that_ask() {
+        let mut reach = 0;
+        let asks = StreamPrompt { tokens: vec![1; 2], logprobs: Some(3), ..StreamPrompt::default() };
+        let prompts = vec![asks, StreamPrompt::from(vec![1; 5])];
+        let mut out = vec![None; 2];
+        let limits = GreedyLimits::all_at_once(1, 6, EOS, 40);
+        decode_stream(
+            step(&mut reach),
+            prompts,
+            limits,
+            Decoding::Greedy,
+            |_, _| false,
+            |_, _| {},
+            |i, g| out[i] = Some(g),
+        )
+        .unwrap();
+        let [Some(asked), Some(plain)] = <[Option<Generated>; 2]>::try_from(out).unwrap() else {
+            panic!("not every prompt answered")
+        };
+        assert_eq!((asked.tokens.clone(), plain.tokens.clone()), (vec![2, 3, 4, 5, 6, 7], vec![5, 6, 7, 8, 9, 10]));
+        assert!(plain.logprobs.is_empty());
+        assert_eq!(asked.logprobs.len(), 6);
+        // The stand-in's rows: 1 at the token, 0 elsewhere among 50.
+        let want = 1.0 - (1f64.exp() + 49.0).ln();
+        for (lp, &tok) in asked.logprobs.iter().zip(&asked.tokens) {
+            assert_eq!((lp.top.len(), lp.top[0].0), (3, tok));
+            assert!((f64::from(lp.logprob) - want).abs() < 1e-6 && lp.top[0].1 == lp.logprob, "{lp:?}");
+        }
     }
 
     /// With at most two sequences running, five prompts give what they give all at once; no

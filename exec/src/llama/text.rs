@@ -18,6 +18,8 @@ pub struct ModelText {
     chat: Result<Option<ChatTemplate>, String>,
     eos: u32,
     window: usize,
+    /// Whether the tokenizer is byte-level (GPT-2's table maps each token's characters to bytes).
+    byte_level: bool,
 }
 
 impl ModelText {
@@ -33,7 +35,8 @@ impl ModelText {
                     .transpose()
             })
             .map_err(|e| format!("{}: {e}", dir.display()));
-        ModelText { chat, eos: config.eos_token_id, window: config.max_position_embeddings, tokenizer }
+        let byte_level = matches!(tokenizer.get_decoder(), Some(tokenizers::DecoderWrapper::ByteLevel(_)));
+        ModelText { chat, eos: config.eos_token_id, window: config.max_position_embeddings, byte_level, tokenizer }
     }
 
     /// The model's chat template (`config.json`'s `chat_template`, which `cascade model import`
@@ -87,8 +90,51 @@ impl ModelText {
         Ok(super::generate::refusal(tokens, window).map_or_else(|| Ok(tokens.to_vec()), Err))
     }
 
+    /// Token `id`'s bytes: a byte-level tokenizer's token through GPT-2's byte table (a token
+    /// may hold part of a character: its bytes say what its text cannot); otherwise the token
+    /// decoded alone. The bytes of an answer's tokens make its text.
+    pub fn token_bytes(&self, id: u32) -> Vec<u8> {
+        if self.byte_level {
+            let bytes =
+                self.tokenizer.id_to_token(id).and_then(|t| t.chars().map(byte_of).collect::<Option<Vec<u8>>>());
+            if let Some(b) = bytes {
+                return b;
+            }
+        }
+        self.decode(&[id]).unwrap_or_default().into_bytes()
+    }
+
     /// `tokens` as text (special tokens kept).
     pub fn decode(&self, tokens: &[u32]) -> Result<String, ExecError> {
         self.tokenizer.decode(tokens, false).map_err(|e| ExecError::Input(format!("decoding: {e}")))
+    }
+}
+
+/// The byte GPT-2's byte-level table shows as `c`: the printable bytes (`!`…`~`, `¡`…`¬`,
+/// `®`…`ÿ`) as themselves, the others, in order, as U+0100 onwards.
+fn byte_of(c: char) -> Option<u8> {
+    let shown = |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+    let c = c as u32;
+    if shown(c) {
+        return u8::try_from(c).ok();
+    }
+    let n = c.checked_sub(256)?;
+    (0u32..=255).filter(|&b| !shown(b)).nth(n as usize).and_then(|b| u8::try_from(b).ok())
+}
+
+#[cfg(test)]
+mod tests {
+    /// GPT-2's table: every byte shown as one character, and read back.
+    #[test]
+    fn the_byte_level_table_reads_back_every_byte() {
+        assert_eq!(super::byte_of('Ġ'), Some(b' '));
+        assert_eq!(super::byte_of('Ċ'), Some(b'\n'));
+        assert_eq!(super::byte_of('a'), Some(b'a'));
+        assert_eq!(super::byte_of('é'), Some(0xE9));
+        let shown: Vec<u8> = (0..512u32).filter_map(char::from_u32).filter_map(super::byte_of).collect();
+        let mut sorted = shown.clone();
+        sorted.sort_unstable();
+        sorted.dedup();
+        assert_eq!((shown.len(), sorted.len()), (256, 256));
     }
 }
