@@ -46,8 +46,7 @@ pub(crate) fn parse(
 ) -> Result<(Asked, Result<StreamPrompt, String>), ExecError> {
     let mut asked = Asked::unread(line);
     if cut {
-        let why = format!("a line longer than {}, read only in part", crate::input::size(crate::input::PROMPT_LINE));
-        return Ok((asked, Err(why)));
+        return Ok((asked, Err(crate::input::Line::cut_refusal(crate::input::PROMPT_LINE))));
     }
     let request: Value = match serde_json::from_str(text) {
         Ok(v) => v,

@@ -496,7 +496,7 @@ fn line_prompt(
     chat: bool,
 ) -> Result<Result<Vec<u32>, String>, cascade_exec::ExecError> {
     if line.cut {
-        return Ok(Err(format!("a line longer than {}, read only in part", crate::input::size(PROMPT_LINE))));
+        return Ok(Err(crate::input::Line::cut_refusal(PROMPT_LINE)));
     }
     if !chat {
         return g.prompt(&line.text);

@@ -15,6 +15,13 @@ pub(crate) struct Line {
     pub(crate) cut: bool,
 }
 
+impl Line {
+    /// Why a line cut at `kept` bytes (a reader's limit) is refused: it was read only in part.
+    pub(crate) fn cut_refusal(kept: usize) -> String {
+        format!("a line longer than {}, read only in part", size(kept))
+    }
+}
+
 impl From<String> for Line {
     fn from(text: String) -> Line {
         Line { text, cut: false }
