@@ -37,6 +37,7 @@ use tokio::sync::oneshot;
 use crate::openai::Defaults;
 
 mod cluster;
+mod embeddings;
 mod local;
 
 #[derive(Args)]
@@ -62,6 +63,10 @@ pub(crate) struct LlmServerArgs {
     /// Serve with prefill/decode disaggregation.
     #[command(flatten)]
     pd: cluster::PdServeArgs,
+    /// Also serve `POST /v1/embeddings` with this sentence-embedding model (a directory as
+    /// `cascade embed --model` takes, all-MiniLM-L6-v2's: `target/models/all-minilm-l6-v2`).
+    #[arg(long, value_name = "DIR")]
+    embed_model: Option<PathBuf>,
 }
 
 /// A request's choice for the backend: its prompt and settings, where its answer goes, and
@@ -117,6 +122,8 @@ struct Served {
     draws: AtomicU64,
     /// What `/metrics` shows.
     metrics: Arc<Metrics>,
+    /// `/v1/embeddings`' model, if it is served.
+    embeddings: Option<embeddings::Embeddings>,
 }
 
 impl Served {
@@ -154,6 +161,14 @@ pub(crate) fn run(a: LlmServerArgs) -> anyhow::Result<()> {
     crate::models::ensure_smollm2(&a.model)?;
     let seed = crate::generate::given_or_random(a.seed)?;
     let metrics = Arc::new(Metrics::new());
+    // Loaded first: a model that fails to load stops nothing started.
+    let embeddings = match &a.embed_model {
+        Some(dir) => {
+            crate::models::ensure_minilm(dir, true)?;
+            Some(embeddings::Embeddings::start(dir, a.max_waiting)?)
+        }
+        None => None,
+    };
     let (text, backend, rt, serving): (_, Arc<dyn Backend>, _, _) = if a.pd.pd {
         let (c, rt) = cluster::Cluster::start(&a.model, &a.pd, a.max_waiting)?;
         let what = c.describe();
@@ -175,10 +190,12 @@ pub(crate) fn run(a: LlmServerArgs) -> anyhow::Result<()> {
         taken: AtomicU64::new(0),
         draws: AtomicU64::new(0),
         metrics,
+        embeddings,
     });
     let app = Router::new()
         .route("/v1/completions", post(|s, body| answer(s, body, false)))
         .route("/v1/chat/completions", post(|s, body| answer(s, body, true)))
+        .route("/v1/embeddings", post(embed))
         .route("/v1/models", get(models))
         .route("/health", get(|| async { "ok" }))
         .route("/metrics", get(metrics_text))
@@ -187,8 +204,12 @@ pub(crate) fn run(a: LlmServerArgs) -> anyhow::Result<()> {
         let listener =
             tokio::net::TcpListener::bind(a.listen).await.with_context(|| format!("listening on {}", a.listen))?;
         let at = listener.local_addr()?;
+        let embedding = match &served.embeddings {
+            Some(e) => format!(", /v1/embeddings with {}", e.model),
+            None => String::new(),
+        };
         println!(
-            "listening on http://{at} (model {}, computed by {serving}; POST /v1/completions, /v1/chat/completions; \
+            "listening on http://{at} (model {}, computed by {serving}; POST /v1/completions, /v1/chat/completions{embedding}; \
              seed {seed} for requests without one)",
             served.model
         );
@@ -208,6 +229,9 @@ pub(crate) fn run(a: LlmServerArgs) -> anyhow::Result<()> {
     });
     // No new request: the backend stops once the ones it runs are answered.
     let closed = backend.close(&rt);
+    if let Some(e) = &served.embeddings {
+        e.close();
+    }
     println!("stopped after {} requests", served.taken.load(Ordering::Relaxed));
     if let Some(e) = served_out? {
         return Err(e.context("the server stopped"));
@@ -450,5 +474,33 @@ impl Drop for Cancel {
 
 /// `GET /v1/models`: the one model served.
 async fn models(State(s): State<Arc<Served>>) -> Json<Value> {
-    Json(json!({"object": "list", "data": [{"id": s.model, "object": "model", "created": 0, "owned_by": "cascade"}]}))
+    let model = |id: &str| json!({"id": id, "object": "model", "created": 0, "owned_by": "cascade"});
+    let mut data = vec![model(&s.model)];
+    data.extend(s.embeddings.as_ref().map(|e| model(&e.model)));
+    Json(json!({"object": "list", "data": data}))
+}
+
+/// `POST /v1/embeddings` ([`embeddings`]), counted by outcome.
+async fn embed(State(s): State<Arc<Served>>, body: axum::body::Bytes) -> Answer {
+    let answer = match (&s.embeddings, serde_json::from_slice::<Value>(&body)) {
+        (None, _) => Err((
+            StatusCode::NOT_FOUND,
+            "no embedding model is served: start the server with --embed-model DIR".to_string(),
+        )),
+        (Some(_), Err(e)) => Err((StatusCode::BAD_REQUEST, format!("not a JSON body: {e}"))),
+        (Some(e), Ok(body)) => e.answer(&body).await,
+    };
+    let outcome = match &answer {
+        Ok(_) => "answered",
+        Err((StatusCode::TOO_MANY_REQUESTS, _)) => "busy",
+        Err((status, _)) if status.is_client_error() => "refused",
+        Err(_) => "failed",
+    };
+    let help = "Embedding requests the LLM server took, by outcome (answered, busy: a 429, refused: another 4xx, \
+                failed: a 5xx)";
+    s.metrics.counter("cascade_llm_server_embedding_requests", help, &[("outcome", outcome)]).inc();
+    match answer {
+        Ok(body) => (StatusCode::OK, Json(body)),
+        Err((status, why)) => refused(status, &why),
+    }
 }

@@ -535,3 +535,78 @@ fn log_probabilities_match_the_independent_references_margins() {
     }
     let _ = std::fs::remove_dir_all(&d);
 }
+
+/// `/v1/embeddings` (`--embed-model`) against the independent numpy reference
+/// (`exec/testdata/minilm_reference.json`): each sentence's embedding within cosine 0.9999 and the
+/// tokens counted as the reference's; base64 the same floats; two requests at once each answered
+/// with its own texts' embeddings; bad bodies refused with their reasons.
+#[test]
+fn embeddings_match_the_independent_reference() {
+    use base64::Engine;
+    let d = scratch("llm-server-embeddings");
+    let (Some(model), Some(minilm)) = (smollm2(&d), cascade_tests::models::minilm()) else { return };
+    let (_server, addr) = start(&model, &["--embed-model", minilm.to_str().unwrap()]);
+    let reference: Value = serde_json::from_str(include_str!("../../exec/testdata/minilm_reference.json")).unwrap();
+    let sentences = reference["sentences"].as_array().unwrap();
+    let texts: Vec<&str> = sentences.iter().map(|s| s["text"].as_str().unwrap()).collect();
+    let floats = |v: &Value| -> Vec<f64> { v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect() };
+    let (status, body) = call(&addr, "POST", "/v1/embeddings", Some(&json!({"input": texts, "model": "x"})));
+    assert_eq!(status, 200, "{body}");
+    let data = body["data"].as_array().unwrap();
+    assert_eq!(data.len(), texts.len());
+    for (k, (got, want)) in data.iter().zip(sentences).enumerate() {
+        assert_eq!((got["index"].as_u64(), got["object"].as_str()), (Some(k as u64), Some("embedding")));
+        let (a, b) = (floats(&got["embedding"]), floats(&want["embedding"]));
+        let dot: f64 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
+        let norm = |v: &[f64]| v.iter().map(|x| x * x).sum::<f64>().sqrt();
+        let cosine = dot / (norm(&a) * norm(&b));
+        assert!(cosine >= 0.9999, "{:?}: cosine {cosine}", texts[k]);
+    }
+    let tokens: usize = sentences.iter().map(|s| s["ids"].as_array().unwrap().len()).sum();
+    assert_eq!(body["usage"]["prompt_tokens"].as_u64(), Some(tokens as u64), "{}", body["usage"]);
+    // base64: the same floats, little-endian f32.
+    let b64 = json!({"input": texts[0], "encoding_format": "base64"});
+    let (status, encoded) = call(&addr, "POST", "/v1/embeddings", Some(&b64));
+    assert_eq!(status, 200, "{encoded}");
+    let bytes =
+        base64::engine::general_purpose::STANDARD.decode(encoded["data"][0]["embedding"].as_str().unwrap()).unwrap();
+    let decoded: Vec<f32> = bytes.chunks(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+    // The JSON floats are the f32s' shortest decimals: read back as f32, the same values.
+    let as_f32: Vec<f32> = floats(&data[0]["embedding"]).iter().map(|&x| x as f32).collect();
+    assert!(decoded == as_f32, "base64 and float embeddings differ");
+    // Two requests at once, each its own texts.
+    let both: Vec<(u16, Value)> = std::thread::scope(|s| {
+        let each: Vec<_> = [&texts[..2], &texts[2..]]
+            .into_iter()
+            .map(|part| {
+                let addr = &addr;
+                s.spawn(move || call(addr, "POST", "/v1/embeddings", Some(&json!({"input": part}))))
+            })
+            .collect();
+        each.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for ((status, got), from) in both.iter().zip([0, 2]) {
+        assert_eq!(*status, 200, "{got}");
+        for (k, e) in got["data"].as_array().unwrap().iter().enumerate() {
+            let (a, b) = (floats(&e["embedding"]), floats(&data[from + k]["embedding"]));
+            assert!(a.iter().zip(&b).all(|(x, y)| (x - y).abs() < 1e-5), "text {}", from + k);
+        }
+    }
+    for (body, why) in [
+        (json!({"input": ""}), "body.input[0]: an empty string"),
+        (json!({"input": [1, 2, 3]}), "token arrays are not taken"),
+        (json!({"input": "x", "dimensions": 12}), "the model's embeddings have 384"),
+        (json!({"input": "x", "encoding_format": "hex"}), "float or base64"),
+        (json!({"text": "x"}), "body.text is not supported"),
+    ] {
+        let (status, answer) = call(&addr, "POST", "/v1/embeddings", Some(&body));
+        assert_eq!(status, 400, "{body}: {answer}");
+        assert!(answer["error"]["message"].as_str().unwrap().contains(why), "{body}: {answer}");
+    }
+    let (_, listed) = call(&addr, "GET", "/v1/models", None);
+    assert_eq!(listed["data"][1]["id"].as_str(), minilm.to_str());
+    assert!(
+        call_text(&addr, "/metrics").contains("cascade_llm_server_embedding_requests_total{outcome=\"answered\"} 4")
+    );
+    let _ = std::fs::remove_dir_all(&d);
+}

@@ -114,6 +114,12 @@ impl Embedder {
         Ok(self.encodings(texts)?.iter().map(was_cut).collect())
     }
 
+    /// The tokens each text is embedded from: its prompt's, `[CLS]` and `[SEP]` among them, after
+    /// [`Embedder::max_tokens`] cut it.
+    pub fn token_counts(&self, texts: &[&str]) -> Result<Vec<usize>, ExecError> {
+        Ok(self.encodings(texts)?.iter().map(|e| e.get_ids().len()).collect())
+    }
+
     /// `texts` as a batch before its first layer (padded to the longest, mask 0 on padding), the
     /// prompt before each.
     pub fn batch(&self, texts: &[&str]) -> Result<Activation, ExecError> {
