@@ -10,10 +10,11 @@
 //! choices, each drawn as its own index; one when streamed or in a batch), `logprobs` (a chat
 //! completion's `true` with `top_logprobs` 0–20, a completion's 0–5: each answer token's
 //! log-probability under the model, before temperature, with that many alternatives; not
-//! streamed), and `user`. A message's content is a string or a list of text parts. Fields clients
-//! send with their defaults (`presence_penalty` 0, `logit_bias` {}, …: [`NEUTRAL`]) are
-//! accepted with those values; any other field or value is refused, naming it, rather than
-//! ignored (penalties, logit biases and tools are not computed here).
+//! streamed), `presence_penalty` and `frequency_penalty` (−2 to 2) and vLLM's
+//! `repetition_penalty` ([`Penalties`]), and `user`. A message's content is a string or a list of
+//! text parts. Fields clients send with their defaults (`logit_bias` {}, `echo` false, …:
+//! [`NEUTRAL`]) are accepted with those values; any other field or value is refused, naming it,
+//! rather than ignored (logit biases and tools are not computed here).
 //!
 //! Where this departs from OpenAI's defaults: a request without `max_tokens` gets the server's
 //! (or run's) `--max-tokens` (OpenAI: 16 for completions, none for chat), so that each reserves
@@ -24,6 +25,7 @@
 
 use cascade_exec::llama::chat::Message;
 use cascade_exec::llama::generate::{Generated, StreamPrompt};
+use cascade_exec::llama::penalty::Penalties;
 use cascade_exec::llama::sample::Decoding;
 use cascade_exec::llama::stop::StopStrings;
 use cascade_exec::llama::text::ModelText;
@@ -31,7 +33,7 @@ use cascade_exec::ExecError;
 use serde_json::{json, Map, Value};
 
 /// The body fields a request may hold.
-const FIELDS: [&str; 16] = [
+const FIELDS: [&str; 19] = [
     "model",
     "prompt",
     "messages",
@@ -48,6 +50,9 @@ const FIELDS: [&str; 16] = [
     "user",
     "logprobs",
     "top_logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
 ];
 
 /// Whether a field's value asks for nothing beyond the default.
@@ -55,9 +60,7 @@ type AsksNothing = fn(&Value) -> bool;
 
 /// Fields clients send with a value that asks for nothing (OpenAI's defaults): accepted with that
 /// value, refused with any other, naming it. `null` is always accepted.
-const NEUTRAL: [(&str, AsksNothing); 7] = [
-    ("presence_penalty", |v| v.as_f64() == Some(0.0)),
-    ("frequency_penalty", |v| v.as_f64() == Some(0.0)),
+const NEUTRAL: [(&str, AsksNothing); 5] = [
     ("logit_bias", |v| v.as_object().is_some_and(Map::is_empty)),
     ("echo", |v| v == &Value::Bool(false)),
     ("best_of", |v| v.as_u64() == Some(1)),
@@ -128,6 +131,7 @@ pub(crate) fn request(
         stop: Some(settings.stops.clone()),
         cancel: None,
         logprobs: settings.logprobs,
+        penalties: settings.penalties,
     };
     let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
     let usage = match body.get("stream_options").filter(|o| !o.is_null()) {
@@ -342,6 +346,8 @@ struct Settings {
     choices: usize,
     /// Log-probabilities asked for: with this many alternatives at each token.
     logprobs: Option<usize>,
+    /// Penalties on tokens seen (`None`: none).
+    penalties: Option<Penalties>,
 }
 
 impl Settings {
@@ -406,7 +412,14 @@ impl Settings {
         };
         let stops = StopStrings::new(stops).map_err(|e| format!("body.stop: {e}"))?;
         let logprobs = Settings::logprobs(body, chat)?;
-        Ok(Settings { max_tokens, decoding, own_seed: seed.is_some(), stops, choices, logprobs })
+        let penalties = Penalties::new(
+            number("presence_penalty")?.unwrap_or(0.0) as f32,
+            number("frequency_penalty")?.unwrap_or(0.0) as f32,
+            number("repetition_penalty")?.unwrap_or(1.0) as f32,
+        )
+        .map_err(|e| format!("body: {e}"))?;
+        let penalties = (!penalties.is_neutral()).then_some(penalties);
+        Ok(Settings { max_tokens, decoding, own_seed: seed.is_some(), stops, choices, logprobs, penalties })
     }
 
     /// A chat completion's `logprobs: true` with `top_logprobs` alternatives (0 to 20), or a

@@ -291,7 +291,7 @@ fn the_server_answers_completions_as_generate_does_from_several_connections_at_o
     for (body, why) in [
         (json!({"prompt": "x", "logprobs": 7}), "body.logprobs 7: from 0 to 5"),
         (json!({"prompt": "x", "stream": "yes"}), "body.stream"),
-        (json!({"prompt": "x", "presence_penalty": 0.5}), "body.presence_penalty 0.5 is not supported here"),
+        (json!({"prompt": "x", "presence_penalty": 3}), "presence penalty 3: from -2 to 2"),
         (json!({"messages": messages}), "needs a prompt"),
         (json!({"prompt": ""}), "an empty prompt"),
     ] {
@@ -397,6 +397,9 @@ fn the_pd_server_answers_as_generate_does_cancels_and_stops_gracefully() {
     assert_eq!(got, sampled.iter().map(String::as_str).collect::<Vec<_>>(), "{body}");
     let (status, body) = call(&addr, "POST", "/v1/completions", Some(&json!({"prompt": story, "logprobs": 1})));
     assert!(status == 400 && body["error"]["message"].as_str().unwrap().contains("not computed with --pd"), "{body}");
+    let penalised = json!({"prompt": story, "frequency_penalty": 1});
+    let (status, body) = call(&addr, "POST", "/v1/completions", Some(&penalised));
+    assert!(status == 400 && body["error"]["message"].as_str().unwrap().contains("not applied with --pd"), "{body}");
     // Streamed with a stop string in the middle of the greedy answer: the text up to it.
     let whole = &want[0];
     let words: Vec<&str> = whole.split_whitespace().collect();
@@ -429,7 +432,7 @@ fn the_pd_server_answers_as_generate_does_cancels_and_stops_gracefully() {
     let exited = server.wait().unwrap();
     let mut rest = String::new();
     server.stdout.take().unwrap().read_to_string(&mut rest).unwrap();
-    assert!(exited.success() && rest.contains("1 cancelled") && rest.contains("stopped after 8 requests"), "{rest}");
+    assert!(exited.success() && rest.contains("1 cancelled") && rest.contains("stopped after 9 requests"), "{rest}");
     // No instance of this server runs any more.
     assert!(instances(&logs).is_empty(), "{:?}", instances(&logs));
     let _ = std::fs::remove_dir_all(&d);
@@ -608,5 +611,32 @@ fn embeddings_match_the_independent_reference() {
     assert!(
         call_text(&addr, "/metrics").contains("cascade_llm_server_embedding_requests_total{outcome=\"answered\"} 4")
     );
+    let _ = std::fs::remove_dir_all(&d);
+}
+
+/// Penalties on tokens seen: on a prompt greedy decoding loops on (" dog, cat," over and over),
+/// a frequency penalty of 1 or a repetition penalty of 1.3 breaks the loop — fewer "dog"s — and
+/// neutral ones change nothing (with --pd they are refused: the pd test).
+#[test]
+fn penalties_break_a_greedy_loop() {
+    let d = scratch("llm-server-penalties");
+    let Some(model) = smollm2(&d) else { return };
+    let (_server, addr) = start(&model, &[]);
+    let text = |extra: Value| -> String {
+        let mut body =
+            json!({"prompt": "List of animals: dog, cat, dog, cat, dog, cat,", "max_tokens": 24, "temperature": 0});
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        let (status, answer) = call(&addr, "POST", "/v1/completions", Some(&body));
+        assert_eq!(status, 200, "{answer}");
+        answer["choices"][0]["text"].as_str().unwrap().to_string()
+    };
+    let plain = text(json!({}));
+    let dogs = |s: &str| s.matches("dog").count();
+    assert!(dogs(&plain) >= 5, "{plain:?}");
+    assert_eq!(text(json!({"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1})), plain);
+    for extra in [json!({"frequency_penalty": 1.0}), json!({"repetition_penalty": 1.3})] {
+        let steered = text(extra.clone());
+        assert!(dogs(&steered) < dogs(&plain), "{extra}: {steered:?} against {plain:?}");
+    }
     let _ = std::fs::remove_dir_all(&d);
 }

@@ -35,6 +35,7 @@ pub mod kv;
 pub mod logprob;
 pub mod lora;
 pub mod multi_lora;
+pub mod penalty;
 pub mod sample;
 pub mod stop;
 pub mod text;

@@ -288,6 +288,13 @@ impl Backend for Cluster {
                     .into(),
             ));
         }
+        if jobs.iter().any(|j| j.prompt.penalties.is_some()) {
+            return Err(Refused::Input(
+                "penalties (presence, frequency, repetition) are not applied with --pd (the instances take greedy \
+                 or sampled decoding only)"
+                    .into(),
+            ));
+        }
         let mut waiting = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
         if waiting.len() + jobs.len() > self.max_held {
             return Err(Refused::Busy(format!("{} requests are held already: send it again later", waiting.len())));

@@ -17,6 +17,7 @@ use cascade_param_pool::manifest::Manifest;
 use tokenizers::Tokenizer;
 
 use super::logprob::{logprob_of, TokenLogprob, MAX_TOP_LOGPROBS};
+use super::penalty::{Penalties, Seen};
 use super::sample::{Decoding, Sampler};
 use super::stop::StopStrings;
 use super::text::ModelText;
@@ -65,6 +66,16 @@ pub fn choose<'a>(
         return Ok(greedy);
     }
     let rows = logit_rows(act)?;
+    choose_rows(&rows.iter().map(Vec::as_slice).collect::<Vec<_>>(), draws)
+}
+
+/// [`choose`] from logits already read into rows (one per segment), some of them changed
+/// (penalties).
+pub fn choose_rows<'a>(
+    rows: &[&[f32]],
+    draws: impl IntoIterator<Item = Option<(&'a mut Sampler, u64)>>,
+) -> Result<Vec<u32>, ExecError> {
+    let draws: Vec<_> = draws.into_iter().collect();
     if rows.len() != draws.len() {
         return Err(ExecError::Input(format!("{} segments' logits for {} sequences", rows.len(), draws.len())));
     }
@@ -285,8 +296,12 @@ pub struct StreamPrompt {
     /// next token, as a stop check would ([`Generated::stopped`]), freeing its slot and cache.
     pub cancel: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
     /// `Some(n)`: each generated token's log-probability is computed, with the `n` most likely
-    /// tokens' at its step (at most [`MAX_TOP_LOGPROBS`]), into [`Generated::logprobs`].
+    /// tokens' at its step (at most [`MAX_TOP_LOGPROBS`]), into [`Generated::logprobs`]. They are
+    /// the model's, before [`StreamPrompt::penalties`], as vLLM reports them.
     pub logprobs: Option<usize>,
+    /// Penalties on the tokens it has seen, applied to its logits before each choice
+    /// ([`super::penalty`]); `None`: none.
+    pub penalties: Option<Penalties>,
 }
 
 impl From<Vec<u32>> for StreamPrompt {
@@ -340,6 +355,8 @@ pub fn decode_stream<P: Into<StreamPrompt>>(
         stop: Option<StopStrings>,
         cancel: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>,
         logprobs: Option<usize>,
+        /// Its penalties, with what it has seen.
+        penalties: Option<(Penalties, Seen)>,
     }
     let mut waiting = prompts.into_iter().map(Into::into).enumerate();
     let mut taken = 0;
@@ -365,7 +382,9 @@ pub fn decode_stream<P: Into<StreamPrompt>>(
                 held = Some((i, prompt));
                 break;
             }
-            let StreamPrompt { tokens: p, draws_as, decoding: own, stop: stops, cancel, logprobs, .. } = prompt;
+            let StreamPrompt { tokens: p, draws_as, decoding: own, stop: stops, cancel, logprobs, penalties, .. } =
+                prompt;
+            let penalties = penalties.filter(|x| !x.is_neutral()).map(|x| (x, Seen::new(&p)));
             (prefill, kv) = (prefill + tokens, kv + reserve);
             let out = Generated {
                 prompt_tokens: p.clone(),
@@ -381,7 +400,9 @@ pub fn decode_stream<P: Into<StreamPrompt>>(
                 let draws = own.unwrap_or(decoding).sampling();
                 let sampler = draws.map(|s| Sampler::new(s, draws_as.unwrap_or(i as u64)));
                 let max_tokens = budget;
-                running.push(Running { i, pos: 0, fed: p, out, sampler, max_tokens, stop: stops, cancel, logprobs });
+                let r =
+                    Running { i, pos: 0, fed: p, out, sampler, max_tokens, stop: stops, cancel, logprobs, penalties };
+                running.push(r);
             }
         }
         if running.is_empty() {
@@ -392,18 +413,36 @@ pub fn decode_stream<P: Into<StreamPrompt>>(
             .map(|r| (seq_base + r.i as u64, r.pos, r.fed[..r.fed.len().min(prefill_chunk)].to_vec()))
             .collect();
         let out = step(Activation::packed(&batch)?)?;
-        // A row that ends a chunk of its prompt gives no token: nothing is drawn for it.
-        let next = choose(
-            &out,
-            running.iter_mut().map(|r| {
-                let n = r.out.tokens.len() as u64;
-                r.sampler.as_mut().filter(|_| r.fed.len() <= prefill_chunk).map(|s| (s, n))
-            }),
-        )?;
-        // The logits as rows, when a sequence that gives a token now wants its log-probability.
-        let rows = match running.iter().any(|r| r.logprobs.is_some() && r.fed.len() <= prefill_chunk) {
+        // The logits as rows, when a sequence that gives a token now wants its log-probability
+        // or has penalties (applied to a copy of its row, which it chooses from).
+        let gives = |r: &Running| r.fed.len() <= prefill_chunk;
+        let rows = match running.iter().any(|r| gives(r) && (r.logprobs.is_some() || r.penalties.is_some())) {
             true => Some(logit_rows(&out)?),
             false => None,
+        };
+        let penalized: Vec<Option<Vec<f32>>> = running
+            .iter()
+            .enumerate()
+            .map(|(k, r)| {
+                let (p, seen) = r.penalties.as_ref().filter(|_| gives(r))?;
+                let mut row = rows.as_ref()?.get(k)?.clone();
+                seen.apply(p, &mut row);
+                Some(row)
+            })
+            .collect();
+        // A row that ends a chunk of its prompt gives no token: nothing is drawn for it.
+        let draws = running.iter_mut().map(|r| {
+            let n = r.out.tokens.len() as u64;
+            let gives = r.fed.len() <= prefill_chunk;
+            r.sampler.as_mut().filter(|_| gives).map(|s| (s, n))
+        });
+        let next = match (&rows, penalized.iter().any(Option::is_some)) {
+            (Some(rows), true) => {
+                let chosen_from: Vec<&[f32]> =
+                    rows.iter().zip(&penalized).map(|(raw, p)| p.as_deref().unwrap_or(raw)).collect();
+                choose_rows(&chosen_from, draws)?
+            }
+            _ => choose(&out, draws)?,
         };
         let mut still = Vec::with_capacity(running.len());
         for (k, (mut r, tok)) in running.into_iter().zip(next).enumerate() {
@@ -417,6 +456,9 @@ pub fn decode_stream<P: Into<StreamPrompt>>(
             r.out.tokens.push(tok);
             if let (Some(top), Some(row)) = (r.logprobs, rows.as_ref().and_then(|rows| rows.get(k))) {
                 r.out.logprobs.push(logprob_of(row, tok, top));
+            }
+            if let Some((_, seen)) = r.penalties.as_mut() {
+                seen.push(tok);
             }
             on_token(r.i, tok);
             let cancelled = r.cancel.as_ref().is_some_and(|c| c.load(std::sync::atomic::Ordering::Relaxed));
@@ -718,6 +760,53 @@ mod tests {
             assert_eq!((lp.top.len(), lp.top[0].0), (3, tok));
             assert!((f64::from(lp.logprob) - want).abs() < 1e-6 && lp.top[0].1 == lp.logprob, "{lp:?}");
         }
+    }
+
+    /// Penalties change only the sequences that have them, each by its own tokens: the stand-in
+    /// favours token 5 (logit 1) over 6 (0.9); presence 0.5 lets 6 through once, frequency 0.2
+    /// alternates them, repetition 2 with 5 in the prompt starts with 6.
+    #[test]
+    fn penalties_steer_only_their_own_sequence() {
+        let favour = |a: Activation| {
+            let mut rows = vec![0f32; a.segments.len() * VOCAB];
+            for k in 0..a.segments.len() {
+                rows[k * VOCAB + 5] = 1.0;
+                rows[k * VOCAB + 6] = 0.9;
+            }
+            a_with(a, rows)
+        };
+        let with = |tokens: Vec<u32>, p: Option<(f32, f32, f32)>| StreamPrompt {
+            tokens,
+            penalties: p.map(|(a, b, c)| super::Penalties::new(a, b, c).unwrap()),
+            logprobs: Some(0),
+            ..StreamPrompt::default()
+        };
+        let prompts = vec![
+            with(vec![1, 1], None),
+            with(vec![1, 1], Some((0.5, 0.0, 1.0))),
+            with(vec![1, 1], Some((0.0, 0.2, 1.0))),
+            with(vec![5], Some((0.0, 0.0, 2.0))),
+            with(vec![1, 1], Some((0.0, 0.0, 1.0))),
+        ];
+        let mut out = vec![Vec::new(); prompts.len()];
+        let mut lps = vec![Vec::new(); prompts.len()];
+        let limits = GreedyLimits::all_at_once(1, 4, EOS, 40);
+        decode_stream(
+            favour,
+            prompts,
+            limits,
+            Decoding::Greedy,
+            |_, _| false,
+            |_, _| {},
+            |i, g| {
+                lps[i] = g.logprobs.iter().map(|l| l.logprob).collect();
+                out[i] = g.tokens;
+            },
+        )
+        .unwrap();
+        assert_eq!(out, [vec![5, 5, 5, 5], vec![5, 6, 5, 5], vec![5, 6, 5, 6], vec![6, 5, 5, 5], vec![5, 5, 5, 5]]);
+        // Log-probabilities are the model's, before the penalties: 6's is below 5's.
+        assert!(lps[3][0] < lps[3][1], "{:?}", lps[3]);
     }
 
     /// With at most two sequences running, five prompts give what they give all at once; no
