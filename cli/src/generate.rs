@@ -9,6 +9,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use cascade_exec::llama::generate::{Generated, Generator, StreamPrompt, RUNNING};
+use cascade_exec::llama::penalty::Penalties;
 use cascade_exec::llama::sample::Decoding;
 use cascade_exec::llama::stop::StopStrings;
 use clap::Args;
@@ -58,10 +59,25 @@ pub(crate) struct GenerateArgs {
     #[arg(long, value_name = "TEXT")]
     stop: Vec<String>,
     /// Print one JSON object per prompt: {prompt_tokens, tokens, text, at_window} (and seed,
-    /// when sampling; stop, the stop string that cut the text), or {error} for a prompt that
-    /// could not be generated from.
+    /// when sampling; stop, the stop string that cut the text; logprobs with --logprobs), or
+    /// {error} for a prompt that could not be generated from.
     #[arg(long)]
     json: bool,
+    /// With --json: each generated token's log-probability under the model (before penalties and
+    /// temperature) and the N most likely tokens' at its step (0 to 20), as "logprobs":
+    /// [{token, logprob, top: [[token, logprob], …]}].
+    #[arg(long, value_name = "N", requires = "json", value_parser = clap::value_parser!(u8).range(0..=20))]
+    logprobs: Option<u8>,
+    /// Penalise tokens seen: divide their positive logits by R (multiply negative ones), over the
+    /// prompt's and the generated tokens (vLLM's and transformers' repetition penalty; 1: none).
+    #[arg(long, default_value_t = 1.0, value_name = "R", conflicts_with = "batch")]
+    repetition_penalty: f32,
+    /// Subtract P from the logit of every token generated at least once (OpenAI's, −2 to 2).
+    #[arg(long, default_value_t = 0.0, value_name = "P", conflicts_with = "batch", allow_hyphen_values = true)]
+    presence_penalty: f32,
+    /// Subtract F from a generated token's logit per time it was generated (OpenAI's, −2 to 2).
+    #[arg(long, default_value_t = 0.0, value_name = "F", conflicts_with = "batch", allow_hyphen_values = true)]
+    frequency_penalty: f32,
 }
 
 /// How `generate` and `pd` choose each token: greedily, or sampled.
@@ -204,6 +220,15 @@ fn show(
         if let Some(stop) = stop {
             v["stop"] = stop.into();
         }
+        if a.logprobs.is_some() {
+            let each: Vec<serde_json::Value> = o
+                .tokens
+                .iter()
+                .zip(&o.logprobs)
+                .map(|(t, l)| serde_json::json!({"token": t, "logprob": l.logprob, "top": l.top}))
+                .collect();
+            v["logprobs"] = each.into();
+        }
         writeln!(out, "{v}")?;
     } else if let Some(shown) = streamed {
         writeln!(out, "{}\"", escaped(text.get(shown.len()..).unwrap_or_default()))?;
@@ -295,6 +320,9 @@ pub(crate) fn generate(a: GenerateArgs) -> anyhow::Result<()> {
     let decoding = if batch.is_some() { Decoding::Greedy } else { a.sampling.decoding()? };
     let seed = decoding.sampling().map(|s| s.seed);
     let stops = StopStrings::new(a.stop.clone()).context("--stop")?;
+    let penalties = Penalties::new(a.presence_penalty, a.frequency_penalty, a.repetition_penalty)
+        .context("--presence-penalty, --frequency-penalty, --repetition-penalty")?;
+    let penalties = (!penalties.is_neutral()).then_some(penalties);
     let input = match &a.batch {
         Some(file) => crate::input::given_then_lines(Vec::new(), Some(file.clone()), "--batch", PROMPT_LINE)?,
         None => crate::input::given_then_lines(a.prompt.clone(), a.prompt_file.clone(), "--prompt-file", PROMPT_LINE)?,
@@ -375,8 +403,14 @@ pub(crate) fn generate(a: GenerateArgs) -> anyhow::Result<()> {
             None => {
                 let tokens = line_prompt(&g, &line, a.chat).map_err(|e| e.to_string()).and_then(|t| t);
                 // Drawn as its line's index: a refused line before it changes none of its draws.
-                let prompt =
-                    tokens.map(|tokens| StreamPrompt { tokens, draws_as: Some(i as u64), ..Default::default() });
+                let (logprobs, penalties) = (a.logprobs.map(usize::from), penalties);
+                let prompt = tokens.map(|tokens| StreamPrompt {
+                    tokens,
+                    draws_as: Some(i as u64),
+                    logprobs,
+                    penalties,
+                    ..Default::default()
+                });
                 (Given::Prompt(line.text), prompt)
             }
         };

@@ -468,6 +468,49 @@ fn generate_stops_at_a_stop_string_and_cuts_the_text_there() {
     let _ = std::fs::remove_dir_all(&d);
 }
 
+/// `generate --json --logprobs N` gives each token's log-probability, the greedy token first
+/// among its step's N alternatives, without changing a token; `--repetition-penalty` and
+/// `--frequency-penalty` break a greedy loop; a penalty out of range is refused naming it.
+#[test]
+fn generate_gives_log_probabilities_and_applies_penalties() {
+    let d = scratch("logprobs-penalties");
+    let Some(model) = smollm2(&d) else { return };
+    let animals = "List of animals: dog, cat, dog, cat, dog, cat,";
+    let run = |extra: &[&str]| -> serde_json::Value {
+        let out = Command::new(CASCADE)
+            .args(["generate", "--json", "--max-tokens", "16", "--prompt", animals, "--model"])
+            .arg(&model)
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let plain = run(&[]);
+    let logged = run(&["--logprobs", "3"]);
+    assert_eq!(logged["tokens"], plain["tokens"]);
+    let lps = logged["logprobs"].as_array().unwrap();
+    assert_eq!(lps.len(), plain["tokens"].as_array().unwrap().len());
+    for (lp, tok) in lps.iter().zip(plain["tokens"].as_array().unwrap()) {
+        assert_eq!((&lp["token"], &lp["top"][0][0], &lp["top"][0][1]), (tok, tok, &lp["logprob"]), "{lp}");
+        assert_eq!(lp["top"].as_array().unwrap().len(), 3);
+    }
+    let dogs = |v: &serde_json::Value| v["text"].as_str().unwrap().matches("dog").count();
+    assert!(dogs(&plain) >= 3, "{plain}");
+    for extra in [["--repetition-penalty", "1.3"], ["--frequency-penalty", "1"]] {
+        let steered = run(&extra);
+        assert!(dogs(&steered) < dogs(&plain), "{extra:?}: {steered} against {plain}");
+    }
+    let out = Command::new(CASCADE)
+        .args(["generate", "--prompt", "x", "--presence-penalty", "-3", "--model"])
+        .arg(&model)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("presence penalty -3: from -2 to 2"), "{err}");
+    let _ = std::fs::remove_dir_all(&d);
+}
+
 /// `cascade generate --batch`: requests in OpenAI's Batch API input format, each with its own
 /// settings, answered in their order in that API's output format: a greedy completion and chat
 /// completion say what `--prompt` (and `--chat`) generate, a stop string cuts the text and
