@@ -540,8 +540,8 @@ fn generate_answers_a_batch_file_in_openai_batch_format() {
         serde_json::json!({"custom_id": "seeded", "method": "POST", "url": "/v1/chat/completions", "body": seeded}),
         serde_json::json!({"custom_id": "cut", "method": "POST", "url": "/v1/completions",
             "body": {"prompt": colors, "max_tokens": 10, "temperature": 0, "stop": [" colors", "never"]}}),
-        serde_json::json!({"custom_id": "penalty", "method": "POST", "url": "/v1/completions",
-            "body": {"prompt": colors, "presence_penalty": 1}}),
+        serde_json::json!({"custom_id": "bias", "method": "POST", "url": "/v1/completions",
+            "body": {"prompt": colors, "logit_bias": {"42": 5}}}),
         serde_json::json!({"custom_id": "two", "method": "POST", "url": "/v1/completions", "body": {"prompt": colors, "n": 2}}),
         serde_json::json!({"custom_id": "seeded again", "method": "POST", "url": "/v1/chat/completions", "body": seeded}),
     ];
@@ -553,11 +553,11 @@ fn generate_answers_a_batch_file_in_openai_batch_format() {
         Command::new(CASCADE).args(["generate", "--batch"]).arg(&path).arg("--model").arg(&model).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("3 requests not generated (of 8)"), "{err}");
-    assert!(err.contains("request 5: body.presence_penalty 1 is not supported here"), "{err}");
+    assert!(err.contains("request 5: body.logit_bias {\"42\":5} is not supported here"), "{err}");
     let rows: Vec<serde_json::Value> =
         String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     let ids: Vec<Option<&str>> = rows.iter().map(|r| r["custom_id"].as_str()).collect();
-    let want = [Some("chat"), Some("text"), Some("seeded"), Some("cut"), Some("penalty"), None, Some("two")];
+    let want = [Some("chat"), Some("text"), Some("seeded"), Some("cut"), Some("bias"), None, Some("two")];
     assert_eq!(ids, [&want[..], &[Some("seeded again")]].concat());
     let body = |k: usize| &rows[k]["response"]["body"];
     let choice = |k: usize| &body(k)["choices"][0];
@@ -578,7 +578,7 @@ fn generate_answers_a_batch_file_in_openai_batch_format() {
     );
     let cut = &text[..text.find(" colors").expect("the greedy text names the colors")];
     assert_eq!((choice(3)["text"].as_str(), choice(3)["finish_reason"].as_str()), (Some(cut), Some("stop")));
-    for (k, why) in [(4, "presence_penalty"), (5, "not a JSON request"), (6, "one choice per line in a batch")] {
+    for (k, why) in [(4, "logit_bias"), (5, "not a JSON request"), (6, "one choice per line in a batch")] {
         assert_eq!(rows[k]["response"]["status_code"], 400, "{}", rows[k]);
         assert!(body(k)["error"]["message"].as_str().unwrap().contains(why), "{}", rows[k]);
     }
