@@ -485,7 +485,8 @@ fn a_killed_pd_server_leaves_no_instance_serving() {
 /// the GGUF's weights): the gap between the two most likely tokens' log-probabilities is the gap
 /// between their logits, the reference's margin, at every step up to its first near-tie; each
 /// greedy token's is the largest; a chat completion gives the same numbers in its own shape, with
-/// each token's bytes making the answer's text; streamed or with --pd they are refused.
+/// each token's bytes making the answer's text; streamed they are refused (with --pd: the pd
+/// test).
 #[test]
 fn log_probabilities_match_the_independent_references_margins() {
     let d = scratch("llm-server-logprobs");

@@ -495,7 +495,10 @@ fn a_redone_stream_repeats_nothing_and_one_that_diverges_fails() {
     r.message(2, token(6, 1, 1, 8, false));
     assert_eq!((drained(&mut rx), drained(&mut other)), (vec![7, 8], vec![7, 8]));
     r.peer_event(lost(2));
-    assert_eq!(prefills(&mut r), [(5, 2, 1), (6, 2, 1)]);
+    // Redone in the order the lost node's requests are found (a map's).
+    let mut redone = prefills(&mut r);
+    redone.sort();
+    assert_eq!(redone, [(5, 2, 1), (6, 2, 1)]);
     r.prefilled(5, 2, decoding(3, 2));
     r.prefilled(6, 2, decoding(3, 2));
     r.message(3, token(5, 2, 1, 8, false));
