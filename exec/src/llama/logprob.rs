@@ -14,7 +14,7 @@ pub struct TokenLogprob {
     pub top: Vec<(u32, f32)>,
 }
 
-/// The most alternatives a prompt may ask for at each token ([`StreamPrompt::logprobs`]), as
+/// The most alternatives a prompt may ask for at each token ([`super::generate::StreamPrompt::logprobs`]), as
 /// OpenAI's `top_logprobs` allows.
 pub const MAX_TOP_LOGPROBS: usize = 20;
 
