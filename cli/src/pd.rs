@@ -75,7 +75,14 @@ pub(crate) struct LlmInstanceArgs {
     /// aborted and redone from its prompt. 0: abort at once.
     #[arg(long, default_value_t = 10.0, value_parser = crate::seconds)]
     drain_s: f64,
+    /// The longest prompt it prefills, in tokens (sizes its KV staging region: about 46 KB a
+    /// token for SmolLM2-135M).
+    #[arg(long, default_value_t = LlmConfig::default().max_prompt, value_parser = clap::value_parser!(u32).range(1..=MAX_PROMPT as i64))]
+    max_prompt: u32,
 }
+
+/// The longest prompt an instance may be told to take: a decode instance's KV region's tokens.
+pub(crate) const MAX_PROMPT: u32 = 4096;
 
 /// Runs an LLM instance until SIGINT/SIGTERM, then stops it gracefully
 /// ([`crate::stop_gracefully`]).
@@ -85,7 +92,12 @@ pub(crate) async fn instance(a: LlmInstanceArgs) -> anyhow::Result<()> {
         RoleArg::Prefill => Role::Prefill,
         RoleArg::Decode => Role::Decode,
     };
-    let cfg = LlmConfig { core: a.core, drain: Duration::from_secs_f64(a.drain_s), ..LlmConfig::default() };
+    let cfg = LlmConfig {
+        core: a.core,
+        drain: Duration::from_secs_f64(a.drain_s),
+        max_prompt: a.max_prompt,
+        ..LlmConfig::default()
+    };
     let mut held = None;
     let ep = crate::join_with(&a.member, false, |ep| {
         let mesh: Arc<dyn Mesh> = ep.clone();
@@ -266,7 +278,7 @@ pub(crate) fn run(a: PdArgs) -> anyhow::Result<()> {
     let cluster = crate::demo::write_cluster(&out, &addrs, &out)?;
     let roles: Vec<(u32, Role, bool)> =
         (1..=4u32).map(|node| (node, if node == DECODE { Role::Decode } else { Role::Prefill }, node == NEW)).collect();
-    let children = spawn_instances(&cluster, &model_dir, &out, &roles)?;
+    let children = spawn_instances(&cluster, &model_dir, &out, &roles, &[])?;
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let children = std::sync::Mutex::new(children);
     let decode_stopped = std::sync::atomic::AtomicBool::new(false);
@@ -303,7 +315,8 @@ pub(crate) fn run(a: PdArgs) -> anyhow::Result<()> {
 /// Starts an LLM instance process (`cascade llm-instance`) for each of `nodes` — its node id,
 /// role, and whether its copy arrives by multicast (`arriving`) — in the cluster `cluster`,
 /// serving the model in `model_dir`, each pinned to a core of its own (this process's cores in
-/// turn), its log in `out/node-N.log`. This process joins as node 0 with the same secret. Call
+/// turn), its log in `out/node-N.log`, each given `args` besides. This process joins as node 0
+/// with the same secret. Call
 /// it from the main thread: the instances get SIGTERM when the calling thread ends
 /// ([`cascade_devcluster::process::spawn_node_tied`]), so they never outlive this process.
 pub(crate) fn spawn_instances(
@@ -311,6 +324,7 @@ pub(crate) fn spawn_instances(
     model_dir: &Path,
     out: &Path,
     nodes: &[(u32, Role, bool)],
+    args: &[String],
 ) -> anyhow::Result<Vec<std::process::Child>> {
     let exe = std::env::current_exe().context("locating the cascade binary")?;
     // The cores this process may use (a container's cpuset may start above 0).
@@ -331,6 +345,7 @@ pub(crate) fn spawn_instances(
         if arriving {
             c.arg("--arriving");
         }
+        c.args(args);
         c.env("CASCADE_SECRET", SECRET).env("RAYON_NUM_THREADS", "1");
         c.env("RUST_LOG", std::env::var("CASCADE_PD_LOG").unwrap_or_else(|_| "info".into()));
         c.env("XDG_RUNTIME_DIR", out);

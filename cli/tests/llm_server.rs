@@ -397,6 +397,14 @@ fn the_pd_server_answers_as_generate_does_cancels_and_stops_gracefully() {
     assert_eq!(got, sampled.iter().map(String::as_str).collect::<Vec<_>>(), "{body}");
     let (status, body) = call(&addr, "POST", "/v1/completions", Some(&json!({"prompt": story, "logprobs": 1})));
     assert!(status == 400 && body["error"]["message"].as_str().unwrap().contains("not computed with --pd"), "{body}");
+    // A prompt past the instances' default 512 tokens is prefilled (the server raises it to
+    // 2,048); one past 2,048 is refused before it reaches the router.
+    let sentence = "The pool keeps k copies of every model and repairs itself when a node dies. ";
+    let (status, body) =
+        call(&addr, "POST", "/v1/completions", Some(&json!({"prompt": sentence.repeat(40), "max_tokens": 2})));
+    assert!(status == 200 && body["usage"]["prompt_tokens"].as_u64().unwrap() > 512, "{body}");
+    let (status, body) = call(&addr, "POST", "/v1/completions", Some(&json!({"prompt": sentence.repeat(160)})));
+    assert!(status == 400 && body["error"]["message"].as_str().unwrap().contains("take 2048 at most"), "{body}");
     let penalised = json!({"prompt": story, "frequency_penalty": 1});
     let (status, body) = call(&addr, "POST", "/v1/completions", Some(&penalised));
     assert!(status == 400 && body["error"]["message"].as_str().unwrap().contains("not applied with --pd"), "{body}");
@@ -432,7 +440,7 @@ fn the_pd_server_answers_as_generate_does_cancels_and_stops_gracefully() {
     let exited = server.wait().unwrap();
     let mut rest = String::new();
     server.stdout.take().unwrap().read_to_string(&mut rest).unwrap();
-    assert!(exited.success() && rest.contains("1 cancelled") && rest.contains("stopped after 9 requests"), "{rest}");
+    assert!(exited.success() && rest.contains("1 cancelled") && rest.contains("stopped after 11 requests"), "{rest}");
     // No instance of this server runs any more.
     assert!(instances(&logs).is_empty(), "{:?}", instances(&logs));
     let _ = std::fs::remove_dir_all(&d);

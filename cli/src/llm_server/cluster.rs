@@ -10,7 +10,7 @@
 //! goes away cancels its requests at the router ([`PdCmd::Cancel`]): their decodes are told to
 //! stop. A request whose instance is lost is redone from its prompt on another.
 //!
-//! **Limits, stated.** A prompt may hold at most [`LlmConfig::max_prompt`] tokens (the prefill
+//! **Limits, stated.** A prompt may hold at most `--max-prompt-tokens` (2,048; the prefill
 //! instances' KV staging region: a longer one is refused, 400), and a request generates at most
 //! what a decode instance's KV region holds beside its prompt (`kv_pages × page_tokens`: 4,096
 //! tokens; asked for more, it ends there, `finish_reason: "length"`). An instance process that
@@ -54,6 +54,12 @@ pub(crate) struct PdServeArgs {
     /// Where the instances' logs and the cluster file go (with --pd).
     #[arg(long, default_value = "target/llm-server", requires = "pd")]
     logs: PathBuf,
+    /// The longest prompt the prefill instances take, in tokens (with --pd; a longer one is
+    /// refused, 400). Each prefill instance stages a prompt's KV: about 46 KB a token for
+    /// SmolLM2-135M.
+    #[arg(long, default_value_t = 2048, requires = "pd",
+          value_parser = clap::value_parser!(u32).range(1..=crate::pd::MAX_PROMPT as i64))]
+    max_prompt_tokens: u32,
 }
 
 /// Instances one server starts at most.
@@ -113,7 +119,8 @@ impl Cluster {
         let cluster = crate::demo::write_cluster(&logs, &addrs, &logs)?;
         let roles: Vec<(u32, Role, bool)> =
             (1..=p + d).map(|n| (n, if n <= p { Role::Prefill } else { Role::Decode }, false)).collect();
-        let children = crate::pd::spawn_instances(&cluster, &model_dir, &logs, &roles)?;
+        let args = ["--max-prompt".to_string(), a.max_prompt_tokens.to_string()];
+        let children = crate::pd::spawn_instances(&cluster, &model_dir, &logs, &roles, &args)?;
         let children = Arc::new(Mutex::new(children));
         let stop = |e: anyhow::Error| {
             let c = std::mem::take(&mut *children.lock().unwrap_or_else(|e| e.into_inner()));
@@ -169,7 +176,7 @@ impl Cluster {
             waiting,
             next_id: AtomicU64::new(0),
             max_held: max_waiting.max(1),
-            max_prompt: kv.max_prompt as usize,
+            max_prompt: a.max_prompt_tokens as usize,
             room: ((kv.kv_pages * kv.page_tokens) as usize).min(m.config.max_position_embeddings),
             handle: rt.handle().clone(),
             routing: Mutex::new(Some(routing)),
