@@ -436,13 +436,14 @@ pub fn decode_stream<P: Into<StreamPrompt>>(
             let gives = r.fed.len() <= prefill_chunk;
             r.sampler.as_mut().filter(|_| gives).map(|s| (s, n))
         });
-        let next = match (&rows, penalized.iter().any(Option::is_some)) {
-            (Some(rows), true) => {
+        // Rows read already are chosen from (a penalised sequence from its changed copy), not read again.
+        let next = match &rows {
+            Some(rows) => {
                 let chosen_from: Vec<&[f32]> =
                     rows.iter().zip(&penalized).map(|(raw, p)| p.as_deref().unwrap_or(raw)).collect();
                 choose_rows(&chosen_from, draws)?
             }
-            _ => choose(&out, draws)?,
+            None => choose(&out, draws)?,
         };
         let mut still = Vec::with_capacity(running.len());
         for (k, (mut r, tok)) in running.into_iter().zip(next).enumerate() {
