@@ -63,6 +63,8 @@ struct Pending {
     /// The tokens streamed to [`GenRequest::tokens`] so far (kept across attempts: a redone
     /// one must repeat them).
     streamed: Vec<u32>,
+    /// Tokens of the current attempt's answer already compared with `streamed` or sent.
+    stream_checked: usize,
 }
 
 impl Pending {
@@ -73,6 +75,7 @@ impl Pending {
         self.tokens.clear();
         self.done_at = None;
         self.checked = 0;
+        self.stream_checked = 0;
         self.stopped = false;
     }
 
@@ -103,8 +106,9 @@ impl Pending {
     fn stream(&mut self) -> bool {
         let (Some(sink), Some((first, _))) = (&self.req.tokens, self.first) else { return true };
         let token = |i: usize| if i == 0 { Some(first) } else { self.tokens.get(&(i as u32)).map(|t| t.0) };
-        // The tokens already streamed that this attempt has given again must be the same.
-        let mut n = 0;
+        // The tokens already streamed that this attempt has given again must be the same. Only
+        // what arrived since the last call is looked at.
+        let mut n = self.stream_checked;
         while let Some(t) = token(n) {
             match self.streamed.get(n) {
                 Some(&was) if was != t => return false,
@@ -116,6 +120,7 @@ impl Pending {
             }
             n += 1;
         }
+        self.stream_checked = n;
         true
     }
 
@@ -286,6 +291,7 @@ impl Routing {
             checked: 0,
             stopped: false,
             streamed: Vec::new(),
+            stream_checked: 0,
         };
         self.pending.insert(p.req.id, p);
     }
