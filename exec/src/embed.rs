@@ -114,12 +114,6 @@ impl Embedder {
         Ok(self.encodings(texts)?.iter().map(was_cut).collect())
     }
 
-    /// The tokens each text is embedded from: its prompt's, `[CLS]` and `[SEP]` among them, after
-    /// [`Embedder::max_tokens`] cut it.
-    pub fn token_counts(&self, texts: &[&str]) -> Result<Vec<usize>, ExecError> {
-        Ok(self.encodings(texts)?.iter().map(|e| e.get_ids().len()).collect())
-    }
-
     /// `texts` as a batch before its first layer (padded to the longest, mask 0 on padding), the
     /// prompt before each.
     pub fn batch(&self, texts: &[&str]) -> Result<Activation, ExecError> {
@@ -152,12 +146,30 @@ impl Embedder {
         &self,
         texts: &[&str],
         batch: usize,
-        mut progress: impl FnMut(usize, usize),
+        progress: impl FnMut(usize, usize),
     ) -> Result<(Vec<Vec<f32>>, Vec<bool>), ExecError> {
+        let enc = self.encodings(texts)?;
+        Ok((self.embed_encoded(&enc, batch, progress)?, enc.iter().map(was_cut).collect()))
+    }
+
+    /// One embedding per text, in [`BATCH`]es as [`Embedder::embed_noting_cuts`] computes them,
+    /// and the tokens each was embedded from (its prompt's, `[CLS]` and `[SEP]` among them, after
+    /// [`Embedder::max_tokens`] cut it), from one tokenisation.
+    pub fn embed_counting_tokens(&self, texts: &[&str]) -> Result<(Vec<Vec<f32>>, Vec<usize>), ExecError> {
+        let enc = self.encodings(texts)?;
+        Ok((self.embed_encoded(&enc, BATCH, |_, _| {})?, enc.iter().map(|e| e.get_ids().len()).collect()))
+    }
+
+    /// [`Embedder::embed_in_batches`] of texts already tokenised.
+    fn embed_encoded(
+        &self,
+        enc: &[Encoding],
+        batch: usize,
+        mut progress: impl FnMut(usize, usize),
+    ) -> Result<Vec<Vec<f32>>, ExecError> {
         if batch == 0 {
             return Err(ExecError::Input("a batch of 0 texts".into()));
         }
-        let enc = self.encodings(texts)?;
         let lens: Vec<usize> = enc.iter().map(|e| e.get_ids().len()).collect();
         let mut out = vec![Vec::new(); enc.len()];
         let mut done = 0;
@@ -171,7 +183,7 @@ impl Embedder {
             done += part.len();
             progress(done, enc.len());
         }
-        Ok((out, enc.iter().map(was_cut).collect()))
+        Ok(out)
     }
 }
 

@@ -1,7 +1,7 @@
 //! `POST /v1/embeddings` (with `--embed-model DIR`): sentence embeddings with OpenAI's
 //! embeddings API, computed by [`Embedder`] (all-MiniLM-L6-v2: mean pooling, unit length, as
 //! sentence-transformers gives them) on a thread of their own. The texts of the requests waiting
-//! when a pass starts run together ([`Embedder::embed_noting_cuts`] batches them), each request
+//! when a pass starts run together ([`Embedder::embed_counting_tokens`] batches them), each request
 //! answered with its own.
 //!
 //! A body holds `input` (a string, or a list of at most [`MAX_INPUTS`] non-empty strings of at
@@ -167,7 +167,7 @@ fn embedding(e: &Embedder, rx: &mpsc::Receiver<Job>) {
             jobs.push(j);
         }
         let texts: Vec<&str> = jobs.iter().flat_map(|j| j.texts.iter().map(String::as_str)).collect();
-        let done = e.embed_noting_cuts(&texts).and_then(|(v, _)| Ok((v, e.token_counts(&texts)?)));
+        let done = e.embed_counting_tokens(&texts);
         match done {
             Ok((vectors, counts)) => {
                 let (mut vectors, mut counts) = (vectors.into_iter(), counts.into_iter());
